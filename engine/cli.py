@@ -1,0 +1,44 @@
+"""The `iterscope` command: one console script, one module per subcommand.
+
+Each subcommand lives in its own module as ``main(argv: list[str]) -> int``; it is imported
+only when asked for, so `iterscope sidecar` never imports torch and `iterscope serve` never
+imports prometheus_client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("engine.demo", "the whole product on the embedded default model"),
+    "serve": ("engine.serve", "OpenAI-compatible HTTP server + engine core (+ sidecar)"),
+    "sidecar": ("telemetry.sidecar_cli", "ingest telemetry records: logs, /metrics, traces"),
+    "bench": ("engine.bench", "load generator, in the manner of `vllm bench serve`"),
+    "explain": ("telemetry.explain", "episodes and a summary from a recording"),
+    "tune": ("telemetry.tune", "recommend max_num_batched_tokens / max_num_seqs"),
+    "kv-plan": ("engine.kv_plan_cli", "how many tokens and requests fit in KV memory"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: iterscope <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"iterscope: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

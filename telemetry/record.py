@@ -1,0 +1,128 @@
+"""The wire schema of the telemetry lane: what the engine core sends, one frame per message.
+
+Every frame is one msgpack array (msgspec, ``array_like=True``) whose first element is an
+integer tag = SCHEMA_VERSION * 16 + kind, so a frame from another schema version is told
+apart from garbage without decoding the rest:
+
+    [17, engine_index, seq, iteration, start_ns, elapsed_ns, ...]   IterationRecord (kind 1)
+    [18, engine_index, seq, ts_ns, wall_ns, ...]                     Heartbeat       (kind 2)
+
+Invariants the sidecar relies on:
+- ``seq`` counts every message an engine *tried* to send on the lane (records and heartbeats
+  share one counter), starting at 1. A gap in ``seq`` is a lost message.
+- ``num_dropped`` is how many messages the engine failed to send (full queue) since the last
+  one it did send. Gaps the engine knows of are therefore exact; the rest were lost in transit.
+- Times are the engine's ``time.monotonic_ns()``; every Heartbeat pairs ``ts_ns`` with
+  ``wall_ns`` (``time.time_ns()``) read back to back, the clock anchor that converts the first
+  into the second.
+- A steady-state decode record (no milestones) encodes to well under 96 bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA_VERSION = 1
+KIND_ITERATION = 1
+KIND_HEARTBEAT = 2
+TAG_ITERATION = SCHEMA_VERSION * 16 + KIND_ITERATION
+TAG_HEARTBEAT = SCHEMA_VERSION * 16 + KIND_HEARTBEAT
+
+# RequestMilestone.event bits
+EVENT_FIRST_TOKEN = 1
+EVENT_FINISHED = 2
+
+# RequestMilestone.finish_reason values (engine.request.FinishReason), -1 = not finished
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=False):
+    """A request that produced its first token and/or finished in this iteration.
+
+    Sent twice per request at most: once at the first token (so TTFT is seen early) and once
+    at the finish, which carries the whole lifecycle. ``event`` holds EVENT_* bits; both bits
+    are set when a request finishes in the iteration of its first token.
+    """
+
+    request_id: str
+    event: int
+    arrival_ns: int
+    first_scheduled_ns: int
+    first_token_ns: int
+    finished_ns: int  # 0 until finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    finish_reason: int  # index into FINISH_REASONS, -1 until finished
+    traceparent: str = ""
+    # Only on the finish milestone: when the request was preempted, and its prefill chunks as
+    # [start_ns, end_ns, num_tokens]; empty otherwise.
+    preempted_ns: list[int] = []
+    prefill_chunks: list[tuple[int, int, int]] = []
+
+
+class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATION):
+    """One engine-core iteration (schedule + forward + update), filled from scheduler counts."""
+
+    engine_index: int
+    seq: int
+    iteration: int
+    start_ns: int
+    elapsed_ns: int
+    # What was scheduled: context = prefill (incl. chunks), generation = decode.
+    num_context_reqs: int
+    num_context_tokens: int
+    num_generation_reqs: int
+    num_generation_tokens: int
+    # Queues after scheduling. Waiting is split by why admission stopped.
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_waiting_kv_reqs: int  # blocked by KV capacity
+    num_waiting_seq_limit_reqs: int  # blocked by max_num_seqs
+    num_waiting_budget_reqs: int  # blocked by max_num_batched_tokens
+    # KV cache after the iteration.
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_kv_tokens: int
+    # Prefix cache, counted in tokens, for requests admitted this iteration.
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    num_dropped: int = 0  # messages the engine failed to send since the last one it sent
+    milestones: list[RequestMilestone] = []
+
+
+class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
+    """About once a second, from a thread of its own: progress, clock anchor, static facts."""
+
+    engine_index: int
+    seq: int
+    ts_ns: int  # monotonic
+    wall_ns: int  # time.time_ns(), read right after ts_ns
+    last_iteration: int  # number of the last iteration the loop finished (0 = none yet)
+    num_waiting_reqs: int
+    num_running_reqs: int
+    num_dropped: int = 0
+    # Static facts, repeated so a restarted sidecar learns them within a second.
+    model_name: str = ""
+    device_name: str = ""  # "GPU" on CUDA, else the device type in capitals, e.g. "CPU"
+    block_size: int = 0
+    num_kv_blocks_total: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    pid: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+
+Message = IterationRecord | Heartbeat
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    """An encoder; each thread that sends owns its own."""
+    return msgspec.msgpack.Encoder()
+
+
+def make_decoder() -> msgspec.msgpack.Decoder:
+    """A typed decoder for one lane frame (IterationRecord or Heartbeat)."""
+    return msgspec.msgpack.Decoder(Message)

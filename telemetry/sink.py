@@ -1,0 +1,48 @@
+"""What the sidecar calls on each sink. Every sink (log, prometheus, otel, nvtx, jsonl) has
+these methods; the sidecar's ingest thread calls them in arrival order, one at a time.
+
+Sinks keep their own state and derive everything from the records they are given, so two
+sinks fed the same records agree (the log line and the Prometheus counters, say).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+from telemetry.record import Heartbeat, IterationRecord
+
+
+class EngineStatus(str, enum.Enum):
+    """What the sidecar believes an engine is doing.
+
+    IDLE:    heartbeats arrive, nothing waits or runs.
+    RUNNING: iterations arrive.
+    STALLED: heartbeats arrive and work waits or runs, but no iteration finished lately.
+    DEAD:    no heartbeat for the dead-after interval (3 s by default).
+    """
+
+    IDLE = "idle"
+    RUNNING = "running"
+    STALLED = "stalled"
+    DEAD = "dead"
+
+
+class Sink(Protocol):
+    def on_iteration(self, record: IterationRecord) -> None: ...
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None: ...
+
+    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
+        """An engine changed status (called once per transition)."""
+
+    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
+        """``num_dropped`` messages of this engine were lost (from seq gaps)."""
+
+    def on_undecodable(self, reason: str) -> None:
+        """A frame could not be decoded; reason is 'malformed', 'version' or 'oversized'."""
+
+    def tick(self, now_ns: int) -> None:
+        """Called a few times a second, also when no record arrives."""
+
+    def close(self) -> None: ...

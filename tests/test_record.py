@@ -1,0 +1,95 @@
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from telemetry.publisher import ZmqPublisher
+from telemetry.record import (
+    TAG_ITERATION,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+    make_decoder,
+    make_encoder,
+)
+
+
+def decode_record(**overrides) -> IterationRecord:
+    fields = dict(
+        engine_index=0, seq=0, iteration=123_000, start_ns=time.monotonic_ns(),
+        elapsed_ns=10_250_000, num_context_reqs=0, num_context_tokens=0,
+        num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
+        num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0,
+        num_waiting_budget_reqs=0, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
+        num_kv_tokens=56000, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+        num_preemptions=0,
+    )
+    fields.update(overrides)
+    return IterationRecord(**fields)
+
+
+def test_steady_state_decode_record_fits_96_bytes():
+    frame = make_encoder().encode(decode_record(seq=2**31))
+    assert len(frame) <= 96
+
+
+def test_round_trip_with_milestone_and_tag_first():
+    milestone = RequestMilestone(
+        request_id="r1", event=3, arrival_ns=1, first_scheduled_ns=2, first_token_ns=3,
+        finished_ns=4, num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1,
+        num_preemptions=0, finish_reason=1, prefill_chunks=[(2, 3, 5)],
+    )
+    record = decode_record(milestones=[milestone])
+    frame = make_encoder().encode(record)
+    assert msgspec.msgpack.decode(frame)[0] == TAG_ITERATION
+    assert make_decoder().decode(frame) == record
+
+
+def test_other_schema_version_is_rejected():
+    frame = msgspec.msgpack.encode([TAG_ITERATION + 16, 0, 1])
+    with pytest.raises(msgspec.ValidationError):
+        make_decoder().decode(frame)
+
+
+def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    publisher = ZmqPublisher(address, engine_index=3, heartbeat_interval_s=3600)
+    # No sidecar yet: with ZMQ_IMMEDIATE every send is dropped and counted.
+    publisher.publish(decode_record())
+    publisher.publish(decode_record())
+    dropped_before = publisher.num_dropped_total
+    assert dropped_before >= 2
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    decoder = make_decoder()
+    try:
+        deadline = time.monotonic() + 5
+        received = None
+        while received is None and time.monotonic() < deadline:
+            publisher.publish(decode_record())
+            if pull.poll(50):
+                received = decoder.decode(pull.recv())
+        # Drain: heartbeats or records; the first one sent carries every drop before it.
+        assert received is not None
+        assert received.seq - received.num_dropped == 1
+        assert publisher.num_dropped_total == received.num_dropped
+    finally:
+        publisher.close()
+        pull.close(linger=0)
+
+
+def test_heartbeat_carries_clock_anchor(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 1, facts={"model_name": "m"}, heartbeat_interval_s=0.05)
+    try:
+        assert pull.poll(5000)
+        heartbeat = make_decoder().decode(pull.recv())
+        assert isinstance(heartbeat, Heartbeat)
+        assert heartbeat.model_name == "m" and heartbeat.engine_index == 1
+        assert abs(heartbeat.wall_ns - time.time_ns()) < 5e9
+    finally:
+        publisher.close()
+        pull.close(linger=0)
