@@ -1,0 +1,1 @@
+"""iterscope's Grafana dashboards as code; `python -m dashboards.build` writes dashboards/json/."""

@@ -1,0 +1,166 @@
+"""Iterations: what each engine iteration did. Duration, batch composition, KV, waiting reasons.
+
+This is where an operator sees whether requests are batched together (generation requests per
+iteration), why requests wait (KV capacity, sequence limit, token budget) and whether KV blocks
+stay held while nothing runs.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard
+
+from dashboards.common import (
+    heatmap_panel,
+    histogram_mean,
+    new_dashboard,
+    quantile_queries,
+    query,
+    rate,
+    series,
+    timeseries_panel,
+)
+
+UID = "iterscope-iterations"
+
+
+def iteration_duration_heatmap() -> dashboard.Panel:
+    return heatmap_panel(
+        "Iteration duration heatmap",
+        "How many iterations fell in each duration bucket per interval, over the selected "
+        "engines.",
+        "iterscope_iteration_duration_seconds",
+        unit="s",
+    )
+
+
+def iteration_duration_quantiles() -> dashboard.Panel:
+    return timeseries_panel(
+        "Iteration duration quantiles",
+        "p50, p95 and p99 of the time one iteration (schedule, forward pass, update) takes.",
+        quantile_queries("iterscope_iteration_duration_seconds"),
+        unit="s",
+    )
+
+
+def tokens_per_iteration() -> dashboard.Panel:
+    return timeseries_panel(
+        "Tokens per iteration",
+        "p50, p95 and p99 of context plus generation tokens computed in one iteration, to "
+        "compare with max_num_batched_tokens.",
+        quantile_queries("iterscope_iteration_tokens"),
+    )
+
+
+def batch_composition() -> dashboard.Panel:
+    return timeseries_panel(
+        "Batch composition: context vs generation tokens",
+        "Mean context (prefill) tokens and generation (decode) tokens per iteration, stacked, "
+        "per engine.",
+        [
+            query(histogram_mean("iterscope_iteration_context_tokens"), "context {{engine}}", "A"),
+            query(
+                histogram_mean("iterscope_iteration_generation_requests"),
+                "generation {{engine}}",
+                "B",
+            ),
+        ],
+        stacked=True,
+    )
+
+
+def batch_size() -> dashboard.Panel:
+    return timeseries_panel(
+        "Batch size: generation requests per iteration",
+        "Mean generation requests decoded together per iteration next to the running requests, "
+        "per engine: equal values mean requests are batched, not queued one by one.",
+        [
+            query(
+                histogram_mean("iterscope_iteration_generation_requests"),
+                "generation reqs / iteration {{engine}}",
+                "A",
+            ),
+            query(series("iterscope_requests_running"), "running {{engine}}", "B"),
+        ],
+    )
+
+
+def iterations_per_second() -> dashboard.Panel:
+    return timeseries_panel(
+        "Iterations per second",
+        "Iterations finished per second per engine; zero while work waits means a stall.",
+        [query(rate("iterscope_iterations_total"), "engine {{engine}}", "A")],
+        unit="ops",
+    )
+
+
+def kv_blocks() -> dashboard.Panel:
+    return timeseries_panel(
+        "KV blocks used and free",
+        "KV cache blocks in use and free per engine, with the total; blocks used while nothing "
+        "runs are a leak.",
+        [
+            query(series("iterscope_kv_blocks_used"), "used {{engine}}", "A"),
+            query(series("iterscope_kv_blocks_free"), "free {{engine}}", "B"),
+            query(series("iterscope_kv_blocks_total"), "total {{engine}}", "C"),
+        ],
+    )
+
+
+def kv_tokens() -> dashboard.Panel:
+    return timeseries_panel(
+        "Tokens in KV cache",
+        "Tokens whose keys and values are held in the KV cache, per engine.",
+        [query(series("iterscope_kv_tokens"), "engine {{engine}}", "A")],
+    )
+
+
+def prefix_hit_rate() -> dashboard.Panel:
+    hits = rate("iterscope_prefix_cache_hits_total")
+    queries = rate("iterscope_prefix_cache_queries_total")
+    return timeseries_panel(
+        "Prefix cache hit rate",
+        "Share of prompt tokens looked up in the prefix cache that were found there, per "
+        "engine.",
+        [query(f"{hits} / {queries}", "engine {{engine}}", "A")],
+        unit="percentunit",
+    ).max(1)
+
+
+def waiting_by_reason() -> dashboard.Panel:
+    return timeseries_panel(
+        "Waiting requests by reason",
+        "Requests waiting for admission, split by what stopped admission: KV capacity, the "
+        "sequence limit (max_num_seqs) or the token budget (max_num_batched_tokens).",
+        [
+            query(
+                f"sum by (reason) ({series('iterscope_requests_waiting_by_reason')})",
+                "{{reason}}",
+                "A",
+            )
+        ],
+        stacked=True,
+    )
+
+
+def build() -> dashboard.Dashboard:
+    board = new_dashboard(
+        UID,
+        "iterscope / Iterations",
+        "Per-iteration view of iterscope engines: duration, batch composition, KV cache and "
+        "why requests wait.",
+    )
+    panels = [
+        iteration_duration_heatmap(),
+        iteration_duration_quantiles(),
+        iterations_per_second(),
+        tokens_per_iteration(),
+        batch_composition(),
+        batch_size(),
+        kv_blocks(),
+        kv_tokens(),
+        waiting_by_reason(),
+        prefix_hit_rate(),
+    ]
+    for panel in panels:
+        board = board.with_panel(panel)
+    return board

@@ -1,0 +1,173 @@
+"""Overview: is the service healthy? Throughput, queues, KV usage, latency, engine state."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard, statetimeline
+from grafana_foundation_sdk.models.dashboard import ValueMap, ValueMappingResult
+
+from dashboards.common import (
+    DATASOURCE,
+    KV_THRESHOLDS,
+    new_dashboard,
+    quantile_queries,
+    query,
+    rate,
+    series,
+    timeseries_panel,
+    with_threshold_lines,
+)
+
+UID = "iterscope-overview"
+# Numeric code of each engine state on the state timeline.
+STATE_CODES = {
+    "idle": (0, "blue"),
+    "running": (1, "green"),
+    "stalled": (2, "orange"),
+    "dead": (3, "red"),
+}
+
+
+def engine_state_expr() -> str:
+    """One series per engine whose value is the code of its current state (see STATE_CODES).
+
+    iterscope_engine_state is 1 for the current state and 0 for the others, so the current
+    state's code is the maximum of state * code over the four states.
+    """
+    terms = []
+    for state, (code, _) in STATE_CODES.items():
+        state_label = f'state="{state}"'
+        terms.append(f"{series('iterscope_engine_state', state_label)} * {code}")
+    return "max by (engine) (" + " or ".join(terms) + ")"
+
+
+def engine_state() -> statetimeline.Panel:
+    mapping = ValueMap(
+        options={
+            str(code): ValueMappingResult(text=state, color=color, index=code)
+            for state, (code, color) in STATE_CODES.items()
+        }
+    )
+    return (
+        statetimeline.Panel()
+        .title("Engine state")
+        .description(
+            "Per engine: idle (nothing to do), running (iterating), stalled (work waits but no "
+            "iteration finishes) or dead (no heartbeat)."
+        )
+        .datasource(DATASOURCE)
+        .with_target(query(engine_state_expr(), "engine {{engine}}", "A"))
+        .mappings([mapping])
+        .height(8)
+        .span(12)
+    )
+
+
+def kv_usage() -> dashboard.Panel:
+    panel = timeseries_panel(
+        "KV cache usage per engine",
+        "Fraction of KV cache blocks in use per engine; orange and red lines are the near-full "
+        "and saturated alert thresholds.",
+        [query(series("iterscope_kv_cache_usage_ratio"), "engine {{engine}}", "A")],
+        unit="percentunit",
+    ).max(1)
+    return with_threshold_lines(panel, KV_THRESHOLDS)
+
+
+def token_throughput() -> dashboard.Panel:
+    return timeseries_panel(
+        "Token throughput",
+        "Prompt tokens computed, prompt tokens served from the prefix cache and tokens "
+        "generated, per second per engine.",
+        [
+            query(rate("iterscope_prompt_tokens_total"), "prompt {{engine}}", "A"),
+            query(rate("iterscope_prompt_tokens_cached_total"), "prompt cached {{engine}}", "B"),
+            query(rate("iterscope_generation_tokens_total"), "generation {{engine}}", "C"),
+        ],
+        unit="tokens/s",
+    )
+
+
+def requests_running_waiting() -> dashboard.Panel:
+    return timeseries_panel(
+        "Requests running and waiting",
+        "Requests in the running batch and requests waiting for admission, per engine.",
+        [
+            query(series("iterscope_requests_running"), "running {{engine}}", "A"),
+            query(series("iterscope_requests_waiting"), "waiting {{engine}}", "B"),
+        ],
+    )
+
+
+def preemptions() -> dashboard.Panel:
+    return timeseries_panel(
+        "Preemptions per second",
+        "Running requests evicted to free KV blocks (their KV is recomputed later), per second "
+        "per engine.",
+        [query(rate("iterscope_preemptions_total"), "engine {{engine}}", "A")],
+        unit="ops",
+    )
+
+
+def time_to_first_token() -> dashboard.Panel:
+    return timeseries_panel(
+        "Time to first token",
+        "p50, p95 and p99 of the time from arrival to the first generated token.",
+        quantile_queries("iterscope_time_to_first_token_seconds"),
+        unit="s",
+    )
+
+
+def inter_token_latency() -> dashboard.Panel:
+    return timeseries_panel(
+        "Inter-token latency",
+        "p50, p95 and p99 of the interval between consecutive generated tokens of a request.",
+        quantile_queries("iterscope_inter_token_latency_seconds"),
+        unit="s",
+    )
+
+
+def end_to_end_latency() -> dashboard.Panel:
+    return timeseries_panel(
+        "End-to-end request latency",
+        "p50, p95 and p99 of the time from arrival to the last token of finished requests.",
+        quantile_queries("iterscope_e2e_request_latency_seconds"),
+        unit="s",
+    )
+
+
+def finish_reasons() -> dashboard.Panel:
+    return timeseries_panel(
+        "Finished requests by reason",
+        "Requests finished per second by stop token (stop), length limit (length) or abort.",
+        [
+            query(
+                rate("iterscope_requests_finished_total", by="finish_reason"),
+                "{{finish_reason}}",
+                "A",
+            )
+        ],
+        unit="reqps",
+        stacked=True,
+    )
+
+
+def build() -> dashboard.Dashboard:
+    board = new_dashboard(
+        UID,
+        "iterscope / Overview",
+        "Throughput, queues, KV cache usage, latency and engine state of iterscope engines.",
+    )
+    panels = [
+        engine_state(),
+        kv_usage(),
+        token_throughput(),
+        requests_running_waiting(),
+        preemptions(),
+        finish_reasons(),
+        time_to_first_token(),
+        inter_token_latency(),
+        end_to_end_latency(),
+    ]
+    for panel in panels:
+        board = board.with_panel(panel)
+    return board

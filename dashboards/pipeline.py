@@ -1,0 +1,83 @@
+"""Pipeline health: is the telemetry itself complete and fresh? Records, drops, heartbeats, lag."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard
+
+from dashboards.common import RATE, new_dashboard, query, rate, series, timeseries_panel
+
+UID = "iterscope-pipeline"
+
+
+def records_received() -> dashboard.Panel:
+    return timeseries_panel(
+        "Records received per second",
+        "Iteration records and heartbeats the sidecar received per second, per engine.",
+        [query(rate("iterscope_records_received_total"), "engine {{engine}}", "A")],
+        unit="ops",
+    )
+
+
+def records_dropped() -> dashboard.Panel:
+    dropped = rate("iterscope_records_dropped_total")
+    received = rate("iterscope_records_received_total")
+    return timeseries_panel(
+        "Records dropped",
+        "Records lost on the telemetry lane per second (sequence gaps), and that loss as a "
+        "share of all records, per engine.",
+        [
+            query(dropped, "dropped/s {{engine}}", "A"),
+            query(f"{dropped} / ({received} + {dropped})", "dropped share {{engine}}", "B"),
+        ],
+    )
+
+
+def frames_undecodable() -> dashboard.Panel:
+    # Not filtered by the dashboard variables: frames from an unknown sender carry empty
+    # engine and model_name labels.
+    expr = f"sum by (reason) (rate(iterscope_frames_undecodable_total[{RATE}]))"
+    return timeseries_panel(
+        "Undecodable frames per second",
+        "Frames the sidecar could not decode, by reason (malformed, another schema version, "
+        "oversized), from any sender.",
+        [query(expr, "{{reason}}", "A")],
+        unit="ops",
+    )
+
+
+def heartbeat_age() -> dashboard.Panel:
+    return timeseries_panel(
+        "Heartbeat age",
+        "Seconds since the last heartbeat of each engine; above a few seconds the engine is "
+        "dead or paused.",
+        [query(series("iterscope_heartbeat_age_seconds"), "engine {{engine}}", "A")],
+        unit="s",
+    )
+
+
+def sidecar_lag() -> dashboard.Panel:
+    return timeseries_panel(
+        "Sidecar lag",
+        "Wall-clock seconds between now and the last record the sidecar ingested, per engine.",
+        [query(series("iterscope_sidecar_lag_seconds"), "engine {{engine}}", "A")],
+        unit="s",
+    )
+
+
+def build() -> dashboard.Dashboard:
+    board = new_dashboard(
+        UID,
+        "iterscope / Pipeline health",
+        "Completeness and freshness of iterscope telemetry: records, drops, undecodable "
+        "frames, heartbeats and sidecar lag.",
+    )
+    panels = [
+        records_received(),
+        records_dropped(),
+        frames_undecodable(),
+        heartbeat_age(),
+        sidecar_lag(),
+    ]
+    for panel in panels:
+        board = board.with_panel(panel)
+    return board

@@ -1,0 +1,205 @@
+"""Generated dashboards: up to date, well formed, every query valid PromQL on contract metrics."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+# dashboards/ is not an installed package (pyproject includes engine* and telemetry* only).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dashboards import build  # noqa: E402
+from dashboards.panel_queries import (  # noqa: E402
+    iter_panels,
+    load_dashboards,
+    panel_queries,
+    substitute,
+)
+
+# The metric-name contract between the Prometheus sink, the dashboards and the alerts.
+GAUGES = {
+    "iterscope_requests_running",
+    "iterscope_requests_waiting",
+    "iterscope_requests_waiting_by_reason",
+    "iterscope_kv_cache_usage_ratio",
+    "iterscope_kv_blocks_used",
+    "iterscope_kv_blocks_free",
+    "iterscope_kv_blocks_total",
+    "iterscope_kv_tokens",
+    "iterscope_engine_state",
+    "iterscope_heartbeat_age_seconds",
+    "iterscope_sidecar_lag_seconds",
+}
+COUNTERS = {
+    "iterscope_iterations_total",
+    "iterscope_prompt_tokens_total",
+    "iterscope_prompt_tokens_cached_total",
+    "iterscope_generation_tokens_total",
+    "iterscope_preemptions_total",
+    "iterscope_prefix_cache_queries_total",
+    "iterscope_prefix_cache_hits_total",
+    "iterscope_requests_finished_total",
+    "iterscope_records_received_total",
+    "iterscope_records_dropped_total",
+    "iterscope_frames_undecodable_total",
+    "iterscope_otel_spans_dropped_total",
+}
+HISTOGRAMS = {
+    "iterscope_iteration_duration_seconds",
+    "iterscope_iteration_tokens",
+    "iterscope_iteration_context_tokens",
+    "iterscope_iteration_generation_requests",
+    "iterscope_time_to_first_token_seconds",
+    "iterscope_inter_token_latency_seconds",
+    "iterscope_time_per_output_token_seconds",
+    "iterscope_e2e_request_latency_seconds",
+    "iterscope_request_queue_time_seconds",
+    "iterscope_request_prefill_time_seconds",
+    "iterscope_request_decode_time_seconds",
+    "iterscope_request_prompt_tokens",
+    "iterscope_request_generation_tokens",
+    "iterscope_request_preemptions",
+}
+SERIES_NAMES = (
+    GAUGES
+    | COUNTERS
+    | {f"{name}_{suffix}" for name in HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+)
+# Series sent by unknown senders too (empty engine/model_name): not filtered by the variables.
+UNFILTERED = {"iterscope_frames_undecodable_total"}
+METRIC = re.compile(r"\biterscope_\w+")
+DASHBOARDS = load_dashboards()
+QUERIES = panel_queries()
+PANELS = [(name, panel) for name, board in DASHBOARDS.items() for panel in iter_panels(board)]
+
+
+def test_checked_in_json_is_what_the_code_generates():
+    rendered = build.render_all()
+    assert sorted(rendered) == sorted(f"{name}.json" for name in DASHBOARDS)
+    for file_name, text in rendered.items():
+        assert (build.JSON_DIR / file_name).read_text() == text, f"{file_name} is stale"
+
+
+def test_rendering_is_deterministic():
+    assert build.render_all() == build.render_all()
+
+
+def test_build_check_flags_a_stale_file(tmp_path):
+    assert build.main(["--out", str(tmp_path)]) == 0
+    assert build.main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "overview.json").write_text("{}")
+    assert build.main(["--check", "--out", str(tmp_path)]) == 1
+
+
+def test_expected_dashboards_with_unique_uids():
+    assert set(DASHBOARDS) == {"overview", "iterations", "pipeline"}
+    uids = [board["uid"] for board in DASHBOARDS.values()]
+    assert len(set(uids)) == len(uids)
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_variables_are_datasource_model_name_engine(name):
+    variables = {v["name"]: v for v in DASHBOARDS[name]["templating"]["list"]}
+    assert list(variables) == ["datasource", "model_name", "engine"]
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for label in ("model_name", "engine"):
+        variable = variables[label]
+        assert variable["type"] == "query"
+        assert variable["includeAll"] and variable["allValue"] == ".*"
+        assert variable["datasource"]["uid"] == "${datasource}"
+        assert f", {label})" in variable["query"]["query"]
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_panel_ids_unique_and_grid_in_bounds(name):
+    panels = iter_panels(DASHBOARDS[name])
+    ids = [panel["id"] for panel in panels]
+    assert len(set(ids)) == len(ids) and None not in ids
+    cells = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        panel_cells = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
+        assert not cells & panel_cells, f"{panel['title']} overlaps another panel"
+        cells |= panel_cells
+
+
+@pytest.mark.parametrize("name,panel", PANELS, ids=[f"{n}:{p['title']}" for n, p in PANELS])
+def test_panel_has_one_sentence_description_and_queries(name, panel):
+    description = panel.get("description", "")
+    assert description.endswith(".") and ". " not in description, description
+    assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    ref_ids = [target.get("refId") for target in panel["targets"]]
+    assert ref_ids and all(ref_ids) and len(set(ref_ids)) == len(ref_ids)
+
+
+@pytest.mark.parametrize(
+    "query", QUERIES, ids=[f"{q.dashboard}:{q.panel}:{q.ref_id}" for q in QUERIES]
+)
+def test_query_uses_contract_metrics_and_the_variables(query):
+    metrics = set(METRIC.findall(query.expr))
+    assert metrics, query.expr
+    assert metrics <= SERIES_NAMES, f"not in the metric contract: {metrics - SERIES_NAMES}"
+    selector = r'\{model_name=~"\$model_name", engine=~"\$engine"'
+    if not metrics <= UNFILTERED:
+        for metric in metrics:
+            assert re.search(metric + selector, query.expr), metric
+    if "rate(" in query.expr or "increase(" in query.expr:
+        assert "[$__rate_interval]" in query.expr
+
+
+def test_user_stories_are_on_the_dashboards():
+    """USER_STORIES.md: KV usage per engine, waiting by reason, batch composition, state, leaks."""
+    by_dashboard: dict[str, str] = {}
+    for query in QUERIES:
+        by_dashboard[query.dashboard] = by_dashboard.get(query.dashboard, "") + query.expr
+    assert "iterscope_kv_cache_usage_ratio" in by_dashboard["overview"]
+    assert "iterscope_engine_state" in by_dashboard["overview"]
+    assert "iterscope_preemptions_total" in by_dashboard["overview"]
+    iterations = by_dashboard["iterations"]
+    for metric in (
+        "iterscope_requests_waiting_by_reason",
+        "iterscope_iteration_context_tokens",
+        "iterscope_iteration_generation_requests",
+        "iterscope_kv_blocks_used",
+        "iterscope_iterations_total",
+        "iterscope_iteration_duration_seconds_bucket",
+    ):
+        assert metric in iterations, metric
+    for metric in ("iterscope_records_dropped_total", "iterscope_heartbeat_age_seconds"):
+        assert metric in by_dashboard["pipeline"], metric
+    heatmaps = [p for _, p in PANELS if p["type"] == "heatmap"]
+    assert heatmaps and heatmaps[0]["targets"][0]["format"] == "heatmap"
+
+
+def test_every_query_is_valid_promql(tmp_path):
+    """promtool parses each substituted panel query as a recording rule expression."""
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    rules = [
+        {"record": f"panel:query:{i}", "expr": substitute(query.expr)}
+        for i, query in enumerate(QUERIES)
+    ]
+    rule_file = tmp_path / "panels.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(rule_file)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_substitute_rejects_unknown_variables():
+    assert substitute('x{engine=~"$engine"}[$__rate_interval]') == 'x{engine=~".*"}[1m]'
+    assert substitute("x{a=\"${engine}\"}", {"engine": "0"}) == 'x{a="0"}'
+    with pytest.raises(ValueError, match=r"\$cluster"):
+        substitute('x{c="$cluster"}')
