@@ -1,0 +1,463 @@
+"""The Prometheus sink: per-engine state updated from records, rendered at scrape time.
+
+    ingest thread                                   HTTP thread (per scrape)
+    on_iteration / on_heartbeat / on_status ...     MetricsCollector.collect()
+      -> EngineState: plain ints, Histogram lists     -> Gauge/Counter/HistogramMetricFamily
+         and the last record (for gauges)                built fresh from EngineState
+
+Ingest takes no lock and touches no prometheus_client object; a scrape reads the state while
+ingest may be writing it, so one scrape can mix two consecutive records (never a torn number:
+every value is a single int/float/reference read under the GIL). Counters only ever add the
+non-negative counts a record carries, so they stay monotonic when an engine reconnects
+(seq and iteration restart at 1) and when a recording is replayed into the sidecar.
+
+Every series carries the labels ``engine`` (engine index) and ``model_name`` (from the
+engine's heartbeats, "" until the first one); sidecar-level series use ``engine=""``.
+docs/metrics.md lists every series with the record fields it comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import time
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+
+from telemetry.histogram import Histogram, check_bounds
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    FINISH_REASONS,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+)
+from telemetry.sink import EngineStatus
+
+DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_PORT = 9470
+PREFIX = "iterscope_"
+UNDECODABLE_REASONS = ("malformed", "version", "oversized")
+WAITING_REASONS = (  # (reason label, IterationRecord field)
+    ("kv_capacity", "num_waiting_kv_reqs"),
+    ("seq_limit", "num_waiting_seq_limit_reqs"),
+    ("token_budget", "num_waiting_budget_reqs"),
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
+                         5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                         960.0, 1920.0, 7680.0)
+_BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                        65536)
+_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                          50000, 100000, 200000, 500000, 1000000)
+# Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
+    "iteration_tokens": ("Context + generation tokens per iteration.", _BATCH_TOKEN_BUCKETS),
+    "iteration_context_tokens": ("Context (prefill) tokens per iteration.",
+                                 _BATCH_TOKEN_BUCKETS),
+    "iteration_generation_requests": ("Generation (decode) requests per iteration.",
+                                      (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+    "time_to_first_token_seconds": ("Arrival to first token.",
+                                    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                                     640.0, 2560.0)),
+    "inter_token_latency_seconds": ("Time between the ends of consecutive iterations, once per "
+                                    "generated token.", _ITL_BUCKETS),
+    "time_per_output_token_seconds": ("Decode time / (output tokens - 1), per request.",
+                                      _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to finish.", _REQUEST_TIME_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to first scheduled.", _REQUEST_TIME_BUCKETS),
+    "request_prefill_time_seconds": ("First scheduled to first token.", _REQUEST_TIME_BUCKETS),
+    "request_decode_time_seconds": ("First token to finish.", _REQUEST_TIME_BUCKETS),
+    "request_prompt_tokens": ("Prompt length of finished requests.", _REQUEST_TOKEN_BUCKETS),
+    "request_generation_tokens": ("Output length of finished requests.",
+                                  _REQUEST_TOKEN_BUCKETS),
+    "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
+}
+# Counters: name (after the prefix, without _total) -> (help, EngineState attribute).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "iterations": ("Iteration records received.", "num_iterations"),
+    "prompt_tokens": ("Context (prompt) tokens computed.", "num_prompt_tokens"),
+    "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
+                             "num_prompt_tokens_cached"),
+    "generation_tokens": ("Generation (decode) tokens computed.", "num_generation_tokens"),
+    "preemptions": ("Requests preempted.", "num_preemptions"),
+    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.", "num_prefix_query_tokens"),
+    "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "num_prefix_hit_tokens"),
+    "records_received": ("Telemetry messages received (iterations + heartbeats).",
+                         "num_received"),
+    "records_dropped": ("Telemetry messages lost (sequence gaps).", "num_dropped"),
+}
+# --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
+VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "vllm:num_requests_running": ("iterscope_requests_running", {}),
+    "vllm:num_requests_waiting": ("iterscope_requests_waiting", {}),
+    "vllm:kv_cache_usage_perc": ("iterscope_kv_cache_usage_ratio", {}),
+    "vllm:num_preemptions": ("iterscope_preemptions", {}),
+    "vllm:prompt_tokens": ("iterscope_prompt_tokens", {}),
+    "vllm:generation_tokens": ("iterscope_generation_tokens", {}),
+    "vllm:prefix_cache_queries": ("iterscope_prefix_cache_queries", {}),
+    "vllm:prefix_cache_hits": ("iterscope_prefix_cache_hits", {}),
+    "vllm:request_success": ("iterscope_requests_finished", {"finish_reason": "finished_reason"}),
+    "vllm:time_to_first_token_seconds": ("iterscope_time_to_first_token_seconds", {}),
+    "vllm:inter_token_latency_seconds": ("iterscope_inter_token_latency_seconds", {}),
+    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds",
+                                                   {}),
+    "vllm:e2e_request_latency_seconds": ("iterscope_e2e_request_latency_seconds", {}),
+    "vllm:request_queue_time_seconds": ("iterscope_request_queue_time_seconds", {}),
+    "vllm:request_prefill_time_seconds": ("iterscope_request_prefill_time_seconds", {}),
+    "vllm:request_decode_time_seconds": ("iterscope_request_decode_time_seconds", {}),
+    "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
+    "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
+}
+LABELS = ("engine", "model_name")
+_METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+log = logging.getLogger(__name__)
+
+
+class EngineState:
+    """Everything the sink knows about one engine; written only by the ingest thread."""
+
+    def __init__(self, engine_index: int, buckets: dict[str, tuple[float, ...]]) -> None:
+        self.engine_index = engine_index
+        self.model_name = ""
+        self.pid = 0
+        self.status = EngineStatus.IDLE
+        for _, attribute in COUNTERS.values():
+            setattr(self, attribute, 0)
+        self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
+        self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
+        self.last_record: IterationRecord | None = None
+        self.last_end_ns = 0  # engine clock: end of the last iteration received
+        self.last_iteration = 0
+        self.num_running_reqs = 0  # from whichever is newer: last record or last heartbeat
+        self.num_waiting_reqs = 0
+        self.queues_ts_ns = 0
+        self.num_kv_blocks_total = 0  # from heartbeats
+        self.heartbeat_received_ns = 0  # sidecar monotonic clock, 0 = none yet
+        self.wall_offset_ns: int | None = None  # engine wall - engine monotonic
+        self.lag_ns: int | None = None
+
+    def apply_iteration(self, record: IterationRecord) -> None:
+        self.num_received += 1
+        self.num_iterations += 1
+        self.num_prompt_tokens += record.num_context_tokens
+        self.num_generation_tokens += record.num_generation_tokens
+        self.num_preemptions += record.num_preemptions
+        self.num_prefix_query_tokens += record.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+        self.last_record = record
+        end_ns = record.start_ns + record.elapsed_ns
+        self.num_running_reqs = record.num_running_reqs
+        self.num_waiting_reqs = record.num_waiting_reqs
+        self.queues_ts_ns = end_ns
+        histograms = self.histograms
+        histograms["iteration_duration_seconds"].observe(record.elapsed_ns / 1e9)
+        histograms["iteration_tokens"].observe(
+            record.num_context_tokens + record.num_generation_tokens
+        )
+        histograms["iteration_context_tokens"].observe(record.num_context_tokens)
+        histograms["iteration_generation_requests"].observe(record.num_generation_reqs)
+        # Only across two consecutive iterations: a gap (drop, restart, replay) is no interval.
+        if record.num_generation_reqs and record.iteration == self.last_iteration + 1:
+            histograms["inter_token_latency_seconds"].observe(
+                (end_ns - self.last_end_ns) / 1e9, record.num_generation_reqs
+            )
+        self.last_iteration = record.iteration
+        self.last_end_ns = end_ns
+        for milestone in record.milestones:
+            self.apply_milestone(milestone)
+        if self.wall_offset_ns is not None:
+            self.lag_ns = time.time_ns() - (end_ns + self.wall_offset_ns)
+
+    def apply_milestone(self, milestone: RequestMilestone) -> None:
+        """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
+        histograms = self.histograms
+        if milestone.event & EVENT_FIRST_TOKEN:
+            histograms["time_to_first_token_seconds"].observe(
+                (milestone.first_token_ns - milestone.arrival_ns) / 1e9
+            )
+            self.num_prompt_tokens_cached += milestone.num_cached_tokens
+        if not milestone.event & EVENT_FINISHED:
+            return
+        reason_index = milestone.finish_reason
+        if 0 <= reason_index < len(FINISH_REASONS):
+            self.num_finished_by_reason[FINISH_REASONS[reason_index]] += 1
+        histograms["e2e_request_latency_seconds"].observe(
+            (milestone.finished_ns - milestone.arrival_ns) / 1e9
+        )
+        histograms["request_prompt_tokens"].observe(milestone.num_prompt_tokens)
+        histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
+        histograms["request_preemptions"].observe(milestone.num_preemptions)
+        if milestone.first_scheduled_ns:  # 0: aborted while waiting
+            histograms["request_queue_time_seconds"].observe(
+                (milestone.first_scheduled_ns - milestone.arrival_ns) / 1e9
+            )
+        if milestone.first_token_ns:  # 0: aborted before its first token
+            decode_ns = milestone.finished_ns - milestone.first_token_ns
+            histograms["request_prefill_time_seconds"].observe(
+                (milestone.first_token_ns - milestone.first_scheduled_ns) / 1e9
+            )
+            histograms["request_decode_time_seconds"].observe(decode_ns / 1e9)
+            if milestone.num_output_tokens > 1:
+                histograms["time_per_output_token_seconds"].observe(
+                    decode_ns / 1e9 / (milestone.num_output_tokens - 1)
+                )
+
+    def apply_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.num_received += 1
+        self.heartbeat_received_ns = time.monotonic_ns()
+        if heartbeat.pid != self.pid:  # a new engine process: its clocks and numbers restart
+            self.pid = heartbeat.pid
+            self.queues_ts_ns = 0
+            self.last_iteration = 0
+        self.wall_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
+        self.lag_ns = time.time_ns() - heartbeat.wall_ns
+        if heartbeat.model_name:
+            self.model_name = heartbeat.model_name
+        if heartbeat.num_kv_blocks_total:
+            self.num_kv_blocks_total = heartbeat.num_kv_blocks_total
+        if heartbeat.ts_ns >= self.queues_ts_ns:  # newer than the last record's queues
+            self.num_running_reqs = heartbeat.num_running_reqs
+            self.num_waiting_reqs = heartbeat.num_waiting_reqs
+            self.queues_ts_ns = heartbeat.ts_ns
+
+    @property
+    def kv_blocks_total(self) -> int:
+        if self.num_kv_blocks_total:
+            return self.num_kv_blocks_total
+        record = self.last_record
+        return record.num_kv_blocks_used + record.num_kv_blocks_free if record else 0
+
+
+class PrometheusSink:
+    """A Sink (telemetry/sink.py) that exposes its engines' state as Prometheus series."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        buckets: dict[str, tuple[float, ...]] | None = None,
+        vllm_compatible_names: bool = False,
+    ) -> None:
+        """``buckets`` overrides default bounds by histogram name (e.g. "iteration_tokens")."""
+        self.buckets = {name: bounds for name, (_, bounds) in HISTOGRAMS.items()}
+        for name, bounds in (buckets or {}).items():
+            if name not in HISTOGRAMS:
+                raise ValueError(f"unknown histogram {name!r}; known: {', '.join(HISTOGRAMS)}")
+            self.buckets[name] = check_bounds(bounds)
+        self.engines: dict[int, EngineState] = {}
+        self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
+        self.peers: list = []
+        self.collector = MetricsCollector(self, vllm_compatible_names)
+        self.registry = registry
+        registry.register(self.collector)
+        self.port = 0  # bound port once serving
+        self._server = None
+
+    def engine(self, engine_index: int) -> EngineState:
+        state = self.engines.get(engine_index)
+        if state is None:
+            state = self.engines[engine_index] = EngineState(engine_index, self.buckets)
+        return state
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        self.engine(record.engine_index).apply_iteration(record)
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.engine(heartbeat.engine_index).apply_heartbeat(heartbeat)
+
+    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
+        self.engine(engine_index).status = status
+
+    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
+        self.engine(engine_index).num_dropped += num_dropped
+
+    def on_undecodable(self, reason: str) -> None:
+        self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
+
+    def tick(self, now_ns: int) -> None:
+        """Nothing to do: every series is rendered at scrape time."""
+
+    def set_peers(self, sinks: list) -> None:
+        """The sidecar's sinks; those with ``sidecar_counters()`` are read at scrape time."""
+        self.peers = [sink for sink in sinks if hasattr(sink, "sidecar_counters")]
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve the registry on http://host:port/metrics; returns the bound port (0 = any)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class MetricsCollector:
+    """client_python's custom-Collector pattern: fresh metric families on every scrape."""
+
+    def __init__(self, sink: PrometheusSink, vllm_compatible_names: bool) -> None:
+        self.sink = sink
+        self.vllm_compatible_names = vllm_compatible_names
+
+    def collect(self) -> Iterator[Metric]:
+        engines = [(state, [str(state.engine_index), state.model_name])
+                   for state in list(self.sink.engines.values())]
+        families = [*self.gauges(engines), *self.counters(engines),
+                    *self.histograms(engines), *self.sidecar_counters()]
+        yield from families
+        if self.vllm_compatible_names:
+            yield from vllm_aliases(families)
+
+    def gauges(self, engines: list[tuple[EngineState, list[str]]]) -> list[Metric]:
+        now_ns = time.monotonic_ns()
+        running = gauge("requests_running", "Requests running (after the last iteration).")
+        waiting = gauge("requests_waiting", "Requests waiting (after the last iteration).")
+        by_reason = gauge("requests_waiting_by_reason",
+                          "Waiting requests by what blocked admission.", ["reason"])
+        usage = gauge("kv_cache_usage_ratio", "KV blocks used / total (0..1).")
+        used = gauge("kv_blocks_used", "KV-cache blocks in use.")
+        free = gauge("kv_blocks_free", "KV-cache blocks free.")
+        total = gauge("kv_blocks_total", "KV-cache blocks in the pool.")
+        kv_tokens = gauge("kv_tokens", "Tokens held in the KV cache.")
+        state = gauge("engine_state", "1 for the engine's current state, 0 for the others.",
+                      ["state"])
+        age = gauge("heartbeat_age_seconds", "Time since the last heartbeat was received.")
+        lag = gauge("sidecar_lag_seconds",
+                    "Wall time at ingest - wall time the last message was sent.")
+        for engine, labels in engines:
+            running.add_metric(labels, engine.num_running_reqs)
+            waiting.add_metric(labels, engine.num_waiting_reqs)
+            record = engine.last_record
+            for reason, field in WAITING_REASONS:
+                by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
+            blocks_total = engine.kv_blocks_total
+            blocks_used = record.num_kv_blocks_used if record else 0
+            usage.add_metric(labels, blocks_used / blocks_total if blocks_total else 0.0)
+            used.add_metric(labels, blocks_used)
+            free.add_metric(labels, record.num_kv_blocks_free if record else blocks_total)
+            total.add_metric(labels, blocks_total)
+            kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            for status in EngineStatus:
+                state.add_metric([*labels, status.value], float(engine.status == status))
+            if engine.heartbeat_received_ns:
+                age.add_metric(labels, (now_ns - engine.heartbeat_received_ns) / 1e9)
+            if engine.lag_ns is not None:
+                lag.add_metric(labels, engine.lag_ns / 1e9)
+        return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
+                lag]
+
+    def counters(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, attribute) in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for engine, labels in engines:
+                family.add_metric(labels, getattr(engine, attribute))
+            yield family
+        finished = CounterMetricFamily(PREFIX + "requests_finished", "Requests finished.",
+                                       labels=[*LABELS, "finish_reason"])
+        for engine, labels in engines:
+            for reason, count in list(engine.num_finished_by_reason.items()):
+                finished.add_metric([*labels, reason], count)
+        yield finished
+        undecodable = CounterMetricFamily(PREFIX + "frames_undecodable",
+                                          "Frames that could not be decoded (unknown sender).",
+                                          labels=[*LABELS, "reason"])
+        for reason, count in list(self.sink.num_undecodable.items()):
+            undecodable.add_metric(["", "", reason], count)
+        yield undecodable
+
+    def histograms(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, _) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for engine, labels in engines:
+                buckets, total_sum = engine.histograms[name].cumulative_buckets()
+                family.add_metric(labels, buckets, total_sum)
+            yield family
+
+    def sidecar_counters(self) -> Iterator[Metric]:
+        """Counters of the sidecar itself, from peer sinks (e.g. OTel spans dropped)."""
+        values = {"otel_spans_dropped": 0.0}
+        for peer in self.sink.peers:
+            for key, value in peer.sidecar_counters().items():
+                name = key.removeprefix(PREFIX).removesuffix("_total")
+                if _METRIC_NAME.match(name):
+                    values[name] = values.get(name, 0.0) + value
+        for name, value in values.items():
+            family = CounterMetricFamily(PREFIX + name, f"Sidecar counter {name}.",
+                                         labels=LABELS)
+            family.add_metric(["", ""], value)
+            yield family
+
+
+def gauge(name: str, documentation: str, extra_labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, labels=[*LABELS, *extra_labels])
+
+
+def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
+    """The same samples again under vLLM's names, so vLLM dashboards and alerts work."""
+    by_name = {family.name: family for family in families}
+    for vllm_name, (our_name, label_renames) in VLLM_ALIASES.items():
+        family = by_name[our_name]
+        alias = Metric(vllm_name, family.documentation, family.type)
+        for sample in family.samples:
+            labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
+            suffix = sample.name[len(our_name):]
+            alias.samples.append(sample._replace(name=vllm_name + suffix, labels=labels))
+        yield alias
+
+
+def parse_buckets(text: str) -> tuple[str, tuple[float, ...]]:
+    """``NAME=B1,B2,...`` -> (name, bounds), for --metrics-buckets."""
+    name, sep, values = text.partition("=")
+    name = name.strip().removeprefix(PREFIX)
+    if not sep or name not in HISTOGRAMS:
+        raise argparse.ArgumentTypeError(
+            f"expected HISTOGRAM=B1,B2,... with HISTOGRAM one of {', '.join(HISTOGRAMS)};"
+            f" got {text!r}"
+        )
+    try:
+        return name, check_bounds(float(value) for value in values.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Prometheus /metrics")
+    group.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                       help="address to serve /metrics on (default %(default)s)")
+    group.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                       help="port to serve /metrics on; 0 picks a free one (default %(default)s)")
+    group.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    group.add_argument("--vllm-compatible-names", action="store_true",
+                       help="also expose vLLM's series names (vllm:num_requests_running, ...)")
+    group.add_argument("--metrics-buckets", type=parse_buckets, action="append", default=[],
+                       metavar="HISTOGRAM=B1,B2,...",
+                       help="bucket bounds for one histogram (name without iterscope_);"
+                            " repeatable")
+
+
+def build(args: argparse.Namespace) -> PrometheusSink | None:
+    """The sink, serving on --metrics-host/--metrics-port, or None with --no-metrics."""
+    if args.no_metrics:
+        return None
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry, dict(args.metrics_buckets), args.vllm_compatible_names)
+    sink.serve(args.metrics_host, args.metrics_port)
+    return sink
