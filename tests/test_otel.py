@@ -1,0 +1,417 @@
+"""OTel sink: spans received over the real OTLP wire format (protobuf over HTTP, and gRPC
+through the rotel collector), with the right names, parentage, attributes and times."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import importlib.util
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+)
+from telemetry.sinks import otel
+from telemetry.sinks.otel import IterationSampling, OtelSink, make_exporter
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
+MONO_BASE_NS = 5_000_000_000
+WALL_OFFSET_NS = 1_700_000_000_000_000_000 - MONO_BASE_NS
+
+
+# --- a receiver that decodes the OTLP protobuf wire format --------------------------------
+@dataclass
+class ReceivedSpan:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict
+    events: list[tuple[str, int]]
+    resource: dict
+
+
+def any_value(value):
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(any_value(item) for item in value.array_value.values)
+    return getattr(value, kind) if kind else None
+
+
+def key_values(pairs) -> dict:
+    return {kv.key: any_value(kv.value) for kv in pairs}
+
+
+def decode_spans(body: bytes) -> list[ReceivedSpan]:
+    spans = []
+    for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+        resource = key_values(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                spans.append(ReceivedSpan(
+                    name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
+                    parent_span_id=span.parent_span_id.hex(), kind=span.kind,
+                    start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
+                    attributes=key_values(span.attributes),
+                    events=[(event.name, event.time_unix_nano) for event in span.events],
+                    resource=resource,
+                ))
+    return spans
+
+
+class OtlpHttpReceiver:
+    """POST /v1/traces on 127.0.0.1, a free port; keeps every span it decodes."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        lock = self._lock = threading.Lock()
+        spans = self.spans
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                decoded = decode_spans(body)
+                with lock:
+                    spans.extend(decoded)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def wait_for(self, num_spans: int, timeout_s: float = 20.0) -> list[ReceivedSpan]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self.spans) >= num_spans:
+                    return list(self.spans)
+            time.sleep(0.05)
+        raise AssertionError(f"received {len(self.spans)} spans, expected {num_spans}")
+
+
+@pytest.fixture
+def receiver():
+    server = OtlpHttpReceiver()
+    yield server
+    server.close()
+
+
+# --- synthetic records --------------------------------------------------------------------
+def heartbeat(engine_index: int = 0) -> Heartbeat:
+    return Heartbeat(
+        engine_index=engine_index, seq=1, ts_ns=MONO_BASE_NS,
+        wall_ns=MONO_BASE_NS + WALL_OFFSET_NS, last_iteration=0, num_waiting_reqs=0,
+        num_running_reqs=0, model_name="SmolLM2-135M", device_name="CPU",
+        block_size=16, num_kv_blocks_total=1000,
+    )
+
+
+def record(iteration: int, milestones=(), engine_index: int = 0, **overrides) -> IterationRecord:
+    fields = dict(
+        engine_index=engine_index, seq=iteration, iteration=iteration,
+        start_ns=MONO_BASE_NS + iteration * 10_000_000, elapsed_ns=9_000_000,
+        num_context_reqs=0, num_context_tokens=0, num_generation_reqs=2,
+        num_generation_tokens=2, num_running_reqs=2, num_waiting_reqs=0,
+        num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0,
+        num_kv_blocks_used=100, num_kv_blocks_free=900, num_kv_tokens=1600,
+        num_prefix_query_tokens=0, num_prefix_hit_tokens=0, num_preemptions=0,
+        milestones=list(milestones),
+    )
+    fields.update(overrides)
+    return IterationRecord(**fields)
+
+
+def finished(request_id: str, traceparent: str = "", base_ns: int = MONO_BASE_NS):
+    """A request: queued 1 ms, two prefill chunks, preempted once, 7 output tokens, stop."""
+    return RequestMilestone(
+        request_id=request_id, event=EVENT_FINISHED, arrival_ns=base_ns + 1_000_000,
+        first_scheduled_ns=base_ns + 2_000_000, first_token_ns=base_ns + 6_000_000,
+        finished_ns=base_ns + 20_000_000, num_prompt_tokens=300, num_cached_tokens=64,
+        num_output_tokens=7, num_preemptions=1, finish_reason=0, traceparent=traceparent,
+        preempted_ns=[base_ns + 10_000_000],
+        prefill_chunks=[(base_ns + 2_000_000, base_ns + 4_000_000, 256),
+                        (base_ns + 4_000_000, base_ns + 6_000_000, 44)],
+    )
+
+
+def wall(monotonic_ns: int) -> int:
+    return monotonic_ns + WALL_OFFSET_NS
+
+
+def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [span for span in spans if span.name == name]
+
+
+def http_sink(endpoint: str, **kwargs) -> OtelSink:
+    return OtelSink(make_exporter("http/protobuf", endpoint), schedule_delay_s=0.05, **kwargs)
+
+
+# --- tests ----------------------------------------------------------------------------------
+def test_request_span_tree_over_http_protobuf(receiver):
+    sink = http_sink(receiver.endpoint)
+    sink.on_heartbeat(heartbeat())
+    milestone = finished("req-1", TRACEPARENT)
+    first_token_only = RequestMilestone(
+        request_id="req-2", event=EVENT_FIRST_TOKEN, arrival_ns=MONO_BASE_NS,
+        first_scheduled_ns=MONO_BASE_NS, first_token_ns=MONO_BASE_NS + 1, finished_ns=0,
+        num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1, num_preemptions=0,
+        finish_reason=-1,
+    )
+    sink.on_iteration(record(1, [milestone, first_token_only]))
+    sink.close()
+    spans = receiver.wait_for(5)  # llm_request, queued, 2 x prefill, decode
+    assert sorted(span.name for span in spans) == [
+        "decode", "llm_request", "prefill", "prefill", "queued"]
+
+    (root,) = by_name(spans, "llm_request")
+    assert root.kind == SpanProto.SPAN_KIND_SERVER
+    assert (root.trace_id, root.parent_span_id) == (TRACE_ID, PARENT_SPAN_ID)
+    assert (root.start_ns, root.end_ns) == (wall(milestone.arrival_ns), wall(milestone.finished_ns))
+    assert root.attributes["gen_ai.request.id"] == "req-1"
+    assert root.attributes["gen_ai.request.model"] == "SmolLM2-135M"
+    assert root.attributes["gen_ai.usage.input_tokens"] == 300
+    assert root.attributes["gen_ai.usage.output_tokens"] == 7
+    assert root.attributes["gen_ai.usage.cache_read.input_tokens"] == 64
+    assert root.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert root.attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(0.005)
+    assert root.attributes["gen_ai.latency.time_in_queue"] == pytest.approx(0.001)
+    assert root.attributes["iterscope.num_preemptions"] == 1
+    assert root.events == [("first_token", wall(milestone.first_token_ns)),
+                           ("preempted", wall(milestone.preempted_ns[0]))]
+    assert root.resource["service.name"] == "iterscope"
+    assert root.resource["iterscope.engine_index"] == 0
+    assert root.resource["iterscope.model"] == "SmolLM2-135M"
+
+    for child in by_name(spans, "queued") + by_name(spans, "prefill") + by_name(spans, "decode"):
+        assert (child.trace_id, child.parent_span_id) == (TRACE_ID, root.span_id)
+    (queued,) = by_name(spans, "queued")
+    assert (queued.start_ns, queued.end_ns) == (wall(milestone.arrival_ns),
+                                                wall(milestone.first_scheduled_ns))
+    chunks = sorted(by_name(spans, "prefill"), key=lambda span: span.start_ns)
+    assert [(c.start_ns, c.end_ns, c.attributes["iterscope.num_tokens"]) for c in chunks] == [
+        (wall(start), wall(end), num) for start, end, num in milestone.prefill_chunks]
+    (decode,) = by_name(spans, "decode")
+    assert (decode.start_ns, decode.end_ns) == (wall(milestone.first_token_ns),
+                                                wall(milestone.finished_ns))
+    for span in spans:
+        assert not any("prompt" in key or "completion" in key for key in span.attributes)
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
+
+
+def test_records_before_first_heartbeat_are_held_then_placed_in_wall_time(receiver):
+    sink = http_sink(receiver.endpoint)
+    early = finished("early")
+    sink.on_iteration(record(1, [early], engine_index=3))
+    sink.on_iteration(record(2, engine_index=3, num_preemptions=1))  # sampled: preempting
+    sink.on_heartbeat(heartbeat(engine_index=3))
+    sink.close()
+    spans = receiver.wait_for(6)
+    (root,) = by_name(spans, "llm_request")
+    assert root.parent_span_id == ""  # no traceparent: a new trace
+    assert root.start_ns == wall(early.arrival_ns)
+    (iteration,) = by_name(spans, "iteration")
+    assert iteration.attributes["iterscope.sample_reason"] == "preempting"
+    assert iteration.attributes["iterscope.iteration"] == 2
+    assert iteration.resource["iterscope.engine_index"] == 3
+    assert iteration.start_ns == wall(MONO_BASE_NS + 2 * 10_000_000)
+    assert iteration.end_ns - iteration.start_ns == 9_000_000
+
+
+def test_iteration_sampling_reasons():
+    sampling = IterationSampling(slow_ns=50_000_000, kv_saturation=0.9, one_in_n=100)
+    assert sampling.reason(record(7)) is None
+    assert sampling.reason(record(7, num_preemptions=2)) == "preempting"
+    assert sampling.reason(record(7, elapsed_ns=50_000_000)) == "slow"
+    assert sampling.reason(record(7, num_kv_blocks_used=900, num_kv_blocks_free=100)) == (
+        "kv_saturated")
+    assert sampling.reason(record(300)) == "one_in_n"
+    assert IterationSampling().reason(record(300)) is None
+    with pytest.raises(ValueError, match="KV saturation"):
+        IterationSampling(kv_saturation=1.5)
+
+
+def test_unsampled_iterations_and_bad_traceparent(receiver):
+    sink = http_sink(receiver.endpoint)
+    sink.on_heartbeat(heartbeat())
+    for iteration in range(1, 50):
+        sink.on_iteration(record(iteration))  # none sampled
+    sink.on_iteration(record(50, [finished("r", traceparent="00-garbage-01")]))
+    sink.close()
+    spans = receiver.wait_for(5)
+    time.sleep(0.2)
+    assert len(receiver.spans) == 5 and not by_name(spans, "iteration")
+    (root,) = by_name(spans, "llm_request")
+    assert root.parent_span_id == ""
+
+
+class HungExporter:
+    """A collector that hangs until released: the ingest side must not wait for it."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.num_exported = 0
+
+    def export(self, spans) -> SpanExportResult:
+        self.release.wait(30)
+        self.num_exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def test_hung_collector_never_blocks_ingest_and_drops_are_counted():
+    exporter = HungExporter()
+    sink = OtelSink(exporter, max_queue_size=4, schedule_delay_s=0.01)
+    sink.on_heartbeat(heartbeat())
+    num_requests = 40
+    for iteration in range(1, num_requests + 1):  # 5 spans per request
+        sink.on_iteration(record(iteration, [finished(f"r{iteration}")]))
+    # Reached while the exporter is still hung: ingest did not wait on it.
+    assert not exporter.release.is_set()
+    exporter.release.set()
+    sink.close()
+    num_dropped = sink.sidecar_counters()["otel_spans_dropped"]
+    assert exporter.num_exported + num_dropped == 5 * num_requests
+    assert num_dropped >= 5 * num_requests - 8  # at most one batch in flight + a full queue
+
+
+def test_failed_exports_count_as_dropped():
+    class FailingExporter:
+        def export(self, spans):
+            return SpanExportResult.FAILURE
+
+        def shutdown(self):
+            pass
+
+    sink = OtelSink(FailingExporter(), schedule_delay_s=0.01)
+    sink.on_heartbeat(heartbeat())
+    sink.on_iteration(record(1, [finished("a"), finished("b")]))
+    sink.close()
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 10.0}
+
+
+def test_build_reads_cli_and_standard_environment(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    otel.add_arguments(parser)
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    assert otel.build(parser.parse_args([])) is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert otel.traces_protocol(None) == "grpc"
+    assert otel.traces_protocol("http/protobuf") == "http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="unsupported OTLP protocol"):
+        otel.traces_protocol(None)
+    args = parser.parse_args(["--otlp-traces-endpoint", "http://127.0.0.1:1/v1/traces",
+                              "--otlp-traces-protocol", "http/protobuf",
+                              "--otel-iteration-sample-every", "10"])
+    sink = otel.build(args)
+    try:
+        assert isinstance(sink, OtelSink) and sink.sampling.one_in_n == 10
+    finally:
+        sink.close()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert otel.build(args) is None
+
+
+# --- gRPC through a real collector ----------------------------------------------------------
+def rotel_binary() -> Path:
+    spec = importlib.util.find_spec("rotel")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the rotel package is not installed (pip install rotel)")
+    binary = Path(spec.submodule_search_locations[0]) / "rotel-agent"
+    if not binary.exists():
+        raise RuntimeError(f"rotel collector binary not found at {binary}")
+    return binary
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"rotel exited with {process.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"rotel did not listen on port {port}")
+
+
+def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
+    grpc_port, http_port = free_port(), free_port()
+    command = [
+        str(rotel_binary()), "start",
+        "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
+        "--otlp-http-endpoint", f"127.0.0.1:{http_port}",
+        "--exporter", "otlp", "--otlp-exporter-protocol", "http",
+        "--otlp-exporter-endpoint", f"http://127.0.0.1:{receiver.port}",
+        "--batch-timeout", "50ms",
+        "--pid-file", str(tmp_path / "rotel.pid"), "--log-file", str(tmp_path / "rotel.log"),
+    ]
+    rotel = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(grpc_port, rotel)
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "iterscope-test")
+        sink = OtelSink(make_exporter("grpc", f"http://127.0.0.1:{grpc_port}"),
+                        schedule_delay_s=0.05)
+        sink.on_heartbeat(heartbeat())
+        milestone = finished("via-rotel", TRACEPARENT)
+        sink.on_iteration(record(1, [milestone]))
+        sink.close()
+        spans = receiver.wait_for(5)
+    finally:
+        rotel.terminate()
+        rotel.wait(10)
+    (root,) = by_name(spans, "llm_request")
+    assert (root.trace_id, root.parent_span_id) == (TRACE_ID, PARENT_SPAN_ID)
+    assert root.start_ns == wall(milestone.arrival_ns)
+    assert root.attributes["gen_ai.request.id"] == "via-rotel"
+    assert root.resource["service.name"] == "iterscope-test"
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
