@@ -49,8 +49,13 @@ class ZmqPublisher:
         sndhwm: int = DEFAULT_SNDHWM,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         context: zmq.Context | None = None,
+        curve_keys_dir: str | None = None,
+        curve_engine_name: str = "engine",
     ) -> None:
-        """``facts``: static Heartbeat fields (model_name, device_name, block_size, ...)."""
+        """``facts``: static Heartbeat fields (model_name, device_name, block_size, ...).
+
+        ``curve_keys_dir``: authenticate and encrypt with ZMQ CURVE as engine
+        ``curve_engine_name`` (for tcp lanes across hosts; see telemetry/curve.py)."""
         self.engine_index = engine_index
         self.num_dropped_total = 0
         self.num_sent_total = 0
@@ -67,6 +72,14 @@ class ZmqPublisher:
         self._socket.setsockopt(zmq.SNDHWM, sndhwm)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve_keys_dir:
+            from telemetry.curve import configure_client
+
+            try:
+                configure_client(self._socket, curve_keys_dir, curve_engine_name)
+            except (OSError, ValueError):
+                self._socket.close(linger=0)
+                raise
         self._socket.connect(address)
         self._closed = threading.Event()
         self._heartbeat_interval_s = heartbeat_interval_s

@@ -1,0 +1,252 @@
+"""CURVE on the telemetry lane: engines publish over loopback tcp to a PULL socket set up by
+telemetry.curve; only engines holding listed keys get through."""
+
+import stat
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from telemetry import curve
+from telemetry.publisher import ZmqPublisher
+from telemetry.record import IterationRecord, make_decoder
+
+DEADLINE_S = 15.0
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def record(engine_index: int) -> IterationRecord:
+    return IterationRecord(
+        engine_index=engine_index, seq=0, iteration=1, start_ns=time.monotonic_ns(),
+        elapsed_ns=1_000_000, num_context_reqs=0, num_context_tokens=0,
+        num_generation_reqs=1, num_generation_tokens=1, num_running_reqs=1,
+        num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0,
+        num_waiting_budget_reqs=0, num_kv_blocks_used=1, num_kv_blocks_free=9,
+        num_kv_tokens=16, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+        num_preemptions=0,
+    )
+
+
+@pytest.fixture
+def keys_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "keys"
+    curve.generate_keys(path, ["engine-a", "engine-b"])
+    return path
+
+
+@pytest.fixture
+def intruder_keys_dir(tmp_path: Path, keys_dir: Path) -> Path:
+    """Well-formed keys for an engine named engine-a that the sidecar never listed, plus the
+    sidecar's real public key: everything an outsider could have."""
+    path = tmp_path / "intruder"
+    curve.generate_keys(path, ["engine-a"])
+    (path / "server.key").write_bytes((keys_dir / "server.key").read_bytes())
+    return path
+
+
+@pytest.fixture
+def wrong_server_keys_dir(tmp_path: Path, keys_dir: Path) -> Path:
+    """engine-a's real secret key, but another sidecar's public key."""
+    path = tmp_path / "other-sidecar"
+    curve.generate_keys(path, [])
+    (path / "engine-a.key_secret").write_bytes((keys_dir / "engine-a.key_secret").read_bytes())
+    return path
+
+
+class Server:
+    """A CURVE PULL socket on loopback tcp with a monitor of its handshakes."""
+
+    def __init__(self, keys_dir: Path) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.linger = 0
+        curve.configure_server(self.socket, keys_dir)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED_EVENTS
+        )
+        self.events: Counter = Counter()
+        self.decoder = make_decoder()
+
+    def drain(self, wait_s: float) -> list:
+        """Frames received during ``wait_s`` (decoded); monitor events are tallied."""
+        frames = []
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        end = time.monotonic() + wait_s
+        while (left_s := end - time.monotonic()) > 0:
+            for sock, _ in poller.poll(left_s * 1000):
+                if sock is self.monitor:
+                    self.events[recv_monitor_message(self.monitor)["event"]] += 1
+                else:
+                    frames.append(self.decoder.decode(self.socket.recv()))
+        return frames
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+        curve.stop_server_auth(self.context)
+        self.context.term()
+
+
+@pytest.fixture
+def server(keys_dir: Path):
+    server = Server(keys_dir)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def engines():
+    """Start publishers, each in a context of its own as in separate processes; close all."""
+    started = []
+
+    def start(address: str, engine_index: int, **curve_args) -> ZmqPublisher:
+        context = zmq.Context()
+        publisher = ZmqPublisher(
+            address, engine_index, heartbeat_interval_s=3600, context=context, **curve_args
+        )
+        started.append((publisher, context))
+        return publisher
+
+    yield start
+    for publisher, context in started:
+        publisher.close()
+        context.term()
+
+
+def publish_until(server: Server, publishers: list, done) -> Counter:
+    """Publish one record per engine every 20 ms until ``done(received, events)``."""
+    received: Counter = Counter()
+    deadline = time.monotonic() + DEADLINE_S
+    while not done(received, server.events):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out: received {dict(received)}, events {dict(server.events)}")
+        for publisher in publishers:
+            publisher.publish(record(publisher.engine_index))
+        for frame in server.drain(wait_s=0.02):
+            received[frame.engine_index] += 1
+    return received
+
+
+def test_two_engines_with_keys_get_through_and_one_without_keys_is_rejected(
+    server, engines, keys_dir
+):
+    keys = str(keys_dir)
+    engine_a = engines(server.address, 1, curve_keys_dir=keys, curve_engine_name="engine-a")
+    engine_b = engines(server.address, 2, curve_keys_dir=keys, curve_engine_name="engine-b")
+    plain = engines(server.address, 3)
+
+    def done(received, events):
+        return (
+            received[1] >= 5
+            and received[2] >= 5
+            and events[zmq.EVENT_HANDSHAKE_SUCCEEDED] >= 2
+            and events[zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL] >= 1
+        )
+
+    received = publish_until(server, [engine_a, engine_b, plain], done)
+    assert received[3] == 0
+    assert plain.num_sent_total == 0
+    assert plain.num_dropped_total > 0  # the engine sees its lane as down, and counts it
+    assert engine_a.num_sent_total >= received[1]
+
+
+@pytest.mark.parametrize(
+    "rejected_keys, expected_event",
+    [
+        ("intruder_keys_dir", zmq.EVENT_HANDSHAKE_FAILED_AUTH),
+        ("wrong_server_keys_dir", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
+    ],
+    ids=["unlisted-engine-key", "wrong-server-key"],
+)
+def test_engine_with_keys_the_sidecar_does_not_trust_is_rejected(
+    server, engines, keys_dir, rejected_keys, expected_event, request
+):
+    rejected_dir = request.getfixturevalue(rejected_keys)
+    trusted = engines(server.address, 1, curve_keys_dir=str(keys_dir), curve_engine_name="engine-b")
+    rejected = engines(
+        server.address, 2, curve_keys_dir=str(rejected_dir), curve_engine_name="engine-a"
+    )
+
+    def done(received, events):
+        return received[1] >= 5 and events[expected_event] >= 1
+
+    received = publish_until(server, [trusted, rejected], done)
+    assert received[2] == 0
+    assert rejected.num_sent_total == 0
+
+
+def test_generate_keys_layout_permissions_and_idempotence(tmp_path):
+    keys = tmp_path / "keys"
+    curve.generate_keys(keys, ["gpu-host-1"])
+    server_key = (keys / "server.key").read_bytes()
+    assert (keys / "server.key_secret").is_file()
+    assert (keys / "clients" / "gpu-host-1.key").is_file()
+    assert (keys / "gpu-host-1.key_secret").is_file()
+    assert not (keys / "gpu-host-1.key").exists()
+    for secret in keys.glob("*.key_secret"):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    curve.generate_keys(keys, ["gpu-host-1", "gpu-host-2"])
+    assert (keys / "server.key").read_bytes() == server_key
+    assert sorted(p.name for p in (keys / "clients").iterdir()) == [
+        "gpu-host-1.key", "gpu-host-2.key"
+    ]
+
+
+@pytest.mark.parametrize("name", ["", "server", "../escape", "-dash", "a b"])
+def test_invalid_engine_names_are_refused(tmp_path, name):
+    with pytest.raises(ValueError, match="invalid engine name"):
+        curve.generate_keys(tmp_path / "keys", [name])
+
+
+def test_missing_files_give_errors_that_say_what_to_do(tmp_path):
+    keys = tmp_path / "keys"
+    curve.generate_keys(keys, [])
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        with pytest.raises(FileNotFoundError, match="no engine public keys"):
+            curve.configure_server(pull, keys)
+        pull.close(linger=0)
+        with pytest.raises(FileNotFoundError, match="engine-x.key_secret not found"):
+            ZmqPublisher("tcp://127.0.0.1:1", 0, context=context, curve_keys_dir=str(keys),
+                         curve_engine_name="engine-x")
+        curve.generate_keys(tmp_path / "engine-host", ["engine"])
+        (tmp_path / "engine-host" / "server.key").unlink()
+        with pytest.raises(FileNotFoundError, match="server.key not found"):
+            curve.configure_client(context.socket(zmq.PUSH), tmp_path / "engine-host")
+    finally:
+        curve.stop_server_auth(context)
+        context.destroy(linger=0)
+
+
+def test_one_context_refuses_a_second_keys_directory(tmp_path):
+    curve.generate_keys(tmp_path / "one", ["e"])
+    curve.generate_keys(tmp_path / "two", ["e"])
+    context = zmq.Context()
+    try:
+        curve.configure_server(context.socket(zmq.PULL), tmp_path / "one")
+        curve.configure_server(context.socket(zmq.PULL), tmp_path / "one")  # same dir: fine
+        with pytest.raises(ValueError, match="one keys directory per context"):
+            curve.configure_server(context.socket(zmq.PULL), tmp_path / "two")
+    finally:
+        curve.stop_server_auth(context)
+        context.destroy(linger=0)
+
+
+def test_command_line_creates_keys(tmp_path, capsys):
+    assert curve.main([str(tmp_path / "k"), "--engines", "a", "b"]) == 0
+    assert (tmp_path / "k" / "clients" / "b.key").is_file()
+    assert "engine a:" in capsys.readouterr().out
+    assert curve.main([str(tmp_path / "k"), "--engines", "server"]) == 2
