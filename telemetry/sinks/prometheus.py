@@ -172,10 +172,13 @@ class EngineState:
         )
         histograms["iteration_context_tokens"].observe(record.num_context_tokens)
         histograms["iteration_generation_requests"].observe(record.num_generation_reqs)
-        # Only across two consecutive iterations: a gap (drop, restart, replay) is no interval.
-        if record.num_generation_reqs and record.iteration == self.last_iteration + 1:
+        # Only across two consecutive iterations of one engine process: a gap (drop, restart,
+        # replay) is no interval. last_end_ns == 0: no previous iteration.
+        interval_ns = end_ns - self.last_end_ns
+        if (record.num_generation_reqs and self.last_end_ns and interval_ns > 0
+                and record.iteration == self.last_iteration + 1):
             histograms["inter_token_latency_seconds"].observe(
-                (end_ns - self.last_end_ns) / 1e9, record.num_generation_reqs
+                interval_ns / 1e9, record.num_generation_reqs
             )
         self.last_iteration = record.iteration
         self.last_end_ns = end_ns
@@ -225,6 +228,7 @@ class EngineState:
             self.pid = heartbeat.pid
             self.queues_ts_ns = 0
             self.last_iteration = 0
+            self.last_end_ns = 0
         self.wall_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
         self.lag_ns = time.time_ns() - heartbeat.wall_ns
         if heartbeat.model_name:

@@ -1,0 +1,400 @@
+"""The Prometheus sink: series, values derived from records, exposition validity, flags."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+)
+from telemetry.sink import EngineStatus
+from telemetry.sinks import prometheus
+from telemetry.sinks.prometheus import PrometheusSink
+
+MS = 1_000_000
+CONTRACT = {
+    "gauge": [
+        "iterscope_requests_running", "iterscope_requests_waiting",
+        "iterscope_requests_waiting_by_reason", "iterscope_kv_cache_usage_ratio",
+        "iterscope_kv_blocks_used", "iterscope_kv_blocks_free", "iterscope_kv_blocks_total",
+        "iterscope_kv_tokens", "iterscope_engine_state", "iterscope_heartbeat_age_seconds",
+        "iterscope_sidecar_lag_seconds",
+    ],
+    "counter": [
+        "iterscope_iterations", "iterscope_prompt_tokens", "iterscope_prompt_tokens_cached",
+        "iterscope_generation_tokens", "iterscope_preemptions", "iterscope_prefix_cache_queries",
+        "iterscope_prefix_cache_hits", "iterscope_requests_finished",
+        "iterscope_records_received", "iterscope_records_dropped",
+        "iterscope_frames_undecodable", "iterscope_otel_spans_dropped",
+    ],
+    "histogram": [
+        "iterscope_iteration_duration_seconds", "iterscope_iteration_tokens",
+        "iterscope_iteration_context_tokens", "iterscope_iteration_generation_requests",
+        "iterscope_time_to_first_token_seconds", "iterscope_inter_token_latency_seconds",
+        "iterscope_time_per_output_token_seconds", "iterscope_e2e_request_latency_seconds",
+        "iterscope_request_queue_time_seconds", "iterscope_request_prefill_time_seconds",
+        "iterscope_request_decode_time_seconds", "iterscope_request_prompt_tokens",
+        "iterscope_request_generation_tokens", "iterscope_request_preemptions",
+    ],
+}
+ENGINE0 = {"engine": "0", "model_name": "tiny"}
+
+
+def make_record(iteration: int, engine_index: int = 0, **overrides) -> IterationRecord:
+    fields = dict(
+        engine_index=engine_index, seq=iteration, iteration=iteration,
+        start_ns=1_000 * MS + iteration * 10 * MS, elapsed_ns=8 * MS,
+        num_context_reqs=1, num_context_tokens=100, num_generation_reqs=4,
+        num_generation_tokens=4, num_running_reqs=5, num_waiting_reqs=3,
+        num_waiting_kv_reqs=2, num_waiting_seq_limit_reqs=1, num_waiting_budget_reqs=0,
+        num_kv_blocks_used=25, num_kv_blocks_free=75, num_kv_tokens=390,
+        num_prefix_query_tokens=100, num_prefix_hit_tokens=32, num_preemptions=1,
+    )
+    fields.update(overrides)
+    return IterationRecord(**fields)
+
+
+def make_heartbeat(engine_index: int = 0, pid: int = 42, **overrides) -> Heartbeat:
+    fields = dict(
+        engine_index=engine_index, seq=0, ts_ns=500 * MS, wall_ns=1_700_000_000 * 10**9,
+        last_iteration=0, num_waiting_reqs=0, num_running_reqs=0, model_name="tiny",
+        device_name="CPU", block_size=16, num_kv_blocks_total=100, pid=pid,
+    )
+    fields.update(overrides)
+    return Heartbeat(**fields)
+
+
+def make_milestone(event: int, **overrides) -> RequestMilestone:
+    fields = dict(
+        request_id="r1", event=event, arrival_ns=1_000 * MS, first_scheduled_ns=1_050 * MS,
+        first_token_ns=1_250 * MS, finished_ns=3_250 * MS, num_prompt_tokens=300,
+        num_cached_tokens=64, num_output_tokens=11, num_preemptions=2, finish_reason=1,
+    )
+    fields.update(overrides)
+    return RequestMilestone(**fields)
+
+
+def new_sink(**kwargs) -> tuple[PrometheusSink, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return PrometheusSink(registry, **kwargs), registry
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value}, through the text exposition and its parser."""
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, frozenset({**ENGINE0, **labels}.items()))]
+
+
+def histogram_count(samples: dict, name: str, le: str = "+Inf") -> float:
+    return value(samples, name + "_bucket", le=le)
+
+
+def test_every_contract_series_has_type_and_engine_labels():
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat())
+    sink.on_iteration(make_record(1))
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(registry).decode())}
+    for metric_type, names in CONTRACT.items():
+        for name in names:
+            assert families[name].type == metric_type, name
+            assert families[name].samples, name
+    for family in families.values():
+        for sample in family.samples:
+            assert {"engine", "model_name"} <= set(sample.labels), sample
+
+
+def test_gauges_and_counters_follow_records():
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat())
+    sink.on_iteration(make_record(1))
+    sink.on_iteration(make_record(2, num_kv_blocks_used=40, num_kv_blocks_free=60))
+    sink.on_status(0, EngineStatus.RUNNING, 0)
+    sink.on_dropped(0, 3)
+    samples = scrape(registry)
+    assert value(samples, "iterscope_requests_running") == 5
+    assert value(samples, "iterscope_requests_waiting") == 3
+    assert value(samples, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 2
+    assert value(samples, "iterscope_requests_waiting_by_reason", reason="seq_limit") == 1
+    assert value(samples, "iterscope_kv_cache_usage_ratio") == pytest.approx(0.4)
+    assert value(samples, "iterscope_kv_blocks_used") == 40
+    assert value(samples, "iterscope_kv_blocks_free") == 60
+    assert value(samples, "iterscope_kv_blocks_total") == 100
+    assert value(samples, "iterscope_kv_tokens") == 390
+    assert value(samples, "iterscope_engine_state", state="running") == 1
+    assert value(samples, "iterscope_engine_state", state="idle") == 0
+    assert value(samples, "iterscope_iterations_total") == 2
+    assert value(samples, "iterscope_prompt_tokens_total") == 200
+    assert value(samples, "iterscope_generation_tokens_total") == 8
+    assert value(samples, "iterscope_preemptions_total") == 2
+    assert value(samples, "iterscope_prefix_cache_queries_total") == 200
+    assert value(samples, "iterscope_prefix_cache_hits_total") == 64
+    assert value(samples, "iterscope_records_received_total") == 3  # 2 records + 1 heartbeat
+    assert value(samples, "iterscope_records_dropped_total") == 3
+    assert histogram_count(samples, "iterscope_iteration_duration_seconds", le="0.0075") == 0
+    assert histogram_count(samples, "iterscope_iteration_duration_seconds", le="0.01") == 2
+    assert value(samples, "iterscope_iteration_tokens_sum") == 208
+
+
+def test_heartbeat_queues_replace_older_record_queues_only():
+    sink, registry = new_sink()
+    record = make_record(1)
+    sink.on_heartbeat(make_heartbeat(ts_ns=record.start_ns - MS, num_running_reqs=9))
+    sink.on_iteration(record)
+    assert value(scrape(registry), "iterscope_requests_running") == 5
+    end_ns = record.start_ns + record.elapsed_ns
+    sink.on_heartbeat(make_heartbeat(ts_ns=end_ns + MS, num_running_reqs=0, num_waiting_reqs=7))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_requests_running") == 0
+    assert value(samples, "iterscope_requests_waiting") == 7
+
+
+def test_lifecycle_histograms_from_one_milestone_with_both_events():
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat())
+    milestone = make_milestone(EVENT_FIRST_TOKEN | EVENT_FINISHED)
+    sink.on_iteration(make_record(1, milestones=[milestone]))
+    samples = scrape(registry)
+    expected_sums = {
+        "iterscope_time_to_first_token_seconds": 0.25,
+        "iterscope_e2e_request_latency_seconds": 2.25,
+        "iterscope_request_queue_time_seconds": 0.05,
+        "iterscope_request_prefill_time_seconds": 0.2,
+        "iterscope_request_decode_time_seconds": 2.0,
+        "iterscope_time_per_output_token_seconds": 0.2,  # 2.0 s / (11 - 1)
+        "iterscope_request_prompt_tokens": 300,
+        "iterscope_request_generation_tokens": 11,
+        "iterscope_request_preemptions": 2,
+    }
+    for name, expected in expected_sums.items():
+        assert value(samples, name + "_count") == 1, name
+        assert value(samples, name + "_sum") == pytest.approx(expected), name
+    assert histogram_count(samples, "iterscope_time_to_first_token_seconds", le="0.1") == 0
+    assert histogram_count(samples, "iterscope_time_to_first_token_seconds", le="0.25") == 1
+    assert value(samples, "iterscope_requests_finished_total", finish_reason="length") == 1
+    assert value(samples, "iterscope_requests_finished_total", finish_reason="stop") == 0
+    assert value(samples, "iterscope_prompt_tokens_cached_total") == 64
+
+
+def test_first_token_and_finish_in_separate_iterations_count_once():
+    sink, registry = new_sink()
+    sink.on_iteration(make_record(1, milestones=[make_milestone(EVENT_FIRST_TOKEN)]))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_time_to_first_token_seconds_count", model_name="") == 1
+    assert value(samples, "iterscope_e2e_request_latency_seconds_count", model_name="") == 0
+    sink.on_iteration(make_record(2, milestones=[make_milestone(EVENT_FINISHED)]))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_time_to_first_token_seconds_count", model_name="") == 1
+    assert value(samples, "iterscope_e2e_request_latency_seconds_count", model_name="") == 1
+    assert value(samples, "iterscope_prompt_tokens_cached_total", model_name="") == 64
+
+
+def test_request_aborted_while_waiting_has_no_phase_times():
+    sink, registry = new_sink()
+    aborted = make_milestone(EVENT_FINISHED, first_scheduled_ns=0, first_token_ns=0,
+                             num_output_tokens=0, finish_reason=2)
+    sink.on_iteration(make_record(1, milestones=[aborted]))
+    samples = scrape(registry)
+    labels = {"model_name": ""}
+    assert value(samples, "iterscope_e2e_request_latency_seconds_count", **labels) == 1
+    for name in ("queue_time", "prefill_time", "decode_time"):
+        assert value(samples, f"iterscope_request_{name}_seconds_count", **labels) == 0
+    assert value(samples, "iterscope_time_per_output_token_seconds_count", **labels) == 0
+    assert value(samples, "iterscope_requests_finished_total", finish_reason="abort",
+                 **labels) == 1
+
+
+def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
+    sink, registry = new_sink()
+    sink.on_iteration(make_record(1))  # no previous iteration: no interval
+    sink.on_iteration(make_record(2, num_generation_reqs=4))  # 10 ms after iteration 1, x4
+    sink.on_iteration(make_record(5, num_generation_reqs=3))  # gap: iterations 3, 4 lost
+    sink.on_iteration(make_record(6, num_generation_reqs=0))  # nothing decoded
+    samples = scrape(registry)
+    labels = {"model_name": ""}
+    assert value(samples, "iterscope_inter_token_latency_seconds_count", **labels) == 4
+    assert value(samples, "iterscope_inter_token_latency_seconds_sum",
+                 **labels) == pytest.approx(0.04)
+
+
+def counter_like_values(samples: dict) -> dict:
+    """Every sample that must never decrease: counters and histogram buckets/counts/sums."""
+    return {key: val for key, val in samples.items()
+            if key[0].endswith(("_total", "_bucket", "_count", "_sum"))
+            and not key[0].startswith("iterscope_kv_blocks_total")}
+
+
+def test_counters_monotonic_across_engine_restart_and_replay():
+    sink, registry = new_sink()
+    first_life = [make_heartbeat(pid=1)] + [
+        make_record(i, milestones=[make_milestone(3)] if i % 3 == 0 else [])
+        for i in range(1, 8)
+    ]
+    # The engine restarts: new pid, seq and iteration from 1, clocks from elsewhere.
+    second_life = [make_heartbeat(pid=2, ts_ns=5 * MS)] + [
+        make_record(i, start_ns=i * MS, num_context_tokens=7) for i in range(1, 5)
+    ]
+    # Then the sidecar is fed a recording of the first life again (replay).
+    previous = {}
+    for message in first_life + second_life + first_life:
+        if isinstance(message, Heartbeat):
+            sink.on_heartbeat(message)
+        else:
+            sink.on_iteration(message)
+        current = counter_like_values(scrape(registry))
+        for key, old in previous.items():
+            assert current[key] >= old, key
+        previous = current
+    assert value(scrape(registry), "iterscope_iterations_total") == 7 + 4 + 7
+    assert value(scrape(registry), "iterscope_prompt_tokens_total") == 2 * 7 * 100 + 4 * 7
+
+
+def test_sidecar_level_series_use_empty_engine_labels():
+    sink, registry = new_sink()
+
+    class FakeOtelSink:
+        def sidecar_counters(self) -> dict[str, float]:
+            return {"otel_spans_dropped": 5.0}
+
+    sink.set_peers([sink, FakeOtelSink()])
+    sink.on_undecodable("malformed")
+    sink.on_undecodable("malformed")
+    samples = scrape(registry)
+    empty = {"engine": "", "model_name": ""}
+    assert samples[("iterscope_frames_undecodable_total",
+                    frozenset({**empty, "reason": "malformed"}.items()))] == 2
+    assert samples[("iterscope_frames_undecodable_total",
+                    frozenset({**empty, "reason": "version"}.items()))] == 0
+    assert samples[("iterscope_otel_spans_dropped_total", frozenset(empty.items()))] == 5
+
+
+def test_two_engines_are_separate_series():
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat(engine_index=0))
+    sink.on_heartbeat(make_heartbeat(engine_index=1, model_name="tiny"))
+    sink.on_iteration(make_record(1, engine_index=0))
+    sink.on_iteration(make_record(1, engine_index=1))
+    sink.on_iteration(make_record(2, engine_index=1))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_iterations_total") == 1
+    assert value(samples, "iterscope_iterations_total", engine="1") == 2
+
+
+def run_promtool(text: str) -> str:
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                            text=True, timeout=60)
+    return result.stdout + result.stderr
+
+
+def busy_exposition(**kwargs) -> str:
+    sink, registry = new_sink(**kwargs)
+    sink.on_heartbeat(make_heartbeat())
+    sink.on_iteration(make_record(1, milestones=[make_milestone(3)]))
+    sink.on_iteration(make_record(2))
+    sink.on_undecodable("version")
+    return generate_latest(registry).decode()
+
+
+def lint_problems(text: str) -> set[str]:
+    output = run_promtool(text)
+    return {line.strip() for line in output.splitlines() if line.strip()}
+
+
+# The metric-name contract keeps this gauge's name (dashboards and alerts use it) although
+# Prometheus' linter reserves `_total` for counters: the one finding we accept.
+KV_TOTAL_FINDING = 'iterscope_kv_blocks_total non-counter metrics should not have "_total" suffix'
+
+
+def test_exposition_passes_promtool_check_metrics():
+    assert lint_problems(busy_exposition()) == {KV_TOTAL_FINDING}
+
+
+def test_promtool_reports_a_broken_exposition():
+    """The check above would catch a real problem (guards against promtool never failing)."""
+    broken = busy_exposition() + "# TYPE iterscope_bad_total gauge\niterscope_bad_total 1\n"
+    assert any("iterscope_bad_total" in line for line in lint_problems(broken))
+
+
+def test_vllm_compatible_names():
+    text = busy_exposition(vllm_compatible_names=True)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, metric_type in [
+        ("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:num_preemptions", "counter"),
+        ("vllm:prompt_tokens", "counter"), ("vllm:generation_tokens", "counter"),
+        ("vllm:request_success", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:inter_token_latency_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+        ("vllm:request_queue_time_seconds", "histogram"),
+        ("vllm:request_prefill_time_seconds", "histogram"),
+        ("vllm:request_decode_time_seconds", "histogram"),
+        ("vllm:iteration_tokens_total", "histogram"),
+    ]:
+        assert families[name].type == metric_type, name
+    success = {sample.labels["finished_reason"]: sample.value
+               for sample in families["vllm:request_success"].samples}
+    assert success == {"stop": 0, "length": 1, "abort": 0}
+    ours = {s.labels["finish_reason"]: s.value
+            for s in families["iterscope_requests_finished"].samples}
+    assert success == ours
+    usage = families["vllm:kv_cache_usage_perc"].samples[0]
+    assert usage.value == pytest.approx(0.25) and usage.labels == ENGINE0
+    # Colons are vLLM's convention; promtool flags only those (and vLLM's own _total histogram).
+    for line in lint_problems(text) - {KV_TOTAL_FINDING}:
+        assert line.startswith("vllm:") and ("':'" in line or "_total" in line), line
+    assert "vllm:" not in busy_exposition()
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    prometheus.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_build_serves_metrics_over_http():
+    args = parse_flags(["--metrics-port", "0", "--metrics-buckets",
+                        "iteration_tokens=1,10,100"])
+    sink = prometheus.build(args)
+    try:
+        assert sink.port > 0
+        sink.on_iteration(make_record(1))
+        url = f"http://127.0.0.1:{sink.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert 'iterscope_iterations_total{engine="0",model_name=""} 1.0' in text
+        assert 'iterscope_iteration_tokens_bucket{engine="0",le="10.0",model_name=""}' in text
+    finally:
+        sink.close()
+
+
+def test_flags_defaults_no_metrics_and_bad_buckets(capsys):
+    args = parse_flags([])
+    assert args.metrics_host == "127.0.0.1" and not args.vllm_compatible_names
+    assert prometheus.build(parse_flags(["--no-metrics"])) is None
+    for bad in ["nonexistent=1,2", "iteration_tokens=2,1", "iteration_tokens=1,x",
+                "iteration_tokens"]:
+        with pytest.raises(SystemExit):
+            parse_flags(["--metrics-buckets", bad])
+        assert "--metrics-buckets" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown histogram"):
+        new_sink(buckets={"nope": (1.0,)})
