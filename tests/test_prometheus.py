@@ -155,14 +155,18 @@ def test_gauges_and_counters_follow_records():
     assert value(samples, "iterscope_iteration_tokens_sum") == 208
 
 
-def test_heartbeat_queues_replace_older_record_queues_only():
+def test_queues_and_kv_total_follow_latest_message():
     sink, registry = new_sink()
-    record = make_record(1)
-    sink.on_heartbeat(make_heartbeat(ts_ns=record.start_ns - MS, num_running_reqs=9))
-    sink.on_iteration(record)
-    assert value(scrape(registry), "iterscope_requests_running") == 5
-    end_ns = record.start_ns + record.elapsed_ns
-    sink.on_heartbeat(make_heartbeat(ts_ns=end_ns + MS, num_running_reqs=0, num_waiting_reqs=7))
+    sink.on_heartbeat(make_heartbeat(num_running_reqs=9, num_kv_blocks_total=120))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_requests_running") == 9
+    assert value(samples, "iterscope_kv_blocks_total") == 120
+    assert value(samples, "iterscope_kv_blocks_free") == 120
+    sink.on_iteration(make_record(1))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_requests_running") == 5
+    assert value(samples, "iterscope_kv_blocks_total") == 100  # used + free, as the log line
+    sink.on_heartbeat(make_heartbeat(num_running_reqs=0, num_waiting_reqs=7))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 0
     assert value(samples, "iterscope_requests_waiting") == 7

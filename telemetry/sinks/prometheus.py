@@ -47,7 +47,7 @@ from telemetry.sink import EngineStatus
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
 PREFIX = "iterscope_"
-UNDECODABLE_REASONS = ("malformed", "version", "oversized")
+UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")  # telemetry/sidecar.py
 WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
@@ -144,10 +144,9 @@ class EngineState:
         self.last_record: IterationRecord | None = None
         self.last_end_ns = 0  # engine clock: end of the last iteration received
         self.last_iteration = 0
-        self.num_running_reqs = 0  # from whichever is newer: last record or last heartbeat
+        self.num_running_reqs = 0  # from the latest record or heartbeat, as the log line
         self.num_waiting_reqs = 0
-        self.queues_ts_ns = 0
-        self.num_kv_blocks_total = 0  # from heartbeats
+        self.num_kv_blocks_total = 0  # from heartbeats, until the first record
         self.heartbeat_received_ns = 0  # sidecar monotonic clock, 0 = none yet
         self.wall_offset_ns: int | None = None  # engine wall - engine monotonic
         self.lag_ns: int | None = None
@@ -164,7 +163,6 @@ class EngineState:
         end_ns = record.start_ns + record.elapsed_ns
         self.num_running_reqs = record.num_running_reqs
         self.num_waiting_reqs = record.num_waiting_reqs
-        self.queues_ts_ns = end_ns
         histograms = self.histograms
         histograms["iteration_duration_seconds"].observe(record.elapsed_ns / 1e9)
         histograms["iteration_tokens"].observe(
@@ -226,7 +224,6 @@ class EngineState:
         self.heartbeat_received_ns = time.monotonic_ns()
         if heartbeat.pid != self.pid:  # a new engine process: its clocks and numbers restart
             self.pid = heartbeat.pid
-            self.queues_ts_ns = 0
             self.last_iteration = 0
             self.last_end_ns = 0
         self.wall_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
@@ -235,17 +232,16 @@ class EngineState:
             self.model_name = heartbeat.model_name
         if heartbeat.num_kv_blocks_total:
             self.num_kv_blocks_total = heartbeat.num_kv_blocks_total
-        if heartbeat.ts_ns >= self.queues_ts_ns:  # newer than the last record's queues
-            self.num_running_reqs = heartbeat.num_running_reqs
-            self.num_waiting_reqs = heartbeat.num_waiting_reqs
-            self.queues_ts_ns = heartbeat.ts_ns
+        self.num_running_reqs = heartbeat.num_running_reqs
+        self.num_waiting_reqs = heartbeat.num_waiting_reqs
 
     @property
     def kv_blocks_total(self) -> int:
-        if self.num_kv_blocks_total:
-            return self.num_kv_blocks_total
+        """used + free of the latest record (as the log line); the heartbeat's before one."""
         record = self.last_record
-        return record.num_kv_blocks_used + record.num_kv_blocks_free if record else 0
+        if record is None:
+            return self.num_kv_blocks_total
+        return record.num_kv_blocks_used + record.num_kv_blocks_free
 
 
 class PrometheusSink:
