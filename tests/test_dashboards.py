@@ -15,6 +15,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dashboards import build  # noqa: E402
+from dashboards.metric_names import SERIES_NAMES  # noqa: E402
 from dashboards.panel_queries import (  # noqa: E402
     iter_panels,
     load_dashboards,
@@ -22,55 +23,6 @@ from dashboards.panel_queries import (  # noqa: E402
     substitute,
 )
 
-# The metric-name contract between the Prometheus sink, the dashboards and the alerts.
-GAUGES = {
-    "iterscope_requests_running",
-    "iterscope_requests_waiting",
-    "iterscope_requests_waiting_by_reason",
-    "iterscope_kv_cache_usage_ratio",
-    "iterscope_kv_blocks_used",
-    "iterscope_kv_blocks_free",
-    "iterscope_kv_blocks_total",
-    "iterscope_kv_tokens",
-    "iterscope_engine_state",
-    "iterscope_heartbeat_age_seconds",
-    "iterscope_sidecar_lag_seconds",
-}
-COUNTERS = {
-    "iterscope_iterations_total",
-    "iterscope_prompt_tokens_total",
-    "iterscope_prompt_tokens_cached_total",
-    "iterscope_generation_tokens_total",
-    "iterscope_preemptions_total",
-    "iterscope_prefix_cache_queries_total",
-    "iterscope_prefix_cache_hits_total",
-    "iterscope_requests_finished_total",
-    "iterscope_records_received_total",
-    "iterscope_records_dropped_total",
-    "iterscope_frames_undecodable_total",
-    "iterscope_otel_spans_dropped_total",
-}
-HISTOGRAMS = {
-    "iterscope_iteration_duration_seconds",
-    "iterscope_iteration_tokens",
-    "iterscope_iteration_context_tokens",
-    "iterscope_iteration_generation_requests",
-    "iterscope_time_to_first_token_seconds",
-    "iterscope_inter_token_latency_seconds",
-    "iterscope_time_per_output_token_seconds",
-    "iterscope_e2e_request_latency_seconds",
-    "iterscope_request_queue_time_seconds",
-    "iterscope_request_prefill_time_seconds",
-    "iterscope_request_decode_time_seconds",
-    "iterscope_request_prompt_tokens",
-    "iterscope_request_generation_tokens",
-    "iterscope_request_preemptions",
-}
-SERIES_NAMES = (
-    GAUGES
-    | COUNTERS
-    | {f"{name}_{suffix}" for name in HISTOGRAMS for suffix in ("bucket", "sum", "count")}
-)
 # Series sent by unknown senders too (empty engine/model_name): not filtered by the variables.
 UNFILTERED = {"iterscope_frames_undecodable_total"}
 METRIC = re.compile(r"\biterscope_\w+")
