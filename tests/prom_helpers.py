@@ -1,0 +1,205 @@
+"""A real Prometheus for tests: start it on 127.0.0.1 with a free port and a temp dir, wait
+for its targets, query it, stop it.
+
+    prom = start_prometheus(tmp_path, ["127.0.0.1:9470"], rule_files=[rules_path])
+    try:
+        prom.wait_for_targets()
+        value = prom.wait_for_value("rate(iterscope_iterations_total[5s])")
+        firing = prom.alerts()
+    finally:
+        prom.stop()
+
+The binary comes from the Debian package (/usr/bin/prometheus, `make prometheus`); without it
+start_prometheus raises, so a test needing it fails loudly instead of being skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+PROMETHEUS_BINARY = "/usr/bin/prometheus"
+STARTUP_TIMEOUT_S = 30.0
+
+
+def find_prometheus() -> str:
+    binary = shutil.which("prometheus") or PROMETHEUS_BINARY
+    if not Path(binary).exists():
+        raise RuntimeError(
+            "prometheus binary not found (install it with `make prometheus`, i.e. "
+            "apt-get install prometheus)"
+        )
+    return binary
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the caller retries if it is taken meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_get_json(url: str, timeout_s: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+class PrometheusHandle:
+    """A running Prometheus: its URL and the HTTP API calls tests need."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+
+    def api(self, path: str, **params: str) -> dict:
+        """GET /api/v1/<path>; returns ``data``, raises on an error status."""
+        query = urllib.parse.urlencode(params)
+        body = http_get_json(f"{self.url}/api/v1/{path}" + (f"?{query}" if query else ""))
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus {path} failed: {body}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        """Instant query; the result list (``[{"metric": {...}, "value": [ts, "1.5"]}]``)."""
+        data = self.api("query", query=expr)
+        if data["resultType"] in ("scalar", "string"):
+            return [{"metric": {}, "value": data["result"]}]
+        return data["result"]
+
+    def alerts(self) -> list[dict]:
+        """Active (pending or firing) alerts, each with labels, annotations and state."""
+        return self.api("alerts")["alerts"]
+
+    def targets(self) -> list[dict]:
+        return self.api("targets")["activeTargets"]
+
+    def wait_for_targets(self, timeout_s: float = 30.0) -> list[dict]:
+        """Poll until every configured target has been scraped successfully."""
+        def all_up() -> list[dict] | None:
+            targets = self.targets()
+            healthy = targets and all(target["health"] == "up" for target in targets)
+            return targets if healthy else None
+
+        return self.wait_until(all_up, timeout_s, "all scrape targets up")
+
+    def wait_for_value(
+        self, expr: str, predicate: Callable[[float], bool] = lambda v: True,
+        timeout_s: float = 30.0,
+    ) -> float:
+        """Poll ``expr`` until its first sample is a number for which ``predicate`` holds."""
+        def sample() -> float | None:
+            result = self.query(expr)
+            if not result:
+                return None
+            number = float(result[0]["value"][1])
+            return number if number == number and predicate(number) else None  # not NaN
+
+        return self.wait_until(sample, timeout_s, f"a value for {expr!r}")
+
+    def wait_until(self, probe: Callable[[], object], timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_running()
+            outcome = probe()
+            if outcome is not None:
+                return outcome
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Prometheus: no {what} after {timeout_s} s\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def ready(self) -> bool | None:
+        """True once /-/ready answers 200, None before."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return True if response.status == 200 else None
+        except OSError:
+            return None
+
+    def check_running(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"Prometheus exited with {self.process.returncode}\n{self.log_tail()}"
+            )
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def __enter__(self) -> PrometheusHandle:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def write_config(
+    directory: Path, scrape_targets: Sequence[str], rule_files: Sequence[str | Path],
+    scrape_interval: str, eval_interval: str,
+) -> Path:
+    config = {
+        "global": {
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+            "evaluation_interval": eval_interval,
+        },
+        "rule_files": [str(Path(path).resolve()) for path in rule_files],
+        "scrape_configs": [{
+            "job_name": "iterscope",
+            "static_configs": [{"targets": list(scrape_targets)}],
+        }],
+    }
+    path = directory / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_prometheus(
+    tmp_path: Path,
+    scrape_targets: Sequence[str],
+    rule_files: Sequence[str | Path] = (),
+    eval_interval: str = "1s",
+    scrape_interval: str = "1s",
+) -> PrometheusHandle:
+    """Start Prometheus scraping ``scrape_targets`` ("host:port"), ready to answer queries."""
+    binary = find_prometheus()
+    directory = Path(tmp_path) / f"prometheus-{time.monotonic_ns()}"
+    directory.mkdir(parents=True)
+    config_path = write_config(directory, scrape_targets, rule_files, scrape_interval,
+                               eval_interval)
+    last_error: Exception | None = None
+    for _ in range(3):  # the free port may be taken between probing and binding
+        port = free_port()
+        log_path = directory / f"prometheus-{port}.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                [binary, f"--config.file={config_path}",
+                 f"--storage.tsdb.path={directory / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                stdout=log_file, stderr=subprocess.STDOUT,
+            )
+        handle = PrometheusHandle(process, f"http://127.0.0.1:{port}", log_path)
+        try:
+            handle.wait_until(handle.ready, STARTUP_TIMEOUT_S, "readiness")
+            return handle
+        except (RuntimeError, TimeoutError) as error:
+            handle.stop()
+            last_error = error
+    raise RuntimeError(f"Prometheus did not start: {last_error}")
