@@ -38,9 +38,20 @@ def frames_undecodable() -> dashboard.Panel:
     expr = f"sum by (reason) (rate(iterscope_frames_undecodable_total[{RATE}]))"
     return timeseries_panel(
         "Undecodable frames per second",
-        "Frames the sidecar could not decode, by reason (malformed, another schema version, "
-        "oversized), from any sender.",
+        "Frames the sidecar could not decode, by reason (malformed, truncated, oversized or "
+        "another schema version), from any sender.",
         [query(expr, "{{reason}}", "A")],
+        unit="ops",
+    )
+
+
+def otel_spans_dropped() -> dashboard.Panel:
+    # A sidecar-level counter (empty engine and model_name labels): not filtered.
+    expr = f"sum(rate(iterscope_otel_spans_dropped_total[{RATE}]))"
+    return timeseries_panel(
+        "OTel spans dropped per second",
+        "Trace spans the sidecar dropped because the OTLP export queue was full.",
+        [query(expr, "spans dropped/s", "A")],
         unit="ops",
     )
 
@@ -69,12 +80,13 @@ def build() -> dashboard.Dashboard:
         UID,
         "iterscope / Pipeline health",
         "Completeness and freshness of iterscope telemetry: records, drops, undecodable "
-        "frames, heartbeats and sidecar lag.",
+        "frames, dropped spans, heartbeats and sidecar lag.",
     )
     panels = [
         records_received(),
         records_dropped(),
         frames_undecodable(),
+        otel_spans_dropped(),
         heartbeat_age(),
         sidecar_lag(),
     ]

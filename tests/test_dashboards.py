@@ -24,7 +24,7 @@ from dashboards.panel_queries import (  # noqa: E402
 )
 
 # Series sent by unknown senders too (empty engine/model_name): not filtered by the variables.
-UNFILTERED = {"iterscope_frames_undecodable_total"}
+UNFILTERED = {"iterscope_frames_undecodable_total", "iterscope_otel_spans_dropped_total"}
 METRIC = re.compile(r"\biterscope_\w+")
 DASHBOARDS = load_dashboards()
 QUERIES = panel_queries()
