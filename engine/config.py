@@ -1,0 +1,159 @@
+"""EngineConfig: every setting of the engine core, checked once when it is built.
+
+Defaults suit a 2-core CPU running SmolLM2-135M: blocks of 16 tokens, at most 32 running
+requests, 2048 tokens per iteration and a 512 MiB KV cache. On CUDA the KV budget is
+``gpu_memory_utilization`` of the card minus the weights and the activation peak, unless
+``kv_cache_memory_bytes`` sets it outright.
+
+The ``test_*`` fields are test-only fault injection for the scenario tests (a KV block leak,
+a stall inside the loop); they are off unless set, and no user-facing command sets them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+}
+DEVICES = ("cpu", "cuda")
+MAX_BLOCK_SIZE = 256
+DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+
+_MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """'24GiB' -> bytes. Accepts B, KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 24GiB, 512MiB or 4.5GB")
+    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"  # an HF directory, or "smollm2" for the embedded default model
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = None  # None = 512 MiB on CPU, derived on CUDA
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    engine_index: int = 0
+    telemetry_address: str | None = None  # ZMQ address of the sidecar; None = telemetry off
+    # Test-only fault injection (scenario tests of issue 9). Never set these in production.
+    test_leak_blocks_per_finish: int = 0  # blocks a finished request keeps forever
+    test_stall_at_iteration: int = 0  # 0 = off; the iteration that sleeps before its forward
+    test_stall_s: float = 0.0  # how long that iteration sleeps
+
+    def __post_init__(self) -> None:
+        self.dtype = self._checked_dtype()
+        self._check_device()
+        self._check_positive("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got "
+                f"{self.block_size}; use 16"
+            )
+        self._check_positive("max_num_seqs", self.max_num_seqs)
+        self._check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_num_seqs ({self.max_num_seqs}), so a full batch of decodes could never "
+                "run in one iteration; raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        if self.max_model_len is not None:
+            self._check_positive("max_model_len", self.max_model_len)
+            self._check_token_budget(self.max_model_len)
+        if self.kv_cache_memory_bytes is not None:
+            self._check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("test_leak_blocks_per_finish", "test_stall_at_iteration", "test_stall_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The max_model_len to serve with, given the model's own limit."""
+        if self.max_model_len is None:
+            self._check_token_budget(max_position_embeddings)
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_position_embeddings}); lower max_model_len"
+            )
+        return self.max_model_len
+
+    def kv_cache_memory_setting(self) -> str:
+        """The setting a user changes to give the KV cache more memory on this device."""
+        if self.device == "cuda" and self.kv_cache_memory_bytes is None:
+            return "gpu_memory_utilization"
+        return "kv_cache_memory_bytes"
+
+    def _checked_dtype(self) -> str:
+        dtype = DTYPE_ALIASES.get(str(self.dtype).lower())
+        if dtype is None:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not supported; use one of auto, float32, bfloat16, "
+                "float16"
+            )
+        return dtype
+
+    def _check_device(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    def _check_token_budget(self, max_model_len: int) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}) "
+                "or a long prompt could never be scheduled; enable chunked prefill, raise "
+                "max_num_batched_tokens or lower max_model_len"
+            )
+
+    @staticmethod
+    def _check_positive(name: str, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """float32 / bfloat16 / float16 with auto resolved for the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def device_name(self) -> str:
+        """What the log lines call the device: "GPU" on CUDA, else e.g. "CPU"."""
+        return "GPU" if self.device == "cuda" else self.device.upper()

@@ -1,0 +1,291 @@
+"""The engine core loop: schedule, execute, update, and one telemetry record per iteration.
+
+``EngineCore.step`` is the whole loop body. The record is filled from counts the scheduler
+and block pool already keep (no extra pass over the requests); only requests that got their
+first token or finished in this iteration add a milestone. Nothing here logs or formats per
+iteration: the record goes to a publisher that sends it without blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import msgspec
+
+from engine.block_pool import BlockPool
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.kv_planning import KvPlan, cuda_kv_budget_bytes, kv_bytes_per_token, plan_kv_cache
+from engine.request import FinishReason, Request
+from engine.scheduler import Scheduler, SchedulerOutput, WaitReason
+from telemetry.publisher import NullPublisher
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    IterationRecord,
+    RequestMilestone,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
+    """What a client receives for one request after an iteration (or an abort / rejection)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int = 0
+    error: str = ""  # set when the request was rejected (then finished is True)
+
+
+class Runner(Protocol):
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]: ...
+
+
+class Publisher(Protocol):
+    def publish(self, record: IterationRecord) -> None: ...
+
+    def note_queues(self, num_waiting: int, num_running: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        kv_plan: KvPlan,
+        eos_token_ids: tuple[int, ...] = (),
+        publisher: Publisher | None = None,
+    ):
+        self.config = config
+        self.runner = runner
+        self.kv_plan = kv_plan
+        self.pool = BlockPool(kv_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=kv_plan.max_model_len,
+            eos_token_ids=eos_token_ids,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            leak_blocks_per_finish=config.test_leak_blocks_per_finish,
+        )
+        self.publisher = publisher or NullPublisher()
+        self.requests: dict[str, Request] = {}
+        self.iteration = 0
+        self._pending_milestones: list[RequestMilestone] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending_milestones)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; RequestRejectedError (a ValueError) if it could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.arrival_ns:
+            request.arrival_ns = time.monotonic_ns()
+        self.scheduler.add_request(request)
+        self.requests[request.request_id] = request
+        self.publisher.note_queues(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; its finish milestone rides on the next iteration record."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort_request(request, time.monotonic_ns())
+        self._pending_milestones.append(_milestone(request, EVENT_FINISHED))
+        return RequestOutput(request_id, [], True, FinishReason.ABORT.text)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, execute, update, publish the record."""
+        start_ns = time.monotonic_ns()
+        self.iteration += 1
+        scheduled = self.scheduler.schedule(start_ns)
+        self._maybe_stall()
+        sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
+        end_ns = time.monotonic_ns()
+        updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
+        outputs, milestones = self._outputs(updated, end_ns)
+        self.publisher.publish(self._record(scheduled, start_ns, milestones))
+        return outputs
+
+    def _outputs(
+        self, updated: list[Request], end_ns: int
+    ) -> tuple[list[RequestOutput], list[RequestMilestone]]:
+        outputs = []
+        milestones, self._pending_milestones = self._pending_milestones, []
+        for request in updated:
+            reason = request.finish_reason
+            finish_reason = reason.text if reason is not None else None
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [request.token_ids[-1]],
+                    request.is_finished,
+                    finish_reason,
+                    request.num_cached_tokens,
+                )
+            )
+            event = EVENT_FIRST_TOKEN if request.first_token_ns == end_ns else 0
+            if request.is_finished:
+                event |= EVENT_FINISHED
+                del self.requests[request.request_id]
+            if event:
+                milestones.append(_milestone(request, event))
+        return outputs, milestones
+
+    def _record(
+        self, scheduled: SchedulerOutput, start_ns: int, milestones: list[RequestMilestone]
+    ) -> IterationRecord:
+        num_waiting = len(self.scheduler.waiting)
+        reason = scheduled.wait_reason if num_waiting else WaitReason.NONE
+        return IterationRecord(
+            engine_index=self.config.engine_index,
+            seq=0,  # stamped by the publisher
+            iteration=self.iteration,
+            start_ns=start_ns,
+            elapsed_ns=time.monotonic_ns() - start_ns,
+            num_context_reqs=scheduled.num_context_reqs,
+            num_context_tokens=scheduled.num_context_tokens,
+            num_generation_reqs=scheduled.num_generation_reqs,
+            num_generation_tokens=scheduled.num_generation_tokens,
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=num_waiting,
+            num_waiting_kv_reqs=num_waiting if reason == WaitReason.KV_CAPACITY else 0,
+            num_waiting_seq_limit_reqs=num_waiting if reason == WaitReason.SEQ_LIMIT else 0,
+            num_waiting_budget_reqs=num_waiting if reason == WaitReason.TOKEN_BUDGET else 0,
+            num_kv_blocks_used=self.pool.num_used_blocks,
+            num_kv_blocks_free=self.pool.num_free_blocks,
+            num_kv_tokens=self.scheduler.num_kv_tokens,
+            num_prefix_query_tokens=scheduled.num_prefix_query_tokens,
+            num_prefix_hit_tokens=scheduled.num_prefix_hit_tokens,
+            num_preemptions=scheduled.num_preemptions,
+            milestones=milestones,
+        )
+
+    def _maybe_stall(self) -> None:
+        """Test-only: sleep inside the loop, with work waiting, at one chosen iteration."""
+        if self.iteration == self.config.test_stall_at_iteration and self.config.test_stall_s:
+            time.sleep(self.config.test_stall_s)
+
+    def startup_lines(self) -> list[str]:
+        return self.kv_plan.startup_lines()
+
+    def facts(self, model_name: str) -> dict[str, Any]:
+        """Static Heartbeat fields."""
+        return {
+            "model_name": model_name,
+            "device_name": self.config.device_name,
+            "block_size": self.config.block_size,
+            "num_kv_blocks_total": self.kv_plan.num_blocks,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+        }
+
+
+def _milestone(request: Request, event: int) -> RequestMilestone:
+    finished = bool(event & EVENT_FINISHED)
+    return RequestMilestone(
+        request_id=request.request_id,
+        event=event,
+        arrival_ns=request.arrival_ns,
+        first_scheduled_ns=request.first_scheduled_ns,
+        first_token_ns=request.first_token_ns,
+        finished_ns=request.finished_ns,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_preemptions=request.num_preemptions,
+        finish_reason=int(request.finish_reason) if request.finish_reason is not None else -1,
+        traceparent=request.traceparent,
+        preempted_ns=list(request.preempted_ns) if finished else [],
+        prefill_chunks=list(request.prefill_chunks) if finished else [],
+    )
+
+
+# Building an engine from a config ------------------------------------------------------------
+
+
+def kv_budget_bytes(config: EngineConfig, weights_bytes: int, activation_peak_bytes: int) -> int:
+    """Bytes the KV cache may use: the explicit setting, else 512 MiB on CPU, else CUDA's share."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if config.device != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    import torch
+
+    total_bytes = torch.cuda.get_device_properties(0).total_memory
+    return cuda_kv_budget_bytes(
+        total_bytes, config.gpu_memory_utilization, weights_bytes, activation_peak_bytes
+    )
+
+
+def plan_for_model(
+    config: EngineConfig,
+    model_config: Any,
+    weights_bytes: int = 0,
+    activation_peak_bytes: int = 0,
+) -> KvPlan:
+    """KV plan for a model (anything with num_layers, num_kv_heads, head_dim, dtype,
+    max_position_embeddings); logs the start-up lines once."""
+    bytes_per_token = kv_bytes_per_token(
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        model_config.dtype.itemsize,
+    )
+    plan = plan_kv_cache(
+        bytes_per_token,
+        kv_budget_bytes(config, weights_bytes, activation_peak_bytes),
+        config.block_size,
+        config.resolve_max_model_len(model_config.max_position_embeddings),
+        config.kv_cache_memory_setting(),
+    )
+    for line in plan.startup_lines():
+        logger.info(line)
+    return plan
+
+
+def estimate_activation_peak_bytes(config: EngineConfig, model_config: Any) -> int:
+    """A rough upper bound of forward-pass scratch memory for one full iteration on CUDA:
+    per batched token, a few hidden- and MLP-sized activations; per sequence, fp32 logits."""
+    per_token = (6 * model_config.hidden_size + 3 * model_config.intermediate_size) * (
+        model_config.dtype.itemsize
+    )
+    per_seq_logits = 2 * model_config.vocab_size * 4
+    return config.max_num_batched_tokens * per_token + config.max_num_seqs * per_seq_logits
+
+
+def build_engine_core(
+    config: EngineConfig,
+    load_model: Any = None,
+    runner_class: Any = None,
+    publisher: Publisher | None = None,
+) -> tuple[EngineCore, Any]:
+    """Load the model, plan the KV cache, build the runner; returns (core, loaded model).
+
+    ``load_model(name_or_dir, dtype, device)`` and ``runner_class(model, num_blocks,
+    block_size, device)`` default to the real ones (tests pass fakes with the same shape).
+    """
+    if load_model is None:
+        from engine.model.loader import load_model
+    if runner_class is None:
+        from engine.runner import ModelRunner as runner_class
+    model = load_model(config.model, config.torch_dtype_name, config.device)
+    weights_bytes = activation_peak_bytes = 0
+    if config.device == "cuda":
+        import torch
+
+        weights_bytes = torch.cuda.memory_allocated()
+        activation_peak_bytes = estimate_activation_peak_bytes(config, model.config)
+    plan = plan_for_model(config, model.config, weights_bytes, activation_peak_bytes)
+    runner = runner_class(model, plan.num_blocks, config.block_size, config.device)
+    core = EngineCore(config, runner, plan, tuple(model.config.eos_token_ids), publisher)
+    return core, model

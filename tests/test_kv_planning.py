@@ -1,0 +1,121 @@
+"""KV memory planning: story 5's numbers, the start-up lines, and config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, parse_memory_size
+from engine.kv_planning import (
+    GIB,
+    cuda_kv_budget_bytes,
+    estimate_max_model_len,
+    kv_bytes_for_tokens,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
+
+# USER_STORIES story 5: an 8B model, 36 layers x 8 KV heads x head_dim 128, bf16.
+STORY5_BYTES_PER_TOKEN = kv_bytes_per_token(36, 8, 128, 2)
+
+
+def test_story5_bytes_per_token():
+    assert STORY5_BYTES_PER_TOKEN == 147_456
+    assert f"{kv_bytes_for_tokens(40_960, STORY5_BYTES_PER_TOKEN, 16) / GIB:.2f}" == "5.62"
+
+
+def test_story5_error_names_needed_available_estimate_and_fixes():
+    with pytest.raises(ValueError) as error:
+        plan_kv_cache(STORY5_BYTES_PER_TOKEN, int(4.5 * GIB), 16, 40_960, "gpu_memory_utilization")
+    assert str(error.value) == (
+        "To serve at least one request with the model's max seq len (40960), 5.62 GiB KV "
+        "cache is needed, which is larger than the available KV cache memory (4.50 GiB). "
+        "Based on the available memory, the estimated maximum model length is 32768. Try "
+        "increasing `gpu_memory_utilization` or decreasing `max_model_len`."
+    )
+
+
+def test_estimate_is_the_largest_length_that_fits():
+    available = 1_000_000
+    estimate = estimate_max_model_len(1000, available, 16, 10_000)
+    assert kv_bytes_for_tokens(estimate, 1000, 16) <= available
+    assert kv_bytes_for_tokens(estimate + 1, 1000, 16) > available
+    assert estimate == 992  # 62 whole blocks of 16 tokens
+    assert estimate_max_model_len(1000, available, 16, 500) == 500
+
+
+def test_startup_lines():
+    bytes_per_token = kv_bytes_per_token(8, 4, 256, 2)  # 32 KiB per token
+    plan = plan_kv_cache(bytes_per_token, int(45.94 * GIB), 16, 262_144)
+    assert plan.num_blocks == int(45.94 * GIB) // (16 * bytes_per_token) == 94_085
+    assert plan.startup_lines() == [
+        "Available KV cache memory: 45.94 GiB",
+        "KV cache size: 1,505,360 tokens",
+        "Maximum concurrency for 262,144 tokens per request: 5.74x",
+    ]
+    assert plan.startup_lines(request_len=80_800)[2] == (
+        "Maximum concurrency for 80,800 tokens per request: 18.63x"
+    )
+
+
+def test_plan_counts_whole_blocks():
+    plan = plan_kv_cache(100, 100 * 16 * 10 + 99, 16, 17)
+    assert plan.num_blocks == 10
+    assert plan.num_tokens == 160
+    assert plan.max_concurrency() == 5.0  # a 17-token request holds 2 blocks
+    assert plan.max_concurrency(160) == 1.0
+
+
+def test_cuda_budget_subtracts_weights_and_activations():
+    assert cuda_kv_budget_bytes(80 * GIB, 0.9, 16 * GIB, 2 * GIB) == int(72 * GIB) - 18 * GIB
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
+        cuda_kv_budget_bytes(24 * GIB, 0.5, 15 * GIB, 1 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("24GiB", 24 * GIB), ("4.5GiB", int(4.5 * GIB)), ("512MiB", 512 << 20), ("1GB", 10**9)],
+)
+def test_parse_memory_size(text, expected):
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-1GiB"])
+def test_parse_memory_size_rejects_garbage(text):
+    with pytest.raises(ValueError, match="cannot read memory size"):
+        parse_memory_size(text)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"block_size": 12}, "power of two"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "raise max_num_batched_tokens"),
+        ({"max_model_len": 0}, "max_model_len must be at least 1"),
+        (
+            {"enable_chunked_prefill": False, "max_model_len": 4096},
+            "enable chunked prefill, raise max_num_batched_tokens",
+        ),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be at least 1"),
+        ({"dtype": "int3"}, "dtype 'int3' is not supported"),
+        ({"device": "tpu"}, "device must be one of"),
+        ({"test_stall_s": -1.0}, "test_stall_s must be >= 0"),
+    ],
+)
+def test_invalid_config_names_the_setting(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_config_resolves_model_len_and_dtype():
+    config = EngineConfig(dtype="bf16")
+    assert config.dtype == "bfloat16"
+    assert EngineConfig().torch_dtype_name == "float32"
+    assert EngineConfig(device="cuda").torch_dtype_name == "bfloat16"
+    assert config.resolve_max_model_len(8192) == 8192
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        EngineConfig(max_model_len=9000).resolve_max_model_len(8192)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        EngineConfig(enable_chunked_prefill=False).resolve_max_model_len(8192)
