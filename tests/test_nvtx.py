@@ -15,12 +15,23 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from engine.nvtx_markers import NullMarkers, make_markers
 from telemetry.iteration_line import format_iteration_line
 from telemetry.record import IterationRecord
 from telemetry.sinks import nvtx_ranges
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURE_SOURCE = REPO / "tests" / "nvtx_capture" / "nvtx_capture.c"
+
+RUN_MARKERS = """
+from engine.nvtx_markers import NvtxMarkers, make_markers
+
+markers = make_markers(True)
+assert isinstance(markers, NvtxMarkers), markers
+for iteration in range(1, 6):
+    markers.begin(iteration)
+    markers.end()
+"""
 
 FEED_SINK = """
 import sys, time
@@ -80,16 +91,22 @@ def make_records(num_records: int, engine_index: int = 0) -> list[IterationRecor
     return records
 
 
+def run_with_capture(library: Path, script: str, args: list[str],
+                     tmp_path: Path) -> list[list[str]]:
+    """Run ``script`` in a child process under the capture tool; its NVTX events, split."""
+    capture_path = tmp_path / "capture.tsv"
+    env = dict(os.environ, NVTX_INJECTION64_PATH=str(library),
+               NVTX_CAPTURE_PATH=str(capture_path), PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", script, *args], check=True, env=env, cwd=REPO,
+                   timeout=60)
+    return [line.split("\t") for line in capture_path.read_text().splitlines()]
+
+
 def capture(library: Path, records: list[IterationRecord], tmp_path: Path,
             idle_after: int = -1) -> list[list[str]]:
     records_path = tmp_path / "records.msgpack"
     records_path.write_bytes(msgspec.msgpack.encode(records))
-    capture_path = tmp_path / "capture.tsv"
-    env = dict(os.environ, NVTX_INJECTION64_PATH=str(library),
-               NVTX_CAPTURE_PATH=str(capture_path), PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", FEED_SINK, str(records_path), str(idle_after)],
-                   check=True, env=env, cwd=REPO, timeout=60)
-    return [line.split("\t") for line in capture_path.read_text().splitlines()]
+    return run_with_capture(library, FEED_SINK, [str(records_path), str(idle_after)], tmp_path)
 
 
 def test_one_range_per_iteration_with_the_iteration_line(capture_library, tmp_path):
@@ -145,3 +162,16 @@ def test_without_a_tool_the_sink_is_off(capsys):
     sink = nvtx_ranges.NvtxSink()
     sink.on_iteration(make_records(1)[0])  # a no-op, not an error
     sink.close()
+
+
+def test_engine_markers_one_range_per_iteration_with_iteration_payload(capture_library, tmp_path):
+    events = run_with_capture(capture_library, RUN_MARKERS, [], tmp_path)
+    assert [e[0] for e in events] == ["push", "pop"] * 5
+    pushes = [e for e in events if e[0] == "push"]
+    assert [(e[2], e[4], e[5]) for e in pushes] == [
+        ("iterscope", str(i), "iteration") for i in range(1, 6)]
+
+
+def test_engine_markers_off_or_without_a_tool_are_null():
+    assert isinstance(make_markers(False), NullMarkers)
+    assert isinstance(make_markers(True), NullMarkers)  # no NVTX tool in this process
