@@ -1,0 +1,138 @@
+"""The Llama / Qwen3 decoder over a flat batch of tokens, reading and writing a paged KV cache.
+
+Weights come in as an HF-named state dict (`model.layers.{i}.self_attn.q_proj.weight`, ...);
+q/k/v and gate/up are fused into one matrix each so a layer runs four matmuls. Qwen3 differs
+from Llama only by an RMSNorm over each head of q and k before RoPE (and an explicit head_dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.config import ModelConfig
+from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3 only: [head_dim]
+    k_norm: torch.Tensor | None
+
+
+class Decoder:
+    """forward(tokens) -> final hidden states; compute_logits(hidden) -> float32 logits."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str):
+        self.config = config
+        self.device = torch.device(device)
+        weights = _WeightReader(state_dict, config.dtype, self.device)
+        self.embed_tokens = weights.take("model.embed_tokens.weight")
+        self.layers = [self._layer_weights(weights, i) for i in range(config.num_layers)]
+        self.final_norm = weights.take("model.norm.weight")
+        if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = weights.take("lm_head.weight")
+        weights.check_all_used(config.name)
+        self.inv_freq = inverse_frequencies(
+            config.head_dim, config.rope_theta, config.rope_scaling
+        ).to(self.device)
+        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+
+    def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
+        prefix = f"model.layers.{i}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv_names = [attn + n for n in ("q_proj", "k_proj", "v_proj")]
+        qkv_bias = None
+        if self.config.attention_bias:
+            qkv_bias = torch.cat([weights.take(n + ".bias") for n in qkv_names])
+        qwen3 = self.config.architecture == "qwen3"
+        return LayerWeights(
+            input_norm=weights.take(prefix + "input_layernorm.weight"),
+            qkv_proj=torch.cat([weights.take(n + ".weight") for n in qkv_names]),
+            qkv_bias=qkv_bias,
+            o_proj=weights.take(attn + "o_proj.weight"),
+            o_bias=weights.take(attn + "o_proj.bias") if self.config.attention_bias else None,
+            post_attention_norm=weights.take(prefix + "post_attention_layernorm.weight"),
+            gate_up_proj=torch.cat(
+                [weights.take(mlp + "gate_proj.weight"), weights.take(mlp + "up_proj.weight")]
+            ),
+            down_proj=weights.take(mlp + "down_proj.weight"),
+            q_norm=weights.take(attn + "q_norm.weight") if qwen3 else None,
+            k_norm=weights.take(attn + "k_norm.weight") if qwen3 else None,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> normed hidden states [T, hidden].
+
+        kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        """
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, cfg.dtype)
+        self.attention.begin_step(meta, kv_cache[0, 0])
+        num_tokens = input_ids.shape[0]
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x = self._rms_norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
+            hidden = hidden + F.linear(attn, layer.o_proj, layer.o_bias)
+            x = self._rms_norm(hidden, layer.post_attention_norm)
+            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+        return self._rms_norm(hidden, self.final_norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+
+class _WeightReader:
+    """Hands out state-dict tensors in the model dtype and device, and reports unknown names."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        self.state_dict = state_dict
+        self.dtype = dtype
+        self.device = device
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.state_dict:
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        self.used.add(name)
+        return self.state_dict[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+    def check_all_used(self, model_name: str) -> None:
+        ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
+        unused = [n for n in self.state_dict if n not in self.used and not n.endswith(ignorable)]
+        if unused:
+            raise ValueError(f"{model_name}: unexpected weights {unused[:5]} ({len(unused)} total)")

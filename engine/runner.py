@@ -1,0 +1,194 @@
+"""ModelRunner: turns the scheduler's (request, num_new_tokens) pairs into one forward pass.
+
+For each scheduled request, positions [num_computed_tokens, num_computed_tokens + n) of
+request.token_ids are computed; their K/V go to slot
+
+    block_ids[p // block_size] * block_size + p % block_size
+
+and attention covers positions [0, num_computed_tokens + n) through the block table. A request
+whose computed range reaches len(token_ids) gets one sampled token; others (chunks of a longer
+prompt) get None. Requests are read, never mutated: the engine advances num_computed_tokens
+and appends the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.loader import LoadedModel
+from engine.request import Request
+from engine.sampler import Sampler
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs; `order[i]` is the scheduled index of the i-th request laid out."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    order: list[int]
+    token_starts: list[int]  # flat index of each laid-out request's first token
+    sample_rows: list[int]  # laid-out request indices that get a token
+    sample_token_indices: torch.Tensor  # flat index of their last token
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, device: str) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        cfg = model.config
+        self.model = model
+        self.decoder = model.decoder
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
+        """Run one step: a sampled token per scheduled request, None for an unfinished prompt."""
+        results: list[int | None] = [None] * len(scheduled)
+        if not scheduled:
+            return results
+        inputs = self.prepare(scheduled)
+        hidden = self._forward(inputs)
+        if not inputs.sample_rows:
+            return results
+        logits = self.decoder.compute_logits(hidden[inputs.sample_token_indices])
+        requests = [scheduled[inputs.order[row]][0] for row in inputs.sample_rows]
+        tokens = self.sampler.sample(
+            logits,
+            [r.sampling_params for r in requests],
+            [len(r.token_ids) for r in requests],
+        )
+        for row, token in zip(inputs.sample_rows, tokens, strict=True):
+            results[inputs.order[row]] = token
+        return results
+
+    @torch.inference_mode()
+    def compute_logits(self, scheduled: list[tuple[Request, int]]) -> list[torch.Tensor]:
+        """Like execute, but returns float32 logits [n, vocab] of every new position (tests)."""
+        inputs = self.prepare(scheduled)
+        hidden = self._forward(inputs)
+        logits = self.decoder.compute_logits(hidden)
+        results: list[torch.Tensor] = [torch.empty(0)] * len(scheduled)
+        for row, index in enumerate(inputs.order):
+            start = inputs.token_starts[row]
+            results[index] = logits[start : start + scheduled[index][1]]
+        return results
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> StepInputs:
+        """Lay the step out flat, decodes (n == 1) first, and build the attention metadata."""
+        for request, num_new in scheduled:
+            self._check(request, num_new)
+        decodes = [i for i, (_, n) in enumerate(scheduled) if n == 1]
+        prefills = [i for i, (_, n) in enumerate(scheduled) if n > 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        token_starts: list[int] = []
+        sample_rows: list[int] = []
+        sample_indices: list[int] = []
+        seq_lens: list[int] = []
+        block_rows: list[list[int]] = []
+        for row, index in enumerate(decodes):
+            request = scheduled[index][0]
+            pos = request.num_computed_tokens
+            input_ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            token_starts.append(row)
+            seq_lens.append(pos + 1)
+            block_rows.append(request.block_ids[: pos // bs + 1])
+            if pos + 1 == len(request.token_ids):
+                sample_rows.append(row)
+                sample_indices.append(row)
+        device = self.device
+        spans: list[PrefillSpan] = []
+        slot_chunks = [torch.tensor(slots, dtype=torch.long)]
+        position_chunks = [torch.tensor(positions, dtype=torch.long)]
+        for row, index in enumerate(prefills, start=len(decodes)):
+            request, num_new = scheduled[index]
+            start = request.num_computed_tokens
+            end = start + num_new
+            flat_start = len(input_ids)
+            input_ids.extend(request.token_ids[start:end])
+            token_starts.append(flat_start)
+            span_positions = torch.arange(start, end)
+            position_chunks.append(span_positions)
+            all_slots = self._slots(request.block_ids, end)
+            slot_chunks.append(all_slots[start:end])
+            span = PrefillSpan(flat_start, flat_start + num_new)
+            if start > 0:
+                span.kv_slots = all_slots.to(device)
+                span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(device)
+            spans.append(span)
+            if end == len(request.token_ids):
+                sample_rows.append(row)
+                sample_indices.append(flat_start + num_new - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_chunks).to(device),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=spans,
+        )
+        if decodes:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(block_rows, seq_lens)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
+            positions=torch.cat(position_chunks).to(device),
+            meta=meta,
+            order=decodes + prefills,
+            token_starts=token_starts,
+            sample_rows=sample_rows,
+            sample_token_indices=torch.tensor(sample_indices, dtype=torch.long).to(device),
+        )
+
+    def _slots(self, block_ids: list[int], end: int) -> torch.Tensor:
+        """Cache slots of positions [0, end) of a request."""
+        bs = self.block_size
+        blocks = torch.tensor(block_ids[: (end + bs - 1) // bs], dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)[None, :]).view(-1)[:end]
+
+    def _decode_tables(
+        self, block_rows: list[list[int]], seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables padded with block 0, and the [B, 1, 1, L] mask of real positions."""
+        max_blocks = max(len(row) for row in block_rows)
+        padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
+        tables = torch.tensor(padded, dtype=torch.long)
+        lens = torch.tensor(seq_lens, dtype=torch.long)
+        mask = torch.arange(max_blocks * self.block_size)[None, :] < lens[:, None]
+        return tables.to(self.device), mask[:, None, None, :].to(self.device)
+
+    def _check(self, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        if num_new < 1 or end > len(request.token_ids):
+            raise ValueError(
+                f"request {request.request_id!r}: cannot compute {num_new} tokens from position "
+                f"{start} of {len(request.token_ids)}"
+            )
+        if len(request.block_ids) * self.block_size < end:
+            raise ValueError(
+                f"request {request.request_id!r}: {len(request.block_ids)} blocks of "
+                f"{self.block_size} cannot hold {end} positions"
+            )
+        if end > self.model.config.max_position_embeddings:
+            raise ValueError(
+                f"request {request.request_id!r}: {end} positions exceed the model's "
+                f"max_position_embeddings ({self.model.config.max_position_embeddings})"
+            )

@@ -1,0 +1,145 @@
+"""Logits of our paged decoder == transformers' LlamaForCausalLM / Qwen3ForCausalLM (fp32).
+
+The same tiny random weights go into both. Our side runs through the ModelRunner with shuffled
+(non-contiguous) block tables, for a full prefill, a chunked prefill, paged decode, and one mixed
+batch holding all three at once.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from engine.model.config import ModelConfig
+from engine.model.decoder import Decoder
+from engine.model.loader import LoadedModel, tiny_hf_config, tiny_state_dict
+from engine.model.tokenizer import ByteTokenizer
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+SEQ_LEN = 37
+
+CASES = {
+    "llama": tiny_hf_config("llama"),
+    "qwen3": tiny_hf_config("qwen3"),
+    "llama3-rope": tiny_hf_config(
+        "llama",
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+}
+
+
+def hf_model(hf_config: dict, state_dict: dict) -> torch.nn.Module:
+    kwargs = dict(hf_config)
+    kwargs.pop("model_type")
+    if hf_config["model_type"] == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected
+    assert all(name == "lm_head.weight" for name in missing)  # tied to the embeddings
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request):
+    hf_config = CASES[request.param]
+    state_dict = tiny_state_dict(hf_config, seed=1)
+    config = ModelConfig.from_hf_dict(hf_config, request.param, "float32")
+    ours = LoadedModel(config, ByteTokenizer(config.vocab_size), Decoder(config, state_dict, "cpu"))
+    return ours, hf_model(hf_config, state_dict)
+
+
+def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_request(name: str, token_ids: list[int], free_blocks: list[int]) -> Request:
+    num_blocks = (len(token_ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    request = Request(name, token_ids, SamplingParams(temperature=0, max_tokens=1))
+    request.block_ids = [free_blocks.pop() for _ in range(num_blocks)]
+    return request
+
+
+def random_tokens(seed: int, n: int = SEQ_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 320) for _ in range(n)]
+
+
+def shuffled_blocks(seed: int) -> list[int]:
+    blocks = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(blocks)
+    return blocks
+
+
+def run_in_chunks(runner: ModelRunner, request: Request, chunks: list[int]) -> torch.Tensor:
+    outputs = []
+    for n in chunks:
+        (logits,) = runner.compute_logits([(request, n)])
+        outputs.append(logits)
+        request.num_computed_tokens += n
+    return torch.cat(outputs)
+
+
+def test_full_prefill(pair):
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    tokens = random_tokens(0)
+    logits = run_in_chunks(runner, make_request("a", tokens, shuffled_blocks(0)), [SEQ_LEN])
+    torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill(pair):
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    tokens = random_tokens(1)
+    request = make_request("a", tokens, shuffled_blocks(1))
+    logits = run_in_chunks(runner, request, [6, 13, 1, 17])
+    torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
+
+
+def test_paged_decode(pair):
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    tokens = random_tokens(2)
+    request = make_request("a", tokens, shuffled_blocks(2))
+    logits = run_in_chunks(runner, request, [20] + [1] * (SEQ_LEN - 20))
+    torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
+
+
+def test_mixed_batch_of_prefill_chunk_and_decodes(pair):
+    """One step holds a fresh prefill, a chunk on top of a cached prefix, and two decodes."""
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    free = shuffled_blocks(3)
+    seqs = [random_tokens(10 + i, n) for i, n in enumerate([29, 37, 11, 23])]
+    reqs = [make_request(f"r{i}", s, free) for i, s in enumerate(seqs)]
+    # Bring r1 to 20 computed tokens, r2 and r3 to one token short of their ends.
+    for request, done in zip(reqs[1:], [20, 10, 22], strict=True):
+        run_in_chunks(runner, request, [done])
+    step = [(reqs[2], 1), (reqs[0], 29), (reqs[1], 17), (reqs[3], 1)]
+    got = runner.compute_logits(step)
+    expected = [reference_logits(ref, s) for s in seqs]
+    torch.testing.assert_close(got[0], expected[2][10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], expected[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[2], expected[1][20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[3], expected[3][22:], atol=ATOL, rtol=0)
+    # execute() samples greedily from the last position of requests that reached their end.
+    tokens = runner.execute(step)
+    last_rows = [expected[2][-1], expected[0][-1], expected[1][-1], expected[3][-1]]
+    assert tokens == [int(row.argmax()) for row in last_rows]
