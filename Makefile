@@ -35,5 +35,11 @@ lint: $(STAMP)
 dashboards: $(STAMP)
 	$(PY) -m dashboards.build
 
+# The observability stack (server, sidecar, Prometheus, Alertmanager, Grafana, OTel Collector,
+# Jaeger) in docker compose; needs a Docker engine. See docs/deploy.md.
+.PHONY: stack
+stack:
+	docker compose -f deploy/compose/docker-compose.yml up --build -d
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
