@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.kv_planning import KvPlan
 from engine.request import Request
 
 VOCAB_SIZE = 64
 EOS_TOKEN_ID = 0
+BLOCK_SIZE = 4  # make_core's block size: small, so tests cross block boundaries often
 
 
 class FakeDtype:
@@ -102,3 +106,41 @@ class FakeRunner:
             history = [self.slots[self._slot(request, p)] for p in range(end)]
             sampled.append(next_token(history))
         return sampled
+
+
+class RecordingPublisher:
+    """Keeps every record, in place of the telemetry lane."""
+
+    def __init__(self):
+        self.records = []
+        self.queue_notes = []
+
+    def publish(self, record):
+        self.records.append(record)
+
+    def note_queues(self, num_waiting, num_running):
+        self.queue_notes.append((num_waiting, num_running))
+
+    def close(self):
+        pass
+
+
+def make_core(
+    num_blocks: int,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int | None = None,
+    **settings,
+) -> EngineCore:
+    """An EngineCore on the fake runner with ``num_blocks`` blocks of BLOCK_SIZE tokens."""
+    max_model_len = max_model_len or num_blocks * BLOCK_SIZE
+    config = EngineConfig(
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        **settings,
+    )
+    plan = KvPlan(1, BLOCK_SIZE, num_blocks * BLOCK_SIZE, num_blocks, max_model_len)
+    runner = FakeRunner(FakeModel(FakeModelConfig()), num_blocks, BLOCK_SIZE)
+    return EngineCore(config, runner, plan, (EOS_TOKEN_ID,), RecordingPublisher())

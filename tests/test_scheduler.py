@@ -8,51 +8,13 @@ recompute changed nothing.
 
 from __future__ import annotations
 
-from fake_runner import EOS_TOKEN_ID, FakeModel, FakeModelConfig, FakeRunner, reference_output
+from fake_runner import BLOCK_SIZE, make_core, reference_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.kv_planning import KvPlan
 from engine.request import Request, SamplingParams
 from engine.scheduler import RequestRejectedError
-
-BLOCK_SIZE = 4
-
-
-class RecordingPublisher:
-    def __init__(self):
-        self.records = []
-
-    def publish(self, record):
-        self.records.append(record)
-
-    def note_queues(self, num_waiting, num_running):
-        pass
-
-    def close(self):
-        pass
-
-
-def make_core(
-    num_blocks: int,
-    max_num_seqs: int = 4,
-    max_num_batched_tokens: int = 32,
-    max_model_len: int | None = None,
-    **settings,
-) -> EngineCore:
-    max_model_len = max_model_len or num_blocks * BLOCK_SIZE
-    config = EngineConfig(
-        block_size=BLOCK_SIZE,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        **settings,
-    )
-    plan = KvPlan(1, BLOCK_SIZE, num_blocks * BLOCK_SIZE, num_blocks, max_model_len)
-    runner = FakeRunner(FakeModel(FakeModelConfig()), num_blocks, BLOCK_SIZE)
-    return EngineCore(config, runner, plan, (EOS_TOKEN_ID,), RecordingPublisher())
 
 
 def make_request(request_id, prompt, max_tokens, ignore_eos=True) -> Request:

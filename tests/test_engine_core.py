@@ -1,0 +1,152 @@
+"""The core loop's per-iteration record, milestones, aborts and the test-only fault hooks."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from fake_runner import FakeRunner, load_fake_model, make_core
+
+from engine.config import EngineConfig
+from engine.core import build_engine_core
+from engine.request import Request, SamplingParams
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    FINISH_REASONS,
+    IterationRecord,
+    make_decoder,
+    make_encoder,
+)
+
+
+def make_request(request_id, prompt, max_tokens, traceparent=""):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(request_id, list(prompt), params, traceparent=traceparent)
+
+
+def drain(core):
+    outputs = []
+    while core.has_work:
+        outputs += core.step()
+    return outputs
+
+
+def test_milestones_carry_the_lifecycle():
+    core = make_core(num_blocks=16, max_num_batched_tokens=4)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    core.add_request(make_request("a", list(range(1, 11)), 3, traceparent))
+    drain(core)
+    records = core.publisher.records
+    milestones = [m for record in records for m in record.milestones]
+    first, last = milestones
+    assert first.event == EVENT_FIRST_TOKEN and first.finish_reason == -1
+    assert first.num_output_tokens == 1 and first.traceparent == traceparent
+    assert last.event == EVENT_FINISHED
+    assert FINISH_REASONS[last.finish_reason] == "length"
+    assert last.num_prompt_tokens == 10 and last.num_output_tokens == 3
+    assert 0 < last.arrival_ns <= last.first_scheduled_ns <= last.first_token_ns
+    assert last.first_token_ns <= last.finished_ns
+    assert [chunk[2] for chunk in last.prefill_chunks] == [4, 4, 2]  # chunked by the budget
+    # The first token comes in the iteration of the last prefill chunk.
+    assert records[2].milestones == [first]
+    assert [r.iteration for r in records] == list(range(1, len(records) + 1))
+
+
+def test_one_token_request_sets_both_event_bits():
+    core = make_core(num_blocks=16)
+    core.add_request(make_request("a", [1, 2, 3], 1))
+    drain(core)
+    (milestone,) = core.publisher.records[0].milestones
+    assert milestone.event == EVENT_FIRST_TOKEN | EVENT_FINISHED
+
+
+def test_abort_finishes_request_and_reports_it_on_the_next_record():
+    core = make_core(num_blocks=16)
+    core.add_request(make_request("a", [1, 2, 3], 50))
+    core.add_request(make_request("b", [4, 5, 6], 50))
+    core.step()
+    output = core.abort_request("a")
+    assert (output.finished, output.finish_reason) == (True, "abort")
+    assert core.abort_request("a") is None  # unknown ids are ignored
+    core.step()
+    record = core.publisher.records[-1]
+    (milestone,) = [m for m in record.milestones if m.request_id == "a"]
+    assert FINISH_REASONS[milestone.finish_reason] == "abort"
+    assert record.num_running_reqs == 1
+    core.abort_request("b")
+    assert core.has_work  # the pending abort milestone still has to be published
+    core.step()
+    assert core.publisher.records[-1].milestones[0].request_id == "b"
+    assert not core.has_work and core.pool.num_used_blocks == 0
+
+
+def test_prefix_cache_queries_and_hits_in_tokens():
+    core = make_core(num_blocks=16)
+    prompt = list(range(1, 11))  # 2 full blocks of 4 + 2 tokens
+    core.add_request(make_request("a", prompt, 2))
+    drain(core)
+    core.add_request(make_request("b", prompt, 2))
+    outputs = core.step()
+    record = core.publisher.records[-1]
+    assert (record.num_prefix_query_tokens, record.num_prefix_hit_tokens) == (10, 8)
+    assert record.num_context_tokens == 2  # only the uncached tail was computed
+    drain(core)
+    assert outputs[0].num_cached_tokens == 8
+
+
+def test_record_encodes_small_and_round_trips():
+    core = make_core(num_blocks=16)
+    core.add_request(make_request("a", [1, 2, 3], 4))
+    drain(core)
+    decode_record = core.publisher.records[1]
+    assert decode_record.num_generation_tokens == 1 and not decode_record.milestones
+    frame = make_encoder().encode(decode_record)
+    assert len(frame) < 96
+    assert make_decoder().decode(frame) == decode_record
+    assert isinstance(msgspec.msgpack.decode(frame, type=IterationRecord), IterationRecord)
+
+
+def test_queue_lengths_are_noted_when_a_request_arrives():
+    core = make_core(num_blocks=16)
+    core.add_request(make_request("a", [1, 2, 3], 2))
+    core.add_request(make_request("b", [1, 2, 3], 2))
+    assert core.publisher.queue_notes == [(1, 0), (2, 0)]
+
+
+def test_leak_hook_keeps_blocks_with_nothing_running():
+    core = make_core(num_blocks=16, test_leak_blocks_per_finish=1)
+    for index in range(3):
+        core.add_request(make_request(f"r{index}", [1 + index, 2, 3, 4, 5], 2))
+    drain(core)
+    record = core.publisher.records[-1]
+    assert record.num_running_reqs == 0 and record.num_waiting_reqs == 0
+    assert record.num_kv_blocks_used == 3
+
+
+def test_stall_hook_sleeps_inside_the_chosen_iteration():
+    core = make_core(num_blocks=16, test_stall_at_iteration=2, test_stall_s=0.2)
+    core.add_request(make_request("a", [1, 2, 3], 4))
+    drain(core)
+    stalled = core.publisher.records[1]
+    assert stalled.iteration == 2 and stalled.elapsed_ns >= 200_000_000
+
+
+def test_build_engine_core_plans_and_logs_startup_lines(caplog):
+    config = EngineConfig(model="tiny", kv_cache_memory_bytes=1 << 20, max_model_len=2048)
+    with caplog.at_level(logging.INFO, logger="engine.core"):
+        core, model = build_engine_core(config, load_fake_model, FakeRunner)
+    bytes_per_token = 2 * 2 * 2 * 8 * 4  # layers x kv heads x head_dim x fp32, K and V
+    assert core.kv_plan.num_blocks == (1 << 20) // (16 * bytes_per_token)
+    assert (
+        [r.getMessage() for r in caplog.records]
+        == core.startup_lines()
+        == [
+            "Available KV cache memory: 0.00 GiB",
+            "KV cache size: 4,096 tokens",
+            "Maximum concurrency for 2,048 tokens per request: 2.00x",
+        ]
+    )
+    assert core.facts(model.config.name)["num_kv_blocks_total"] == 256
+    core.add_request(make_request("a", [1, 2, 3], 3))
+    assert len(drain(core)) == 3
