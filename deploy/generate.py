@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    stale = stale_files(rendered)
+    stale = stale_files(rendered, GENERATED_DIR)
     if args.check:
         for name in stale:
             print(f"stale: deploy/k8s/generated/{name}; run `python deploy/generate.py`")
