@@ -1,0 +1,299 @@
+"""`iterscope explain RECORDING.jsonl [MORE.jsonl ...]`: episodes and a summary from a recording.
+
+A recording is what the sidecar's JSONL sink writes: one message per line, the msgspec JSON of
+an IterationRecord or Heartbeat (tagged arrays). It may span rotated files and several
+engines; messages are grouped by engine and ordered by record time, so the files can be given
+in any order. Lines that do not decode (a line cut by a crash, another schema version) are
+counted and skipped.
+
+``--follow`` reads the files as the sidecar writes them and prints each episode as it appears
+(and again when it ends), so a running engine can be watched live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+
+from telemetry.episodes import (
+    INFO,
+    NS_PER_S,
+    EngineTimeline,
+    Episode,
+    Thresholds,
+    build_timelines,
+    detect_episodes,
+)
+from telemetry.record import Message
+from telemetry.summary import format_summary, summarize
+
+WRAP_COLUMNS = 100
+
+
+class RecordingReader:
+    """Reads new complete lines from recording files; remembers where it stopped in each.
+
+    A file that shrank or was replaced (rotation) is read again from its start.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.decoder = msgspec.json.Decoder(Message)
+        self.num_bad_lines = 0
+        self._positions: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
+
+    def read_new(self, final: bool = False) -> list:
+        """Messages added since the last call; ``final`` also decodes an unterminated last line
+        (which a writer may still be completing when following)."""
+        messages = []
+        for path in self.paths:
+            messages += self._read_path(path, final)
+        return messages
+
+    def _read_path(self, path: Path, final: bool) -> list:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return []
+        inode, offset = self._positions.get(path, (stat.st_ino, 0))
+        if inode != stat.st_ino or stat.st_size < offset:
+            offset = 0
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self._positions[path] = (stat.st_ino, offset + end)
+        return self._decode_lines(data[:end])
+
+    def _decode_lines(self, data: bytes) -> list:
+        messages = []
+        for line in data.splitlines():
+            if not line.strip():
+                continue
+            try:
+                messages.append(self.decoder.decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.num_bad_lines += 1
+        return messages
+
+
+def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
+    """(timelines by engine index, number of messages, number of unreadable lines)."""
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
+    reader = RecordingReader([Path(p) for p in paths])
+    messages = reader.read_new(final=True)
+    return build_timelines(messages), len(messages), reader.num_bad_lines
+
+
+# --------------------------------------------------------------------------------------------
+# Text output
+
+
+def clock_text(tl: EngineTimeline, ts_ns: int, with_date: bool = False) -> str:
+    """Local wall time of a record time, or seconds from the start without a clock anchor."""
+    if not tl.has_clock_anchor():
+        return f"+{(ts_ns - tl.first_ns) / NS_PER_S:.3f} s"
+    wall = datetime.datetime.fromtimestamp(tl.to_wall_ns(ts_ns) / NS_PER_S)
+    text = wall.strftime("%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f")
+    return text[:-3]
+
+
+def engine_header(tl: EngineTimeline) -> str:
+    facts = tl.facts
+    parts = [f"Engine {tl.engine_index}"]
+    if facts.get("model_name"):
+        parts.append(f"model {facts['model_name']} on {facts.get('device_name') or '?'}")
+    if tl.num_kv_blocks_total:
+        parts.append(f"{tl.num_kv_blocks_total} KV blocks x {facts.get('block_size', '?')} tokens")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if facts.get(name):
+            parts.append(f"{name} {facts[name]}")
+    return ", ".join(parts)
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    indent = " " * 6
+    return textwrap.wrap(
+        text,
+        WRAP_COLUMNS,
+        initial_indent=f"{indent}{label:<10}",
+        subsequent_indent=indent + " " * 10,
+    )
+
+
+def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[str]:
+    until = "(ongoing)" if episode.ongoing else clock_text(tl, episode.end_ns)
+    lines = [
+        f"  {number}. {clock_text(tl, episode.start_ns)} -> {until} "
+        f"({episode.duration_time:.2f} s)  {episode.title}"
+    ]
+    lines += _wrapped("evidence", episode.evidence)
+    lines += _wrapped("why", episode.explanation)
+    lines += _wrapped("change", episode.setting)
+    return lines
+
+
+def format_engine(tl: EngineTimeline, episodes: list[Episode]) -> list[str]:
+    lines = [engine_header(tl)]
+    if tl.records or tl.heartbeats:
+        lines.append(f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
+                     f"{clock_text(tl, tl.last_ns)}")
+    lines += [f"  {line}" for line in format_summary(summarize(tl))]
+    problems = [e for e in episodes if e.severity != INFO]
+    lines.append("")
+    if not problems:
+        lines.append("  No problem found: no saturation, preemption storm, sustained waiting, "
+                     "stall, leak, telemetry gap or latency spike.")
+    lines.append(f"  Episodes ({len(episodes)}):" if episodes else "  Episodes: none")
+    for number, episode in enumerate(episodes, 1):
+        lines += format_episode(tl, number, episode)
+    return lines
+
+
+def episode_json(tl: EngineTimeline, episode: Episode) -> dict:
+    data = asdict(episode)
+    if tl.has_clock_anchor():
+        data["start_wall_ns"] = tl.to_wall_ns(episode.start_ns)
+        data["end_wall_ns"] = tl.to_wall_ns(episode.end_ns)
+    return data
+
+
+def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) -> dict:
+    engines = []
+    for tl in timelines.values():
+        episodes = detect_episodes(tl, thresholds)
+        engines.append({
+            "engine_index": tl.engine_index,
+            "facts": tl.facts,
+            "summary": summarize(tl).to_dict(),
+            "episodes": [episode_json(tl, e) for e in episodes],
+        })
+    return {"engines": engines}
+
+
+# --------------------------------------------------------------------------------------------
+# Follow mode
+
+
+def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode], slack_ns: int) -> None:
+    for episode in episodes:
+        episode.ongoing = episode.ongoing or episode.end_ns >= tl.last_ns - slack_ns
+
+
+def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
+           max_time: float | None, out=sys.stdout) -> int:
+    """Print episodes as they appear and when they end, until interrupted or max_time."""
+    reader = RecordingReader(paths)
+    messages: list = []
+    shown: dict[tuple, bool] = {}  # (engine, kind, start_ns) -> was ongoing when last shown
+    deadline = None if max_time is None else time.monotonic() + max_time
+    print(f"following {', '.join(map(str, paths))} (Ctrl-C to stop)", file=out, flush=True)
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            new_messages = reader.read_new()
+            if new_messages:
+                messages += new_messages
+                _show_new_episodes(build_timelines(messages), thresholds, interval_time,
+                                   shown, out)
+            time.sleep(interval_time)
+    except KeyboardInterrupt:
+        pass
+    for line in (line for tl in build_timelines(messages).values() for line in
+                 format_engine(tl, detect_episodes(tl, thresholds))):
+        print(line, file=out)
+    return 0
+
+
+def _show_new_episodes(timelines, thresholds, interval_time, shown, out) -> None:
+    slack_ns = int(2 * interval_time * NS_PER_S)
+    for tl in timelines.values():
+        episodes = detect_episodes(tl, thresholds)
+        _mark_ongoing(tl, episodes, slack_ns)
+        for episode in episodes:
+            key = (tl.engine_index, episode.kind, episode.start_ns)
+            if key in shown and (shown[key] == episode.ongoing or episode.ongoing):
+                continue
+            status = "ongoing" if episode.ongoing else ("ended" if key in shown else "new")
+            shown[key] = episode.ongoing
+            print(f"[engine {tl.engine_index}, {status}]", file=out)
+            for line in format_episode(tl, len(shown), episode):
+                print(line, file=out)
+            out.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_time(text: str) -> float:
+    """'50ms', '2s', '1.5' (seconds) -> seconds."""
+    text = text.strip().lower()
+    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iterscope explain",
+        description="Find episodes (KV saturation, preemption storms, waiting, stalls, leaks, "
+                    "idle, telemetry gaps, long prefill chunks) and summarise a recording.",
+    )
+    parser.add_argument("recordings", nargs="+", type=Path,
+                        help="JSONL recording file(s) written by `iterscope sidecar --record`")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png",
+                        help="also draw KV usage, queues, tokens, iteration time; episodes shaded")
+    parser.add_argument("--engine", type=int, help="only this engine index")
+    parser.add_argument("--follow", action="store_true",
+                        help="keep reading the files as they grow and print episodes live")
+    parser.add_argument("--interval", type=parse_time, default=1.0,
+                        help="how often --follow reads the files (default 1s)")
+    parser.add_argument("--max-time", type=parse_time, default=None,
+                        help="stop --follow after this long (default: until Ctrl-C)")
+    parser.add_argument("--stall-after", type=parse_time, default=Thresholds.stall_min_time,
+                        help="frozen loop with work queued for this long is a stall (default 2s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    thresholds = Thresholds(stall_min_time=args.stall_after)
+    if args.follow:
+        return follow(args.recordings, thresholds, args.interval, args.max_time)
+    try:
+        timelines, num_messages, num_bad = read_timelines(args.recordings)
+    except FileNotFoundError as error:
+        print(f"iterscope explain: {error}", file=sys.stderr)
+        return 2
+    if args.engine is not None:
+        timelines = {k: v for k, v in timelines.items() if k == args.engine}
+    if not timelines:
+        print("iterscope explain: no telemetry message found in the recording", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report_json(timelines, thresholds), indent=2))
+    else:
+        print(f"iterscope explain: {len(args.recordings)} file(s), {num_messages} messages"
+              f" ({num_bad} unreadable lines), {len(timelines)} engine(s)\n")
+        for tl in timelines.values():
+            print("\n".join(format_engine(tl, detect_episodes(tl, thresholds))) + "\n")
+    if args.plot:
+        from telemetry.plot import plot_timelines
+
+        episodes = {k: detect_episodes(tl, thresholds) for k, tl in timelines.items()}
+        plot_timelines(timelines, episodes, args.plot)
+        print(f"plot written to {os.fspath(args.plot)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,390 @@
+"""A small simulated engine that writes recordings shaped like the user stories.
+
+It schedules like the real engine (continuous batching, chunked prefill, a token budget, a
+sequence limit, a paged KV cache with preemption by recompute), times each iteration with a
+known linear cost (so `tune` can be checked against the truth), sends a heartbeat every
+simulated second, and can inject the faults of the stories: a KV cliff without counted
+preemptions, a stall, a block leak, lost messages.
+
+Everything is deterministic for a given seed; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+)
+
+NS = 1_000_000_000
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    arrival_ns: int
+    num_prompt_tokens: int
+    num_output_tokens_wanted: int
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    chunks: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+@dataclass
+class Cost:
+    """Iteration time = base + per context token + per generation token, times (1 + noise)."""
+
+    base_time: float = 0.004
+    context_token_time: float = 20e-6
+    generation_token_time: float = 300e-6
+    noise: float = 0.02
+
+
+class Simulator:
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        cost: Cost | None = None,
+        seed: int = 0,
+        engine_index: int = 0,
+        start_s: float = 1000.0,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cost = cost or Cost()
+        self.rng = random.Random(seed)
+        self.engine_index = engine_index
+        self.start_ns = self.now_ns = int(start_s * NS)
+        self.wall_offset_ns = 1_763_000_000 * NS - self.now_ns
+        self.pending: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.messages: list[IterationRecord | Heartbeat] = []
+        self.seq = 0
+        self.iteration = 0
+        self.next_heartbeat_ns = self.now_ns
+        self.num_free_blocks = num_blocks
+        self.num_dropped_pending = 0
+        self.leak_blocks_per_finish = 0
+        self.lose_windows: list[tuple[int, int, bool]] = []
+        self.stalls: list[tuple[int, int]] = []
+        self.cliffs: list[tuple[int, float]] = []
+        self.closed_loop: list[tuple[int, int]] = []  # (prompt, output) still to send
+
+    # ---- set-up
+
+    def at(self, seconds: float) -> int:
+        return self.start_ns + int(seconds * NS)
+
+    def add_requests(self, arrival_times_s: list[float], num_prompt: int, num_output: int) -> None:
+        for t in arrival_times_s:
+            request_id = f"req-{len(self.pending) + len(self.waiting) + self.iteration}-{t:.3f}"
+            self.pending.append(SimRequest(request_id, self.at(t), num_prompt, num_output))
+        self.pending.sort(key=lambda r: r.arrival_ns)
+
+    def add_stall(self, at_s: float, duration_s: float) -> None:
+        self.stalls.append((self.at(at_s), int(duration_s * NS)))
+
+    def add_closed_loop(self, num_requests: int, concurrency: int, num_prompt: int,
+                        num_output: int, start_s: float = 0.5) -> None:
+        """A client keeping `concurrency` requests in flight until num_requests were sent."""
+        first = min(concurrency, num_requests)
+        self.add_requests([start_s] * first, num_prompt, num_output)
+        self.closed_loop = [(num_prompt, num_output)] * (num_requests - first)
+
+    def add_cliff(self, at_s: float, min_usage: float = 0.0) -> None:
+        """From at_s, once KV usage >= min_usage: evict every running request to waiting,
+        freeing its blocks, without counting a preemption (story 1)."""
+        self.cliffs.append((self.at(at_s), min_usage))
+
+    def add_message_loss(self, from_s: float, to_s: float, by_engine: bool = True) -> None:
+        self.lose_windows.append((self.at(from_s), self.at(to_s), by_engine))
+
+    # ---- running
+
+    def run(self, until_s: float) -> Simulator:
+        end_ns = self.at(until_s)
+        while self.now_ns < end_ns:
+            self._admit_arrivals()
+            self._heartbeats_until(self.now_ns)
+            if self._inject_faults():
+                continue
+            if not self.running and not self.waiting:
+                next_ns = self.pending[0].arrival_ns if self.pending else end_ns
+                self._advance(min(next_ns, end_ns))
+                continue
+            self._step()
+        return self
+
+    def write(self, path: Path) -> Path:
+        encoder = msgspec.json.Encoder()
+        with open(path, "wb") as f:
+            for message in self.messages:
+                f.write(encoder.encode(message) + b"\n")
+        return path
+
+    # ---- internals
+
+    def _admit_arrivals(self) -> None:
+        while self.pending and self.pending[0].arrival_ns <= self.now_ns:
+            self.waiting.append(self.pending.pop(0))
+
+    def _advance(self, to_ns: int) -> None:
+        self._heartbeats_until(to_ns)
+        self.now_ns = max(self.now_ns, to_ns)
+
+    def _heartbeats_until(self, to_ns: int) -> None:
+        while self.next_heartbeat_ns <= to_ns:
+            ts_ns = self.next_heartbeat_ns
+            self._send(Heartbeat(
+                engine_index=self.engine_index, seq=0, ts_ns=ts_ns,
+                wall_ns=ts_ns + self.wall_offset_ns, last_iteration=self.iteration,
+                num_waiting_reqs=len(self.waiting), num_running_reqs=len(self.running),
+                model_name="sim", device_name="CPU", block_size=self.block_size,
+                num_kv_blocks_total=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens, pid=4242,
+            ), ts_ns)
+            self.next_heartbeat_ns += NS
+
+    def _send(self, message, send_ns: int) -> None:
+        self.seq += 1
+        for start_ns, end_ns, by_engine in self.lose_windows:
+            if start_ns <= send_ns < end_ns:
+                self.num_dropped_pending += by_engine
+                return
+        message.seq = self.seq
+        message.num_dropped = self.num_dropped_pending
+        self.num_dropped_pending = 0
+        self.messages.append(message)
+
+    def _inject_faults(self) -> bool:
+        for stall in list(self.stalls):
+            if stall[0] <= self.now_ns:
+                self.stalls.remove(stall)
+                self._advance(self.now_ns + stall[1])
+                return True
+        usage = 1 - self.num_free_blocks / self.num_blocks
+        for cliff in list(self.cliffs):
+            if cliff[0] <= self.now_ns and usage >= cliff[1]:
+                self.cliffs.remove(cliff)
+                for request in reversed(self.running):
+                    self._evict(request)
+                self.running.clear()
+                return True
+        return False
+
+    def _evict(self, request: SimRequest) -> None:
+        self.num_free_blocks += request.num_blocks
+        request.num_blocks = 0
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    def _blocks_for(self, request: SimRequest, num_new_tokens: int) -> int:
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, needed - request.num_blocks)
+
+    def _step(self) -> None:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        num_preemptions = 0
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self._blocks_for(request, num_new) > self.num_free_blocks:
+                victim = self.running.pop()
+                victim.num_preemptions += 1
+                num_preemptions += 1
+                scheduled = [(r, n) for r, n in scheduled if r is not victim]
+                self._evict(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            self._allocate(request, num_new)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        reason = self._admit_waiting(scheduled, budget)
+        self._run_iteration(scheduled, reason, num_preemptions)
+
+    def _allocate(self, request: SimRequest, num_new: int) -> None:
+        num_blocks = self._blocks_for(request, num_new)
+        self.num_free_blocks -= num_blocks
+        request.num_blocks += num_blocks
+
+    def _admit_waiting(self, scheduled: list, budget: int) -> str:
+        while self.waiting:
+            if len(self.running) >= self.max_num_seqs:
+                return "seq_limit"
+            if budget == 0:
+                return "budget"
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._blocks_for(request, num_new) > self.num_free_blocks:
+                return "kv"
+            self.waiting.popleft()
+            request.first_scheduled_ns = request.first_scheduled_ns or self.now_ns
+            self._allocate(request, num_new)
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return ""
+
+    def _run_iteration(self, scheduled: list, reason: str, num_preemptions: int) -> None:
+        is_generation = [
+            r.num_output_tokens > 0 and n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+            for r, n in scheduled
+        ]
+        pairs = list(zip(scheduled, is_generation, strict=True))
+        num_ctx_tokens = sum(n for (_, n), gen in pairs if not gen)
+        num_gen_tokens = sum(n for (_, n), gen in pairs if gen)
+        elapsed = self.cost.base_time + num_ctx_tokens * self.cost.context_token_time
+        elapsed += num_gen_tokens * self.cost.generation_token_time
+        elapsed_ns = int(elapsed * (1 + self.cost.noise * self.rng.gauss(0, 1)) * NS)
+        start_ns = self.now_ns
+        self.now_ns += max(elapsed_ns, 1000)
+        self.iteration += 1
+        milestones = [m for r, n in scheduled if (m := self._update(r, n, start_ns)) is not None]
+        num_waiting = len(self.waiting)
+        record = IterationRecord(
+            engine_index=self.engine_index, seq=0, iteration=self.iteration, start_ns=start_ns,
+            elapsed_ns=self.now_ns - start_ns,
+            num_context_reqs=is_generation.count(False), num_context_tokens=num_ctx_tokens,
+            num_generation_reqs=is_generation.count(True), num_generation_tokens=num_gen_tokens,
+            num_running_reqs=len(self.running), num_waiting_reqs=num_waiting,
+            num_waiting_kv_reqs=num_waiting if reason == "kv" else 0,
+            num_waiting_seq_limit_reqs=num_waiting if reason == "seq_limit" else 0,
+            num_waiting_budget_reqs=num_waiting if reason == "budget" else 0,
+            num_kv_blocks_used=self.num_blocks - self.num_free_blocks,
+            num_kv_blocks_free=self.num_free_blocks,
+            num_kv_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+            num_preemptions=num_preemptions, milestones=milestones,
+        )
+        self._heartbeats_until(start_ns + (self.now_ns - start_ns) // 2)
+        self._send(record, self.now_ns)
+
+    def _update(self, request: SimRequest, num_new: int, start_ns: int):
+        was_prefill = not (
+            request.num_output_tokens > 0
+            and num_new == 1
+            and request.num_computed_tokens + 1 == request.num_tokens
+        )
+        if was_prefill:
+            request.chunks.append((start_ns, self.now_ns, num_new))
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens < request.num_tokens:
+            return None
+        request.num_output_tokens += 1
+        event = 0
+        if request.num_output_tokens == 1:
+            request.first_token_ns = self.now_ns
+            event |= EVENT_FIRST_TOKEN
+        finished = request.num_output_tokens >= request.num_output_tokens_wanted
+        if finished:
+            event |= EVENT_FINISHED
+            self.running.remove(request)
+            leaked = min(self.leak_blocks_per_finish, request.num_blocks)
+            self.num_free_blocks += request.num_blocks - leaked
+            request.num_blocks = 0
+            if self.closed_loop:
+                num_prompt, num_output = self.closed_loop.pop()
+                self.pending.append(SimRequest(f"{request.request_id}+", self.now_ns, num_prompt,
+                                               num_output))
+        if not event:
+            return None
+        return RequestMilestone(
+            request_id=request.request_id, event=event, arrival_ns=request.arrival_ns,
+            first_scheduled_ns=request.first_scheduled_ns, first_token_ns=request.first_token_ns,
+            finished_ns=self.now_ns if finished else 0,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=0,
+            num_output_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions, finish_reason=1 if finished else -1,
+            prefill_chunks=list(request.chunks) if finished else [],
+        )
+
+
+def arrivals(rate_per_s: float, duration_s: float, start_s: float = 0.5, seed: int = 0):
+    """Poisson arrival times."""
+    rng = random.Random(seed)
+    times, t = [], start_s
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= start_s + duration_s:
+            return times
+        times.append(t)
+
+
+# --------------------------------------------------------------------------------------------
+# The stories, at small scale. Each returns a finished Simulator; .write(path) records it.
+
+# A GPU-like cost: 20 ms per iteration plus 20 us per context and 1 ms per generation token.
+STORY_COST = Cost(base_time=0.020, context_token_time=20e-6, generation_token_time=1e-3)
+
+
+def healthy(seed: int = 0) -> Simulator:
+    """6 requests/s of short prompts, well within every limit."""
+    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024,
+                    cost=STORY_COST, seed=seed)
+    sim.add_requests(arrivals(6, 30, seed=seed), num_prompt=96, num_output=60)
+    return sim.run(33)
+
+
+def story1_kv_cliff() -> Simulator:
+    """Long prompts at a concurrency sized to fill the cache; then every running request is
+    evicted to waiting at once without a counted preemption, and the engine keeps iterating."""
+    sim = Simulator(num_blocks=18 * 55, max_num_seqs=128, max_num_batched_tokens=4096,
+                    cost=STORY_COST)
+    sim.add_closed_loop(num_requests=60, concurrency=18, num_prompt=800, num_output=80)
+    sim.add_cliff(at_s=2.0, min_usage=0.95)
+    return sim.run(25)
+
+
+def story2_leak() -> Simulator:
+    """Every finished request leaves 3 blocks behind: usage climbs with few requests running."""
+    sim = Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024,
+                    cost=STORY_COST)
+    sim.leak_blocks_per_finish = 3
+    sim.add_requests(arrivals(3, 60), num_prompt=64, num_output=30)
+    return sim.run(62)
+
+
+def stalled() -> Simulator:
+    """Healthy load, then the loop hangs for 6 s with work queued (heartbeats go on)."""
+    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024,
+                    cost=STORY_COST)
+    sim.add_requests(arrivals(6, 30), num_prompt=96, num_output=60)
+    sim.add_stall(at_s=10.0, duration_s=6.0)
+    return sim.run(33)
+
+
+def story3_bursty(max_num_seqs: int) -> Simulator:
+    """6 requests/s; batched with room to spare, queued when max_num_seqs is small."""
+    sim = Simulator(num_blocks=2000, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                    cost=STORY_COST)
+    sim.add_requests(arrivals(6, 30, seed=3), num_prompt=200, num_output=100)
+    return sim.run(33)

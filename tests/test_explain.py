@@ -1,0 +1,250 @@
+"""`iterscope explain` on synthetic recordings shaped like the user stories (tests/scenarios)."""
+
+import io
+import json
+import threading
+import time
+
+import msgspec
+import pytest
+from scenarios import synthetic
+from scenarios.synthetic import Cost, Simulator, arrivals
+
+from telemetry.episodes import INFO, Thresholds, build_timelines, detect_episodes
+from telemetry.explain import follow, main, read_timelines
+from telemetry.summary import summarize
+
+
+def episodes_of(sim: Simulator, engine_index: int = 0):
+    timeline = build_timelines(sim.messages)[engine_index]
+    return timeline, detect_episodes(timeline)
+
+
+def problems(episodes):
+    return [e for e in episodes if e.severity != INFO]
+
+
+def only(episodes, kind):
+    found = [e for e in episodes if e.kind == kind]
+    assert found, f"no {kind} episode in {[e.kind for e in episodes]}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def story1():
+    return synthetic.story1_kv_cliff()
+
+
+@pytest.fixture(scope="module")
+def story2():
+    return synthetic.story2_leak()
+
+
+@pytest.fixture(scope="module")
+def stalled():
+    return synthetic.stalled()
+
+
+def test_healthy_run_has_no_episode():
+    for seed in (0, 1, 2):
+        _, episodes = episodes_of(synthetic.healthy(seed))
+        assert episodes == [], [(e.kind, e.evidence) for e in episodes]
+
+
+def test_story1_kv_cliff_without_preemption(story1):
+    timeline, episodes = episodes_of(story1)
+    (cliff,) = only(episodes, "kv_cliff")
+    assert cliff.numbers["usage_before"] >= 0.9
+    assert cliff.numbers["usage_before"] - cliff.numbers["usage_after"] >= 0.5
+    assert cliff.numbers["running_before"] == 18
+    assert cliff.numbers["num_preemptions"] == 0
+    assert cliff.numbers["num_iterations_after"] > 0  # the engine kept iterating
+    assert "no preemption was counted" in cliff.explanation
+    # Nothing invents a stall or a leak: the loop kept going and blocks were returned.
+    assert not [e for e in episodes if e.kind in ("stall", "kv_leak", "telemetry_gap")]
+
+
+def test_kv_cliff_by_preemption_is_explained_as_preemption():
+    sim = Simulator(num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048,
+                    cost=synthetic.STORY_COST)
+    sim.add_closed_loop(num_requests=40, concurrency=12, num_prompt=300, num_output=200)
+    sim.run(20)
+    _, episodes = episodes_of(sim)
+    storms = only(episodes, "preemption_storm")
+    assert sum(e.numbers["num_preemptions"] for e in storms) >= 3
+    assert not [e for e in episodes if e.kind in ("stall", "kv_leak")]
+
+
+def test_story2_leak_seen_with_usage_climbing(story2):
+    _, episodes = episodes_of(story2)
+    (leak,) = only(episodes, "kv_leak")
+    assert leak.numbers["excess_blocks_last"] > 10 * max(leak.numbers["excess_blocks_first"], 1)
+    assert leak.numbers["nothing_running"]
+    assert leak.numbers["usage_last"] > 0.9
+    # Consequences are named too: requests end up waiting for KV capacity.
+    waits = only(episodes, "waiting")
+    assert waits[-1].numbers["reason"] == "waiting_kv"
+    assert not [e for e in episodes if e.kind == "kv_cliff"]
+
+
+def test_stall_from_frozen_heartbeats(stalled):
+    _, episodes = episodes_of(stalled)
+    (stall,) = only(episodes, "stall")
+    assert 5.5 <= stall.numbers["stall_time_s"] <= 7
+    assert not stall.ongoing
+    assert not stall.numbers["inside_iteration"]
+    assert not [e for e in episodes if e.kind in ("idle", "kv_leak", "telemetry_gap")]
+
+
+def test_stall_threshold_is_a_setting(stalled):
+    timeline = build_timelines(stalled.messages)[0]
+    assert not only(detect_episodes(timeline), "stall")[0].ongoing
+    assert not [e for e in detect_episodes(timeline, Thresholds(stall_min_time=10))
+                if e.kind == "stall"]
+
+
+def test_stall_at_the_end_is_ongoing():
+    sim = Simulator(cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(4, 10), num_prompt=64, num_output=200)
+    sim.add_stall(at_s=5.0, duration_s=100)
+    sim.run(12)
+    _, episodes = episodes_of(sim)
+    (stall,) = only(episodes, "stall")
+    assert stall.ongoing and stall.numbers["stall_time_s"] >= 6
+
+
+def test_idle_is_information_not_a_problem():
+    sim = Simulator(cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(4, 5), num_prompt=64, num_output=20)
+    sim.add_requests(arrivals(4, 5, start_s=20, seed=1), num_prompt=64, num_output=20)
+    sim.run(27)
+    _, episodes = episodes_of(sim)
+    idle = only(episodes, "idle")
+    assert idle[0].numbers["idle_time_s"] >= 10
+    assert problems(episodes) == []
+
+
+def test_story3_batched_versus_queued():
+    batched = summarize(build_timelines(synthetic.story3_bursty(64).messages)[0])
+    queued_timeline = build_timelines(synthetic.story3_bursty(4).messages)[0]
+    queued = summarize(queued_timeline)
+    assert batched.mean_batch_reqs > 10 and batched.waiting_share < 0.05
+    assert batched.verdict.startswith("Batched") and "not queued" in batched.verdict
+    assert queued.max_running_reqs == 4 and queued.waiting_share > 0.5
+    assert "and queued" in queued.verdict and "max_num_seqs" in queued.verdict
+    (wait,) = only(detect_episodes(queued_timeline), "waiting")
+    assert wait.numbers["reason"] == "waiting_seq_limit"
+    assert "max_num_seqs=4" in wait.setting
+
+
+def test_lost_messages_make_a_telemetry_gap():
+    sim = Simulator(cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(6, 20), num_prompt=64, num_output=40)
+    sim.add_message_loss(5.0, 6.0, by_engine=True)
+    sim.add_message_loss(12.0, 12.3, by_engine=False)
+    sim.run(22)
+    num_lost = sim.seq - len(sim.messages)
+    _, episodes = episodes_of(sim)
+    gaps = only(episodes, "telemetry_gap")
+    assert len(gaps) == 2
+    assert sum(g.numbers["num_lost"] for g in gaps) == num_lost
+    assert gaps[0].numbers["num_dropped_by_engine"] == gaps[0].numbers["num_lost"]
+    assert gaps[1].numbers["num_dropped_by_engine"] == 0
+
+
+def test_restarted_engine_is_a_silence_not_a_loss():
+    first = Simulator(cost=synthetic.STORY_COST).run(10)
+    second = Simulator(cost=synthetic.STORY_COST, start_s=1015.0)
+    second.add_requests(arrivals(2, 3), num_prompt=32, num_output=10)
+    second.run(5)
+    timeline = build_timelines(first.messages + second.messages)[0]
+    (gap,) = only(detect_episodes(timeline), "telemetry_gap")
+    assert gap.numbers["restarted"] and gap.numbers["silent_time_s"] >= 4
+
+
+def test_long_prefill_chunks_stretch_decode():
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0, 12.0], num_prompt=2000, num_output=10)
+    sim.run(22)
+    _, episodes = episodes_of(sim)
+    long_prefills = only(episodes, "long_prefill")
+    assert len(long_prefills) == 2
+    assert long_prefills[0].numbers["max_elapsed_s"] > 3 * long_prefills[0].numbers["baseline_s"]
+    assert "max_num_batched_tokens=2048" in long_prefills[0].setting
+
+
+def test_engines_are_told_apart():
+    leaky = synthetic.story2_leak()
+    leaky.engine_index = 1
+    for message in leaky.messages:
+        message.engine_index = 1
+    timelines = build_timelines(synthetic.healthy().messages + leaky.messages)
+    assert sorted(timelines) == [0, 1]
+    assert detect_episodes(timelines[0]) == []
+    only(detect_episodes(timelines[1]), "kv_leak")
+
+
+def test_rotated_files_in_any_order_and_a_cut_line(story2, tmp_path):
+    whole = story2.write(tmp_path / "whole.jsonl")
+    lines = whole.read_bytes().splitlines(keepends=True)
+    third = len(lines) // 3
+    parts = [lines[:third], lines[third : 2 * third], lines[2 * third :]]
+    paths = []
+    for number, part in enumerate(parts):
+        path = tmp_path / f"rec.jsonl.{2 - number}"
+        path.write_bytes(b"".join(part) + (b'[17, 0, 5' if number == 2 else b""))
+        paths.append(path)
+    split_timelines, num_messages, num_bad = read_timelines(list(reversed(paths)))
+    whole_timelines, _, _ = read_timelines([whole])
+    assert num_bad == 1 and num_messages == len(lines)
+    assert ([(e.kind, e.start_ns) for e in detect_episodes(split_timelines[0])]
+            == [(e.kind, e.start_ns) for e in detect_episodes(whole_timelines[0])])
+
+
+def test_cli_text_json_and_plot(story1, tmp_path, capsys):
+    path = story1.write(tmp_path / "story1.jsonl")
+    plot = tmp_path / "story1.png"
+    assert main([str(path), "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache cliff: running requests became waiting" in text
+    assert "preemptions counted: 0" in text and "batched or queued?" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    assert main([str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (engine,) = report["engines"]
+    cliff = next(e for e in engine["episodes"] if e["kind"] == "kv_cliff")
+    assert cliff["start_wall_ns"] - cliff["start_ns"] == story1.wall_offset_ns
+    assert engine["summary"]["num_finished_reqs"] == 60
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such recording file" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    assert main([str(empty)]) == 1
+
+
+def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
+    encoder = msgspec.json.Encoder()
+    lines = [encoder.encode(m) + b"\n" for m in stalled.messages]
+    path = tmp_path / "live.jsonl"
+    cut = next(i for i, m in enumerate(stalled.messages) if getattr(m, "ts_ns", 0)
+               >= stalled.at(14.0))  # mid-stall: heartbeats frozen for 4 s
+    path.write_bytes(b"".join(lines[:cut]))
+
+    def grow():
+        time.sleep(0.4)
+        with open(path, "ab") as f:
+            f.write(b"".join(lines[cut:]))
+
+    writer = threading.Thread(target=grow)
+    writer.start()
+    out = io.StringIO()
+    follow([path], Thresholds(), interval_time=0.05, max_time=1.2, out=out)
+    writer.join()
+    text = out.getvalue()
+    assert "[engine 0, ongoing]" in text and "[engine 0, ended]" in text
+    assert text.count("Engine stalled") >= 2
