@@ -175,3 +175,79 @@ def test_engine_markers_one_range_per_iteration_with_iteration_payload(capture_l
 def test_engine_markers_off_or_without_a_tool_are_null():
     assert isinstance(make_markers(False), NullMarkers)
     assert isinstance(make_markers(True), NullMarkers)  # no NVTX tool in this process
+
+
+class FakeStream:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def open(self) -> None:
+        self.log.append(("open", self.name))
+
+    def write_startend(self, start, end, *, message, color, category) -> None:
+        self.log.append(("range", self.name, start, end, message, category))
+
+    def write_counter_sample(self, counter, timestamp, value) -> None:
+        self.log.append(("counter", self.name, counter, timestamp, value))
+
+
+class FakeSession:
+    """Stands in for nvtx.writer.Session: no NVTXW backend can be run here."""
+
+    log: list = []
+
+    def __init__(self, name, *, backend, config=None) -> None:
+        self.log.append(("session", name, backend, config))
+
+    def begin(self) -> None:
+        self.log.append(("begin",))
+
+    def end(self) -> None:
+        self.log.append(("end",))
+
+    def get_domain(self, name):
+        self.log.append(("domain", name))
+        return self
+
+    def get_counter(self, name, dtype):
+        return name
+
+    def create_stream(self, name, *, domain, time_domain_id):
+        self.log.append(("stream", name, time_domain_id))
+        return FakeStream(self.log, name)
+
+
+def test_writer_mode_places_ranges_at_the_engine_timestamps(monkeypatch):
+    import nvtx
+    from nvtx import writer
+
+    class FakeBackend:
+        closed = False
+
+        def close(self):
+            FakeBackend.closed = True
+
+    FakeSession.log = []
+    monkeypatch.setattr(writer, "Session", FakeSession)
+    monkeypatch.setattr(writer, "load_backend", lambda path: FakeBackend())
+    parser = argparse.ArgumentParser()
+    nvtx_ranges.add_arguments(parser)
+    sink = nvtx_ranges.build(parser.parse_args(
+        ["--nvtx-writer-backend", "/opt/nsys/libNvtxwBackend.so", "--nvtx-writer-config", "k=v"]))
+    assert isinstance(sink, nvtx_ranges.NvtxWriterSink)
+    records = make_records(2, engine_index=1)
+    for record in records:
+        sink.on_iteration(record)
+    sink.close()
+    log = FakeSession.log
+    assert ("domain", "iterscope") in log
+    assert ("stream", "engine 1", nvtx.TimestampType.CPU_CLOCK_GETTIME_MONOTONIC) in log
+    ranges = [entry for entry in log if entry[0] == "range"]
+    assert ranges == [("range", "engine 1", r.start_ns, r.start_ns + r.elapsed_ns,
+                       format_iteration_line(r), "engine 1") for r in records]
+    counters = [entry[2:] for entry in log if entry[0] == "counter"]
+    end_ns = records[0].start_ns + records[0].elapsed_ns
+    assert counters[:3] == [("engine 1: KV cache usage (%)", end_ns, 2.0),
+                            ("engine 1: running requests", end_ns, 2),
+                            ("engine 1: waiting requests", end_ns, 6)]
+    assert log[-1] == ("end",) and FakeBackend.closed
