@@ -66,10 +66,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     engine_index: int = 0
     telemetry_address: str | None = None  # ZMQ address of the sidecar; None = telemetry off
+    nvtx_markers: bool = False  # one NVTX range per iteration when an NVTX tool is attached
     # Test-only fault injection (scenario tests of issue 9). Never set these in production.
     test_leak_blocks_per_finish: int = 0  # blocks a finished request keeps forever
     test_stall_at_iteration: int = 0  # 0 = off; the iteration that sleeps before its forward
     test_stall_s: float = 0.0  # how long that iteration sleeps
+    test_count_log_records: bool = False  # engine process counts every log record (probe)
 
     def __post_init__(self) -> None:
         self.dtype = self._checked_dtype()

@@ -17,6 +17,7 @@ import msgspec
 from engine.block_pool import BlockPool
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.kv_planning import KvPlan, cuda_kv_budget_bytes, kv_bytes_per_token, plan_kv_cache
+from engine.nvtx_markers import make_markers
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerOutput, WaitReason
 from telemetry.publisher import NullPublisher
@@ -76,6 +77,7 @@ class EngineCore:
             leak_blocks_per_finish=config.test_leak_blocks_per_finish,
         )
         self.publisher = publisher or NullPublisher()
+        self.markers = make_markers(config.nvtx_markers)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self._pending_milestones: list[RequestMilestone] = []
@@ -107,6 +109,7 @@ class EngineCore:
         """One iteration: schedule, execute, update, publish the record."""
         start_ns = time.monotonic_ns()
         self.iteration += 1
+        self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
         self._maybe_stall()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
@@ -114,6 +117,7 @@ class EngineCore:
         updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
         outputs, milestones = self._outputs(updated, end_ns)
         self.publisher.publish(self._record(scheduled, start_ns, milestones))
+        self.markers.end()
         return outputs
 
     def _outputs(

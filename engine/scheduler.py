@@ -72,6 +72,32 @@ def is_decode(request: Request, num_new_tokens: int) -> bool:
     )
 
 
+def check_request_fits(
+    request_id: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """Raise RequestRejectedError for a request that could never run: longer than
+    max_model_len, or needing more KV blocks than the whole cache."""
+    num_tokens = num_prompt_tokens + max_tokens
+    if num_tokens > max_model_len:
+        raise RequestRejectedError(
+            f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
+            f"({max_tokens}) = {num_tokens} tokens exceeds max_model_len ({max_model_len}); "
+            "shorten the prompt or lower max_tokens"
+        )
+    num_blocks_needed = cdiv(num_tokens, block_size)
+    if num_blocks_needed > num_blocks:
+        raise RequestRejectedError(
+            f"request {request_id!r}: {num_tokens} tokens need {num_blocks_needed} KV blocks "
+            f"but the whole cache has {num_blocks}; shorten the prompt, lower max_tokens or "
+            "give the KV cache more memory"
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -100,20 +126,14 @@ class Scheduler:
 
     def check_request(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestRejectedError for a request that could never run."""
-        num_tokens = num_prompt_tokens + max_tokens
-        if num_tokens > self.max_model_len:
-            raise RequestRejectedError(
-                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
-                f"({max_tokens}) = {num_tokens} tokens exceeds max_model_len "
-                f"({self.max_model_len}); shorten the prompt or lower max_tokens"
-            )
-        num_blocks = cdiv(num_tokens, self.pool.block_size)
-        if num_blocks > self.pool.num_blocks:
-            raise RequestRejectedError(
-                f"request {request_id!r}: {num_tokens} tokens need {num_blocks} KV blocks but "
-                f"the whole cache has {self.pool.num_blocks}; shorten the prompt, lower "
-                "max_tokens or give the KV cache more memory"
-            )
+        check_request_fits(
+            request_id,
+            num_prompt_tokens,
+            max_tokens,
+            self.max_model_len,
+            self.pool.block_size,
+            self.pool.num_blocks,
+        )
 
     def add_request(self, request: Request) -> None:
         self.check_request(

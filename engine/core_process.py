@@ -1,0 +1,504 @@
+"""The engine core in a process of its own, and the client that talks to it.
+
+    client (frontend)                              engine-core process (spawned)
+    PUSH  ipc://DIR/input  --AddRequest/Abort/Shutdown/Probe-->  PULL
+    PULL  ipc://DIR/output <--EngineReady/Failed/Outputs/ProbeReply--  PUSH
+
+Both lanes are lossless: blocking sends, no high-water mark, and the client binds both
+sockets before the engine connects. The engine loop drains its input without blocking while
+it has work and waits for input when idle; it sends one EngineOutputs per iteration that
+produced tokens. It exits on Shutdown (aborting what is left), or when its parent dies.
+
+The client's reader thread routes outputs to one RequestStream per request, usable from
+threads (``get`` / iteration) or from asyncio (``aget`` / ``async for``; the stream binds to
+the event loop it was created in). It watches the process too: when the engine dies, every
+waiter gets EngineDeadError within about 0.1 s.
+
+The engine process imports no prometheus_client or opentelemetry and logs nothing per
+iteration; ``probe()`` reports its loaded modules and log-record count so a test can check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, RequestOutput, build_engine_core
+from engine.request import Request, SamplingParams
+from engine.scheduler import RequestRejectedError, check_request_fits
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
+IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is alive
+
+
+# Client -> engine --------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_ns: int = 0  # time.monotonic_ns() at the frontend; 0 = when the engine reads it
+    traceparent: str = ""
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Probe(msgspec.Struct, tag="probe", array_like=True):
+    pass
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown | Probe
+
+
+# Engine -> client --------------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    pid: int
+    model_name: str
+    startup_lines: list[str]
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
+    error: str
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[RequestOutput]
+
+
+class ProbeReply(msgspec.Struct, tag="probe_reply", array_like=True):
+    top_level_modules: list[str]
+    num_log_records: int  # since ready; counted only with config.test_count_log_records
+    iteration: int
+
+
+EngineMessage = EngineReady | EngineFailed | EngineOutputs | ProbeReply
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no more outputs will come."""
+
+
+# The engine-core process -------------------------------------------------------------------
+
+
+class _LogRecordCounter(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.num_records = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.num_records += 1
+
+
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    load_model: Any = None,
+    runner_class: Any = None,
+) -> None:
+    """Entry point of the engine-core process (also usable in a thread for debugging)."""
+    counter = _LogRecordCounter()
+    if config.test_count_log_records:
+        logging.getLogger().addHandler(counter)
+        logging.getLogger().setLevel(logging.DEBUG)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    core = None
+    try:
+        try:
+            core, model = build_engine_core(config, load_model, runner_class)
+        except Exception as error:  # a start-up failure the client must see (e.g. story 5)
+            outputs.send(encoder.encode(EngineFailed(f"{type(error).__name__}: {error}")))
+            return
+        core.publisher = _make_publisher(config, core, model.config.name)
+        ready = EngineReady(
+            os.getpid(),
+            model.config.name,
+            core.startup_lines(),
+            config.block_size,
+            core.kv_plan.num_blocks,
+            core.kv_plan.max_model_len,
+        )
+        outputs.send(encoder.encode(ready))
+        counter.num_records = 0
+        _EngineLoop(core, inputs, outputs, counter).run()
+    finally:
+        if core is not None:
+            core.publisher.close()
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        context.term()
+
+
+def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
+    if config.telemetry_address is None:
+        return core.publisher
+    from telemetry.publisher import ZmqPublisher
+
+    return ZmqPublisher(config.telemetry_address, config.engine_index, facts=core.facts(model_name))
+
+
+class _EngineLoop:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, counter):
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.counter = counter
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.parent_pid = os.getppid()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running and os.getppid() == self.parent_pid:
+            timeout_ms = 0 if self.core.has_work else IDLE_POLL_MS
+            if self.inputs.poll(timeout_ms):
+                self._drain_inputs()
+            if self.running and self.core.has_work:
+                request_outputs = self.core.step()
+                if request_outputs:
+                    self._send(EngineOutputs(request_outputs))
+
+    def _drain_inputs(self) -> None:
+        while self.running:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame))
+
+    def _handle(self, message: EngineInput) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            aborted = [self.core.abort_request(request_id) for request_id in message.request_ids]
+            self._send(EngineOutputs([output for output in aborted if output is not None]))
+        elif isinstance(message, Probe):
+            modules = sorted({name.split(".")[0] for name in sys.modules})
+            reply = ProbeReply(modules, self.counter.num_records, self.core.iteration)
+            self._send(reply)
+        else:
+            self._shutdown()
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            request = Request(
+                message.request_id,
+                message.prompt_token_ids,
+                message.sampling_params,
+                arrival_ns=message.arrival_ns,
+                traceparent=message.traceparent,
+            )
+            self.core.add_request(request)
+        except ValueError as error:
+            rejected = RequestOutput(message.request_id, [], True, None, 0, str(error))
+            self._send(EngineOutputs([rejected]))
+
+    def _shutdown(self) -> None:
+        """Graceful: abort what is left so every waiter hears the end, then stop."""
+        aborted = [self.core.abort_request(request_id) for request_id in list(self.core.requests)]
+        if aborted:
+            self._send(EngineOutputs([output for output in aborted if output is not None]))
+        self.running = False
+
+    def _send(self, message: Any) -> None:
+        self.outputs.send(self.encoder.encode(message))
+
+
+# The client --------------------------------------------------------------------------------
+
+
+class RequestStream:
+    """Outputs of one request, in order, ending with a finished one.
+
+    Created inside a running asyncio loop, it is awaited (``aget``, ``async for``); created
+    elsewhere, it is read from threads (``get``, ``for``). Errors arrive as exceptions:
+    RequestRejectedError (the engine refused it) or EngineDeadError.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._queue: Any = asyncio.Queue() if self._loop else queue.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """Called by the client's reader thread."""
+        if self._loop is None:
+            self._queue.put(item)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _unwrap(self, item: RequestOutput | Exception) -> RequestOutput:
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        if self._loop is not None:
+            raise RuntimeError("this stream belongs to an asyncio loop: use aget()")
+        return self._unwrap(self._queue.get(timeout=timeout))
+
+    async def aget(self) -> RequestOutput:
+        if self._loop is None:
+            raise RuntimeError("this stream was made outside asyncio: use get()")
+        return self._unwrap(await self._queue.get())
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.aget()
+
+
+class EngineCoreClient:
+    """Starts the engine-core process and talks to it; thread-safe and asyncio-friendly.
+
+    ``load_model`` / ``runner_class`` replace the real model (tests pass picklable fakes).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        load_model: Any = None,
+        runner_class: Any = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.config = config
+        self._dir = tempfile.mkdtemp(prefix="iterscope-engine-")
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._input_lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._probe_replies: queue.Queue[ProbeReply] = queue.Queue()
+        self._dead_error: EngineDeadError | None = None
+        self._closing = threading.Event()
+        self._shutting_down = False
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core,
+            args=(config, input_address, output_address, load_model, runner_class),
+            name="iterscope-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        try:
+            self.ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self._stop_process(timeout_s=1.0)
+            self._close_sockets()
+            raise
+        for line in self.ready.startup_lines:
+            logger.info(line)
+        self._reader = threading.Thread(
+            target=self._read_outputs, name="iterscope-engine-client", daemon=True
+        )
+        self._reader.start()
+
+    # Start-up --------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout_s: float) -> EngineReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._output.poll(POLL_INTERVAL_MS):
+                message = self._decoder.decode(self._output.recv())
+                if isinstance(message, EngineFailed):
+                    raise RuntimeError(f"the engine failed to start: {message.error}")
+                if isinstance(message, EngineReady):
+                    return message
+            elif not self.process.is_alive():
+                raise EngineDeadError(
+                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                )
+        raise TimeoutError(f"the engine did not start within {timeout_s:.0f} s")
+
+    # Requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        traceparent: str = "",
+    ) -> RequestStream:
+        """Submit a request; RequestRejectedError now if it could never run."""
+        request_id = request_id or uuid.uuid4().hex
+        if not prompt_token_ids:
+            raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
+        ready = self.ready
+        check_request_fits(
+            request_id,
+            len(prompt_token_ids),
+            sampling_params.max_tokens,
+            ready.max_model_len,
+            ready.block_size,
+            ready.num_kv_blocks,
+        )
+        stream = RequestStream(request_id)
+        with self._streams_lock:
+            self._raise_if_dead()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        message = AddRequest(
+            request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
+        )
+        self._send(message)
+        return stream
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Stop requests; each stream ends with finish_reason "abort" (unknown ids: ignored)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self._send(AbortRequests(list(request_ids)))
+
+    def probe(self, timeout_s: float = 10.0) -> ProbeReply:
+        """The engine process's loaded top-level modules and log-record count (for tests)."""
+        self._send(Probe())
+        return self._probe_replies.get(timeout=timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_error is None and self.process.is_alive()
+
+    def _send(self, message: Any) -> None:
+        self._raise_if_dead()
+        frame = self._encoder.encode(message)
+        with self._input_lock:
+            self._input.send(frame)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+
+    # Outputs -----------------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        while not self._closing.is_set():
+            if self._output.poll(POLL_INTERVAL_MS):
+                self._dispatch(self._decoder.decode(self._output.recv()))
+            elif not self.process.is_alive():
+                self._drain_outputs()
+                reason = "shut down" if self._shutting_down else "died"
+                self._mark_dead(
+                    f"the engine process {reason} (pid {self.process.pid}, exit code "
+                    f"{self.process.exitcode})"
+                )
+                return
+
+    def _drain_outputs(self) -> None:
+        while self._output.poll(0):
+            self._dispatch(self._decoder.decode(self._output.recv()))
+
+    def _dispatch(self, message: EngineMessage) -> None:
+        if isinstance(message, ProbeReply):
+            self._probe_replies.put(message)
+            return
+        if not isinstance(message, EngineOutputs):
+            return
+        for output in message.outputs:
+            with self._streams_lock:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
+            if stream is None:
+                continue
+            if output.error:
+                stream.put(RequestRejectedError(output.error))
+            else:
+                stream.put(output)
+
+    def _mark_dead(self, text: str) -> None:
+        with self._streams_lock:
+            self._dead_error = EngineDeadError(text)
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(EngineDeadError(text))
+
+    # Shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Graceful: the engine aborts what is left (streams end with "abort") and exits."""
+        self._shutting_down = True
+        if self._dead_error is None and self.process.is_alive():
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                self._send(Shutdown())
+        self.process.join(timeout_s)
+        self._stop_process(timeout_s=2.0)
+        self._reader.join(timeout=timeout_s)
+        self._closing.set()
+        self._reader.join(timeout=2.0)
+        if self._dead_error is None:
+            self._mark_dead("the engine was shut down")
+        self._close_sockets()
+
+    def _stop_process(self, timeout_s: float) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+
+    def _close_sockets(self) -> None:
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

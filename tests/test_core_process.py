@@ -1,0 +1,162 @@
+"""The engine core across the process boundary: submit, stream, abort, reject, shut down, die.
+
+The engine process runs the real core on the fake runner (spawned, so it imports only what
+the engine needs); outputs are checked against the single-request reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from fake_runner import FakeRunner, load_fake_model, reference_output
+
+from engine import core_process
+from engine.config import EngineConfig
+from engine.core_process import EngineCoreClient, EngineDeadError
+from engine.request import SamplingParams
+from engine.scheduler import RequestRejectedError
+
+MAX_MODEL_LEN = 256
+
+
+def make_config(**settings) -> EngineConfig:
+    defaults = dict(
+        model="fake",
+        kv_cache_memory_bytes=64 * 16 * 256,  # 64 blocks of 16 tokens at 256 B per token
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    return EngineConfig(**{**defaults, **settings})
+
+
+def start_client(**settings) -> EngineCoreClient:
+    return EngineCoreClient(make_config(**settings), load_fake_model, FakeRunner, 60)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def client():
+    client = start_client(test_count_log_records=True)
+    yield client
+    client.shutdown()
+
+
+def collect(stream) -> tuple[list[int], str | None]:
+    tokens: list[int] = []
+    reason = None
+    for output in stream:
+        tokens += output.new_token_ids
+        reason = output.finish_reason
+    return tokens, reason
+
+
+def test_ready_reports_the_kv_plan(client):
+    assert client.ready.startup_lines == [
+        "Available KV cache memory: 0.00 GiB",
+        "KV cache size: 1,024 tokens",
+        "Maximum concurrency for 256 tokens per request: 4.00x",
+    ]
+    assert client.ready.num_kv_blocks == 64 and client.ready.pid == client.process.pid
+
+
+def test_submit_and_stream_from_threads(client):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], list(range(1, 40))]
+    streams = [client.add_request(prompt, greedy(10)) for prompt in prompts]
+    for prompt, stream in zip(prompts, streams, strict=True):
+        tokens, reason = collect(stream)
+        assert tokens == reference_output(prompt, 10, MAX_MODEL_LEN, ignore_eos=True)
+        assert reason == "length"
+
+
+def test_submit_and_stream_from_asyncio(client):
+    prompts = [[3, 1], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 9, 9]]
+
+    async def run_one(prompt):
+        stream = client.add_request(
+            prompt, greedy(8), traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        )
+        tokens = []
+        async for output in stream:
+            tokens += output.new_token_ids
+        return tokens
+
+    async def run_all():
+        return await asyncio.gather(*(run_one(prompt) for prompt in prompts))
+
+    results = asyncio.run(run_all())
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == reference_output(prompt, 8, MAX_MODEL_LEN, ignore_eos=True)
+
+
+def test_abort_ends_the_stream(client):
+    stream = client.add_request([1, 2, 3], greedy(200), request_id="to-abort")
+    first = stream.get(timeout=10)
+    assert not first.finished
+    client.abort("to-abort")
+    tokens, reason = collect(stream)
+    assert reason == "abort"
+    assert len(tokens) < 199
+    # The id is free again once the stream ended.
+    assert collect(client.add_request([1, 2, 3], greedy(2), request_id="to-abort"))[1] == "length"
+
+
+def test_impossible_request_is_rejected_by_the_client(client):
+    with pytest.raises(RequestRejectedError, match="exceeds max_model_len"):
+        client.add_request([1] * 250, greedy(10))
+
+
+def test_impossible_request_is_rejected_by_the_engine(client, monkeypatch):
+    monkeypatch.setattr(core_process, "check_request_fits", lambda *args: None)
+    stream = client.add_request([1] * 250, greedy(10))
+    with pytest.raises(RequestRejectedError, match="exceeds max_model_len"):
+        stream.get(timeout=10)
+
+
+def test_engine_process_imports_no_exporters_and_logs_nothing_per_iteration(client):
+    collect(client.add_request(list(range(1, 30)), greedy(20)))
+    reply = client.probe()
+    assert reply.iteration > 20
+    assert "prometheus_client" not in reply.top_level_modules
+    assert "opentelemetry" not in reply.top_level_modules
+    assert "engine" in reply.top_level_modules  # the probe really lists the modules
+    assert reply.num_log_records == 0
+
+
+def test_graceful_shutdown_aborts_what_is_left():
+    client = start_client()
+    stream = client.add_request([1, 2, 3], greedy(240))
+    stream.get(timeout=10)
+    client.shutdown()
+    assert collect(stream)[1] == "abort"
+    assert client.process.exitcode == 0
+    with pytest.raises(EngineDeadError, match="shut down"):
+        client.add_request([1, 2], greedy(2))
+
+
+def test_engine_death_wakes_every_waiter():
+    client = start_client()
+    try:
+        streams = [client.add_request([1, 2, index], greedy(240)) for index in range(3)]
+        streams[0].get(timeout=10)
+        os.kill(client.process.pid, signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="died"):
+                while True:
+                    stream.get(timeout=5)  # queue.Empty here would mean nobody told us
+        assert not client.is_alive
+        with pytest.raises(EngineDeadError):
+            client.add_request([1, 2], greedy(2))
+    finally:
+        client.shutdown()
+
+
+def test_startup_failure_reaches_the_client():
+    with pytest.raises(RuntimeError, match="estimated maximum model length is 64"):
+        start_client(kv_cache_memory_bytes=64 * 256, max_model_len=128)
