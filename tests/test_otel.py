@@ -415,3 +415,47 @@ def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
     assert root.attributes["gen_ai.request.id"] == "via-rotel"
     assert root.resource["service.name"] == "iterscope-test"
     assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
+
+
+def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
+    """Engine publisher -> ZMQ lane -> `iterscope sidecar --otlp-traces-endpoint` -> OTLP."""
+    import signal
+    import sys
+
+    from telemetry.publisher import ZmqPublisher
+
+    address = f"ipc://{tmp_path}/lane.sock"
+    repo = Path(__file__).resolve().parent.parent
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "sidecar", "--address", address, "--no-log",
+         "--no-metrics", "--otlp-traces-endpoint", receiver.endpoint],
+        cwd=repo, stderr=subprocess.PIPE, text=True,
+    )
+    publisher = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "lane.sock").exists():
+            if sidecar.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"sidecar did not start: {sidecar.stderr.read()}")
+            time.sleep(0.05)
+        publisher = ZmqPublisher(address, engine_index=0, facts={"model_name": "m"},
+                                 heartbeat_interval_s=0.05)
+        now_ns = time.monotonic_ns()
+        milestone = finished("e2e", TRACEPARENT, base_ns=now_ns)
+        # Keep publishing until the sidecar is connected (lossy lane: early sends drop).
+        while not receiver.spans and time.monotonic() < deadline:
+            publisher.publish(record(1, [milestone], start_ns=now_ns))
+            time.sleep(0.2)
+        spans = receiver.wait_for(5)
+    finally:
+        if publisher is not None:
+            publisher.close()
+        sidecar.send_signal(signal.SIGINT)
+        sidecar.wait(30)
+    roots = by_name(spans, "llm_request")
+    assert roots and all(r.attributes["gen_ai.request.id"] == "e2e" for r in roots)
+    assert (roots[0].trace_id, roots[0].parent_span_id) == (TRACE_ID, PARENT_SPAN_ID)
+    assert roots[0].resource["iterscope.model"] == "m"
+    # Wall placement from the real heartbeat anchor: within a second of now.
+    wall_offset_ns = time.time_ns() - time.monotonic_ns()
+    assert abs(roots[0].start_ns - (milestone.arrival_ns + wall_offset_ns)) < 1e9
