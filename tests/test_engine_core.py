@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from fake_runner import FakeRunner, load_fake_model, make_core
+from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_core
 
 from engine.config import EngineConfig
-from engine.core import build_engine_core
+from engine.core import EngineCore, build_engine_core
 from engine.request import Request, SamplingParams
 from telemetry.record import (
     EVENT_FINISHED,
@@ -150,3 +150,40 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
     assert core.facts(model.config.name)["num_kv_blocks_total"] == 256
     core.add_request(make_request("a", [1, 2, 3], 3))
     assert len(drain(core)) == 3
+
+
+def test_real_runner_greedy_output_equals_output_without_preemption():
+    """A tiny random Llama on the real runner: batched, chunked and preempted requests
+    produce exactly the tokens each produces alone in a roomy cache."""
+    from engine.kv_planning import KvPlan
+    from engine.model.loader import build_tiny_model
+    from engine.runner import ModelRunner
+
+    model = build_tiny_model("llama", seed=0)
+
+    def run(prompts, num_blocks, max_num_seqs, max_num_batched_tokens):
+        config = EngineConfig(
+            model="tiny",
+            block_size=4,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=num_blocks * 4,
+        )
+        plan = KvPlan(1, 4, num_blocks * 4, num_blocks, num_blocks * 4)
+        runner = ModelRunner(model, num_blocks, 4, "cpu")
+        core = EngineCore(config, runner, plan, model.config.eos_token_ids, RecordingPublisher())
+        outputs = {}
+        for index, prompt in enumerate(prompts):
+            core.add_request(make_request(f"r{index}", prompt, 12))
+            outputs[f"r{index}"] = []
+        while core.has_work:
+            for output in core.step():
+                outputs[output.request_id] += output.new_token_ids
+        return outputs, sum(record.num_preemptions for record in core.publisher.records)
+
+    prompts = [list(range(10, 10 + n)) for n in (9, 5, 13, 7)] + [list(range(10, 19))]
+    batched, num_preemptions = run(prompts, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=8)
+    assert num_preemptions > 0
+    for index, prompt in enumerate(prompts):
+        alone, _ = run([prompt], num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+        assert batched[f"r{index}"] == alone["r0"]
