@@ -1,0 +1,97 @@
+"""`iterscope tune`: the fit recovers a known cost, and the recommendation keeps the target."""
+
+import json
+
+import pytest
+from scenarios import synthetic
+
+from telemetry.episodes import build_timelines
+from telemetry.tune import fit_iteration_time, kv_max_seqs, main, recommend
+
+TRUTH = synthetic.STORY_COST
+
+
+@pytest.fixture(scope="module")
+def bursty():
+    return synthetic.story3_bursty(64)
+
+
+@pytest.fixture(scope="module")
+def bursty_timeline(bursty):
+    return build_timelines(bursty.messages)[0]
+
+
+def test_fit_recovers_the_simulated_cost(bursty_timeline):
+    fit = fit_iteration_time(bursty_timeline)
+    assert fit.base_time == pytest.approx(TRUTH.base_time, rel=0.05)
+    assert fit.coefficients["ctx_tokens"] == pytest.approx(TRUTH.context_token_time, rel=0.05)
+    assert fit.coefficients["gen_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
+    assert fit.r_squared > 0.95 and fit.mean_abs_error_ratio < 0.05
+    assert fit.num_iterations == bursty_timeline.num_iterations
+
+
+def test_a_stalled_iteration_is_left_out_of_the_fit(bursty):
+    timeline = build_timelines(bursty.messages)[0]
+    timeline.columns["elapsed_ns"] = timeline.col("elapsed_ns").copy()
+    timeline.columns["elapsed_ns"][100] = 5_000_000_000
+    fit = fit_iteration_time(timeline)
+    assert fit.num_outliers >= 1
+    assert fit.coefficients["gen_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
+
+
+@pytest.mark.parametrize("itl_target", [0.040, 0.050, 0.100])
+def test_recommendation_is_the_largest_that_keeps_the_target(bursty_timeline, itl_target):
+    fit = fit_iteration_time(bursty_timeline)
+    rec = recommend(fit, itl_target, min_chunk_tokens=512)
+    assert rec.worst_iteration_time <= itl_target
+    assert rec.decode_iteration_time <= itl_target
+    # One more decoding request would not leave room for a 512-token chunk.
+    assert fit.predict(gen_tokens=rec.max_num_seqs + 1, ctx_tokens=512, ctx_reqs=1) > itl_target
+    # A budget one multiple larger would break the target.
+    bigger = rec.max_num_batched_tokens + 16 - rec.max_num_seqs
+    assert fit.predict(gen_tokens=rec.max_num_seqs, ctx_tokens=bigger, ctx_reqs=1) > itl_target
+    assert rec.max_num_batched_tokens % 16 == 0
+    assert rec.max_num_batched_tokens >= rec.max_num_seqs
+    assert rec.generation_throughput == pytest.approx(
+        rec.max_num_seqs / rec.decode_iteration_time)
+
+
+def test_larger_target_never_recommends_less(bursty_timeline):
+    fit = fit_iteration_time(bursty_timeline)
+    recs = [recommend(fit, t) for t in (0.04, 0.06, 0.08, 0.2)]
+    assert [r.max_num_seqs for r in recs] == sorted(r.max_num_seqs for r in recs)
+    assert recs[-1].max_num_seqs > recs[0].max_num_seqs
+
+
+def test_kv_capacity_caps_max_num_seqs():
+    timeline = build_timelines(synthetic.story1_kv_cliff().messages)[0]
+    kv_seqs, mean_length = kv_max_seqs(timeline)
+    assert mean_length == 880 and kv_seqs == 18
+    rec = recommend(fit_iteration_time(timeline), 0.5, kv_seqs=kv_seqs)
+    assert rec.max_num_seqs == 18 and rec.limited_by == "KV cache capacity"
+
+
+def test_unreachable_target_is_a_clear_error(bursty_timeline):
+    with pytest.raises(ValueError, match="below the fastest iteration"):
+        recommend(fit_iteration_time(bursty_timeline), 0.010)
+
+
+def test_cli(bursty, tmp_path, capsys):
+    path = bursty.write(tmp_path / "bursty.jsonl")
+    assert main([str(path), "--itl-target", "50ms"]) == 0
+    text = capsys.readouterr().out
+    assert "Recommended for ITL <= 50.0 ms: --max-num-seqs" in text
+    assert "fit error: RMSE" in text and "generation tokens/s" in text
+    assert main([str(path), "--itl-target", "0.05", "--json"]) == 0
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    assert engine["recommendation"]["worst_iteration_time"] <= 0.05
+    assert main([str(path), "--itl-target", "5ms"]) == 1
+    assert "below the fastest iteration" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.jsonl"), "--itl-target", "50ms"]) == 2
+
+
+def test_too_few_iterations_is_a_clear_error(tmp_path, capsys):
+    sim = synthetic.Simulator().run(3)  # heartbeats only
+    path = sim.write(tmp_path / "idle.jsonl")
+    assert main([str(path), "--itl-target", "50ms"]) == 1
+    assert "at least 10 are needed" in capsys.readouterr().err
