@@ -6,6 +6,7 @@ import argparse
 import shutil
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -402,3 +403,11 @@ def test_flags_defaults_no_metrics_and_bad_buckets(capsys):
         assert "--metrics-buckets" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown histogram"):
         new_sink(buckets={"nope": (1.0,)})
+
+
+def test_docs_list_every_series():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    text = busy_exposition(vllm_compatible_names=True)
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{name}" in docs, name

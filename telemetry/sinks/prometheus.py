@@ -67,7 +67,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
     "iteration_tokens": ("Context + generation tokens per iteration.", _BATCH_TOKEN_BUCKETS),
     "iteration_context_tokens": ("Context (prefill) tokens per iteration.",
-                                 _BATCH_TOKEN_BUCKETS),
+                                 (0, *_BATCH_TOKEN_BUCKETS)),
     "iteration_generation_requests": ("Generation (decode) requests per iteration.",
                                       (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
     "time_to_first_token_seconds": ("Arrival to first token.",
