@@ -251,3 +251,16 @@ def test_writer_mode_places_ranges_at_the_engine_timestamps(monkeypatch):
                             ("engine 1: running requests", end_ns, 2),
                             ("engine 1: waiting requests", end_ns, 6)]
     assert log[-1] == ("end",) and FakeBackend.closed
+
+
+def test_iteration_line_matches_the_design_example():
+    record = make_records(1)[0]
+    for name, value in dict(iteration=188, num_context_reqs=0, num_context_tokens=0,
+                            num_generation_reqs=50, num_generation_tokens=50,
+                            elapsed_ns=10_250_000, num_kv_blocks_used=3500,
+                            num_kv_blocks_free=65459, num_kv_tokens=56000).items():
+        setattr(record, name, value)
+    assert format_iteration_line(record) == (
+        "Iteration(188): 0 context requests, 0 context tokens, 50 generation requests, "
+        "50 generation tokens, iteration elapsed time: 10.25 ms, "
+        "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)")

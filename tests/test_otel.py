@@ -458,3 +458,18 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
     # Wall placement from the real heartbeat anchor: within a second of now.
     wall_offset_ns = time.time_ns() - time.monotonic_ns()
     assert abs(roots[0].start_ns - (milestone.arrival_ns + wall_offset_ns)) < 1e9
+
+
+def test_wall_clock_uses_the_latest_anchor_and_refuses_without_one():
+    from telemetry.clock import WallClock
+
+    clock = WallClock()
+    assert not clock.has_anchor(0)
+    with pytest.raises(KeyError, match="no clock anchor"):
+        clock.to_wall_ns(0, 123)
+    clock.update(heartbeat())
+    assert clock.to_wall_ns(0, MONO_BASE_NS + 7) == MONO_BASE_NS + 7 + WALL_OFFSET_NS
+    stepped = heartbeat()
+    stepped.wall_ns += 2_000_000_000  # NTP stepped the wall clock by 2 s
+    clock.update(stepped)
+    assert clock.to_wall_ns(0, MONO_BASE_NS) == MONO_BASE_NS + WALL_OFFSET_NS + 2_000_000_000
