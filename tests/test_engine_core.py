@@ -187,3 +187,13 @@ def test_real_runner_greedy_output_equals_output_without_preemption():
     for index, prompt in enumerate(prompts):
         alone, _ = run([prompt], num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
         assert batched[f"r{index}"] == alone["r0"]
+
+
+def test_demo_runs_the_embedded_model(capsys):
+    from engine.demo import main
+
+    assert main(["--num-requests", "1", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Available KV cache memory: 0.50 GiB" in out
+    assert "KV cache size: 11,648 tokens" in out
+    assert "> What is the capital of France?\nThe capital of France is Paris." in out
