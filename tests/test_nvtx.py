@@ -264,3 +264,8 @@ def test_iteration_line_matches_the_design_example():
         "Iteration(188): 0 context requests, 0 context tokens, 50 generation requests, "
         "50 generation tokens, iteration elapsed time: 10.25 ms, "
         "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)")
+
+
+def test_writer_mode_with_a_missing_backend_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load the NVTXW backend"):
+        nvtx_ranges.NvtxWriterSink(str(tmp_path / "missing.so"))

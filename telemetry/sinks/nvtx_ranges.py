@@ -131,7 +131,10 @@ class NvtxWriterSink:
     def __init__(self, backend_path: str, config: str | None = None, name: str = DOMAIN):
         from nvtx import writer
 
-        self._backend = writer.load_backend(backend_path)
+        try:
+            self._backend = writer.load_backend(backend_path)
+        except (OSError, writer.WriterError) as error:
+            raise ValueError(f"cannot load the NVTXW backend {backend_path!r}: {error}") from None
         self._session = writer.Session(name, backend=self._backend, config=config)
         self._session.begin()
         self._domain = self._session.get_domain(DOMAIN)
