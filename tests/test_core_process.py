@@ -160,3 +160,37 @@ def test_engine_death_wakes_every_waiter():
 def test_startup_failure_reaches_the_client():
     with pytest.raises(RuntimeError, match="estimated maximum model length is 64"):
         start_client(kv_cache_memory_bytes=64 * 256, max_model_len=128)
+
+
+def test_engine_process_publishes_records_and_heartbeats(tmp_path):
+    import zmq
+
+    from telemetry.record import Heartbeat, IterationRecord, make_decoder
+
+    context = zmq.Context()
+    sink = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/telemetry"
+    sink.bind(address)
+    client = start_client(telemetry_address=address, engine_index=3)
+    try:
+        collect(client.add_request([1, 2, 3], greedy(5), request_id="traced"))
+        decoder = make_decoder()
+        records, heartbeats = [], []
+        while len(records) < 5 or not heartbeats:
+            assert sink.poll(5000), "no telemetry from the engine process"
+            message = decoder.decode(sink.recv())
+            (records if isinstance(message, IterationRecord) else heartbeats).append(message)
+    finally:
+        client.shutdown()
+        sink.close(linger=0)
+        context.term()
+    assert all(record.engine_index == 3 for record in records)
+    assert sum(record.num_generation_tokens for record in records) == 4
+    finished = [m for record in records for m in record.milestones if m.request_id == "traced"]
+    assert finished[-1].num_output_tokens == 5
+    heartbeat = heartbeats[0]
+    assert isinstance(heartbeat, Heartbeat)
+    assert (heartbeat.model_name, heartbeat.device_name) == ("fake", "CPU")
+    assert (heartbeat.block_size, heartbeat.num_kv_blocks_total) == (16, 64)
+    assert (heartbeat.max_num_seqs, heartbeat.max_num_batched_tokens) == (4, 64)
+    assert heartbeat.pid == client.ready.pid
