@@ -7,17 +7,14 @@ Every panel query selects its series with ``SELECTOR`` so the three dashboard va
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, timeseries
 from grafana_foundation_sdk.builders.common import (
     GraphThresholdsStyleConfig,
-    ReduceDataOptions,
     StackingConfig,
     VizLegendOptions,
 )
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import (
-    BigValueColorMode,
-    BigValueGraphMode,
     GraphThresholdsStyleMode,
     LegendDisplayMode,
     LegendPlacement,
@@ -139,25 +136,6 @@ def with_threshold_lines(
     """Draw the thresholds on the graph as dashed lines."""
     return panel.thresholds(thresholds(steps)).thresholds_style(
         GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)
-    )
-
-
-def stat_panel(
-    title: str, description: str, queries: list[prometheus.Dataquery], unit: str = "short"
-) -> stat.Panel:
-    """A big number (last value) with a sparkline."""
-    return (
-        stat.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .targets(queries)
-        .unit(unit)
-        .graph_mode(BigValueGraphMode.AREA)
-        .color_mode(BigValueColorMode.VALUE)
-        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-        .height(4)
-        .span(6)
     )
 
 

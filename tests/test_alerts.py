@@ -127,3 +127,14 @@ def test_unit_tests_fail_when_the_alert_never_fires(name, tmp_path):
     result = run_promtool("test", "rules", *[p.name for p in TEST_FILES], cwd=tests_dir)
     assert result.returncode != 0
     assert name in result.stdout + result.stderr
+
+
+def test_kv_panel_thresholds_are_the_alert_thresholds():
+    from dashboards.common import KV_NEAR_FULL_RATIO, KV_SATURATED_RATIO
+
+    def threshold(name: str) -> float:
+        match = re.search(r"iterscope_kv_cache_usage_ratio >= ([\d.]+)", RULES[name]["expr"])
+        return float(match[1])
+
+    assert threshold("IterscopeKVCacheNearFull") == KV_NEAR_FULL_RATIO
+    assert threshold("IterscopeKVCacheSaturated") == KV_SATURATED_RATIO
