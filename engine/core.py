@@ -80,6 +80,7 @@ class EngineCore:
         self.markers = make_markers(config.nvtx_markers)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
+        self.num_scheduled_reqs = 0  # in the last iteration; 0 with work left = blocked
         self._pending_milestones: list[RequestMilestone] = []
 
     @property
@@ -111,6 +112,7 @@ class EngineCore:
         self.iteration += 1
         self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
+        self.num_scheduled_reqs = len(scheduled.scheduled)
         self._maybe_stall()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is alive
+BLOCKED_POLL_MS = 10  # work waits but nothing could be scheduled: do not spin flat out
 
 
 # Client -> engine --------------------------------------------------------------------------
@@ -186,7 +187,9 @@ class _EngineLoop:
 
     def run(self) -> None:
         while self.running and os.getppid() == self.parent_pid:
-            timeout_ms = 0 if self.core.has_work else IDLE_POLL_MS
+            timeout_ms = IDLE_POLL_MS
+            if self.core.has_work:
+                timeout_ms = 0 if self.core.num_scheduled_reqs else BLOCKED_POLL_MS
             if self.inputs.poll(timeout_ms):
                 self._drain_inputs()
             if self.running and self.core.has_work:

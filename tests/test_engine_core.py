@@ -197,3 +197,15 @@ def test_demo_runs_the_embedded_model(capsys):
     assert "Available KV cache memory: 0.50 GiB" in out
     assert "KV cache size: 11,648 tokens" in out
     assert "> What is the capital of France?\nThe capital of France is Paris." in out
+
+
+def test_leaked_blocks_leave_work_waiting_for_kv_with_nothing_running():
+    core = make_core(num_blocks=4, test_leak_blocks_per_finish=2)
+    core.add_request(make_request("a", [1, 2, 3, 4, 5], 2))
+    drain(core)
+    core.add_request(make_request("b", list(range(1, 10)), 2))  # needs 3 blocks, 2 are free
+    core.step()
+    record = core.publisher.records[-1]
+    assert core.num_scheduled_reqs == 0 and core.has_work
+    assert (record.num_running_reqs, record.num_waiting_kv_reqs) == (0, 1)
+    assert (record.num_kv_blocks_used, record.num_kv_blocks_free) == (2, 2)
