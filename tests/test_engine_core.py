@@ -203,7 +203,7 @@ def test_leaked_blocks_leave_work_waiting_for_kv_with_nothing_running():
     core = make_core(num_blocks=4, test_leak_blocks_per_finish=2)
     core.add_request(make_request("a", [1, 2, 3, 4, 5], 2))
     drain(core)
-    core.add_request(make_request("b", list(range(1, 10)), 2))  # needs 3 blocks, 2 are free
+    core.add_request(make_request("b", list(range(11, 20)), 2))  # needs 3 blocks, 2 are free
     core.step()
     record = core.publisher.records[-1]
     assert core.num_scheduled_reqs == 0 and core.has_work
