@@ -108,6 +108,8 @@ def load_gguf_state_dict(reader, config: dict[str, Any]) -> dict[str, torch.Tens
             array = unpermute_rope_rows(array, config["num_attention_heads"])
         elif permuted and name.endswith("k_proj.weight"):
             array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        if not array.flags.writeable:  # float32 tensors come straight from the memory map
+            array = array.copy()
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(array))
     if "lm_head.weight" not in state_dict:
         config["tie_word_embeddings"] = True
