@@ -7,7 +7,7 @@ numbers that prove it, a plain-language explanation and the setting to change.
 What each detector looks at (all thresholds are in ``Thresholds``):
 
     kv_saturation     KV usage >= 95% for 10+ iterations
-    kv_cliff          KV usage falls from >= 90% by 50+ points within 5 iterations while
+    kv_cliff          KV usage falls from >= 90% by 40+ points within 5 iterations while
                       running requests (not finished ones) turn into waiting ones (story 1),
                       preemptions counted or not
     preemption_storm  3+ preemptions with less than 1 s between them
@@ -21,7 +21,8 @@ What each detector looks at (all thresholds are in ``Thresholds``):
     idle              heartbeats, nothing waiting or running, no iteration, for 5 s+ (info)
     telemetry_gap     holes in ``seq`` (lost messages), or no message at all for 3 s+
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median
-                      decode-only iteration while requests are decoding
+                      decode-only iteration while requests are decoding (the chunk's size times
+                      the median cost of a context token must account for the slowdown)
 
 A healthy run (load within the limits, no faults) yields no episode but ``idle``.
 """
@@ -38,6 +39,7 @@ import numpy as np
 from telemetry.record import EVENT_FINISHED, Heartbeat, IterationRecord
 
 NS_PER_S = 1_000_000_000
+LEAK_MAX_GAP = 10  # iterations; the running requests' slack makes the excess dip a little
 SEQ_RESTART_SLACK = 64  # a seq this far below the highest seen means the engine restarted
 
 PROBLEM = "problem"
@@ -51,7 +53,7 @@ class Thresholds:
     kv_saturated_ratio: float = 0.95
     kv_saturated_min_iterations: int = 10
     kv_cliff_high_ratio: float = 0.90
-    kv_cliff_min_drop: float = 0.50  # usage falls by at least this much (of the whole cache)
+    kv_cliff_min_drop: float = 0.40  # usage falls by at least this much (of the whole cache)
     kv_cliff_max_iterations: int = 5
     storm_min_preemptions: int = 3
     storm_window_time: float = 1.0
@@ -623,13 +625,25 @@ def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     excess = used - needed
     min_blocks = max(th.leak_min_blocks, math.ceil(0.01 * tl.num_kv_blocks_total))
     episodes = []
-    for first, last in true_runs(excess >= min_blocks):
+    for first, last in _growing_runs(excess, min_blocks):
         span = slice(first, last + 1)
         nothing_running = bool((running[span] == 0).any())
         if last - first + 1 < th.leak_min_iterations and not nothing_running:
             continue
         episodes.append(_leak_episode(tl, first, last, excess, nothing_running))
     return episodes
+
+
+def _growing_runs(excess: np.ndarray, min_blocks: int) -> list[tuple[int, int]]:
+    """Runs of excess >= min_blocks; a run whose peak is not below the previous run's peak
+    continues it (the excess is a lower bound that dips while many requests run)."""
+    runs: list[tuple[int, int]] = []
+    for first, last in true_runs(excess >= min_blocks, max_gap=LEAK_MAX_GAP):
+        if runs and excess[first : last + 1].max() >= excess[runs[-1][0] : runs[-1][1] + 1].max():
+            runs[-1] = (runs[-1][0], last)
+        else:
+            runs.append((first, last))
+    return runs
 
 
 def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
@@ -792,10 +806,17 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     baseline_ns = float(np.median(elapsed[decode_only]))
+    with_context = ctx_tokens > 0
+    # What a context token costs, robustly (a median), so that a slow iteration counts only when
+    # its chunk explains the slowness, not a hiccup of the machine (or warm-up).
+    extra_per_token_ns = (elapsed[with_context] - baseline_ns) / ctx_tokens[with_context]
+    ctx_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
+    extra_ns = th.long_prefill_ratio * baseline_ns - baseline_ns
     stretched = (
-        (ctx_tokens > 0) & (gen_reqs > 0)
+        with_context & (gen_reqs > 0)
         & (elapsed >= th.long_prefill_ratio * baseline_ns)
         & (elapsed - baseline_ns >= th.long_prefill_min_extra_time * NS_PER_S)
+        & (ctx_tokens * ctx_token_ns >= extra_ns)
     )
     index = np.flatnonzero(stretched)
     times = tl.col("start_ns")[index].tolist()

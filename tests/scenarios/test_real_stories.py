@@ -1,0 +1,88 @@
+"""Stories 1-3 on the real engine at small scale, recorded through the real sidecar.
+
+Each scenario runs the real engine core (tiny random Llama, tiny KV cache) in this process,
+publishing to an `iterscope sidecar --record` subprocess (tests/scenarios/real_engine.py);
+`explain` must then name the right episode, and report nothing on the healthy run. Iteration
+times on a shared CPU vary a lot, so the assertions are about what happened, not how fast.
+"""
+
+import pytest
+
+from telemetry.episodes import INFO, detect_episodes
+from telemetry.explain import main, read_timelines
+from telemetry.summary import summarize
+
+from . import real_engine
+
+
+def explained(recording):
+    timelines, _, num_bad = read_timelines([recording])
+    assert num_bad == 0 and list(timelines) == [0]
+    timeline = timelines[0]
+    return timeline, detect_episodes(timeline)
+
+
+def kinds(episodes):
+    return {e.kind for e in episodes}
+
+
+def only(episodes, kind):
+    found = [e for e in episodes if e.kind == kind]
+    assert found, f"no {kind} episode in {[(e.kind, e.evidence) for e in episodes]}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    return real_engine.story3_bursty(tmp_path_factory.mktemp("batched"), max_num_seqs=32)
+
+
+def test_healthy_batched_run_has_no_problem(batched):
+    timeline, episodes = explained(batched)
+    assert [e for e in episodes if e.severity != INFO] == [], [e.evidence for e in episodes]
+    summary = summarize(timeline)
+    assert summary.num_finished_reqs == 18
+    assert summary.mean_batch_reqs > 2 and summary.max_batch_reqs >= 6
+    assert summary.verdict.startswith("Batched") and "not queued" in summary.verdict
+    # The last iteration returned every block: nothing held with nothing running.
+    assert timeline.col("blocks_used")[-1] == 0 and timeline.col("running")[-1] == 0
+
+
+def test_story3_queued_by_max_num_seqs(tmp_path):
+    timeline, episodes = explained(real_engine.story3_bursty(tmp_path, max_num_seqs=2))
+    summary = summarize(timeline)
+    assert summary.max_running_reqs == 2 and summary.num_finished_reqs == 18
+    assert "and queued" in summary.verdict and "mostly for max_num_seqs" in summary.verdict
+    assert summary.queue_time_p90 > 0
+    assert not kinds(episodes) & {"stall", "kv_leak", "kv_cliff", "telemetry_gap"}
+
+
+def test_story1_kv_cliff_with_counted_preemption(tmp_path, capsys):
+    recording = real_engine.story1_kv_cliff(tmp_path)
+    timeline, episodes = explained(recording)
+    cliff = only(episodes, "kv_cliff")[0]
+    assert cliff.numbers["usage_before"] >= 0.9 and cliff.numbers["running_before"] == 2
+    assert cliff.numbers["num_preemptions"] >= 1
+    assert "preempted" in cliff.explanation
+    summary = summarize(timeline)
+    assert summary.num_preemptions >= 1 and summary.peak_kv_usage == 1.0
+    assert summary.max_waiting_reqs >= 1 and summary.waiting_reason_shares["KV capacity"] == 1.0
+    assert not kinds(episodes) & {"stall", "kv_leak", "telemetry_gap"}
+    assert main([str(recording)]) == 0
+    assert "KV cache cliff: running requests became waiting" in capsys.readouterr().out
+
+
+def test_story2_leak_hook(tmp_path):
+    timeline, episodes = explained(real_engine.story2_leak(tmp_path))
+    (leak,) = only(episodes, "kv_leak")
+    assert leak.numbers["nothing_running"]
+    assert leak.numbers["excess_blocks_last"] == timeline.col("blocks_used")[-1] > 0
+    assert not kinds(episodes) & {"stall", "kv_cliff", "telemetry_gap"}
+
+
+def test_stall_hook(tmp_path):
+    timeline, episodes = explained(real_engine.stalled(tmp_path))
+    (stall,) = only(episodes, "stall")
+    assert stall.numbers["inside_iteration"] and stall.numbers["frozen_iteration"] == 39
+    assert stall.numbers["stall_time_s"] >= 2.9
+    assert not kinds(episodes) & {"kv_leak", "kv_cliff", "telemetry_gap", "idle"}
