@@ -1,9 +1,10 @@
 """`iterscope explain RECORDING.jsonl [MORE.jsonl ...]`: episodes and a summary from a recording.
 
 A recording is what the sidecar's JSONL sink writes: one message per line, the msgspec JSON of
-an IterationRecord or Heartbeat (tagged arrays). It may span rotated files and several
-engines; messages are grouped by engine and ordered by record time, so the files can be given
-in any order. Lines that do not decode (a line cut by a crash, another schema version) are
+an IterationRecord or Heartbeat (tagged arrays). It may span rotated files (``rec.jsonl.1``,
+... are read along with ``rec.jsonl``) and several engines; messages are grouped by engine and
+ordered by record time, so files can be given in any order, and a message read twice counts
+once. Lines that do not decode (a line cut by a crash, another schema version) are
 counted and skipped.
 
 ``--follow`` reads the files as the sidecar writes them and prints each episode as it appears
@@ -34,6 +35,7 @@ from telemetry.episodes import (
     detect_episodes,
 )
 from telemetry.record import Message
+from telemetry.sinks.jsonl import recording_files
 from telemetry.summary import format_summary, summarize
 
 WRAP_COLUMNS = 100
@@ -86,12 +88,22 @@ class RecordingReader:
         return messages
 
 
+def with_rotated_files(paths: list[str | Path]) -> list[Path]:
+    """Each path preceded by its rotated older files (path.N ... path.1), without repeats."""
+    expanded: list[Path] = []
+    for path in paths:
+        expanded += [p for p in recording_files(path) if p not in expanded]
+    return expanded
+
+
 def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
-    """(timelines by engine index, number of messages, number of unreadable lines)."""
+    """(timelines by engine index, number of messages, number of unreadable lines).
+
+    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too."""
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
-    reader = RecordingReader([Path(p) for p in paths])
+    reader = RecordingReader(with_rotated_files(paths))
     messages = reader.read_new(final=True)
     return build_timelines(messages), len(messages), reader.num_bad_lines
 
@@ -194,8 +206,8 @@ def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode], slack_ns: int) ->
 def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
            max_time: float | None, out=sys.stdout) -> int:
     """Print episodes as they appear and when they end, until interrupted or max_time."""
-    reader = RecordingReader(paths)
-    messages: list = []
+    reader = RecordingReader(with_rotated_files(paths))  # rotation renames the files: reread
+    messages: list = []  # (repeats are dropped by build_timelines)
     shown: dict[tuple, bool] = {}  # (engine, kind, start_ns) -> was ongoing when last shown
     deadline = None if max_time is None else time.monotonic() + max_time
     print(f"following {', '.join(map(str, paths))} (Ctrl-C to stop)", file=out, flush=True)

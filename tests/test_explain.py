@@ -191,16 +191,17 @@ def test_rotated_files_in_any_order_and_a_cut_line(story2, tmp_path):
     lines = whole.read_bytes().splitlines(keepends=True)
     third = len(lines) // 3
     parts = [lines[:third], lines[third : 2 * third], lines[2 * third :]]
-    paths = []
+    paths = []  # the JSONL sink's rotation: rec.jsonl.2 (oldest), rec.jsonl.1, rec.jsonl
     for number, part in enumerate(parts):
-        path = tmp_path / f"rec.jsonl.{2 - number}"
+        path = tmp_path / ("rec.jsonl" if number == 2 else f"rec.jsonl.{2 - number}")
         path.write_bytes(b"".join(part) + (b'[17, 0, 5' if number == 2 else b""))
         paths.append(path)
-    split_timelines, num_messages, num_bad = read_timelines(list(reversed(paths)))
-    whole_timelines, _, _ = read_timelines([whole])
-    assert num_bad == 1 and num_messages == len(lines)
-    assert ([(e.kind, e.start_ns) for e in detect_episodes(split_timelines[0])]
-            == [(e.kind, e.start_ns) for e in detect_episodes(whole_timelines[0])])
+    whole_episodes = detect_episodes(read_timelines([whole])[0][0])
+    for given in ([paths[-1]], list(reversed(paths)), paths + paths):
+        split_timelines, num_messages, num_bad = read_timelines(given)
+        assert num_bad == 1 and num_messages == len(lines)
+        assert ([(e.kind, e.start_ns) for e in detect_episodes(split_timelines[0])]
+                == [(e.kind, e.start_ns) for e in whole_episodes])
 
 
 def test_cli_text_json_and_plot(story1, tmp_path, capsys):
