@@ -360,7 +360,7 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     num_gen_after = int(tl.col("gen_tokens")[after].sum())
     if num_preemptions:
         why = (
-            f"The scheduler preempted {num_preemptions} running requests (by recompute) and "
+            f"The scheduler preempted {num_preemptions} running request(s) (by recompute) and "
             "freed their KV blocks: they went back to the waiting queue and must prefill their "
             "whole prompt again, which with long prompts costs as much as the first time."
         )
@@ -521,11 +521,13 @@ def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode
 
 
 def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
-    where = (
-        f"inside iteration {group[0].last_iteration + 1}, which took "
-        f"{secs(until_ns - since_ns)} (a forward pass or a step that hung)"
-        if inside else "between iterations (it did not start the next one)"
-    )
+    if ongoing:
+        where = "inside the next iteration or between iterations: none has finished since"
+    elif inside:
+        where = (f"inside iteration {group[0].last_iteration + 1}, which took "
+                 f"{secs(until_ns - since_ns)} (a forward pass or a step that hung)")
+    else:
+        where = "between iterations (it did not start the next one)"
     max_waiting = max(h.num_waiting_reqs for h in group)
     max_running = max(h.num_running_reqs for h in group)
     return Episode(

@@ -198,9 +198,10 @@ def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) ->
 # Follow mode
 
 
-def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode], slack_ns: int) -> None:
+def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode]) -> None:
+    """An episode that lasts up to the newest message may still be going on."""
     for episode in episodes:
-        episode.ongoing = episode.ongoing or episode.end_ns >= tl.last_ns - slack_ns
+        episode.ongoing = episode.ongoing or episode.end_ns >= tl.last_ns
 
 
 def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
@@ -216,8 +217,7 @@ def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
             new_messages = reader.read_new()
             if new_messages:
                 messages += new_messages
-                _show_new_episodes(build_timelines(messages), thresholds, interval_time,
-                                   shown, out)
+                _show_new_episodes(build_timelines(messages), thresholds, shown, out)
             time.sleep(interval_time)
     except KeyboardInterrupt:
         pass
@@ -227,11 +227,10 @@ def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
     return 0
 
 
-def _show_new_episodes(timelines, thresholds, interval_time, shown, out) -> None:
-    slack_ns = int(2 * interval_time * NS_PER_S)
+def _show_new_episodes(timelines, thresholds, shown, out) -> None:
     for tl in timelines.values():
         episodes = detect_episodes(tl, thresholds)
-        _mark_ongoing(tl, episodes, slack_ns)
+        _mark_ongoing(tl, episodes)
         for episode in episodes:
             key = (tl.engine_index, episode.kind, episode.start_ns)
             if key in shown and (shown[key] == episode.ongoing or episode.ongoing):

@@ -191,7 +191,7 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
 
 
 def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
-                  kv_length: float | None) -> list[str]:
+                  kv_seqs: int | None, kv_length: float | None) -> list[str]:
     ms, us = 1000, 1e6
     coefficient_text = ", ".join(
         f"{us * fit.coefficients[name]:.2f} us per {label}"
@@ -213,10 +213,9 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
                                                                     0), ctx_reqs=1)
         lines.append(f"  current: max_num_seqs {current_seqs}, max_num_batched_tokens "
                      f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted")
-    if kv_length is not None:
-        lines.append(f"  KV cache: {tl.num_kv_blocks_total} blocks hold ~"
-                     f"{tl.num_kv_blocks_total * tl.facts['block_size'] // math.ceil(kv_length)} "
-                     f"requests of the mean recorded length ({kv_length:.0f} tokens)")
+    if kv_seqs is not None and kv_length is not None:
+        lines.append(f"  KV cache: {tl.num_kv_blocks_total} blocks hold {kv_seqs} requests of "
+                     f"the mean recorded length ({kv_length:.0f} tokens) at once")
     lines += [
         f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms: --max-num-seqs {rec.max_num_seqs} "
         f"--max-num-batched-tokens {rec.max_num_batched_tokens} (max_num_seqs limited by "
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"engine_index": tl.engine_index, "fit": asdict(fit),
                         "recommendation": asdict(rec)})
         if not args.json:
-            print("\n".join(format_report(tl, fit, rec, kv_length)))
+            print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))
     if not timelines:
         print("iterscope tune: no iteration found in the recording", file=sys.stderr)
         return 1

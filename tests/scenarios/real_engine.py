@@ -150,7 +150,16 @@ def story3_bursty(out_dir: Path, max_num_seqs: int) -> Path:
     return run_scenario(out_dir, arrivals, max_num_seqs=max_num_seqs)
 
 
+def story4_sweep(out_dir: Path) -> Path:
+    """Bursts of growing size and prompt length, so `tune` sees iterations of many shapes."""
+    arrivals = [
+        Arrival(0.6 * k, 48 * (k + 1), 24) for k in range(8) for _ in range(3 * k + 1)
+    ]
+    return run_scenario(out_dir, arrivals, max_num_batched_tokens=1024)
+
+
 SCENARIOS = {
+    "story4": story4_sweep,
     "story1": story1_kv_cliff,
     "story2": story2_leak,
     "stall": stalled,
