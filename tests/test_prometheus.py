@@ -9,6 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -411,3 +413,37 @@ def test_docs_list_every_series():
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")
         assert f"`{name}" in docs, name
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(
+    st.sampled_from(["record", "heartbeat", "restart", "dropped", "status"]),
+    st.integers(0, 1), st.integers(0, 600), st.integers(0, 3)), max_size=25))
+def test_counters_never_decrease_whatever_the_message_order(events):
+    """Any mix of records (with gaps), heartbeats, engine restarts, drops and status changes.
+
+    Samples are compared per engine: model_name is "" until the engine's first heartbeat."""
+    sink, registry = new_sink()
+    iterations = {0: 0, 1: 0}
+    pids = {0: 1, 1: 1}
+    previous: dict = {}
+    for kind, engine, amount, event in events:
+        if kind == "record":
+            iterations[engine] += 1 + amount % 3  # sometimes skips iterations (lost records)
+            milestones = [make_milestone(event, finish_reason=amount % 4 - 1)] if event else []
+            sink.on_iteration(make_record(iterations[engine], engine_index=engine,
+                                          num_context_tokens=amount, milestones=milestones))
+        elif kind == "restart":
+            iterations[engine] = 0
+            pids[engine] += 1
+            sink.on_heartbeat(make_heartbeat(engine, pid=pids[engine], ts_ns=amount * MS))
+        elif kind == "heartbeat":
+            sink.on_heartbeat(make_heartbeat(engine, pid=pids[engine]))
+        elif kind == "dropped":
+            sink.on_dropped(engine, amount)
+        else:
+            sink.on_status(engine, list(EngineStatus)[event], 0)
+        current = {(name, frozenset((k, v) for k, v in labels if k != "model_name")): val
+                   for (name, labels), val in counter_like_values(scrape(registry)).items()}
+        assert all(current[key] >= old for key, old in previous.items())
+        previous = current
