@@ -11,12 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from telemetry.episodes import NS_PER_S, EngineTimeline, Episode  # noqa: E402
+
+GAP_MIN_TIME = 0.05  # seconds without an iteration drawn as a gap in the lines
 
 EPISODE_COLOURS = {
     "kv_saturation": "tab:red",
@@ -41,9 +44,13 @@ def plot_timelines(
     for tl in timelines.values():
         suffix = f" (engine {tl.engine_index})" if len(timelines) > 1 else ""
         t = (tl.col("end_ns") - t0_ns) / NS_PER_S
-        kv_ax.plot(t, 100 * tl.kv_usage, label=f"KV usage{suffix}", lw=1)
-        queue_ax.plot(t, tl.col("running"), label=f"running{suffix}", lw=1)
-        queue_ax.plot(t, tl.col("waiting"), label=f"waiting{suffix}", lw=1)
+        for ax, values, label in (
+            (kv_ax, 100 * tl.kv_usage, "KV usage"),
+            (queue_ax, tl.col("running"), "running"),
+            (queue_ax, tl.col("waiting"), "waiting"),
+        ):
+            ax.plot(*_broken_at_gaps(t, values), label=label + suffix, lw=1,
+                    drawstyle="steps-post")
         token_ax.plot(t, tl.col("ctx_tokens"), ".", ms=2, label=f"context tokens{suffix}")
         token_ax.plot(t, tl.col("gen_tokens"), ".", ms=2, label=f"generation tokens{suffix}")
         time_ax.plot(t, tl.col("elapsed_ns") / 1e6, ".", ms=2, label=f"iteration time{suffix}")
@@ -64,6 +71,17 @@ def plot_timelines(
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return Path(path)
+
+
+def _broken_at_gaps(t: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Insert a gap (NaN) where no iteration ran for a while, so idle time is not drawn as a
+    line from the last value to the next one."""
+    if len(t) < 2:
+        return t, values.astype(float)
+    steps = np.diff(t)
+    gap_at = np.flatnonzero(steps > max(GAP_MIN_TIME, 20 * float(np.median(steps)))) + 1
+    return (np.insert(t, gap_at, t[gap_at - 1] + 1e-9),
+            np.insert(values.astype(float), gap_at, np.nan))
 
 
 def _shade_episodes(axes, episodes: dict[int, list[Episode]], t0_ns: int) -> list[str]:
