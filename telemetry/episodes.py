@@ -306,7 +306,8 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             setting=(
                 "Give the KV cache more memory, lower max_model_len, or lower max_num_seqs / "
                 "client concurrency so peak usage stays below ~90% "
-                "(`iterscope kv-plan` shows how many requests fit)."
+                "(`iterscope kv-plan` shows how many requests fit; runbook: "
+                "IterscopeKVCacheSaturated)."
             ),
             severity=PROBLEM if max_waiting_kv or num_preemptions else INFO,
             numbers={"peak_usage": peak, "num_iterations": last - first + 1,
@@ -427,7 +428,8 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             ),
             setting=(
                 f"Lower {_limit(tl, 'max_num_seqs')} or client concurrency, or give the KV cache "
-                "more memory, so the requests admitted together fit until they finish."
+                "more memory, so the requests admitted together fit until they finish "
+                "(runbook: IterscopePreemptionStorm)."
             ),
             numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
         ))
@@ -548,7 +550,7 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
         setting=(
             "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
             f"--pid {group[0].pid or 'PID'}`), check the device, restart the engine if it does "
-            "not recover; the EngineStalled alert fires on the same condition."
+            "not recover (alert and runbook: IterscopeEngineStalled)."
         ),
         ongoing=ongoing,
         numbers={"frozen_iteration": group[0].last_iteration,
@@ -675,7 +677,7 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
         ),
         setting=(
             "Not a tuning setting: a block-accounting bug. Restart the engine to recover and "
-            "report it with this recording; the KVBlocksLeaking alert watches the same numbers."
+            "report it with this recording (alert and runbook: IterscopeKVBlocksLeaked)."
         ),
         numbers={"excess_blocks_first": int(excess[first]), "excess_blocks_last": int(excess[last]),
                  "nothing_running": nothing_running, "usage_last": float(usage[last])},
@@ -771,7 +773,8 @@ def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Epis
             ),
             setting=(
                 "Keep the sidecar running and keeping up (bench/sidecar_ingest.py), raise the "
-                "publisher's send high-water mark, and pass every rotated recording file."
+                "publisher's send high-water mark, and pass every rotated recording file "
+                "(runbook: IterscopeTelemetryDropping)."
             ),
             numbers={"num_lost": num_lost, "num_dropped_by_engine": num_dropped},
         ))
@@ -795,7 +798,7 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
         title="Engine silent" + (": restarted" if restarted else ""),
         evidence=f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}",
         explanation=why,
-        setting="Check the engine's logs and exit status; the EngineDead alert fires on this.",
+        setting="Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown).",
         numbers={"silent_time_s": (end_ns - start_ns) / NS_PER_S, "restarted": restarted},
     )
 
