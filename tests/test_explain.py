@@ -249,3 +249,12 @@ def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
     text = out.getvalue()
     assert "[engine 0, ongoing]" in text and "[engine 0, ended]" in text
     assert text.count("Engine stalled") >= 2
+
+
+def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
+    from engine.cli import main as iterscope
+
+    path = story2.write(tmp_path / "story2.jsonl")
+    assert iterscope(["explain", str(path), "--engine", "0"]) == 0
+    assert "KV blocks leaking" in capsys.readouterr().out
+    assert iterscope(["explain", str(path), "--engine", "7"]) == 1
