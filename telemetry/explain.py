@@ -35,7 +35,6 @@ from telemetry.episodes import (
     detect_episodes,
 )
 from telemetry.record import Message
-from telemetry.sinks.jsonl import recording_files
 from telemetry.summary import format_summary, summarize
 
 WRAP_COLUMNS = 100
@@ -88,11 +87,20 @@ class RecordingReader:
         return messages
 
 
+def rotated_files(path: str | Path) -> list[Path]:
+    """The JSONL sink's rotation, oldest first: path.N, ..., path.1, path."""
+    path = Path(path)
+    older = []
+    while (candidate := path.with_name(f"{path.name}.{len(older) + 1}")).exists():
+        older.append(candidate)
+    return [*reversed(older), path]
+
+
 def with_rotated_files(paths: list[str | Path]) -> list[Path]:
-    """Each path preceded by its rotated older files (path.N ... path.1), without repeats."""
+    """Each path preceded by its rotated older files, without repeats."""
     expanded: list[Path] = []
     for path in paths:
-        expanded += [p for p in recording_files(path) if p not in expanded]
+        expanded += [p for p in rotated_files(path) if p not in expanded]
     return expanded
 
 
