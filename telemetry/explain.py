@@ -213,7 +213,7 @@ def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode]) -> None:
 
 
 def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
-           max_time: float | None, out=sys.stdout) -> int:
+           max_time: float | None, out=sys.stdout, engine_index: int | None = None) -> int:
     """Print episodes as they appear and when they end, until interrupted or max_time."""
     reader = RecordingReader(with_rotated_files(paths))  # rotation renames the files: reread
     messages: list = []  # (repeats are dropped by build_timelines)
@@ -225,14 +225,22 @@ def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
             new_messages = reader.read_new()
             if new_messages:
                 messages += new_messages
-                _show_new_episodes(build_timelines(messages), thresholds, shown, out)
+                timelines = _only_engine(build_timelines(messages), engine_index)
+                _show_new_episodes(timelines, thresholds, shown, out)
             time.sleep(interval_time)
     except KeyboardInterrupt:
         pass
-    for line in (line for tl in build_timelines(messages).values() for line in
+    timelines = _only_engine(build_timelines(messages), engine_index)
+    for line in (line for tl in timelines.values() for line in
                  format_engine(tl, detect_episodes(tl, thresholds))):
         print(line, file=out)
     return 0
+
+
+def _only_engine(timelines: dict[int, EngineTimeline], engine_index: int | None) -> dict:
+    if engine_index is None:
+        return timelines
+    return {k: v for k, v in timelines.items() if k == engine_index}
 
 
 def _show_new_episodes(timelines, thresholds, shown, out) -> None:
@@ -291,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     thresholds = Thresholds(stall_min_time=args.stall_after)
     if args.follow:
-        return follow(args.recordings, thresholds, args.interval, args.max_time)
+        return follow(args.recordings, thresholds, args.interval, args.max_time,
+                      engine_index=args.engine)
     try:
         timelines, num_messages, num_bad = read_timelines(args.recordings)
     except FileNotFoundError as error:
         print(f"iterscope explain: {error}", file=sys.stderr)
         return 2
-    if args.engine is not None:
-        timelines = {k: v for k, v in timelines.items() if k == args.engine}
+    timelines = _only_engine(timelines, args.engine)
     if not timelines:
         print("iterscope explain: no telemetry message found in the recording", file=sys.stderr)
         return 1
