@@ -3,6 +3,13 @@ these methods; the sidecar's ingest thread calls them in arrival order, one at a
 
 Sinks keep their own state and derive everything from the records they are given, so two
 sinks fed the same records agree (the log line and the Prometheus counters, say).
+
+Optional hooks, looked up with getattr by the sidecar (telemetry/sidecar_cli.py):
+- ``known_last_seqs() -> dict[int, int]``: the last seq per engine this sink already holds
+  from an earlier sidecar run (the JSONL recording), so gaps across a restart are exact.
+- ``set_peers(sinks: list[Sink])``: called once with every built sink.
+- ``sidecar_counters() -> dict[str, float]``: extra counters for the Prometheus sink.
+A sink module offers ``add_arguments(parser)`` and ``build(args) -> Sink | None``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ class EngineStatus(str, enum.Enum):
     IDLE:    heartbeats arrive, nothing waits or runs.
     RUNNING: iterations arrive.
     STALLED: heartbeats arrive and work waits or runs, but no iteration finished lately.
-    DEAD:    no heartbeat for the dead-after interval (3 s by default).
+    DEAD:    no message for the dead-after interval (2.5 s by default, so a killed engine is
+             reported within 3 s).
     """
 
     IDLE = "idle"
@@ -40,7 +48,8 @@ class Sink(Protocol):
         """``num_dropped`` messages of this engine were lost (from seq gaps)."""
 
     def on_undecodable(self, reason: str) -> None:
-        """A frame could not be decoded; reason is 'malformed', 'version' or 'oversized'."""
+        """A frame could not be decoded; reason is 'malformed', 'truncated', 'version' or
+        'oversized' (telemetry.sidecar.UNDECODABLE_REASONS)."""
 
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""

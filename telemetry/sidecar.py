@@ -1,0 +1,343 @@
+"""The sidecar's ingest: lane frames in, sequence checks and engine status, sinks called in order.
+
+Two layers, so that a live socket and a replayed recording go through the same code:
+
+    Ingest   frames/messages -> typed decode -> per-engine seq and status -> sinks
+             (no socket and no clock of its own: every call is given ``now_ns``)
+    Sidecar  a ZMQ PULL socket (bound by default; ipc:// unless told otherwise) feeding an
+             Ingest from one thread, and ticking it about ten times a second
+
+Invariants:
+- Sinks are called from one thread, in arrival order. For one engine, arrival order is send
+  order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
+- Every lost message is reported exactly once, through ``on_dropped``, before the next
+  message of that engine reaches the sinks: lost = gap in ``seq``. When this sidecar meets an
+  engine for the first time, the gap is counted from the last ``seq`` a sink remembers
+  (``known_last_seqs``, the JSONL recording does) and otherwise from the engine's own
+  ``num_dropped`` (exact for the time no sidecar was connected, thanks to ZMQ_IMMEDIATE).
+- A frame that cannot be decoded is counted by reason and never stops ingest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from telemetry.record import (
+    KIND_HEARTBEAT,
+    KIND_ITERATION,
+    SCHEMA_VERSION,
+    Heartbeat,
+    IterationRecord,
+    Message,
+    make_decoder,
+)
+from telemetry.sink import EngineStatus, Sink
+
+UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")
+MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
+MAX_ENGINE_INDEX = 4095  # bounds the per-engine state a stream of garbage could create
+DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
+STALL_AFTER_S = 5.0
+TICK_INTERVAL_S = 0.1
+DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
+RECV_BATCH = 4096
+
+logger = logging.getLogger("iterscope.sidecar")
+
+
+def classify_undecodable(
+    data: bytes, error: Exception, loads: Callable[[bytes], object] = msgspec.msgpack.decode
+) -> str:
+    """Why ``data`` failed the typed decoder: 'truncated', 'version' or 'malformed'.
+
+    A frame that is valid msgpack/JSON and whose first element is a known kind tagged with
+    another schema version is 'version'; anything else that parses but has the wrong shape,
+    and anything that does not parse, is 'malformed' (or 'truncated' when the input ended
+    early).
+    """
+    if not isinstance(error, msgspec.ValidationError):  # did not parse (or bad UTF-8)
+        truncated = isinstance(error, msgspec.DecodeError) and "truncated" in str(error)
+        return "truncated" if truncated else "malformed"
+    try:
+        value = loads(data)
+    except (msgspec.DecodeError, ValueError):
+        return "malformed"
+    if isinstance(value, list) and value and type(value[0]) is int:
+        version, kind = divmod(value[0], 16)
+        if kind in (KIND_ITERATION, KIND_HEARTBEAT) and version >= 1 and version != SCHEMA_VERSION:
+            return "version"
+    return "malformed"
+
+
+def is_plausible(message: Message) -> bool:
+    """Fields the sidecar keys state on must be in range, else the frame counts as malformed."""
+    return 0 <= message.engine_index <= MAX_ENGINE_INDEX and message.seq >= 1
+
+
+@dataclass
+class EngineState:
+    """What the sidecar knows of one engine. Times are the ingest clock (``now_ns``)."""
+
+    engine_index: int
+    last_seq: int = 0
+    last_message_ns: int = 0
+    last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
+    last_iteration: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+    num_dropped_total: int = 0
+    status: EngineStatus | None = None
+
+    @property
+    def has_work(self) -> bool:
+        return self.num_waiting_reqs + self.num_running_reqs > 0
+
+
+@dataclass
+class IngestStats:
+    num_frames: int = 0
+    num_messages: int = 0
+    num_sink_errors: int = 0
+    num_undecodable: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0)
+    )
+
+    @property
+    def num_undecodable_total(self) -> int:
+        return sum(self.num_undecodable.values())
+
+
+class Ingest:
+    """Decoded messages -> seq gaps, engine status, sinks. Single-threaded; no clock of its own."""
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink],
+        dead_after_s: float = DEAD_AFTER_S,
+        stall_after_s: float = STALL_AFTER_S,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        known_last_seqs: dict[int, int] | None = None,
+    ) -> None:
+        if dead_after_s <= 0 or stall_after_s <= 0:
+            raise ValueError("dead_after_s and stall_after_s must be positive")
+        self.sinks = list(sinks)
+        self.engines: dict[int, EngineState] = {}
+        self.stats = IngestStats()
+        self._dead_after_ns = int(dead_after_s * 1e9)
+        self._stall_after_ns = int(stall_after_s * 1e9)
+        self._max_frame_bytes = max_frame_bytes
+        self._known_last_seqs = dict(known_last_seqs or {})
+        self._decoder = make_decoder()
+        self._on_iteration = [sink.on_iteration for sink in self.sinks]
+        self._on_heartbeat = [sink.on_heartbeat for sink in self.sinks]
+
+    def on_frame(self, frame: bytes, now_ns: int) -> None:
+        """One lane frame: decode it, or count it as undecodable and carry on."""
+        self.stats.num_frames += 1
+        if len(frame) > self._max_frame_bytes:
+            self.count_undecodable("oversized")
+            return
+        try:
+            message = self._decoder.decode(frame)
+        except (msgspec.DecodeError, ValueError) as error:
+            self.count_undecodable(classify_undecodable(frame, error))
+            return
+        if not is_plausible(message):
+            self.count_undecodable("malformed")
+            return
+        self.on_message(message, now_ns)
+
+    def count_undecodable(self, reason: str) -> None:
+        self.stats.num_undecodable[reason] += 1
+        self._call_sinks("on_undecodable", reason)
+
+    def _call_sinks(self, method: str, *args: object) -> None:
+        """Call ``method`` on every sink; one that raises is counted and the rest still run."""
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception:
+                self._sink_failed()
+
+    def _sink_failed(self) -> None:
+        self.stats.num_sink_errors += 1
+        num = self.stats.num_sink_errors
+        if num <= 10 or num % 10_000 == 0:
+            logger.exception("a sink failed (%d failures so far); ingest goes on", num)
+
+    def on_message(self, message: Message, now_ns: int) -> None:
+        """A decoded message: report any gap before it, hand it to the sinks, update status.
+
+        A sink that raises is logged and counted; the other sinks and ingest go on.
+        """
+        self.stats.num_messages += 1
+
+        state = self.engines.get(message.engine_index)
+        if state is None:
+            state = self.engines[message.engine_index] = EngineState(message.engine_index)
+            state.last_progress_ns = now_ns
+            num_lost = self._first_gap(message)
+        elif message.seq <= state.last_seq:  # the engine restarted: its seq counts from 1 again
+            num_lost = message.seq - 1
+        else:
+            num_lost = message.seq - state.last_seq - 1
+        state.last_seq = message.seq
+        state.last_message_ns = now_ns
+        if num_lost > 0:
+            state.num_dropped_total += num_lost
+            self._call_sinks("on_dropped", message.engine_index, num_lost)
+        if type(message) is IterationRecord:
+            for on_iteration in self._on_iteration:
+                try:
+                    on_iteration(message)
+                except Exception:
+                    self._sink_failed()
+            self._note_iteration(state, message, now_ns)
+        else:
+            for on_heartbeat in self._on_heartbeat:
+                try:
+                    on_heartbeat(message)
+                except Exception:
+                    self._sink_failed()
+            self._note_heartbeat(state, message, now_ns)
+
+    def _first_gap(self, message: Message) -> int:
+        known_seq = self._known_last_seqs.pop(message.engine_index, None)
+        if known_seq is None:  # joined mid-stream: only the engine's own count is known
+            return message.num_dropped
+        if message.seq > known_seq:
+            return message.seq - known_seq - 1
+        return message.seq - 1  # restarted while no sidecar listened
+
+    def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
+        had_work = state.has_work
+        state.num_waiting_reqs = record.num_waiting_reqs
+        state.num_running_reqs = record.num_running_reqs
+        state.last_iteration = record.iteration
+        if record.num_context_tokens + record.num_generation_tokens > 0 or not had_work:
+            state.last_progress_ns = now_ns
+        if state.status is not EngineStatus.RUNNING:
+            self._update_status(state, now_ns)
+
+    def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
+        had_work = state.has_work
+        state.num_waiting_reqs = heartbeat.num_waiting_reqs
+        state.num_running_reqs = heartbeat.num_running_reqs
+        # Iterations whose records were all lost still count as progress.
+        if heartbeat.last_iteration > state.last_iteration or not had_work:
+            state.last_progress_ns = now_ns
+        state.last_iteration = max(state.last_iteration, heartbeat.last_iteration)
+        self._update_status(state, now_ns)
+
+    def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
+        if now_ns - state.last_message_ns > self._dead_after_ns:
+            return EngineStatus.DEAD
+        if not state.has_work:
+            return EngineStatus.IDLE
+        if now_ns - state.last_progress_ns > self._stall_after_ns:
+            return EngineStatus.STALLED
+        return EngineStatus.RUNNING
+
+    def _update_status(self, state: EngineState, now_ns: int) -> None:
+        status = self.status_of(state, now_ns)
+        if status is not state.status:
+            state.status = status
+            self._call_sinks("on_status", state.engine_index, status, now_ns)
+
+    def tick(self, now_ns: int) -> None:
+        """Re-evaluate every engine's status (stall and death show up only here), tick sinks."""
+        for state in self.engines.values():
+            self._update_status(state, now_ns)
+        self._call_sinks("tick", now_ns)
+
+    def close(self) -> None:
+        self._call_sinks("close")
+
+
+def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
+    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ValueError(
+            f"telemetry address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
+        )
+    if scheme == "tcp" and bind and not allow_remote:
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"binding {address!r} makes the telemetry lane reachable from other hosts; "
+                "use 127.0.0.1, or pass --allow-remote to mean it"
+            )
+
+
+class Sidecar:
+    """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
+
+    def __init__(
+        self,
+        address: str,
+        ingest: Ingest,
+        bind: bool = True,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        tick_interval_s: float = TICK_INTERVAL_S,
+        context: zmq.Context | None = None,
+        curve_keys_dir: str | None = None,
+    ) -> None:
+        """``curve_keys_dir``: accept only engines holding CURVE keys listed there (tcp lanes
+        across hosts; see telemetry/curve.py)."""
+        self.address = address
+        self.ingest = ingest
+        self._tick_interval_ns = int(tick_interval_s * 1e9)
+        self._stopped = threading.Event()
+        self._context = context or zmq.Context.instance()
+        self._curve = bool(curve_keys_dir)
+        self._socket = self._context.socket(zmq.PULL)
+        if curve_keys_dir:
+            from telemetry.curve import configure_server
+
+            configure_server(self._socket, curve_keys_dir)
+        self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Memory guard: a peer sending frames far above the oversize limit is disconnected.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_FRAME_BYTES)
+        if bind:
+            self._socket.bind(address)
+        else:
+            self._socket.connect(address)
+
+    def run(self) -> None:
+        """Receive, decode and dispatch until stopped; the socket is closed on return."""
+        socket, on_frame = self._socket, self.ingest.on_frame
+        poll_ms = max(1, self._tick_interval_ns // 1_000_000)
+        next_tick_ns = time.monotonic_ns()
+        try:
+            while not self._stopped.is_set():
+                if socket.poll(poll_ms):
+                    now_ns = time.monotonic_ns()
+                    for _ in range(RECV_BATCH):
+                        try:
+                            frame = socket.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        on_frame(frame, now_ns)
+                now_ns = time.monotonic_ns()
+                if now_ns >= next_tick_ns:
+                    self.ingest.tick(now_ns)
+                    next_tick_ns = now_ns + self._tick_interval_ns
+        finally:
+            socket.close(linger=0)
+            if self._curve:
+                from telemetry.curve import stop_server_auth
+
+                stop_server_auth(self._context)
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return (safe from a signal handler or another thread)."""
+        self._stopped.set()

@@ -1,0 +1,230 @@
+"""Ingest: typed decoding, undecodable frames by reason, seq gaps, engine status; the loop."""
+
+import random
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_sidecar_engine import synthetic_record
+
+from telemetry.record import TAG_HEARTBEAT, TAG_ITERATION, Heartbeat, make_encoder
+from telemetry.sidecar import Ingest, Sidecar, check_address
+from telemetry.sink import EngineStatus
+
+SECOND = 1_000_000_000
+
+
+class RecordingSink:
+    """Remembers every call, in order."""
+
+    def __init__(self):
+        self.calls = []
+        self.closed = False
+
+    def on_iteration(self, record):
+        self.calls.append(("iteration", record.engine_index, record.seq))
+
+    def on_heartbeat(self, heartbeat):
+        self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.seq))
+
+    def on_status(self, engine_index, status, now_ns):
+        self.calls.append(("status", engine_index, status, now_ns))
+
+    def on_dropped(self, engine_index, num_dropped):
+        self.calls.append(("dropped", engine_index, num_dropped))
+
+    def on_undecodable(self, reason):
+        self.calls.append(("undecodable", reason))
+
+    def tick(self, now_ns):
+        pass
+
+    def close(self):
+        self.closed = True
+
+    def of(self, kind):
+        return [call[1:] for call in self.calls if call[0] == kind]
+
+
+def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
+    message = synthetic_record(engine_index, iteration or seq, 1000 * seq, 100, **overrides)
+    message.seq = seq
+    message.num_dropped = num_dropped
+    return message
+
+
+def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0):
+    return Heartbeat(
+        engine_index=engine_index, seq=seq, ts_ns=seq, wall_ns=seq, last_iteration=last_iteration,
+        num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped,
+    )
+
+
+def encode(message):
+    return make_encoder().encode(message)
+
+
+def test_seq_gaps_become_exact_dropped_counts_before_the_next_message():
+    sink = RecordingSink()
+    ingest = Ingest([sink])
+    for seq in (1, 2, 5, 6, 10):
+        ingest.on_frame(encode(record(seq)), now_ns=seq)
+    assert sink.of("dropped") == [(0, 2), (0, 3)]
+    dropped_at = sink.calls.index(("dropped", 0, 2))
+    assert sink.calls[dropped_at + 1] == ("iteration", 0, 5)
+    assert ingest.engines[0].num_dropped_total == 5
+
+
+def test_engines_are_tracked_apart_and_a_restart_counts_from_seq_1():
+    sink = RecordingSink()
+    ingest = Ingest([sink])
+    for message in (record(1, 0), record(1, 7), record(2, 0), record(3, 7), record(3, 0)):
+        ingest.on_message(message, now_ns=1)
+    assert sink.of("dropped") == [(7, 1)]
+    ingest.on_message(record(2, 0), now_ns=2)  # seq went back: engine 0 restarted, 1 missed
+    assert sink.of("dropped") == [(7, 1), (0, 1)]
+
+
+def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
+    sink = RecordingSink()
+    ingest = Ingest([sink], known_last_seqs={1: 40})
+    ingest.on_message(record(100, engine_index=0, num_dropped=3), now_ns=1)
+    ingest.on_message(record(50, engine_index=1, num_dropped=3), now_ns=1)
+    assert sink.of("dropped") == [(0, 3), (1, 9)]
+
+
+@pytest.mark.parametrize(("frame", "reason"), [
+    (b"\xc1", "malformed"),  # a byte msgpack never uses
+    (b"not msgpack at all", "malformed"),
+    (msgspec.msgpack.encode({"tag": TAG_ITERATION}), "malformed"),
+    (msgspec.msgpack.encode([TAG_ITERATION, "x", 1]), "malformed"),
+    (encode(record(1))[:-3], "truncated"),
+    (encode(record(1)) + b"\x00", "malformed"),
+    (msgspec.msgpack.encode([TAG_ITERATION + 16, 0, 1]), "version"),
+    (msgspec.msgpack.encode([TAG_HEARTBEAT + 32, 0, 1, 2]), "version"),
+    (msgspec.msgpack.encode([TAG_ITERATION + 1, 0, 1]), "malformed"),  # unknown kind
+    (encode(record(1, engine_index=-1)), "malformed"),
+    (encode(record(0)), "malformed"),  # seq starts at 1
+    (b"\x00" * 2000, "oversized"),
+])
+def test_undecodable_frames_are_counted_by_reason(frame, reason):
+    sink = RecordingSink()
+    ingest = Ingest([sink], max_frame_bytes=1024)
+    ingest.on_frame(frame, now_ns=1)
+    assert sink.of("undecodable") == [(reason,)]
+    assert ingest.stats.num_undecodable[reason] == 1 and ingest.stats.num_messages == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_either_a_message_or_counted(frame):
+    ingest = Ingest([RecordingSink()], max_frame_bytes=150)
+    ingest.on_frame(frame, now_ns=1)
+    assert ingest.stats.num_messages + ingest.stats.num_undecodable_total == 1
+
+
+def test_status_idle_running_stalled_dead_each_transition_once():
+    sink = RecordingSink()
+    ingest = Ingest([sink], dead_after_s=2.5, stall_after_s=5)
+    ingest.on_message(heartbeat(1), now_ns=0)
+    ingest.tick(SECOND // 2)
+    ingest.on_message(heartbeat(2, waiting=3), now_ns=SECOND)  # work arrives
+    ingest.on_message(record(3, iteration=1), now_ns=SECOND + 1)
+    for second in range(2, 9):  # heartbeats go on, the loop never finishes another iteration
+        ingest.on_message(heartbeat(2 + second, last_iteration=1, waiting=3), second * SECOND)
+        ingest.tick(second * SECOND + 1)
+    for tick in range(1, 40):  # no message at all any more
+        ingest.tick(8 * SECOND + tick * SECOND // 10)
+    statuses = [(status, now_ns) for _, status, now_ns in sink.of("status")]
+    assert [status for status, _ in statuses] == [
+        EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED, EngineStatus.DEAD,
+    ]
+    assert statuses[2][1] > 6 * SECOND + 1  # stalled: 5 s after the last progress
+    assert 10.5 * SECOND < statuses[3][1] <= 10.6 * SECOND  # dead: 2.5 s after the last message
+
+
+def test_heartbeat_progress_counts_when_the_records_were_lost():
+    sink = RecordingSink()
+    ingest = Ingest([sink], stall_after_s=2)
+    ingest.on_message(heartbeat(1, waiting=1, running=1), now_ns=0)
+    for second in range(1, 10):
+        ingest.on_message(heartbeat(2 * second, last_iteration=100 * second, running=1),
+                          now_ns=second * SECOND)
+        ingest.tick(second * SECOND + 1)
+    assert [status for _, status, _ in sink.of("status")] == [EngineStatus.RUNNING]
+    assert ingest.engines[0].num_dropped_total == 8  # seqs 3, 5, ..., 17: lost records
+
+
+def test_a_failing_sink_is_counted_and_ingest_goes_on():
+    class Failing(RecordingSink):
+        def on_iteration(self, record):
+            raise RuntimeError("boom")
+
+    good = RecordingSink()
+    ingest = Ingest([Failing(), good])
+    for seq in (1, 2):
+        ingest.on_message(record(seq), now_ns=seq)
+    assert ingest.stats.num_sink_errors == 2
+    assert good.of("iteration") == [(0, 1), (0, 2)] and good.of("status")
+
+
+@pytest.mark.parametrize(("address", "bind", "allowed"), [
+    ("ipc:///tmp/x.sock", True, True),
+    ("tcp://127.0.0.1:5555", True, True),
+    ("tcp://0.0.0.0:5555", True, False),
+    ("tcp://10.0.0.1:5555", False, True),  # connecting goes where the user said
+    ("udp://127.0.0.1:5555", True, False),
+    ("/tmp/x.sock", True, False),
+])
+def test_addresses_are_ipc_or_loopback_unless_remote_is_allowed(address, bind, allowed):
+    if allowed:
+        check_address(address, bind)
+    else:
+        with pytest.raises(ValueError):
+            check_address(address, bind)
+    check_address("tcp://0.0.0.0:5555", True, allow_remote=True)
+
+
+def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path):
+    """Malformed, truncated, oversized and wrong-version frames from a seeded generator."""
+    rng = random.Random(4)
+    good = encode(record(1))
+    kinds = {
+        "malformed": lambda: b"\xc1" + rng.randbytes(rng.randrange(0, 60)),  # never-used byte
+        "truncated": lambda: good[: rng.randrange(1, len(good))],
+        "oversized": lambda: rng.randbytes(600),
+        "version": lambda: msgspec.msgpack.encode(
+            [TAG_ITERATION + 16 * rng.randrange(1, 9), 0, rng.randrange(1, 99)]),
+    }
+    frames, expected = [], dict.fromkeys(kinds, 0)
+    for _ in range(100_000):
+        kind = rng.choice(list(kinds))
+        frames.append(kinds[kind]())
+        expected[kind] += 1
+    address = f"ipc://{tmp_path}/lane.sock"
+    sink = RecordingSink()
+    sidecar = Sidecar(address, Ingest([sink], max_frame_bytes=512))
+    thread = threading.Thread(target=sidecar.run)
+    thread.start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(address)
+    try:
+        for frame in frames:
+            push.send(frame)  # blocking: every frame arrives
+        push.send(encode(record(5)))
+        deadline = time.monotonic() + 60
+        while sidecar.ingest.stats.num_messages == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sidecar.stop()
+        thread.join(timeout=10)
+        push.close(linger=0)
+    assert not thread.is_alive()
+    stats = sidecar.ingest.stats
+    assert stats.num_frames == 100_001
+    assert stats.num_undecodable == expected
+    assert sink.of("iteration") == [(0, 5)] and sink.of("dropped") == []
