@@ -209,11 +209,11 @@ class LogSink:
         if view.first_wall_ns is None:
             first_ts_ns = heartbeat.ts_ns if view.first_ts_ns is None else view.first_ts_ns
             view.first_wall_ns = min(first_ts_ns, heartbeat.ts_ns) + view.clock_offset_ns
+        self._advance(heartbeat.wall_ns)  # first: what it says belongs to the new window
         view.device_name = heartbeat.device_name
         view.num_running_reqs = heartbeat.num_running_reqs
         view.num_waiting_reqs = heartbeat.num_waiting_reqs
         view.last_iteration = max(view.last_iteration, heartbeat.last_iteration)
-        self._advance(heartbeat.wall_ns)
 
     def _advance(self, wall_ns: int) -> None:
         if self._clock_ns is None:

@@ -1,0 +1,198 @@
+"""Log sink: the vLLM-compatible 10-second line, per-iteration lines, status and loss lines."""
+
+import logging
+
+from test_sidecar_engine import synthetic_record
+
+from telemetry.record import Heartbeat
+from telemetry.sidecar import Ingest
+from telemetry.sink import EngineStatus
+from telemetry.sinks.log import LogSink
+
+SECOND = 1_000_000_000
+CLOCK_OFFSET_NS = 1_700_000_000 * SECOND  # wall - monotonic, as a heartbeat reports it
+
+
+class Lines:
+    def __init__(self):
+        self.lines = []
+
+    def __call__(self, level, text):
+        self.lines.append((level, text))
+
+    def texts(self, level=None):
+        return [text for lvl, text in self.lines if level is None or lvl == level]
+
+
+def heartbeat(engine_index, wall_s, running=0, waiting=0, device="GPU", seq=1):
+    wall_ns = int(wall_s * SECOND)
+    return Heartbeat(
+        engine_index=engine_index, seq=seq, ts_ns=wall_ns - CLOCK_OFFSET_NS, wall_ns=wall_ns,
+        last_iteration=0, num_waiting_reqs=waiting, num_running_reqs=running,
+        device_name=device,
+    )
+
+
+def record(engine_index, wall_s, iteration=1, **fields):
+    """An iteration that ends at wall time ``wall_s`` (10 ms long)."""
+    end_ns = int(wall_s * SECOND) - CLOCK_OFFSET_NS
+    message = synthetic_record(engine_index, iteration, end_ns - 10_000_000, 10_000_000)
+    for name, value in fields.items():
+        setattr(message, name, value)
+    return message
+
+
+def design_messages(engine_index=0, start_s=100.0, device="GPU", preemptions=0):
+    """Messages for one 10 s window giving the DESIGN.md example line, in time order."""
+    messages = [heartbeat(engine_index, start_s - 1, device=device)]
+    for step in range(10):
+        messages.append(record(
+            engine_index, start_s + step + 0.5, iteration=step + 1,
+            num_context_tokens=600, num_generation_tokens=77 if step < 8 else 78,
+            num_prefix_query_tokens=125, num_prefix_hit_tokens=124,
+            num_running_reqs=5, num_waiting_reqs=0, num_kv_blocks_used=117,
+            num_kv_blocks_free=883, num_preemptions=preemptions if step == 0 else 0,
+        ))
+    messages.append(heartbeat(engine_index, start_s + 10.2, running=5, device=device))
+    return messages
+
+
+def feed(sink, messages):
+    for message in messages:
+        if isinstance(message, Heartbeat):
+            sink.on_heartbeat(message)
+        else:
+            sink.on_iteration(message)
+
+
+def design_window(sink, **kwargs):
+    feed(sink, design_messages(**kwargs))
+
+
+def test_ten_second_line_is_the_vllm_line():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink)
+    assert lines.texts() == [
+        "Engine 000: Avg prompt throughput: 600.0 tokens/s, Avg generation throughput: "
+        "77.2 tokens/s, Running: 5 reqs, Waiting: 0 reqs, GPU KV cache usage: 11.7%, "
+        "Prefix cache hit rate: 99.2%"
+    ]
+
+
+def test_preemptions_are_added_when_non_zero_and_the_device_replaces_gpu():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink, device="CPU", preemptions=3)
+    (line,) = lines.texts()
+    assert ", CPU KV cache usage: 11.7%," in line
+    assert line.endswith("Prefix cache hit rate: 99.2%, Preemptions: 3")
+
+
+def test_idle_engine_is_silent_and_a_waiting_one_is_not():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    for second in range(60):
+        sink.on_heartbeat(heartbeat(0, 100 + second))
+    assert lines.texts() == []
+    for second in range(60, 81):  # work waits, nothing runs: the line says so
+        sink.on_heartbeat(heartbeat(0, 100 + second, waiting=4))
+    assert len(lines.texts()) == 2
+    assert all("Avg prompt throughput: 0.0 tokens/s" in t and "Waiting: 4 reqs" in t
+               for t in lines.texts())
+
+
+def test_several_engines_get_an_aggregated_line():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink, engine_index=0)
+    assert len(lines.texts()) == 1  # engine 1 not seen yet
+    lines.lines.clear()
+    both = design_messages(0, start_s=110) + design_messages(1, start_s=110)
+    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
+    feed(sink, both)  # interleaved, as they arrive live
+    texts = lines.texts()
+    assert texts[0].startswith("Engine 000: Avg prompt throughput: 600.0 tokens/s")
+    assert texts[1].startswith("Engine 001: Avg prompt throughput: 600.0 tokens/s")
+    assert texts[2] == (
+        "2 Engines Aggregated: Avg prompt throughput: 1200.0 tokens/s, Avg generation "
+        "throughput: 154.4 tokens/s, Running: 10 reqs, Waiting: 0 reqs, GPU KV cache usage: "
+        "11.7%, Prefix cache hit rate: 99.2%"
+    )
+
+
+def test_first_window_is_measured_from_when_the_engine_was_first_seen():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    sink.on_heartbeat(heartbeat(0, 105.0, running=1))
+    sink.on_iteration(record(0, 106.0, num_generation_tokens=50))
+    sink.on_heartbeat(heartbeat(0, 110.5, running=1))
+    assert "Avg generation throughput: 10.0 tokens/s" in lines.texts()[0]  # 50 tokens / 5 s
+
+
+def test_per_iteration_lines_in_the_design_format():
+    lines = Lines()
+    sink = LogSink(emit=lines, log_iterations=True)
+    fields = dict(num_context_reqs=0, num_context_tokens=0, num_generation_reqs=50,
+                  num_generation_tokens=50, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
+                  num_kv_tokens=56000)
+    message = record(0, 100, iteration=188, **fields)
+    message.elapsed_ns = 10_250_000
+    sink.on_iteration(message)
+    sink.on_iteration(record(2, 100, iteration=7, **fields))
+    assert lines.texts() == [
+        "Iteration(188): 0 context requests, 0 context tokens, 50 generation requests, "
+        "50 generation tokens, iteration elapsed time: 10.25 ms, "
+        "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)",
+        "Engine 002: Iteration(7): 0 context requests, 0 context tokens, 50 generation "
+        "requests, 50 generation tokens, iteration elapsed time: 10.00 ms, "
+        "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)",
+    ]
+    assert LogSink(emit=lines).log_iterations is False
+
+
+def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    ingest = Ingest([sink], dead_after_s=2.5, stall_after_s=5)
+    ingest.on_message(heartbeat(0, 100, running=2, seq=1), now_ns=100 * SECOND)
+    ingest.on_message(record(0, 100.5, seq=2), now_ns=int(100.5 * SECOND))
+    for second in range(101, 112):  # heartbeats, work, but no iteration
+        ingest.on_message(heartbeat(0, second, running=2, seq=second - 98), second * SECOND)
+        ingest.tick(second * SECOND + 1)
+    for tenth in range(1, 100):
+        ingest.tick(111 * SECOND + tenth * SECOND // 10)
+    warnings = lines.texts(logging.WARNING)
+    assert warnings == [
+        "Engine 000: running -> stalled (0 waiting, 2 running, last iteration 1)",
+        "Engine 000: running -> stalled (0 waiting, 2 running, last iteration 1)".replace(
+            "running -> stalled", "stalled -> dead"),
+    ]
+    assert lines.texts(logging.INFO)[0] == "Engine 000: connected, running"
+    before = len(lines.lines)
+    sink.on_iteration(record(0, 130))  # a late record from the dead engine
+    assert len(lines.lines) == before
+
+
+def test_losses_are_reported_at_most_once_per_interval():
+    lines = Lines()
+    sink = LogSink(emit=lines, interval_s=10)
+    sink.on_dropped(3, 5)
+    sink.on_undecodable("version")
+    sink.on_undecodable("malformed")
+    sink.on_undecodable("version")
+    sink.tick(1 * SECOND)
+    sink.on_dropped(3, 2)
+    sink.tick(2 * SECOND)
+    assert lines.texts(logging.WARNING) == [
+        "Engine 003: 5 telemetry messages lost (sequence gaps), 5 in total",
+        "Sidecar: 3 undecodable frames (malformed: 1, version: 2), 3 in total",
+    ]
+    sink.tick(11 * SECOND)
+    assert lines.texts(logging.WARNING)[-1] == (
+        "Engine 003: 2 telemetry messages lost (sequence gaps), 7 in total"
+    )
+
+
+def test_status_values_are_the_sink_contract():
+    assert [status.value for status in EngineStatus] == ["idle", "running", "stalled", "dead"]
