@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.attention import AttentionMetadata, PrefillSpan, gather_rows
 from engine.model.loader import LoadedModel
 from engine.request import Request
 from engine.sampler import Sampler
@@ -48,7 +48,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_kv_heads = cfg.num_kv_heads
+        # Head-major blocks: see engine/model/attention.py.
+        shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self.sampler = Sampler()
 
@@ -97,7 +99,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        blocks: list[int] = []
         token_starts: list[int] = []
         sample_rows: list[int] = []
         sample_indices: list[int] = []
@@ -108,16 +110,15 @@ class ModelRunner:
             pos = request.num_computed_tokens
             input_ids.append(request.token_ids[pos])
             positions.append(pos)
-            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            blocks.append(request.block_ids[pos // bs])
             token_starts.append(row)
             seq_lens.append(pos + 1)
             block_rows.append(request.block_ids[: pos // bs + 1])
             if pos + 1 == len(request.token_ids):
                 sample_rows.append(row)
                 sample_indices.append(row)
-        device = self.device
         spans: list[PrefillSpan] = []
-        slot_chunks = [torch.tensor(slots, dtype=torch.long)]
+        block_chunks = [torch.tensor(blocks, dtype=torch.long)]
         position_chunks = [torch.tensor(positions, dtype=torch.long)]
         for row, index in enumerate(prefills, start=len(decodes)):
             request, num_new = scheduled[index]
@@ -128,51 +129,56 @@ class ModelRunner:
             token_starts.append(flat_start)
             span_positions = torch.arange(start, end)
             position_chunks.append(span_positions)
-            all_slots = self._slots(request.block_ids, end)
-            slot_chunks.append(all_slots[start:end])
-            span = PrefillSpan(flat_start, flat_start + num_new)
-            if start > 0:
-                span.kv_slots = all_slots.to(device)
-                span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(device)
-            spans.append(span)
+            request_blocks = torch.tensor(request.block_ids[: (end + bs - 1) // bs])
+            block_chunks.append(request_blocks[span_positions // bs])
+            spans.append(self._prefill_span(flat_start, request_blocks, span_positions))
             if end == len(request.token_ids):
                 sample_rows.append(row)
                 sample_indices.append(flat_start + num_new - 1)
+        all_positions = torch.cat(position_chunks)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_chunks).to(device),
+            slot_blocks=torch.cat(block_chunks).to(self.device),
+            slot_offsets=(all_positions % bs).to(self.device),
             num_decode_tokens=len(decodes),
-            decode_block_tables=None,
-            decode_mask=None,
+            decode_rows=None,
+            decode_padding=None,
             prefills=spans,
         )
         if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(block_rows, seq_lens)
+            meta.decode_rows, meta.decode_padding = self._decode_tables(block_rows, seq_lens)
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-            positions=torch.cat(position_chunks).to(device),
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
+            positions=all_positions.to(self.device),
             meta=meta,
             order=decodes + prefills,
             token_starts=token_starts,
             sample_rows=sample_rows,
-            sample_token_indices=torch.tensor(sample_indices, dtype=torch.long).to(device),
+            sample_token_indices=torch.tensor(sample_indices, dtype=torch.long).to(self.device),
         )
 
-    def _slots(self, block_ids: list[int], end: int) -> torch.Tensor:
-        """Cache slots of positions [0, end) of a request."""
-        bs = self.block_size
-        blocks = torch.tensor(block_ids[: (end + bs - 1) // bs], dtype=torch.long)
-        return (blocks[:, None] * bs + torch.arange(bs)[None, :]).view(-1)[:end]
+    def _prefill_span(
+        self, flat_start: int, request_blocks: torch.Tensor, span_positions: torch.Tensor
+    ) -> PrefillSpan:
+        """A chunk from position 0 attends to itself; a later one reads [0, end) from the cache."""
+        start, end = int(span_positions[0]), int(span_positions[-1]) + 1
+        span = PrefillSpan(flat_start, flat_start + end - start)
+        if start > 0:
+            span.kv_rows = gather_rows(request_blocks, self.num_kv_heads).to(self.device)
+            span.kv_len = end
+            span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(self.device)
+        return span
 
     def _decode_tables(
         self, block_rows: list[list[int]], seq_lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded with block 0, and the [B, 1, 1, L] mask of real positions."""
+        """Gather rows of the block tables (padded with block 0) and the [B, 1, 1, L] mask of
+        padding positions."""
         max_blocks = max(len(row) for row in block_rows)
         padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
-        tables = torch.tensor(padded, dtype=torch.long)
+        rows = gather_rows(torch.tensor(padded, dtype=torch.long), self.num_kv_heads)
         lens = torch.tensor(seq_lens, dtype=torch.long)
-        mask = torch.arange(max_blocks * self.block_size)[None, :] < lens[:, None]
-        return tables.to(self.device), mask[:, None, None, :].to(self.device)
+        padding = torch.arange(max_blocks * self.block_size)[None, :] >= lens[:, None]
+        return rows.view(-1).to(self.device), padding[:, None, None, :].to(self.device)
 
     def _check(self, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
