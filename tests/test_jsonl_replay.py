@@ -1,0 +1,158 @@
+"""JSONL recording (wire fields, rotation, crash repair) and replay through the same sinks."""
+
+import logging
+import os
+import random
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from test_sidecar_engine import synthetic_record
+
+from telemetry.record import Heartbeat, IterationRecord, Message, RequestMilestone
+from telemetry.replay import read_recording, replay
+from telemetry.sidecar import Ingest
+from telemetry.sinks.jsonl import JsonlSink, recording_files
+from telemetry.sinks.log import LogSink
+
+SECOND = 1_000_000_000
+OFFSET_NS = 1_700_000_000 * SECOND
+
+
+def run_messages(num_engines=2, seconds=25, seed=1):
+    """Two engines iterating every 50 ms with heartbeats every second; a few messages lost."""
+    rng = random.Random(seed)
+    messages = []
+    for engine_index in range(num_engines):
+        seq = 0
+        for step in range(seconds * 20):
+            t_ns = SECOND + step * SECOND // 20 + engine_index * 7_000_000
+            if step % 20 == 0:
+                seq += 1
+                messages.append(Heartbeat(
+                    engine_index=engine_index, seq=seq, ts_ns=t_ns, wall_ns=t_ns + OFFSET_NS,
+                    last_iteration=step, num_waiting_reqs=1, num_running_reqs=4,
+                    device_name="CPU",
+                ))
+            seq += 1
+            message = synthetic_record(engine_index, step + 1, t_ns, 40_000_000)
+            message.seq = seq
+            message.num_context_tokens = rng.randrange(0, 300)
+            message.num_prefix_query_tokens = message.num_context_tokens
+            message.num_prefix_hit_tokens = message.num_context_tokens // 2
+            if step % 97 == 5:
+                message.milestones = [RequestMilestone(
+                    request_id=f"r{step}", event=3, arrival_ns=t_ns - 5, first_scheduled_ns=t_ns,
+                    first_token_ns=t_ns + 1, finished_ns=t_ns + 2, num_prompt_tokens=9,
+                    num_cached_tokens=0, num_output_tokens=1, num_preemptions=0,
+                    finish_reason=1, traceparent="00-abc-def-01",
+                    prefill_chunks=[(t_ns, t_ns + 1, 9)],
+                )]
+            if rng.random() > 0.01:  # ~1% lost on the lane
+                messages.append(message)
+    messages.sort(key=lambda m: m.ts_ns if isinstance(m, Heartbeat) else m.start_ns)
+    return messages
+
+
+class Lines(list):
+    def __call__(self, level, text):
+        self.append((level, text))
+
+
+def live(messages, path, **jsonl_kwargs):
+    """What a live sidecar does with these messages: log lines, a recording, its Ingest."""
+    lines = Lines()
+    ingest = Ingest([LogSink(interval_s=5, emit=lines), JsonlSink(path, **jsonl_kwargs)])
+    for message in messages:
+        now_ns = message.ts_ns if isinstance(message, Heartbeat) else message.start_ns
+        ingest.on_message(message, now_ns)
+        if message.seq % 7 == 0:
+            ingest.tick(now_ns)
+    ingest.close()
+    return lines, ingest
+
+
+def test_recording_holds_exactly_the_wire_messages(tmp_path):
+    messages = run_messages()
+    live(messages, tmp_path / "rec.jsonl")
+    decoder = msgspec.json.Decoder(Message)
+    with open(tmp_path / "rec.jsonl", "rb") as file:
+        recorded = [decoder.decode(line) for line in file]
+    assert recorded == messages
+    assert any(isinstance(m, IterationRecord) and m.milestones for m in recorded)
+    first_line = (tmp_path / "rec.jsonl").read_bytes().split(b"\n")[0]
+    assert msgspec.json.decode(first_line)[0] == 18  # a tagged array: [tag, engine_index, seq..]
+
+
+def test_replay_prints_the_lines_the_live_run_printed(tmp_path):
+    messages = run_messages()
+    live_lines, live_ingest = live(messages, tmp_path / "rec.jsonl")
+    replayed = Lines()
+    ingest = replay(tmp_path / "rec.jsonl", [LogSink(interval_s=5, emit=replayed)])
+    throughput = [text for level, text in live_lines if "throughput" in text]
+    assert len(throughput) >= 8 and any("2 Engines Aggregated" in t for t in throughput)
+    assert [text for _, text in replayed if "throughput" in text] == throughput
+    assert {i: e.num_dropped_total for i, e in ingest.engines.items()} == {
+        i: e.num_dropped_total for i, e in live_ingest.engines.items()
+    }
+    assert sum(e.num_dropped_total for e in ingest.engines.values()) > 0
+
+
+def test_rotation_keeps_a_bounded_number_of_bounded_files(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    messages = run_messages(num_engines=1, seconds=20)
+    live(messages, path, max_bytes=10_000, max_files=3, flush_bytes=4096)
+    files = recording_files(path)
+    assert [f.name for f in files] == ["rec.jsonl.2", "rec.jsonl.1", "rec.jsonl"]
+    assert all(f.stat().st_size <= 10_000 + 4096 for f in files)
+    seqs = [m.seq for m in read_recording(path)]
+    assert seqs == sorted(seqs) and seqs[-1] == messages[-1].seq  # the newest are kept
+    assert len(seqs) < len(messages)  # the oldest were rotated away
+
+
+def test_a_partial_last_line_is_cut_and_the_last_seqs_are_known(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    messages = run_messages(seconds=3)
+    live(messages, path)
+    complete = path.read_bytes()
+    with open(path, "ab") as file:  # a sidecar killed in the middle of a write
+        file.write(b"[17,0,99999,3,")
+    sink = JsonlSink(path)
+    assert path.read_bytes() == complete
+    last = {}
+    for message in messages:
+        last[message.engine_index] = message.seq
+    assert sink.known_last_seqs() == last
+    sink.close()
+
+
+def test_undecodable_lines_are_counted_not_fatal(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    path.write_bytes(b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n')
+    ingest = replay(path, [])
+    assert ingest.stats.num_undecodable == {
+        "malformed": 2, "truncated": 0, "oversized": 0, "version": 1,
+    }
+    assert ingest.stats.num_messages == 1
+
+
+def test_jsonl_sink_rejects_nonsense_limits(tmp_path):
+    with pytest.raises(ValueError, match="max_files"):
+        JsonlSink(tmp_path / "r.jsonl", max_files=0)
+
+
+def test_cli_replay_prints_the_same_lines(tmp_path):
+    messages = run_messages(seconds=12)
+    live_lines, _ = live(messages, tmp_path / "rec.jsonl")
+    result = subprocess.run(
+        [sys.executable, "-m", "telemetry.sidecar_cli", "--replay", str(tmp_path / "rec.jsonl"),
+         "--log-interval", "5", "--no-metrics"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
+    )
+    assert result.returncode == 0, result.stderr
+    printed = [line.split("] ", 1)[1]
+               for line in result.stderr.splitlines() if "throughput" in line]
+    expected = [text for level, text in live_lines
+                if level == logging.INFO and "throughput" in text]
+    assert printed == expected and len(expected) >= 4
