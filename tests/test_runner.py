@@ -1,0 +1,141 @@
+"""ModelRunner on tiny random-weight models: batching never changes tokens, requests are read
+only, bad schedules fail clearly, and HF directories load."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.model.loader import build_tiny_model, load_model, tiny_hf_config, tiny_state_dict
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request):
+    return build_tiny_model(request.param, seed=3)
+
+
+def new_request(name: str, num_prompt: int, params: SamplingParams, seed: int) -> Request:
+    rng = random.Random(seed)
+    return Request(name, [rng.randrange(0, 256) for _ in range(num_prompt)], params)
+
+
+def generate(runner: ModelRunner, requests: list[Request], chunk: int, num_out: int) -> None:
+    """A small engine loop: prefill in chunks of `chunk`, then decode all together."""
+    free = list(range(NUM_BLOCKS))
+    random.Random(len(requests)).shuffle(free)
+    while any(r.num_output_tokens < num_out for r in requests):
+        scheduled = []
+        for r in requests:
+            if r.num_output_tokens >= num_out:
+                continue
+            n = min(chunk, len(r.token_ids) - r.num_computed_tokens)
+            while len(r.block_ids) * BLOCK_SIZE < r.num_computed_tokens + n:
+                r.block_ids.append(free.pop())
+            scheduled.append((r, n))
+        tokens = runner.execute(scheduled)
+        for (r, n), token in zip(scheduled, tokens, strict=True):
+            r.num_computed_tokens += n
+            if token is not None:
+                r.token_ids.append(token)
+
+
+def test_batching_and_chunking_do_not_change_tokens(tiny):
+    greedy = SamplingParams(temperature=0)
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=5)
+    specs = [(13, greedy), (30, seeded), (5, greedy), (22, seeded)]
+    alone = []
+    for i, (n, params) in enumerate(specs):
+        request = new_request(f"r{i}", n, params, seed=i)
+        generate(ModelRunner(tiny, NUM_BLOCKS, BLOCK_SIZE, "cpu"), [request], chunk=64, num_out=8)
+        alone.append(request.output_token_ids)
+    together = [new_request(f"r{i}", n, p, seed=i) for i, (n, p) in enumerate(specs)]
+    generate(ModelRunner(tiny, NUM_BLOCKS, BLOCK_SIZE, "cpu"), together, chunk=7, num_out=8)
+    assert [r.output_token_ids for r in together] == alone
+
+
+def test_execute_reads_requests_without_changing_them(tiny):
+    runner = ModelRunner(tiny, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    request = new_request("a", 10, SamplingParams(temperature=0), seed=0)
+    request.block_ids = [7, 3, 9]
+    assert runner.execute([(request, 6)]) == [None]  # a chunk: nothing sampled
+    assert request.num_computed_tokens == 0
+    assert (len(request.token_ids), request.block_ids) == (10, [7, 3, 9])
+    request.num_computed_tokens = 6
+    (token,) = runner.execute([(request, 4)])
+    assert isinstance(token, int) and 0 <= token < tiny.config.vocab_size
+    assert (request.num_computed_tokens, len(request.token_ids)) == (6, 10)
+
+
+def test_bad_schedules_fail_clearly(tiny):
+    runner = ModelRunner(tiny, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    request = new_request("a", 10, SamplingParams(temperature=0), seed=0)
+    request.block_ids = [0, 1]
+    with pytest.raises(ValueError, match="cannot hold 10 positions"):
+        runner.execute([(request, 10)])
+    request.block_ids = [0, 1, 2]
+    with pytest.raises(ValueError, match="cannot compute 11 tokens"):
+        runner.execute([(request, 11)])
+    with pytest.raises(ValueError, match="num_blocks"):
+        ModelRunner(tiny, 0, BLOCK_SIZE, "cpu")
+
+
+def test_tiny_model_interface(tiny):
+    cfg = tiny.config
+    assert cfg.eos_token_ids == (257,) and cfg.dtype == torch.float32
+    assert cfg.num_heads % cfg.num_kv_heads == 0 and cfg.num_layers == 2
+    assert tiny.tokenizer.decode(tiny.tokenizer.encode("héllo")) == "héllo"
+    assert tiny.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_unknown_model_and_architecture_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_model(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_model(str(tmp_path))
+
+
+def write_hf_dir(path, architecture: str) -> dict:
+    """config.json + model.safetensors + a word-level tokenizer.json + chat template."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_config = tiny_hf_config(architecture)
+    (path / "config.json").write_text(json.dumps(hf_config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 258]}))
+    state_dict = tiny_state_dict(hf_config, seed=4)
+    save_file(state_dict, str(path / "model.safetensors"))
+    vocab = {"<unk>": 0, "hello": 1, "world": 2, "user": 3, ":": 4, "<s>": 256}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "bos_token": "<s>", "add_bos_token": True})
+    )
+    return state_dict
+
+
+def test_hf_directory_loads_weights_config_and_tokenizer(tmp_path):
+    write_hf_dir(tmp_path, "qwen3")
+    loaded = load_model(str(tmp_path), dtype="float32")
+    reference = build_tiny_model("qwen3", seed=4)
+    assert loaded.config.eos_token_ids == (257, 258)
+    assert loaded.tokenizer.encode("hello world") == [256, 1, 2]
+    chat = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert chat == [3, 4, 1]
+    request = new_request("a", 12, SamplingParams(temperature=0), seed=1)
+    request.block_ids = [0, 1, 2]
+    got = ModelRunner(loaded, 8, BLOCK_SIZE, "cpu").compute_logits([(request, 12)])[0]
+    want = ModelRunner(reference, 8, BLOCK_SIZE, "cpu").compute_logits([(request, 12)])[0]
+    torch.testing.assert_close(got, want)
+    bf16 = load_model(str(tmp_path), dtype="bfloat16")
+    assert bf16.decoder.embed_tokens.dtype == torch.bfloat16
