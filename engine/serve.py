@@ -1,0 +1,440 @@
+"""`iterscope serve`: an OpenAI-compatible HTTP frontend in front of the engine-core process.
+
+    client --HTTP--> this process (FastAPI + uvicorn) --lossless ZMQ lanes--> engine core
+                                                       (EngineCoreClient spawns it)
+    engine core --telemetry lane--> sidecar (started here unless --no-sidecar)
+
+Endpoints: /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
+/health. Errors use OpenAI's body shape: 400 for bad parameters and prompts that can never
+fit, 404 for an unknown model name, 503 once the engine is dead.
+
+Every generation runs under a disconnect watcher: when the HTTP client goes away, the engine
+request is aborted at once, so its KV blocks are freed in the next iteration (the abort's
+finish milestone shows it in the telemetry records). A valid W3C ``traceparent`` header is
+handed to the engine request, so the sidecar's request span joins the caller's trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.config import EngineConfig, parse_memory_size
+from engine.core import RequestOutput
+from engine.core_process import EngineCoreClient, EngineDeadError
+from engine.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    error_body,
+    usage,
+)
+from engine.scheduler import RequestRejectedError
+
+logger = logging.getLogger("iterscope.serve")
+
+TINY_MODEL = "tiny-llama"  # a 2-layer random-weight model with a byte tokenizer (tests, smoke)
+TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+# Model and tokenizer ------------------------------------------------------------------------
+
+
+def load_tiny_model(name: str, dtype: str, device: str) -> Any:
+    """EngineCoreClient's load_model for TINY_MODEL (module level, so it pickles for spawn)."""
+    from engine.model.loader import build_tiny_model
+
+    return build_tiny_model(dtype=dtype, device=device)
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer alone, without its weights (the frontend never runs the model)."""
+    from engine.model.loader import build_tiny_model, resolve_model_path
+    from engine.model.tokenizer import build_gguf_tokenizer, load_hf_tokenizer
+
+    if model == TINY_MODEL:
+        return build_tiny_model().tokenizer
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from engine.model.gguf_file import gguf_tokenizer_fields, open_gguf
+
+        return build_gguf_tokenizer(gguf_tokenizer_fields(open_gguf(path)))
+    return load_hf_tokenizer(path)
+
+
+def start_engine(config: EngineConfig) -> EngineCoreClient:
+    load_model = load_tiny_model if config.model == TINY_MODEL else None
+    return EngineCoreClient(config, load_model=load_model)
+
+
+class Detokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    The whole output is decoded each time and the new suffix returned; a trailing U+FFFD (a
+    multi-byte character cut between two tokens) is held back until the next token completes
+    it, or until the request finishes.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.num_sent_chars = 0
+
+    def add(self, new_token_ids: list[int], finished: bool) -> str:
+        self.token_ids += new_token_ids
+        text = self.tokenizer.decode(self.token_ids)
+        if not finished and text.endswith("\ufffd"):
+            return ""
+        delta = text[self.num_sent_chars :]
+        self.num_sent_chars = len(text)
+        return delta
+
+
+# The frontend --------------------------------------------------------------------------------
+
+
+class Frontend:
+    """Request handling shared by both endpoints: prompt checks, generation, abort."""
+
+    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.vocab_size = int(tokenizer.vocab_size)
+
+    def check_model(self, requested: str | None) -> None:
+        if requested not in (None, "", self.model_name):
+            raise LookupError(f"the model {requested!r} does not exist; this server serves "
+                              f"{self.model_name!r}")
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        bad = [token_id for token_id in prompt if not 0 <= token_id < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})", "prompt")
+        return list(prompt)
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int) -> int:
+        """The requested max_tokens, else `default` capped by what is left of max_model_len."""
+        if requested is not None:
+            return requested
+        return max(1, min(default, self.client.ready.max_model_len - num_prompt_tokens))
+
+    async def generate(
+        self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any,
+        traceparent: str,
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """(text delta, engine output) per engine output; aborts the engine request when the
+        HTTP client disconnects or the caller stops iterating early."""
+        stream = self.client.add_request(prompt_ids, params, request_id, traceparent)
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(http_request, stream))
+        detokenizer = Detokenizer(self.tokenizer)
+        try:
+            async for output in stream:
+                yield detokenizer.add(output.new_token_ids, output.finished), output
+        finally:
+            watcher.cancel()
+            if not stream.finished:
+                self._abort(request_id)
+
+    async def _abort_on_disconnect(self, http_request: Any, stream: Any) -> None:
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
+        if not stream.finished:
+            logger.info("client went away: aborting %s", stream.request_id)
+            self._abort(stream.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):
+            self.client.abort(request_id)
+
+
+def sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+def traceparent_of(http_request: Any) -> str:
+    """The W3C traceparent header if well formed, else "" (a malformed one is ignored)."""
+    value = http_request.headers.get("traceparent", "").strip().lower()
+    return value if TRACEPARENT.match(value) else ""
+
+
+async def first_and_rest(generator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Await the first item now (so errors become HTTP statuses), yield everything later."""
+    first = await generator.__anext__()
+
+    async def chained() -> AsyncIterator[Any]:
+        yield first
+        async for item in generator:
+            yield item
+
+    return chained()
+
+
+async def completion_events(frontend: Frontend, body: CompletionRequest, request_id: str,
+                            outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
+    num_output_tokens = 0
+    try:
+        async for delta, output in outputs:
+            num_output_tokens += len(output.new_token_ids)
+            yield sse(completion_body(request_id, frontend.model_name, delta,
+                                      output.finish_reason, None, chunk=True))
+    except EngineDeadError as error:
+        yield sse(error_body(str(error), "service_unavailable", 503))
+        return
+    if body.include_usage:
+        counts = usage(num_prompt_tokens, num_output_tokens)
+        yield sse(completion_body(request_id, frontend.model_name, None, None, counts, True))
+    yield sse("[DONE]")
+
+
+async def chat_events(frontend: Frontend, body: ChatCompletionRequest, request_id: str,
+                      outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
+    name = frontend.model_name
+    num_output_tokens = 0
+    yield sse(chat_chunk(request_id, name, {"role": "assistant", "content": ""}, None))
+    try:
+        async for delta, output in outputs:
+            num_output_tokens += len(output.new_token_ids)
+            yield sse(chat_chunk(request_id, name, {"content": delta}, output.finish_reason))
+    except EngineDeadError as error:
+        yield sse(error_body(str(error), "service_unavailable", 503))
+        return
+    if body.include_usage:
+        yield sse(chat_chunk(request_id, name, None, None,
+                             usage(num_prompt_tokens, num_output_tokens)))
+    yield sse("[DONE]")
+
+
+async def collect(outputs: AsyncIterator) -> tuple[str, str | None, int]:
+    """Whole text, finish reason and number of output tokens of a non-streamed request."""
+    pieces, finish_reason, num_output_tokens = [], None, 0
+    async for delta, output in outputs:
+        pieces.append(delta)
+        num_output_tokens += len(output.new_token_ids)
+        finish_reason = output.finish_reason
+    return "".join(pieces), finish_reason, num_output_tokens
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    """The FastAPI application; every error leaves as an OpenAI-style error body."""
+    app = FastAPI(title="iterscope", docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, error_type: str, param: str | None = None):
+        return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+                    for e in exc.errors()]
+        return error(400, "; ".join(problems), "invalid_request_error")
+
+    async def run(http_request: Request, body: Any, prompt_ids: list[int], default_max: int,
+                  events: Any, whole_body: Any):
+        request_id = f"{'cmpl' if isinstance(body, CompletionRequest) else 'chatcmpl'}-" \
+                     f"{uuid.uuid4().hex}"
+        requested = (body.requested_max_tokens if isinstance(body, ChatCompletionRequest)
+                     else body.max_tokens)
+        try:
+            max_tokens = frontend.max_tokens(requested, len(prompt_ids), default_max)
+            params = body.sampling_params(max_tokens)
+            outputs = frontend.generate(http_request, request_id, prompt_ids, params,
+                                        traceparent_of(http_request))
+            if body.stream:
+                outputs = await first_and_rest(outputs)
+                stream = events(frontend, body, request_id, outputs, len(prompt_ids))
+                return StreamingResponse(stream, media_type="text/event-stream")
+            text, finish_reason, num_output_tokens = await collect(outputs)
+        except (InvalidRequest, RequestRejectedError, ValueError) as exc:
+            return error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        except EngineDeadError as exc:
+            return error(503, f"the engine is not running: {exc}", "service_unavailable")
+        counts = usage(len(prompt_ids), num_output_tokens)
+        return JSONResponse(whole_body(request_id, frontend.model_name, text, finish_reason,
+                                       counts))
+
+    def checked(body: Any) -> JSONResponse | None:
+        try:
+            frontend.check_model(body.model)
+            body.check_supported()
+        except LookupError as exc:
+            return error(404, str(exc), "not_found_error", "model")
+        except InvalidRequest as exc:
+            return error(400, str(exc), "invalid_request_error", exc.param)
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http_request: Request):
+        if (refusal := checked(body)) is not None:
+            return refusal
+        try:
+            prompt_ids = frontend.prompt_ids(body.single_prompt())
+        except InvalidRequest as exc:
+            return error(400, str(exc), "invalid_request_error", exc.param)
+        return await run(http_request, body, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS,
+                         completion_events, completion_body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+        if (refusal := checked(body)) is not None:
+            return refusal
+        try:
+            prompt_ids = frontend.tokenizer.apply_chat_template(body.template_messages())
+        except ValueError as exc:
+            return error(400, str(exc), "invalid_request_error", "messages")
+        default_max = frontend.client.ready.max_model_len
+        return await run(http_request, body, prompt_ids, default_max, chat_events, chat_body)
+
+    @app.get("/v1/models")
+    async def models():
+        ready = frontend.client.ready
+        card = {"id": frontend.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "iterscope", "max_model_len": ready.max_model_len,
+                "vocab_size": frontend.vocab_size}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not frontend.client.is_alive:
+            return error(503, "the engine is not running", "service_unavailable")
+        return {"status": "ok"}
+
+    return app
+
+
+# Command line --------------------------------------------------------------------------------
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine-core options shared by `serve`, `bench --in-process` and `demo`."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="smollm2",
+                       help=f"HF directory, .gguf file, smollm2 (default) or {TINY_MODEL}")
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    group.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=32)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--kv-cache-memory", type=parse_memory_size, default=None,
+                       metavar="SIZE", help="KV cache budget, e.g. 512MiB (default: 512MiB on "
+                       "CPU, --gpu-memory-utilization of the card on CUDA)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--engine-index", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, engine_index=args.engine_index,
+        telemetry_address=telemetry_address,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from telemetry import sidecar_process
+
+    parser = argparse.ArgumentParser(prog="iterscope serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: --model)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_arguments(parser)
+    sidecar_process.add_arguments(parser)
+    group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="the sidecar's /metrics port (0 picks a free one)")
+    group.add_argument("--record", default=None, metavar="PATH",
+                       help="the sidecar records every telemetry message to this JSONL file")
+    return parser
+
+
+def sidecar_arguments(args: argparse.Namespace) -> list[str]:
+    extra = list(args.sidecar_arg)
+    if args.metrics_port is not None:
+        extra.append(f"--metrics-port={args.metrics_port}")
+    if args.record is not None:
+        extra.append(f"--record={args.record}")
+    return extra
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bound and listening before uvicorn starts, so port 0 can be reported and connections
+    made before uvicorn accepts simply wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from telemetry import sidecar_process
+
+    args = build_parser().parse_args(argv)
+    args.sidecar_arg = sidecar_arguments(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] "
+                        "%(message)s", datefmt="%m-%d %H:%M:%S")
+    # uvicorn re-raises SIGTERM once it has shut down: make that unwind through `finally`.
+    signal.signal(signal.SIGTERM, _interrupt)
+    sidecar = client = None
+    try:
+        sidecar = sidecar_process.start_from_args(args)
+        config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
+        tokenizer = load_tokenizer(args.model)
+        client = start_engine(config)
+        frontend = Frontend(client, tokenizer, args.served_model_name or args.model)
+        sock = listening_socket(args.host, args.port)
+        uv_config = uvicorn.Config(build_app(frontend), log_level="warning",
+                                   access_log=args.access_log, lifespan="off")
+        print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"
+              f"{sock.getsockname()[1]}/v1", flush=True)
+        uvicorn.Server(uv_config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"iterscope serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if client is not None:
+            client.shutdown()
+        if sidecar is not None:
+            sidecar.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
