@@ -138,8 +138,9 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     finally:
         ingest.close()
     stats = ingest.stats
-    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable",
-                stats.num_frames, stats.num_messages, stats.num_undecodable_total)
+    dropped = {index: state.num_dropped_total for index, state in sorted(ingest.engines.items())}
+    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, dropped per engine %s",
+                stats.num_frames, stats.num_messages, stats.num_undecodable_total, dropped)
     return 0
 
 

@@ -1,0 +1,166 @@
+"""The issue's reliability tests, with the synthetic engine (tests/test_sidecar_engine.py) as
+a process of its own: a killed and restarted sidecar, a stopped sidecar, a killed engine."""
+
+import ast
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from test_sidecar import RecordingSink
+from test_sidecar_engine import rss_bytes, start_engine, stop_engine
+
+from telemetry.record import IterationRecord
+from telemetry.replay import read_recording
+from telemetry.sidecar import Ingest, Sidecar
+from telemetry.sidecar_process import start_sidecar
+from telemetry.sink import EngineStatus
+
+MIB = 1 << 20
+
+
+def start_cli_sidecar(address, log_path, *extra):
+    log = open(log_path, "ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "telemetry.sidecar_cli", "--address", address, "--no-metrics",
+         "--log-interval", "1", *extra],
+        stderr=log, env={**os.environ, "PYTHONPATH": "."},
+    )
+    log.close()
+    wait_for_text(log_path, "sidecar bound", process)
+    return process
+
+
+def wait_for_text(path, text, process, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"sidecar exited: {path.read_text()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {path.read_text()}")
+
+
+def reported_dropped(log_text):
+    """The per-engine dropped totals of the sidecar's final line."""
+    match = re.search(r"sidecar stopped: .* dropped per engine (\{.*\})", log_text)
+    assert match, log_text
+    return ast.literal_eval(match.group(1))
+
+
+def test_killed_and_restarted_sidecar_reports_the_exact_gap(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    recording = tmp_path / "rec.jsonl"
+    first = start_cli_sidecar(address, tmp_path / "a.log", "--record", str(recording))
+    engine = start_engine(address, tmp_path / "engine.json", "--iteration-time", "0.002")
+    second = None
+    try:
+        time.sleep(1.5)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        written_by_first = recording.read_bytes()
+        num_first_lines = written_by_first.count(b"\n")
+        time.sleep(1.0)  # the engine iterates on; its sends fail and are counted
+        second = start_cli_sidecar(address, tmp_path / "b.log", "--record", str(recording))
+        time.sleep(1.5)
+        report = stop_engine(engine, tmp_path / "engine.json")
+        time.sleep(0.5)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=20) == 0
+    finally:
+        for process in (engine, first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    messages = list(read_recording(recording))
+    seen_by_first = messages[:num_first_lines]
+    seen_by_second = messages[num_first_lines:]
+    last_seq_first = max(m.seq for m in seen_by_first)
+    seqs_second = [m.seq for m in seen_by_second]
+    real_gap = max(seqs_second) - last_seq_first - len(set(seqs_second))
+    assert real_gap > 0
+    assert reported_dropped((tmp_path / "b.log").read_text()) == {0: real_gap}
+    # The engine never waited for a sidecar: no pause between iterations, and it carried on
+    # through the gap.
+    starts = [start_ns for start_ns, _, _ in report["samples"]]
+    assert max(b - a for a, b in zip(starts, starts[1:], strict=False)) < 0.5e9
+    first_iterations = [m.iteration for m in seen_by_first if isinstance(m, IterationRecord)]
+    second_iterations = [m.iteration for m in seen_by_second if isinstance(m, IterationRecord)]
+    assert min(second_iterations) > max(first_iterations) + 50  # ~1 s at 2 ms per iteration
+    assert report["num_iterations"] >= max(second_iterations)
+
+
+def test_stopped_sidecar_costs_the_engine_nothing_and_memory_stays_bounded(tmp_path):
+    log_path = tmp_path / "sidecar.log"
+    with open(log_path, "wb") as log:
+        sidecar = start_sidecar(["--rcvhwm", "100", "--no-metrics"], stderr=log)
+    engine = start_engine(sidecar.address, tmp_path / "engine.json",
+                          "--iteration-time", "0.0005", "--sndhwm", "100")
+    try:
+        time.sleep(1.5)
+        sidecar_rss_before = rss_bytes(sidecar.pid)
+        stopped_ns = time.monotonic_ns()
+        os.kill(sidecar.pid, signal.SIGSTOP)
+        time.sleep(3)
+        sidecar_rss_stopped = rss_bytes(sidecar.pid)
+        resumed_ns = time.monotonic_ns()
+        os.kill(sidecar.pid, signal.SIGCONT)
+        time.sleep(1.5)
+        report = stop_engine(engine, tmp_path / "engine.json")
+        time.sleep(0.5)
+    finally:
+        os.kill(sidecar.pid, signal.SIGCONT)
+        engine.kill()
+        status = sidecar.stop()
+    assert status == 0
+    assert report["num_dropped_total"] > 0  # the queue did fill up while the sidecar slept
+    samples = report["samples"]
+    before = [s for s in samples if s[0] < stopped_ns]
+    during = [s for s in samples if stopped_ns + 0.2e9 < s[0] < resumed_ns]
+    before = before[len(before) // 3:]  # past start-up
+    rate_before = len(before) / ((before[-1][0] - before[0][0]) / 1e9)
+    rate_during = len(during) / ((during[-1][0] - during[0][0]) / 1e9)
+    assert rate_during > 0.5 * rate_before
+    # A blocking send would take the whole 3 s; a non-blocking one microseconds.
+    assert max(publish_ns for _, _, publish_ns in during) < 50e6
+    assert statistics.median(p for _, _, p in during) < 1e6
+    assert report["max_rss_bytes"] < 200 * MIB
+    assert sidecar_rss_stopped - sidecar_rss_before < 64 * MIB
+    # Nothing was lost in transit: every gap the sidecar saw is a send the engine counted.
+    assert reported_dropped(log_path.read_text()) == {0: report["num_dropped_total"]}
+
+
+def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    statuses = []
+
+    class StatusSink(RecordingSink):
+        def on_status(self, engine_index, status, now_ns):
+            statuses.append((status, time.monotonic_ns()))
+
+    sidecar = Sidecar(address, Ingest([StatusSink()]))
+    thread = threading.Thread(target=sidecar.run)
+    thread.start()
+    engine = start_engine(address, tmp_path / "engine.json")
+    try:
+        deadline = time.monotonic() + 30
+        while EngineStatus.RUNNING not in [s for s, _ in statuses]:
+            assert time.monotonic() < deadline, statuses
+            time.sleep(0.05)
+        engine.send_signal(signal.SIGKILL)
+        killed_ns = time.monotonic_ns()
+        engine.wait()
+        while statuses[-1][0] is not EngineStatus.DEAD:
+            assert time.monotonic_ns() - killed_ns < 10e9, statuses
+            time.sleep(0.05)
+    finally:
+        engine.kill()
+        sidecar.stop()
+        thread.join(timeout=10)
+    assert statuses[-1][1] - killed_ns <= 3e9
+    assert [s for s, _ in statuses].count(EngineStatus.DEAD) == 1
