@@ -101,7 +101,7 @@ def kv_blocks() -> dashboard.Panel:
         [
             query(series("iterscope_kv_blocks_used"), "used {{engine}}", "A"),
             query(series("iterscope_kv_blocks_free"), "free {{engine}}", "B"),
-            query(series("iterscope_kv_blocks_total"), "total {{engine}}", "C"),
+            query(series("iterscope_kv_blocks_capacity"), "total {{engine}}", "C"),
         ],
     )
 

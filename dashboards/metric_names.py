@@ -13,7 +13,7 @@ GAUGES = {
     "iterscope_kv_cache_usage_ratio",
     "iterscope_kv_blocks_used",
     "iterscope_kv_blocks_free",
-    "iterscope_kv_blocks_total",
+    "iterscope_kv_blocks_capacity",
     "iterscope_kv_tokens",
     "iterscope_engine_state",
     "iterscope_heartbeat_age_seconds",

@@ -30,7 +30,7 @@ CONTRACT = {
     "gauge": [
         "iterscope_requests_running", "iterscope_requests_waiting",
         "iterscope_requests_waiting_by_reason", "iterscope_kv_cache_usage_ratio",
-        "iterscope_kv_blocks_used", "iterscope_kv_blocks_free", "iterscope_kv_blocks_total",
+        "iterscope_kv_blocks_used", "iterscope_kv_blocks_free", "iterscope_kv_blocks_capacity",
         "iterscope_kv_tokens", "iterscope_engine_state", "iterscope_heartbeat_age_seconds",
         "iterscope_sidecar_lag_seconds",
     ],
@@ -141,7 +141,7 @@ def test_gauges_and_counters_follow_records():
     assert value(samples, "iterscope_kv_cache_usage_ratio") == pytest.approx(0.4)
     assert value(samples, "iterscope_kv_blocks_used") == 40
     assert value(samples, "iterscope_kv_blocks_free") == 60
-    assert value(samples, "iterscope_kv_blocks_total") == 100
+    assert value(samples, "iterscope_kv_blocks_capacity") == 100
     assert value(samples, "iterscope_kv_tokens") == 390
     assert value(samples, "iterscope_engine_state", state="running") == 1
     assert value(samples, "iterscope_engine_state", state="idle") == 0
@@ -163,12 +163,12 @@ def test_queues_and_kv_total_follow_latest_message():
     sink.on_heartbeat(make_heartbeat(num_running_reqs=9, num_kv_blocks_total=120))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 9
-    assert value(samples, "iterscope_kv_blocks_total") == 120
+    assert value(samples, "iterscope_kv_blocks_capacity") == 120
     assert value(samples, "iterscope_kv_blocks_free") == 120
     sink.on_iteration(make_record(1))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 5
-    assert value(samples, "iterscope_kv_blocks_total") == 100  # used + free, as the log line
+    assert value(samples, "iterscope_kv_blocks_capacity") == 100  # used + free, as the log line
     sink.on_heartbeat(make_heartbeat(num_running_reqs=0, num_waiting_reqs=7))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 0
@@ -246,8 +246,7 @@ def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
 def counter_like_values(samples: dict) -> dict:
     """Every sample that must never decrease: counters and histogram buckets/counts/sums."""
     return {key: val for key, val in samples.items()
-            if key[0].endswith(("_total", "_bucket", "_count", "_sum"))
-            and not key[0].startswith("iterscope_kv_blocks_total")}
+            if key[0].endswith(("_total", "_bucket", "_count", "_sum"))}
 
 
 def test_counters_monotonic_across_engine_restart_and_replay():
@@ -327,13 +326,9 @@ def lint_problems(text: str) -> set[str]:
     return {line.strip() for line in output.splitlines() if line.strip()}
 
 
-# The metric-name contract keeps this gauge's name (dashboards and alerts use it) although
-# Prometheus' linter reserves `_total` for counters: the one finding we accept.
-KV_TOTAL_FINDING = 'iterscope_kv_blocks_total non-counter metrics should not have "_total" suffix'
-
 
 def test_exposition_passes_promtool_check_metrics():
-    assert lint_problems(busy_exposition()) == {KV_TOTAL_FINDING}
+    assert lint_problems(busy_exposition()) == set()
 
 
 def test_promtool_reports_a_broken_exposition():
@@ -367,7 +362,7 @@ def test_vllm_compatible_names():
     usage = families["vllm:kv_cache_usage_perc"].samples[0]
     assert usage.value == pytest.approx(0.25) and usage.labels == ENGINE0
     # Colons are vLLM's convention; promtool flags only those (and vLLM's own _total histogram).
-    for line in lint_problems(text) - {KV_TOTAL_FINDING}:
+    for line in lint_problems(text):
         assert line.startswith("vllm:") and ("':'" in line or "_total" in line), line
     assert "vllm:" not in busy_exposition()
 

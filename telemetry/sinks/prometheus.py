@@ -236,7 +236,7 @@ class EngineState:
         self.num_waiting_reqs = heartbeat.num_waiting_reqs
 
     @property
-    def kv_blocks_total(self) -> int:
+    def kv_blocks_capacity(self) -> int:
         """used + free of the latest record (as the log line); the heartbeat's before one."""
         record = self.last_record
         if record is None:
@@ -335,7 +335,7 @@ class MetricsCollector:
         usage = gauge("kv_cache_usage_ratio", "KV blocks used / total (0..1).")
         used = gauge("kv_blocks_used", "KV-cache blocks in use.")
         free = gauge("kv_blocks_free", "KV-cache blocks free.")
-        total = gauge("kv_blocks_total", "KV-cache blocks in the pool.")
+        total = gauge("kv_blocks_capacity", "KV-cache blocks in the pool.")
         kv_tokens = gauge("kv_tokens", "Tokens held in the KV cache.")
         state = gauge("engine_state", "1 for the engine's current state, 0 for the others.",
                       ["state"])
@@ -348,7 +348,7 @@ class MetricsCollector:
             record = engine.last_record
             for reason, field in WAITING_REASONS:
                 by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
-            blocks_total = engine.kv_blocks_total
+            blocks_total = engine.kv_blocks_capacity
             blocks_used = record.num_kv_blocks_used if record else 0
             usage.add_metric(labels, blocks_used / blocks_total if blocks_total else 0.0)
             used.add_metric(labels, blocks_used)
