@@ -1,0 +1,114 @@
+"""`iterscope sidecar` plumbing and the sidecar subprocess helper used by engine commands."""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_sidecar_engine import start_engine, stop_engine
+
+from telemetry import sidecar_cli, sidecar_process
+from telemetry.sidecar_process import start_sidecar
+
+
+def test_missing_sink_modules_are_skipped_but_broken_ones_are_not(tmp_path, monkeypatch):
+    (tmp_path / "broken_sink.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = sidecar_cli.load_sink_modules(("telemetry.sinks.log", "telemetry.sinks.nope"))
+    assert [m.__name__ for m in modules] == ["telemetry.sinks.log"]
+    with pytest.raises(ModuleNotFoundError):
+        sidecar_cli.load_sink_modules(("broken_sink",))
+
+
+def test_sinks_are_built_from_their_modules_and_peers_are_introduced(tmp_path):
+    class Peer:
+        def set_peers(self, sinks):
+            self.peers = sinks
+
+    peer = Peer()
+    fake = argparse.Namespace(add_arguments=lambda parser: None, build=lambda args: peer)
+    modules = [*sidecar_cli.load_sink_modules(("telemetry.sinks.log", "telemetry.sinks.jsonl")),
+               fake]
+    args = sidecar_cli.build_parser(modules).parse_args(
+        ["--record", str(tmp_path / "r.jsonl"), "--log-interval", "2"])
+    sinks = sidecar_cli.build_sinks(modules, args)
+    assert [type(s).__name__ for s in sinks] == ["LogSink", "JsonlSink", "Peer"]
+    assert peer.peers == sinks and sinks[0].interval_ns == 2_000_000_000
+    sinks[1].close()
+    args = sidecar_cli.build_parser(modules).parse_args(["--no-log"])
+    assert sidecar_cli.build_sinks(modules, args) == [peer]
+
+
+def test_remote_bind_needs_to_be_asked_for(capsys):
+    assert sidecar_cli.main(["--address", "tcp://0.0.0.0:5999", "--no-metrics"]) == 2
+    assert "--allow-remote" in capsys.readouterr().err
+    assert sidecar_cli.main(["--address", "udp://x", "--no-metrics"]) == 2
+
+
+def test_engine_options_start_a_sidecar_by_default():
+    parser = argparse.ArgumentParser()
+    sidecar_process.add_arguments(parser)
+    args = parser.parse_args(["--no-sidecar"])
+    assert sidecar_process.start_from_args(args) is None
+    assert sidecar_process.telemetry_address(args, None) is None
+    args = parser.parse_args(["--telemetry-address", "ipc:///tmp/elsewhere.sock"])
+    assert sidecar_process.start_from_args(args) is None
+    assert sidecar_process.telemetry_address(args, None) == "ipc:///tmp/elsewhere.sock"
+
+
+def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    handles = [open(path, "wb") for path in logs]
+    sidecars = [start_sidecar(["--no-metrics", "--log-iterations"], stderr=handle)
+                for handle in handles]
+    for handle in handles:
+        handle.close()
+    try:
+        assert sidecars[0].address != sidecars[1].address
+        engine = start_engine(sidecars[1].address, tmp_path / "engine.json", "--duration", "30")
+        time.sleep(1.0)
+        stop_engine(engine, tmp_path / "engine.json")
+    finally:
+        statuses = [sidecar.stop() for sidecar in sidecars]
+    assert statuses == [0, 0]
+    assert not any(os.path.exists(sidecar.run_dir) for sidecar in sidecars)
+    assert "Iteration(" not in logs[0].read_text()
+    assert "Iteration(1): 0 context requests" in logs[1].read_text()
+
+
+def test_sidecar_stops_when_the_process_that_started_it_dies(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from telemetry.sidecar_process import start_sidecar
+        sidecar = start_sidecar(["--no-metrics"], stderr=open(sys.argv[1], "wb"))
+        print(sidecar.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "s.log")],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": "."})
+    try:
+        sidecar_pid = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{sidecar_pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Reaped by init; a zombie still has /proc/PID until then, so read its state.
+        alive = os.path.exists(f"/proc/{sidecar_pid}") and " Z" not in _proc_state(sidecar_pid)
+        assert not alive
+        assert "sidecar stopped" in (tmp_path / "s.log").read_text()
+    finally:
+        parent.kill()
+
+
+def _proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return " " + file.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return " Z"
