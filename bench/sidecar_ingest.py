@@ -1,0 +1,130 @@
+"""Sidecar ingest rate with the log and JSONL sinks on, in records per second on one core.
+
+Two figures from one run, on the same pre-encoded frames (steady decode records of one
+engine, a heartbeat every 1,000 records, consecutive seqs):
+  in_process  Ingest.on_frame alone: typed decode, seq check, status, log + JSONL sinks
+  over_ipc    a sender process pushes the frames over ipc:// to a Sidecar.run() loop in this
+              process (ZMQ receive included; the sender uses another core)
+
+    .venv/bin/python bench/sidecar_ingest.py [--records 300000]
+
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from telemetry.record import Heartbeat, IterationRecord, make_encoder  # noqa: E402
+from telemetry.sidecar import Ingest, Sidecar  # noqa: E402
+from telemetry.sinks.jsonl import JsonlSink  # noqa: E402
+from telemetry.sinks.log import LogSink  # noqa: E402
+
+WALL_OFFSET_NS = 1_700_000_000_000_000_000
+
+
+def make_frames(num_records: int) -> list[bytes]:
+    encoder = make_encoder()
+    frames, seq, start_ns = [], 0, 1_000_000_000
+    for iteration in range(1, num_records + 1):
+        start_ns += 10_000_000
+        if iteration % 1000 == 1:
+            seq += 1
+            frames.append(encoder.encode(Heartbeat(
+                0, seq, start_ns, start_ns + WALL_OFFSET_NS, iteration - 1, 0, 50,
+                device_name="CPU")))
+        seq += 1
+        running = 48 + iteration % 5
+        frames.append(encoder.encode(IterationRecord(
+            0, seq, iteration, start_ns, 9_000_000, 0, 0, running, running, running, 0, 0, 0,
+            0, 3500, 65459, 56000, 0, 0, 0)))
+    return frames
+
+
+def make_ingest(directory: str) -> Ingest:
+    lines: list[str] = []
+    log = LogSink(emit=lambda level, text: lines.append(text))
+    return Ingest([log, JsonlSink(f"{directory}/rec.jsonl", max_bytes=1 << 30)])
+
+
+def in_process_rate(frames: list[bytes], directory: str) -> float:
+    ingest = make_ingest(directory)
+    start = time.perf_counter()
+    for number, frame in enumerate(frames):
+        ingest.on_frame(frame, number)
+        if number % 10_000 == 0:
+            ingest.tick(number)
+    ingest.close()
+    return len(frames) / (time.perf_counter() - start)
+
+
+def send_frames(address: str, num_records: int) -> None:
+    frames = make_frames(num_records)
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    socket.connect(address)
+    for frame in frames:
+        socket.send(frame)
+    socket.close(linger=-1)
+
+
+def over_ipc_rate(num_records: int, num_frames: int, directory: str) -> float:
+    address = f"ipc://{directory}/lane.sock"
+    ingest = make_ingest(directory + "/ipc")
+    sidecar = Sidecar(address, ingest, rcvhwm=1_000_000)
+    sender = multiprocessing.get_context("spawn").Process(
+        target=send_frames, args=(address, num_records))
+    sender.start()
+    times: dict[str, float] = {}
+
+    def watch() -> None:
+        while ingest.stats.num_frames == 0:
+            time.sleep(0.0005)
+        times["first"] = time.perf_counter()
+        while ingest.stats.num_frames < num_frames:
+            time.sleep(0.001)
+        times["last"] = time.perf_counter()
+        sidecar.stop()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    sidecar.run()
+    watcher.join()
+    sender.join()
+    ingest.close()
+    return (num_frames - 1) / (times["last"] - times["first"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--records", type=int, default=300_000)
+    args = parser.parse_args(argv)
+    frames = make_frames(args.records)
+    with tempfile.TemporaryDirectory() as directory:
+        in_process = in_process_rate(frames, directory)
+        over_ipc = over_ipc_rate(args.records, len(frames), directory)
+    figures = {
+        "num_frames": len(frames),
+        "in_process_records_per_s": round(in_process),
+        "over_ipc_records_per_s": round(over_ipc),
+        "ipc_over_in_process": round(over_ipc / in_process, 2),
+    }
+    print(f"{len(frames)} frames through decode + seq/status + log + JSONL sinks:")
+    print(f"  in process: {in_process:,.0f} records/s")
+    print(f"  over ipc:   {over_ipc:,.0f} records/s (ZMQ receive included)")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
