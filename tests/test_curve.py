@@ -1,7 +1,9 @@
 """CURVE on the telemetry lane: engines publish over loopback tcp to a PULL socket set up by
 telemetry.curve; only engines holding listed keys get through."""
 
+import socket
 import stat
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -125,6 +127,12 @@ def engines():
         context.term()
 
 
+def num_handshakes_failed(events: Counter) -> int:
+    """libzmq reports a refused peer as a protocol error or without detail, depending on when
+    the mismatch is seen; either one counts."""
+    return sum(n for event, n in events.items() if event & HANDSHAKE_FAILED_EVENTS)
+
+
 def publish_until(server: Server, publishers: list, done) -> Counter:
     """Publish one record per engine every 20 ms until ``done(received, events)``."""
     received: Counter = Counter()
@@ -152,7 +160,7 @@ def test_two_engines_with_keys_get_through_and_one_without_keys_is_rejected(
             received[1] >= 5
             and received[2] >= 5
             and events[zmq.EVENT_HANDSHAKE_SUCCEEDED] >= 2
-            and events[zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL] >= 1
+            and num_handshakes_failed(events) >= 1
         )
 
     received = publish_until(server, [engine_a, engine_b, plain], done)
@@ -166,7 +174,7 @@ def test_two_engines_with_keys_get_through_and_one_without_keys_is_rejected(
     "rejected_keys, expected_event",
     [
         ("intruder_keys_dir", zmq.EVENT_HANDSHAKE_FAILED_AUTH),
-        ("wrong_server_keys_dir", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
+        ("wrong_server_keys_dir", None),  # any handshake failure
     ],
     ids=["unlisted-engine-key", "wrong-server-key"],
 )
@@ -180,6 +188,8 @@ def test_engine_with_keys_the_sidecar_does_not_trust_is_rejected(
     )
 
     def done(received, events):
+        if expected_event is None:
+            return received[1] >= 5 and num_handshakes_failed(events) >= 1
         return received[1] >= 5 and events[expected_event] >= 1
 
     received = publish_until(server, [trusted, rejected], done)
@@ -250,3 +260,66 @@ def test_command_line_creates_keys(tmp_path, capsys):
     assert (tmp_path / "k" / "clients" / "b.key").is_file()
     assert "engine a:" in capsys.readouterr().out
     assert curve.main([str(tmp_path / "k"), "--engines", "server"]) == 2
+
+
+class RecordingSink:
+    """Keeps the engine index of every iteration record the sidecar delivers."""
+
+    def __init__(self) -> None:
+        self.engine_indexes: Counter = Counter()
+
+    def on_iteration(self, record) -> None:
+        self.engine_indexes[record.engine_index] += 1
+
+    def on_heartbeat(self, heartbeat) -> None:
+        pass
+
+    def on_status(self, engine_index, status, now_ns) -> None:
+        pass
+
+    def on_dropped(self, engine_index, num_dropped) -> None:
+        pass
+
+    def on_undecodable(self, reason) -> None:
+        pass
+
+    def tick(self, now_ns) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
+    from telemetry.sidecar import Ingest, Sidecar
+
+    sink = RecordingSink()
+    context = zmq.Context()
+    address = free_tcp_address()
+    sidecar = Sidecar(address, Ingest([sink]), context=context, curve_keys_dir=str(keys_dir))
+    thread = threading.Thread(target=sidecar.run, daemon=True)
+    thread.start()
+    try:
+        keys = str(keys_dir)
+        engine_a = engines(address, 1, curve_keys_dir=keys, curve_engine_name="engine-a")
+        engine_b = engines(address, 2, curve_keys_dir=keys, curve_engine_name="engine-b")
+        plain = engines(address, 3)
+        deadline = time.monotonic() + DEADLINE_S
+        while sink.engine_indexes[1] < 5 or sink.engine_indexes[2] < 5:
+            assert time.monotonic() < deadline, f"timed out: {dict(sink.engine_indexes)}"
+            for publisher in (engine_a, engine_b, plain):
+                publisher.publish(record(publisher.engine_index))
+            time.sleep(0.02)
+        assert sink.engine_indexes[3] == 0
+        assert plain.num_sent_total == 0 and plain.num_dropped_total > 0
+    finally:
+        sidecar.stop()
+        thread.join(timeout=5)
+        curve.stop_server_auth(context)
+        context.term()
