@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("telemetry.explain", "episodes and a summary from a recording"),
     "tune": ("telemetry.tune", "recommend max_num_batched_tokens / max_num_seqs"),
     "kv-plan": ("engine.kv_plan_cli", "how many tokens and requests fit in KV memory"),
+    "curve-keys": ("telemetry.curve", "create CURVE keys for telemetry lanes across hosts"),
 }
 
 

@@ -66,6 +66,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     engine_index: int = 0
     telemetry_address: str | None = None  # ZMQ address of the sidecar; None = telemetry off
+    telemetry_curve_keys_dir: str | None = None  # CURVE keys for a tcp lane across hosts
+    telemetry_curve_engine_name: str = "engine"  # which engine key pair in that directory
     nvtx_markers: bool = False  # one NVTX range per iteration when an NVTX tool is attached
     # Test-only fault injection (scenario tests of issue 9). Never set these in production.
     test_leak_blocks_per_finish: int = 0  # blocks a finished request keeps forever

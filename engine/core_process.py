@@ -171,7 +171,13 @@ def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> 
         return core.publisher
     from telemetry.publisher import ZmqPublisher
 
-    return ZmqPublisher(config.telemetry_address, config.engine_index, facts=core.facts(model_name))
+    return ZmqPublisher(
+        config.telemetry_address,
+        config.engine_index,
+        facts=core.facts(model_name),
+        curve_keys_dir=config.telemetry_curve_keys_dir,
+        curve_engine_name=config.telemetry_curve_engine_name,
+    )
 
 
 class _EngineLoop:
