@@ -318,7 +318,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def health():
         if not frontend.client.is_alive:
             return error(503, "the engine is not running", "service_unavailable")
-        return {"status": "ok"}
+        return {"status": "ok", "engine_pid": frontend.client.ready.pid}
 
     return app
 
