@@ -388,7 +388,7 @@ def _bench_in_process(args: argparse.Namespace) -> dict[str, Any]:
         sidecar = sidecar_process.start_from_args(args)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         vocab_size = args.vocab_size or load_tokenizer(args.model).vocab_size
-        client = start_engine(config)
+        client = start_engine(config, args.cpu_threads)
         return asyncio.run(_bench(args, InProcessBackend(client), vocab_size))
     finally:
         if client is not None:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import signal
 import socket
@@ -81,7 +82,13 @@ def load_tokenizer(model: str) -> Any:
     return load_hf_tokenizer(path)
 
 
-def start_engine(config: EngineConfig) -> EngineCoreClient:
+def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> EngineCoreClient:
+    """Spawn the engine-core process. ``cpu_threads`` sets OMP_NUM_THREADS, which the spawned
+    process inherits and torch reads when it starts (None: torch's default, one per core)."""
+    if cpu_threads is not None:
+        if cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {cpu_threads}")
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
     load_model = load_tiny_model if config.model == TINY_MODEL else None
     return EngineCoreClient(config, load_model=load_model)
 
@@ -343,6 +350,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--engine-index", type=int, default=0)
+    group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                       help="torch threads of the engine process on CPU (default: one per "
+                       "core; 1 is faster when the frontend, sidecar and a load generator share "
+                       "a small machine)")
 
 
 def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> EngineConfig:
@@ -415,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         sidecar = sidecar_process.start_from_args(args)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         tokenizer = load_tokenizer(args.model)
-        client = start_engine(config)
+        client = start_engine(config, args.cpu_threads)
         frontend = Frontend(client, tokenizer, args.served_model_name or args.model)
         sock = listening_socket(args.host, args.port)
         uv_config = uvicorn.Config(build_app(frontend), log_level="warning",

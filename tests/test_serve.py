@@ -105,7 +105,7 @@ def finish_milestones(records: list[IterationRecord], request_id: str) -> list:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("serve"), "--model", TINY_MODEL,
-                           "--kv-cache-memory", KV_CACHE_MEMORY)
+                           "--kv-cache-memory", KV_CACHE_MEMORY, "--cpu-threads", "1")
     yield server
     assert server.stop() == 0, server.log()
     assert "Traceback" not in server.log(), server.log()
