@@ -1,0 +1,151 @@
+"""`iterscope bench`: the dataset, the concurrency limit, the figures, and a real run whose
+token counts must agree with what the sidecar counted from the engine's own records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from test_serve import REPO, ServerProcess
+
+from engine import bench
+from engine.bench import BenchRequest, RequestResult
+from engine.serve import TINY_MODEL
+
+
+def test_random_dataset_is_seeded_and_exact():
+    first = bench.random_dataset(20, 50, 7, vocab_size=300, seed=3)
+    assert first == bench.random_dataset(20, 50, 7, vocab_size=300, seed=3)
+    assert first != bench.random_dataset(20, 50, 7, vocab_size=300, seed=4)
+    assert all(len(r.prompt_token_ids) == 50 and r.max_tokens == 7 for r in first)
+    assert all(0 <= t < 300 for r in first for t in r.prompt_token_ids)
+
+
+def test_random_dataset_range_ratio():
+    requests = bench.random_dataset(200, 100, 10, vocab_size=50, seed=0, range_ratio=0.5)
+    input_lens = {len(r.prompt_token_ids) for r in requests}
+    assert min(input_lens) >= 50 and max(input_lens) <= 150 and len(input_lens) > 20
+    assert {r.max_tokens for r in requests} <= set(range(5, 16))
+    with pytest.raises(ValueError, match="range_ratio"):
+        bench.random_dataset(2, 10, 10, vocab_size=50, range_ratio=1.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        bench.random_dataset(0, 10, 10, vocab_size=50)
+
+
+def test_summary_figures():
+    results = [
+        RequestResult(True, "", 10, 3, ttft_time=0.1, itl_times=[0.02, 0.04], e2e_time=0.16),
+        RequestResult(True, "", 20, 1, ttft_time=0.3, itl_times=[], e2e_time=0.3),
+        RequestResult(False, "boom", 5, 0),
+    ]
+    metrics = bench.summarize(results, duration_time=2.0)
+    assert (metrics["num_completed"], metrics["num_failed"]) == (2, 1)
+    assert (metrics["total_input_tokens"], metrics["total_output_tokens"]) == (30, 4)
+    assert metrics["request_throughput"] == pytest.approx(1.0)
+    assert metrics["output_throughput"] == pytest.approx(2.0)
+    assert metrics["total_token_throughput"] == pytest.approx(17.0)
+    assert metrics["mean_ttft_ms"] == pytest.approx(200.0)
+    assert metrics["median_ttft_ms"] == pytest.approx(200.0)
+    assert metrics["mean_itl_ms"] == pytest.approx(30.0)
+    assert metrics["mean_tpot_ms"] == pytest.approx(30.0)  # (0.16 - 0.1) / 2; 1-token excluded
+    assert metrics["mean_e2el_ms"] == pytest.approx(230.0)
+    table = bench.format_summary(metrics)
+    assert "Successful requests:" in table and "P99 ITL (ms):" in table
+
+
+class CountingBackend:
+    """Answers after a short sleep and records how many requests were in flight at once."""
+
+    def __init__(self) -> None:
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+
+    async def send(self, request: BenchRequest) -> RequestResult:
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        await asyncio.sleep(0.01)
+        self.num_in_flight -= 1
+        return RequestResult(True, "", len(request.prompt_token_ids), request.max_tokens,
+                             0.005, [0.005], 0.01)
+
+
+def test_max_concurrency_is_respected():
+    backend = CountingBackend()
+    requests = bench.random_dataset(30, 4, 2, vocab_size=10)
+    results, _ = asyncio.run(bench.run_benchmark(backend, requests, concurrency_at=lambda _: 3,
+                                                 progress=False))
+    assert len(results) == 30 and all(r.success for r in results)
+    assert backend.max_in_flight == 3
+
+
+def test_poisson_rate_and_stop_sending_after():
+    backend = CountingBackend()
+    requests = bench.random_dataset(1000, 4, 2, vocab_size=10)
+    results, _ = asyncio.run(bench.run_benchmark(backend, requests, request_rate=200.0,
+                                                 progress=False, stop_sending_after=0.2))
+    assert 0 < len(results) < 1000
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
+    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory", "512KiB",
+                           "--cpu-threads", "1")
+    num_prompts = 24
+    try:
+        result_path = tmp_path / "result.json"
+        command = [sys.executable, "-m", "engine.cli", "bench", "--base-url", server.base_url,
+                   "--num-prompts", str(num_prompts), "--random-input-len", "64",
+                   "--random-output-len", "24", "--random-range-ratio", "0.5",
+                   "--max-concurrency", "24", "--result-file", str(result_path),
+                   "--no-progress"]
+        run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert re.search(rf"Successful requests:\s+{num_prompts}\n", run.stdout)
+        result = json.loads(result_path.read_text())
+        assert result["num_completed"] == num_prompts and len(result["requests"]) == num_prompts
+        deadline = time.monotonic() + 20
+        while True:
+            text = httpx.get(server.metrics_url).text
+            finished = metric(text, "iterscope_requests_finished_total", finish_reason="length")
+            if finished == num_prompts or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert finished == num_prompts
+        assert metric(text, "iterscope_request_prompt_tokens_sum") == result["total_input_tokens"]
+        assert (metric(text, "iterscope_request_generation_tokens_sum")
+                == result["total_output_tokens"])
+        # The cache holds 64 blocks; 24 prompts of 2 to 6 blocks each had to wait for it.
+        records = server.records()
+        assert max(r.num_waiting_kv_reqs for r in records) > 0
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_in_process_bench_writes_a_result(tmp_path, capsys):
+    result_path = tmp_path / "result.json"
+    status = bench.main(["--in-process", "--model", TINY_MODEL, "--kv-cache-memory", "1MiB",
+                         "--no-sidecar", "--cpu-threads", "1", "--num-prompts", "6",
+                         "--random-input-len", "16", "--random-output-len", "5",
+                         "--result-file", str(result_path), "--no-progress"])
+    assert status == 0
+    result = json.loads(result_path.read_text())
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (96, 30)
+    assert all(len(r["itl_times"]) == 4 for r in result["requests"])
+    assert "Benchmark result" in capsys.readouterr().out
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    assert bench.main(["--base-url", "http://127.0.0.1:9", "--no-progress"]) == 1
+    assert "cannot read http://127.0.0.1:9/v1/models" in capsys.readouterr().err
