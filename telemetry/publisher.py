@@ -21,6 +21,7 @@ from telemetry.record import Heartbeat, IterationRecord, make_encoder
 
 DEFAULT_SNDHWM = 8192  # messages; ~60 B each, so at most about 0.5 MiB queued
 HEARTBEAT_INTERVAL_S = 1.0
+CONNECT_WAIT_MS = 100  # once, at start-up
 
 
 class NullPublisher:
@@ -81,6 +82,9 @@ class ZmqPublisher:
                 self._socket.close(linger=0)
                 raise
         self._socket.connect(address)
+        # With ZMQ_IMMEDIATE a send before the connection completes is dropped: give a
+        # listening sidecar a moment, so the first heartbeat is not reported as lost.
+        self._socket.poll(CONNECT_WAIT_MS, zmq.POLLOUT)
         self._closed = threading.Event()
         self._heartbeat_interval_s = heartbeat_interval_s
         self._thread = threading.Thread(
