@@ -56,7 +56,7 @@ def run_engine(model, prompts: list[list[int]]) -> dict[str, list[int]]:
         model="smollm2",
         dtype="float32",
         max_num_seqs=8,
-        max_num_batched_tokens=24,  # prompts are chunked next to running decodes
+        max_num_batched_tokens=64,  # prompts are chunked next to running decodes
         max_model_len=512,
         kv_cache_memory_bytes=64 << 20,
     )
@@ -66,7 +66,7 @@ def run_engine(model, prompts: list[list[int]]) -> dict[str, list[int]]:
         core.add_request(Request(f"checked-{i}", ids, greedy))
     # Neighbours with sampling, so the checked requests never run alone.
     for i in range(3):
-        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=40, seed=i)
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=i)
         core.add_request(Request(f"sampled-{i}", prompts[i][-7:], sampled))
     outputs: dict[str, list[int]] = {}
     while core.has_work:
