@@ -131,7 +131,12 @@ class ModelRunner:
             position_chunks.append(span_positions)
             request_blocks = torch.tensor(request.block_ids[: (end + bs - 1) // bs])
             block_chunks.append(request_blocks[span_positions // bs])
-            spans.append(self._prefill_span(flat_start, request_blocks, span_positions))
+            span = self._prefill_span(flat_start, request_blocks, span_positions)
+            if spans and _can_batch(spans[-1], span):
+                spans[-1].token_end = span.token_end
+                spans[-1].num_seqs += 1
+            else:
+                spans.append(span)
             if end == len(request.token_ids):
                 sample_rows.append(row)
                 sample_indices.append(flat_start + num_new - 1)
@@ -198,3 +203,11 @@ class ModelRunner:
                 f"request {request.request_id!r}: {end} positions exceed the model's "
                 f"max_position_embeddings ({self.model.config.max_position_embeddings})"
             )
+
+
+def _can_batch(previous: PrefillSpan, span: PrefillSpan) -> bool:
+    """Fresh chunks of equal length next to each other share one attention call."""
+    if previous.kv_rows is not None or span.kv_rows is not None:
+        return False
+    previous_len = (previous.token_end - previous.token_start) // previous.num_seqs
+    return span.token_end - span.token_start == previous_len

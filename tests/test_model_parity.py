@@ -143,3 +143,17 @@ def test_mixed_batch_of_prefill_chunk_and_decodes(pair):
     tokens = runner.execute(step)
     last_rows = [expected[2][-1], expected[0][-1], expected[1][-1], expected[3][-1]]
     assert tokens == [int(row.argmax()) for row in last_rows]
+
+
+def test_equal_length_fresh_prompts_batched_in_one_call(pair):
+    """Fresh prompts of equal length share one attention call; a different length does not."""
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    free = shuffled_blocks(4)
+    seqs = [random_tokens(20 + i, n) for i, n in enumerate([12, 12, 12, 9])]
+    step = [(make_request(f"r{i}", s, free), len(s)) for i, s in enumerate(seqs)]
+    spans = runner.prepare(step).meta.prefills
+    shapes = [(span.num_seqs, span.token_end - span.token_start) for span in spans]
+    assert shapes == [(3, 36), (1, 9)]
+    for got, seq in zip(runner.compute_logits(step), seqs, strict=True):
+        torch.testing.assert_close(got, reference_logits(ref, seq), atol=ATOL, rtol=0)

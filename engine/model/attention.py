@@ -35,13 +35,16 @@ class PrefillSpan:
     """One request's chunk of q_len > 1 tokens at flat indices [token_start, token_end).
 
     kv_rows is None when the chunk starts at position 0: its keys are exactly the chunk's own
-    fresh K/V, so plain causal attention applies. Otherwise kv_rows are the gather rows
-    (block_id * num_kv_heads + kv_head, ordered by head then block) of the request's blocks,
-    kv_len = the chunk's end position, and mask[i, j] says query i may see position j.
+    fresh K/V, so plain causal attention applies; then num_seqs > 1 means the span holds that
+    many such chunks of equal length back to back, attended in one batched call. Otherwise
+    kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
+    block) of the request's blocks, kv_len = the chunk's end position, and mask[i, j] says
+    query i may see position j.
     """
 
     token_start: int
     token_end: int
+    num_seqs: int = 1
     kv_rows: torch.Tensor | None = None
     kv_len: int = 0
     mask: torch.Tensor | None = None
@@ -105,11 +108,11 @@ class PagedAttention:
         for span in meta.prefills:
             start, end = span.token_start, span.token_end
             if span.kv_rows is None:
-                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                out[start:end] = self._fresh_prefill(q[start:end], k[start:end], v[start:end], span)
             else:
                 keys = self._gather(key_cache, span.kv_rows)[:, : span.kv_len]
                 values = self._gather(value_cache, span.kv_rows)[:, : span.kv_len]
-            out[start:end] = self._prefill(q[start:end], keys, values, span.mask)
+                out[start:end] = self._prefill(q[start:end], keys, values, span.mask)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(
@@ -140,16 +143,30 @@ class PagedAttention:
         out = torch.matmul(probs, values)
         return out.view(num_reqs, self.num_heads, self.head_dim)
 
-    def _prefill(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    def _fresh_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """q [Lq, H, D] against keys/values [KVH, Lk, D]; causal when mask is None (Lq == Lk)."""
+        """num_seqs equal-length chunks from position 0, causal, in one call: [T, H, D]."""
+        n = span.num_seqs
+        out = F.scaled_dot_product_attention(
+            q.view(n, -1, self.num_heads, self.head_dim).transpose(1, 2),
+            k.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+            v.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=self.group_size > 1,
+        )
+        return out.transpose(1, 2).reshape(q.shape)
+
+    def _prefill(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [Lq, H, D] against keys/values [KVH, Lk, D] gathered from the cache."""
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=mask,
-            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.group_size > 1,
         )
