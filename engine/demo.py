@@ -1,93 +1,191 @@
-"""`iterscope demo` (interim, until the frontend lands): the engine core in-process on the
-embedded default model with a small workload; prints the start-up KV lines, the generated
-text and what the per-iteration records counted."""
+"""`iterscope demo` (`make demo`): the whole product on the embedded default model, in ~2 min.
+
+    iterscope serve (SmolLM2-135M on CPU, a deliberately small KV cache)
+      + its sidecar: 10 s log lines here, /metrics, a JSONL recording
+    iterscope bench's load, concurrency ramping 1 -> 2 -> 4 -> 8 until the KV cache is full
+      and requests wait for it
+    then: the bench summary, and `iterscope explain` on the recording
+
+The server's and the sidecar's output is shown as it comes, prefixed with "| ".
+"""
 
 from __future__ import annotations
 
 import argparse
-import time
+import asyncio
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
 
-from engine.config import EngineConfig, parse_memory_size
-from engine.core import build_engine_core
-from engine.request import Request, SamplingParams
-from telemetry.record import IterationRecord
+from engine import bench
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain what a KV cache is in one sentence.",
-    "List three primary colors.",
-    "What is 12 times 12?",
-    "Give me a tip for writing clean Python code.",
-]
+REPO = Path(__file__).resolve().parents[1]
+SEND_SHARE = 0.8  # of --duration spent sending (ramp included); the rest lets requests finish
 
 
-class CountingPublisher:
-    """Sums what the iteration records say, in place of the telemetry lane."""
+class ServerOutput:
+    """Echoes the server's output with a prefix and remembers its URLs."""
 
-    def __init__(self) -> None:
-        self.num_iterations = 0
-        self.num_context_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_preemptions = 0
-        self.max_running_reqs = 0
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.base_url: str | None = None
+        self.metrics_url: str | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="iterscope-demo-echo", daemon=True)
+        self.thread.start()
 
-    def publish(self, record: IterationRecord) -> None:
-        self.num_iterations += 1
-        self.num_context_tokens += record.num_context_tokens
-        self.num_generation_tokens += record.num_generation_tokens
-        self.num_preemptions += record.num_preemptions
-        self.max_running_reqs = max(self.max_running_reqs, record.num_running_reqs)
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            print(f"| {line}", end="", flush=True)
+            if match := re.search(r"metrics on (http://\S+/metrics)", line):
+                self.metrics_url = match.group(1)
+            if match := re.search(r" on (http://\S+)/v1$", line.rstrip()):
+                self.base_url = match.group(1)
+                self.ready.set()
+        self.ready.set()  # the server exited
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
+def start_server(args: argparse.Namespace, record_path: Path) -> tuple[subprocess.Popen,
+                                                                        ServerOutput]:
+    command = [
+        sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--port", "0",
+        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
+        "--cpu-threads", str(args.cpu_threads), "--metrics-port", str(args.metrics_port),
+        "--record", str(record_path), f"--sidecar-arg=--log-interval={args.log_interval}",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return process, ServerOutput(process)
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM: the server shuts its engine down and the sidecar flushes the recording."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class Ramp:
+    """Concurrency as a step function of elapsed seconds; announces each new step."""
+
+    def __init__(self, steps: list[int], step_time: float) -> None:
+        self.steps = steps
+        self.step_time = step_time
+        self.announced = -1
+
+    def __call__(self, elapsed_time: float) -> int:
+        index = min(int(elapsed_time / self.step_time), len(self.steps) - 1)
+        if index != self.announced:
+            self.announced = index
+            print(f">>> load: up to {self.steps[index]} requests at once "
+                  f"(t = {elapsed_time:.0f} s)", flush=True)
+        return self.steps[index]
+
+
+async def drive_load(args: argparse.Namespace, base_url: str) -> dict:
+    backend = bench.HttpBackend(base_url)
+    try:
+        card = await backend.model_card()
+        backend.model = card["id"]
+        requests = bench.random_dataset(10_000, args.input_len, args.output_len,
+                                        card["vocab_size"], seed=0, range_ratio=0.25)
+        send_time = args.duration * SEND_SHARE
+        ramp = Ramp(args.ramp, send_time / len(args.ramp))
+        results, duration_time = await bench.run_benchmark(
+            backend, requests, concurrency_at=ramp, progress=False,
+            stop_sending_after=send_time,
+        )
+    finally:
+        await backend.close()
+    return bench.summarize(results, duration_time)
+
+
+EPISODE_HEADLINE = re.compile(r"^\s+\d+\. ")
+
+
+def explain(record_path: Path) -> None:
+    """`iterscope explain`'s summary, with its episodes cut to one headline each."""
+    if importlib.util.find_spec("telemetry.explain") is None:
+        return
+    from telemetry import explain as explain_command
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        explain_command.main([str(record_path)])
+    print(f"\n$ iterscope explain {record_path}   (episode details cut here)", flush=True)
+    in_episodes = False
+    for line in text.getvalue().splitlines():
+        in_episodes = in_episodes or line.strip().startswith("Episodes")
+        if not in_episodes or line.strip().startswith("Episodes") or \
+                EPISODE_HEADLINE.match(line):
+            print(line)
+
+
+def parse_ramp(text: str) -> list[int]:
+    steps = [int(step) for step in text.split(",") if step.strip()]
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"--ramp needs positive integers, got {text!r}")
+    return steps
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterscope demo", description=__doc__)
-    parser.add_argument("--model", default="smollm2", help="HF directory, .gguf or smollm2")
-    parser.add_argument("--num-requests", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--kv-cache-memory", default="512MiB", help="KV budget, e.g. 512MiB")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser = argparse.ArgumentParser(prog="iterscope demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=90.0,
+                        help="seconds of load after start-up (default %(default)s)")
+    parser.add_argument("--ramp", type=parse_ramp, default=[1, 2, 4, 8],
+                        help="concurrency steps, equally long (default 1,2,4,8)")
+    parser.add_argument("--input-len", type=int, default=96, help="mean prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="mean output tokens")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--kv-cache-memory", default="24MiB",
+                        help="small on purpose: about 3 requests fit (default %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument("--metrics-port", type=int, default=9470, help="0 picks a free one")
+    parser.add_argument("--log-interval", type=float, default=10.0,
+                        help="seconds per sidecar log line (default %(default)s)")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="JSONL recording path (default: a new temporary directory)")
     return parser
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not 1 <= args.num_requests <= len(PROMPTS):
-        print(f"iterscope demo: --num-requests must be in 1..{len(PROMPTS)}")
+    if args.duration <= 0:
+        print("iterscope demo: --duration must be > 0", file=sys.stderr)
         return 2
-    config = EngineConfig(
-        model=args.model,
-        kv_cache_memory_bytes=parse_memory_size(args.kv_cache_memory),
-        max_model_len=args.max_model_len,
-    )
-    print(f"Loading {config.model} ({config.torch_dtype_name}, {config.device}) ...", flush=True)
-    publisher = CountingPublisher()
-    core, model = build_engine_core(config, publisher=publisher)
-    print("\n".join(core.startup_lines()), flush=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    for index, prompt in enumerate(PROMPTS[: args.num_requests]):
-        token_ids = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        core.add_request(Request(f"demo-{index}", token_ids, params))
-    outputs: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    while core.has_work:
-        for output in core.step():
-            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
-    elapsed = time.perf_counter() - start
-    for index, prompt in enumerate(PROMPTS[: args.num_requests]):
-        text = model.tokenizer.decode(outputs.get(f"demo-{index}", []))
-        print(f"\n> {prompt}\n{text.strip()}")
-    print(
-        f"\n{publisher.num_iterations} iterations in {elapsed:.1f} s: "
-        f"{publisher.num_context_tokens} prompt tokens, {publisher.num_generation_tokens} "
-        f"generated tokens ({publisher.num_generation_tokens / elapsed:.1f} tokens/s), "
-        f"up to {publisher.max_running_reqs} requests per batch, "
-        f"{publisher.num_preemptions} preemptions"
-    )
-    return 0
+    record_path = args.record or Path(tempfile.mkdtemp(prefix="iterscope-demo-")) / "demo.jsonl"
+    print(f">>> starting iterscope serve on {args.model} with a sidecar; recording to "
+          f"{record_path}", flush=True)
+    process, output = start_server(args, record_path)
+    try:
+        output.ready.wait()
+        if output.base_url is None:
+            print("iterscope demo: the server did not start (see its output above)",
+                  file=sys.stderr)
+            return 1
+        print(f">>> server {output.base_url}/v1, metrics {output.metrics_url}; ramping the "
+              f"load for {args.duration:.0f} s", flush=True)
+        metrics = asyncio.run(drive_load(args, output.base_url))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_server(process)
+        output.thread.join(timeout=5)
+    print("\n" + bench.format_summary(metrics), flush=True)
+    explain(record_path)
+    print(f"\n>>> recording kept at {record_path}: replay it with `iterscope sidecar --replay "
+          f"{record_path}`, analyse it with `iterscope explain` or `iterscope tune`", flush=True)
+    return 0 if metrics["num_failed"] == 0 else 1

@@ -1,0 +1,55 @@
+"""`iterscope demo`, shortened: SmolLM2 behind the server and its sidecar, a ramping load that
+fills the small KV cache until requests wait, log lines, /metrics, a recording, the bench
+summary and the explain summary."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import msgspec
+from test_serve import REPO
+
+from telemetry.record import IterationRecord, Message
+
+
+def test_short_demo(tmp_path):
+    record_path = tmp_path / "demo.jsonl"
+    command = [
+        sys.executable, "-m", "engine.cli", "demo", "--duration", "16", "--ramp", "2,6",
+        "--input-len", "48", "--output-len", "24", "--kv-cache-memory", "12MiB",
+        "--metrics-port", "0", "--log-interval", "3", "--record", str(record_path),
+    ]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines, metrics_text = [], ""
+    deadline = time.monotonic() + 240
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            match = re.search(r"metrics (http://\S+/metrics)", line)
+            if match and line.startswith(">>> server"):
+                metrics_text = httpx.get(match.group(1), timeout=10).text
+            assert time.monotonic() < deadline, "".join(lines)
+        assert process.wait(30) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = "".join(lines)
+    assert "iterscope_kv_blocks_capacity" in metrics_text
+    assert re.search(r"\| .*Engine 000: Avg prompt throughput: .* tokens/s", output), output
+    assert ">>> load: up to 6 requests at once" in output
+    assert re.search(r"Successful requests:\s+[1-9]", output)
+    assert re.search(r"Failed requests:\s+0\n", output)
+    assert "Mean TTFT (ms):" in output
+    assert "Engine 0, model smollm2 on CPU" in output  # the explain summary
+    decoder = msgspec.json.Decoder(Message)
+    records = [m for m in map(decoder.decode, record_path.read_bytes().splitlines())
+               if isinstance(m, IterationRecord)]
+    assert max(r.num_waiting_kv_reqs for r in records) > 0  # the cache filled; requests waited
+    assert max(r.num_kv_blocks_used for r in records) >= 0.9 * (
+        records[-1].num_kv_blocks_used + records[-1].num_kv_blocks_free)
