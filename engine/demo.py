@@ -89,7 +89,8 @@ class Ramp:
         index = min(int(elapsed_time / self.step_time), len(self.steps) - 1)
         if index != self.announced:
             self.announced = index
-            print(f">>> load: up to {self.steps[index]} requests at once "
+            count = self.steps[index]
+            print(f">>> load: up to {count} request{'s' if count != 1 else ''} at once "
                   f"(t = {elapsed_time:.0f} s)", flush=True)
         return self.steps[index]
 
