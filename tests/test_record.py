@@ -58,6 +58,7 @@ def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
     # No sidecar yet: with ZMQ_IMMEDIATE every send is dropped and counted.
     publisher.publish(decode_record())
     publisher.publish(decode_record())
+    assert publisher.flush()
     dropped_before = publisher.num_dropped_total
     assert dropped_before >= 2
     pull = zmq.Context.instance().socket(zmq.PULL)
@@ -70,7 +71,7 @@ def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
             publisher.publish(decode_record())
             if pull.poll(50):
                 received = decoder.decode(pull.recv())
-        # Drain: heartbeats or records; the first one sent carries every drop before it.
+        # Heartbeat or record: the first message sent carries every drop before it.
         assert received is not None
         assert received.seq - received.num_dropped == 1
         assert publisher.num_dropped_total == received.num_dropped
@@ -93,3 +94,35 @@ def test_heartbeat_carries_clock_anchor(tmp_path):
     finally:
         publisher.close()
         pull.close(linger=0)
+
+
+def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600, queue_capacity=4)
+    decoder = make_decoder()
+    try:
+        assert publisher.flush()
+        for _ in range(10):  # faster than the sender thread wakes: 6 find the queue full
+            publisher.publish(decode_record())
+        assert publisher.flush()
+        publisher.publish(decode_record())
+        assert publisher.flush()
+        messages = []
+        while pull.poll(200):
+            messages.append(decoder.decode(pull.recv()))
+    finally:
+        publisher.close()
+        pull.close(linger=0)
+    records = [m for m in messages if isinstance(m, IterationRecord)]
+    seqs = [m.seq for m in messages]
+    assert seqs == sorted(seqs)
+    assert publisher.num_dropped_total == 6
+    assert len(records) == 5
+    # Each message's num_dropped is exactly the seq gap before it, and the gaps add up.
+    previous_seq = 0
+    for message in messages:
+        assert message.num_dropped == message.seq - previous_seq - 1
+        previous_seq = message.seq
+    assert sum(m.num_dropped for m in messages) == 6
