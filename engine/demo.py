@@ -95,6 +95,21 @@ class Ramp:
         return self.steps[index]
 
 
+QUESTION = "What is the capital of France?"
+
+
+def show_one_answer(base_url: str, model: str) -> None:
+    """One chat completion before the load, to show the model really answers."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 24, "temperature": 0}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    answer = response.json()["choices"][0]["message"]["content"].strip()
+    print(f">>> chat: {QUESTION}\n>>> {model}: {answer}", flush=True)
+
+
 async def drive_load(args: argparse.Namespace, base_url: str) -> dict:
     backend = bench.HttpBackend(base_url)
     try:
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print("iterscope demo: the server did not start (see its output above)",
                   file=sys.stderr)
             return 1
+        show_one_answer(output.base_url, args.model)
         print(f">>> server {output.base_url}/v1, metrics {output.metrics_url}; ramping the "
               f"load for {args.duration:.0f} s", flush=True)
         metrics = asyncio.run(drive_load(args, output.base_url))

@@ -154,6 +154,7 @@ class Frontend:
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
         """(text delta, engine output) per engine output; aborts the engine request when the
         HTTP client disconnects or the caller stops iterating early."""
+        self._raise_if_engine_died()
         stream = self.client.add_request(prompt_ids, params, request_id, traceparent)
         watcher = asyncio.ensure_future(self._abort_on_disconnect(http_request, stream))
         detokenizer = Detokenizer(self.tokenizer)
@@ -174,7 +175,15 @@ class Frontend:
 
     def _abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):
+            self._raise_if_engine_died()
             self.client.abort(request_id)
+
+    def _raise_if_engine_died(self) -> None:
+        """The client notices a dead engine within ~0.1 s, and a send to a dead engine blocks
+        (and with it this event loop): look at the process itself first."""
+        if not self.client.is_alive:
+            raise EngineDeadError(f"the engine process is gone (exit code "
+                                  f"{self.client.process.exitcode})")
 
 
 def sse(body: dict[str, Any] | str) -> str:

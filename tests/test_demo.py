@@ -42,6 +42,7 @@ def test_short_demo(tmp_path):
     output = "".join(lines)
     assert "iterscope_kv_blocks_capacity" in metrics_text
     assert re.search(r"\| .*Engine 000: Avg prompt throughput: .* tokens/s", output), output
+    assert re.search(r">>> smollm2: .*Paris", output), output  # one answer before the load
     assert ">>> load: up to 6 requests at once" in output
     assert re.search(r"Successful requests:\s+[1-9]", output)
     assert re.search(r"Failed requests:\s+0\n", output)
