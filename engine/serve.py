@@ -359,6 +359,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--engine-index", type=int, default=0)
+    group.add_argument("--telemetry-curve-keys-dir", default=None, metavar="DIR",
+                       help="CURVE keys for a tcp telemetry lane to a sidecar on another host "
+                       "(python -m telemetry.curve; docs/deploy.md)")
+    group.add_argument("--telemetry-curve-engine-name", default="engine", metavar="NAME",
+                       help="which engine key pair in that directory (default %(default)s)")
     group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="torch threads of the engine process on CPU (default: one per "
                        "core; 1 is faster when the frontend, sidecar and a load generator share "
@@ -373,6 +378,8 @@ def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> En
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, engine_index=args.engine_index,
         telemetry_address=telemetry_address,
+        telemetry_curve_keys_dir=args.telemetry_curve_keys_dir,
+        telemetry_curve_engine_name=args.telemetry_curve_engine_name,
     )
 
 

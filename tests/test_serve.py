@@ -24,7 +24,13 @@ import pytest
 from engine.config import EngineConfig
 from engine.core import build_engine_core
 from engine.request import Request, SamplingParams
-from engine.serve import TINY_MODEL, load_tiny_model
+from engine.serve import (
+    TINY_MODEL,
+    build_parser,
+    engine_config,
+    load_tiny_model,
+    sidecar_arguments,
+)
 from telemetry.record import EVENT_FINISHED, IterationRecord, Message
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,6 +188,23 @@ def test_chat_completions_with_the_openai_client(server, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_command_line_reaches_the_engine_config_and_the_sidecar():
+    args = build_parser().parse_args([
+        "--model", TINY_MODEL, "--kv-cache-memory", "2MiB", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64", "--no-prefix-caching", "--engine-index", "2",
+        "--telemetry-curve-keys-dir", "/keys", "--telemetry-curve-engine-name", "gpu-host-1",
+        "--metrics-port", "0", "--record", "run.jsonl", "--sidecar-arg=--log-iterations",
+    ])
+    config = engine_config(args, "ipc:///tmp/x")
+    assert (config.kv_cache_memory_bytes, config.max_num_seqs) == (2 << 20, 4)
+    assert (config.max_num_batched_tokens, config.enable_prefix_caching) == (64, False)
+    assert (config.engine_index, config.telemetry_address) == (2, "ipc:///tmp/x")
+    assert config.telemetry_curve_keys_dir == "/keys"
+    assert config.telemetry_curve_engine_name == "gpu-host-1"
+    assert sidecar_arguments(args) == ["--log-iterations", "--metrics-port=0",
+                                       "--record=run.jsonl"]
 
 
 def test_models_and_health(server):
