@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is alive
 BLOCKED_POLL_MS = 10  # work waits but nothing could be scheduled: do not spin flat out
+SEND_RETRY_S = 0.005  # a full input lane: how long the client waits before trying again
 
 
 # Client -> engine --------------------------------------------------------------------------
@@ -422,10 +423,22 @@ class EngineCoreClient:
         return self._dead_error is None and self.process.is_alive()
 
     def _send(self, message: Any) -> None:
-        self._raise_if_dead()
+        """Lossless: retry until the engine takes the frame; never hang on a dead engine
+        (a PUSH socket with no peer would block a plain send forever)."""
         frame = self._encoder.encode(message)
-        with self._input_lock:
-            self._input.send(frame)
+        while True:
+            self._raise_if_dead()
+            if not self.process.is_alive():
+                raise EngineDeadError(
+                    f"the engine process died (exit code {self.process.exitcode})"
+                )
+            with self._input_lock:
+                try:
+                    self._input.send(frame, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            time.sleep(SEND_RETRY_S)
 
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:

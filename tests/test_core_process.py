@@ -157,6 +157,20 @@ def test_engine_death_wakes_every_waiter():
         client.shutdown()
 
 
+def test_sending_to_a_just_killed_engine_raises_instead_of_hanging():
+    """Before the reader thread notices the death, a send must not block on the dead lane."""
+    client = start_client()
+    try:
+        os.kill(client.process.pid, signal.SIGKILL)
+        client.process.join(5)
+        client._dead_error = None  # as if the reader thread had not noticed yet
+        with pytest.raises(EngineDeadError, match="died"):
+            for index in range(10_000):  # more than the lane's queue holds
+                client.add_request([1, 2, index % 100], greedy(2))
+    finally:
+        client.shutdown()
+
+
 def test_startup_failure_reaches_the_client():
     with pytest.raises(RuntimeError, match="estimated maximum model length is 64"):
         start_client(kv_cache_memory_bytes=64 * 256, max_model_len=128)
