@@ -189,16 +189,6 @@ def test_real_runner_greedy_output_equals_output_without_preemption():
         assert batched[f"r{index}"] == alone["r0"]
 
 
-def test_demo_runs_the_embedded_model(capsys):
-    from engine.demo import main
-
-    assert main(["--num-requests", "1", "--max-tokens", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "Available KV cache memory: 0.50 GiB" in out
-    assert "KV cache size: 11,648 tokens" in out
-    assert "> What is the capital of France?\nThe capital of France is Paris." in out
-
-
 def test_leaked_blocks_leave_work_waiting_for_kv_with_nothing_running():
     core = make_core(num_blocks=4, test_leak_blocks_per_finish=2)
     core.add_request(make_request("a", [1, 2, 3, 4, 5], 2))
