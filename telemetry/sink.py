@@ -1,5 +1,6 @@
-"""What the sidecar calls on each sink. Every sink (log, prometheus, otel, nvtx, jsonl) has
-these methods; the sidecar's ingest thread calls them in arrival order, one at a time.
+"""What the sidecar calls on each sink. Every sink (log, prometheus, otel, nvtx, jsonl)
+subclasses ``Sink`` and overrides the calls it cares about (the others do nothing); the
+sidecar's ingest thread calls them in arrival order, one at a time.
 
 Sinks keep their own state and derive everything from the records they are given, so two
 sinks fed the same records agree (the log line and the Prometheus counters, say).
@@ -15,7 +16,6 @@ A sink module offers ``add_arguments(parser)`` and ``build(args) -> Sink | None`
 from __future__ import annotations
 
 import enum
-from typing import Protocol
 
 from telemetry.record import Heartbeat, IterationRecord
 
@@ -36,10 +36,14 @@ class EngineStatus(str, enum.Enum):
     DEAD = "dead"
 
 
-class Sink(Protocol):
-    def on_iteration(self, record: IterationRecord) -> None: ...
+class Sink:
+    """The calls a sink receives; each does nothing unless a sink overrides it."""
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None: ...
+    def on_iteration(self, record: IterationRecord) -> None:
+        """One iteration record, in arrival order."""
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """A heartbeat: progress, the clock anchor and static facts."""
 
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
         """An engine changed status (called once per transition)."""
@@ -54,4 +58,5 @@ class Sink(Protocol):
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """The sidecar stops: flush and release what the sink holds."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from telemetry.record import Heartbeat, IterationRecord
-from telemetry.sink import EngineStatus
+from telemetry.sink import Sink
 
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_MAX_FILES = 4
@@ -88,7 +88,7 @@ def read_last_seqs(path: Path) -> dict[int, int]:
     return last_seqs
 
 
-class JsonlSink:
+class JsonlSink(Sink):
     """Appends every message to a size-rotated JSONL recording."""
 
     def __init__(
@@ -159,15 +159,6 @@ class JsonlSink:
                 source.rename(rotated_path(self.path, generation + 1))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = 0
-
-    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        pass
-
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
 
     def tick(self, now_ns: int) -> None:
         self.flush()

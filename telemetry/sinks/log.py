@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from telemetry.iteration_line import format_iteration_line
 from telemetry.record import Heartbeat, IterationRecord
-from telemetry.sink import EngineStatus
+from telemetry.sink import EngineStatus, Sink
 
 logger = logging.getLogger("iterscope.sidecar")
 
@@ -161,7 +161,7 @@ def _log_to_logger(level: int, text: str) -> None:
     logger.log(level, text)
 
 
-class LogSink:
+class LogSink(Sink):
     """Prints the periodic lines, per-iteration lines (opt-in), status changes and losses."""
 
     def __init__(

@@ -31,8 +31,8 @@ import nvtx
 from nvtx._lib.lib import DummyDomain, RegisteredString
 
 from telemetry.iteration_line import format_iteration_line, kv_usage_ratio
-from telemetry.record import Heartbeat, IterationRecord
-from telemetry.sink import EngineStatus
+from telemetry.record import IterationRecord
+from telemetry.sink import Sink
 
 DOMAIN = "iterscope"
 RANGE_COLOR = 0xFF76B900  # ARGB
@@ -66,7 +66,7 @@ class _EngineRanges:
         self.close_at_ns = 0  # monotonic time after which a tick closes the open range
 
 
-class NvtxSink:
+class NvtxSink(Sink):
     """Live mode: ranges drawn as records arrive (see the module docstring)."""
 
     def __init__(self, domain_name: str = DOMAIN) -> None:
@@ -107,20 +107,12 @@ class NvtxSink:
                 self.domain.end_range(engine.open_range_id)
                 engine.open_range_id = None
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        pass
-
-    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        pass
-
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
 
 
-class NvtxWriterSink:
+
+
+
+class NvtxWriterSink(Sink):
     """Exact mode: ranges and counters at the engine's timestamps, through an NVTXW backend.
 
     One NVTXW stream per engine ("engine N"), in the CLOCK_MONOTONIC time domain; the range
@@ -181,20 +173,10 @@ class NvtxWriterSink:
         self._session.end()
         self._backend.close()
 
-    def tick(self, now_ns: int) -> None:
-        pass
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        pass
 
-    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        pass
 
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        pass
 
-    def on_undecodable(self, reason: str) -> None:
-        pass
 
 
 # --- sidecar CLI plumbing ----------------------------------------------------------------

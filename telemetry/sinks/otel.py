@@ -46,7 +46,7 @@ from telemetry.record import (
     IterationRecord,
     RequestMilestone,
 )
-from telemetry.sink import EngineStatus
+from telemetry.sink import Sink
 
 DEFAULT_SERVICE_NAME = "iterscope"
 TRACER_NAME = "iterscope.sidecar"
@@ -260,7 +260,7 @@ class _EngineTracer:
         self.tracer = self.provider.get_tracer(TRACER_NAME)
 
 
-class OtelSink:
+class OtelSink(Sink):
     """The sidecar's trace sink (see the module docstring)."""
 
     def __init__(
@@ -305,18 +305,6 @@ class OtelSink:
         self._engines[heartbeat.engine_index] = engine
         for record in self._pending.pop(heartbeat.engine_index, ()):
             self.on_iteration(record)
-
-    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        pass
-
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
-
-    def tick(self, now_ns: int) -> None:
-        pass
 
     def close(self) -> None:
         self.processor.force_flush(timeout_millis=5_000)

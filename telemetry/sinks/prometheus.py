@@ -42,7 +42,7 @@ from telemetry.record import (
     IterationRecord,
     RequestMilestone,
 )
-from telemetry.sink import EngineStatus
+from telemetry.sink import EngineStatus, Sink
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
@@ -244,7 +244,7 @@ class EngineState:
         return record.num_kv_blocks_used + record.num_kv_blocks_free
 
 
-class PrometheusSink:
+class PrometheusSink(Sink):
     """A Sink (telemetry/sink.py) that exposes its engines' state as Prometheus series."""
 
     def __init__(
