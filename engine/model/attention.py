@@ -79,15 +79,24 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.decode_key_buffer: torch.Tensor | None = None
         self.decode_value_buffer: torch.Tensor | None = None
+        self.decode_bias: torch.Tensor | None = None
 
     def begin_step(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
-        """Allocate the decode gather buffers once per step; every layer reuses them."""
+        """Allocate the decode gather buffers and the padding bias (0 or -inf, [B * KVH, G, L])
+        once per step; every layer reuses them."""
         if meta.decode_rows is None:
-            self.decode_key_buffer = self.decode_value_buffer = None
+            self.decode_key_buffer = self.decode_value_buffer = self.decode_bias = None
             return
         shape = (meta.decode_rows.numel(), key_cache[0, 0].numel())
         self.decode_key_buffer = key_cache.new_empty(shape)
         self.decode_value_buffer = key_cache.new_empty(shape)
+        padding = meta.decode_padding
+        bias = torch.zeros(
+            padding.shape[0], self.num_kv_heads, self.group_size, padding.shape[-1],
+            dtype=key_cache.dtype, device=key_cache.device,
+        )
+        bias.masked_fill_(padding, float("-inf"))
+        self.decode_bias = bias.view(-1, self.group_size, padding.shape[-1])
 
     def __call__(
         self,
@@ -135,12 +144,19 @@ class PagedAttention:
         rows = meta.decode_rows.view(num_reqs, self.num_kv_heads, -1)
         keys = self._gather(key_cache, rows, self.decode_key_buffer)  # [B, KVH, L, D]
         values = self._gather(value_cache, rows, self.decode_value_buffer)
-        grouped_q = q.view(num_reqs, self.num_kv_heads, self.group_size, self.head_dim)
-        # scores [B, KVH, G, L]: each KV head serves its group of query heads without a copy.
-        scores = torch.matmul(grouped_q * self.scale, keys.transpose(-1, -2))
-        scores = scores.masked_fill_(meta.decode_padding, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values)
+        num_items = num_reqs * self.num_kv_heads
+        grouped_q = q.view(num_items, self.group_size, self.head_dim)
+        context_len = keys.shape[2]
+        # scores [B * KVH, G, L]: each KV head serves its group of query heads without a copy;
+        # scaling and the padding mask ride in the same call.
+        scores = torch.baddbmm(
+            self.decode_bias,
+            grouped_q,
+            keys.view(num_items, context_len, self.head_dim).transpose(1, 2),
+            alpha=self.scale,
+        )
+        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for 16-bit inputs
+        out = torch.bmm(probs, values.view(num_items, context_len, self.head_dim))
         return out.view(num_reqs, self.num_heads, self.head_dim)
 
     def _fresh_prefill(
