@@ -139,3 +139,18 @@ def test_hf_directory_loads_weights_config_and_tokenizer(tmp_path):
     torch.testing.assert_close(got, want)
     bf16 = load_model(str(tmp_path), dtype="bfloat16")
     assert bf16.decoder.embed_tokens.dtype == torch.bfloat16
+
+
+def test_packed_bf16_weights_match_plain_linear(monkeypatch):
+    """bfloat16 weights are packed for oneDNN on CPU; the logits must not change."""
+    packed = build_tiny_model("llama", seed=5, dtype="bfloat16")
+    assert packed.decoder.layers[0].qkv_proj.packed is not None
+    monkeypatch.setenv("ITERSCOPE_PACK_WEIGHTS", "0")
+    plain = build_tiny_model("llama", seed=5, dtype="bfloat16")
+    assert plain.decoder.layers[0].qkv_proj.packed is None
+    request = new_request("a", 12, SamplingParams(temperature=0), seed=2)
+    request.block_ids = [0, 1, 2]
+    step = [(request, 12)]
+    got = ModelRunner(packed, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
+    want = ModelRunner(plain, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=0)

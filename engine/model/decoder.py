@@ -14,19 +14,18 @@ import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.config import ModelConfig
+from engine.model.linear import Linear
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv_proj: Linear  # hidden -> q_size + 2 * kv_size
+    o_proj: Linear
     post_attention_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor
+    gate_up_proj: Linear  # hidden -> 2 * intermediate
+    down_proj: Linear
     q_norm: torch.Tensor | None  # Qwen3 only: [head_dim]
     k_norm: torch.Tensor | None
 
@@ -42,9 +41,9 @@ class Decoder:
         self.layers = [self._layer_weights(weights, i) for i in range(config.num_layers)]
         self.final_norm = weights.take("model.norm.weight")
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = self.embed_tokens
+            self.lm_head = Linear(self.embed_tokens)
         else:
-            self.lm_head = weights.take("lm_head.weight")
+            self.lm_head = Linear(weights.take("lm_head.weight"))
         weights.check_all_used(config.name)
         self.inv_freq = inverse_frequencies(
             config.head_dim, config.rope_theta, config.rope_scaling
@@ -55,21 +54,19 @@ class Decoder:
         prefix = f"model.layers.{i}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_names = [attn + n for n in ("q_proj", "k_proj", "v_proj")]
-        qkv_bias = None
+        qkv_bias = o_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([weights.take(n + ".bias") for n in qkv_names])
+            o_bias = weights.take(attn + "o_proj.bias")
         qwen3 = self.config.architecture == "qwen3"
+        gate_up = [weights.take(mlp + "gate_proj.weight"), weights.take(mlp + "up_proj.weight")]
         return LayerWeights(
             input_norm=weights.take(prefix + "input_layernorm.weight"),
-            qkv_proj=torch.cat([weights.take(n + ".weight") for n in qkv_names]),
-            qkv_bias=qkv_bias,
-            o_proj=weights.take(attn + "o_proj.weight"),
-            o_bias=weights.take(attn + "o_proj.bias") if self.config.attention_bias else None,
+            qkv_proj=Linear(torch.cat([weights.take(n + ".weight") for n in qkv_names]), qkv_bias),
+            o_proj=Linear(weights.take(attn + "o_proj.weight"), o_bias),
             post_attention_norm=weights.take(prefix + "post_attention_layernorm.weight"),
-            gate_up_proj=torch.cat(
-                [weights.take(mlp + "gate_proj.weight"), weights.take(mlp + "up_proj.weight")]
-            ),
-            down_proj=weights.take(mlp + "down_proj.weight"),
+            gate_up_proj=Linear(torch.cat(gate_up)),
+            down_proj=Linear(weights.take(mlp + "down_proj.weight")),
             q_norm=weights.take(attn + "q_norm.weight") if qwen3 else None,
             k_norm=weights.take(attn + "k_norm.weight") if qwen3 else None,
         )
@@ -92,7 +89,7 @@ class Decoder:
         num_tokens = input_ids.shape[0]
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+            qkv = layer.qkv_proj(x)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -102,15 +99,15 @@ class Decoder:
                 k = self._rms_norm(k, layer.k_norm)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
-            hidden = hidden + F.linear(attn, layer.o_proj, layer.o_bias)
+            hidden = hidden + layer.o_proj(attn)
             x = self._rms_norm(hidden, layer.post_attention_norm)
-            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down_proj(F.silu(gate) * up)
         return self._rms_norm(hidden, self.final_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
