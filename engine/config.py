@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from telemetry.record import MAX_ENGINE_INDEX
+
 DTYPE_ALIASES = {
     "auto": "auto",
     "fp32": "float32",
@@ -77,6 +79,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = self._checked_dtype()
+        if not 0 <= self.engine_index <= MAX_ENGINE_INDEX:
+            raise ValueError(
+                f"engine_index must be in 0..{MAX_ENGINE_INDEX} (the sidecar drops anything "
+                f"else as malformed), got {self.engine_index}"
+            )
         self._check_device()
         self._check_positive("block_size", self.block_size)
         if self.block_size > MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):

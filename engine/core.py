@@ -19,7 +19,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.kv_planning import KvPlan, cuda_kv_budget_bytes, kv_bytes_per_token, plan_kv_cache
 from engine.nvtx_markers import make_markers
 from engine.request import FinishReason, Request
-from engine.scheduler import Scheduler, SchedulerOutput, WaitReason
+from engine.scheduler import RequestRejectedError, Scheduler, SchedulerOutput, WaitReason
 from telemetry.publisher import NullPublisher
 from telemetry.record import (
     EVENT_FINISHED,
@@ -62,8 +62,11 @@ class EngineCore:
         kv_plan: KvPlan,
         eos_token_ids: tuple[int, ...] = (),
         publisher: Publisher | None = None,
+        vocab_size: int = 0,
     ):
+        """``vocab_size`` (0 = unknown) bounds the token ids a request may carry."""
         self.config = config
+        self.vocab_size = vocab_size
         self.runner = runner
         self.kv_plan = kv_plan
         self.pool = BlockPool(kv_plan.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -91,6 +94,8 @@ class EngineCore:
         """Queue a request; RequestRejectedError (a ValueError) if it could never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.vocab_size:
+            check_token_ids(request, self.vocab_size)
         if not request.arrival_ns:
             request.arrival_ns = time.monotonic_ns()
         self.scheduler.add_request(request)
@@ -196,6 +201,17 @@ class EngineCore:
         }
 
 
+def check_token_ids(request: Request, vocab_size: int) -> None:
+    """Raise RequestRejectedError for token ids outside the model's vocabulary (they would
+    crash the embedding lookup and, with it, the engine)."""
+    bad = [token for token in request.prompt_token_ids if not 0 <= token < vocab_size]
+    if bad:
+        raise RequestRejectedError(
+            f"request {request.request_id!r}: token ids {bad[:5]} are outside the model's "
+            f"vocabulary (0..{vocab_size - 1})"
+        )
+
+
 def _milestone(request: Request, event: int) -> RequestMilestone:
     finished = bool(event & EVENT_FINISHED)
     return RequestMilestone(
@@ -293,5 +309,12 @@ def build_engine_core(
         activation_peak_bytes = estimate_activation_peak_bytes(config, model.config)
     plan = plan_for_model(config, model.config, weights_bytes, activation_peak_bytes)
     runner = runner_class(model, plan.num_blocks, config.block_size, config.device)
-    core = EngineCore(config, runner, plan, tuple(model.config.eos_token_ids), publisher)
+    core = EngineCore(
+        config,
+        runner,
+        plan,
+        tuple(model.config.eos_token_ids),
+        publisher,
+        model.config.vocab_size,
+    )
     return core, model

@@ -144,10 +144,10 @@ def run_engine_core(
     try:
         try:
             core, model = build_engine_core(config, load_model, runner_class)
+            core.publisher = _make_publisher(config, core, model.config.name)
         except Exception as error:  # a start-up failure the client must see (e.g. story 5)
             outputs.send(encoder.encode(EngineFailed(f"{type(error).__name__}: {error}")))
             return
-        core.publisher = _make_publisher(config, core, model.config.name)
         ready = EngineReady(
             os.getpid(),
             model.config.name,
@@ -200,9 +200,17 @@ class _EngineLoop:
             if self.inputs.poll(timeout_ms):
                 self._drain_inputs()
             if self.running and self.core.has_work:
-                request_outputs = self.core.step()
+                request_outputs = self._step()
                 if request_outputs:
                     self._send(EngineOutputs(request_outputs))
+
+    def _step(self) -> list[RequestOutput]:
+        """One iteration; an error in it ends the engine, and the clients hear why."""
+        try:
+            return self.core.step()
+        except Exception as error:
+            self._send(EngineFailed(f"the engine loop failed: {type(error).__name__}: {error}"))
+            raise
 
     def _drain_inputs(self) -> None:
         while self.running:
@@ -244,10 +252,21 @@ class _EngineLoop:
         aborted = [self.core.abort_request(request_id) for request_id in list(self.core.requests)]
         if aborted:
             self._send(EngineOutputs([output for output in aborted if output is not None]))
+            self.core.step()  # schedules nothing; publishes the aborts' finish milestones
         self.running = False
 
     def _send(self, message: Any) -> None:
-        self.outputs.send(self.encoder.encode(message))
+        """Lossless while the client lives; if the parent dies while the lane is full, stop
+        instead of blocking forever."""
+        frame = self.encoder.encode(message)
+        while True:
+            try:
+                self.outputs.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if os.getppid() != self.parent_pid:
+                    raise SystemExit("the engine's client process is gone") from None
+                self.outputs.poll(IDLE_POLL_MS, zmq.POLLOUT)
 
 
 # The client --------------------------------------------------------------------------------
@@ -395,16 +414,22 @@ class EngineCoreClient:
             ready.block_size,
             ready.num_kv_blocks,
         )
+        message = AddRequest(
+            request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
+        )
+        self._encoder.encode(message)  # fail here, before any state, on unencodable values
         stream = RequestStream(request_id)
         with self._streams_lock:
             self._raise_if_dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-        message = AddRequest(
-            request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
-        )
-        self._send(message)
+        try:
+            self._send(message)
+        except BaseException:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            raise
         return stream
 
     def abort(self, request_ids: str | list[str]) -> None:
@@ -466,6 +491,9 @@ class EngineCoreClient:
     def _dispatch(self, message: EngineMessage) -> None:
         if isinstance(message, ProbeReply):
             self._probe_replies.put(message)
+            return
+        if isinstance(message, EngineFailed):  # the loop failed after start-up
+            self._mark_dead(message.error)
             return
         if not isinstance(message, EngineOutputs):
             return

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -40,7 +42,8 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature == 0 is greedy; top_k == 0 and top_p == 1 turn those off."""
+    """How to pick tokens. temperature < SAMPLING_EPS is greedy; top_k == 0 and top_p == 1
+    turn those off."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -62,7 +65,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(eq=False)

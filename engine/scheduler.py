@@ -203,8 +203,9 @@ class Scheduler:
                 request.first_scheduled_ns = now_ns
                 request.num_cached_tokens = num_hit_tokens
             self.num_kv_tokens += num_hit_tokens
-            output.num_prefix_query_tokens += request.num_tokens
-            output.num_prefix_hit_tokens += num_hit_tokens
+            if self.pool.enable_prefix_caching:  # off: no cache was queried
+                output.num_prefix_query_tokens += request.num_tokens
+                output.num_prefix_hit_tokens += num_hit_tokens
             output.add(request, num_new_tokens)
             budget -= num_new_tokens
 

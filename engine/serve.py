@@ -364,6 +364,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "(python -m telemetry.curve; docs/deploy.md)")
     group.add_argument("--telemetry-curve-engine-name", default="engine", metavar="NAME",
                        help="which engine key pair in that directory (default %(default)s)")
+    group.add_argument("--nvtx-markers", action="store_true",
+                       help="one NVTX range per iteration in the engine process, to pair with "
+                       "the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md)")
     group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="torch threads of the engine process on CPU (default: one per "
                        "core; 1 is faster when the frontend, sidecar and a load generator share "
@@ -380,6 +383,7 @@ def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> En
         telemetry_address=telemetry_address,
         telemetry_curve_keys_dir=args.telemetry_curve_keys_dir,
         telemetry_curve_engine_name=args.telemetry_curve_engine_name,
+        nvtx_markers=args.nvtx_markers,
     )
 
 

@@ -4,7 +4,10 @@ The engine loop's only cost per iteration is ``publish``: a bounded ``deque.appe
 record it filled (no encoding, no syscall, no lock). A sender thread of this module owns the
 socket and the encoder: every ``SEND_INTERVAL_S`` it stamps, encodes and sends what is
 queued, and about once a second it sends a Heartbeat. Torch releases the GIL in its kernels,
-so this work overlaps the forward pass instead of sitting between two of them.
+so this work overlaps the forward pass instead of sitting between two of them. The period is
+long on purpose: on a CPU where torch uses every core, each wake-up of another thread stalls
+a parallel region, and waking every 2 ms cost the engine about 5% of its throughput
+(bench/telemetry_throughput.py); at 20 ms there is no measurable difference.
 
     engine thread                 sender thread (owns socket + encoder)
     publish(record) --deque-->    seq = next; num_dropped = seq - last_sent_seq - 1
@@ -32,7 +35,8 @@ from telemetry.record import Heartbeat, IterationRecord, make_encoder
 DEFAULT_SNDHWM = 8192  # frames in ZMQ's queue; ~60 B each, about 0.5 MiB
 DEFAULT_QUEUE_CAPACITY = 16384  # records waiting for the sender thread
 HEARTBEAT_INTERVAL_S = 1.0
-SEND_INTERVAL_S = 0.002  # the sender thread's wake-up period
+SEND_INTERVAL_S = 0.02  # the sender thread's wake-up period
+CLOSE_LINGER_MS = 1000  # at close, how long ZMQ may take to deliver what it holds
 CONNECT_WAIT_MS = 100  # once, at start-up
 
 
@@ -94,6 +98,7 @@ class ZmqPublisher:
             context or zmq.Context.instance(), address, sndhwm, curve_keys_dir, curve_engine_name
         )
         self._closed = threading.Event()
+        self._wake = threading.Event()  # flush() and close() cut the sender's sleep short
         self._thread = threading.Thread(target=self._run, name="iterscope-telemetry", daemon=True)
         self._thread.start()
 
@@ -101,8 +106,10 @@ class ZmqPublisher:
 
     def publish(self, record: IterationRecord) -> None:
         """Queue the record for the sender thread; O(1), never blocks. The sender stamps
-        ``seq`` and ``num_dropped``."""
-        self.last_iteration = record.iteration
+        ``seq`` and ``num_dropped``. Heartbeats report the last iteration that scheduled
+        work, so a loop that spins without scheduling anything reads as stalled."""
+        if record.num_context_tokens or record.num_generation_tokens:
+            self.last_iteration = record.iteration
         self._num_waiting = record.num_waiting_reqs
         self._num_running = record.num_running_reqs
         if len(self._queue) < self._queue_capacity:
@@ -119,13 +126,16 @@ class ZmqPublisher:
         """Wait until everything published so far was sent or counted as dropped."""
         done = threading.Event()
         self._queue.append(done)
+        self._wake.set()
         return done.wait(timeout_s)
 
     def close(self) -> None:
-        """Send what is queued, then stop the sender thread and close the socket."""
+        """Send what is queued, then stop the sender thread and close the socket, giving
+        ZMQ up to CLOSE_LINGER_MS to deliver the frames it still holds."""
         self._closed.set()
+        self._wake.set()
         self._thread.join(timeout=5)
-        self._socket.close(linger=0)
+        self._socket.close(linger=CLOSE_LINGER_MS)
 
     # Sender thread ------------------------------------------------------------------------
 
@@ -139,7 +149,8 @@ class ZmqPublisher:
                 next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
             if closing:
                 return
-            self._closed.wait(SEND_INTERVAL_S)
+            self._wake.wait(SEND_INTERVAL_S)
+            self._wake.clear()
 
     def _send_queued(self) -> None:
         queue = self._queue

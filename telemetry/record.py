@@ -27,6 +27,7 @@ KIND_ITERATION = 1
 KIND_HEARTBEAT = 2
 TAG_ITERATION = SCHEMA_VERSION * 16 + KIND_ITERATION
 TAG_HEARTBEAT = SCHEMA_VERSION * 16 + KIND_HEARTBEAT
+MAX_ENGINE_INDEX = 4095  # the sidecar drops other indexes (bounds the state garbage can create)
 
 # RequestMilestone.event bits
 EVENT_FIRST_TOKEN = 1
@@ -100,7 +101,7 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     seq: int
     ts_ns: int  # monotonic
     wall_ns: int  # time.time_ns(), read right after ts_ns
-    last_iteration: int  # number of the last iteration the loop finished (0 = none yet)
+    last_iteration: int  # the last iteration that scheduled work (0 = none yet)
     num_waiting_reqs: int
     num_running_reqs: int
     num_dropped: int = 0

@@ -32,6 +32,7 @@ import zmq
 from telemetry.record import (
     KIND_HEARTBEAT,
     KIND_ITERATION,
+    MAX_ENGINE_INDEX,
     SCHEMA_VERSION,
     Heartbeat,
     IterationRecord,
@@ -42,7 +43,6 @@ from telemetry.sink import EngineStatus, Sink
 
 UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
-MAX_ENGINE_INDEX = 4095  # bounds the per-engine state a stream of garbage could create
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
 STALL_AFTER_S = 5.0
 TICK_INTERVAL_S = 0.1
@@ -186,6 +186,7 @@ class Ingest:
             num_lost = self._first_gap(message)
         elif message.seq <= state.last_seq:  # the engine restarted: its seq counts from 1 again
             num_lost = message.seq - 1
+            state.last_iteration = 0
         else:
             num_lost = message.seq - state.last_seq - 1
         state.last_seq = message.seq
@@ -220,8 +221,13 @@ class Ingest:
         had_work = state.has_work
         state.num_waiting_reqs = record.num_waiting_reqs
         state.num_running_reqs = record.num_running_reqs
-        state.last_iteration = record.iteration
-        if record.num_context_tokens + record.num_generation_tokens > 0 or not had_work:
+        if record.num_context_tokens + record.num_generation_tokens > 0:
+            # Progress means scheduled work: a loop that spins on empty iterations while
+            # requests wait is stalled (heartbeats count the same way: last_iteration is the
+            # last iteration that scheduled work).
+            state.last_iteration = record.iteration
+            state.last_progress_ns = now_ns
+        elif not had_work:
             state.last_progress_ns = now_ns
         if state.status is not EngineStatus.RUNNING:
             self._update_status(state, now_ns)

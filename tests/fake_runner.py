@@ -144,3 +144,10 @@ def make_core(
     plan = KvPlan(1, BLOCK_SIZE, num_blocks * BLOCK_SIZE, num_blocks, max_model_len)
     runner = FakeRunner(FakeModel(FakeModelConfig()), num_blocks, BLOCK_SIZE)
     return EngineCore(config, runner, plan, (EOS_TOKEN_ID,), RecordingPublisher())
+
+
+class FailingRunner(FakeRunner):
+    """Fails in its first forward pass: the engine loop's error path."""
+
+    def execute(self, scheduled):
+        raise RuntimeError("injected runner failure")

@@ -11,7 +11,7 @@ import os
 import signal
 
 import pytest
-from fake_runner import FakeRunner, load_fake_model, reference_output
+from fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
 
 from engine import core_process
 from engine.config import EngineConfig
@@ -163,10 +163,28 @@ def test_sending_to_a_just_killed_engine_raises_instead_of_hanging():
     try:
         os.kill(client.process.pid, signal.SIGKILL)
         client.process.join(5)
-        client._dead_error = None  # as if the reader thread had not noticed yet
+        # As if nobody had noticed yet: the reader thread (stopped here) and the first
+        # liveness checks, so sends go on until the lane's queue is full.
+        client._closing.set()
+        client._dead_error = None
+        checks = iter([True] * 2000)
+        client.process.is_alive = lambda: next(checks, False)
+        num_sent = 0
         with pytest.raises(EngineDeadError, match="died"):
             for index in range(10_000):  # more than the lane's queue holds
                 client.add_request([1, 2, index % 100], greedy(2))
+                num_sent += 1
+        assert num_sent < 1990  # the lane filled up: sends were retried, not blocked
+    finally:
+        client.shutdown()
+
+
+def test_a_failure_in_the_loop_reaches_every_waiter_with_its_cause():
+    client = EngineCoreClient(make_config(), load_fake_model, FailingRunner, 60)
+    try:
+        stream = client.add_request([1, 2, 3], greedy(4))
+        with pytest.raises(EngineDeadError, match="injected runner failure"):
+            stream.get(timeout=10)
     finally:
         client.shutdown()
 

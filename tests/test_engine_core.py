@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 
 import msgspec
+import pytest
 from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_core
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, build_engine_core
 from engine.request import Request, SamplingParams
+from engine.scheduler import RequestRejectedError
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -199,3 +201,31 @@ def test_leaked_blocks_leave_work_waiting_for_kv_with_nothing_running():
     assert core.num_scheduled_reqs == 0 and core.has_work
     assert (record.num_running_reqs, record.num_waiting_kv_reqs) == (0, 1)
     assert (record.num_kv_blocks_used, record.num_kv_blocks_free) == (2, 2)
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected_not_fatal():
+    core = make_core(num_blocks=16)
+    core.vocab_size = 100
+    with pytest.raises(RequestRejectedError, match=r"outside the model's vocabulary \(0..99\)"):
+        core.add_request(make_request("a", [1, 2, 100], 2))
+    with pytest.raises(RequestRejectedError):
+        core.add_request(make_request("b", [-1, 2], 2))
+    core.add_request(make_request("c", [1, 2, 99], 2))
+    assert [o.request_id for o in drain(core) if o.finished] == ["c"]
+
+
+def test_prefix_cache_off_counts_no_queries():
+    core = make_core(num_blocks=16, enable_prefix_caching=False)
+    for name in "ab":
+        core.add_request(make_request(name, list(range(1, 40)), 2))
+        drain(core)
+    records = core.publisher.records
+    assert sum(r.num_prefix_query_tokens for r in records) == 0
+    assert sum(r.num_prefix_hit_tokens for r in records) == 0
+
+
+def test_engine_index_outside_what_the_sidecar_accepts_is_a_config_error():
+    with pytest.raises(ValueError, match="engine_index must be in 0..4095"):
+        EngineConfig(engine_index=4096)
+    with pytest.raises(ValueError, match="engine_index"):
+        EngineConfig(engine_index=-1)

@@ -4,6 +4,7 @@ import msgspec
 import pytest
 import zmq
 
+from telemetry import publisher as publisher_module
 from telemetry.publisher import ZmqPublisher
 from telemetry.record import (
     TAG_ITERATION,
@@ -96,7 +97,8 @@ def test_heartbeat_carries_clock_anchor(tmp_path):
         pull.close(linger=0)
 
 
-def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path):
+def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkeypatch):
+    monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush() wakes it
     address = f"ipc://{tmp_path}/lane.sock"
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(address)
@@ -104,7 +106,7 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path):
     decoder = make_decoder()
     try:
         assert publisher.flush()
-        for _ in range(10):  # faster than the sender thread wakes: 6 find the queue full
+        for _ in range(10):  # the sender thread sleeps: 6 find the queue full
             publisher.publish(decode_record())
         assert publisher.flush()
         publisher.publish(decode_record())
@@ -126,3 +128,31 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path):
         assert message.num_dropped == message.seq - previous_seq - 1
         previous_seq = message.seq
     assert sum(m.num_dropped for m in messages) == 6
+
+
+def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
+    """A loop spinning on empty iterations must not look like progress to the sidecar."""
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
+    decoder = make_decoder()
+    try:
+        publisher.publish(decode_record(iteration=5))
+        for iteration in range(6, 9):
+            publisher.publish(decode_record(
+                iteration=iteration, num_generation_reqs=0, num_generation_tokens=0,
+                num_running_reqs=0, num_waiting_reqs=3,
+            ))
+        assert publisher.flush()
+        deadline = time.monotonic() + 5
+        heartbeat = None
+        while heartbeat is None and time.monotonic() < deadline:
+            if pull.poll(100):
+                message = decoder.decode(pull.recv())
+                if isinstance(message, Heartbeat) and message.num_waiting_reqs == 3:
+                    heartbeat = message
+    finally:
+        publisher.close()
+        pull.close(linger=0)
+    assert heartbeat is not None and heartbeat.last_iteration == 5

@@ -23,6 +23,13 @@ def test_greedy_rows_take_the_argmax():
     assert Sampler().sample(logits, params, [5] * 4) == logits.argmax(-1).tolist()
 
 
+def test_a_tiny_temperature_is_greedy_instead_of_overflowing():
+    """logits / 1e-40 overflows to inf and softmax to NaN, which multinomial refuses."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-6)]
+    assert Sampler().sample(logits, params, [5, 5]) == logits.argmax(-1).tolist()
+
+
 def test_seeded_draws_depend_only_on_seed_and_length():
     logits = torch.zeros(3, VOCAB)  # uniform: any token is possible
     seeded = SamplingParams(temperature=1.0, seed=42)

@@ -143,8 +143,27 @@ def test_status_idle_running_stalled_dead_each_transition_once():
     assert [status for status, _ in statuses] == [
         EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED, EngineStatus.DEAD,
     ]
-    assert statuses[2][1] > 6 * SECOND + 1  # stalled: 5 s after the last progress
+    assert 6 * SECOND + 1 < statuses[2][1] <= 7 * SECOND + 1  # stalled: 5 s after progress
     assert 10.5 * SECOND < statuses[3][1] <= 10.6 * SECOND  # dead: 2.5 s after the last message
+
+
+def test_a_loop_that_iterates_without_scheduling_anything_is_stalled():
+    """Story 2: requests wait, the loop spins on empty iterations (e.g. leaked KV blocks)."""
+    sink = RecordingSink()
+    ingest = Ingest([sink], stall_after_s=2)
+    ingest.on_message(record(1, iteration=1), now_ns=0)  # work scheduled: progress
+    seq = 1
+    for step in range(1, 50):  # 100 empty iterations a second, heartbeats frozen at 1
+        seq += 1
+        now_ns = step * SECOND // 10
+        ingest.on_message(record(seq, iteration=1 + step, num_running_reqs=0), now_ns)
+        if step % 10 == 0:
+            seq += 1
+            ingest.on_message(heartbeat(seq, last_iteration=1, waiting=2), now_ns)
+        ingest.tick(now_ns + 1)
+    assert [status for _, status, _ in sink.of("status")] == [
+        EngineStatus.RUNNING, EngineStatus.STALLED,
+    ]
 
 
 def test_heartbeat_progress_counts_when_the_records_were_lost():
