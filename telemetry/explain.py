@@ -23,8 +23,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import msgspec
-
 from telemetry.episodes import (
     INFO,
     NS_PER_S,
@@ -34,74 +32,10 @@ from telemetry.episodes import (
     build_timelines,
     detect_episodes,
 )
-from telemetry.record import Message
+from telemetry.recording import RecordingReader, read_recording
 from telemetry.summary import format_summary, summarize
 
 WRAP_COLUMNS = 100
-
-
-class RecordingReader:
-    """Reads new complete lines from recording files; remembers where it stopped in each.
-
-    A file that shrank or was replaced (rotation) is read again from its start.
-    """
-
-    def __init__(self, paths: list[Path]) -> None:
-        self.paths = paths
-        self.decoder = msgspec.json.Decoder(Message)
-        self.num_bad_lines = 0
-        self._positions: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
-
-    def read_new(self, final: bool = False) -> list:
-        """Messages added since the last call; ``final`` also decodes an unterminated last line
-        (which a writer may still be completing when following)."""
-        messages = []
-        for path in self.paths:
-            messages += self._read_path(path, final)
-        return messages
-
-    def _read_path(self, path: Path, final: bool) -> list:
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            return []
-        inode, offset = self._positions.get(path, (stat.st_ino, 0))
-        if inode != stat.st_ino or stat.st_size < offset:
-            offset = 0
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        end = len(data) if final else data.rfind(b"\n") + 1
-        self._positions[path] = (stat.st_ino, offset + end)
-        return self._decode_lines(data[:end])
-
-    def _decode_lines(self, data: bytes) -> list:
-        messages = []
-        for line in data.splitlines():
-            if not line.strip():
-                continue
-            try:
-                messages.append(self.decoder.decode(line))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.num_bad_lines += 1
-        return messages
-
-
-def rotated_files(path: str | Path) -> list[Path]:
-    """The JSONL sink's rotation, oldest first: path.N, ..., path.1, path."""
-    path = Path(path)
-    older = []
-    while (candidate := path.with_name(f"{path.name}.{len(older) + 1}")).exists():
-        older.append(candidate)
-    return [*reversed(older), path]
-
-
-def with_rotated_files(paths: list[str | Path]) -> list[Path]:
-    """Each path preceded by its rotated older files, without repeats."""
-    expanded: list[Path] = []
-    for path in paths:
-        expanded += [p for p in rotated_files(path) if p not in expanded]
-    return expanded
 
 
 def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
@@ -111,9 +45,13 @@ def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], 
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
-    reader = RecordingReader(with_rotated_files(paths))
-    messages = reader.read_new(final=True)
-    return build_timelines(messages), len(messages), reader.num_bad_lines
+    messages, num_bad_lines = [], 0
+    for item in read_recording(paths):
+        if isinstance(item, str):
+            num_bad_lines += 1
+        else:
+            messages.append(item)
+    return build_timelines(messages), len(messages), num_bad_lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +153,7 @@ def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode]) -> None:
 def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
            max_time: float | None, out=sys.stdout, engine_index: int | None = None) -> int:
     """Print episodes as they appear and when they end, until interrupted or max_time."""
-    reader = RecordingReader(with_rotated_files(paths))  # rotation renames the files: reread
+    reader = RecordingReader(paths)
     messages: list = []  # (repeats are dropped by build_timelines)
     shown: dict[tuple, bool] = {}  # (engine, kind, start_ns) -> was ongoing when last shown
     deadline = None if max_time is None else time.monotonic() + max_time

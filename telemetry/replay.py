@@ -11,45 +11,13 @@ replay prints the log lines the live run printed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
-import msgspec
-
-from telemetry.record import IterationRecord, Message
-from telemetry.sidecar import (
-    DEAD_AFTER_S,
-    STALL_AFTER_S,
-    TICK_INTERVAL_S,
-    Ingest,
-    classify_undecodable,
-    is_plausible,
-)
+from telemetry.recording import message_time_ns, read_recording  # also imported from here
+from telemetry.sidecar import DEAD_AFTER_S, STALL_AFTER_S, TICK_INTERVAL_S, Ingest
 from telemetry.sink import Sink
-from telemetry.sinks.jsonl import recording_files
 
 MAX_TICKS_PER_GAP = 100
-
-
-def read_recording(path: str | os.PathLike) -> Iterator[Message | str]:
-    """Every line of a recording (its rotated files oldest first): a message, or the reason
-    the line could not be decoded ('malformed', 'truncated', 'version')."""
-    decoder = msgspec.json.Decoder(Message)
-    for file_path in recording_files(path):
-        with open(file_path, "rb") as file:
-            for line in file:
-                try:
-                    message = decoder.decode(line)
-                except (msgspec.DecodeError, ValueError) as error:
-                    yield classify_undecodable(line, error, loads=msgspec.json.decode)
-                    continue
-                yield message if is_plausible(message) else "malformed"
-
-
-def message_time_ns(message: Message) -> int:
-    """When a message happened on its engine's monotonic clock."""
-    if type(message) is IterationRecord:
-        return message.start_ns + message.elapsed_ns
-    return message.ts_ns
 
 
 def replay(

@@ -10,10 +10,12 @@ import msgspec
 import pytest
 from test_sidecar_engine import synthetic_record
 
+from telemetry.explain import read_timelines
 from telemetry.record import Heartbeat, IterationRecord, Message, RequestMilestone
-from telemetry.replay import read_recording, replay
+from telemetry.recording import read_recording, recording_files
+from telemetry.replay import replay
 from telemetry.sidecar import Ingest
-from telemetry.sinks.jsonl import JsonlSink, recording_files
+from telemetry.sinks.jsonl import JsonlSink
 from telemetry.sinks.log import LogSink
 
 SECOND = 1_000_000_000
@@ -135,6 +137,21 @@ def test_undecodable_lines_are_counted_not_fatal(tmp_path):
         "malformed": 2, "truncated": 0, "oversized": 0, "version": 1,
     }
     assert ingest.stats.num_messages == 1
+
+
+def test_explain_counts_bad_lines_as_replay_does(tmp_path):
+    """One reader: a message out of range (seq 0) is as unreadable to explain as to replay."""
+    path = tmp_path / "rec.jsonl"
+    good = run_messages(num_engines=1, seconds=1)[:3]
+    implausible = msgspec.structs.replace(good[0], seq=0)
+    encoder = msgspec.json.Encoder()
+    path.write_bytes(b"".join(encoder.encode(m) + b"\n" for m in [*good, implausible])
+                     + b'not json\n[33,0,1,2]\n[17,0,5')
+    ingest = replay(path, [])
+    num_bad_replayed = sum(ingest.stats.num_undecodable.values())
+    _, num_messages, num_bad_explained = read_timelines([path])
+    assert num_bad_replayed == num_bad_explained == 4
+    assert num_messages == ingest.stats.num_messages == len(good)
 
 
 def test_jsonl_sink_rejects_nonsense_limits(tmp_path):

@@ -1,5 +1,7 @@
 """JSONL recording of the raw lane messages: the input of replay, `explain` and `tune`.
 
+This module writes it; ``telemetry.recording`` reads it.
+
 One message per line, the ``msgspec.json`` encoding of the decoded message: IterationRecord
 and Heartbeat as tagged JSON arrays holding exactly the wire fields, so
 ``msgspec.json.Decoder(telemetry.record.Message)`` reads every line back.
@@ -26,6 +28,7 @@ from pathlib import Path
 import msgspec
 
 from telemetry.record import Heartbeat, IterationRecord
+from telemetry.recording import recording_files, rotated_path
 from telemetry.sink import Sink
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -39,21 +42,6 @@ class LineHead(msgspec.Struct, array_like=True):
     tag: int
     engine_index: int
     seq: int
-
-
-def rotated_path(path: Path, generation: int) -> Path:
-    return path if generation == 0 else path.with_name(f"{path.name}.{generation}")
-
-
-def recording_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a recording, oldest first: path.N, ..., path.1, path."""
-    path = Path(path)
-    older = []
-    generation = 1
-    while rotated_path(path, generation).exists():
-        older.append(rotated_path(path, generation))
-        generation += 1
-    return [*reversed(older), path]
 
 
 def cut_partial_last_line(path: Path) -> None:
