@@ -156,8 +156,8 @@ class ZmqPublisher:
         queue = self._queue
         while queue:
             item = queue.popleft()
-            self._count_queue_full()
             if type(item) is threading.Event:  # a flush marker
+                self._count_queue_full()
                 item.set()
                 continue
             item.seq = self._take_seq()
@@ -166,7 +166,8 @@ class ZmqPublisher:
         self._count_queue_full()
 
     def _count_queue_full(self) -> None:
-        """Records the engine thread could not queue take seq numbers that are never sent."""
+        """Records the engine thread could not queue take seq numbers that are never sent,
+        after the records that were queued before them."""
         num_queue_full = self._num_queue_full  # read once: the engine thread adds to it
         num_new = num_queue_full - self._num_queue_full_counted
         if num_new:

@@ -20,6 +20,8 @@ Invariants the sidecar relies on:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 SCHEMA_VERSION = 1
@@ -28,6 +30,10 @@ KIND_HEARTBEAT = 2
 TAG_ITERATION = SCHEMA_VERSION * 16 + KIND_ITERATION
 TAG_HEARTBEAT = SCHEMA_VERSION * 16 + KIND_HEARTBEAT
 MAX_ENGINE_INDEX = 4095  # the sidecar drops other indexes (bounds the state garbage can create)
+
+# Counts and times are never negative: the typed decoder rejects a frame that says otherwise
+# (counted as malformed), so garbage cannot make a Prometheus counter go down.
+Count = Annotated[int, msgspec.Meta(ge=0)]
 
 # RequestMilestone.event bits
 EVENT_FIRST_TOKEN = 1
@@ -46,15 +52,15 @@ class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     """
 
     request_id: str
-    event: int
-    arrival_ns: int
-    first_scheduled_ns: int
-    first_token_ns: int
-    finished_ns: int  # 0 until finished
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
+    event: Count
+    arrival_ns: Count
+    first_scheduled_ns: Count
+    first_token_ns: Count
+    finished_ns: Count  # 0 until finished
+    num_prompt_tokens: Count
+    num_cached_tokens: Count
+    num_output_tokens: Count
+    num_preemptions: Count
     finish_reason: int  # index into FINISH_REASONS, -1 until finished
     traceparent: str = ""
     # Only on the finish milestone: when the request was preempted, and its prefill chunks as
@@ -66,54 +72,54 @@ class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=
 class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATION):
     """One engine-core iteration (schedule + forward + update), filled from scheduler counts."""
 
-    engine_index: int
-    seq: int
-    iteration: int
-    start_ns: int
-    elapsed_ns: int
+    engine_index: Count
+    seq: Count
+    iteration: Count
+    start_ns: Count
+    elapsed_ns: Count
     # What was scheduled: context = prefill (incl. chunks), generation = decode.
-    num_context_reqs: int
-    num_context_tokens: int
-    num_generation_reqs: int
-    num_generation_tokens: int
+    num_context_reqs: Count
+    num_context_tokens: Count
+    num_generation_reqs: Count
+    num_generation_tokens: Count
     # Queues after scheduling. Waiting is split by why admission stopped.
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_waiting_kv_reqs: int  # blocked by KV capacity
-    num_waiting_seq_limit_reqs: int  # blocked by max_num_seqs
-    num_waiting_budget_reqs: int  # blocked by max_num_batched_tokens
+    num_running_reqs: Count
+    num_waiting_reqs: Count
+    num_waiting_kv_reqs: Count  # blocked by KV capacity
+    num_waiting_seq_limit_reqs: Count  # blocked by max_num_seqs
+    num_waiting_budget_reqs: Count  # blocked by max_num_batched_tokens
     # KV cache after the iteration.
-    num_kv_blocks_used: int
-    num_kv_blocks_free: int
-    num_kv_tokens: int
+    num_kv_blocks_used: Count
+    num_kv_blocks_free: Count
+    num_kv_tokens: Count
     # Prefix cache, counted in tokens, for requests admitted this iteration.
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_preemptions: int
-    num_dropped: int = 0  # messages the engine failed to send since the last one it sent
+    num_prefix_query_tokens: Count
+    num_prefix_hit_tokens: Count
+    num_preemptions: Count
+    num_dropped: Count = 0  # messages the engine failed to send since the last one it sent
     milestones: list[RequestMilestone] = []
 
 
 class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     """About once a second, from a thread of its own: progress, clock anchor, static facts."""
 
-    engine_index: int
-    seq: int
-    ts_ns: int  # monotonic
-    wall_ns: int  # time.time_ns(), read right after ts_ns
-    last_iteration: int  # the last iteration that scheduled work (0 = none yet)
-    num_waiting_reqs: int
-    num_running_reqs: int
-    num_dropped: int = 0
+    engine_index: Count
+    seq: Count
+    ts_ns: Count  # monotonic
+    wall_ns: Count  # time.time_ns(), read right after ts_ns
+    last_iteration: Count  # the last iteration that scheduled work (0 = none yet)
+    num_waiting_reqs: Count
+    num_running_reqs: Count
+    num_dropped: Count = 0
     # Static facts, repeated so a restarted sidecar learns them within a second.
     model_name: str = ""
     device_name: str = ""  # "GPU" on CUDA, else the device type in capitals, e.g. "CPU"
-    block_size: int = 0
-    num_kv_blocks_total: int = 0
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    pid: int = 0
-    schema_version: int = SCHEMA_VERSION
+    block_size: Count = 0
+    num_kv_blocks_total: Count = 0
+    max_num_seqs: Count = 0
+    max_num_batched_tokens: Count = 0
+    pid: Count = 0
+    schema_version: Count = SCHEMA_VERSION
 
 
 Message = IterationRecord | Heartbeat

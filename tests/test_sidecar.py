@@ -109,6 +109,7 @@ def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
     (msgspec.msgpack.encode([TAG_ITERATION + 1, 0, 1]), "malformed"),  # unknown kind
     (encode(record(1, engine_index=-1)), "malformed"),
     (encode(record(0)), "malformed"),  # seq starts at 1
+    (encode(record(1, num_running_reqs=-5)), "malformed"),  # a count below 0
     (b"\x00" * 2000, "oversized"),
 ])
 def test_undecodable_frames_are_counted_by_reason(frame, reason):
