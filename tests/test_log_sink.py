@@ -196,3 +196,27 @@ def test_losses_are_reported_at_most_once_per_interval():
 
 def test_status_values_are_the_sink_contract():
     assert [status.value for status in EngineStatus] == ["idle", "running", "stalled", "dead"]
+
+
+def test_close_prints_the_open_window_so_every_record_is_in_a_line():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink)
+    feed(sink, [record(0, 110.5 + step, iteration=11 + step, num_generation_tokens=40)
+                for step in range(3)])
+    assert len(lines.texts()) == 1  # the second window is still open
+    sink.close()
+    assert len(lines.texts()) == 2
+    # 120 generation tokens over the 2.5 s the window was open (110.0 .. 112.5)
+    assert "Avg generation throughput: 48.0 tokens/s" in lines.texts()[1]
+
+
+def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink)
+    feed(sink, [record(0, 110.5, iteration=11, num_generation_tokens=40)])
+    sink.on_status(0, EngineStatus.DEAD, 0)
+    feed(sink, [heartbeat(1, 121.0)])  # another engine's clock closes the window
+    assert any("Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
+               for text in lines.texts()[1:])

@@ -228,17 +228,18 @@ class LogSink(Sink):
             self._close_window()
             self._window_index = window_index
 
-    def _close_window(self) -> None:
+    def _close_window(self, end_ns: int | None = None) -> None:
+        """Print the window's lines; ``end_ns`` cuts it short (at close)."""
         start_ns = self._window_index * self.interval_ns
-        end_ns = start_ns + self.interval_ns
+        end_ns = start_ns + self.interval_ns if end_ns is None else end_ns
         lines = []
         for index in sorted(self.views):
             view = self.views[index]
             counts, view.counts = view.counts, WindowCounts()
             has_work = view.num_running_reqs + view.num_waiting_reqs > 0
             quiet = counts.num_iterations == 0 and not has_work
-            if quiet or view.status is EngineStatus.DEAD:
-                continue
+            if quiet or (view.status is EngineStatus.DEAD and counts.num_iterations == 0):
+                continue  # a dead engine's last iterations still get their line
             seen_ns = max(start_ns, view.first_wall_ns or start_ns)
             window_time = (end_ns - seen_ns if seen_ns < end_ns else self.interval_ns) / 1e9
             lines.append(engine_figures(view, counts, window_time))
@@ -304,6 +305,9 @@ class LogSink(Sink):
         return reported
 
     def close(self) -> None:
+        """Print the open window up to the last time seen, so every record is in a line."""
+        if self._clock_ns is not None:
+            self._close_window(end_ns=self._clock_ns)
         self._report_losses()
 
 
