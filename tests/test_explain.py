@@ -4,6 +4,7 @@ import io
 import json
 import threading
 import time
+from itertools import pairwise
 
 import msgspec
 import pytest
@@ -11,7 +12,8 @@ from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
 from telemetry.episodes import INFO, Thresholds, build_timelines, detect_episodes
-from telemetry.explain import follow, main, read_timelines
+from telemetry.explain import follow, format_engine, main, read_timelines
+from telemetry.recording import RecordingReader
 from telemetry.summary import summarize
 
 
@@ -249,6 +251,43 @@ def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
     text = out.getvalue()
     assert "[engine 0, ongoing]" in text and "[engine 0, ended]" in text
     assert text.count("Engine stalled") >= 2
+
+
+def test_follow_reads_files_rotated_while_following(story2, tmp_path):
+    """The sidecar appends, then rotates (rec.jsonl -> rec.jsonl.1 -> rec.jsonl.2, a new
+    rec.jsonl): every message is read once, the tail written just before a rename included."""
+    encoder = msgspec.json.Encoder()
+    lines = [encoder.encode(m) + b"\n" for m in story2.messages]
+    cuts = [0, len(lines) // 5, 2 * len(lines) // 5, 3 * len(lines) // 5, 4 * len(lines) // 5,
+            len(lines)]
+    parts = [b"".join(lines[a:b]) for a, b in pairwise(cuts)]
+    path = tmp_path / "rec.jsonl"
+    path.write_bytes(parts[0])
+    reader = RecordingReader([path])
+    read = reader.read_new()
+    with open(path, "ab") as f:
+        f.write(parts[1])
+    path.rename(tmp_path / "rec.jsonl.1")
+    path.write_bytes(parts[2])
+    read += reader.read_new()
+    with open(path, "ab") as f:
+        f.write(parts[3])
+    (tmp_path / "rec.jsonl.1").rename(tmp_path / "rec.jsonl.2")
+    path.rename(tmp_path / "rec.jsonl.1")
+    path.write_bytes(parts[4])
+    read += reader.read_new()
+    assert reader.read_new() == []
+    assert read == story2.messages and reader.num_bad_lines == 0
+
+
+def test_follow_keeps_a_bounded_window(story2, tmp_path):
+    path = story2.write(tmp_path / "story2.jsonl")
+    out = io.StringIO()
+    follow([path], Thresholds(), interval_time=0.05, max_time=0.3, out=out, window_messages=300)
+    (newest,) = build_timelines(story2.messages[-300:]).values()
+    summary = "\n".join(format_engine(newest, detect_episodes(newest)))
+    assert out.getvalue().endswith(summary + "\n")
+    assert newest.num_iterations < 300 < len(story2.messages)
 
 
 def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
