@@ -26,17 +26,10 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
-from telemetry.episodes import (
-    INFO,
-    NS_PER_S,
-    EngineTimeline,
-    Episode,
-    Thresholds,
-    build_timelines,
-    detect_episodes,
-)
+from telemetry.episodes import INFO, Episode, Thresholds, detect_episodes
 from telemetry.recording import RecordingReader, read_recording
 from telemetry.summary import format_summary, summarize
+from telemetry.timeline import NS_PER_S, EngineTimeline, build_timelines
 
 WRAP_COLUMNS = 100
 

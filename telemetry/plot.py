@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from telemetry.episodes import NS_PER_S, EngineTimeline, Episode  # noqa: E402
+from telemetry.episodes import Episode  # noqa: E402
+from telemetry.timeline import NS_PER_S, EngineTimeline  # noqa: E402
 
 GAP_MIN_TIME = 0.05  # seconds without an iteration drawn as a gap in the lines
 

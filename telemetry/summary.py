@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from telemetry.episodes import NS_PER_S, WAIT_REASONS, EngineTimeline, pct, secs
+from telemetry.episodes import pct, secs
 from telemetry.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
+from telemetry.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from telemetry.episodes import NS_PER_S, EngineTimeline
 from telemetry.explain import parse_time, read_timelines
 from telemetry.record import EVENT_FINISHED
+from telemetry.timeline import NS_PER_S, EngineTimeline
 
 FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")
 OUTLIER_SIGMAS = 5.0

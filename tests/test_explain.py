@@ -11,10 +11,11 @@ import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
-from telemetry.episodes import INFO, Thresholds, build_timelines, detect_episodes
+from telemetry.episodes import INFO, Thresholds, detect_episodes
 from telemetry.explain import follow, format_engine, main, read_timelines
 from telemetry.recording import RecordingReader
 from telemetry.summary import summarize
+from telemetry.timeline import build_timelines
 
 
 def episodes_of(sim: Simulator, engine_index: int = 0):

@@ -5,7 +5,7 @@ import json
 import pytest
 from scenarios import synthetic
 
-from telemetry.episodes import build_timelines
+from telemetry.timeline import build_timelines
 from telemetry.tune import fit_iteration_time, kv_max_seqs, main, recommend
 
 TRUTH = synthetic.STORY_COST
