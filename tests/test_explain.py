@@ -11,8 +11,9 @@ import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
-from telemetry.episodes import INFO, Thresholds, detect_episodes
+from telemetry.episodes import INFO, PROBLEM, Thresholds, detect_episodes, detect_kv_saturation
 from telemetry.explain import follow, format_engine, main, read_timelines
+from telemetry.record import IterationRecord
 from telemetry.recording import RecordingReader
 from telemetry.summary import summarize
 from telemetry.timeline import build_timelines
@@ -114,6 +115,64 @@ def test_stall_at_the_end_is_ongoing():
     _, episodes = episodes_of(sim)
     (stall,) = only(episodes, "stall")
     assert stall.ongoing and stall.numbers["stall_time_s"] >= 6
+
+
+def test_spinning_loop_is_a_stall():
+    """A request larger than the whole KV cache can never be admitted: the loop keeps
+    iterating (heartbeats see last_iteration move) but schedules nothing."""
+    sim = Simulator(num_blocks=20, max_num_seqs=8, max_num_batched_tokens=512,
+                    cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(4, 1), num_prompt=32, num_output=10)
+    sim.add_requests([2.0], num_prompt=400, num_output=10)  # 25 blocks of 16 > 20
+    sim.run(5)
+    timeline, episodes = episodes_of(sim)
+    records = [m for m in sim.messages if isinstance(m, IterationRecord)]
+    spinning = [r for r in records if r.num_context_reqs + r.num_generation_reqs == 0]
+    assert len(spinning) >= 10 and records[-len(spinning):] == spinning  # all at the end
+    (stall,) = only(episodes, "stall")
+    assert stall.title == "Engine spinning: iterations schedule nothing"
+    assert stall.numbers == {"num_iterations": len(spinning)}
+    assert stall.start_ns == spinning[0].start_ns
+    assert stall.end_ns == spinning[-1].start_ns + spinning[-1].elapsed_ns
+    assert "up to 1 waited and 0 ran" in stall.evidence and "'KV capacity': 1" in stall.evidence
+    fewer = Thresholds(spin_min_iterations=len(spinning) + 1)
+    assert not [e for e in detect_episodes(timeline, fewer) if e.kind == "stall"]
+
+
+def saturating(concurrency: int) -> Simulator:
+    """Requests of 10 blocks each (150 + 10 tokens of 16) in a 100-block cache, kept at
+    ``concurrency`` in flight: 10 fit at once, the rest wait for KV capacity."""
+    sim = Simulator(num_blocks=100, max_num_seqs=64, max_num_batched_tokens=2048,
+                    cost=synthetic.STORY_COST)
+    sim.add_closed_loop(num_requests=40, concurrency=concurrency, num_prompt=150, num_output=10)
+    return sim.run(10)
+
+
+def test_kv_saturation_with_requests_waiting_for_kv():
+    sim = saturating(concurrency=14)
+    timeline = build_timelines(sim.messages)[0]
+    records = [m for m in sim.messages if isinstance(m, IterationRecord)]
+    (saturation,) = detect_kv_saturation(timeline, Thresholds())
+    # Every iteration but the last (after it all had finished): each wave's finish empties the
+    # cache for one iteration only, which does not split the episode.
+    assert saturation.numbers == {"peak_usage": 1.0, "num_iterations": len(records) - 1,
+                                  "num_preemptions": 0, "max_waiting_kv_reqs": 4}
+    assert saturation.severity == PROBLEM
+    assert saturation.start_ns == records[0].start_ns
+    assert saturation.end_ns == records[-2].start_ns + records[-2].elapsed_ns
+    assert "peak 100.0% of 100 blocks" in saturation.evidence
+    assert "could not be admitted" in saturation.explanation
+    longer = Thresholds(kv_saturated_min_iterations=len(records))
+    assert detect_kv_saturation(timeline, longer) == []
+
+
+def test_kv_saturation_where_everything_fits_is_information():
+    timeline = build_timelines(saturating(concurrency=10).messages)[0]
+    (saturation,) = detect_kv_saturation(timeline, Thresholds())
+    assert saturation.severity == INFO
+    assert saturation.numbers["max_waiting_kv_reqs"] == 0
+    assert saturation.numbers["num_preemptions"] == 0
+    assert "still fit" in saturation.explanation
 
 
 def test_idle_is_information_not_a_problem():
