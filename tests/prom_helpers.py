@@ -16,9 +16,12 @@ start_prometheus raises, so a test needing it fails loudly instead of being skip
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -203,3 +206,39 @@ def start_prometheus(
             handle.stop()
             last_error = error
     raise RuntimeError(f"Prometheus did not start: {last_error}")
+
+
+# A live `iterscope sidecar` for the tests that scrape it -----------------------------------
+
+METRICS_URL_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_metrics_sidecar(tmp_path: Path, address: str) -> tuple[subprocess.Popen, int]:
+    """`iterscope sidecar` on the lane with /metrics on a free port; (process, port)."""
+    log_path = tmp_path / "sidecar.log"
+    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
+             "--metrics-port", "0", "--no-log"],
+            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and process.poll() is None:
+        match = METRICS_URL_LINE.search(log_path.read_text(errors="replace"))
+        if match:
+            return process, int(match[1])
+        time.sleep(0.1)
+    stop_process(process)
+    raise RuntimeError(f"the sidecar did not serve /metrics:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)

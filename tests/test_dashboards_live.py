@@ -20,7 +20,6 @@ import os
 import queue
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +33,12 @@ sys.path.insert(0, str(TESTS_DIR))
 sys.path.insert(0, str(REPO_ROOT))  # dashboards/ is not an installed package
 
 from fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
-from prom_helpers import PrometheusHandle, start_prometheus  # noqa: E402
+from prom_helpers import (  # noqa: E402
+    PrometheusHandle,
+    start_metrics_sidecar,
+    start_prometheus,
+    stop_process,
+)
 
 from dashboards.panel_queries import panel_queries, substitute  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -42,7 +46,6 @@ from engine.core_process import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 ALERTS_DIR = REPO_ROOT / "dashboards" / "alerts"
-METRICS_URL_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
 FAKE_FORWARD_S = 0.004  # what one fake forward pass takes
 NUM_KV_BLOCKS = 48  # of BLOCK_SIZE tokens: a few requests fill it
 FAKE_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # K+V x layers x kv heads x head dim x fp32
@@ -109,24 +112,6 @@ class Feeder(threading.Thread):
         return True
 
 
-def start_sidecar(tmp_path: Path, address: str) -> tuple[subprocess.Popen, int]:
-    """`iterscope sidecar` on the lane; returns the process and its /metrics port."""
-    log_path = tmp_path / "sidecar.log"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
-             "--metrics-port", "0", "--no-log"],
-            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and process.poll() is None:
-        match = METRICS_URL_LINE.search(log_path.read_text(errors="replace"))
-        if match:
-            return process, int(match[1])
-        time.sleep(0.1)
-    stop_process(process)
-    raise RuntimeError(f"the sidecar did not serve /metrics:\n{log_path.read_text()[-3000:]}")
 
 
 def start_engine(address: str) -> EngineCoreClient:
@@ -144,14 +129,6 @@ def start_engine(address: str) -> EngineCoreClient:
     return client
 
 
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def wait_for_alert(prometheus: PrometheusHandle, name: str, timeout_s: float) -> dict:
@@ -206,7 +183,7 @@ def check_every_panel_query(prometheus: PrometheusHandle, timeout_s: float) -> N
 
 def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
-    sidecar, port = start_sidecar(tmp_path, address)
+    sidecar, port = start_metrics_sidecar(tmp_path, address)
     prometheus = client = feeder = None
     try:
         rule_files = shortened_rule_copy(tmp_path)

@@ -9,9 +9,6 @@ has seen every request finish, Prometheus' counts must equal what the client saw
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -22,13 +19,17 @@ REPO_ROOT = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
 from fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
-from prom_helpers import PrometheusHandle, start_prometheus  # noqa: E402
+from prom_helpers import (  # noqa: E402
+    PrometheusHandle,
+    start_metrics_sidecar,
+    start_prometheus,
+    stop_process,
+)
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core_process import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
-METRICS_URL_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
 NUM_KV_BLOCKS = 64
 FAKE_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # K+V x layers x kv heads x head dim x fp32
 WAVE_SIZE = 6  # requests submitted together, then read to the end
@@ -72,33 +73,8 @@ class Client(threading.Thread):
             self.error = error
 
 
-def start_sidecar(tmp_path: Path, address: str) -> tuple[subprocess.Popen, int]:
-    log_path = tmp_path / "sidecar.log"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
-             "--metrics-port", "0", "--no-log"],
-            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and process.poll() is None:
-        match = METRICS_URL_LINE.search(log_path.read_text(errors="replace"))
-        if match:
-            return process, int(match[1])
-        time.sleep(0.1)
-    stop(process)
-    raise RuntimeError(f"sidecar did not serve /metrics:\n{log_path.read_text()[-3000:]}")
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def wait_for_equal(prometheus: PrometheusHandle, expr: str, expected: float) -> None:
@@ -118,7 +94,7 @@ def wait_for_equal(prometheus: PrometheusHandle, expr: str, expected: float) -> 
 
 def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
-    sidecar, port = start_sidecar(tmp_path, address)
+    sidecar, port = start_metrics_sidecar(tmp_path, address)
     engine = None
     prometheus = None
     client = None
@@ -161,4 +137,4 @@ def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
             prometheus.stop()
         if engine is not None:
             engine.shutdown()
-        stop(sidecar)
+        stop_process(sidecar)
