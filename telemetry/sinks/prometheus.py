@@ -141,6 +141,11 @@ class EngineState:
             setattr(self, attribute, 0)
         self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
+        # Bound once: the per-record path then does no lookups by name.
+        self._iteration_histograms = tuple(self.histograms[name] for name in (
+            "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
+            "iteration_generation_requests", "inter_token_latency_seconds",
+        ))
         self.last_record: IterationRecord | None = None
         self.last_end_ns = 0  # engine clock: end of the last iteration received
         self.last_iteration = 0
@@ -163,27 +168,23 @@ class EngineState:
         end_ns = record.start_ns + record.elapsed_ns
         self.num_running_reqs = record.num_running_reqs
         self.num_waiting_reqs = record.num_waiting_reqs
-        histograms = self.histograms
-        histograms["iteration_duration_seconds"].observe(record.elapsed_ns / 1e9)
-        histograms["iteration_tokens"].observe(
-            record.num_context_tokens + record.num_generation_tokens
+        duration, tokens, context_tokens, generation_reqs, inter_token = (
+            self._iteration_histograms
         )
-        histograms["iteration_context_tokens"].observe(record.num_context_tokens)
-        histograms["iteration_generation_requests"].observe(record.num_generation_reqs)
+        duration.observe(record.elapsed_ns / 1e9)
+        tokens.observe(record.num_context_tokens + record.num_generation_tokens)
+        context_tokens.observe(record.num_context_tokens)
+        generation_reqs.observe(record.num_generation_reqs)
         # Only across two consecutive iterations of one engine process: a gap (drop, restart,
         # replay) is no interval. last_end_ns == 0: no previous iteration.
         interval_ns = end_ns - self.last_end_ns
         if (record.num_generation_reqs and self.last_end_ns and interval_ns > 0
                 and record.iteration == self.last_iteration + 1):
-            histograms["inter_token_latency_seconds"].observe(
-                interval_ns / 1e9, record.num_generation_reqs
-            )
+            inter_token.observe(interval_ns / 1e9, record.num_generation_reqs)
         self.last_iteration = record.iteration
         self.last_end_ns = end_ns
         for milestone in record.milestones:
             self.apply_milestone(milestone)
-        if self.wall_offset_ns is not None:
-            self.lag_ns = time.time_ns() - (end_ns + self.wall_offset_ns)
 
     def apply_milestone(self, milestone: RequestMilestone) -> None:
         """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
@@ -275,7 +276,8 @@ class PrometheusSink(Sink):
         return state
 
     def on_iteration(self, record: IterationRecord) -> None:
-        self.engine(record.engine_index).apply_iteration(record)
+        state = self.engines.get(record.engine_index) or self.engine(record.engine_index)
+        state.apply_iteration(record)
 
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.engine(heartbeat.engine_index).apply_heartbeat(heartbeat)
