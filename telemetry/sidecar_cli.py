@@ -83,7 +83,10 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     lane.add_argument("--rcvhwm", type=int, default=DEFAULT_RCVHWM, metavar="N",
                       help="messages queued before the lane drops (default: %(default)s)")
     lane.add_argument("--replay", metavar="FILE",
-                      help="feed a JSONL recording through the sinks instead of listening")
+                      help="feed a JSONL recording through the sinks instead of listening "
+                      "(/metrics stays off, so a replay never collides with a live sidecar)")
+    lane.add_argument("--serve-after-replay", action="store_true",
+                      help="with --replay: serve /metrics of the replayed state until Ctrl-C")
     status = parser.add_argument_group("engine status")
     status.add_argument("--dead-after", type=float, default=DEAD_AFTER_S, metavar="S",
                         help="no message for this long: dead (default: %(default)s)")
@@ -144,6 +147,16 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     return 0
 
 
+def wait_for_stop_signal() -> None:
+    """Block until SIGINT or SIGTERM (the sinks' servers keep serving meanwhile)."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    logger.info("replay done; serving until Ctrl-C")
+    while not stop.wait(1.0):
+        pass
+
+
 def stop_when_parent_exits(parent_pid: int, sidecar: Sidecar) -> None:
     """Stop the sidecar once the process that started it is gone (checked twice a second)."""
 
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(sink_modules).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
     try:
+        if args.replay and not args.serve_after_replay and hasattr(args, "no_metrics"):
+            args.no_metrics = True
         sinks = build_sinks(sink_modules, args)
         if args.replay:
             from telemetry.replay import replay
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             stats = ingest.stats
             logger.info("replayed %d messages, %d undecodable lines",
                         stats.num_messages, stats.num_undecodable_total)
+            if args.serve_after_replay:
+                wait_for_stop_signal()
             return 0
         return run_live(args, sinks)
     except (ValueError, OSError, zmq.ZMQError) as error:

@@ -3,6 +3,7 @@
 import logging
 import os
 import random
+import socket
 import subprocess
 import sys
 
@@ -173,3 +174,18 @@ def test_cli_replay_prints_the_same_lines(tmp_path):
     expected = [text for level, text in live_lines
                 if level == logging.INFO and "throughput" in text]
     assert printed == expected and len(expected) >= 4
+
+
+def test_cli_replay_leaves_metrics_off_so_it_never_collides_with_a_live_sidecar(tmp_path):
+    messages = run_messages(seconds=3)
+    live(messages, tmp_path / "rec.jsonl")
+    with socket.socket() as busy:  # a live sidecar's /metrics port
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = subprocess.run(
+            [sys.executable, "-m", "telemetry.sidecar_cli", "--replay",
+             str(tmp_path / "rec.jsonl"), "--metrics-port", str(busy.getsockname()[1])],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
+        )
+    assert result.returncode == 0, result.stderr
+    assert "replayed" in result.stderr
