@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 from telemetry.record import MAX_ENGINE_INDEX
 
 DTYPE_ALIASES = {
@@ -70,6 +71,8 @@ class EngineConfig:
     telemetry_address: str | None = None  # ZMQ address of the sidecar; None = telemetry off
     telemetry_curve_keys_dir: str | None = None  # CURVE keys for a tcp lane across hosts
     telemetry_curve_engine_name: str = "engine"  # which engine key pair in that directory
+    telemetry_sndhwm: int = DEFAULT_SNDHWM  # frames ZMQ may hold for a slow sidecar
+    telemetry_queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # records waiting for the sender
     nvtx_markers: bool = False  # one NVTX range per iteration when an NVTX tool is attached
     # Test-only fault injection (scenario tests of issue 9). Never set these in production.
     test_leak_blocks_per_finish: int = 0  # blocks a finished request keeps forever
@@ -79,6 +82,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = self._checked_dtype()
+        self._check_positive("telemetry_sndhwm", self.telemetry_sndhwm)
+        self._check_positive("telemetry_queue_capacity", self.telemetry_queue_capacity)
         if not 0 <= self.engine_index <= MAX_ENGINE_INDEX:
             raise ValueError(
                 f"engine_index must be in 0..{MAX_ENGINE_INDEX} (the sidecar drops anything "

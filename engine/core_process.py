@@ -178,6 +178,8 @@ def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> 
         facts=core.facts(model_name),
         curve_keys_dir=config.telemetry_curve_keys_dir,
         curve_engine_name=config.telemetry_curve_engine_name,
+        sndhwm=config.telemetry_sndhwm,
+        queue_capacity=config.telemetry_queue_capacity,
     )
 
 

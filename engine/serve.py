@@ -50,6 +50,7 @@ from engine.openai_protocol import (
     usage,
 )
 from engine.scheduler import RequestRejectedError
+from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 
 logger = logging.getLogger("iterscope.serve")
 
@@ -364,6 +365,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "(python -m telemetry.curve; docs/deploy.md)")
     group.add_argument("--telemetry-curve-engine-name", default="engine", metavar="NAME",
                        help="which engine key pair in that directory (default %(default)s)")
+    group.add_argument("--telemetry-sndhwm", type=int, default=DEFAULT_SNDHWM, metavar="N",
+                       help="telemetry frames ZMQ may hold for a slow sidecar before dropping "
+                       "(default %(default)s)")
+    group.add_argument("--telemetry-queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY,
+                       metavar="N", help="records the engine queues for its telemetry sender "
+                       "thread before dropping (default %(default)s)")
     group.add_argument("--nvtx-markers", action="store_true",
                        help="one NVTX range per iteration in the engine process, to pair with "
                        "the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md)")
@@ -384,6 +391,8 @@ def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> En
         telemetry_curve_keys_dir=args.telemetry_curve_keys_dir,
         telemetry_curve_engine_name=args.telemetry_curve_engine_name,
         nvtx_markers=args.nvtx_markers,
+        telemetry_sndhwm=args.telemetry_sndhwm,
+        telemetry_queue_capacity=args.telemetry_queue_capacity,
     )
 
 

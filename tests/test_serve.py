@@ -196,8 +196,11 @@ def test_command_line_reaches_the_engine_config_and_the_sidecar():
         "--max-num-batched-tokens", "64", "--no-prefix-caching", "--engine-index", "2",
         "--telemetry-curve-keys-dir", "/keys", "--telemetry-curve-engine-name", "gpu-host-1",
         "--metrics-port", "0", "--record", "run.jsonl", "--sidecar-arg=--log-iterations",
+        "--telemetry-sndhwm", "100", "--telemetry-queue-capacity", "200", "--nvtx-markers",
     ])
     config = engine_config(args, "ipc:///tmp/x")
+    assert (config.telemetry_sndhwm, config.telemetry_queue_capacity) == (100, 200)
+    assert config.nvtx_markers
     assert (config.kv_cache_memory_bytes, config.max_num_seqs) == (2 << 20, 4)
     assert (config.max_num_batched_tokens, config.enable_prefix_caching) == (64, False)
     assert (config.engine_index, config.telemetry_address) == (2, "ipc:///tmp/x")
