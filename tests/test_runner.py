@@ -154,3 +154,16 @@ def test_packed_bf16_weights_match_plain_linear(monkeypatch):
     got = ModelRunner(packed, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
     want = ModelRunner(plain, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+
+
+def test_gguf_rope_scaling_is_honoured_or_refused():
+    from engine.model.gguf_file import _hf_name, gguf_rope_scaling
+
+    assert gguf_rope_scaling({}, "llama", "m.gguf") is None
+    assert gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama", "m.gguf") is None
+    linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    assert gguf_rope_scaling(linear, "llama", "m.gguf") == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+        gguf_rope_scaling({"llama.rope.scaling.type": "yarn"}, "llama", "m.gguf")
+    with pytest.raises(ValueError, match="rope_freqs"):
+        _hf_name("rope_freqs.weight")

@@ -69,7 +69,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     num_heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // num_heads)
-    return {
+    config = {
         "model_type": arch,
         "num_hidden_layers": meta[f"{arch}.block_count"],
         "hidden_size": hidden,
@@ -85,6 +85,21 @@ def gguf_hf_config(reader) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    rope_scaling = gguf_rope_scaling(meta, arch, reader.path)
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def gguf_rope_scaling(meta: dict[str, Any], arch: str, path: object) -> dict[str, Any] | None:
+    """The file's RoPE scaling as an HF ``rope_scaling`` dict; None when it has none. A kind
+    we cannot honour is refused: running it unscaled would give wrong tokens silently."""
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "none":
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    raise ValueError(f"{path}: GGUF RoPE scaling {scaling_type!r} is not supported (linear)")
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -120,6 +135,11 @@ def _hf_name(gguf_name: str) -> str:
     if gguf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.{i}.{name}.{weight|bias}
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError(
+            "this GGUF carries per-frequency RoPE factors (rope_freqs, Llama 3.1 style), "
+            "which the GGUF loader does not support; load the HF directory instead"
+        )
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LAYER_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
