@@ -159,11 +159,22 @@ def test_packed_bf16_weights_match_plain_linear(monkeypatch):
 def test_gguf_rope_scaling_is_honoured_or_refused():
     from engine.model.gguf_file import _hf_name, gguf_rope_scaling
 
-    assert gguf_rope_scaling({}, "llama", "m.gguf") is None
-    assert gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama", "m.gguf") is None
+    assert gguf_rope_scaling({}, "llama") is None
+    assert gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama") is None
     linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
-    assert gguf_rope_scaling(linear, "llama", "m.gguf") == {"rope_type": "linear", "factor": 4.0}
+    assert gguf_rope_scaling(linear, "llama") == {"rope_type": "linear", "factor": 4.0}
     with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
-        gguf_rope_scaling({"llama.rope.scaling.type": "yarn"}, "llama", "m.gguf")
+        gguf_rope_scaling({"llama.rope.scaling.type": "yarn"}, "llama")
     with pytest.raises(ValueError, match="rope_freqs"):
         _hf_name("rope_freqs.weight")
+
+
+def test_gguf_of_another_architecture_is_refused_clearly():
+    from types import SimpleNamespace
+
+    from engine.model.gguf_file import gguf_hf_config
+
+    field = SimpleNamespace(contents=lambda: "gemma")
+    reader = SimpleNamespace(fields={"general.architecture": field})
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma' is not supported"):
+        gguf_hf_config(reader)

@@ -64,7 +64,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen3"):
         raise ValueError(
-            f"{reader.path}: GGUF architecture {arch!r} is not supported (llama, qwen3)"
+            f"GGUF architecture {arch!r} is not supported (llama, qwen3)"
         )
     num_heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
@@ -85,13 +85,13 @@ def gguf_hf_config(reader) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
-    rope_scaling = gguf_rope_scaling(meta, arch, reader.path)
+    rope_scaling = gguf_rope_scaling(meta, arch)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
     return config
 
 
-def gguf_rope_scaling(meta: dict[str, Any], arch: str, path: object) -> dict[str, Any] | None:
+def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """The file's RoPE scaling as an HF ``rope_scaling`` dict; None when it has none. A kind
     we cannot honour is refused: running it unscaled would give wrong tokens silently."""
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -99,7 +99,7 @@ def gguf_rope_scaling(meta: dict[str, Any], arch: str, path: object) -> dict[str
         return None
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    raise ValueError(f"{path}: GGUF RoPE scaling {scaling_type!r} is not supported (linear)")
+    raise ValueError(f"GGUF RoPE scaling {scaling_type!r} is not supported (only linear)")
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
