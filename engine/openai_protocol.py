@@ -1,22 +1,26 @@
 """OpenAI-compatible request and response bodies for /v1/completions and /v1/chat/completions.
 
-Requests are pydantic models (FastAPI validates them); fields we cannot honour are rejected
-with a clear message instead of being silently ignored. Extensions in the manner of vLLM:
-``top_k``, ``ignore_eos`` and ``stop_token_ids``. Responses are plain dicts in the shapes the
-official `openai` client parses; streaming sends the same objects as ``chat.completion.chunk``
-/ ``text_completion`` chunks, one SSE ``data:`` line each, then ``data: [DONE]``.
+Requests are pydantic models (FastAPI validates them); fields we cannot honour, known or
+not, are rejected with a clear message instead of being silently ignored. Extensions in the
+manner of vLLM: ``top_k``, ``ignore_eos`` and ``stop_token_ids``. Responses are plain dicts
+in the shapes the official `openai` client parses; streaming sends the same objects as
+``chat.completion.chunk`` / ``text_completion`` chunks, one SSE ``data:`` line each, then
+``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # what OpenAI's /v1/completions uses when max_tokens is unset
+INT64_MAX = 2**63 - 1
+# Fields of the OpenAI API we do not model but that change nothing about the output.
+HARMLESS_EXTRA_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 
 
 class InvalidRequest(ValueError):
@@ -34,19 +38,19 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are refused in check_supported
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,6 +69,12 @@ class _SamplingFields(BaseModel):
                                  else "frequency_penalty")
         if self.logprobs not in (None, False, 0):
             raise InvalidRequest("logprobs are not supported", "logprobs")
+        for name, value in (self.model_extra or {}).items():
+            if name in HARMLESS_EXTRA_FIELDS or value in (None, False, 0, "", [], {}):
+                continue
+            if name == "response_format" and value == {"type": "text"}:
+                continue
+            raise InvalidRequest(f"{name} is not supported", name)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(

@@ -229,6 +229,9 @@ def test_models_and_health(server):
         ({"prompt": ""}, 400, "empty"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+        ({"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
