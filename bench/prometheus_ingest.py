@@ -34,7 +34,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # prom_helpers: the sidecar the live tests start
 
+from prom_helpers import start_metrics_sidecar  # noqa: E402
 from prometheus_client import (  # noqa: E402
     CollectorRegistry,
     Counter,
@@ -277,27 +279,6 @@ def measure_ingest(num_records: int, repeats: int) -> dict:
     return figures
 
 
-def start_sidecar(address: str, log_path: Path) -> tuple[subprocess.Popen, int]:
-    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
-             "--metrics-port", "0", "--no-log"],
-            cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    pattern = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        match = pattern.search(log_path.read_text(errors="replace"))
-        if match:
-            return process, int(match[1])
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"sidecar did not start:\n{log_path.read_text()[-2000:]}")
-
-
 def background_engine(address: str, rate_per_s: float, duration_s: float) -> None:
     """Engine 0: records at ``rate_per_s`` (run as a child process)."""
     publisher = ZmqPublisher(address, engine_index=0, facts={"model_name": "bench"})
@@ -325,7 +306,7 @@ def scrape_iterations(url: str) -> int:
 def measure_visibility(num_probes: int, background_rate: float) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="iterscope-bench-"))
     address = f"ipc://{directory}/lane.sock"
-    sidecar, port = start_sidecar(address, directory / "sidecar.log")
+    sidecar, port = start_metrics_sidecar(directory, address)
     url = f"http://127.0.0.1:{port}/metrics"
     background = subprocess.Popen(
         [sys.executable, __file__, "--background", address, str(background_rate),
