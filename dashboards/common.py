@@ -1,8 +1,14 @@
 """Factory helpers shared by every iterscope dashboard: variables, queries, default panels.
 
-Every panel query selects its series with ``SELECTOR`` so the three dashboard variables
-(datasource, model_name, engine) filter every panel the same way. Queries use Grafana's
-``$__rate_interval`` for rate windows; the live test substitutes it with a fixed window.
+Every panel query selects its series with ``SELECTOR`` so the dashboard variables
+(datasource, model_name, instance, engine) filter every panel the same way. Queries use
+Grafana's ``$__rate_interval`` for rate windows; the live test substitutes it with a fixed
+window.
+
+An engine is identified by ``(instance, engine)``, never by ``engine`` alone: in Kubernetes
+every replica pod runs its own engine 0 behind its own sidecar, so ``engine="0"`` names one
+engine per pod. Per-engine views group ``by (instance, engine)`` (``PER_ENGINE``) and label
+their lines ``ENGINE_LEGEND``; fleet-wide totals (quantiles, reasons) group by neither.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SELECTOR = 'model_name=~"$model_name", engine=~"$engine"'
+SELECTOR = 'model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
+# Series of the sidecar itself (empty engine and model_name) are filtered by instance only.
+SIDECAR_SELECTOR = 'instance=~"$instance"'
+# The labels that identify one engine across replicas, and the legend naming it.
+PER_ENGINE = "instance, engine"
+ENGINE_LEGEND = "{{instance}} engine {{engine}}"
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 # The series every engine exports from its first heartbeat on; the variables list its labels.
@@ -47,7 +58,12 @@ def series(metric: str, extra_labels: str = "") -> str:
     return f"{metric}{{{labels}}}"
 
 
-def rate(metric: str, by: str = "engine", extra_labels: str = "") -> str:
+def engine_legend(prefix: str = "") -> str:
+    """``ENGINE_LEGEND`` after an optional word saying which line of the panel it is."""
+    return f"{prefix} {ENGINE_LEGEND}" if prefix else ENGINE_LEGEND
+
+
+def rate(metric: str, by: str = PER_ENGINE, extra_labels: str = "") -> str:
     """Per-second rate of a counter, summed by the given labels."""
     return f"sum by ({by}) (rate({series(metric, extra_labels)}[{RATE}]))"
 
@@ -61,7 +77,7 @@ def quantile(q: float, histogram: str, by: str = "") -> str:
     )
 
 
-def histogram_mean(histogram: str, by: str = "engine") -> str:
+def histogram_mean(histogram: str, by: str = PER_ENGINE) -> str:
     """Mean observation of a histogram: rate of its sum over rate of its count."""
     return (
         f"sum by ({by}) (rate({series(histogram + '_sum')}[{RATE}]))"
@@ -158,7 +174,11 @@ def heatmap_panel(title: str, description: str, histogram: str, unit: str) -> he
 
 
 def variables() -> list:
-    """datasource, model_name and engine; the last two are multi-valued with an All of .*."""
+    """datasource, model_name, instance and engine; the last three multi-valued, All = .*.
+
+    ``instance`` is the scrape target (in Kubernetes, the pod): each variable offers only the
+    values the variables before it select.
+    """
     datasource = (
         dashboard.DatasourceVariable("datasource")
         .label("Data source")
@@ -167,12 +187,18 @@ def variables() -> list:
     model_name = label_variable(
         "model_name", "Model", f"label_values({VARIABLE_SOURCE_METRIC}, model_name)"
     )
+    instance = label_variable(
+        "instance",
+        "Instance",
+        f'label_values({VARIABLE_SOURCE_METRIC}{{model_name=~"$model_name"}}, instance)',
+    )
     engine = label_variable(
         "engine",
         "Engine",
-        f'label_values({VARIABLE_SOURCE_METRIC}{{model_name=~"$model_name"}}, engine)',
+        f'label_values({VARIABLE_SOURCE_METRIC}{{model_name=~"$model_name", '
+        'instance=~"$instance"}, engine)',
     )
-    return [datasource, model_name, engine]
+    return [datasource, model_name, instance, engine]
 
 
 def label_variable(name: str, label: str, values_query: str) -> dashboard.QueryVariable:

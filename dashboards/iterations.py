@@ -10,6 +10,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard
 
 from dashboards.common import (
+    engine_legend,
     heatmap_panel,
     histogram_mean,
     new_dashboard,
@@ -57,10 +58,14 @@ def batch_composition() -> dashboard.Panel:
         "Mean context (prefill) tokens and generation (decode) tokens per iteration, stacked, "
         "per engine.",
         [
-            query(histogram_mean("iterscope_iteration_context_tokens"), "context {{engine}}", "A"),
+            query(
+                histogram_mean("iterscope_iteration_context_tokens"),
+                engine_legend("context"),
+                "A",
+            ),
             query(
                 histogram_mean("iterscope_iteration_generation_requests"),
-                "generation {{engine}}",
+                engine_legend("generation"),
                 "B",
             ),
         ],
@@ -76,10 +81,10 @@ def batch_size() -> dashboard.Panel:
         [
             query(
                 histogram_mean("iterscope_iteration_generation_requests"),
-                "generation reqs / iteration {{engine}}",
+                engine_legend("generation reqs / iteration"),
                 "A",
             ),
-            query(series("iterscope_requests_running"), "running {{engine}}", "B"),
+            query(series("iterscope_requests_running"), engine_legend("running"), "B"),
         ],
     )
 
@@ -88,7 +93,7 @@ def iterations_per_second() -> dashboard.Panel:
     return timeseries_panel(
         "Iterations per second",
         "Iterations finished per second per engine; zero while work waits means a stall.",
-        [query(rate("iterscope_iterations_total"), "engine {{engine}}", "A")],
+        [query(rate("iterscope_iterations_total"), engine_legend(), "A")],
         unit="ops",
     )
 
@@ -99,9 +104,9 @@ def kv_blocks() -> dashboard.Panel:
         "KV cache blocks in use and free per engine, with the total; blocks used while nothing "
         "runs are a leak.",
         [
-            query(series("iterscope_kv_blocks_used"), "used {{engine}}", "A"),
-            query(series("iterscope_kv_blocks_free"), "free {{engine}}", "B"),
-            query(series("iterscope_kv_blocks_capacity"), "total {{engine}}", "C"),
+            query(series("iterscope_kv_blocks_used"), engine_legend("used"), "A"),
+            query(series("iterscope_kv_blocks_free"), engine_legend("free"), "B"),
+            query(series("iterscope_kv_blocks_capacity"), engine_legend("total"), "C"),
         ],
     )
 
@@ -110,7 +115,7 @@ def kv_tokens() -> dashboard.Panel:
     return timeseries_panel(
         "Tokens in KV cache",
         "Tokens whose keys and values are held in the KV cache, per engine.",
-        [query(series("iterscope_kv_tokens"), "engine {{engine}}", "A")],
+        [query(series("iterscope_kv_tokens"), engine_legend(), "A")],
     )
 
 
@@ -121,7 +126,7 @@ def prefix_hit_rate() -> dashboard.Panel:
         "Prefix cache hit rate",
         "Share of prompt tokens looked up in the prefix cache that were found there, per "
         "engine.",
-        [query(f"{hits} / {queries}", "engine {{engine}}", "A")],
+        [query(f"{hits} / {queries}", engine_legend(), "A")],
         unit="percentunit",
     ).max(1)
 

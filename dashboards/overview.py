@@ -8,6 +8,8 @@ from grafana_foundation_sdk.models.dashboard import ValueMap, ValueMappingResult
 from dashboards.common import (
     DATASOURCE,
     KV_THRESHOLDS,
+    PER_ENGINE,
+    engine_legend,
     new_dashboard,
     quantile_queries,
     query,
@@ -28,7 +30,7 @@ STATE_CODES = {
 
 
 def engine_state_expr() -> str:
-    """One series per engine whose value is the code of its current state (see STATE_CODES).
+    """One series per engine (instance, engine): the code of its current state (STATE_CODES).
 
     iterscope_engine_state is 1 for the current state and 0 for the others, so the current
     state's code is the maximum of state * code over the four states.
@@ -37,7 +39,7 @@ def engine_state_expr() -> str:
     for state, (code, _) in STATE_CODES.items():
         state_label = f'state="{state}"'
         terms.append(f"{series('iterscope_engine_state', state_label)} * {code}")
-    return "max by (engine) (" + " or ".join(terms) + ")"
+    return f"max by ({PER_ENGINE}) (" + " or ".join(terms) + ")"
 
 
 def engine_state() -> statetimeline.Panel:
@@ -55,7 +57,7 @@ def engine_state() -> statetimeline.Panel:
             "iteration finishes) or dead (no heartbeat)."
         )
         .datasource(DATASOURCE)
-        .with_target(query(engine_state_expr(), "engine {{engine}}", "A"))
+        .with_target(query(engine_state_expr(), engine_legend(), "A"))
         .mappings([mapping])
         .height(8)
         .span(12)
@@ -67,7 +69,7 @@ def kv_usage() -> dashboard.Panel:
         "KV cache usage per engine",
         "Fraction of KV cache blocks in use per engine; orange and red lines are the near-full "
         "and saturated alert thresholds.",
-        [query(series("iterscope_kv_cache_usage_ratio"), "engine {{engine}}", "A")],
+        [query(series("iterscope_kv_cache_usage_ratio"), engine_legend(), "A")],
         unit="percentunit",
     ).max(1)
     return with_threshold_lines(panel, KV_THRESHOLDS)
@@ -79,9 +81,11 @@ def token_throughput() -> dashboard.Panel:
         "Prompt tokens computed, prompt tokens served from the prefix cache and tokens "
         "generated, per second per engine.",
         [
-            query(rate("iterscope_prompt_tokens_total"), "prompt {{engine}}", "A"),
-            query(rate("iterscope_prompt_tokens_cached_total"), "prompt cached {{engine}}", "B"),
-            query(rate("iterscope_generation_tokens_total"), "generation {{engine}}", "C"),
+            query(rate("iterscope_prompt_tokens_total"), engine_legend("prompt"), "A"),
+            query(
+                rate("iterscope_prompt_tokens_cached_total"), engine_legend("prompt cached"), "B"
+            ),
+            query(rate("iterscope_generation_tokens_total"), engine_legend("generation"), "C"),
         ],
         unit="tokens/s",
     )
@@ -92,8 +96,8 @@ def requests_running_waiting() -> dashboard.Panel:
         "Requests running and waiting",
         "Requests in the running batch and requests waiting for admission, per engine.",
         [
-            query(series("iterscope_requests_running"), "running {{engine}}", "A"),
-            query(series("iterscope_requests_waiting"), "waiting {{engine}}", "B"),
+            query(series("iterscope_requests_running"), engine_legend("running"), "A"),
+            query(series("iterscope_requests_waiting"), engine_legend("waiting"), "B"),
         ],
     )
 
@@ -103,7 +107,7 @@ def preemptions() -> dashboard.Panel:
         "Preemptions per second",
         "Running requests evicted to free KV blocks (their KV is recomputed later), per second "
         "per engine.",
-        [query(rate("iterscope_preemptions_total"), "engine {{engine}}", "A")],
+        [query(rate("iterscope_preemptions_total"), engine_legend(), "A")],
         unit="ops",
     )
 

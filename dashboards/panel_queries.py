@@ -1,8 +1,8 @@
 """Read the panel queries back out of generated dashboard JSON, with variables substituted.
 
-Grafana fills in ``$model_name``, ``$engine`` and ``$__rate_interval`` before it queries
-Prometheus; ``substitute`` does the same so tests can run every panel query against promtool
-or a real Prometheus.
+Grafana fills in ``$model_name``, ``$instance``, ``$engine`` and ``$__rate_interval`` before
+it queries Prometheus; ``substitute`` does the same so tests can run every panel query against
+promtool or a real Prometheus.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dashboards.build import JSON_DIR
 
-ALL_VALUES = {"model_name": ".*", "engine": ".*", "__rate_interval": "1m"}
+ALL_VALUES = {"model_name": ".*", "instance": ".*", "engine": ".*", "__rate_interval": "1m"}
 _VARIABLE = re.compile(r"\$\{?(\w+)\}?")
 
 

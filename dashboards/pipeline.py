@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard
 
-from dashboards.common import RATE, new_dashboard, query, rate, series, timeseries_panel
+from dashboards.common import (
+    RATE,
+    SIDECAR_SELECTOR,
+    engine_legend,
+    new_dashboard,
+    query,
+    rate,
+    series,
+    timeseries_panel,
+)
 
 UID = "iterscope-pipeline"
 
@@ -13,7 +22,7 @@ def records_received() -> dashboard.Panel:
     return timeseries_panel(
         "Records received per second",
         "Iteration records and heartbeats the sidecar received per second, per engine.",
-        [query(rate("iterscope_records_received_total"), "engine {{engine}}", "A")],
+        [query(rate("iterscope_records_received_total"), engine_legend(), "A")],
         unit="ops",
     )
 
@@ -26,16 +35,19 @@ def records_dropped() -> dashboard.Panel:
         "Records lost on the telemetry lane per second (sequence gaps), and that loss as a "
         "share of all records, per engine.",
         [
-            query(dropped, "dropped/s {{engine}}", "A"),
-            query(f"{dropped} / ({received} + {dropped})", "dropped share {{engine}}", "B"),
+            query(dropped, engine_legend("dropped/s"), "A"),
+            query(f"{dropped} / ({received} + {dropped})", engine_legend("dropped share"), "B"),
         ],
     )
 
 
 def frames_undecodable() -> dashboard.Panel:
-    # Not filtered by the dashboard variables: frames from an unknown sender carry empty
-    # engine and model_name labels.
-    expr = f"sum by (reason) (rate(iterscope_frames_undecodable_total[{RATE}]))"
+    # Filtered by instance only: frames from an unknown sender carry empty engine and
+    # model_name labels. The total over the selected sidecars, by reason.
+    expr = (
+        f"sum by (reason) "
+        f"(rate(iterscope_frames_undecodable_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    )
     return timeseries_panel(
         "Undecodable frames per second",
         "Frames the sidecar could not decode, by reason (malformed, truncated, oversized or "
@@ -46,8 +58,8 @@ def frames_undecodable() -> dashboard.Panel:
 
 
 def otel_spans_dropped() -> dashboard.Panel:
-    # A sidecar-level counter (empty engine and model_name labels): not filtered.
-    expr = f"sum(rate(iterscope_otel_spans_dropped_total[{RATE}]))"
+    # A sidecar-level counter (empty engine and model_name labels): filtered by instance only.
+    expr = f"sum(rate(iterscope_otel_spans_dropped_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     return timeseries_panel(
         "OTel spans dropped per second",
         "Trace spans the sidecar dropped because the OTLP export queue was full.",
@@ -61,7 +73,7 @@ def heartbeat_age() -> dashboard.Panel:
         "Heartbeat age",
         "Seconds since the last heartbeat of each engine; above a few seconds the engine is "
         "dead or paused.",
-        [query(series("iterscope_heartbeat_age_seconds"), "engine {{engine}}", "A")],
+        [query(series("iterscope_heartbeat_age_seconds"), engine_legend(), "A")],
         unit="s",
     )
 
@@ -70,7 +82,7 @@ def sidecar_lag() -> dashboard.Panel:
     return timeseries_panel(
         "Sidecar lag",
         "Wall-clock seconds between now and the last record the sidecar ingested, per engine.",
-        [query(series("iterscope_sidecar_lag_seconds"), "engine {{engine}}", "A")],
+        [query(series("iterscope_sidecar_lag_seconds"), engine_legend(), "A")],
         unit="s",
     )
 

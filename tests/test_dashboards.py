@@ -23,9 +23,13 @@ from dashboards.panel_queries import (  # noqa: E402
     substitute,
 )
 
-# Series sent by unknown senders too (empty engine/model_name): not filtered by the variables.
-UNFILTERED = {"iterscope_frames_undecodable_total", "iterscope_otel_spans_dropped_total"}
+# Sidecar-level series (empty engine/model_name): filtered by the instance variable only.
+SIDECAR_SERIES = {"iterscope_frames_undecodable_total", "iterscope_otel_spans_dropped_total"}
 METRIC = re.compile(r"\biterscope_\w+")
+# A metric and its label matchers, e.g. iterscope_kv_tokens{model_name=~"$model_name", ...}.
+SELECTOR = re.compile(r"\b(iterscope_\w+)(\{[^}]*\})?")
+# by/without clauses of aggregations and on/ignoring clauses of binary operators.
+LABEL_CLAUSE = re.compile(r"\b(by|without|on|ignoring)\s*\(([^)]*)\)")
 DASHBOARDS = load_dashboards()
 QUERIES = panel_queries()
 PANELS = [(name, panel) for name, board in DASHBOARDS.items() for panel in iter_panels(board)]
@@ -56,17 +60,20 @@ def test_expected_dashboards_with_unique_uids():
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
-def test_variables_are_datasource_model_name_engine(name):
+def test_variables_are_datasource_model_name_instance_engine(name):
     variables = {v["name"]: v for v in DASHBOARDS[name]["templating"]["list"]}
-    assert list(variables) == ["datasource", "model_name", "engine"]
+    assert list(variables) == ["datasource", "model_name", "instance", "engine"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for label in ("model_name", "engine"):
+    for label in ("model_name", "instance", "engine"):
         variable = variables[label]
         assert variable["type"] == "query"
-        assert variable["includeAll"] and variable["allValue"] == ".*"
+        assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
         assert variable["datasource"]["uid"] == "${datasource}"
         assert f", {label})" in variable["query"]["query"]
+    # Each variable offers only what the ones before it select.
+    assert 'model_name=~"$model_name"' in variables["instance"]["query"]["query"]
+    assert 'instance=~"$instance"' in variables["engine"]["query"]["query"]
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
@@ -103,12 +110,52 @@ def test_query_uses_contract_metrics_and_the_variables(query):
     metrics = set(METRIC.findall(query.expr))
     assert metrics, query.expr
     assert metrics <= SERIES_NAMES, f"not in the metric contract: {metrics - SERIES_NAMES}"
-    selector = r'\{model_name=~"\$model_name", engine=~"\$engine"'
-    if not metrics <= UNFILTERED:
-        for metric in metrics:
-            assert re.search(metric + selector, query.expr), metric
+    for metric, matchers in SELECTOR.findall(query.expr):
+        if metric in SIDECAR_SERIES:
+            assert matchers == '{instance=~"$instance"}', (metric, query.expr)
+        else:
+            assert matchers.startswith(
+                '{model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
+            ), (metric, query.expr)
     if "rate(" in query.expr or "increase(" in query.expr:
         assert "[$__rate_interval]" in query.expr
+
+
+@pytest.mark.parametrize(
+    "query", QUERIES, ids=[f"{q.dashboard}:{q.panel}:{q.ref_id}" for q in QUERIES]
+)
+def test_per_engine_queries_keep_the_instance(query):
+    """Replicas each run an engine 0: grouping by engine without instance would add pods up."""
+    for clause, labels in LABEL_CLAUSE.findall(query.expr):
+        names = {label.strip() for label in labels.split(",")}
+        if clause in ("by", "on"):
+            assert "engine" not in names or "instance" in names, (clause, labels, query.expr)
+        else:
+            assert "instance" not in names, f"{clause} ({labels}) drops instance: {query.expr}"
+
+
+@pytest.mark.parametrize("name,panel", PANELS, ids=[f"{n}:{p['title']}" for n, p in PANELS])
+def test_per_engine_legends_name_the_instance(name, panel):
+    for target in panel["targets"]:
+        if "{{engine}}" in target["legendFormat"]:
+            assert "{{instance}} engine {{engine}}" in target["legendFormat"], target
+
+
+def test_queries_group_by_instance_and_engine_where_engines_are_shown():
+    """Spot checks of the per-engine panels, and of totals that stay totals."""
+    by_panel = {(q.dashboard, q.panel, q.ref_id): q.expr for q in QUERIES}
+    assert by_panel[("overview", "Engine state", "A")].startswith("max by (instance, engine) (")
+    assert by_panel[("overview", "Token throughput", "C")].startswith(
+        "sum by (instance, engine) (rate(iterscope_generation_tokens_total{"
+    )
+    hit_rate = by_panel[("iterations", "Prefix cache hit rate", "A")]
+    assert " / sum by (instance, engine) (" in hit_rate
+    assert by_panel[("iterations", "Waiting requests by reason", "A")].startswith(
+        "sum by (reason) ("
+    )
+    assert by_panel[("overview", "Time to first token", "A")].startswith(
+        "histogram_quantile(0.5, sum by (le) ("
+    )
 
 
 def test_user_stories_are_on_the_dashboards():
@@ -152,6 +199,7 @@ def test_every_query_is_valid_promql(tmp_path):
 
 def test_substitute_rejects_unknown_variables():
     assert substitute('x{engine=~"$engine"}[$__rate_interval]') == 'x{engine=~".*"}[1m]'
+    assert substitute('x{instance=~"$instance"}') == 'x{instance=~".*"}'
     assert substitute("x{a=\"${engine}\"}", {"engine": "0"}) == 'x{a="0"}'
     with pytest.raises(ValueError, match=r"\$cluster"):
         substitute('x{c="$cluster"}')
