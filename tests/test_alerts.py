@@ -31,6 +31,8 @@ EXPECTED_ALERTS = {
     "IterscopeTelemetryUndecodable",
 }
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm on the dashboards", "## What to change")
+# by/without clauses of aggregations and on/ignoring clauses of binary operators.
+LABEL_CLAUSE = re.compile(r"\b(by|without|on|ignoring)\s*\(([^)]*)\)")
 
 
 def promtool() -> str:
@@ -110,23 +112,76 @@ def test_each_alert_has_firing_and_not_firing_cases(name):
     assert any(not alerts for alerts in cases), f"{name}: no promtool case where it stays quiet"
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
-def test_unit_tests_fail_when_the_alert_never_fires(name, tmp_path):
-    """Replace one alert's expression with one that never fires: promtool must notice."""
+def promtool_test_with_expr(tmp_path: Path, name: str, expr: str) -> str:
+    """Run every promtool unit test on a copy of the rules where alert ``name`` has ``expr``.
+
+    Returns promtool's output; fails the calling test if promtool passed all the same.
+    """
     for path in RULE_FILES:
         data = yaml.safe_load(path.read_text())
         for group in data["groups"]:
             for rule in group["rules"]:
                 if rule["alert"] == name:
-                    rule["expr"] = "vector(1) < 0"
+                    rule["expr"] = expr
         (tmp_path / path.name).write_text(yaml.safe_dump(data))
     tests_dir = tmp_path / "tests"
     tests_dir.mkdir()
     for path in TEST_FILES:
         shutil.copy(path, tests_dir / path.name)
     result = run_promtool("test", "rules", *[p.name for p in TEST_FILES], cwd=tests_dir)
-    assert result.returncode != 0
-    assert name in result.stdout + result.stderr
+    assert result.returncode != 0, f"promtool tests pass with {name}: {expr}"
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
+def test_unit_tests_fail_when_the_alert_never_fires(name, tmp_path):
+    """Replace one alert's expression with one that never fires: promtool must notice."""
+    assert name in promtool_test_with_expr(tmp_path, name, "vector(1) < 0")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
+def test_unit_tests_fail_when_the_alert_merges_replicas(name, tmp_path):
+    """Aggregate the instance label away (pods that each run engine 0 merged into one alert):
+    the two-replica promtool tests must notice."""
+    output = promtool_test_with_expr(
+        tmp_path, name, f"max without (instance) ({RULES[name]['expr']})"
+    )
+    assert name in output and "replicas with engine 0" in output
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
+def test_alert_keeps_and_names_the_instance(name):
+    """An engine is (instance, engine): a page must name the pod, and no clause may drop it."""
+    rule = RULES[name]
+    assert "{{ $labels.instance }}" in rule["annotations"]["summary"]
+    for clause, labels in LABEL_CLAUSE.findall(rule["expr"]):
+        names = {label.strip() for label in labels.split(",")}
+        if clause in ("by", "on"):
+            assert "instance" in names, f"{clause} ({labels}) drops instance"
+        else:
+            assert "instance" not in names, f"{clause} ({labels}) drops instance"
+
+
+def replica_cases(name: str) -> list[list[str]]:
+    """For each promtool case of ``name`` firing only for engine 0: the instances it names."""
+    instances = []
+    for path in TEST_FILES:
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            for case in test.get("alert_rule_test", []):
+                alerts = case.get("exp_alerts") or []
+                if case["alertname"] == name and alerts and all(
+                    alert["exp_labels"].get("engine", "") in ("0", "") for alert in alerts
+                ):
+                    instances.append(sorted(a["exp_labels"].get("instance") for a in alerts))
+    return instances
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
+def test_each_replica_fires_its_own_alert(name):
+    """Two pods both with engine 0: one fires alone, then both fire as two alerts."""
+    cases = replica_cases(name)
+    assert ["pod-a"] in cases, f"{name}: no case where only pod-a fires"
+    assert ["pod-a", "pod-b"] in cases, f"{name}: no case where both pods fire apart"
 
 
 def test_kv_panel_thresholds_are_the_alert_thresholds():
