@@ -120,6 +120,14 @@ def test_alertmanager_routes_only_to_defined_receivers():
         assert route.get("receiver", config["route"]["receiver"]) in receivers
 
 
+def test_alertmanager_groups_and_inhibits_per_engine_of_each_instance():
+    """Replica pods each run engine 0: grouping by engine alone would merge their pages."""
+    config = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    assert {"alertname", "instance", "engine"} <= set(config["route"]["group_by"])
+    for rule in config["inhibit_rules"]:
+        assert {"instance", "engine"} <= set(rule["equal"])
+
+
 # --- docker compose --------------------------------------------------------------------------
 
 
@@ -296,6 +304,16 @@ def test_podmonitor_and_service_reach_the_sidecar_metrics_port():
     assert service["selector"].items() <= pod_labels.items()
     for port in service["ports"]:
         assert port["targetPort"] in ports
+
+
+def test_podmonitor_sets_instance_to_the_pod_name():
+    """Pages and legends read "<pod> engine 0" rather than a pod IP that changes on restart."""
+    (endpoint,) = k8s_object("PodMonitor", "iterscope")["spec"]["podMetricsEndpoints"]
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_name"],
+        "targetLabel": "instance",
+        "action": "replace",
+    } in endpoint["relabelings"]
 
 
 # --- generated manifests ---------------------------------------------------------------------
