@@ -144,9 +144,10 @@ def wait_for_alert(prometheus: PrometheusHandle, name: str, timeout_s: float) ->
 
 
 def variable_values(prometheus: PrometheusHandle) -> dict[str, str]:
-    """What Grafana's model_name and engine variables would offer, as a regex of all values."""
+    """What Grafana's model_name, instance and engine variables would offer, as a regex of all
+    values."""
     values = {}
-    for label in ("model_name", "engine"):
+    for label in ("model_name", "instance", "engine"):
         found = prometheus.api(f"label/{label}/values", **{"match[]": "iterscope_engine_state"})
         found = [value for value in found if value]
         assert found, f"the {label} variable finds no values"
@@ -166,10 +167,11 @@ def has_number(result: list[dict]) -> bool:
     return any(float(sample["value"][1]) == float(sample["value"][1]) for sample in result)
 
 
-def check_every_panel_query(prometheus: PrometheusHandle, timeout_s: float) -> None:
+def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout_s: float) -> None:
     """Every panel query returns at least one sample that is a number (not NaN)."""
     values = variable_values(prometheus)
     assert values["model_name"] == "fake-llm" and values["engine"] == "0"
+    assert values["instance"] == instance
     pending = {(q.dashboard, q.panel, q.ref_id): substitute(q.expr, values)
                for q in panel_queries()}
     deadline = time.monotonic() + timeout_s
@@ -193,11 +195,13 @@ def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
         feeder.start()
         prometheus.wait_for_targets(timeout_s=30)
 
+        instance = f"127.0.0.1:{port}"  # the scrape target
         alert = wait_for_alert(prometheus, "IterscopeKVCacheSaturated", timeout_s=40)
-        assert alert["labels"]["engine"] == "0"
+        assert alert["labels"]["engine"] == "0" and alert["labels"]["instance"] == instance
+        assert f"engine 0 on {instance}" in alert["annotations"]["summary"]
         assert float(alert["value"]) >= 0.95  # the KV usage ratio
         assert alert["annotations"]["runbook_url"].endswith("IterscopeKVCacheSaturated.md")
-        check_every_panel_query(prometheus, timeout_s=30)
+        check_every_panel_query(prometheus, instance, timeout_s=30)
         assert feeder.num_finished > 0
         assert engine_state_code(prometheus) == 1  # running
 
