@@ -13,13 +13,20 @@ Invariant: len(bucket_counts) == len(bounds) + 1 (the last slot is the +Inf buck
 total count is always sum(bucket_counts), so `_count` equals the `+Inf` bucket in every scrape.
 One thread observes; another may read. A reader copies the list in one step (atomic under the
 GIL), so it sees a consistent set of counts; `sum` may lag that copy by one observation.
+
+Histograms of small non-negative integers (tokens or requests per iteration) can skip the
+bisect: ``count_index[n] == bisect_left(bounds, n)`` for every int ``0 <= n <
+len(count_index)``, a tuple lookup that costs a third of a bisect of an int among float bounds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
+
+MAX_COUNT_INDEX = 1 << 14  # entries in a count_index (one per distinct bounds: 128 KiB at most)
 
 
 def check_bounds(bounds: Sequence[float]) -> tuple[float, ...]:
@@ -39,17 +46,29 @@ def check_bounds(bounds: Sequence[float]) -> tuple[float, ...]:
 class Histogram:
     """Counts of observations per bucket, and their sum."""
 
-    __slots__ = ("bounds", "bucket_counts", "sum")
+    __slots__ = ("bounds", "bucket_counts", "sum", "count_index")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = check_bounds(bounds)
         self.bucket_counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
+        self.count_index = build_count_index(self.bounds)
 
     def observe(self, value: float, weight: int = 1) -> None:
         """Record ``weight`` observations of ``value`` (weight > 0)."""
         self.bucket_counts[bisect_left(self.bounds, value)] += weight
         self.sum += value * weight
+
+    def observe_count(self, count: int) -> None:
+        """``observe(count)`` for an int ``count >= 0`` (a record's Count field), by lookup.
+
+        Hot callers inline this body (a method call costs as much as the update).
+        """
+        index = self.count_index
+        self.bucket_counts[
+            index[count] if count < len(index) else bisect_left(self.bounds, count)
+        ] += 1
+        self.sum += count
 
     @property
     def count(self) -> int:
@@ -66,6 +85,17 @@ class Histogram:
             buckets.append((format_bound(bound), running))
         buckets.append(("+Inf", running + counts[-1]))
         return buckets, total_sum
+
+
+@functools.cache
+def build_count_index(bounds: tuple[float, ...]) -> tuple[int, ...]:
+    """``bisect_left(bounds, n)`` for n = 0, 1, ... up to the last bound or MAX_COUNT_INDEX.
+
+    Shared (read-only) by every histogram with these bounds. Larger counts are bisected: the
+    +Inf bucket, or a bucket past MAX_COUNT_INDEX.
+    """
+    size = min(max(math.floor(bounds[-1]) + 1, 0), MAX_COUNT_INDEX)
+    return tuple(bisect_left(bounds, count) for count in range(size))
 
 
 def format_bound(bound: float) -> str:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from telemetry.histogram import MAX_COUNT_INDEX, Histogram
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -442,3 +443,47 @@ def test_counters_never_decrease_whatever_the_message_order(events):
                    for (name, labels), val in counter_like_values(scrape(registry)).items()}
         assert all(current[key] >= old for key, old in previous.items())
         previous = current
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-10.0, 70_000.0, allow_nan=False), min_size=1, max_size=8, unique=True),
+       st.lists(st.integers(0, 2 * MAX_COUNT_INDEX), max_size=30))
+def test_observe_count_buckets_as_observe(bounds, counts):
+    """The lookup table agrees with the bisect on every int, on and around every bound."""
+    bounds = sorted(bounds)
+    edges = [n for bound in bounds for n in (int(bound) - 1, int(bound), int(bound) + 1) if n >= 0]
+    by_lookup, by_bisect = Histogram(bounds), Histogram(bounds)
+    for count in [*counts, *edges, 0, MAX_COUNT_INDEX - 1, MAX_COUNT_INDEX]:
+        by_lookup.observe_count(count)
+        by_bisect.observe(count)
+    assert by_lookup.bucket_counts == by_bisect.bucket_counts
+    assert by_lookup.sum == by_bisect.sum
+
+
+def test_iteration_histograms_edge_buckets():
+    """Per-iteration observations (inlined in the sink) land where Histogram.observe puts them:
+    values on a bound (le is inclusive), just past it, zero, and past the last bound."""
+    sink, _ = new_sink(buckets={"iteration_tokens": (0.5, 8, 16.5, 1000)})
+    reference = {name: Histogram(sink.buckets[name]) for name in (
+        "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
+        "iteration_generation_requests", "inter_token_latency_seconds")}
+    cases = [(0, 0, 0), (8, 0, 8 * MS), (8, 1, 10 * MS), (16, 16, 10 * MS + 1), (17, 32, 1),
+             (65536, 1024, 5 * MS), (65537, 1025, 80 * 10**9), (10**6, 0, 81 * 10**9)]
+    end_ns = 0
+    for iteration, (context_tokens, generation_reqs, elapsed_ns) in enumerate(cases, start=1):
+        start_ns = end_ns + 2 * MS
+        sink.on_iteration(make_record(iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
+                                      num_context_tokens=context_tokens,
+                                      num_generation_reqs=generation_reqs,
+                                      num_generation_tokens=generation_reqs))
+        reference["iteration_duration_seconds"].observe(elapsed_ns / 1e9)
+        reference["iteration_tokens"].observe(context_tokens + generation_reqs)
+        reference["iteration_context_tokens"].observe(context_tokens)
+        reference["iteration_generation_requests"].observe(generation_reqs)
+        if generation_reqs and iteration > 1:
+            reference["inter_token_latency_seconds"].observe(
+                (start_ns + elapsed_ns - end_ns) / 1e9, generation_reqs)
+        end_ns = start_ns + elapsed_ns
+    for name, expected in reference.items():
+        observed = sink.engines[0].histograms[name]
+        assert observed.cumulative_buckets() == expected.cumulative_buckets(), name

@@ -22,6 +22,7 @@ import argparse
 import logging
 import re
 import time
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import (
@@ -142,10 +143,13 @@ class EngineState:
         self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
         # Bound once: the per-record path then does no lookups by name.
-        self._iteration_histograms = tuple(self.histograms[name] for name in (
-            "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
-            "iteration_generation_requests", "inter_token_latency_seconds",
-        ))
+        self._duration, self._tokens, self._context_tokens, self._generation_reqs = (
+            self.histograms[name] for name in (
+                "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
+                "iteration_generation_requests",
+            )
+        )
+        self._inter_token = self.histograms["inter_token_latency_seconds"]
         self.last_record: IterationRecord | None = None
         self.last_end_ns = 0  # engine clock: end of the last iteration received
         self.last_iteration = 0
@@ -157,34 +161,66 @@ class EngineState:
         self.lag_ns: int | None = None
 
     def apply_iteration(self, record: IterationRecord) -> None:
+        """Counters, the latest record (for gauges) and the per-iteration histograms.
+
+        Once per record, so Histogram.observe and observe_count are inlined: a method call
+        per observation cost as much as the observation.
+        """
+        num_context_tokens = record.num_context_tokens
+        num_generation_tokens = record.num_generation_tokens
+        num_generation_reqs = record.num_generation_reqs
+        elapsed_ns = record.elapsed_ns
         self.num_received += 1
         self.num_iterations += 1
-        self.num_prompt_tokens += record.num_context_tokens
-        self.num_generation_tokens += record.num_generation_tokens
+        self.num_prompt_tokens += num_context_tokens
+        self.num_generation_tokens += num_generation_tokens
         self.num_preemptions += record.num_preemptions
         self.num_prefix_query_tokens += record.num_prefix_query_tokens
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
         self.last_record = record
-        end_ns = record.start_ns + record.elapsed_ns
         self.num_running_reqs = record.num_running_reqs
         self.num_waiting_reqs = record.num_waiting_reqs
-        duration, tokens, context_tokens, generation_reqs, inter_token = (
-            self._iteration_histograms
-        )
-        duration.observe(record.elapsed_ns / 1e9)
-        tokens.observe(record.num_context_tokens + record.num_generation_tokens)
-        context_tokens.observe(record.num_context_tokens)
-        generation_reqs.observe(record.num_generation_reqs)
+
+        elapsed_s = elapsed_ns / 1e9
+        histogram = self._duration
+        histogram.bucket_counts[bisect_left(histogram.bounds, elapsed_s)] += 1
+        histogram.sum += elapsed_s
+        count = num_context_tokens + num_generation_tokens
+        histogram = self._tokens
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+        histogram.sum += count
+        count = num_context_tokens
+        histogram = self._context_tokens
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+        histogram.sum += count
+        count = num_generation_reqs
+        histogram = self._generation_reqs
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+        histogram.sum += count
+
         # Only across two consecutive iterations of one engine process: a gap (drop, restart,
-        # replay) is no interval. last_end_ns == 0: no previous iteration.
-        interval_ns = end_ns - self.last_end_ns
-        if (record.num_generation_reqs and self.last_end_ns and interval_ns > 0
+        # replay) is no interval. last_end_ns == 0: no previous iteration. Weighted: one
+        # observation per generated token.
+        end_ns = record.start_ns + elapsed_ns
+        last_end_ns = self.last_end_ns
+        if (num_generation_reqs and last_end_ns and end_ns > last_end_ns
                 and record.iteration == self.last_iteration + 1):
-            inter_token.observe(interval_ns / 1e9, record.num_generation_reqs)
+            interval_s = (end_ns - last_end_ns) / 1e9
+            histogram = self._inter_token
+            histogram.bucket_counts[bisect_left(histogram.bounds, interval_s)] += (
+                num_generation_reqs)
+            histogram.sum += interval_s * num_generation_reqs
         self.last_iteration = record.iteration
         self.last_end_ns = end_ns
-        for milestone in record.milestones:
-            self.apply_milestone(milestone)
+        if record.milestones:
+            for milestone in record.milestones:
+                self.apply_milestone(milestone)
 
     def apply_milestone(self, milestone: RequestMilestone) -> None:
         """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
@@ -202,9 +238,9 @@ class EngineState:
         histograms["e2e_request_latency_seconds"].observe(
             (milestone.finished_ns - milestone.arrival_ns) / 1e9
         )
-        histograms["request_prompt_tokens"].observe(milestone.num_prompt_tokens)
-        histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
-        histograms["request_preemptions"].observe(milestone.num_preemptions)
+        histograms["request_prompt_tokens"].observe_count(milestone.num_prompt_tokens)
+        histograms["request_generation_tokens"].observe_count(milestone.num_output_tokens)
+        histograms["request_preemptions"].observe_count(milestone.num_preemptions)
         if milestone.first_scheduled_ns:  # 0: aborted while waiting
             histograms["request_queue_time_seconds"].observe(
                 (milestone.first_scheduled_ns - milestone.arrival_ns) / 1e9
