@@ -2,10 +2,11 @@
 
 Requests are pydantic models (FastAPI validates them); fields we cannot honour, known or
 not, are rejected with a clear message instead of being silently ignored. Extensions in the
-manner of vLLM: ``top_k``, ``ignore_eos`` and ``stop_token_ids``. Responses are plain dicts
-in the shapes the official `openai` client parses; streaming sends the same objects as
-``chat.completion.chunk`` / ``text_completion`` chunks, one SSE ``data:`` line each, then
-``data: [DONE]``.
+manner of vLLM: ``top_k``, ``ignore_eos`` and ``stop_token_ids``. ``stop`` strings (one, or a
+list of up to 4, none empty) are applied by the frontend to the detokenized text. Responses
+are plain dicts in the shapes the official `openai` client parses; streaming sends the same
+objects as ``chat.completion.chunk`` / ``text_completion`` chunks, one SSE ``data:`` line
+each, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.detokenizer import check_stop_strings
 from engine.request import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # what OpenAI's /v1/completions uses when max_tokens is unset
@@ -61,8 +63,10 @@ class _SamplingFields(BaseModel):
         """Reject what the engine does not implement, naming the parameter."""
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", "n")
-        if self.stop:
-            raise InvalidRequest("stop strings are not supported; use stop_token_ids", "stop")
+        try:
+            check_stop_strings(self.stop)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "stop") from None
         if self.presence_penalty or self.frequency_penalty:
             raise InvalidRequest("presence and frequency penalties are not supported",
                                  "presence_penalty" if self.presence_penalty
@@ -86,6 +90,11 @@ class _SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
         )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The validated ``stop`` field as a list (check_supported has run)."""
+        return check_stop_strings(self.stop)
 
     @property
     def include_usage(self) -> bool:

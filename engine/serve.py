@@ -29,15 +29,17 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from engine.config import EngineConfig, parse_memory_size
-from engine.core import RequestOutput
 from engine.core_process import EngineCoreClient, EngineDeadError
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -94,27 +96,14 @@ def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> Engine
     return EngineCoreClient(config, load_model=load_model)
 
 
-class Detokenizer:
-    """Turns a growing list of output ids into text deltas.
+@dataclass
+class TextDelta:
+    """What the frontend sends for one engine output: the new text (after detokenization and
+    stop strings), the tokens it came from, and the finish reason once finished."""
 
-    The whole output is decoded each time and the new suffix returned; a trailing U+FFFD (a
-    multi-byte character cut between two tokens) is held back until the next token completes
-    it, or until the request finishes.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.num_sent_chars = 0
-
-    def add(self, new_token_ids: list[int], finished: bool) -> str:
-        self.token_ids += new_token_ids
-        text = self.tokenizer.decode(self.token_ids)
-        if not finished and text.endswith("\ufffd"):
-            return ""
-        delta = text[self.num_sent_chars :]
-        self.num_sent_chars = len(text)
-        return delta
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None
 
 
 # The frontend --------------------------------------------------------------------------------
@@ -143,6 +132,20 @@ class Frontend:
                                  f"(0..{self.vocab_size - 1})", "prompt")
         return list(prompt)
 
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt the model's chat template makes of the messages. A template that refuses
+        them (its raise_exception, or a Jinja or type error on a role or shape it does not
+        expect) is a client error: InvalidRequest with the template's message. A template that
+        does not compile (TemplateSyntaxError) is the server's and passes through."""
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except TemplateSyntaxError:
+            raise
+        except ValueError as exc:  # raise_exception(), or a model without a chat template
+            raise InvalidRequest(str(exc), "messages") from exc
+        except (TemplateError, TypeError) as exc:
+            raise InvalidRequest(f"chat template error: {exc}", "messages") from exc
+
     def max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int) -> int:
         """The requested max_tokens, else `default` capped by what is left of max_model_len."""
         if requested is not None:
@@ -151,17 +154,24 @@ class Frontend:
 
     async def generate(
         self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any,
-        traceparent: str,
-    ) -> AsyncIterator[tuple[str, RequestOutput]]:
-        """(text delta, engine output) per engine output; aborts the engine request when the
-        HTTP client disconnects or the caller stops iterating early."""
+        traceparent: str, stop_strings: list[str],
+    ) -> AsyncIterator[TextDelta]:
+        """A TextDelta per engine output. A stop string in the text ends the request there
+        (finish reason "stop"); it is aborted in the engine, as it is when the HTTP client
+        disconnects or the caller stops iterating early."""
         self._raise_if_engine_died()
         stream = self.client.add_request(prompt_ids, params, request_id, traceparent)
         watcher = asyncio.ensure_future(self._abort_on_disconnect(http_request, stream))
-        detokenizer = Detokenizer(self.tokenizer)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringMatcher(stop_strings)
         try:
             async for output in stream:
-                yield detokenizer.add(output.new_token_ids, output.finished), output
+                text = detokenizer.add(output.new_token_ids, output.finished)
+                text = stops.add(text, output.finished)
+                finish_reason = "stop" if stops.stopped else output.finish_reason
+                yield TextDelta(text, len(output.new_token_ids), finish_reason)
+                if stops.stopped:
+                    return
         finally:
             watcher.cancel()
             if not stream.finished:
@@ -213,10 +223,10 @@ async def completion_events(frontend: Frontend, body: CompletionRequest, request
                             outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
     num_output_tokens = 0
     try:
-        async for delta, output in outputs:
-            num_output_tokens += len(output.new_token_ids)
-            yield sse(completion_body(request_id, frontend.model_name, delta,
-                                      output.finish_reason, None, chunk=True))
+        async for delta in outputs:
+            num_output_tokens += delta.num_new_tokens
+            yield sse(completion_body(request_id, frontend.model_name, delta.text,
+                                      delta.finish_reason, None, chunk=True))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
         return
@@ -232,9 +242,9 @@ async def chat_events(frontend: Frontend, body: ChatCompletionRequest, request_i
     num_output_tokens = 0
     yield sse(chat_chunk(request_id, name, {"role": "assistant", "content": ""}, None))
     try:
-        async for delta, output in outputs:
-            num_output_tokens += len(output.new_token_ids)
-            yield sse(chat_chunk(request_id, name, {"content": delta}, output.finish_reason))
+        async for delta in outputs:
+            num_output_tokens += delta.num_new_tokens
+            yield sse(chat_chunk(request_id, name, {"content": delta.text}, delta.finish_reason))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
         return
@@ -247,10 +257,10 @@ async def chat_events(frontend: Frontend, body: ChatCompletionRequest, request_i
 async def collect(outputs: AsyncIterator) -> tuple[str, str | None, int]:
     """Whole text, finish reason and number of output tokens of a non-streamed request."""
     pieces, finish_reason, num_output_tokens = [], None, 0
-    async for delta, output in outputs:
-        pieces.append(delta)
-        num_output_tokens += len(output.new_token_ids)
-        finish_reason = output.finish_reason
+    async for delta in outputs:
+        pieces.append(delta.text)
+        num_output_tokens += delta.num_new_tokens
+        finish_reason = delta.finish_reason
     return "".join(pieces), finish_reason, num_output_tokens
 
 
@@ -277,7 +287,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             max_tokens = frontend.max_tokens(requested, len(prompt_ids), default_max)
             params = body.sampling_params(max_tokens)
             outputs = frontend.generate(http_request, request_id, prompt_ids, params,
-                                        traceparent_of(http_request))
+                                        traceparent_of(http_request), body.stop_strings)
             if body.stream:
                 outputs = await first_and_rest(outputs)
                 stream = events(frontend, body, request_id, outputs, len(prompt_ids))
@@ -317,9 +327,12 @@ def build_app(frontend: Frontend) -> FastAPI:
         if (refusal := checked(body)) is not None:
             return refusal
         try:
-            prompt_ids = frontend.tokenizer.apply_chat_template(body.template_messages())
-        except ValueError as exc:
-            return error(400, str(exc), "invalid_request_error", "messages")
+            prompt_ids = frontend.chat_prompt_ids(body.template_messages())
+        except InvalidRequest as exc:
+            return error(400, str(exc), "invalid_request_error", exc.param)
+        except TemplateSyntaxError as exc:
+            return error(500, f"the model's chat template does not compile: {exc}",
+                         "server_error")
         default_max = frontend.client.ready.max_model_len
         return await run(http_request, body, prompt_ids, default_max, chat_events, chat_body)
 

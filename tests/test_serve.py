@@ -8,6 +8,7 @@ traceparents are checked in the records themselves.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,17 +16,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import msgspec
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
-from engine.core import build_engine_core
+from engine.core import RequestOutput, build_engine_core
+from engine.core_process import RequestStream
+from engine.model.chat_template import render_chat_template
+from engine.model.tokenizer import ByteTokenizer
 from engine.request import Request, SamplingParams
 from engine.serve import (
     TINY_MODEL,
+    Frontend,
+    build_app,
     build_parser,
     engine_config,
     load_tiny_model,
@@ -224,7 +232,10 @@ def test_models_and_health(server):
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 2}, 400, "n=1"),
-        ({"prompt": "hi", "stop": ["\n"]}, 400, "stop_token_ids"),
+        ({"prompt": "hi", "stop": ""}, 400, "must not be empty"),
+        ({"prompt": "hi", "stop": ["a", ""]}, 400, "must not be empty"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings"),
+        ({"prompt": "hi", "stop": ["a", 7]}, 400, "stop"),
         ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
         ({"prompt": ""}, 400, "empty"),
         ({"max_tokens": 3}, 400, "prompt"),
@@ -245,6 +256,36 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                     timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def stop_string_in(text: str, start: int) -> str:
+    """Two characters of `text` from about `start` on that are not U+FFFD (the tiny model's
+    random bytes decode to many)."""
+    for index in range(start, len(text) - 1):
+        if "\ufffd" not in text[index : index + 2]:
+            return text[index : index + 2]
+    raise AssertionError(f"no stop string candidate in {text!r}")
+
+
+def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, reference):
+    prompt = "The quick brown fox"
+    text, _, _ = reference(reference.tokenizer.encode(prompt), 60)  # the first 60 tokens
+    stop = stop_string_in(text, 10)
+    expected = text[: text.find(stop)]
+    client = server.openai_client()
+    # Without the stop string, 1,000 tokens would be generated; the first 60 are `text`.
+    common = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 1000, "temperature": 0,
+              "stop": [stop, "never in this text \u2603"], "extra_body": {"ignore_eos": True}}
+    response = client.completions.create(**common)
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (expected, "stop")
+    assert response.usage.completion_tokens < 60
+    chunks = list(client.completions.create(**common, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    for request_id in (response.id, chunks[0].id):  # aborted in the engine: KV blocks freed
+        records = server.wait_for_records(lambda rs, i=request_id: finish_milestones(rs, i))
+        milestone = finish_milestones(records, request_id)[-1]
+        assert milestone.finish_reason == 2 and milestone.num_output_tokens < 1000
 
 
 def test_bad_json_and_bad_chat_messages(server):
@@ -315,3 +356,133 @@ def test_dead_engine_gets_503(server):
     with pytest.raises(openai.InternalServerError):
         server.openai_client().chat.completions.create(
             model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+# The frontend in this process, over a scripted engine client ---------------------------------
+
+
+class ScriptedClient:
+    """The part of EngineCoreClient the frontend uses; every request gets the same outputs,
+    one per entry of `steps`, the last finished with "length". Aborts are recorded."""
+
+    def __init__(self, steps: list[list[int]]) -> None:
+        self.steps = steps
+        self.ready = SimpleNamespace(max_model_len=1024, pid=os.getpid())
+        self.is_alive = True
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_ids, params, request_id, traceparent) -> RequestStream:
+        stream = RequestStream(request_id)
+        for index, token_ids in enumerate(self.steps):
+            finished = index == len(self.steps) - 1
+            stream.put(RequestOutput(request_id, token_ids, finished,
+                                     "length" if finished else None))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+class TemplateTokenizer(ByteTokenizer):
+    """Bytes, with a real Jinja chat template rendered by the engine's renderer."""
+
+    def __init__(self, chat_template: str) -> None:
+        super().__init__(320)
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages):
+        return self.encode(render_chat_template(self.chat_template, messages))
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+SCRIPTED_TEXT = "Hello, wörld! 😀 STOP and more"
+
+
+def scripted_app(text: str = SCRIPTED_TEXT, template: str = PLAIN_TEMPLATE):
+    """(TestClient, ScriptedClient): the engine answers `text`, one byte per output."""
+    client = ScriptedClient([[byte] for byte in text.encode()])
+    frontend = Frontend(client, TemplateTokenizer(template), TINY_MODEL)
+    return TestClient(build_app(frontend)), client
+
+
+def sse_bodies(response) -> list[dict]:
+    datas = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    return [json.loads(data) for data in datas[:-1]]
+
+
+def test_stop_string_cuts_a_whole_response_and_aborts_the_engine_request():
+    http, client = scripted_app()
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
+                                                  "stop": ["STOP", "xyz"]})
+    body = response.json()
+    assert body["choices"][0]["text"] == "Hello, wörld! 😀 "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len("Hello, wörld! 😀 STOP".encode())
+    assert client.aborted == [body["id"]]
+
+
+def test_streamed_text_holds_back_what_could_start_a_stop_string():
+    http, client = scripted_app()
+    payload = {"prompt": "hi", "max_tokens": 100, "stop": "STOP", "stream": True}
+    with http.stream("POST", "/v1/completions", json=payload) as response:
+        chunks = sse_bodies(response)
+    pieces = [chunk["choices"][0]["text"] for chunk in chunks]
+    assert "".join(pieces) == "Hello, wörld! 😀 "
+    assert not any(piece.endswith(("S", "ST", "STO")) for piece in pieces)  # never a part
+    assert "ö" in pieces and "😀" in pieces  # multi-byte characters come out whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert client.aborted == [chunks[0]["id"]]
+
+
+def test_chat_stop_string_streamed():
+    http, client = scripted_app()
+    payload = {"messages": [{"role": "user", "content": "hi"}], "stop": ["!"], "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=payload) as response:
+        chunks = sse_bodies(response)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello, wörld"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert len(client.aborted) == 1
+
+
+def test_without_a_stop_string_the_whole_text_and_no_abort():
+    http, client = scripted_app()
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
+                                                  "stop": ["never"]})
+    body = response.json()
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == \
+        (SCRIPTED_TEXT, "length")
+    assert client.aborted == []
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for m in messages %}{% if m['role'] == 'system' %}"
+         "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}",
+         "System role not supported"),
+        ("{{ messages[1]['content'] }}", "no element 1"),  # expects two messages
+        ("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", "concatenate"),
+        ("{{ messages[0]['tool_calls'][0] }}", "tool_calls"),  # a shape it assumes
+    ],
+)
+def test_chat_template_errors_are_client_errors(template, message):
+    http, client = scripted_app(template=template)
+    messages = [{"role": "system", "content": "Be brief."}]
+    response = http.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert (error["type"], error["param"], error["code"]) == \
+        ("invalid_request_error", "messages", 400)
+    ok = scripted_app()[0].post("/v1/chat/completions", json={"messages": messages})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("template", ["{% if %}", "{{ messages | no_such_filter }}"])
+def test_a_chat_template_that_does_not_compile_is_a_server_error(template):
+    http, _ = scripted_app(template=template)
+    response = http.post("/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 500
+    assert "chat template does not compile" in response.json()["error"]["message"]
