@@ -34,7 +34,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import start_http_server
 
-from telemetry.histogram import Histogram, check_bounds
+from telemetry.histogram import MAX_COUNT_INDEX, Histogram, check_bounds
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -189,19 +189,22 @@ class EngineState:
         histogram = self._tokens
         index = histogram.count_index
         histogram.bucket_counts[
-            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
         histogram.sum += count
         count = num_context_tokens
         histogram = self._context_tokens
         index = histogram.count_index
         histogram.bucket_counts[
-            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
         histogram.sum += count
         count = num_generation_reqs
         histogram = self._generation_reqs
         index = histogram.count_index
         histogram.bucket_counts[
-            index[count] if count < len(index) else bisect_left(histogram.bounds, count)] += 1
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
         histogram.sum += count
 
         # Only across two consecutive iterations of one engine process: a gap (drop, restart,
