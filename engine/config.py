@@ -2,8 +2,9 @@
 
 Defaults suit a 2-core CPU running SmolLM2-135M: blocks of 16 tokens, at most 32 running
 requests, 2048 tokens per iteration and a 512 MiB KV cache. On CUDA the KV budget is
-``gpu_memory_utilization`` of the card minus the weights and the activation peak, unless
-``kv_cache_memory_bytes`` sets it outright.
+``gpu_memory_utilization`` of the card minus the weights and the activation peak measured
+at start-up (engine/activation_profile.py), unless ``kv_cache_memory_bytes`` sets it
+outright.
 
 The ``test_*`` fields are test-only fault injection for the scenario tests (a KV block leak,
 a stall inside the loop); they are off unless set, and no user-facing command sets them.

@@ -275,14 +275,24 @@ def plan_for_model(
     return plan
 
 
-def estimate_activation_peak_bytes(config: EngineConfig, model_config: Any) -> int:
-    """A rough upper bound of forward-pass scratch memory for one full iteration on CUDA:
-    per batched token, a few hidden- and MLP-sized activations; per sequence, fp32 logits."""
-    per_token = (6 * model_config.hidden_size + 3 * model_config.intermediate_size) * (
-        model_config.dtype.itemsize
+def _measure_cuda_memory(config: EngineConfig, model: Any, runner_class: Any) -> tuple[int, int]:
+    """(weights bytes, measured activation peak bytes) on the current CUDA device."""
+    import torch
+
+    from engine.activation_profile import cuda_probe, measure_activation_peak_bytes
+
+    weights_bytes = torch.cuda.memory_allocated()
+    max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
+    peak_bytes = measure_activation_peak_bytes(
+        config, model, runner_class, max_model_len, cuda_probe()
     )
-    per_seq_logits = 2 * model_config.vocab_size * 4
-    return config.max_num_batched_tokens * per_token + config.max_num_seqs * per_seq_logits
+    torch.cuda.empty_cache()  # hand the profile's blocks back before the KV cache is sized
+    logger.info(
+        "activation peak %.2f GiB measured over the worst-case iterations (weights %.2f GiB)",
+        peak_bytes / 2**30,
+        weights_bytes / 2**30,
+    )
+    return weights_bytes, peak_bytes
 
 
 def build_engine_core(
@@ -303,10 +313,7 @@ def build_engine_core(
     model = load_model(config.model, config.torch_dtype_name, config.device)
     weights_bytes = activation_peak_bytes = 0
     if config.device == "cuda":
-        import torch
-
-        weights_bytes = torch.cuda.memory_allocated()
-        activation_peak_bytes = estimate_activation_peak_bytes(config, model.config)
+        weights_bytes, activation_peak_bytes = _measure_cuda_memory(config, model, runner_class)
     plan = plan_for_model(config, model.config, weights_bytes, activation_peak_bytes)
     runner = runner_class(model, plan.num_blocks, config.block_size, config.device)
     core = EngineCore(
