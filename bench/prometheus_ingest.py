@@ -8,7 +8,8 @@
      (label children bound once up front, as a careful user would; each update takes a lock),
      with the inter-token latency observed once per iteration (conservative) or once per
      generated token (the same histogram as ours: the client has no weighted observe);
-   each alone, and behind the sidecar's Ingest (msgpack decode + sequence checks) from frames.
+   each alone, and behind the sidecar's Ingest (msgpack decode + sequence checks) from frames;
+   and Ingest with a sink that does nothing (what decode + sequence checks cost alone).
 2. Visibility: a real `iterscope sidecar` process; this process publishes one record at a time
    with telemetry.publisher.ZmqPublisher and polls GET /metrics until the record's iteration
    shows, while a second engine process streams background records. Latency = publish to
@@ -221,6 +222,31 @@ class InstrumentSink:
         pass
 
 
+class NothingSink:
+    """The Sink protocol doing nothing: Ingest's own cost (decode + sequence checks)."""
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        pass
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        pass
+
+    def on_status(self, *args) -> None:
+        pass
+
+    def on_dropped(self, *args) -> None:
+        pass
+
+    def on_undecodable(self, reason: str) -> None:
+        pass
+
+    def tick(self, now_ns: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def time_sink(make_sink, records: list[IterationRecord]) -> float:
     """records/s of one run of sink.on_iteration on every record."""
     sink = make_sink()
@@ -258,6 +284,7 @@ def measure_ingest(num_records: int, repeats: int) -> dict:
         "baseline_itl_per_token_sink_records_per_s": lambda: time_sink(same_itl, records),
         "ingest_records_per_s": lambda: time_ingest(ours, frames),
         "baseline_ingest_records_per_s": lambda: time_ingest(baseline, frames),
+        "ingest_nothing_sink_records_per_s": lambda: time_ingest(NothingSink, frames),
     }
     figures = dict.fromkeys(runs, 0.0)
     for _ in range(repeats):
@@ -376,6 +403,8 @@ def main() -> None:
     print(f"  our sink           {figures['ingest_records_per_s']:>12,.0f} records/s")
     print(f"  instrument sink    {figures['baseline_ingest_records_per_s']:>12,.0f} records/s"
           f"   ratio {figures['ingest_speedup']:.1f}x  (ITL observed once per iteration)")
+    print(f"  a sink doing nothing {figures['ingest_nothing_sink_records_per_s']:>10,.0f}"
+          " records/s  (Ingest alone: decode + sequence checks)")
     print(f"scrape of one engine: {figures['scrape_ms_one_engine']:.1f} ms, "
           f"{figures['exposition_bytes_one_engine']} bytes")
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
