@@ -102,14 +102,17 @@ class EngineCore:
         self.requests[request.request_id] = request
         self.publisher.note_queues(len(self.scheduler.waiting), len(self.scheduler.running))
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; its finish milestone rides on the next iteration record."""
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """Stop a request, finished for `reason`; its finish milestone rides on the next
+        iteration record."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        self.scheduler.abort_request(request, time.monotonic_ns())
+        self.scheduler.abort_request(request, time.monotonic_ns(), reason)
         self._pending_milestones.append(_milestone(request, EVENT_FINISHED))
-        return RequestOutput(request_id, [], True, FinishReason.ABORT.text)
+        return RequestOutput(request_id, [], True, reason.text)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update, publish the record."""

@@ -40,7 +40,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestOutput, build_engine_core
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestRejectedError, check_request_fits
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
+    finish_reason: int = int(FinishReason.ABORT)  # STOP when the frontend matched a stop string
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -226,7 +227,8 @@ class _EngineLoop:
         if isinstance(message, AddRequest):
             self._add(message)
         elif isinstance(message, AbortRequests):
-            aborted = [self.core.abort_request(request_id) for request_id in message.request_ids]
+            reason = FinishReason(message.finish_reason)
+            aborted = [self.core.abort_request(rid, reason) for rid in message.request_ids]
             self._send(EngineOutputs([output for output in aborted if output is not None]))
         elif isinstance(message, Probe):
             modules = sorted({name.split(".")[0] for name in sys.modules})
@@ -434,11 +436,15 @@ class EngineCoreClient:
             raise
         return stream
 
-    def abort(self, request_ids: str | list[str]) -> None:
-        """Stop requests; each stream ends with finish_reason "abort" (unknown ids: ignored)."""
+    def abort(
+        self, request_ids: str | list[str], finish_reason: FinishReason = FinishReason.ABORT
+    ) -> None:
+        """Stop requests; each stream ends with `finish_reason` (default "abort"; "stop" when
+        the frontend matched a stop string), which the telemetry records too. Unknown ids are
+        ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self._send(AbortRequests(list(request_ids)))
+        self._send(AbortRequests(list(request_ids), int(finish_reason)))
 
     def probe(self, timeout_s: float = 10.0) -> ProbeReply:
         """The engine process's loaded top-level modules and log-record count (for tests)."""

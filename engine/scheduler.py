@@ -141,14 +141,16 @@ class Scheduler:
         )
         self.waiting.append(request)
 
-    def abort_request(self, request: Request, now_ns: int) -> None:
+    def abort_request(
+        self, request: Request, now_ns: int, reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             return
-        self._finish(request, FinishReason.ABORT, now_ns)
+        self._finish(request, reason, now_ns)
 
     def schedule(self, now_ns: int) -> SchedulerOutput:
         output = SchedulerOutput()

@@ -53,6 +53,7 @@ from engine.openai_protocol import (
     error_body,
     usage,
 )
+from engine.request import FinishReason
 from engine.scheduler import RequestRejectedError
 from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 
@@ -166,18 +167,21 @@ class Frontend:
         watcher = asyncio.ensure_future(self._abort_on_disconnect(http_request, stream))
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringMatcher(stop_strings)
+        abort_reason = FinishReason.ABORT  # the telemetry's finish reason if we stop early
         try:
             async for output in stream:
                 text = detokenizer.add(output.new_token_ids, output.finished)
                 text = stops.add(text, output.finished)
                 finish_reason = "stop" if stops.stopped else output.finish_reason
+                if stops.stopped:
+                    abort_reason = FinishReason.STOP
                 yield TextDelta(text, len(output.new_token_ids), finish_reason)
                 if stops.stopped:
                     return
         finally:
             watcher.cancel()
             if not stream.finished:
-                self._abort(request_id)
+                self._abort(request_id, abort_reason)
 
     async def _abort_on_disconnect(self, http_request: Any, stream: Any) -> None:
         while (await http_request.receive())["type"] != "http.disconnect":
@@ -186,10 +190,10 @@ class Frontend:
             logger.info("client went away: aborting %s", stream.request_id)
             self._abort(stream.request_id)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         with contextlib.suppress(EngineDeadError):
             self._raise_if_engine_died()
-            self.client.abort(request_id)
+            self.client.abort(request_id, reason)
 
     def _raise_if_engine_died(self) -> None:
         """The client notices a dead engine within ~0.1 s, and a send to a dead engine blocks

@@ -10,7 +10,7 @@ from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_co
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, build_engine_core
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestRejectedError
 from telemetry.record import (
     EVENT_FINISHED,
@@ -81,6 +81,18 @@ def test_abort_finishes_request_and_reports_it_on_the_next_record():
     core.step()
     assert core.publisher.records[-1].milestones[0].request_id == "b"
     assert not core.has_work and core.pool.num_used_blocks == 0
+
+
+def test_a_stop_string_abort_finishes_with_stop_in_the_output_and_the_record():
+    core = make_core(num_blocks=16)
+    core.add_request(make_request("a", [1, 2, 3], 50))
+    core.step()
+    output = core.abort_request("a", FinishReason.STOP)  # the frontend matched a stop string
+    assert (output.finished, output.finish_reason) == (True, "stop")
+    core.step()
+    (milestone,) = core.publisher.records[-1].milestones
+    assert FINISH_REASONS[milestone.finish_reason] == "stop"
+    assert core.pool.num_used_blocks == 0
 
 
 def test_prefix_cache_queries_and_hits_in_tokens():

@@ -29,7 +29,7 @@ from engine.core import RequestOutput, build_engine_core
 from engine.core_process import RequestStream
 from engine.model.chat_template import render_chat_template
 from engine.model.tokenizer import ByteTokenizer
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.serve import (
     TINY_MODEL,
     Frontend,
@@ -285,7 +285,9 @@ def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, referen
     for request_id in (response.id, chunks[0].id):  # aborted in the engine: KV blocks freed
         records = server.wait_for_records(lambda rs, i=request_id: finish_milestones(rs, i))
         milestone = finish_milestones(records, request_id)[-1]
-        assert milestone.finish_reason == 2 and milestone.num_output_tokens < 1000
+        # Recorded as "stop" (what the client got), not as an abort.
+        assert milestone.finish_reason == FinishReason.STOP
+        assert milestone.num_output_tokens < 1000
 
 
 def test_bad_json_and_bad_chat_messages(server):
@@ -370,6 +372,7 @@ class ScriptedClient:
         self.ready = SimpleNamespace(max_model_len=1024, pid=os.getpid())
         self.is_alive = True
         self.aborted: list[str] = []
+        self.abort_reasons: list[FinishReason] = []
 
     def add_request(self, prompt_ids, params, request_id, traceparent) -> RequestStream:
         stream = RequestStream(request_id)
@@ -379,8 +382,9 @@ class ScriptedClient:
                                      "length" if finished else None))
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         self.aborted.append(request_id)
+        self.abort_reasons.append(finish_reason)
 
 
 class TemplateTokenizer(ByteTokenizer):
@@ -420,6 +424,7 @@ def test_stop_string_cuts_a_whole_response_and_aborts_the_engine_request():
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == len("Hello, wörld! 😀 STOP".encode())
     assert client.aborted == [body["id"]]
+    assert client.abort_reasons == [FinishReason.STOP]
 
 
 def test_streamed_text_holds_back_what_could_start_a_stop_string():
