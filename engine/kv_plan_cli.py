@@ -58,7 +58,7 @@ def read_model_shape(model: str) -> ModelShape:
             raise ValueError(f"{model}: no config.json in this directory")
         return shape_from_hf_config(json.loads(config_path.read_text()), model)
     if not path.is_file():
-        from engine.model.loader import resolve_model_path  # embedded names, e.g. smollm2
+        from engine.model.paths import resolve_model_path  # embedded names, e.g. smollm2
 
         path = resolve_model_path(model)
     from engine.model.gguf_file import gguf_hf_config, open_gguf

