@@ -280,6 +280,17 @@ def test_unsampled_iterations_and_bad_traceparent(receiver):
     assert root.parent_span_id == ""
 
 
+def test_the_sdk_sampler_thins_request_spans_but_never_chosen_iterations(receiver, monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    sink = http_sink(receiver.endpoint, sampling=IterationSampling(slow_ns=50_000_000))
+    sink.on_heartbeat(heartbeat())
+    sink.on_iteration(record(1, [finished("r")]))  # request spans: dropped by the sampler
+    sink.on_iteration(record(2, elapsed_ns=80_000_000))  # slow: chosen by our own sampling
+    sink.close()
+    spans = receiver.wait_for(1)
+    assert [span.name for span in spans] == ["iteration"]
+
+
 class HungExporter:
     """A collector that hangs until released: the ingest side must not wait for it."""
 

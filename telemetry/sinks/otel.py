@@ -34,6 +34,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -241,7 +242,13 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
 
 
 class _EngineTracer:
-    """One engine's TracerProvider: its resource names the engine and its model."""
+    """One engine's tracers; their resource names the engine and its model.
+
+    Request spans go through the SDK's sampler (OTEL_TRACES_SAMPLER, parent-based by default,
+    so a caller's sampling decision in its traceparent holds). Iteration spans have their own
+    provider that records every span it is given: IterationSampling already chose them (slow,
+    preempting, KV saturated), and a ratio sampler must not drop the one slow iteration.
+    """
 
     def __init__(self, heartbeat: Heartbeat, service_name: str | None, processor) -> None:
         attributes = {"iterscope.engine_index": heartbeat.engine_index}
@@ -258,6 +265,11 @@ class _EngineTracer:
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer(TRACER_NAME)
+        iteration_provider = TracerProvider(
+            resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False
+        )
+        iteration_provider.add_span_processor(processor)
+        self.iteration_tracer = iteration_provider.get_tracer(TRACER_NAME)
 
 
 class OtelSink(Sink):
@@ -357,7 +369,7 @@ class OtelSink(Sink):
 
     def _emit_iteration(self, engine: _EngineTracer, record: IterationRecord, reason: str) -> None:
         start_ns = self._clock.to_wall_ns(record.engine_index, record.start_ns)
-        engine.tracer.start_span(
+        engine.iteration_tracer.start_span(
             "iteration", start_time=start_ns, attributes=iteration_attributes(record, reason)
         ).end(end_time=start_ns + record.elapsed_ns)
 
