@@ -25,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"decode-fp32": 5, "decode-16bit": 4, "decode-split": 5, "store": 4}
+NUM_SM90_COMPILES = 12
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -121,6 +122,21 @@ def _run_group(group: str, device: str, interpret: bool) -> None:
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_interpreted_on_cpu(group):
     _run_group(group, "cpu", interpret=True)
+
+
+def test_compiles_for_sm90_without_a_gpu(tmp_path):
+    """Triton lowers every kernel variant to a cubin for sm_90 (H100/H200) with its bundled
+    ptxas; no GPU is needed to compile, only to run."""
+    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path, "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, __file__, "compile", "sm90"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"compiled {NUM_SM90_COMPILES} variants for sm_90" in done.stdout, output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI: interpreted)")
@@ -278,9 +294,73 @@ def _check_store_group(device: str) -> int:
     return len(cases)
 
 
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict) -> str:
+    """Compile one specialisation for sm_90; returns its PTX. Scalars: scale fp32, ints i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointer_types.get(name, "fp32" if name == "scale" else "i32")
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    if "cubin" not in compiled.asm:
+        raise AssertionError(f"{kernel.__name__}: no cubin")
+    return compiled.asm["ptx"]
+
+
+def _check_sm90_compiles() -> int:
+    """Every dtype, split and no split, GQA 1 and 3, head_dim 64 and 128, both index dtypes."""
+    import triton.language as tl
+
+    from engine.model.kernels import triton_paged as kernels
+
+    num_compiles = 0
+    for dtype in TRITON_TYPES:
+        data = f"*{TRITON_TYPES[dtype]}"
+        dot_dtype = kernels._dot_dtype(dtype)
+        for num_splits, group, head_dim, index in ((1, 3, 128, "*i64"), (4, 1, 64, "*i32")):
+            pointers = {
+                "q_ptr": data, "key_cache_ptr": data, "value_cache_ptr": data, "out_ptr": data,
+                "block_table_ptr": index, "seq_lens_ptr": index,
+                "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32",
+            }
+            constexprs = {
+                "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "GROUP_PAD": 16,
+                "DIM_PAD": head_dim, "BLOCK_PAD": 16, "NUM_SPLITS": num_splits,
+                "DOT_DTYPE": dot_dtype,
+                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32",
+            }
+            ptx = _compile_sm90(kernels._paged_decode_kernel, pointers, constexprs)
+            on_tensor_cores = "mma.sync" in ptx or "wgmma" in ptx
+            if on_tensor_cores != (dtype != torch.float32):  # float32: IEEE, never TF32
+                raise AssertionError(f"{dtype} decode: tensor-core dots {on_tensor_cores}")
+            num_compiles += 1
+        _compile_sm90(
+            kernels._merge_splits_kernel,
+            {"split_out_ptr": "*fp32", "split_lse_ptr": "*fp32", "out_ptr": data},
+            {"HEAD_DIM": 128, "DIM_PAD": 128, "NUM_SPLITS": 5, "SPLIT_PAD": 8},
+        )
+        pointers = {name: data for name in ("k_ptr", "v_ptr", "key_cache_ptr", "value_cache_ptr")}
+        pointers.update(slot_blocks_ptr="*i64", slot_offsets_ptr="*i64")
+        _compile_sm90(kernels._store_kv_kernel, pointers, {"HEAD_DIM": 96, "DIM_PAD": 128})
+        num_compiles += 2
+    return num_compiles
+
+
 def _main(group: str, device: str) -> None:
     import triton
 
+    if group == "compile":
+        print(f"compiled {_check_sm90_compiles()} variants for sm_90")
+        return
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (device == "cpu") != interpreted or triton.knobs.runtime.interpret != interpreted:
         raise SystemExit(f"device {device} needs TRITON_INTERPRET=1 exactly when on cpu")

@@ -11,7 +11,7 @@ paged_decode: one query token per sequence (flash-decoding style).
     group of G = H // KVH query heads that read that kv head (query head h reads kv head
     h // G), so each key and value is loaded once per group. It walks its share of the
     sequence's blocks through the block table; per block it loads the block's keys
-    [block_size, D], takes scores = q_group @ K^T (one tensor-core dot: the group is padded
+    [block_size, D], takes scores = q_group @ K^T (one tl.dot: the group is padded
     to 16 rows, the block to at least 16 positions), masks positions past the sequence's
     end, and folds the block into a running max, sum and output (online softmax), all
     accumulated in float32. With num_splits == 1 the program writes the normalised output.
@@ -25,16 +25,22 @@ store_kv: grid (T, KVH); program (t, h) copies k[t, h] and v[t, h] (D elements e
     cache[slot_blocks[t], h, slot_offsets[t]]. A negative block id skips the token (padding
     rows of a fixed-size CUDA-graph batch).
 
-Dtypes: float32, bfloat16, float16; q, caches and out share one dtype. For float32 the dots
-run in IEEE float32 (no TF32), so results match the torch path to ~1e-6. For 16-bit inputs
-the scores accumulate in float32 and the probabilities are rounded to the input dtype before
-the value dot, as the torch path's bf16 softmax output is.
+Dtypes: float32, bfloat16, float16; q, caches and out share one dtype. Float32 dots run in
+IEEE float32 on FMA units (no TF32), so results match the torch path to ~1e-6. 16-bit dots
+run on tensor cores (mma.sync m16n8k16 on sm_90) with float32 accumulation, and the
+probabilities are rounded to the input dtype before the value dot, as the torch path's 16-bit
+softmax output is. Compiled for sm_90 with 4 warps: 71-128 registers, no spills (ptxas -v).
 
-What the tests prove and what they do not: tests/test_triton_paged.py runs these kernels
-under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against plain torch
-attention, so the indexing, masking, GQA mapping, online softmax and split merge are checked.
-The interpreter does not compile anything: it proves nothing about lowering for sm_90 (a
-shape or dtype the compiler rejects), register pressure, or speed. Those need a CUDA run.
+What the tests prove and what they do not (tests/test_triton_paged.py):
+- Under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) the kernels run
+  against plain float64 attention: indexing, masking, GQA mapping, online softmax, the
+  split merge and the store are checked. Triton 3.9's interpreter multiplies bfloat16 dot
+  operands as their raw uint16 bits, so under the interpreter bfloat16 dots are widened to
+  float32 first (exact, see _dot_dtype); the compiled kernel keeps bfloat16 operands.
+- Every variant is compiled to a cubin for sm_90 (H100/H200) with Triton's bundled ptxas,
+  without a GPU, and the 16-bit ones are checked to use tensor-core instructions.
+- Nothing proves the compiled kernels' results or speed on a GPU; test_compiled_on_cuda runs
+  the same cases compiled when CUDA is present.
 
 Shapes are validated by `check_decode_args` / `check_store_args` (plain Python, no device
 sync): seq_lens >= 1 and each table row covering its sequence are the caller's contract.
