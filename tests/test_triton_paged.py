@@ -48,6 +48,18 @@ def test_available_is_false_on_cpu_and_when_disabled(monkeypatch):
     assert not triton_paged.available(torch.device("cuda"))
 
 
+def test_split_count_fills_the_sms_once_and_keeps_16_blocks_per_split(monkeypatch):
+    from engine.model.kernels import triton_paged
+
+    monkeypatch.setattr(triton_paged, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert triton_paged._pick_num_splits(cuda, 8, 188) == 11  # 188 // 16 caps ceil(132 / 8)
+    assert triton_paged._pick_num_splits(cuda, 8, 4096) == 17  # ceil(132 / 8)
+    assert triton_paged._pick_num_splits(cuda, 200, 4096) == 1  # already one program per SM
+    assert triton_paged._pick_num_splits(cuda, 8, 10) == 1  # too short to split
+    assert triton_paged._pick_num_splits(torch.device("cpu"), 8, 4096) == 1
+
+
 def _decode_args(**changes):
     args = {
         "q": torch.zeros(2, 4, 64),
@@ -81,6 +93,13 @@ def test_decode_rejects_bad_arguments(changes, message):
 
     with pytest.raises(ValueError, match=message):
         paged_decode(**_decode_args(**changes), scale=0.125)
+
+
+def test_decode_rejects_zero_splits():
+    from engine.model.kernels.triton_paged import paged_decode
+
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        paged_decode(**_decode_args(), scale=0.125, num_splits=0)
 
 
 def test_store_rejects_bad_arguments():
