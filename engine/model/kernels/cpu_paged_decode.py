@@ -35,7 +35,6 @@ FLAGS = (
 )
 MAX_GROUP = 16  # bounds compiled into paged_decode.c
 MAX_HEAD_DIM = 256
-MAX_BLOCK_SIZE = 256
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
 
 _build_errors: list[str] = []
@@ -50,23 +49,26 @@ def build_error() -> str | None:
     return _build_errors[-1] if _build_errors else None
 
 
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-             block_size: int) -> bool:
-    """Whether the compiled bounds and dtypes cover this model and cache."""
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the compiled bounds and dtypes cover this model (any block size works)."""
     return (
         dtype in DTYPE_CODES
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
-        and block_size <= MAX_BLOCK_SIZE
     )
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    """The built library, building it on first use; None without a compiler or on failure."""
+    """The built library, building it on first use; None when ITERSCOPE_CPU_KERNELS=0, without
+    a compiler or on failure (then build_error() says why)."""
     if not kernels_enabled():
         return None
+    return _load_once()
+
+
+@functools.cache
+def _load_once() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         _build_errors.append("no C compiler (set CC or install gcc)")
@@ -120,6 +122,8 @@ def _cpu_flags() -> str:
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.vector_path.restype = ctypes.c_int
+    library.vector_path.argtypes = []
     library.paged_decode.restype = None
     library.paged_decode.argtypes = [
         ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,

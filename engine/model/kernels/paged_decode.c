@@ -3,24 +3,61 @@
  *
  * Cache layout (engine/model/attention.py): cache[block][kv_head][offset][dim], contiguous.
  * Position p of sequence b lives in block block_table[b][p / block_size] at p % block_size.
- * Query head (kv_head * group + g) reads kv_head. Work items are (sequence, kv_head) pairs,
- * split across OpenMP threads. An item visits its sequence's blocks once: it widens the
- * block's keys to float32 transposed ([dim][offset], so the scores of all offsets come from
- * one vector multiply-add per dim) and its values to float32, then folds them into the
- * group's running max, sum and output (online softmax), all in float32.
+ * Query head (kv_head * group + g) reads kv_head.
+ *
+ * Work items are (sequence, kv_head) pairs. Each thread takes one contiguous run of items
+ * holding about the same number of blocks, so it knows which block comes next and can
+ * prefetch it (blocks are scattered in memory; the hardware prefetcher only helps inside one).
+ *
+ * An item walks its blocks in chunks of up to 16 positions (AVX-512 path):
+ *   scores  for each query head g, 16 partial-sum vectors (one per position, from dot products
+ *           along dim: vdpbf16ps on bf16 pairs, or fma on float32), then one transpose-add
+ *           tree turns them into a vector whose lane o is the score of position o;
+ *   softmax online: the chunk's max updates the head's running max, the older sum and output
+ *           are rescaled by exp(old_max - new_max);
+ *   values  out[g] += p[g][o] * v[o] with the output kept in registers across the chunk.
+ * Without AVX-512 (or for head_dim not a multiple of 16) a portable loop does the same one
+ * position at a time.
  *
  * Built by engine/model/kernels/cpu_paged_decode.py with gcc -O3 -march=native -fopenmp; the
  * bounds below are checked there before any call.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) && !defined(PAGED_DECODE_PORTABLE)
+#define VECTOR_PATH 1
+#include <immintrin.h>
+#else
+#define VECTOR_PATH 0
+#endif
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK_SIZE 256
+#define CHUNK 16         /* positions scored together: one 16-lane vector per query head */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2 /* blocks requested before they are needed */
+#endif
+#ifndef SPREAD
+#define SPREAD 1
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3
+#endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+typedef struct {
+    const void *q, *key_cache, *value_cache;
+    const int64_t *block_table, *seq_lens;
+    void *out;
+    int64_t q_stride, out_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t num_seqs, element_size;
+    float scale;
+    int dtype;
+} Args;
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t widened = (uint32_t)bits << 16;
@@ -37,126 +74,399 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* count elements starting at element `offset` of src, widened to float32. */
-static void widen(const void *src, int dtype, int64_t offset, int64_t count, float *dst) {
-    if (dtype == DTYPE_BF16) {
-        const uint16_t *in = (const uint16_t *)src + offset;
-        for (int64_t i = 0; i < count; ++i) dst[i] = bf16_to_float(in[i]);
-    } else {
-        memcpy(dst, (const float *)src + offset, count * sizeof(float));
+static inline float load_float(const void *base, int64_t index, int dtype) {
+    if (dtype == DTYPE_BF16) return bf16_to_float(((const uint16_t *)base)[index]);
+    return ((const float *)base)[index];
+}
+
+static inline void store_float(void *base, int64_t index, int dtype, float value) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t *)base)[index] = float_to_bf16(value);
+    else
+        ((float *)base)[index] = value;
+}
+
+static inline int64_t num_blocks_of(const Args *a, int64_t seq) {
+    return (a->seq_lens[seq] + a->block_size - 1) / a->block_size;
+}
+
+/* Element index of (block, kv_head, offset 0, dim 0) in either cache. */
+static inline int64_t block_base(const Args *a, int64_t block, int64_t kv_head) {
+    return (block * a->num_kv_heads + kv_head) * a->block_size * a->head_dim;
+}
+
+/* Element index of block j of item's sequence (or, past its end, of the next item's) for
+ * prefetching; -1 when there is none in this thread's run. */
+static int64_t future_block(const Args *a, int64_t item, int64_t end_item, int64_t j) {
+    int64_t seq = item / a->num_kv_heads;
+    int64_t blocks = num_blocks_of(a, seq);
+    if (j >= blocks) {
+        if (item + 1 >= end_item) return -1;
+        j -= blocks;
+        ++item;
+        seq = item / a->num_kv_heads;
+        if (j >= num_blocks_of(a, seq)) return -1;
+    }
+    return block_base(a, a->block_table[seq * a->max_blocks + j], item % a->num_kv_heads);
+}
+
+/* Ask for `count` key and value rows from element index `start` on (nothing when start < 0). */
+static inline void prefetch_rows(const Args *a, int64_t start, int64_t count) {
+    if (start < 0) return;
+    const int64_t bytes = count * a->head_dim * a->element_size;
+    const char *keys = (const char *)a->key_cache + start * a->element_size;
+    const char *values = (const char *)a->value_cache + start * a->element_size;
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(keys + line, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(values + line, 0, PREFETCH_LOCALITY);
     }
 }
 
-static void narrow(const float *src, int64_t count, int dtype, void *dst, int64_t offset) {
-    if (dtype == DTYPE_BF16) {
-        uint16_t *out = (uint16_t *)dst + offset;
-        for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(src[i]);
-    } else {
-        memcpy((float *)dst + offset, src, count * sizeof(float));
-    }
+static void prefetch_block(const Args *a, int64_t item, int64_t end_item, int64_t j) {
+    prefetch_rows(a, future_block(a, item, end_item, j), a->block_size);
 }
 
-typedef struct {
-    int64_t group, head_dim, block_size, num_kv_heads;
-    int dtype;
-    float scale;
-} Shape;
+#if VECTOR_PATH
 
-/* The group's scores against n cached positions: scores[g][o] = query[g] . key[o]. */
-static void block_scores(const Shape *s, const float query[][MAX_HEAD_DIM],
-                         const float *keys_t, int64_t n, float scores[][MAX_BLOCK_SIZE]) {
-    for (int64_t g = 0; g < s->group; ++g) {
-        float *row = scores[g];
-        for (int64_t o = 0; o < n; ++o) row[o] = 0.0f;
-        for (int64_t d = 0; d < s->head_dim; ++d) {
-            const float q = query[g][d];
-            const float *k = keys_t + d * s->block_size;
-            for (int64_t o = 0; o < n; ++o) row[o] += q * k[o];
+static inline __m512 load16(const void *base, int64_t index, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
+/* lane i of the result = sum of the 16 lanes of rows[i]: a transpose-add tree (45 ops). */
+static inline __m512 sum_rows(const __m512 rows[CHUNK]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; ++i) /* 128-bit lanes: [r2i r2i+1 r2i r2i+1] partial sums */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]),
+                                 _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { /* 128-bit lanes: [r4i .. r4i+3] partial sums */
+        const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i) /* fold the four 128-bit lanes pairwise */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* e^x for x <= 0 (and -inf), float32 accurate to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
+ * e^r by a degree-6 polynomial, then scaled by 2^n. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scaling */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#ifdef __AVX512BF16__
+#define HAVE_PAIRS 1 /* vdpbf16ps: float32 sums of bf16 pair products */
+#else
+#define HAVE_PAIRS 0
+#endif
+
+/* Partial sums of q . key[o] for rows o < count (later rows zero), count <= 16. `pairs`: bf16
+ * keys and query, head_dim % 32 == 0, summed by vdpbf16ps; else float32 fma on widened keys. */
+static inline __attribute__((always_inline)) __m512 chunk_scores(
+    const void *keys, int64_t base, int64_t count, const float *query, const uint16_t *query_bf16,
+    const int dtype, const int64_t head_dim, const int pairs) {
+    __m512 rows[CHUNK];
+    for (int64_t o = 0; o < CHUNK; ++o) {
+        __m512 sum = _mm512_setzero_ps();
+        if (o < count) {
+            const int64_t row = base + o * head_dim;
+#if HAVE_PAIRS
+            if (pairs) {
+                const uint16_t *k = (const uint16_t *)keys + row;
+                for (int64_t d = 0; d < head_dim; d += 32)
+                    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(k + d),
+                                           (__m512bh)_mm512_loadu_si512(query_bf16 + d));
+            }
+#endif
+            if (!pairs)
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    sum = _mm512_fmadd_ps(load16(keys, row + d, dtype), _mm512_loadu_ps(query + d),
+                                          sum);
         }
+        rows[o] = sum;
+    }
+    return sum_rows(rows);
+}
+
+/* Scores -> probabilities against the head's updated running max (masked lanes 0); returns
+ * the factor by which the head's earlier output and sum must be scaled (1 when the max held). */
+static inline float softmax_step(__m512 scores, __mmask16 valid, float *running_max,
+                                 float *running_sum, __m512 *probs) {
+    const float chunk_max = _mm512_mask_reduce_max_ps(valid, scores);
+    float correction = 1.0f;
+    if (chunk_max > *running_max) {
+        correction = expf(*running_max - chunk_max);
+        *running_max = chunk_max;
+    }
+    *probs = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(*running_max))));
+    *running_sum = *running_sum * correction + _mm512_reduce_add_ps(*probs);
+    return correction;
+}
+
+/* out[g] += p[g][o] * value[o] for o < n, float32 fma on widened values. acc[g] holds dims in
+ * order. Passes of `width` 16-dim vectors keep group * width accumulators in registers. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    const Args *a, int64_t base, int64_t n, float probs[][CHUNK], const float *correction,
+    float acc[][MAX_HEAD_DIM], int64_t future, const int dtype, const int64_t group,
+    const int64_t head_dim) {
+    const void *values = a->value_cache;
+    const int64_t width = group <= 4 ? 4 : 2;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * width) {
+        const int64_t num_vectors = (head_dim - d0) / 16 < width ? (head_dim - d0) / 16 : width;
+        __m512 out[MAX_GROUP][4];
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < num_vectors; ++w)
+                out[g][w] = _mm512_mul_ps(_mm512_load_ps(&acc[g][d0 + 16 * w]),
+                                          _mm512_set1_ps(correction[g]));
+        for (int64_t o = 0; o < n; ++o) {
+            if (d0 == 0 && SPREAD) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
+            for (int64_t w = 0; w < num_vectors; ++w) {
+                const __m512 v = load16(values, base + o * head_dim + d0 + 16 * w, dtype);
+                for (int64_t g = 0; g < group; ++g)
+                    out[g][w] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][o]), v, out[g][w]);
+            }
+        }
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < num_vectors; ++w)
+                _mm512_store_ps(&acc[g][d0 + 16 * w], out[g][w]);
     }
 }
 
-/* One (sequence, kv_head) item. Always inlined so that the common shapes below get loops
- * with constant trip counts (fully vectorized). */
-static inline __attribute__((always_inline)) void attend_shaped(
-    const Shape *s, const void *q, const void *key_cache, const void *value_cache,
-    const int64_t *blocks, int64_t seq_len, void *out, int64_t q_offset, int64_t out_offset,
-    int64_t kv_head, const int64_t head_dim, const int64_t block_size) {
-    float query[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
-    float scores[MAX_GROUP][MAX_BLOCK_SIZE];
-    float keys_t[MAX_HEAD_DIM * MAX_BLOCK_SIZE], values[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
-    float row[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
-    for (int64_t g = 0; g < s->group; ++g) {
-        widen(q, s->dtype, q_offset + (kv_head * s->group + g) * head_dim, head_dim, query[g]);
+#if HAVE_PAIRS
+/* The bf16 form of accumulate_values: rows o and o+1 interleaved into bf16 pairs (unpack of
+ * 16-bit words), weighted by the pair (p[o], p[o+1]) in one vdpbf16ps. The unpack works inside
+ * 128-bit lanes, so each 32-dim segment's two accumulators hold dims out of order:
+ *   lo[4L + j] = dim 8L + j,  hi[4L + j] = dim 8L + 4 + j   (L < 4, j < 4)
+ * acc[g] keeps that order (lo then hi per segment); unpair_dims restores it at the end. */
+static inline __attribute__((always_inline)) void accumulate_value_pairs(
+    const Args *a, int64_t base, int64_t n, uint16_t probs[][CHUNK], const float *correction,
+    float acc[][MAX_HEAD_DIM], int64_t future, const int64_t group, const int64_t head_dim) {
+    const void *values = a->value_cache;
+    const int64_t width = group <= 4 ? 2 : 1; /* 32-dim segments per pass */
+    const uint16_t *rows = (const uint16_t *)values + base;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32 * width) {
+        const int64_t num_segments = (head_dim - d0) / 32 < width ? (head_dim - d0) / 32 : width;
+        __m512 out[MAX_GROUP][4];
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < 2 * num_segments; ++w)
+                out[g][w] = _mm512_mul_ps(_mm512_load_ps(&acc[g][d0 + 16 * w]),
+                                          _mm512_set1_ps(correction[g]));
+        for (int64_t o = 0; o < n; o += 2) {
+            if (d0 == 0 && SPREAD) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 2);
+            __m512i weights[MAX_GROUP];
+            for (int64_t g = 0; g < group; ++g) {
+                uint32_t pair;
+                memcpy(&pair, &probs[g][o], sizeof pair); /* p[o] low, p[o + 1] high */
+                weights[g] = _mm512_set1_epi32((int)pair);
+            }
+            for (int64_t w = 0; w < num_segments; ++w) {
+                const int64_t d = d0 + 32 * w;
+                const __m512i x = _mm512_loadu_si512(rows + o * head_dim + d);
+                const __m512i y = o + 1 < n ? _mm512_loadu_si512(rows + (o + 1) * head_dim + d)
+                                            : _mm512_setzero_si512();
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                for (int64_t g = 0; g < group; ++g) {
+                    out[g][2 * w] = _mm512_dpbf16_ps(out[g][2 * w], lo, (__m512bh)weights[g]);
+                    out[g][2 * w + 1] = _mm512_dpbf16_ps(out[g][2 * w + 1], hi,
+                                                         (__m512bh)weights[g]);
+                }
+            }
+        }
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < 2 * num_segments; ++w)
+                _mm512_store_ps(&acc[g][d0 + 16 * w], out[g][w]);
+    }
+}
+#endif
+
+/* Undo accumulate_value_pairs' order: segment [lo | hi] -> dims in order. */
+static void unpair_dims(float *acc, int64_t head_dim) {
+    float segment[32];
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+        for (int lane = 0; lane < 4; ++lane)
+            for (int j = 0; j < 4; ++j) {
+                segment[8 * lane + j] = acc[d0 + 4 * lane + j];
+                segment[8 * lane + 4 + j] = acc[d0 + 16 + 4 * lane + j];
+            }
+        memcpy(acc + d0, segment, sizeof segment);
+    }
+}
+
+/* One (sequence, kv_head) item. Inlined with constant dtype, group and head_dim for the
+ * common shapes so the loops unroll and the output accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_item(
+    const Args *a, int64_t item, int64_t end_item, const int dtype, const int64_t group,
+    const int64_t head_dim) {
+    const int pairs = HAVE_PAIRS && dtype == DTYPE_BF16 && head_dim % 32 == 0;
+    const int64_t seq = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    const int64_t seq_len = a->seq_lens[seq], block_size = a->block_size;
+    const int64_t *blocks = a->block_table + seq * a->max_blocks;
+    const int64_t q_base = seq * a->q_stride + kv_head * group * head_dim;
+    const uint16_t *query_bf16 = (const uint16_t *)a->q + q_base; /* read only when pairs */
+    float query[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float probs[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    uint16_t probs_bf16[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP], correction[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) {
         for (int64_t d = 0; d < head_dim; ++d) {
-            query[g][d] *= s->scale;
+            query[g][d] = load_float(a->q, q_base + g * head_dim + d, dtype);
             acc[g][d] = 0.0f;
         }
         running_max[g] = -INFINITY;
         running_sum[g] = 0.0f;
     }
-    const int64_t block_elems = block_size * head_dim;
+    const __m512 scale = _mm512_set1_ps(a->scale);
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t base = (blocks[j] * s->num_kv_heads + kv_head) * block_elems;
-        int64_t n = seq_len - j * block_size;
-        if (n > block_size) n = block_size;
-        widen(key_cache, s->dtype, base, n * head_dim, row);
-        for (int64_t i = n * head_dim; i < block_size * head_dim; ++i) row[i] = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d)
-            for (int64_t o = 0; o < block_size; ++o) keys_t[d * block_size + o] = row[o * head_dim + d];
-        widen(value_cache, s->dtype, base, n * head_dim, values);
-        for (int64_t g = 0; g < s->group; ++g) {
-            float *out_row = scores[g];
-            for (int64_t o = 0; o < block_size; ++o) out_row[o] = 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const float qd = query[g][d];
-                const float *k = keys_t + d * block_size;
-                for (int64_t o = 0; o < block_size; ++o) out_row[o] += qd * k[o];
+        const int64_t future = future_block(a, item, end_item, j + PREFETCH_AHEAD);
+        if (!SPREAD) prefetch_rows(a, future, block_size);
+        const int64_t block_start = block_base(a, blocks[j], kv_head);
+        const int64_t in_block = seq_len - j * block_size < block_size ? seq_len - j * block_size
+                                                                       : block_size;
+        for (int64_t start = 0; start < in_block; start += CHUNK) {
+            const int64_t n = in_block - start < CHUNK ? in_block - start : CHUNK;
+            const int64_t base = block_start + start * head_dim;
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            for (int64_t g = 0; g < group; ++g) {
+                const uint16_t *q_bf16 = query_bf16 + g * head_dim;
+                const __m512 s = _mm512_mul_ps(
+                    n == CHUNK ? chunk_scores(a->key_cache, base, CHUNK, query[g], q_bf16, dtype,
+                                              head_dim, pairs)
+                               : chunk_scores(a->key_cache, base, n, query[g], q_bf16, dtype,
+                                              head_dim, pairs),
+                    scale);
+                __m512 p;
+                correction[g] = softmax_step(s, valid, &running_max[g], &running_sum[g], &p);
+#if HAVE_PAIRS
+                if (pairs) {
+                    _mm256_store_si256((__m256i *)probs_bf16[g], (__m256i)_mm512_cvtneps_pbh(p));
+                    continue;
+                }
+#endif
+                _mm512_store_ps(probs[g], p);
             }
-        }
-        for (int64_t g = 0; g < s->group; ++g) {
-            float *probs = scores[g];
-            float block_max = probs[0];
-            for (int64_t o = 1; o < n; ++o) block_max = block_max > probs[o] ? block_max : probs[o];
-            const float new_max = running_max[g] > block_max ? running_max[g] : block_max;
-            const float correction = expf(running_max[g] - new_max);
-            float block_sum = 0.0f;
-            for (int64_t o = 0; o < n; ++o) {
-                probs[o] = expf(probs[o] - new_max);
-                block_sum += probs[o];
+#if HAVE_PAIRS
+            if (pairs) {
+                accumulate_value_pairs(a, base, n, probs_bf16, correction, acc,
+                                       future < 0 ? -1 : future + start * head_dim, group,
+                                       head_dim);
+                continue;
             }
-            running_sum[g] = running_sum[g] * correction + block_sum;
-            running_max[g] = new_max;
-            for (int64_t d = 0; d < head_dim; ++d) acc[g][d] *= correction;
-        }
-        for (int64_t o = 0; o < n; ++o) {
-            const float *restrict v = values + o * head_dim;
-            for (int64_t g = 0; g < s->group; ++g) {
-                const float p = scores[g][o];
-                float *restrict a = acc[g];
-                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-            }
+#endif
+            accumulate_values(a, base, n, probs, correction, acc,
+                              future < 0 ? -1 : future + start * head_dim, dtype, group, head_dim);
         }
     }
-    for (int64_t g = 0; g < s->group; ++g) {
+    const int64_t out_base = seq * a->out_stride + kv_head * group * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+        if (pairs) unpair_dims(acc[g], head_dim);
         const float inverse_sum = 1.0f / running_sum[g];
-        for (int64_t d = 0; d < head_dim; ++d) acc[g][d] *= inverse_sum;
-        narrow(acc[g], head_dim, s->dtype, out, out_offset + (kv_head * s->group + g) * head_dim);
+        for (int64_t d = 0; d < head_dim; ++d)
+            store_float(a->out, out_base + g * head_dim + d, dtype, acc[g][d] * inverse_sum);
     }
 }
 
-static void attend(const Shape *s, const void *q, const void *key_cache,
-                   const void *value_cache, const int64_t *blocks, int64_t seq_len, void *out,
-                   int64_t q_offset, int64_t out_offset, int64_t kv_head) {
-    if (s->head_dim == 64 && s->block_size == 16)
-        attend_shaped(s, q, key_cache, value_cache, blocks, seq_len, out, q_offset, out_offset,
-                      kv_head, 64, 16);
+#define SHAPE(DTYPE, GROUP, DIM)                                               \
+    if (a->dtype == DTYPE && group == GROUP && a->head_dim == DIM) {           \
+        attend_item(a, item, end_item, DTYPE, GROUP, DIM);                     \
+        return;                                                                \
+    }
+#define SHAPES(DTYPE)                                                          \
+    SHAPE(DTYPE, 1, 64) SHAPE(DTYPE, 2, 64) SHAPE(DTYPE, 3, 64) SHAPE(DTYPE, 4, 64)  \
+    SHAPE(DTYPE, 8, 64) SHAPE(DTYPE, 1, 128) SHAPE(DTYPE, 2, 128) SHAPE(DTYPE, 4, 128) \
+    SHAPE(DTYPE, 8, 128)
+
+static void attend_vector(const Args *a, int64_t item, int64_t end_item) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    SHAPES(DTYPE_BF16)
+    SHAPES(DTYPE_F32)
+    if (a->dtype == DTYPE_BF16)
+        attend_item(a, item, end_item, DTYPE_BF16, group, a->head_dim);
     else
-        attend_shaped(s, q, key_cache, value_cache, blocks, seq_len, out, q_offset, out_offset,
-                      kv_head, s->head_dim, s->block_size);
+        attend_item(a, item, end_item, DTYPE_F32, group, a->head_dim);
 }
+
+#endif /* VECTOR_PATH */
+
+/* The same item one position at a time, in plain C (any CPU, any head_dim). */
+static void attend_portable(const Args *a, int64_t item, int64_t end_item) {
+    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
+    const int64_t seq = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    const int64_t q_base = seq * a->q_stride + kv_head * group * head_dim;
+    const int64_t seq_len = a->seq_lens[seq], block_size = a->block_size;
+    const int64_t *blocks = a->block_table + seq * a->max_blocks;
+    float query[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+    float key[MAX_HEAD_DIM], value[MAX_HEAD_DIM];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+            query[g][d] = load_float(a->q, q_base + g * head_dim + d, a->dtype);
+            acc[g][d] = 0.0f;
+        }
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+    }
+    for (int64_t position = 0; position < seq_len; ++position) {
+        if (position % block_size == 0)
+            prefetch_block(a, item, end_item, position / block_size + PREFETCH_AHEAD);
+        const int64_t row = block_base(a, blocks[position / block_size], kv_head) +
+                            (position % block_size) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            key[d] = load_float(a->key_cache, row + d, a->dtype);
+            value[d] = load_float(a->value_cache, row + d, a->dtype);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float score = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) score += query[g][d] * key[d];
+            score *= a->scale;
+            const float new_max = running_max[g] > score ? running_max[g] : score;
+            const float correction = expf(running_max[g] - new_max);
+            const float weight = expf(score - new_max);
+            running_sum[g] = running_sum[g] * correction + weight;
+            running_max[g] = new_max;
+            for (int64_t d = 0; d < head_dim; ++d)
+                acc[g][d] = acc[g][d] * correction + weight * value[d];
+        }
+    }
+    const int64_t out_base = seq * a->out_stride + kv_head * group * head_dim;
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+            store_float(a->out, out_base + g * head_dim + d, a->dtype,
+                        acc[g][d] / running_sum[g]);
+}
+
+static void attend(const Args *a, int64_t item, int64_t end_item) {
+#if VECTOR_PATH
+    if (a->head_dim % 16 == 0) {
+        attend_vector(a, item, end_item);
+        return;
+    }
+#endif
+    attend_portable(a, item, end_item);
+}
+
+/* 1 when this build uses the AVX-512 path for head_dim multiples of 16, else 0. */
+int vector_path(void) { return VECTOR_PATH; }
 
 /* q [num_seqs, num_heads, head_dim] with q_stride elements between sequences; out likewise
  * with out_stride; block_table [num_seqs, max_blocks]; every seq_lens[b] >= 1 and covered by
@@ -166,12 +476,29 @@ void paged_decode(const void *q, int64_t q_stride, const void *key_cache,
                   const int64_t *seq_lens, void *out, int64_t out_stride, int64_t num_seqs,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                   int64_t block_size, float scale, int dtype, int num_threads) {
-    const Shape shape = {num_heads / num_kv_heads, head_dim, block_size, num_kv_heads, dtype,
-                         scale};
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
-        const int64_t b = item / num_kv_heads;
-        attend(&shape, q, key_cache, value_cache, block_table + b * max_blocks, seq_lens[b],
-               out, b * q_stride, b * out_stride, item % num_kv_heads);
+    const Args args = {q, key_cache, value_cache, block_table, seq_lens, out, q_stride,
+                       out_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size,
+                       num_seqs, dtype == DTYPE_BF16 ? 2 : 4, scale, dtype};
+    const int64_t num_items = num_seqs * num_kv_heads;
+    int64_t total_blocks = 0;
+    for (int64_t b = 0; b < num_seqs; ++b) total_blocks += num_blocks_of(&args, b) * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Thread t takes the items whose first block falls in its share of all blocks. */
+        const int64_t t = omp_get_thread_num(), num_t = omp_get_num_threads();
+        const int64_t low = total_blocks * t / num_t, high = total_blocks * (t + 1) / num_t;
+        int64_t begin = num_items, end = num_items, seen = 0;
+        for (int64_t item = 0; item < num_items; ++item) {
+            if (seen >= low && begin == num_items) begin = item;
+            if (seen >= high) {
+                end = item;
+                break;
+            }
+            seen += num_blocks_of(&args, item / num_kv_heads);
+        }
+        for (int64_t j = 0; begin < end && j < PREFETCH_AHEAD; ++j)
+            prefetch_block(&args, begin, end, j);
+        for (int64_t item = begin; item < end; ++item) attend(&args, item, end);
     }
 }
