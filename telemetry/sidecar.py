@@ -95,6 +95,8 @@ class EngineState:
     num_running_reqs: int = 0
     num_dropped_total: int = 0
     status: EngineStatus | None = None
+    pid: int = 0  # from the latest heartbeat; 0 = none yet
+    previous_pid: int = 0  # the pid before the latest change
 
     @property
     def has_work(self) -> bool:
@@ -105,6 +107,7 @@ class EngineState:
 class IngestStats:
     num_frames: int = 0
     num_messages: int = 0
+    num_engine_conflicts: int = 0
     num_sink_errors: int = 0
     num_undecodable: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0)
@@ -235,6 +238,8 @@ class Ingest:
             self._update_status(state, now_ns)
 
     def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
+        if heartbeat.pid != state.pid and heartbeat.pid:
+            self._note_pid_change(state, heartbeat.pid)
         had_work = state.has_work
         state.num_waiting_reqs = heartbeat.num_waiting_reqs
         state.num_running_reqs = heartbeat.num_running_reqs
@@ -243,6 +248,21 @@ class Ingest:
             state.last_progress_ns = now_ns
         state.last_iteration = max(state.last_iteration, heartbeat.last_iteration)
         self._update_status(state, now_ns)
+
+    def _note_pid_change(self, state: EngineState, pid: int) -> None:
+        """A restart changes the pid once; heartbeats switching back to the pid before it
+        mean two live processes share this engine index."""
+        if pid == state.previous_pid and state.pid:
+            self.stats.num_engine_conflicts += 1
+            pids = (min(pid, state.pid), max(pid, state.pid))
+            if self.stats.num_engine_conflicts <= 3 or self.stats.num_engine_conflicts % 100 == 0:
+                logger.error(
+                    "engine %d: two engine processes (pids %d and %d) publish as engine %d; "
+                    "their records mix. Give each its own --engine-index.",
+                    state.engine_index, *pids, state.engine_index,
+                )
+            self._call_sinks("on_engine_conflict", state.engine_index, pids)
+        state.previous_pid, state.pid = state.pid, pid
 
     def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
         if now_ns - state.last_message_ns > self._dead_after_ns:

@@ -51,6 +51,12 @@ class Sink:
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
         """``num_dropped`` messages of this engine were lost (from seq gaps)."""
 
+    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
+        """Two live engine processes (``pids``) publish under one engine index: their
+        records interleave, so this engine's numbers mix both until one of them is given
+        another --engine-index. Called each time the heartbeats switch back to a pid seen
+        before (about once a second while both run)."""
+
     def on_undecodable(self, reason: str) -> None:
         """A frame could not be decoded; reason is 'malformed', 'truncated', 'version' or
         'oversized' (telemetry.sidecar.UNDECODABLE_REASONS)."""

@@ -194,6 +194,22 @@ def test_losses_are_reported_at_most_once_per_interval():
     )
 
 
+def test_an_engine_index_conflict_is_an_error_line_at_most_once_per_interval():
+    lines = Lines()
+    sink = LogSink(emit=lines, interval_s=10)
+    sink.on_engine_conflict(0, (100, 200))
+    sink.tick(1 * SECOND)
+    sink.on_engine_conflict(0, (100, 200))
+    sink.tick(2 * SECOND)  # within the interval: not repeated yet
+    expected = (
+        "Engine 000: two engine processes (pids 100 and 200) publish as engine 0; its "
+        "numbers mix both. Give each its own --engine-index"
+    )
+    assert lines.texts(logging.ERROR) == [expected]
+    sink.tick(12 * SECOND)
+    assert lines.texts(logging.ERROR) == [expected, expected]
+
+
 def test_status_values_are_the_sink_contract():
     assert [status.value for status in EngineStatus] == ["idle", "running", "stalled", "dead"]
 

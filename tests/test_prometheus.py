@@ -40,7 +40,8 @@ CONTRACT = {
         "iterscope_generation_tokens", "iterscope_preemptions", "iterscope_prefix_cache_queries",
         "iterscope_prefix_cache_hits", "iterscope_requests_finished",
         "iterscope_records_received", "iterscope_records_dropped",
-        "iterscope_frames_undecodable", "iterscope_otel_spans_dropped",
+        "iterscope_engine_index_conflicts", "iterscope_frames_undecodable",
+        "iterscope_otel_spans_dropped",
     ],
     "histogram": [
         "iterscope_iteration_duration_seconds", "iterscope_iteration_tokens",
@@ -134,7 +135,9 @@ def test_gauges_and_counters_follow_records():
     sink.on_iteration(make_record(2, num_kv_blocks_used=40, num_kv_blocks_free=60))
     sink.on_status(0, EngineStatus.RUNNING, 0)
     sink.on_dropped(0, 3)
+    sink.on_engine_conflict(0, (100, 200))
     samples = scrape(registry)
+    assert value(samples, "iterscope_engine_index_conflicts_total") == 1
     assert value(samples, "iterscope_requests_running") == 5
     assert value(samples, "iterscope_requests_waiting") == 3
     assert value(samples, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 2

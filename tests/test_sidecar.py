@@ -40,6 +40,9 @@ class RecordingSink:
     def on_undecodable(self, reason):
         self.calls.append(("undecodable", reason))
 
+    def on_engine_conflict(self, engine_index, pids):
+        self.calls.append(("conflict", engine_index, pids))
+
     def tick(self, now_ns):
         pass
 
@@ -57,10 +60,11 @@ def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
     return message
 
 
-def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0):
+def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0,
+              pid=0):
     return Heartbeat(
         engine_index=engine_index, seq=seq, ts_ns=seq, wall_ns=seq, last_iteration=last_iteration,
-        num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped,
+        num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped, pid=pid,
     )
 
 
@@ -87,6 +91,25 @@ def test_engines_are_tracked_apart_and_a_restart_counts_from_seq_1():
     assert sink.of("dropped") == [(7, 1)]
     ingest.on_message(record(2, 0), now_ns=2)  # seq went back: engine 0 restarted, 1 missed
     assert sink.of("dropped") == [(7, 1), (0, 1)]
+
+
+def test_a_restart_changes_the_pid_once_and_is_no_conflict():
+    sink = RecordingSink()
+    ingest = Ingest([sink])
+    for seq, pid in ((1, 100), (2, 100), (1, 200), (2, 200), (3, 200)):
+        ingest.on_message(heartbeat(seq, pid=pid), now_ns=seq)
+    assert sink.of("conflict") == [] and ingest.stats.num_engine_conflicts == 0
+
+
+def test_two_live_processes_on_one_engine_index_are_reported_as_a_conflict():
+    sink = RecordingSink()
+    ingest = Ingest([sink])
+    # Each process sends its own heartbeats about once a second: the pids alternate.
+    for seq, pid in ((1, 100), (1, 200), (2, 100), (2, 200), (3, 100)):
+        ingest.on_message(heartbeat(seq, pid=pid), now_ns=seq)
+        ingest.on_message(heartbeat(1, engine_index=3, pid=300), now_ns=seq)  # alone: fine
+    assert sink.of("conflict") == [(0, (100, 200))] * 3
+    assert ingest.stats.num_engine_conflicts == 3
 
 
 def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():

@@ -97,6 +97,7 @@ class EngineView:
     status: EngineStatus | None = None
     num_dropped_unreported: int = 0
     num_dropped_total: int = 0
+    conflicting_pids: tuple[int, int] | None = None  # unreported: two processes, one index
     counts: WindowCounts = field(default_factory=WindowCounts)
 
 
@@ -269,6 +270,10 @@ class LogSink(Sink):
         view.num_dropped_unreported += num_dropped
         view.num_dropped_total += num_dropped
 
+    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
+        view = self._view(engine_index)
+        view.conflicting_pids = pids
+
     def on_undecodable(self, reason: str) -> None:
         self._undecodable_unreported[reason] = self._undecodable_unreported.get(reason, 0) + 1
         self._num_undecodable_total += 1
@@ -291,6 +296,15 @@ class LogSink(Sink):
                     f"lost (sequence gaps), {view.num_dropped_total} in total"
                 ))
                 view.num_dropped_unreported = 0
+                reported = True
+            if view.conflicting_pids:
+                first, second = view.conflicting_pids
+                self.emit(logging.ERROR, (
+                    f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
+                    f"publish as engine {index}; its numbers mix both. Give each its own "
+                    "--engine-index"
+                ))
+                view.conflicting_pids = None
                 reported = True
         if self._undecodable_unreported:
             by_reason = ", ".join(

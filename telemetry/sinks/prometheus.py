@@ -101,6 +101,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "records_received": ("Telemetry messages received (iterations + heartbeats).",
                          "num_received"),
     "records_dropped": ("Telemetry messages lost (sequence gaps).", "num_dropped"),
+    "engine_index_conflicts": (
+        "Times two live engine processes were seen publishing under this engine index.",
+        "num_engine_conflicts",
+    ),
 }
 # --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
 VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
@@ -326,6 +330,9 @@ class PrometheusSink(Sink):
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
         self.engine(engine_index).num_dropped += num_dropped
+
+    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
+        self.engine(engine_index).num_engine_conflicts += 1
 
     def on_undecodable(self, reason: str) -> None:
         self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
