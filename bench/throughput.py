@@ -55,6 +55,7 @@ def run_iterscope(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     elapsed = time.perf_counter() - start
     return {
         "elapsed_s": elapsed,
+        "decode_backend": model.decoder.attention.decode_backend,
         "num_output_tokens": num_output_tokens,
         "num_iterations": num_iterations,
         "output_tokens_per_s": num_output_tokens / elapsed,
@@ -114,7 +115,7 @@ def main() -> None:
     print(
         f"iterscope:    {ours['output_tokens_per_s']:8.1f} output tokens/s "
         f"({ours['num_output_tokens']} tokens in {ours['elapsed_s']:.1f} s, "
-        f"{ours['num_iterations']} iterations)"
+        f"{ours['num_iterations']} iterations, decode attention: {ours['decode_backend']})"
     )
     figures = {
         "num_prompts": args.num_prompts,
@@ -125,6 +126,7 @@ def main() -> None:
         "num_threads": torch.get_num_threads(),
         "iterscope_output_tokens_per_s": round(ours["output_tokens_per_s"], 1),
         "iterscope_elapsed_s": round(ours["elapsed_s"], 2),
+        "decode_backend": ours["decode_backend"],
     }
     if not args.skip_transformers:
         ref = run_transformers(args, prompts)

@@ -145,12 +145,15 @@ class ModelRunner:
             slot_blocks=torch.cat(block_chunks).to(self.device),
             slot_offsets=(all_positions % bs).to(self.device),
             num_decode_tokens=len(decodes),
-            decode_rows=None,
-            decode_padding=None,
+            decode_block_table=None,
+            decode_seq_lens=None,
             prefills=spans,
         )
         if decodes:
-            meta.decode_rows, meta.decode_padding = self._decode_tables(block_rows, seq_lens)
+            max_blocks = max(len(row) for row in block_rows)
+            padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
+            meta.decode_block_table = torch.tensor(padded, dtype=torch.long).to(self.device)
+            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long).to(self.device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
             positions=all_positions.to(self.device),
@@ -172,18 +175,6 @@ class ModelRunner:
             span.kv_len = end
             span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(self.device)
         return span
-
-    def _decode_tables(
-        self, block_rows: list[list[int]], seq_lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather rows of the block tables (padded with block 0) and the [B, 1, 1, L] mask of
-        padding positions."""
-        max_blocks = max(len(row) for row in block_rows)
-        padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
-        rows = gather_rows(torch.tensor(padded, dtype=torch.long), self.num_kv_heads)
-        lens = torch.tensor(seq_lens, dtype=torch.long)
-        padding = torch.arange(max_blocks * self.block_size)[None, :] >= lens[:, None]
-        return rows.view(-1).to(self.device), padding[:, None, None, :].to(self.device)
 
     def _check(self, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens

@@ -15,9 +15,15 @@ A step's tokens are laid out flat, decode tokens first:
 
     tokens  [d0 d1 ... dB-1 | prefill request a (q_len_a) | prefill request b | ...]
 
-Decode tokens (one new token per request) are attended together: their blocks are gathered
-into one [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
-request's length. Each prefill request (q_len > 1, maybe on top of a cached prefix or earlier
+Decode tokens (one new token per request) are attended together, by one of three backends
+(`PagedAttention.decode_backend`, chosen per step):
+  "cpu_kernel"  on CPU in float32 / bfloat16: engine/model/kernels/paged_decode.c reads the
+                blocks in place through the block table (ITERSCOPE_CPU_KERNELS=0 turns it off);
+  "triton"      on CUDA when engine/model/kernels/triton_paged.py is available there;
+  "torch"       otherwise, and the reference: the blocks are gathered into one
+                [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
+                request's length.
+Each prefill request (q_len > 1, maybe on top of a cached prefix or earlier
 chunks) is attended on its own with a causal mask aligned to its last position. New K/V are
 written to the cache first, so every query sees its own key.
 """
@@ -25,9 +31,12 @@ written to the cache first, so every query sees its own key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.model.kernels import cpu_paged_decode
 
 
 @dataclass
@@ -57,8 +66,8 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's position
     slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
     num_decode_tokens: int  # tokens [0, num_decode_tokens) are single-token decodes
-    decode_rows: torch.Tensor | None  # [B * kv_heads * max_blocks] gather rows (see above)
-    decode_padding: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size]: past the end
+    decode_block_table: torch.Tensor | None  # int64 [B, max_blocks], rows padded with block 0
+    decode_seq_lens: torch.Tensor | None  # int64 [B]: positions to attend, the new one included
     prefills: list[PrefillSpan]
 
 
@@ -71,32 +80,60 @@ def gather_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 class PagedAttention:
     """Writes a step's new K/V into the cache and attends through the block tables."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+        device = torch.device(device)
+        self.cpu_kernel = None
+        if device.type == "cpu" and cpu_paged_decode.supports(
+            dtype, num_heads, num_kv_heads, head_dim
+        ):
+            self.cpu_kernel = cpu_paged_decode.load_kernel()
+        self.triton = _triton_kernels(device)
+        self.decode_backend = "torch"  # of the last step with decodes
+        self.decode_rows: torch.Tensor | None = None
         self.decode_key_buffer: torch.Tensor | None = None
         self.decode_value_buffer: torch.Tensor | None = None
         self.decode_bias: torch.Tensor | None = None
 
     def begin_step(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
-        """Allocate the decode gather buffers and the padding bias (0 or -inf, [B * KVH, G, L])
-        once per step; every layer reuses them."""
-        if meta.decode_rows is None:
-            self.decode_key_buffer = self.decode_value_buffer = self.decode_bias = None
+        """Pick the decode backend; for the torch one, build the gather rows, buffers and the
+        padding bias (0 or -inf, [B * KVH, G, L]) once per step: every layer reuses them."""
+        self.decode_rows = self.decode_key_buffer = self.decode_value_buffer = None
+        self.decode_bias = None
+        if meta.decode_block_table is None:
             return
-        shape = (meta.decode_rows.numel(), key_cache[0, 0].numel())
+        if self.cpu_kernel is not None:
+            self.decode_backend = "cpu_kernel"
+            return
+        if self.triton is not None:
+            self.decode_backend = "triton"
+            return
+        self.decode_backend = "torch"
+        table = meta.decode_block_table
+        self.decode_rows = gather_rows(table, self.num_kv_heads).view(-1)
+        shape = (self.decode_rows.numel(), key_cache[0, 0].numel())
         self.decode_key_buffer = key_cache.new_empty(shape)
         self.decode_value_buffer = key_cache.new_empty(shape)
-        padding = meta.decode_padding
+        context_len = table.shape[1] * key_cache.shape[2]
+        positions = torch.arange(context_len, device=table.device)
+        padding = positions[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
         bias = torch.zeros(
-            padding.shape[0], self.num_kv_heads, self.group_size, padding.shape[-1],
+            table.shape[0], self.num_kv_heads, self.group_size, context_len,
             dtype=key_cache.dtype, device=key_cache.device,
         )
-        bias.masked_fill_(padding, float("-inf"))
-        self.decode_bias = bias.view(-1, self.group_size, padding.shape[-1])
+        bias.masked_fill_(padding[:, None, None, :], float("-inf"))
+        self.decode_bias = bias.view(-1, self.group_size, context_len)
 
     def __call__(
         self,
@@ -108,12 +145,18 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H * D]."""
-        key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        value_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        if self.triton is not None:
+            self.triton.store_kv(
+                k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets
+            )
+        else:
+            key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+            value_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        q = q.contiguous()  # the kernels read [H, D] rows
         out = torch.empty_like(q)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], key_cache, value_cache, meta)
+            self._decode_into(out[:num_decodes], q[:num_decodes], key_cache, value_cache, meta)
         for span in meta.prefills:
             start, end = span.token_start, span.token_end
             if span.kv_rows is None:
@@ -132,16 +175,33 @@ class PagedAttention:
         gathered = torch.index_select(flat_cache, 0, rows.reshape(-1), out=out)
         return gathered.view(*rows.shape[:-1], -1, self.head_dim)
 
-    def _decode(
+    def _decode_into(
         self,
+        out: torch.Tensor,
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+    ) -> None:
+        """One query per request, q [B, H, D], through this step's backend into out [B, H, D]."""
+        table, seq_lens = meta.decode_block_table, meta.decode_seq_lens
+        if self.decode_backend == "cpu_kernel":
+            cpu_paged_decode.paged_decode(
+                self.cpu_kernel, q, key_cache, value_cache, table, seq_lens, out, self.scale
+            )
+        elif self.decode_backend == "triton":
+            self.triton.paged_decode(
+                q, key_cache, value_cache, table, seq_lens, out, self.scale
+            )
+        else:
+            out.copy_(self._decode(q, key_cache, value_cache))
+
+    def _decode(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
     ) -> torch.Tensor:
-        """One query per request against its gathered blocks: [B, H, D] -> [B, H, D]."""
+        """The torch path: one query per request against its gathered blocks, [B, H, D]."""
         num_reqs = q.shape[0]
-        rows = meta.decode_rows.view(num_reqs, self.num_kv_heads, -1)
+        rows = self.decode_rows.view(num_reqs, self.num_kv_heads, -1)
         keys = self._gather(key_cache, rows, self.decode_key_buffer)  # [B, KVH, L, D]
         values = self._gather(value_cache, rows, self.decode_value_buffer)
         num_items = num_reqs * self.num_kv_heads
@@ -187,3 +247,14 @@ class PagedAttention:
             enable_gqa=self.group_size > 1,
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _triton_kernels(device: torch.device) -> ModuleType | None:
+    """engine/model/kernels/triton_paged.py when it exists and runs on this CUDA device."""
+    if device.type != "cuda":
+        return None
+    try:
+        from engine.model.kernels import triton_paged
+    except ImportError:  # not written yet, or triton missing: the torch path
+        return None
+    return triton_paged if triton_paged.available(device) else None

@@ -48,7 +48,9 @@ class Decoder:
         self.inv_freq = inverse_frequencies(
             config.head_dim, config.rope_theta, config.rope_scaling
         ).to(self.device)
-        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention = PagedAttention(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.dtype, self.device
+        )
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."

@@ -36,12 +36,10 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#define MAX_ITEM_HEADS 32 /* query heads one work item attends (a multiple of any group) */
 #define CHUNK 16         /* positions scored together: one 16-lane vector per query head */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* blocks requested before they are needed */
-#endif
-#ifndef SPREAD
-#define SPREAD 1
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 3
@@ -55,9 +53,21 @@ typedef struct {
     void *out;
     int64_t q_stride, out_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     int64_t num_seqs, element_size;
+    int64_t kv_heads_per_item, items_per_seq; /* an item: a run of a sequence's kv heads */
     float scale;
     int dtype;
 } Args;
+
+typedef struct {
+    int64_t seq, first_kv_head, num_kv_heads;
+} Item;
+
+static inline Item item_of(const Args *a, int64_t index) {
+    const int64_t first = index % a->items_per_seq * a->kv_heads_per_item;
+    const int64_t left = a->num_kv_heads - first;
+    return (Item){index / a->items_per_seq, first,
+                  left < a->kv_heads_per_item ? left : a->kv_heads_per_item};
+}
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t widened = (uint32_t)bits << 16;
@@ -95,19 +105,24 @@ static inline int64_t block_base(const Args *a, int64_t block, int64_t kv_head) 
     return (block * a->num_kv_heads + kv_head) * a->block_size * a->head_dim;
 }
 
-/* Element index of block j of item's sequence (or, past its end, of the next item's) for
- * prefetching; -1 when there is none in this thread's run. */
-static int64_t future_block(const Args *a, int64_t item, int64_t end_item, int64_t j) {
-    int64_t seq = item / a->num_kv_heads;
-    int64_t blocks = num_blocks_of(a, seq);
-    if (j >= blocks) {
-        if (item + 1 >= end_item) return -1;
-        j -= blocks;
-        ++item;
-        seq = item / a->num_kv_heads;
-        if (j >= num_blocks_of(a, seq)) return -1;
+/* What to prefetch: the element index of the item's local kv head h in its block j (past the
+ * end: the next item's, its own head h), or -1. The hardware prefetcher already follows a
+ * run of consecutive block ids (with whole sequences per item the reads are then one stream);
+ * software prefetch is only worth its cost where the run breaks, so that case also gives -1. */
+static int64_t future_block(const Args *a, int64_t index, int64_t end_index, int64_t j,
+                            int64_t h) {
+    Item item = item_of(a, index);
+    const int64_t blocks = num_blocks_of(a, item.seq);
+    const int64_t *row = a->block_table + item.seq * a->max_blocks;
+    if (j < blocks) {
+        const int follows_run = a->kv_heads_per_item == a->num_kv_heads && row[j] == row[j - 1] + 1;
+        return follows_run ? -1 : block_base(a, row[j], item.first_kv_head + h);
     }
-    return block_base(a, a->block_table[seq * a->max_blocks + j], item % a->num_kv_heads);
+    if (index + 1 >= end_index) return -1;
+    j -= blocks;
+    item = item_of(a, index + 1);
+    if (j >= num_blocks_of(a, item.seq) || h >= item.num_kv_heads) return -1;
+    return block_base(a, a->block_table[item.seq * a->max_blocks + j], item.first_kv_head + h);
 }
 
 /* Ask for `count` key and value rows from element index `start` on (nothing when start < 0). */
@@ -120,10 +135,6 @@ static inline void prefetch_rows(const Args *a, int64_t start, int64_t count) {
         __builtin_prefetch(keys + line, 0, PREFETCH_LOCALITY);
         __builtin_prefetch(values + line, 0, PREFETCH_LOCALITY);
     }
-}
-
-static void prefetch_block(const Args *a, int64_t item, int64_t end_item, int64_t j) {
-    prefetch_rows(a, future_block(a, item, end_item, j), a->block_size);
 }
 
 #if VECTOR_PATH
@@ -237,7 +248,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
                 out[g][w] = _mm512_mul_ps(_mm512_load_ps(&acc[g][d0 + 16 * w]),
                                           _mm512_set1_ps(correction[g]));
         for (int64_t o = 0; o < n; ++o) {
-            if (d0 == 0 && SPREAD) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
+            if (d0 == 0) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
             for (int64_t w = 0; w < num_vectors; ++w) {
                 const __m512 v = load16(values, base + o * head_dim + d0 + 16 * w, dtype);
                 for (int64_t g = 0; g < group; ++g)
@@ -270,7 +281,7 @@ static inline __attribute__((always_inline)) void accumulate_value_pairs(
                 out[g][w] = _mm512_mul_ps(_mm512_load_ps(&acc[g][d0 + 16 * w]),
                                           _mm512_set1_ps(correction[g]));
         for (int64_t o = 0; o < n; o += 2) {
-            if (d0 == 0 && SPREAD) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 2);
+            if (d0 == 0) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 2);
             __m512i weights[MAX_GROUP];
             for (int64_t g = 0; g < group; ++g) {
                 uint32_t pair;
@@ -311,78 +322,83 @@ static void unpair_dims(float *acc, int64_t head_dim) {
     }
 }
 
-/* One (sequence, kv_head) item. Inlined with constant dtype, group and head_dim for the
- * common shapes so the loops unroll and the output accumulators stay in registers. */
+/* One item: a run of kv heads of one sequence, block by block and head by head inside a
+ * block (consecutive memory). Inlined with constant dtype, group and head_dim for the common
+ * shapes so the loops unroll and the output accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_item(
-    const Args *a, int64_t item, int64_t end_item, const int dtype, const int64_t group,
+    const Args *a, int64_t index, int64_t end_index, const int dtype, const int64_t group,
     const int64_t head_dim) {
     const int pairs = HAVE_PAIRS && dtype == DTYPE_BF16 && head_dim % 32 == 0;
-    const int64_t seq = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
-    const int64_t seq_len = a->seq_lens[seq], block_size = a->block_size;
-    const int64_t *blocks = a->block_table + seq * a->max_blocks;
-    const int64_t q_base = seq * a->q_stride + kv_head * group * head_dim;
+    const Item item = item_of(a, index);
+    const int64_t num_heads = item.num_kv_heads * group; /* query heads, local index h * G + g */
+    const int64_t seq_len = a->seq_lens[item.seq], block_size = a->block_size;
+    const int64_t *blocks = a->block_table + item.seq * a->max_blocks;
+    const int64_t q_base = item.seq * a->q_stride + item.first_kv_head * group * head_dim;
     const uint16_t *query_bf16 = (const uint16_t *)a->q + q_base; /* read only when pairs */
-    float query[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float query[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float probs[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
     uint16_t probs_bf16[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP], correction[MAX_GROUP];
-    for (int64_t g = 0; g < group; ++g) {
+    float running_max[MAX_ITEM_HEADS], running_sum[MAX_ITEM_HEADS], correction[MAX_GROUP];
+    for (int64_t i = 0; i < num_heads; ++i) {
         for (int64_t d = 0; d < head_dim; ++d) {
-            query[g][d] = load_float(a->q, q_base + g * head_dim + d, dtype);
-            acc[g][d] = 0.0f;
+            query[i][d] = load_float(a->q, q_base + i * head_dim + d, dtype);
+            acc[i][d] = 0.0f;
         }
-        running_max[g] = -INFINITY;
-        running_sum[g] = 0.0f;
+        running_max[i] = -INFINITY;
+        running_sum[i] = 0.0f;
     }
     const __m512 scale = _mm512_set1_ps(a->scale);
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t future = future_block(a, item, end_item, j + PREFETCH_AHEAD);
-        if (!SPREAD) prefetch_rows(a, future, block_size);
-        const int64_t block_start = block_base(a, blocks[j], kv_head);
         const int64_t in_block = seq_len - j * block_size < block_size ? seq_len - j * block_size
                                                                        : block_size;
-        for (int64_t start = 0; start < in_block; start += CHUNK) {
-            const int64_t n = in_block - start < CHUNK ? in_block - start : CHUNK;
-            const int64_t base = block_start + start * head_dim;
-            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-            for (int64_t g = 0; g < group; ++g) {
-                const uint16_t *q_bf16 = query_bf16 + g * head_dim;
-                const __m512 s = _mm512_mul_ps(
-                    n == CHUNK ? chunk_scores(a->key_cache, base, CHUNK, query[g], q_bf16, dtype,
-                                              head_dim, pairs)
-                               : chunk_scores(a->key_cache, base, n, query[g], q_bf16, dtype,
-                                              head_dim, pairs),
-                    scale);
-                __m512 p;
-                correction[g] = softmax_step(s, valid, &running_max[g], &running_sum[g], &p);
+        for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+            const int64_t future = future_block(a, index, end_index, j + PREFETCH_AHEAD, h);
+            const int64_t block_start = block_base(a, blocks[j], item.first_kv_head + h);
+            for (int64_t start = 0; start < in_block; start += CHUNK) {
+                const int64_t n = in_block - start < CHUNK ? in_block - start : CHUNK;
+                const int64_t base = block_start + start * head_dim;
+                const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t i = h * group + g;
+                    const uint16_t *q_bf16 = query_bf16 + i * head_dim;
+                    const __m512 s = _mm512_mul_ps(
+                        n == CHUNK ? chunk_scores(a->key_cache, base, CHUNK, query[i], q_bf16,
+                                                  dtype, head_dim, pairs)
+                                   : chunk_scores(a->key_cache, base, n, query[i], q_bf16, dtype,
+                                                  head_dim, pairs),
+                        scale);
+                    __m512 p;
+                    correction[g] = softmax_step(s, valid, &running_max[i], &running_sum[i], &p);
+#if HAVE_PAIRS
+                    if (pairs) {
+                        _mm256_store_si256((__m256i *)probs_bf16[g],
+                                           (__m256i)_mm512_cvtneps_pbh(p));
+                        continue;
+                    }
+#endif
+                    _mm512_store_ps(probs[g], p);
+                }
+                const int64_t future_rows = future < 0 ? -1 : future + start * head_dim;
 #if HAVE_PAIRS
                 if (pairs) {
-                    _mm256_store_si256((__m256i *)probs_bf16[g], (__m256i)_mm512_cvtneps_pbh(p));
+                    accumulate_value_pairs(a, base, n, probs_bf16, correction, &acc[h * group],
+                                           future_rows, group, head_dim);
                     continue;
                 }
 #endif
-                _mm512_store_ps(probs[g], p);
+                accumulate_values(a, base, n, probs, correction, &acc[h * group], future_rows,
+                                  dtype, group, head_dim);
             }
-#if HAVE_PAIRS
-            if (pairs) {
-                accumulate_value_pairs(a, base, n, probs_bf16, correction, acc,
-                                       future < 0 ? -1 : future + start * head_dim, group,
-                                       head_dim);
-                continue;
-            }
-#endif
-            accumulate_values(a, base, n, probs, correction, acc,
-                              future < 0 ? -1 : future + start * head_dim, dtype, group, head_dim);
         }
     }
-    const int64_t out_base = seq * a->out_stride + kv_head * group * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-        if (pairs) unpair_dims(acc[g], head_dim);
-        const float inverse_sum = 1.0f / running_sum[g];
+    const int64_t out_base = item.seq * a->out_stride + item.first_kv_head * group * head_dim;
+    for (int64_t i = 0; i < num_heads; ++i) {
+        if (pairs) unpair_dims(acc[i], head_dim);
+        const float inverse_sum = 1.0f / running_sum[i];
         for (int64_t d = 0; d < head_dim; ++d)
-            store_float(a->out, out_base + g * head_dim + d, dtype, acc[g][d] * inverse_sum);
+            store_float(a->out, out_base + i * head_dim + d, dtype, acc[i][d] * inverse_sum);
     }
 }
 
@@ -408,10 +424,9 @@ static void attend_vector(const Args *a, int64_t item, int64_t end_item) {
 
 #endif /* VECTOR_PATH */
 
-/* The same item one position at a time, in plain C (any CPU, any head_dim). */
-static void attend_portable(const Args *a, int64_t item, int64_t end_item) {
+/* One kv head of a sequence one position at a time, in plain C (any CPU, any head_dim). */
+static void attend_portable_head(const Args *a, int64_t seq, int64_t kv_head) {
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
-    const int64_t seq = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
     const int64_t q_base = seq * a->q_stride + kv_head * group * head_dim;
     const int64_t seq_len = a->seq_lens[seq], block_size = a->block_size;
     const int64_t *blocks = a->block_table + seq * a->max_blocks;
@@ -427,8 +442,6 @@ static void attend_portable(const Args *a, int64_t item, int64_t end_item) {
         running_sum[g] = 0.0f;
     }
     for (int64_t position = 0; position < seq_len; ++position) {
-        if (position % block_size == 0)
-            prefetch_block(a, item, end_item, position / block_size + PREFETCH_AHEAD);
         const int64_t row = block_base(a, blocks[position / block_size], kv_head) +
                             (position % block_size) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
@@ -455,14 +468,16 @@ static void attend_portable(const Args *a, int64_t item, int64_t end_item) {
                         acc[g][d] / running_sum[g]);
 }
 
-static void attend(const Args *a, int64_t item, int64_t end_item) {
+static void attend(const Args *a, int64_t index, int64_t end_index) {
 #if VECTOR_PATH
     if (a->head_dim % 16 == 0) {
-        attend_vector(a, item, end_item);
+        attend_vector(a, index, end_index);
         return;
     }
 #endif
-    attend_portable(a, item, end_item);
+    const Item item = item_of(a, index);
+    for (int64_t h = 0; h < item.num_kv_heads; ++h)
+        attend_portable_head(a, item.seq, item.first_kv_head + h);
 }
 
 /* 1 when this build uses the AVX-512 path for head_dim multiples of 16, else 0. */
@@ -470,35 +485,41 @@ int vector_path(void) { return VECTOR_PATH; }
 
 /* q [num_seqs, num_heads, head_dim] with q_stride elements between sequences; out likewise
  * with out_stride; block_table [num_seqs, max_blocks]; every seq_lens[b] >= 1 and covered by
- * its table row. dtype: 0 float32, 1 bfloat16 (q, caches and out alike). */
+ * its table row; num_heads / num_kv_heads <= MAX_GROUP, head_dim <= MAX_HEAD_DIM. dtype:
+ * 0 float32, 1 bfloat16 (q, caches and out alike). */
 void paged_decode(const void *q, int64_t q_stride, const void *key_cache,
                   const void *value_cache, const int64_t *block_table, int64_t max_blocks,
                   const int64_t *seq_lens, void *out, int64_t out_stride, int64_t num_seqs,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                   int64_t block_size, float scale, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    /* Whole sequences per item keep the reads consecutive; single kv heads when there are too
+     * few sequences to share among the threads. */
+    int64_t kv_heads_per_item = MAX_ITEM_HEADS / (num_heads / num_kv_heads);
+    if (kv_heads_per_item > num_kv_heads) kv_heads_per_item = num_kv_heads;
+    if (num_seqs < 4 * num_threads) kv_heads_per_item = 1;
     const Args args = {q, key_cache, value_cache, block_table, seq_lens, out, q_stride,
                        out_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size,
-                       num_seqs, dtype == DTYPE_BF16 ? 2 : 4, scale, dtype};
-    const int64_t num_items = num_seqs * num_kv_heads;
+                       num_seqs, dtype == DTYPE_BF16 ? 2 : 4, kv_heads_per_item,
+                       (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item, scale, dtype};
+    const int64_t num_items = num_seqs * args.items_per_seq;
     int64_t total_blocks = 0;
-    for (int64_t b = 0; b < num_seqs; ++b) total_blocks += num_blocks_of(&args, b) * num_kv_heads;
-    if (num_threads < 1) num_threads = 1;
+    for (int64_t b = 0; b < num_seqs; ++b) total_blocks += num_blocks_of(&args, b);
+    total_blocks *= args.items_per_seq;
 #pragma omp parallel num_threads(num_threads)
     {
         /* Thread t takes the items whose first block falls in its share of all blocks. */
         const int64_t t = omp_get_thread_num(), num_t = omp_get_num_threads();
         const int64_t low = total_blocks * t / num_t, high = total_blocks * (t + 1) / num_t;
         int64_t begin = num_items, end = num_items, seen = 0;
-        for (int64_t item = 0; item < num_items; ++item) {
-            if (seen >= low && begin == num_items) begin = item;
+        for (int64_t index = 0; index < num_items; ++index) {
+            if (seen >= low && begin == num_items) begin = index;
             if (seen >= high) {
-                end = item;
+                end = index;
                 break;
             }
-            seen += num_blocks_of(&args, item / num_kv_heads);
+            seen += num_blocks_of(&args, index / args.items_per_seq);
         }
-        for (int64_t j = 0; begin < end && j < PREFETCH_AHEAD; ++j)
-            prefetch_block(&args, begin, end, j);
-        for (int64_t item = begin; item < end; ++item) attend(&args, item, end);
+        for (int64_t index = begin; index < end; ++index) attend(&args, index, end);
     }
 }
