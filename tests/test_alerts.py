@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ EXPECTED_ALERTS = {
     "IterscopeEngineDown",
     "IterscopeTelemetryDropping",
     "IterscopeTelemetryUndecodable",
+    "IterscopeEngineIndexConflict",
 }
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm on the dashboards", "## What to change")
 # by/without clauses of aggregations and on/ignoring clauses of binary operators.
@@ -193,3 +195,29 @@ def test_kv_panel_thresholds_are_the_alert_thresholds():
 
     assert threshold("IterscopeKVCacheNearFull") == KV_NEAR_FULL_RATIO
     assert threshold("IterscopeKVCacheSaturated") == KV_SATURATED_RATIO
+
+
+def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):
+    """The runbook tells operators to look for the sidecar's ERROR lines: quote them as the
+    sidecar and its log sink write them today (pids as in the runbook's example)."""
+    from telemetry.record import Heartbeat
+    from telemetry.sidecar import Ingest
+    from telemetry.sinks.log import LogSink
+
+    log_sink_lines = []
+    log_sink = LogSink(emit=lambda level, text: log_sink_lines.append(text), interval_s=10)
+    ingest = Ingest([log_sink])
+    with caplog.at_level(logging.ERROR, logger="iterscope.sidecar"):
+        for seq, pid in ((1, 4123), (1, 4871), (2, 4123)):  # two live processes, one index
+            heartbeat = Heartbeat(
+                engine_index=0, seq=seq, ts_ns=seq, wall_ns=seq, last_iteration=0,
+                num_waiting_reqs=0, num_running_reqs=0, pid=pid,
+            )
+            ingest.on_message(heartbeat, now_ns=seq)
+    log_sink.tick(20 * 10**9)
+    sidecar_lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    conflict_lines = [line for line in log_sink_lines if "two engine processes" in line]
+    assert len(sidecar_lines) == 1 and len(conflict_lines) == 1
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeEngineIndexConflict.md").read_text()
+    assert sidecar_lines[0] in runbook
+    assert conflict_lines[0] in runbook

@@ -128,6 +128,22 @@ def test_alertmanager_groups_and_inhibits_per_engine_of_each_instance():
         assert {"instance", "engine"} <= set(rule["equal"])
 
 
+def test_alertmanager_inhibit_rules_name_shipped_alerts():
+    """An inhibit rule naming an alert that does not exist (renamed, misspelt) silently
+    inhibits nothing."""
+    config = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    shipped = {
+        rule["alert"]
+        for path in (REPO / "dashboards" / "alerts").glob("*.yml")
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+    }
+    for rule in config["inhibit_rules"]:
+        matchers = rule["source_matchers"] + rule["target_matchers"]
+        named = {name for m in matchers for name in re.findall(r'^alertname!?="(\w+)"$', m)}
+        assert named and named <= shipped, named - shipped
+
+
 # --- docker compose --------------------------------------------------------------------------
 
 
