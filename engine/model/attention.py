@@ -114,6 +114,7 @@ class PagedAttention:
         if meta.decode_block_table is None:
             return
         if self.cpu_kernel is not None:
+            _check_decode_tables(meta, key_cache.shape[0], key_cache.shape[2])
             self.decode_backend = "cpu_kernel"
             return
         if self.triton is not None:
@@ -258,3 +259,23 @@ def _triton_kernels(device: torch.device) -> ModuleType | None:
     except ImportError:  # not written yet, or triton missing: the torch path
         return None
     return triton_paged if triton_paged.available(device) else None
+
+
+def _check_decode_tables(meta: AttentionMetadata, num_blocks: int, block_size: int) -> None:
+    """The C kernel trusts its tables (a bad one reads out of bounds): check them per step."""
+    table, seq_lens = meta.decode_block_table, meta.decode_seq_lens
+    num_decodes = meta.num_decode_tokens
+    if (
+        table.dtype != torch.long or seq_lens.dtype != torch.long
+        or table.shape[0] != num_decodes or seq_lens.shape != (num_decodes,)
+        or not table.is_contiguous() or not seq_lens.is_contiguous()
+    ):
+        raise ValueError(
+            f"decode tables must be contiguous int64 [{num_decodes}, max_blocks] and "
+            f"[{num_decodes}], got {table.dtype} {tuple(table.shape)} and {seq_lens.dtype} "
+            f"{tuple(seq_lens.shape)}"
+        )
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > table.shape[1] * block_size:
+        raise ValueError(f"decode seq_lens {seq_lens.tolist()} outside [1, table capacity]")
+    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+        raise ValueError(f"decode block table holds ids outside [0, {num_blocks})")

@@ -73,39 +73,43 @@ def _load_once() -> ctypes.CDLL | None:
     if compiler is None:
         _build_errors.append("no C compiler (set CC or install gcc)")
         return None
-    try:
-        library = _cached_build(compiler)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        _build_errors.append(f"building {SOURCE.name} failed: {detail}")
-        return None
-    return _declare(ctypes.CDLL(str(library)))
-
-
-def _cached_build(compiler: str) -> Path:
-    cache_dir = Path(
-        os.environ.get("ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels")
+    cache_dir = os.environ.get(
+        "ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels"
     )
-    library = cache_dir / f"paged_decode-{_build_key(compiler)}.so"
+    try:
+        return open_library(build(compiler, Path(cache_dir)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        _build_errors.append(f"building {SOURCE.name} with {compiler} failed: {detail}")
+        return None
+
+
+def build(compiler: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library built from SOURCE in cache_dir (built now unless already there).
+
+    extra_flags: e.g. ("-DPAGED_DECODE_PORTABLE",) for the plain-C path (tests)."""
+    flags = (*FLAGS, *extra_flags)
+    library = cache_dir / f"paged_decode-{build_key(compiler, flags)}.so"
     if library.exists():
         return library
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / library.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )
         os.replace(built, library)
     return library
 
 
-def _build_key(compiler: str) -> str:
+def build_key(compiler: str, flags: tuple[str, ...] = FLAGS) -> str:
+    """Hash of the source, the flags, the compiler's version and the CPU's flags."""
     version = subprocess.run(
         [compiler, "--version"], check=True, capture_output=True, text=True, timeout=30
     ).stdout
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(FLAGS), version, _cpu_flags()):
+    for part in (" ".join(flags), version, _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -120,7 +124,9 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' signatures."""
+    library = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.vector_path.restype = ctypes.c_int
     library.vector_path.argtypes = []

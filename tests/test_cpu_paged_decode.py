@@ -1,0 +1,258 @@
+"""The C paged-decode kernel (engine/model/kernels/paged_decode.c) against the torch path, its
+build (cache key, missing compiler, failed build), and its use by the model runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.kernels import cpu_paged_decode
+from engine.model.loader import build_tiny_model
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gcc() -> str:
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        pytest.fail("gcc is required: the CPU decode kernel is built with it")
+    return compiler
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    library = cpu_paged_decode.load_kernel()
+    assert library is not None, cpu_paged_decode.build_error()
+    return library
+
+
+@pytest.fixture(scope="module")
+def portable_kernel(tmp_path_factory):
+    """The plain-C path, built on its own (on AVX-512 machines the default build skips it)."""
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    path = cpu_paged_decode.build(gcc(), cache, ("-DPAGED_DECODE_PORTABLE",))
+    library = cpu_paged_decode.open_library(path)
+    assert library.vector_path() == 0
+    return library
+
+
+def random_case(seed: int, dtype, group: int, head_dim: int, block_size: int, num_seqs: int):
+    """Caches with random contents, block tables of distinct shuffled blocks, lengths not
+    multiples of the block size, the first length 1."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_kv_heads = 2
+    lens = [1] + [rng.randrange(2, 5 * block_size) for _ in range(num_seqs - 1)]
+    lens[-1] = 3 * block_size + 5 if num_seqs > 1 else 1
+    max_blocks = max((n + block_size - 1) // block_size for n in lens)
+    num_blocks = num_seqs * max_blocks + 3
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    table = torch.tensor(
+        [[blocks.pop() for _ in range(max_blocks)] for _ in range(num_seqs)], dtype=torch.long
+    )
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, key_cache, value_cache, table, torch.tensor(lens, dtype=torch.long)
+
+
+def torch_path(q, key_cache, value_cache, table, seq_lens) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    attention = PagedAttention(num_heads, key_cache.shape[1], head_dim, q.dtype)
+    attention.cpu_kernel = None  # the reference path
+    meta = AttentionMetadata(
+        slot_blocks=torch.zeros(0, dtype=torch.long),
+        slot_offsets=torch.zeros(0, dtype=torch.long),
+        num_decode_tokens=num_seqs,
+        decode_block_table=table,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+    )
+    attention.begin_step(meta, key_cache)
+    assert attention.decode_backend == "torch"
+    out = torch.empty_like(q)
+    attention._decode_into(out, q, key_cache, value_cache, meta)
+    return out
+
+
+def exact(q, key_cache, value_cache, table, seq_lens) -> torch.Tensor:
+    """float64 attention of each sequence over its positions, for error bounds."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(num_seqs):
+        n = int(seq_lens[b])
+        blocks = table[b, : (n + block_size - 1) // block_size]
+        keys, values = (
+            cache[blocks].double().transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :n]
+            for cache in (key_cache, value_cache)
+        )
+        grouped = q[b].double().view(num_kv_heads, -1, head_dim)
+        probs = torch.softmax(grouped @ keys.transpose(1, 2) * head_dim**-0.5, dim=-1)
+        out[b] = (probs @ values).reshape(num_heads, head_dim)
+    return out
+
+
+def run_kernel(library, case) -> torch.Tensor:
+    q, key_cache, value_cache, table, seq_lens = case
+    out = torch.full_like(q, float("nan"))
+    cpu_paged_decode.paged_decode(
+        library, q, key_cache, value_cache, table, seq_lens, out, q.shape[-1] ** -0.5
+    )
+    return out
+
+
+def test_kernel_builds_with_gcc_here(kernel):
+    gcc()
+    assert cpu_paged_decode.build_error() is None
+    assert kernel.vector_path() in (0, 1)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 33])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_float32_matches_torch_path(kernel, group, head_dim, block_size, num_seqs):
+    case = random_case(group * head_dim + block_size, torch.float32, group, head_dim,
+                       block_size, num_seqs)
+    torch.testing.assert_close(run_kernel(kernel, case), torch_path(*case), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 33])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_bfloat16_matches_torch_path(kernel, group, head_dim, block_size, num_seqs):
+    """bf16: the kernel keeps scores in float32 where the torch path rounds them to bf16, so
+    both are held to the exact float64 result: the kernel at most as far off as the torch path
+    plus half a bf16 step of the output."""
+    case = random_case(7 + group * head_dim + block_size, torch.bfloat16, group, head_dim,
+                       block_size, num_seqs)
+    reference = exact(*case)
+    ours = (run_kernel(kernel, case).double() - reference).abs().max().item()
+    theirs = (torch_path(*case).double() - reference).abs().max().item()
+    assert ours <= theirs + 4e-3, (ours, theirs)
+    assert ours < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_portable_path_and_odd_head_dims(kernel, portable_kernel, dtype, head_dim):
+    """The plain-C loop (CPUs without AVX-512; head_dim not a multiple of 16 everywhere)."""
+    case = random_case(11, dtype, 3, head_dim, 16, 9)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    reference = exact(*case)
+    for library in (kernel, portable_kernel):
+        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol,
+                                   rtol=0)
+
+
+def test_block_size_below_a_chunk(kernel):
+    case = random_case(5, torch.float32, 2, 64, 4, 6)
+    torch.testing.assert_close(run_kernel(kernel, case), torch_path(*case), atol=1e-5, rtol=0)
+
+
+def test_build_key_follows_the_source(tmp_path, monkeypatch):
+    compiler = gcc()
+    key = cpu_paged_decode.build_key(compiler)
+    assert cpu_paged_decode.build_key(compiler) == key
+    edited = tmp_path / "paged_decode.c"
+    edited.write_text(cpu_paged_decode.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cpu_paged_decode, "SOURCE", edited)
+    assert cpu_paged_decode.build_key(compiler) != key
+    assert cpu_paged_decode.build_key(compiler, (*cpu_paged_decode.FLAGS, "-DX")) != key
+    library = cpu_paged_decode.build(compiler, tmp_path / "cache")
+    assert library.name == f"paged_decode-{cpu_paged_decode.build_key(compiler)}.so"
+    assert cpu_paged_decode.open_library(library).vector_path() in (0, 1)
+
+
+FALLBACK_SCRIPT = """
+import json, sys
+from engine.model.kernels import cpu_paged_decode
+from engine.model.loader import build_tiny_model
+from engine.runner import ModelRunner
+runner = ModelRunner(build_tiny_model("llama", seed=0), 16, 4, "cpu")
+print(json.dumps({"loaded": cpu_paged_decode.load_kernel() is not None,
+                  "error": cpu_paged_decode.build_error(),
+                  "kernel": runner.decoder.attention.cpu_kernel is not None}))
+"""
+
+
+def run_fallback(tmp_path: Path, **env: str) -> dict:
+    full_env = {**os.environ, "ITERSCOPE_KERNEL_CACHE": str(tmp_path / "cache"), **env}
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT], cwd=REPO, env=full_env, capture_output=True,
+        text=True, timeout=120, check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_missing_compiler_falls_back_and_says_why(tmp_path):
+    result = run_fallback(tmp_path, CC="/nonexistent/cc")
+    assert result == {"loaded": False, "error": result["error"], "kernel": False}
+    assert "no C compiler" in result["error"]
+
+
+def test_failing_build_falls_back_and_says_why(tmp_path):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1; exit 0; fi\n"
+                      "echo 'cc: internal error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    result = run_fallback(tmp_path, CC=str(broken))
+    assert not result["loaded"] and not result["kernel"]
+    assert "paged_decode.c" in result["error"] and "internal error" in result["error"]
+
+
+def decode_logits(monkeypatch, dtype: str, enabled: bool) -> tuple[str, torch.Tensor]:
+    """Prefill two prompts, then one decode step of both; the decode backend and logits."""
+    monkeypatch.setenv("ITERSCOPE_CPU_KERNELS", "1" if enabled else "0")
+    runner = ModelRunner(build_tiny_model("qwen3", seed=2, dtype=dtype), 32, 4, "cpu")
+    requests = []
+    for i, n in enumerate([9, 14]):
+        request = Request(f"r{i}", [(7 * i + t) % 200 for t in range(n + 1)],
+                          SamplingParams(temperature=0))
+        request.block_ids = [31 - 8 * i - j for j in range(5)]
+        requests.append(request)
+    runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])
+    for r in requests:
+        r.num_computed_tokens = len(r.token_ids) - 1
+    logits = torch.cat(runner.compute_logits([(r, 1) for r in requests]))
+    return runner.decoder.attention.decode_backend, logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_decodes_with_the_kernel_and_falls_back_when_disabled(monkeypatch, dtype):
+    backend, ours = decode_logits(monkeypatch, dtype, enabled=True)
+    assert backend == "cpu_kernel"
+    fallback, reference = decode_logits(monkeypatch, dtype, enabled=False)
+    assert fallback == "torch"
+    assert cpu_paged_decode.load_kernel() is None
+    if dtype == "float32":
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+        return
+    # bf16 rounding differs between the paths (float32 scores in the kernel): both are held
+    # to the float32 model, the kernel no further off than the torch path (plus a little).
+    _, exact_logits = decode_logits(monkeypatch, "float32", enabled=False)
+    ours_error = (ours - exact_logits).abs().max().item()
+    torch_error = (reference - exact_logits).abs().max().item()
+    assert ours_error <= 1.5 * torch_error + 0.05, (ours_error, torch_error)
+
+
+def test_float16_keeps_the_torch_path():
+    attention = PagedAttention(4, 2, 64, torch.float16)
+    assert attention.cpu_kernel is None
+    assert not cpu_paged_decode.supports(torch.float16, 4, 2, 64)
+    assert not cpu_paged_decode.supports(torch.float32, 68, 2, 64)  # group over MAX_GROUP
