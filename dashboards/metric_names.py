@@ -30,6 +30,7 @@ COUNTERS = {
     "iterscope_requests_finished_total",
     "iterscope_records_received_total",
     "iterscope_records_dropped_total",
+    "iterscope_engine_index_conflicts_total",
     "iterscope_frames_undecodable_total",
     "iterscope_otel_spans_dropped_total",
 }
