@@ -13,8 +13,10 @@ import pytest
 import torch
 import transformers
 
+from engine.model import attention as attention_module
 from engine.model.config import ModelConfig
 from engine.model.decoder import Decoder
+from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import LoadedModel, tiny_hf_config, tiny_state_dict
 from engine.model.tokenizer import ByteTokenizer
 from engine.request import Request, SamplingParams
@@ -96,7 +98,26 @@ def run_in_chunks(runner: ModelRunner, request: Request, chunks: list[int]) -> t
     return torch.cat(outputs)
 
 
-def test_full_prefill(pair):
+@pytest.fixture(params=["plain", "sdpa"])
+def fresh_prefill_path(request, monkeypatch):
+    """Fresh prompts through batched matmuls (short) or SDPA (longer than the limit)."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(attention_module, "PLAIN_PREFILL_MAX_LEN", 0)
+    return request.param
+
+
+@pytest.fixture(params=["cpu_kernel", "torch"])
+def decode_backend(request, pair, monkeypatch):
+    """Decode through the C kernel or the torch gather path (the reference)."""
+    attention = pair[0].decoder.attention
+    if request.param == "cpu_kernel":
+        assert attention.cpu_kernel is not None, cpu_paged_decode.build_error()
+    else:
+        monkeypatch.setattr(attention, "cpu_kernel", None)
+    return request.param
+
+
+def test_full_prefill(pair, fresh_prefill_path):
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     tokens = random_tokens(0)
@@ -113,16 +134,17 @@ def test_chunked_prefill(pair):
     torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
 
 
-def test_paged_decode(pair):
+def test_paged_decode(pair, decode_backend):
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     tokens = random_tokens(2)
     request = make_request("a", tokens, shuffled_blocks(2))
     logits = run_in_chunks(runner, request, [20] + [1] * (SEQ_LEN - 20))
     torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
+    assert ours.decoder.attention.decode_backend == decode_backend
 
 
-def test_mixed_batch_of_prefill_chunk_and_decodes(pair):
+def test_mixed_batch_of_prefill_chunk_and_decodes(pair, decode_backend):
     """One step holds a fresh prefill, a chunk on top of a cached prefix, and two decodes."""
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
@@ -143,9 +165,10 @@ def test_mixed_batch_of_prefill_chunk_and_decodes(pair):
     tokens = runner.execute(step)
     last_rows = [expected[2][-1], expected[0][-1], expected[1][-1], expected[3][-1]]
     assert tokens == [int(row.argmax()) for row in last_rows]
+    assert ours.decoder.attention.decode_backend == decode_backend
 
 
-def test_equal_length_fresh_prompts_batched_in_one_call(pair):
+def test_equal_length_fresh_prompts_batched_in_one_call(pair, fresh_prefill_path):
     """Fresh prompts of equal length share one attention call; a different length does not."""
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")

@@ -91,15 +91,17 @@ class Decoder:
         num_tokens = input_ids.shape[0]
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv_proj(x)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv_proj(x).view(num_tokens, -1, cfg.head_dim)  # heads: q | k | v
+            q_and_k = qkv[:, : cfg.num_heads + cfg.num_kv_heads]
+            v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]
             if layer.q_norm is not None:
-                q = self._rms_norm(q, layer.q_norm)
-                k = self._rms_norm(k, layer.k_norm)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q_and_k = torch.cat(
+                    (self._rms_norm(q_and_k[:, : cfg.num_heads], layer.q_norm),
+                     self._rms_norm(q_and_k[:, cfg.num_heads :], layer.k_norm)),
+                    dim=1,
+                )
+            q_and_k = apply_rope(q_and_k, cos, sin)  # one call rotates both
+            q, k = q_and_k[:, : cfg.num_heads], q_and_k[:, cfg.num_heads :]
             attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
             hidden = hidden + layer.o_proj(attn)
             x = self._rms_norm(hidden, layer.post_attention_norm)
