@@ -5,11 +5,15 @@
  * Position p of sequence b lives in block block_table[b][p / block_size] at p % block_size.
  * Query head (kv_head * group + g) reads kv_head.
  *
- * Work items are (sequence, kv_head) pairs. Each thread takes one contiguous run of items
- * holding about the same number of blocks, so it knows which block comes next and can
- * prefetch it (blocks are scattered in memory; the hardware prefetcher only helps inside one).
+ * Work items are whole sequences: block by block, and the kv heads inside a block, which lie
+ * next to each other, so a run of consecutive block ids is read as one stream that the
+ * hardware prefetcher follows (a pure read of the blocks took half the time in this order
+ * than head by head). With fewer than 4 sequences per thread, items are single kv heads.
+ * Each thread takes one contiguous run of items holding about the same number of blocks, so
+ * it knows which block comes next: where a run of block ids breaks, it prefetches the block
+ * after next in software (on consecutive blocks that only got in the hardware's way).
  *
- * An item walks its blocks in chunks of up to 16 positions (AVX-512 path):
+ * Each (block, kv head) is walked in chunks of up to 16 positions (AVX-512 path):
  *   scores  for each query head g, 16 partial-sum vectors (one per position, from dot products
  *           along dim: vdpbf16ps on bf16 pairs, or fma on float32), then one transpose-add
  *           tree turns them into a vector whose lane o is the score of position o;
@@ -36,14 +40,9 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define MAX_ITEM_HEADS 32 /* query heads one work item attends (a multiple of any group) */
-#define CHUNK 16         /* positions scored together: one 16-lane vector per query head */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2 /* blocks requested before they are needed */
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 3
-#endif
+#define MAX_ITEM_HEADS 32 /* at most this many query heads per work item */
+#define CHUNK 16          /* positions scored together: one 16-lane vector per query head */
+#define PREFETCH_AHEAD 2  /* blocks between the one read and the one prefetched */
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -105,17 +104,19 @@ static inline int64_t block_base(const Args *a, int64_t block, int64_t kv_head) 
     return (block * a->num_kv_heads + kv_head) * a->block_size * a->head_dim;
 }
 
-/* What to prefetch: the element index of the item's local kv head h in its block j (past the
- * end: the next item's, its own head h), or -1. The hardware prefetcher already follows a
- * run of consecutive block ids (with whole sequences per item the reads are then one stream);
- * software prefetch is only worth its cost where the run breaks, so that case also gives -1. */
+/* What to prefetch: the element index of the item's local kv head h in its block j >= 1
+ * (past the end: the next item's, its own head h), or -1. The hardware prefetcher already
+ * follows a run of consecutive block ids (with whole sequences per item the reads are then one
+ * stream); software prefetch is only worth its cost where the run breaks, so a block that
+ * continues a run also gives -1. */
 static int64_t future_block(const Args *a, int64_t index, int64_t end_index, int64_t j,
                             int64_t h) {
     Item item = item_of(a, index);
     const int64_t blocks = num_blocks_of(a, item.seq);
     const int64_t *row = a->block_table + item.seq * a->max_blocks;
     if (j < blocks) {
-        const int follows_run = a->kv_heads_per_item == a->num_kv_heads && row[j] == row[j - 1] + 1;
+        const int follows_run =
+            a->kv_heads_per_item == a->num_kv_heads && row[j] == row[j - 1] + 1;
         return follows_run ? -1 : block_base(a, row[j], item.first_kv_head + h);
     }
     if (index + 1 >= end_index) return -1;
@@ -132,8 +133,8 @@ static inline void prefetch_rows(const Args *a, int64_t start, int64_t count) {
     const char *keys = (const char *)a->key_cache + start * a->element_size;
     const char *values = (const char *)a->value_cache + start * a->element_size;
     for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(keys + line, 0, PREFETCH_LOCALITY);
-        __builtin_prefetch(values + line, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(keys + line, 0, 3);
+        __builtin_prefetch(values + line, 0, 3);
     }
 }
 
@@ -165,8 +166,8 @@ static inline __m512 sum_rows(const __m512 rows[CHUNK]) {
                          _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-/* e^x for x <= 0 (and -inf), float32 accurate to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
- * e^r by a degree-6 polynomial, then scaled by 2^n. */
+/* e^x for x <= 0 in float32 (Cephes' expf): x = n ln2 + r with |r| <= ln2/2, e^r by a
+ * degree-6 polynomial, then scaled by 2^n; x below -104 gives 0. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scaling */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -189,8 +190,9 @@ static inline __m512 exp16(__m512 x) {
 #define HAVE_PAIRS 0
 #endif
 
-/* Partial sums of q . key[o] for rows o < count (later rows zero), count <= 16. `pairs`: bf16
- * keys and query, head_dim % 32 == 0, summed by vdpbf16ps; else float32 fma on widened keys. */
+/* Lane o: the unscaled score q . key[o] for rows o < count <= 16 (0 for later rows). `pairs`:
+ * bf16 keys and query, head_dim % 32 == 0, vdpbf16ps; else float32 fma on widened keys. Each
+ * row gives a vector of 16 partial sums; sum_rows adds each one up into its lane. */
 static inline __attribute__((always_inline)) __m512 chunk_scores(
     const void *keys, int64_t base, int64_t count, const float *query, const uint16_t *query_bf16,
     const int dtype, const int64_t head_dim, const int pairs) {
@@ -233,7 +235,8 @@ static inline float softmax_step(__m512 scores, __mmask16 valid, float *running_
 }
 
 /* out[g] += p[g][o] * value[o] for o < n, float32 fma on widened values. acc[g] holds dims in
- * order. Passes of `width` 16-dim vectors keep group * width accumulators in registers. */
+ * order. Passes of `width` 16-dim vectors keep group * width accumulators in registers. Row o
+ * of `future` (an element index, or -1) is prefetched along the way. */
 static inline __attribute__((always_inline)) void accumulate_values(
     const Args *a, int64_t base, int64_t n, float probs[][CHUNK], const float *correction,
     float acc[][MAX_HEAD_DIM], int64_t future, const int dtype, const int64_t group,
