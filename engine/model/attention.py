@@ -24,8 +24,10 @@ Decode tokens (one new token per request) are attended together, by one of three
                 [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
                 request's length.
 Each prefill request (q_len > 1, maybe on top of a cached prefix or earlier
-chunks) is attended on its own with a causal mask aligned to its last position. New K/V are
-written to the cache first, so every query sees its own key.
+chunks) is attended on its own with a causal mask aligned to its last position; fresh prompts
+of equal length (from position 0) share one call, batched matmuls with a causal bias up to
+PLAIN_PREFILL_MAX_LEN tokens and SDPA above. New K/V are written to the cache first, so every
+query sees its own key.
 """
 
 from __future__ import annotations
