@@ -10,8 +10,9 @@
  * hardware prefetcher follows (a pure read of the blocks took half the time in this order
  * than head by head). With fewer than 4 sequences per thread, items are single kv heads.
  * Each thread takes one contiguous run of items holding about the same number of blocks, so
- * it knows which block comes next: where a run of block ids breaks, it prefetches the block
- * after next in software (on consecutive blocks that only got in the hardware's way).
+ * it knows which blocks come next and prefetches them PREFETCH_AHEAD blocks early, spread over
+ * the value loop, into L2 only (prefetcht2): prefetching into L1 (prefetcht0) stalled on its
+ * few miss buffers and was slower than no software prefetch at all.
  *
  * Each (block, kv head) is walked in chunks of up to 16 positions (AVX-512 path):
  *   scores  for each query head g, 16 partial-sum vectors (one per position, from dot products
@@ -42,7 +43,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_ITEM_HEADS 32 /* at most this many query heads per work item */
 #define CHUNK 16          /* positions scored together: one 16-lane vector per query head */
-#define PREFETCH_AHEAD 2  /* blocks between the one read and the one prefetched */
+#define PREFETCH_AHEAD 4  /* blocks between the one read and the one prefetched */
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -104,37 +105,31 @@ static inline int64_t block_base(const Args *a, int64_t block, int64_t kv_head) 
     return (block * a->num_kv_heads + kv_head) * a->block_size * a->head_dim;
 }
 
-/* What to prefetch: the element index of the item's local kv head h in its block j >= 1
- * (past the end: the next item's, its own head h), or -1. The hardware prefetcher already
- * follows a run of consecutive block ids (with whole sequences per item the reads are then one
- * stream); software prefetch is only worth its cost where the run breaks, so a block that
- * continues a run also gives -1. */
+/* What to prefetch: the element index of the item's local kv head h in its block j (past the
+ * end: in the next item of this thread's run, its own head h), or -1 when there is none. */
 static int64_t future_block(const Args *a, int64_t index, int64_t end_index, int64_t j,
                             int64_t h) {
     Item item = item_of(a, index);
     const int64_t blocks = num_blocks_of(a, item.seq);
-    const int64_t *row = a->block_table + item.seq * a->max_blocks;
-    if (j < blocks) {
-        const int follows_run =
-            a->kv_heads_per_item == a->num_kv_heads && row[j] == row[j - 1] + 1;
-        return follows_run ? -1 : block_base(a, row[j], item.first_kv_head + h);
+    if (j >= blocks) {
+        if (index + 1 >= end_index) return -1;
+        j -= blocks;
+        item = item_of(a, index + 1);
+        if (j >= num_blocks_of(a, item.seq) || h >= item.num_kv_heads) return -1;
     }
-    if (index + 1 >= end_index) return -1;
-    j -= blocks;
-    item = item_of(a, index + 1);
-    if (j >= num_blocks_of(a, item.seq) || h >= item.num_kv_heads) return -1;
     return block_base(a, a->block_table[item.seq * a->max_blocks + j], item.first_kv_head + h);
 }
 
-/* Ask for `count` key and value rows from element index `start` on (nothing when start < 0). */
+/* Ask for `count` key and value rows from element index `start` on into L2 (nothing when
+ * start < 0). */
 static inline void prefetch_rows(const Args *a, int64_t start, int64_t count) {
     if (start < 0) return;
     const int64_t bytes = count * a->head_dim * a->element_size;
     const char *keys = (const char *)a->key_cache + start * a->element_size;
     const char *values = (const char *)a->value_cache + start * a->element_size;
     for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(keys + line, 0, 3);
-        __builtin_prefetch(values + line, 0, 3);
+        __builtin_prefetch(keys + line, 0, 1);
+        __builtin_prefetch(values + line, 0, 1);
     }
 }
 
