@@ -98,9 +98,12 @@ def run_in_chunks(runner: ModelRunner, request: Request, chunks: list[int]) -> t
     return torch.cat(outputs)
 
 
-@pytest.fixture(params=["plain", "sdpa"])
+@pytest.fixture(params=["plain", "plain_in_chunks", "sdpa"])
 def fresh_prefill_path(request, monkeypatch):
-    """Fresh prompts through batched matmuls (short) or SDPA (longer than the limit)."""
+    """Fresh prompts through batched matmuls (short; in query chunks of 5 positions, the last
+    one partial), or SDPA (longer than the limit)."""
+    if request.param == "plain_in_chunks":
+        monkeypatch.setattr(attention_module, "QUERY_CHUNK", 5)
     if request.param == "sdpa":
         monkeypatch.setattr(attention_module, "PLAIN_PREFILL_MAX_LEN", 0)
     return request.param

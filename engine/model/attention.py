@@ -44,6 +44,9 @@ from engine.model.kernels import cpu_paged_decode
 # (about a third faster than SDPA's flash kernel on CPU at 256); longer ones use SDPA, whose
 # memory does not grow with length squared.
 PLAIN_PREFILL_MAX_LEN = 512
+# Query positions per matmul in that path: a chunk skips the keys after its last position
+# (8 x 256 tokens, bf16: 4.7-6.0 ms per layer against 6.7-9.3 in one piece, 2 threads).
+QUERY_CHUNK = 64
 
 
 @dataclass
@@ -112,7 +115,7 @@ class PagedAttention:
         self.decode_key_buffer: torch.Tensor | None = None
         self.decode_value_buffer: torch.Tensor | None = None
         self.decode_bias: torch.Tensor | None = None
-        self.causal_biases: dict[int, torch.Tensor] = {}  # by prompt length, for one step
+        self.causal_biases: dict[tuple[int, int], torch.Tensor] = {}  # by chunk, for one step
 
     def begin_step(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
         """Pick the decode backend; for the torch one, build the gather rows, buffers and the
@@ -251,31 +254,38 @@ class PagedAttention:
     def _plain_causal(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int
     ) -> torch.Tensor:
-        """Causal attention of n sequences of `length` tokens as two batched matmuls: each KV
-        head's group of query heads is stacked into one [G * length, D] matrix."""
+        """Causal attention of n sequences of `length` tokens by batched matmuls. Each KV head's
+        group of query heads is stacked position-major (row p * G + g: head g at position p),
+        and QUERY_CHUNK positions at a time attend only to the keys up to their last one."""
         kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
-        grouped_q = q.reshape(n, length, kvh, group, dim).permute(0, 2, 3, 1, 4)
+        grouped_q = q.reshape(n, length, kvh, group, dim).transpose(1, 2)
+        grouped_q = grouped_q.reshape(n * kvh, length * group, dim)
         keys = k.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
         values = v.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
-        scores = torch.baddbmm(
-            self._causal_bias(length, q),
-            grouped_q.reshape(n * kvh, group * length, dim),
-            keys.transpose(1, 2),
-            alpha=self.scale,
-        )
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [n * KVH, G * length, D]
-        return out.view(n, kvh, group, length, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+        out = torch.empty_like(grouped_q)
+        for start in range(0, length, QUERY_CHUNK):
+            end = min(start + QUERY_CHUNK, length)
+            rows = slice(start * group, end * group)
+            scores = torch.baddbmm(
+                self._causal_bias(start, end, q),
+                grouped_q[:, rows],
+                keys[:, :end].transpose(1, 2),
+                alpha=self.scale,
+            )
+            out[:, rows] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])
+        return out.view(n, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
 
-    def _causal_bias(self, length: int, like: torch.Tensor) -> torch.Tensor:
-        """[G * length, length]: 0 where query position (row % length) may see the key, -inf
-        after it. Built once per step and length."""
-        bias = self.causal_biases.get(length)
+    def _causal_bias(self, start: int, end: int, like: torch.Tensor) -> torch.Tensor:
+        """[(end - start) * G, end]: row (p - start) * G + g is 0 where position p may see the
+        key, -inf after p. Built once per step and chunk."""
+        bias = self.causal_biases.get((start, end))
         if bias is None:
-            positions = torch.arange(length, device=like.device)
-            future = positions[None, :] > positions[:, None]
-            bias = torch.zeros(length, length, dtype=like.dtype, device=like.device)
-            bias = bias.masked_fill_(future, float("-inf")).repeat(self.group_size, 1)
-            self.causal_biases[length] = bias
+            positions = torch.arange(start, end, device=like.device).repeat_interleave(
+                self.group_size
+            )
+            future = torch.arange(end, device=like.device)[None, :] > positions[:, None]
+            bias = torch.zeros(future.shape, dtype=like.dtype, device=like.device)
+            self.causal_biases[(start, end)] = bias.masked_fill_(future, float("-inf"))
         return bias
 
     def _prefill(
