@@ -53,12 +53,17 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torc
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [num_tokens, 1, head_dim // 2], computed once per step in fp32."""
+    """cos and signed sin, each [num_tokens, 1, head_dim], computed once per step in fp32:
+    cos = [cos | cos] and sin = [-sin | sin] over the two halves, as apply_rope uses them."""
     angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    cos_full = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+    sin_signed = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+    return cos_full, sin_signed
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim] -> rotated copy of the same shape."""
+    """x: [num_tokens, num_heads, head_dim] -> rotated copy of the same shape:
+    [x1 | x2] * cos + [x2 | x1] * sin = [x1 cos - x2 sin | x2 cos + x1 sin] (three ops)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
