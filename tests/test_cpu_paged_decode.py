@@ -264,3 +264,52 @@ def test_float16_keeps_the_torch_path():
     assert attention.cpu_kernel is None
     assert not cpu_paged_decode.supports(torch.float16, 4, 2, 64)
     assert not cpu_paged_decode.supports(torch.float32, 68, 2, 64)  # group over MAX_GROUP
+
+
+class RecordingTriton:
+    """Stands in for engine/model/kernels/triton_paged.py: records calls, computes on CPU."""
+
+    def __init__(self, library):
+        self.library = library
+        self.calls: list[str] = []
+
+    def store_kv(self, k, v, key_cache, value_cache, slot_blocks, slot_offsets) -> None:
+        self.calls.append("store_kv")
+        key_cache[slot_blocks, :, slot_offsets] = k
+        value_cache[slot_blocks, :, slot_offsets] = v
+
+    def paged_decode(self, q, key_cache, value_cache, block_table, seq_lens, out, scale) -> None:
+        self.calls.append("paged_decode")
+        cpu_paged_decode.paged_decode(
+            self.library, q, key_cache, value_cache, block_table, seq_lens, out, scale
+        )
+
+
+def test_cuda_dispatch_stores_and_decodes_through_triton_kernels(kernel):
+    """On CUDA (here simulated) the Triton module stores K/V and decodes; prefill stays torch."""
+    runner = ModelRunner(build_tiny_model("llama", seed=4), 32, 4, "cpu")
+    attention = runner.decoder.attention
+    fake = RecordingTriton(kernel)
+    attention.cpu_kernel, attention.triton = None, fake
+    request = Request("r", list(range(10, 21)), SamplingParams(temperature=0))
+    request.block_ids = [9, 3, 17]
+    prefill = runner.compute_logits([(request, 10)])[0]
+    assert fake.calls == ["store_kv", "store_kv"]  # one per layer, no decode
+    request.num_computed_tokens = 10
+    decode = runner.compute_logits([(request, 1)])[0]
+    assert attention.decode_backend == "triton"
+    assert fake.calls[2:] == ["store_kv", "paged_decode"] * 2
+    attention.triton = None  # the torch path on the same cache
+    request.num_computed_tokens = 0
+    expected = runner.compute_logits([(request, 11)])[0]
+    torch.testing.assert_close(torch.cat([prefill, decode]), expected, atol=1e-5, rtol=0)
+
+
+def test_triton_kernels_only_where_available():
+    from engine.model import attention as attention_module
+    from engine.model.kernels import triton_paged
+
+    assert attention_module._triton_kernels(torch.device("cpu")) is None
+    cuda = torch.device("cuda")
+    found = attention_module._triton_kernels(cuda)
+    assert (found is triton_paged) == triton_paged.available(cuda)
