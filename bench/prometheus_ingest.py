@@ -102,7 +102,32 @@ def first_heartbeat() -> Heartbeat:
                      model_name="bench", num_kv_blocks_total=68959, pid=1)
 
 
-class InstrumentSink:
+class NothingSink:
+    """The Sink protocol doing nothing: Ingest's own cost (decode + sequence checks)."""
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        pass
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        pass
+
+    def on_status(self, *args) -> None:
+        pass
+
+    def on_dropped(self, *args) -> None:
+        pass
+
+    def on_undecodable(self, reason: str) -> None:
+        pass
+
+    def tick(self, now_ns: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class InstrumentSink(NothingSink):
     """Baseline: the same series as prometheus_client instruments, updated per record.
 
     The client has no weighted observe: ``itl_per_token`` observes the inter-token latency
@@ -202,49 +227,8 @@ class InstrumentSink:
         histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
         histograms["request_preemptions"].observe(milestone.num_preemptions)
 
-    # The rest of the Sink protocol, for Ingest.
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.received.inc()
-
-    def on_status(self, *args) -> None:
-        pass
-
-    def on_dropped(self, *args) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
-
-    def tick(self, now_ns: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class NothingSink:
-    """The Sink protocol doing nothing: Ingest's own cost (decode + sequence checks)."""
-
-    def on_iteration(self, record: IterationRecord) -> None:
-        pass
-
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        pass
-
-    def on_status(self, *args) -> None:
-        pass
-
-    def on_dropped(self, *args) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
-
-    def tick(self, now_ns: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def time_sink(make_sink, records: list[IterationRecord]) -> float:
