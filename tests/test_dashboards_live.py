@@ -112,8 +112,6 @@ class Feeder(threading.Thread):
         return True
 
 
-
-
 def start_engine(address: str) -> EngineCoreClient:
     config = EngineConfig(
         model="fake-llm",
@@ -127,8 +125,6 @@ def start_engine(address: str) -> EngineCoreClient:
     client = EngineCoreClient(config, load_fake_model, PacedFakeRunner, startup_timeout_s=60)
     assert client.ready.num_kv_blocks == NUM_KV_BLOCKS
     return client
-
-
 
 
 def wait_for_alert(prometheus: PrometheusHandle, name: str, timeout_s: float) -> dict:

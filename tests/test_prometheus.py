@@ -330,7 +330,6 @@ def lint_problems(text: str) -> set[str]:
     return {line.strip() for line in output.splitlines() if line.strip()}
 
 
-
 def test_exposition_passes_promtool_check_metrics():
     assert lint_problems(busy_exposition()) == set()
 

@@ -73,10 +73,6 @@ class Client(threading.Thread):
             self.error = error
 
 
-
-
-
-
 def wait_for_equal(prometheus: PrometheusHandle, expr: str, expected: float) -> None:
     """Poll until ``expr`` equals ``expected`` (scrapes trail the engine by a second)."""
     last = [None]

@@ -36,8 +36,6 @@ class LoadedModel:
     decoder: Decoder
 
 
-
-
 def load_model(name_or_dir: str, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
     """Load weights, config and tokenizer; weights end up in `dtype` on `device`."""
     path = resolve_model_path(name_or_dir)
