@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 import shutil
+import struct
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -177,82 +180,6 @@ def test_engine_markers_off_or_without_a_tool_are_null():
     assert isinstance(make_markers(True), NullMarkers)  # no NVTX tool in this process
 
 
-class FakeStream:
-    def __init__(self, log: list, name: str) -> None:
-        self.log, self.name = log, name
-
-    def open(self) -> None:
-        self.log.append(("open", self.name))
-
-    def write_startend(self, start, end, *, message, color, category) -> None:
-        self.log.append(("range", self.name, start, end, message, category))
-
-    def write_counter_sample(self, counter, timestamp, value) -> None:
-        self.log.append(("counter", self.name, counter, timestamp, value))
-
-
-class FakeSession:
-    """Stands in for nvtx.writer.Session: no NVTXW backend can be run here."""
-
-    log: list = []
-
-    def __init__(self, name, *, backend, config=None) -> None:
-        self.log.append(("session", name, backend, config))
-
-    def begin(self) -> None:
-        self.log.append(("begin",))
-
-    def end(self) -> None:
-        self.log.append(("end",))
-
-    def get_domain(self, name):
-        self.log.append(("domain", name))
-        return self
-
-    def get_counter(self, name, dtype):
-        return name
-
-    def create_stream(self, name, *, domain, time_domain_id):
-        self.log.append(("stream", name, time_domain_id))
-        return FakeStream(self.log, name)
-
-
-def test_writer_mode_places_ranges_at_the_engine_timestamps(monkeypatch):
-    import nvtx
-    from nvtx import writer
-
-    class FakeBackend:
-        closed = False
-
-        def close(self):
-            FakeBackend.closed = True
-
-    FakeSession.log = []
-    monkeypatch.setattr(writer, "Session", FakeSession)
-    monkeypatch.setattr(writer, "load_backend", lambda path: FakeBackend())
-    parser = argparse.ArgumentParser()
-    nvtx_ranges.add_arguments(parser)
-    sink = nvtx_ranges.build(parser.parse_args(
-        ["--nvtx-writer-backend", "/opt/nsys/libNvtxwBackend.so", "--nvtx-writer-config", "k=v"]))
-    assert isinstance(sink, nvtx_ranges.NvtxWriterSink)
-    records = make_records(2, engine_index=1)
-    for record in records:
-        sink.on_iteration(record)
-    sink.close()
-    log = FakeSession.log
-    assert ("domain", "iterscope") in log
-    assert ("stream", "engine 1", nvtx.TimestampType.CPU_CLOCK_GETTIME_MONOTONIC) in log
-    ranges = [entry for entry in log if entry[0] == "range"]
-    assert ranges == [("range", "engine 1", r.start_ns, r.start_ns + r.elapsed_ns,
-                       format_iteration_line(r), "engine 1") for r in records]
-    counters = [entry[2:] for entry in log if entry[0] == "counter"]
-    end_ns = records[0].start_ns + records[0].elapsed_ns
-    assert counters[:3] == [("engine 1: KV cache usage (%)", end_ns, 2.0),
-                            ("engine 1: running requests", end_ns, 2),
-                            ("engine 1: waiting requests", end_ns, 6)]
-    assert log[-1] == ("end",) and FakeBackend.closed
-
-
 def test_iteration_line_matches_the_design_example():
     record = make_records(1)[0]
     for name, value in dict(iteration=188, num_context_reqs=0, num_context_tokens=0,
@@ -266,6 +193,276 @@ def test_iteration_line_matches_the_design_example():
         "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)")
 
 
+
+# --- exact-timestamp mode (NvtxWriterSink) against a real NVTXW backend ----------------------
+#
+# tests/nvtxw_capture/nvtxw_capture.c is a recording NVTXW backend: nvtx.writer loads it like
+# Nsight Systems' backend and calls it through the NVTXW interface table; it writes every call
+# to a file. The tests decode the payload bytes with the schemas nvtx.writer registered, so a
+# wrong timestamp, value, message or layout in what the sink sends fails here.
+
+# From NVIDIA's nvToolsExtPayload.h: payload entry types, entry flags, schema type and flags.
+ENTRY_TYPE_FORMATS = {  # fixed-size entry types -> struct format
+    15: "i", 16: "I", 17: "q", 18: "Q",  # INT32, UINT32, INT64, UINT64
+    20: "d", 44: "d",  # DOUBLE, FLOAT64
+    67: "Q", 68: "I", 69: "I",  # RANGE_ID, CATEGORY, COLOR_ARGB
+    80: "Q",  # NVTX_REGISTERED_STRING_HANDLE
+}
+ENTRY_TYPE_CSTRING_UTF8 = 76
+ENTRY_TYPE_CATEGORY = 68
+ENTRY_TYPE_COLOR_ARGB = 69
+ENTRY_TYPE_REGISTERED_STRING = 80
+ENTRY_FLAG_EVENT_MESSAGE = 1 << 10
+ENTRY_FLAG_TIMESTAMP = 2 << 10
+ENTRY_ROLE_MASK = 7 << 12
+ENTRY_ROLE_RANGE_BEGIN = 1 << 12
+ENTRY_ROLE_RANGE_END = 2 << 12
+SCHEMA_TYPE_STATIC = 1
+SCHEMA_FLAG_RANGE_STARTEND = 3 << 3
+TIMESTAMP_TYPE_CLOCK_MONOTONIC = 14  # NVTX_TIMESTAMP_TYPE_CPU_CLOCK_GETTIME_MONOTONIC
+COUNTER_FORMATS = {17: "q", 20: "d", 44: "d"}  # scalar counter schema ids: INT64, DOUBLE, FLOAT64
+
+NVTXW_BACKEND_SOURCE = REPO / "tests" / "nvtxw_capture" / "nvtxw_capture.c"
+
+FEED_WRITER_SINK = """
+import argparse, sys
+import msgspec
+from telemetry.record import IterationRecord
+from telemetry.sinks import nvtx_ranges
+
+backend, config, records_path = sys.argv[1:]
+parser = argparse.ArgumentParser()
+nvtx_ranges.add_arguments(parser)
+sink = nvtx_ranges.build(parser.parse_args(
+    ["--nvtx-writer-backend", backend, "--nvtx-writer-config", config]))
+assert isinstance(sink, nvtx_ranges.NvtxWriterSink), sink
+records = msgspec.msgpack.Decoder(list[IterationRecord]).decode(open(records_path, "rb").read())
+for record in records:
+    sink.on_iteration(record)
+sink.close()
+"""
+
+
+def compile_library(source: Path, library: Path) -> Path:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise RuntimeError("gcc is needed to build the NVTXW test backend")
+    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
+                    str(source), "-o", str(library), "-lpthread"], check=True)
+    return library
+
+
+@pytest.fixture(scope="module")
+def nvtxw_backend(tmp_path_factory) -> Path:
+    return compile_library(NVTXW_BACKEND_SOURCE,
+                           tmp_path_factory.mktemp("nvtxw") / "libnvtxw_capture.so")
+
+
+@dataclass
+class SchemaEntry:
+    flags: int
+    type: int
+    name: str
+    offset: int
+
+    @property
+    def role(self) -> int:
+        return self.flags & ENTRY_ROLE_MASK
+
+
+@dataclass
+class PayloadSchema:
+    type: int
+    flags: int
+    static_size: int
+    entries: list[SchemaEntry] = field(default_factory=list)
+
+
+@dataclass
+class NvtxwCapture:
+    """What the recording backend received, keyed by the IDs it handed out."""
+
+    interface_versions: list[int] = field(default_factory=list)
+    sessions: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    ended_sessions: list[int] = field(default_factory=list)
+    domains: dict[int, str | None] = field(default_factory=dict)
+    categories: dict[tuple[int, int], str] = field(default_factory=dict)  # (domain, id)
+    strings: dict[int, str] = field(default_factory=dict)  # handle -> text
+    schemas: dict[int, PayloadSchema] = field(default_factory=dict)
+    counters: dict[int, tuple[int, str, int]] = field(default_factory=dict)  # domain, name, schema
+    streams: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # name, domain, clock
+    closed_streams: list[int] = field(default_factory=list)
+    events: list[tuple[int, list[tuple[int, bytes]]]] = field(default_factory=list)
+    samples: list[tuple[int, int, int, bytes]] = field(default_factory=list)  # stream, ts, id
+    other: list[list[str]] = field(default_factory=list)  # batches, unsupported calls
+    finalized: bool = False
+
+
+def text(field_: str) -> str | None:
+    return None if field_ == "-" else bytes.fromhex(field_).decode()
+
+
+def read_nvtxw_capture(path: Path) -> NvtxwCapture:
+    """Parse the backend's file (format in the header of nvtxw_capture.c)."""
+    capture = NvtxwCapture()
+    for line in path.read_text().splitlines():
+        kind, *f = line.split("\t")
+        if kind == "interface":
+            capture.interface_versions.append(int(f[0]))
+        elif kind == "session_begin":
+            capture.sessions[int(f[0])] = (text(f[1]), text(f[2]))
+        elif kind == "session_end":
+            capture.ended_sessions.append(int(f[0]))
+        elif kind == "domain":
+            capture.domains[int(f[1])] = text(f[2])
+        elif kind == "category":
+            capture.categories[int(f[0]), int(f[1])] = text(f[2])
+        elif kind == "string":
+            capture.strings[int(f[1])] = text(f[2])
+        elif kind == "schema":
+            capture.schemas[int(f[1])] = PayloadSchema(type=int(f[3]), flags=int(f[4]),
+                                                       static_size=int(f[6]))
+        elif kind == "entry":
+            capture.schemas[int(f[0])].entries.append(SchemaEntry(
+                flags=int(f[2]), type=int(f[3]), name=text(f[4]), offset=int(f[6])))
+        elif kind == "counter":
+            capture.counters[int(f[1])] = (int(f[0]), text(f[3]), int(f[2]))
+        elif kind == "stream_open":
+            capture.streams[int(f[1])] = (text(f[2]), int(f[3]), int(f[5]))
+        elif kind == "stream_close":
+            capture.closed_streams.append(int(f[0]))
+        elif kind == "event":
+            pairs = zip(f[1::2], f[2::2], strict=True)
+            capture.events.append((int(f[0]), [(int(s), bytes.fromhex(b)) for s, b in pairs]))
+        elif kind == "counter_sample":
+            capture.samples.append((int(f[0]), int(f[1]), int(f[2]), bytes.fromhex(f[3])))
+        elif kind == "finalize":
+            capture.finalized = True
+        else:
+            capture.other.append([kind, *f])
+    return capture
+
+
+def decode_payload(schema: PayloadSchema, data: bytes) -> list[tuple[SchemaEntry, object]]:
+    """Each entry of ``schema`` with its value read from ``data`` (native byte order)."""
+    if schema.type == SCHEMA_TYPE_STATIC:
+        assert len(data) == schema.static_size, (len(data), schema)
+    values = []
+    for entry in schema.entries:
+        if entry.type == ENTRY_TYPE_CSTRING_UTF8:  # runs to a NUL or the end of the payload
+            value = data[entry.offset:].split(b"\0")[0].decode()
+        else:
+            value = struct.unpack_from(ENTRY_TYPE_FORMATS[entry.type], data, entry.offset)[0]
+        values.append((entry, value))
+    return values
+
+
+@dataclass
+class Range:
+    stream: int
+    start: int
+    end: int
+    message: str | None
+    color: int | None
+    category: int | None
+
+
+def decode_ranges(capture: NvtxwCapture) -> list[Range]:
+    """Every start/end range event, from its payloads as the registered schemas lay them out."""
+    ranges = []
+    for stream, payloads in capture.events:
+        decoded = [decode_payload(capture.schemas[schema_id], data)
+                   for schema_id, data in payloads]
+        assert capture.schemas[payloads[0][0]].flags == SCHEMA_FLAG_RANGE_STARTEND
+        found: dict[str, object] = {}
+        for entry, value in (pair for payload in decoded for pair in payload):
+            if entry.flags & ENTRY_FLAG_TIMESTAMP and entry.role == ENTRY_ROLE_RANGE_BEGIN:
+                found["start"] = value
+            elif entry.flags & ENTRY_FLAG_TIMESTAMP and entry.role == ENTRY_ROLE_RANGE_END:
+                found["end"] = value
+            elif entry.flags & ENTRY_FLAG_EVENT_MESSAGE:
+                is_handle = entry.type == ENTRY_TYPE_REGISTERED_STRING
+                found["message"] = capture.strings[value] if is_handle else value
+            elif entry.type == ENTRY_TYPE_COLOR_ARGB:
+                found["color"] = value
+            elif entry.type == ENTRY_TYPE_CATEGORY:
+                found["category"] = value
+        ranges.append(Range(stream=stream, start=found["start"], end=found["end"],
+                            message=found.get("message"), color=found.get("color"),
+                            category=found.get("category")))
+    return ranges
+
+
+def run_writer_sink(backend: Path, config: str, records: list[IterationRecord],
+                    tmp_path: Path) -> NvtxwCapture:
+    """Feed ``records`` to the sink built from the sidecar's CLI, in a child process."""
+    records_path = tmp_path / "records.msgpack"
+    records_path.write_bytes(msgspec.msgpack.encode(records))
+    capture_path = tmp_path / "nvtxw.tsv"
+    env = dict(os.environ, ITERSCOPE_NVTXW_CAPTURE=str(capture_path), PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", FEED_WRITER_SINK, str(backend), config,
+                    str(records_path)], check=True, env=env, cwd=REPO, timeout=60)
+    return read_nvtxw_capture(capture_path)
+
+
+def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_backend,
+                                                                         tmp_path):
+    engine_records = {0: make_records(5, engine_index=0), 3: make_records(4, engine_index=3)}
+    records = [r for pair in itertools.zip_longest(*engine_records.values()) for r in pair if r]
+    config = "first=1\nsecond=two words"
+    capture = run_writer_sink(nvtxw_backend, config, records, tmp_path)
+
+    assert capture.interface_versions == [2]
+    assert list(capture.sessions.values()) == [("iterscope", config)]
+    assert capture.ended_sessions == list(capture.sessions) and capture.finalized
+    assert list(capture.domains.values()) == ["iterscope"]
+    (domain,) = capture.domains
+    stream_ids = {name: stream for stream, (name, _, _) in capture.streams.items()}
+    assert sorted(capture.streams.values()) == [
+        ("engine 0", domain, TIMESTAMP_TYPE_CLOCK_MONOTONIC),
+        ("engine 3", domain, TIMESTAMP_TYPE_CLOCK_MONOTONIC)]
+    assert sorted(capture.closed_streams) == sorted(capture.streams)
+    assert capture.other == []  # no batches, no call the backend does not support
+
+    ranges = decode_ranges(capture)
+    assert len(ranges) == len(records)
+    for engine, expected in engine_records.items():
+        assert [(r.start, r.end, r.message, r.color, capture.categories[domain, r.category])
+                for r in ranges if r.stream == stream_ids[f"engine {engine}"]] == [
+            (record.start_ns, record.start_ns + record.elapsed_ns,
+             format_iteration_line(record), nvtx_ranges.RANGE_COLOR, f"engine {engine}")
+            for record in expected]
+
+    for engine, expected in engine_records.items():
+        samples = []
+        for stream, timestamp, counter_id, data in capture.samples:
+            if stream == stream_ids[f"engine {engine}"]:
+                counter_domain, name, schema_id = capture.counters[counter_id]
+                assert counter_domain == domain
+                (value,) = struct.unpack(COUNTER_FORMATS[schema_id], data)
+                samples.append((name, timestamp, value))
+        prefix = f"engine {engine}: "
+        assert samples == [
+            sample
+            for record in expected
+            for sample in (
+                (prefix + "KV cache usage (%)", record.start_ns + record.elapsed_ns,
+                 pytest.approx(100 * record.num_kv_blocks_used / 5000, abs=1e-9)),
+                (prefix + "running requests", record.start_ns + record.elapsed_ns,
+                 record.num_running_reqs),
+                (prefix + "waiting requests", record.start_ns + record.elapsed_ns,
+                 record.num_waiting_reqs),
+            )]
+
+
 def test_writer_mode_with_a_missing_backend_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot load the NVTXW backend"):
         nvtx_ranges.NvtxWriterSink(str(tmp_path / "missing.so"))
+
+
+def test_writer_mode_with_a_library_that_is_no_nvtxw_backend_is_a_clear_error(tmp_path):
+    source = tmp_path / "not_a_backend.c"
+    source.write_text("int iterscope_unrelated(void) { return 0; }\n")
+    library = compile_library(source, tmp_path / "libnot_a_backend.so")
+    with pytest.raises(ValueError, match="cannot load the NVTXW backend.*symbol missing"):
+        nvtx_ranges.NvtxWriterSink(str(library))
