@@ -108,10 +108,6 @@ class NvtxSink(Sink):
                 engine.open_range_id = None
 
 
-
-
-
-
 class NvtxWriterSink(Sink):
     """Exact mode: ranges and counters at the engine's timestamps, through an NVTXW backend.
 
@@ -120,7 +116,8 @@ class NvtxWriterSink(Sink):
     end. No NVTX tool needs to be attached to the sidecar in this mode.
     """
 
-    def __init__(self, backend_path: str, config: str | None = None, name: str = DOMAIN):
+    def __init__(self, backend_path: str, config: str | None = None,
+                 name: str = DOMAIN) -> None:
         from nvtx import writer
 
         try:
@@ -172,11 +169,6 @@ class NvtxWriterSink(Sink):
     def close(self) -> None:
         self._session.end()
         self._backend.close()
-
-
-
-
-
 
 
 # --- sidecar CLI plumbing ----------------------------------------------------------------
