@@ -6,7 +6,8 @@ its blocked layout each time. Packing once at load time
 makes decode-sized matmuls about 15% faster on AVX-512 BF16 CPUs. In bfloat16 the results
 are the same as F.linear. float32 is left unpacked: there the packed kernel rounds
 differently (about 1e-4) and the parity tests hold float32 to transformers at 1e-4.
-Set ITERSCOPE_PACK_WEIGHTS=0 to turn packing off.
+CPUs without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT refuse the reorder; there the weight
+stays plain. Set ITERSCOPE_PACK_WEIGHTS=0 to turn packing off.
 """
 
 from __future__ import annotations
