@@ -1,6 +1,7 @@
-"""NVTX sink, checked with a real NVTX tool: tests/nvtx_capture/nvtx_capture.c, compiled here
-with gcc against the headers of nvidia-nvtx-cu12 and loaded through NVTX_INJECTION64_PATH
-into a child process that feeds the sink synthetic records."""
+"""NVTX sinks, checked with real tools compiled here with gcc and run in a child process that
+feeds the sink synthetic records: live mode under tests/nvtx_capture/nvtx_capture.c (an NVTX
+injection library, built against the headers of nvidia-nvtx-cu12), exact mode through
+nvtx.writer into tests/nvtxw_capture/nvtxw_capture.c (a recording NVTXW backend)."""
 
 from __future__ import annotations
 
