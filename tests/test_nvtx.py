@@ -291,6 +291,7 @@ class NvtxwCapture:
     strings: dict[int, str] = field(default_factory=dict)  # handle -> text
     schemas: dict[int, PayloadSchema] = field(default_factory=dict)
     counters: dict[int, tuple[int, str, int]] = field(default_factory=dict)  # domain, name, schema
+    counter_semantics: dict[int, tuple[str, float, float]] = field(default_factory=dict)
     streams: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # name, domain, clock
     closed_streams: list[int] = field(default_factory=list)
     events: list[tuple[int, list[tuple[int, bytes]]]] = field(default_factory=list)
@@ -328,6 +329,9 @@ def read_nvtxw_capture(path: Path) -> NvtxwCapture:
                 flags=int(f[2]), type=int(f[3]), name=text(f[4]), offset=int(f[6])))
         elif kind == "counter":
             capture.counters[int(f[1])] = (int(f[0]), text(f[3]), int(f[2]))
+            if len(f) > 5:  # counter semantics: unit, min, max
+                limits = struct.unpack("=2d", bytes.fromhex(f[6]) + bytes.fromhex(f[7]))
+                capture.counter_semantics[int(f[1])] = (text(f[5]), *limits)
         elif kind == "stream_open":
             capture.streams[int(f[1])] = (text(f[2]), int(f[3]), int(f[5]))
         elif kind == "stream_close":
@@ -455,6 +459,11 @@ def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_b
                  record.num_waiting_reqs),
             )]
 
+    semantics = {capture.counters[counter_id][1]: value
+                 for counter_id, value in capture.counter_semantics.items()}
+    assert semantics == {f"engine {engine}: KV cache usage (%)": ("%", 0.0, 100.0)
+                         for engine in engine_records}
+
 
 def test_writer_mode_with_a_missing_backend_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot load the NVTXW backend"):
@@ -467,3 +476,11 @@ def test_writer_mode_with_a_library_that_is_no_nvtxw_backend_is_a_clear_error(tm
     library = compile_library(source, tmp_path / "libnot_a_backend.so")
     with pytest.raises(ValueError, match="cannot load the NVTXW backend.*symbol missing"):
         nvtx_ranges.NvtxWriterSink(str(library))
+
+
+def test_writer_mode_with_a_refused_session_is_a_clear_error(nvtxw_backend, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.setenv("ITERSCOPE_NVTXW_CAPTURE", str(tmp_path / "capture.txt"))
+    with pytest.raises(ValueError, match="refused the session"):
+        nvtx_ranges.NvtxWriterSink(str(nvtxw_backend), config="refuse-session")
+    assert "finalize" in (tmp_path / "capture.txt").read_text()  # the backend was closed

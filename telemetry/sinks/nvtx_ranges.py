@@ -39,6 +39,7 @@ RANGE_COLOR = 0xFF76B900  # ARGB
 KV_USAGE = "KV cache usage (%)"
 RUNNING = "running requests"
 WAITING = "waiting requests"
+KV_USAGE_SEMANTICS = nvtx.CounterSemantics(unit="%", min=0.0, max=100.0)
 
 
 def engine_category(engine_index: int) -> str:
@@ -56,9 +57,8 @@ class _EngineRanges:
         self.attributes = domain.get_event_attributes(
             color=RANGE_COLOR, category=engine_category(engine_index)
         )
-        percent = nvtx.CounterSemantics(unit="%", min=0.0, max=100.0)
         self.kv_usage = domain.get_counter(
-            counter_name(engine_index, KV_USAGE), float, semantics=percent
+            counter_name(engine_index, KV_USAGE), float, semantics=KV_USAGE_SEMANTICS
         )
         self.running = domain.get_counter(counter_name(engine_index, RUNNING), int)
         self.waiting = domain.get_counter(counter_name(engine_index, WAITING), int)
@@ -124,8 +124,14 @@ class NvtxWriterSink(Sink):
             self._backend = writer.load_backend(backend_path)
         except (OSError, writer.WriterError) as error:
             raise ValueError(f"cannot load the NVTXW backend {backend_path!r}: {error}") from None
-        self._session = writer.Session(name, backend=self._backend, config=config)
-        self._session.begin()
+        try:
+            self._session = writer.Session(name, backend=self._backend, config=config)
+            self._session.begin()
+        except writer.WriterError as error:
+            self._backend.close()
+            raise ValueError(
+                f"the NVTXW backend {backend_path!r} refused the session: {error}"
+            ) from None
         self._domain = self._session.get_domain(DOMAIN)
         self._streams: dict[int, object] = {}
         self._counters: dict[tuple[int, str], object] = {}
@@ -146,7 +152,10 @@ class NvtxWriterSink(Sink):
         key = (engine_index, what)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._domain.get_counter(counter_name(engine_index, what), dtype)
+            semantics = KV_USAGE_SEMANTICS if what == KV_USAGE else None
+            counter = self._domain.get_counter(
+                counter_name(engine_index, what), dtype, semantics=semantics
+            )
             self._counters[key] = counter
         return counter
 

@@ -17,7 +17,9 @@
  *     string          <domain> <handle address> <text>
  *     schema          <domain> <schema id> <field mask> <type> <flags> <entries> <static size>
  *     entry           <schema id> <index> <flags> <type> <name> <array detail> <offset>
- *     counter         <domain> <counter id> <schema id> <name> <scope id>
+ *     counter         <domain> <counter id> <schema id> <name> <scope id> [<unit> <min> <max>]
+ *                     (unit and limits when counter semantics are attached; limits as the
+ *                     hex of their 8 bytes, whatever limitType says they hold)
  *     stream_open     <session> <stream> <name> <domain> <scope id> <time domain id>
  *     stream_close    <stream>
  *     event           <stream> (<schema id> <payload bytes>)...    one pair per payload
@@ -49,6 +51,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* A session whose config string is exactly this is refused (the sink's error path). */
+#define REFUSE_CONFIG "refuse-session"
 
 #define RESULT_SUCCESS 0
 #define RESULT_FAILED 1
@@ -101,6 +106,20 @@ typedef struct SemanticsHeader {
     uint16_t version;
     const struct SemanticsHeader *next;
 } SemanticsHeader;
+
+/* The counter semantics extension (nvtxSemanticsCounter_t in counters.pxd), semanticId 5. */
+#define SEMANTIC_ID_COUNTERS 5
+
+typedef struct CounterSemantics {
+    SemanticsHeader header;
+    uint64_t flags;
+    const char *unit;
+    uint64_t unitScaleNumerator;
+    uint64_t unitScaleDenominator;
+    int64_t limitType;
+    double min; /* a union of int64 / uint64 / double; limitType says which */
+    double max;
+} CounterSemantics;
 
 typedef struct SchemaEntry {
     uint64_t flags;
@@ -285,6 +304,8 @@ static result_t session_begin(const SessionAttributes *attr, Handle **sessionOut
 {
     if (attr == NULL || sessionOut == NULL || attr->structSize < sizeof *attr)
         return RESULT_INVALID_ARGUMENT;
+    if (attr->configString && strcmp(attr->configString, REFUSE_CONFIG) == 0)
+        return RESULT_FAILED;
     pthread_mutex_lock(&lock);
     Handle *session = new_handle('S');
     if (session != NULL) {
@@ -441,6 +462,15 @@ static result_t counter_register(Handle *domain, const CounterAttributes *attr,
     put_u64(attr->schemaId);
     put_string(attr->name);
     put_u64(attr->scopeId);
+    for (const SemanticsHeader *header = attr->semantics; header; header = header->next) {
+        if (header->semanticId != SEMANTIC_ID_COUNTERS || header->structSize < sizeof(CounterSemantics))
+            continue;
+        const CounterSemantics *semantics = (const CounterSemantics *)header;
+        put_string(semantics->unit);
+        put_hex(&semantics->min, sizeof semantics->min);
+        put_hex(&semantics->max, sizeof semantics->max);
+        break;
+    }
     end_line();
     pthread_mutex_unlock(&lock);
     *counterIdOut = id;
