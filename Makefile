@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint dashboards bench prometheus clean
+.PHONY: demo test lint dashboards bench prometheus alertmanager clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,10 +22,19 @@ prometheus:
 	  ( $(SUDO) apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus )
 
+# Alertmanager and amtool from Debian (which names the binary prometheus-alertmanager), for the
+# test that runs the shipped Alertmanager config; the test starts its own process.
+alertmanager:
+	@{ command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null 2>&1 && \
+	  command -v amtool >/dev/null 2>&1 || \
+	  ( $(SUDO) apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+	      prometheus-alertmanager )
+
 demo: $(STAMP)
 	$(PY) -m engine.cli demo $(ARGS)
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus alertmanager
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
