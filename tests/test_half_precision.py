@@ -71,3 +71,22 @@ def test_prefill_and_paged_decode_match_transformers_in_the_same_dtype(architect
     clear = (top2[:, 0] - top2[:, 1]) > 2 * rounding_error
     assert clear.sum() >= SEQ_LEN // 2  # enough positions to make the check mean something
     assert torch.equal(ours.argmax(-1)[clear], ours_fp32.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_bfloat16_on_a_cpu_without_bf16_matmuls(architecture, monkeypatch):
+    """CPUs without bf16 matmuls (AVX2) widen bf16 weights and the plain prefill to float32
+    (engine/model/linear.py). Forced here, so CI runs that path on any CPU: same bar."""
+    from engine.model import attention, linear
+
+    def refuse(weight):
+        raise RuntimeError("bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(linear, "pack_bf16_weight", refuse)
+    monkeypatch.setattr(attention, "cpu_has_bf16_matmul", lambda: False)
+    hf_config = tiny_hf_config(architecture)
+    config = ModelConfig.from_hf_dict(hf_config, architecture, "bfloat16")
+    decoder = Decoder(config, tiny_state_dict(hf_config, seed=1), "cpu")
+    assert decoder.attention.widen_plain_prefill
+    assert decoder.layers[0].qkv_proj.widened is not None
+    test_prefill_and_paged_decode_match_transformers_in_the_same_dtype(architecture, "bfloat16")

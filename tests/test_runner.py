@@ -150,22 +150,48 @@ def cpu_packs_bf16_weights() -> bool:
     return True
 
 
-def test_packed_bf16_weights_match_plain_linear(monkeypatch):
-    """bfloat16 weights are packed for oneDNN on CPUs that can (kept plain on the others);
-    the logits must not change."""
+def test_prepared_bf16_weights_match_plain_linear(monkeypatch):
+    """bfloat16 weights are packed for oneDNN on CPUs that can, widened to float32 on the
+    others; either way the logits must not change."""
     packed = build_tiny_model("llama", seed=5, dtype="bfloat16")
     qkv_proj = packed.decoder.layers[0].qkv_proj
-    assert (qkv_proj.packed is not None) == cpu_packs_bf16_weights()
-    assert (qkv_proj.weight is None) == (qkv_proj.packed is not None)
+    assert qkv_proj.weight is None
+    if cpu_packs_bf16_weights():
+        assert qkv_proj.packed is not None and qkv_proj.widened is None
+    else:
+        assert qkv_proj.packed is None and qkv_proj.widened.dtype == torch.float32
     monkeypatch.setenv("ITERSCOPE_PACK_WEIGHTS", "0")
     plain = build_tiny_model("llama", seed=5, dtype="bfloat16")
-    assert plain.decoder.layers[0].qkv_proj.packed is None
+    assert plain.decoder.layers[0].qkv_proj.weight is not None
     request = new_request("a", 12, SamplingParams(temperature=0), seed=2)
     request.block_ids = [0, 1, 2]
     step = [(request, 12)]
     got = ModelRunner(packed, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
     want = ModelRunner(plain, 8, BLOCK_SIZE, "cpu").compute_logits(step)[0]
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+
+
+def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch):
+    """Where oneDNN cannot pack bf16 (AVX2 CPUs), the weight is widened to float32: the same
+    products and float32 sums as a bf16 GEMM, so the result is the float64 product of the
+    bf16 values rounded once to bf16 (give or take one rounding step)."""
+    from engine.model import linear
+
+    def refuse(weight):
+        raise RuntimeError("bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(linear, "pack_bf16_weight", refuse)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=generator).bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    x = torch.randn(5, 64, generator=generator).bfloat16()
+    layer = linear.Linear(weight, bias)
+    assert layer.weight is None and layer.packed is None
+    assert layer.widened.dtype == torch.float32 and layer.bias.dtype == torch.float32
+    got = layer(x)
+    want = (x.double() @ weight.double().T + bias.double()).bfloat16()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
 
 
 def test_gguf_rope_scaling_is_honoured_or_refused():

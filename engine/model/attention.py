@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.kernels import cpu_paged_decode
+from engine.model.linear import cpu_has_bf16_matmul
 
 # Fresh prompts up to this length attend through plain batched matmuls and a causal bias
 # (about a third faster than SDPA's flash kernel on CPU at 256); longer ones use SDPA, whose
@@ -110,6 +111,11 @@ class PagedAttention:
         ):
             self.cpu_kernel = cpu_paged_decode.load_kernel()
         self.triton = _triton_kernels(device)
+        # On CPUs without bf16 matmuls (AVX2), the plain prefill computes in float32: see
+        # engine/model/linear.py. Scores and probabilities then also stay in float32.
+        self.widen_plain_prefill = (
+            device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16_matmul()
+        )
         self.decode_backend = "torch"  # of the last step with decodes
         self.decode_rows: torch.Tensor | None = None
         self.decode_key_buffer: torch.Tensor | None = None
@@ -257,6 +263,8 @@ class PagedAttention:
         """Causal attention of n sequences of `length` tokens by batched matmuls. Each KV head's
         group of query heads is stacked position-major (row p * G + g: head g at position p),
         and QUERY_CHUNK positions at a time attend only to the keys up to their last one."""
+        if self.widen_plain_prefill and q.dtype == torch.bfloat16:
+            return self._plain_causal(q.float(), k.float(), v.float(), n, length).to(q.dtype)
         kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
         grouped_q = q.reshape(n, length, kvh, group, dim).transpose(1, 2)
         grouped_q = grouped_q.reshape(n * kvh, length * group, dim)
