@@ -56,13 +56,29 @@ def http_get_json(url: str, timeout_s: float = 10.0) -> dict:
         return json.loads(response.read())
 
 
-class PrometheusHandle:
-    """A running Prometheus: its URL and the HTTP API calls tests need."""
+class ServerProcess:
+    """A server the test started (Prometheus, Alertmanager): its URL, its log, and stop()."""
 
     def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
         self.process = process
         self.url = url
         self.log_path = log_path
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+class PrometheusHandle(ServerProcess):
+    """A running Prometheus: its URL and the HTTP API calls tests need."""
 
     def api(self, path: str, **params: str) -> dict:
         """GET /api/v1/<path>; returns ``data``, raises on an error status."""
@@ -133,18 +149,6 @@ class PrometheusHandle:
             raise RuntimeError(
                 f"Prometheus exited with {self.process.returncode}\n{self.log_tail()}"
             )
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
 
     def __enter__(self) -> PrometheusHandle:
         return self

@@ -30,7 +30,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from prom_helpers import free_port  # noqa: E402
+from prom_helpers import ServerProcess, free_port  # noqa: E402
 
 CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 RULE_FILES = sorted((REPO / "dashboards" / "alerts").glob("*.yml"))
@@ -88,13 +88,8 @@ def key_of(labels: dict[str, str]) -> AlertKey:
     return (labels["alertname"], labels["instance"], labels["engine"], labels["model_name"])
 
 
-class Alertmanager:
+class Alertmanager(ServerProcess):
     """A running Alertmanager: post alerts, read back who inhibits whom."""
-
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
-        self.process = process
-        self.url = url
-        self.log_path = log_path
 
     def post(self, keys: list[AlertKey]) -> None:
         """Fire one alert per key, as Prometheus would (ending in an hour)."""
@@ -133,18 +128,6 @@ class Alertmanager:
                 return response.status == 200
         except OSError:
             return False
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
 
 
 def start_alertmanager(tmp_path: Path) -> Alertmanager:
