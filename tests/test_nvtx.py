@@ -65,18 +65,20 @@ def nvtx_include_dir() -> Path:
     raise RuntimeError("NVTX C headers not found: pip install nvidia-nvtx-cu12")
 
 
-@pytest.fixture(scope="module")
-def capture_library(tmp_path_factory) -> Path:
+def compile_library(source: Path, library: Path, *flags: str) -> Path:
+    """Build ``source`` into the shared library ``library`` with gcc (warnings are errors)."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise RuntimeError("gcc is needed to build the NVTX capture tool")
-    library = tmp_path_factory.mktemp("nvtx") / "libnvtx_capture.so"
-    subprocess.run(
-        [gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", f"-I{nvtx_include_dir()}",
-         str(CAPTURE_SOURCE), "-o", str(library), "-lpthread"],
-        check=True,
-    )
+        raise RuntimeError(f"gcc is needed to build {source.name}")
+    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", *flags,
+                    str(source), "-o", str(library), "-lpthread"], check=True)
     return library
+
+
+@pytest.fixture(scope="module")
+def capture_library(tmp_path_factory) -> Path:
+    library = tmp_path_factory.mktemp("nvtx") / "libnvtx_capture.so"
+    return compile_library(CAPTURE_SOURCE, library, f"-I{nvtx_include_dir()}")
 
 
 def make_records(num_records: int, engine_index: int = 0) -> list[IterationRecord]:
@@ -194,7 +196,6 @@ def test_iteration_line_matches_the_design_example():
         "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)")
 
 
-
 # --- exact-timestamp mode (NvtxWriterSink) against a real NVTXW backend ----------------------
 #
 # tests/nvtxw_capture/nvtxw_capture.c is a recording NVTXW backend: nvtx.writer loads it like
@@ -242,15 +243,6 @@ for record in records:
     sink.on_iteration(record)
 sink.close()
 """
-
-
-def compile_library(source: Path, library: Path) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise RuntimeError("gcc is needed to build the NVTXW test backend")
-    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
-                    str(source), "-o", str(library), "-lpthread"], check=True)
-    return library
 
 
 @pytest.fixture(scope="module")

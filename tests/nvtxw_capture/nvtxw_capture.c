@@ -463,7 +463,8 @@ static result_t counter_register(Handle *domain, const CounterAttributes *attr,
     put_string(attr->name);
     put_u64(attr->scopeId);
     for (const SemanticsHeader *header = attr->semantics; header; header = header->next) {
-        if (header->semanticId != SEMANTIC_ID_COUNTERS || header->structSize < sizeof(CounterSemantics))
+        if (header->semanticId != SEMANTIC_ID_COUNTERS
+            || header->structSize < sizeof(CounterSemantics))
             continue;
         const CounterSemantics *semantics = (const CounterSemantics *)header;
         put_string(semantics->unit);
