@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
@@ -63,6 +64,14 @@ class ServerProcess:
         self.process = process
         self.url = url
         self.log_path = log_path
+
+    def ready(self) -> bool:
+        """Whether /-/ready answers 200 (Prometheus and Alertmanager both serve it)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -136,14 +145,6 @@ class PrometheusHandle(ServerProcess):
                 raise TimeoutError(f"Prometheus: no {what} after {timeout_s} s\n{self.log_tail()}")
             time.sleep(0.25)
 
-    def ready(self) -> bool | None:
-        """True once /-/ready answers 200, None before."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                return True if response.status == 200 else None
-        except OSError:
-            return None
-
     def check_running(self) -> None:
         if self.process.poll() is not None:
             raise RuntimeError(
@@ -191,25 +192,38 @@ def start_prometheus(
     directory.mkdir(parents=True)
     config_path = write_config(directory, scrape_targets, rule_files, scrape_interval,
                                eval_interval)
-    last_error: Exception | None = None
-    for _ in range(3):  # the free port may be taken between probing and binding
+    return start_server(
+        PrometheusHandle, directory, "prometheus",
+        lambda port: [binary, f"--config.file={config_path}",
+                      f"--storage.tsdb.path={directory / 'data'}",
+                      f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+    )
+
+
+Server = TypeVar("Server", bound=ServerProcess)
+
+
+def start_server(
+    make_handle: Callable[[subprocess.Popen, str, Path], Server], directory: Path, name: str,
+    command: Callable[[int], list[str]],
+) -> Server:
+    """Run ``command(port)`` on a free 127.0.0.1 port, logging into ``directory``, until its
+    /-/ready answers. Three tries: the free port may be taken between probing and binding."""
+    last_log = ""
+    for _ in range(3):
         port = free_port()
-        log_path = directory / f"prometheus-{port}.log"
+        log_path = directory / f"{name}-{port}.log"
         with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [binary, f"--config.file={config_path}",
-                 f"--storage.tsdb.path={directory / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=log_file, stderr=subprocess.STDOUT,
-            )
-        handle = PrometheusHandle(process, f"http://127.0.0.1:{port}", log_path)
-        try:
-            handle.wait_until(handle.ready, STARTUP_TIMEOUT_S, "readiness")
-            return handle
-        except (RuntimeError, TimeoutError) as error:
-            handle.stop()
-            last_error = error
-    raise RuntimeError(f"Prometheus did not start: {last_error}")
+            process = subprocess.Popen(command(port), stdout=log_file, stderr=subprocess.STDOUT)
+        handle = make_handle(process, f"http://127.0.0.1:{port}", log_path)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            if handle.ready():
+                return handle
+            time.sleep(0.1)
+        handle.stop()
+        last_log = handle.log_tail()
+    raise RuntimeError(f"{name} did not become ready\n{last_log}")
 
 
 # A live `iterscope sidecar` for the tests that scrape it -----------------------------------

@@ -30,11 +30,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from prom_helpers import ServerProcess, free_port  # noqa: E402
+from prom_helpers import ServerProcess, start_server  # noqa: E402
 
 CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 RULE_FILES = sorted((REPO / "dashboards" / "alerts").glob("*.yml"))
-STARTUP_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 10.0
 
 # An alert as the tests name it: (alertname, instance, engine, model_name).
@@ -122,35 +121,16 @@ class Alertmanager(ServerProcess):
             result[key_of(alert["labels"])] = sources
         return result
 
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
 
 def start_alertmanager(tmp_path: Path) -> Alertmanager:
     """Alertmanager on the repository's config, 127.0.0.1 and a free port, without gossip."""
     binary = find_binary("alertmanager", "prometheus-alertmanager")
-    for _ in range(3):  # the free port may be taken between probing and binding
-        port = free_port()
-        log_path = tmp_path / f"alertmanager-{port}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-                 "--log.level=warn"],
-                stdout=log_file, stderr=subprocess.STDOUT,
-            )
-        manager = Alertmanager(process, f"http://127.0.0.1:{port}", log_path)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while process.poll() is None and time.monotonic() < deadline:
-            if manager.ready():
-                return manager
-            time.sleep(0.1)
-        manager.stop()
-    pytest.fail(f"Alertmanager did not become ready\n{manager.log_tail()}")
+    return start_server(
+        Alertmanager, tmp_path, "alertmanager",
+        lambda port: [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path / 'data'}",
+                      f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+                      "--log.level=warn"],
+    )
 
 
 @pytest.fixture
