@@ -50,6 +50,7 @@ VARIABLE_SOURCE_METRIC = "iterscope_engine_state"
 # Thresholds of the KV usage panels, the same numbers as the KV alerts.
 KV_NEAR_FULL_RATIO = 0.90
 KV_SATURATED_RATIO = 0.95
+KV_BLOCKED_SHARE = 0.5  # IterscopeKVCacheSaturated: share of iterations leaving requests waiting
 
 
 def series(metric: str, extra_labels: str = "") -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard
 
 from dashboards.common import (
+    KV_BLOCKED_SHARE,
     engine_legend,
     heatmap_panel,
     histogram_mean,
@@ -19,6 +20,7 @@ from dashboards.common import (
     rate,
     series,
     timeseries_panel,
+    with_threshold_lines,
 )
 
 UID = "iterscope-iterations"
@@ -147,6 +149,20 @@ def waiting_by_reason() -> dashboard.Panel:
     )
 
 
+def kv_blocked_share() -> dashboard.Panel:
+    blocked = rate("iterscope_kv_blocked_iterations_total")
+    iterations = rate("iterscope_iterations_total")
+    panel = timeseries_panel(
+        "Iterations leaving requests waiting for KV",
+        "Share of iterations after which requests waited for a free KV block (preempted or "
+        "not admitted), counted at every iteration rather than sampled, per engine; above the "
+        "red line with KV usage at 95% for 2 minutes, IterscopeKVCacheSaturated fires.",
+        [query(f"{blocked} / {iterations}", engine_legend(), "A")],
+        unit="percentunit",
+    ).max(1)
+    return with_threshold_lines(panel, [(None, "green"), (KV_BLOCKED_SHARE, "red")])
+
+
 def build() -> dashboard.Dashboard:
     board = new_dashboard(
         UID,
@@ -164,6 +180,7 @@ def build() -> dashboard.Dashboard:
         kv_blocks(),
         kv_tokens(),
         waiting_by_reason(),
+        kv_blocked_share(),
         prefix_hit_rate(),
     ]
     for panel in panels:

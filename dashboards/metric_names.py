@@ -25,6 +25,7 @@ COUNTERS = {
     "iterscope_prompt_tokens_cached_total",
     "iterscope_generation_tokens_total",
     "iterscope_preemptions_total",
+    "iterscope_kv_blocked_iterations_total",
     "iterscope_prefix_cache_queries_total",
     "iterscope_prefix_cache_hits_total",
     "iterscope_requests_finished_total",

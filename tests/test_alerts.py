@@ -190,11 +190,22 @@ def test_kv_panel_thresholds_are_the_alert_thresholds():
     from dashboards.common import KV_NEAR_FULL_RATIO, KV_SATURATED_RATIO
 
     def threshold(name: str) -> float:
-        match = re.search(r"iterscope_kv_cache_usage_ratio >= ([\d.]+)", RULES[name]["expr"])
+        match = re.search(r"iterscope_kv_cache_usage_ratio(?:\[\w+\]\))? >= ([\d.]+)",
+                          RULES[name]["expr"])
         return float(match[1])
 
     assert threshold("IterscopeKVCacheNearFull") == KV_NEAR_FULL_RATIO
     assert threshold("IterscopeKVCacheSaturated") == KV_SATURATED_RATIO
+
+
+def test_kv_blocked_panel_threshold_is_the_alert_share():
+    from dashboards.common import KV_BLOCKED_SHARE
+
+    expr = RULES["IterscopeKVCacheSaturated"]["expr"]
+    match = re.search(r"increase\(iterscope_kv_blocked_iterations_total\[(\w+)\]\)\s*"
+                      r"> ([\d.]+) \* increase\(iterscope_iterations_total\[(\w+)\]\)", expr)
+    assert match and match[1] == match[3], expr
+    assert float(match[2]) == KV_BLOCKED_SHARE
 
 
 def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):

@@ -162,6 +162,23 @@ def test_gauges_and_counters_follow_records():
     assert value(samples, "iterscope_iteration_tokens_sum") == 208
 
 
+def test_kv_blocked_iterations_count_every_iteration_that_left_requests_waiting_for_kv():
+    """Counted per record, not sampled: the saturation alert's rate() sees every iteration,
+    however the waiting_by_reason gauge flaps between scrapes."""
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat())
+    blocked = dict(num_waiting_reqs=3, num_waiting_kv_reqs=3, num_waiting_seq_limit_reqs=0)
+    seq_limited = dict(num_waiting_reqs=3, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=3)
+    nobody_waits = dict(num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0)
+    for iteration, fields in enumerate(
+            (blocked, seq_limited, blocked, nobody_waits, blocked, seq_limited), start=1):
+        sink.on_iteration(make_record(iteration, **fields))
+    samples = scrape(registry)
+    assert value(samples, "iterscope_kv_blocked_iterations_total") == 3
+    assert value(samples, "iterscope_iterations_total") == 6
+    assert value(samples, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 0
+
+
 def test_queues_and_kv_total_follow_latest_message():
     sink, registry = new_sink()
     sink.on_heartbeat(make_heartbeat(num_running_reqs=9, num_kv_blocks_total=120))

@@ -96,6 +96,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
                              "num_prompt_tokens_cached"),
     "generation_tokens": ("Generation (decode) tokens computed.", "num_generation_tokens"),
     "preemptions": ("Requests preempted.", "num_preemptions"),
+    "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
+                              "num_kv_blocked_iterations"),
     "prefix_cache_queries": ("Prefix-cache lookups, in tokens.", "num_prefix_query_tokens"),
     "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "num_prefix_hit_tokens"),
     "records_received": ("Telemetry messages received (iterations + heartbeats).",
@@ -181,6 +183,8 @@ class EngineState:
         self.num_preemptions += record.num_preemptions
         self.num_prefix_query_tokens += record.num_prefix_query_tokens
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+        if record.num_waiting_kv_reqs:
+            self.num_kv_blocked_iterations += 1
         self.last_record = record
         self.num_running_reqs = record.num_running_reqs
         self.num_waiting_reqs = record.num_waiting_reqs
