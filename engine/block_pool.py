@@ -12,7 +12,9 @@ Invariants:
   both; num_used_blocks + num_free_blocks == num_blocks.
 - A block gets a hash only when it is full and all its tokens' K/V are computed. The hash of
   block i chains the hash of block i-1 with block i's token ids, so one hash names a whole
-  prefix. A hit is verified against the stored parent hash and token ids.
+  prefix. It is SHA-256, not Python's hash(): ints are not salted there, so a crafted prompt
+  could collide with another tenant's prefix and read its K/V. A hit is also verified against
+  the stored parent hash and token ids.
 - Free blocks keep their hash and stay findable (a later request may revive them) until the
   free queue hands them out again: the queue pops the least recently freed block first (LRU
   eviction), and a request's blocks are freed tail first so its prefix outlives its tail.
@@ -20,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,17 +31,21 @@ from engine.kv_planning import cdiv
 from engine.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of a full block (deterministic: ints and tuples of ints are not salted)."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained SHA-256 of a full block: the parent's 32-byte digest (none for the first
+    block), then the token ids as 8-byte ints. The lengths differ, so a first block can never
+    pass for a later one."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids))
+    return digest.digest()
 
 
 @dataclass(eq=False)
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
-    parent_hash: int | None = None
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
@@ -53,7 +61,7 @@ class BlockPool:
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         # Free block ids, least recently freed first. OrderedDict: O(1) pop, append and removal.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_used_blocks = 0
 
     @property
@@ -122,7 +130,9 @@ class BlockPool:
             parent_hash = block_hash
         return hit_block_ids
 
-    def cache_block(self, block_id: int, parent_hash: int | None, token_ids: tuple[int, ...]):
+    def cache_block(
+        self, block_id: int, parent_hash: bytes | None, token_ids: tuple[int, ...]
+    ) -> bytes:
         """Register a full, computed block under its chained hash; returns the hash."""
         block = self.blocks[block_id]
         block.block_hash = hash_block(parent_hash, token_ids)
@@ -180,6 +190,8 @@ class BlockPool:
         block_ids = request.block_ids
         for index in range(num_computed_before // size, request.num_computed_tokens // size):
             parent_hash = self.blocks[block_ids[index - 1]].block_hash if index else None
+            if index and parent_hash is None:
+                return  # a hole in the chain: hashing on would name this block a first block
             block_tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             self.cache_block(block_ids[index], parent_hash, block_tokens)
 

@@ -1,8 +1,9 @@
 """Block pool: reference counts, the free queue, LRU eviction and prefix-cache hits.
 
 The property test drives the request-level API with random requests drawn from a tiny
-alphabet (so prefixes repeat) and keeps a shadow copy of what was "written" into each block;
-a prefix hit must return blocks whose written tokens are exactly the request's tokens.
+alphabet (so prefixes repeat) and keeps a shadow copy of what was "written" into each block:
+the whole prefix its K/V was computed after, since K/V depend on every earlier token. A prefix
+hit must return blocks written after exactly the request's own prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
+from engine import block_pool
+from engine.block_pool import BlockPool, hash_block
 from engine.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
@@ -59,16 +61,16 @@ def test_block_pool_properties(num_blocks, ops):
             max_blocks = (len(token_ids) - 1) // BLOCK_SIZE
             hits = pool.match_prefix(request.token_ids, max_blocks)
             for index, block_id in enumerate(hits):
-                block_tokens = tuple(token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
-                assert written[block_id] == block_tokens  # a hit is exactly the cached tokens
+                prefix = tuple(token_ids[: (index + 1) * BLOCK_SIZE])
+                assert written[block_id] == prefix  # a hit is exactly the cached prefix
             num_new_tokens = len(token_ids) - len(hits) * BLOCK_SIZE
             if pool.admit(request, hits, num_new_tokens):
                 assert request.block_ids[: len(hits)] == hits
                 assert request.num_computed_tokens == len(hits) * BLOCK_SIZE
                 # "Compute" the new tokens: the shadow copy records what each block holds.
                 for index in range(len(hits), len(request.block_ids)):
-                    chunk = token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-                    written[request.block_ids[index]] = tuple(chunk)
+                    prefix = token_ids[: (index + 1) * BLOCK_SIZE]
+                    written[request.block_ids[index]] = tuple(prefix)
                 before = request.num_computed_tokens
                 request.num_computed_tokens = len(token_ids)
                 pool.cache_computed_blocks(request, before)
@@ -129,3 +131,37 @@ def test_double_free_is_an_error():
         pool.free(block_ids)
     with pytest.raises(ValueError, match="cannot allocate 3 blocks"):
         pool.allocate(3)
+
+
+def test_hash_chains_the_whole_prefix():
+    first = hash_block(None, (1, 2, 3, 4))
+    assert len(first) == 32
+    assert hash_block(first, (5, 6, 7, 8)) != hash_block(hash_block(None, (9, 9, 9, 9)),
+                                                         (5, 6, 7, 8))
+    assert hash_block(None, (5, 6, 7, 8)) != hash_block(first, (5, 6, 7, 8))
+
+
+def cache_request(pool: BlockPool, request_id: str, token_ids: list[int]) -> Request:
+    request = make_request(request_id, token_ids)
+    assert pool.admit(request, [], request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    pool.cache_computed_blocks(request, 0)
+    return request
+
+
+@pytest.mark.parametrize("colliding_hash", [
+    lambda parent, tokens: hash(tokens),  # ignores the parent: equal blocks after other prefixes
+    lambda parent, tokens: b"same",  # every block collides
+])
+def test_a_hash_collision_never_returns_another_prefix(monkeypatch, colliding_hash):
+    """The verification on a hit (parent hash and token ids) holds even when hashes collide."""
+    monkeypatch.setattr(block_pool, "hash_block", colliding_hash)
+    pool = BlockPool(8, BLOCK_SIZE)
+    first = cache_request(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    second = cache_request(pool, "c", [9, 9, 9, 9, 0, 0, 0, 0, 0])
+    # Block 1 of "a" holds (5, 6, 7, 8) computed after (1, 2, 3, 4), not after (9, 9, 9, 9).
+    hits = pool.match_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0], max_blocks=2)
+    assert hits == second.block_ids[:1] or hits == []
+    assert first.block_ids[1] not in hits
+    assert pool.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1], max_blocks=2) in (
+        first.block_ids[:2], first.block_ids[:1], [])
