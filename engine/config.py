@@ -13,7 +13,7 @@ a stall inside the loop); they are off unless set, and no user-facing command se
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 from telemetry.record import MAX_ENGINE_INDEX
@@ -55,6 +55,9 @@ def parse_memory_size(text: str) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
 
 
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2"  # an HF directory, or "smollm2" for the embedded default model
@@ -82,6 +85,7 @@ class EngineConfig:
     test_count_log_records: bool = False  # engine process counts every log record (probe)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.dtype = self._checked_dtype()
         self._check_positive("telemetry_sndhwm", self.telemetry_sndhwm)
         self._check_positive("telemetry_queue_capacity", self.telemetry_queue_capacity)
@@ -135,6 +139,22 @@ class EngineConfig:
         if self.device == "cuda" and self.kv_cache_memory_bytes is None:
             return "gpu_memory_utilization"
         return "kv_cache_memory_bytes"
+
+    def _check_types(self) -> None:
+        """Each setting has its annotated type: 2.5 sequences or "no" for a switch (truthy,
+        so on) would otherwise pass the range checks or fail later without a clear cause."""
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            kinds = setting.type.split(" | ")
+            if value is None and "None" in kinds:
+                continue
+            accepted = tuple(_TYPES[kind] for kind in kinds if kind != "None")
+            is_bool = isinstance(value, bool)
+            if not isinstance(value, accepted) or (is_bool and bool not in accepted):
+                raise ValueError(
+                    f"{setting.name} must be {' or '.join(kinds)}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
 
     def _checked_dtype(self) -> str:
         dtype = DTYPE_ALIASES.get(str(self.dtype).lower())

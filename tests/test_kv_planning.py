@@ -102,11 +102,24 @@ def test_parse_memory_size_rejects_garbage(text):
         ({"dtype": "int3"}, "dtype 'int3' is not supported"),
         ({"device": "tpu"}, "device must be one of"),
         ({"test_stall_s": -1.0}, "test_stall_s must be >= 0"),
+        ({"max_num_seqs": 2.5}, r"max_num_seqs must be int, got 2.5 \(float\)"),
+        ({"block_size": 16.0}, r"block_size must be int, got 16.0 \(float\)"),
+        ({"max_num_batched_tokens": float("inf")}, "max_num_batched_tokens must be int"),
+        ({"max_num_seqs": True}, r"max_num_seqs must be int, got True \(bool\)"),
+        ({"enable_chunked_prefill": "no"}, "enable_chunked_prefill must be bool, got 'no'"),
+        ({"max_model_len": "4096"}, "max_model_len must be int or None, got '4096'"),
+        ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be float"),
+        ({"telemetry_address": 5555}, "telemetry_address must be str or None"),
     ],
 )
 def test_invalid_config_names_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_config_accepts_ints_for_floats_and_none_where_allowed():
+    config = EngineConfig(gpu_memory_utilization=1, max_model_len=None, test_stall_s=0)
+    assert config.gpu_memory_utilization == 1 and config.max_model_len is None
 
 
 def test_config_resolves_model_len_and_dtype():
