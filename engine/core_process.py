@@ -4,10 +4,15 @@
     PUSH  ipc://DIR/input  --AddRequest/Abort/Shutdown/Probe-->  PULL
     PULL  ipc://DIR/output <--EngineReady/Failed/Outputs/ProbeReply--  PUSH
 
-Both lanes are lossless: blocking sends, no high-water mark, and the client binds both
-sockets before the engine connects. The engine loop drains its input without blocking while
-it has work and waits for input when idle; it sends one EngineOutputs per iteration that
-produced tokens. It exits on Shutdown (aborting what is left), or when its parent dies.
+Both lanes are lossless: a send that finds ZMQ's queue full (its default high-water mark)
+waits and retries, never drops, and the client binds both sockets before the engine
+connects. Every frame the client sends is first decoded with the engine's own decoder, so a
+value of a wrong type is rejected at submission instead of reaching the engine; a frame the
+engine still cannot read rejects its request (or is dropped) and never ends the engine.
+
+The engine loop drains its input without blocking while it has work and waits for input when
+idle; it sends one EngineOutputs per iteration that produced tokens. It exits on Shutdown
+(aborting what is left), or when its parent dies.
 
 The client's reader thread routes outputs to one RequestStream per request, usable from
 threads (``get`` / iteration) or from asyncio (``aget`` / ``async for``; the stream binds to
@@ -221,13 +226,31 @@ class _EngineLoop:
                 frame = self.inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(self.decoder.decode(frame))
+            try:
+                message = self.decoder.decode(frame)
+            except msgspec.DecodeError as error:  # ValidationError too: a value of a wrong type
+                self._reject_undecodable(frame, error)
+                continue
+            self._handle(message)
+
+    def _reject_undecodable(self, frame: bytes, error: msgspec.DecodeError) -> None:
+        """A frame the engine cannot read never ends the engine: a request it can still name
+        is rejected with the reason, anything else is dropped. (The client checks every frame
+        before sending, so only a foreign sender gets here.)"""
+        try:
+            fields = msgspec.msgpack.decode(frame)
+        except msgspec.DecodeError:
+            return
+        if isinstance(fields, list) and len(fields) > 1 and fields[0] == "add" and isinstance(
+                fields[1], str):
+            reason = f"undecodable request: {error}"
+            self._send(EngineOutputs([RequestOutput(fields[1], [], True, None, 0, reason)]))
 
     def _handle(self, message: EngineInput) -> None:
         if isinstance(message, AddRequest):
             self._add(message)
         elif isinstance(message, AbortRequests):
-            reason = FinishReason(message.finish_reason)
+            reason = _finish_reason(message.finish_reason)
             aborted = [self.core.abort_request(rid, reason) for rid in message.request_ids]
             self._send(EngineOutputs([output for output in aborted if output is not None]))
         elif isinstance(message, Probe):
@@ -271,6 +294,14 @@ class _EngineLoop:
                 if os.getppid() != self.parent_pid:
                     raise SystemExit("the engine's client process is gone") from None
                 self.outputs.poll(IDLE_POLL_MS, zmq.POLLOUT)
+
+
+def _finish_reason(value: int) -> FinishReason:
+    """The abort's finish reason; an unknown one (a foreign sender) is a plain abort."""
+    try:
+        return FinishReason(value)
+    except ValueError:
+        return FinishReason.ABORT
 
 
 # The client --------------------------------------------------------------------------------
@@ -350,6 +381,7 @@ class EngineCoreClient:
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
         self._encoder = msgspec.msgpack.Encoder()
+        self._input_decoder = msgspec.msgpack.Decoder(EngineInput)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._input_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -421,7 +453,11 @@ class EngineCoreClient:
         message = AddRequest(
             request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
         )
-        self._encoder.encode(message)  # fail here, before any state, on unencodable values
+        frame = self._encoder.encode(message)  # fails here, before any state, if unencodable
+        try:
+            self._input_decoder.decode(frame)  # the engine's own check, before it gets there
+        except msgspec.ValidationError as error:  # e.g. SamplingParams(seed="7")
+            raise RequestRejectedError(f"request {request_id!r}: {error}") from None
         stream = RequestStream(request_id)
         with self._streams_lock:
             self._raise_if_dead()
@@ -429,7 +465,7 @@ class EngineCoreClient:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         try:
-            self._send(message)
+            self._send_frame(frame)
         except BaseException:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
@@ -444,7 +480,7 @@ class EngineCoreClient:
         ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self._send(AbortRequests(list(request_ids), int(finish_reason)))
+        self._send(AbortRequests(list(request_ids), int(FinishReason(finish_reason))))
 
     def probe(self, timeout_s: float = 10.0) -> ProbeReply:
         """The engine process's loaded top-level modules and log-record count (for tests)."""
@@ -456,9 +492,11 @@ class EngineCoreClient:
         return self._dead_error is None and self.process.is_alive()
 
     def _send(self, message: Any) -> None:
+        self._send_frame(self._encoder.encode(message))
+
+    def _send_frame(self, frame: bytes) -> None:
         """Lossless: retry until the engine takes the frame; never hang on a dead engine
         (a PUSH socket with no peer would block a plain send forever)."""
-        frame = self._encoder.encode(message)
         while True:
             self._raise_if_dead()
             if not self.process.is_alive():

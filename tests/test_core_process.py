@@ -119,6 +119,35 @@ def test_impossible_request_is_rejected_by_the_engine(client, monkeypatch):
         stream.get(timeout=10)
 
 
+def test_a_value_of_a_wrong_type_is_rejected_at_submission(client):
+    with pytest.raises(RequestRejectedError, match="Expected `int | null`, got `str`"):
+        client.add_request([1, 2, 3], SamplingParams(max_tokens=4, seed="7"))
+    with pytest.raises(RequestRejectedError, match="Expected `int`, got `float`"):
+        client.add_request([1, 2.5, 3], greedy(4))
+    with pytest.raises(ValueError, match="is not a valid FinishReason"):
+        client.abort("anything", finish_reason=99)
+    assert collect(client.add_request([1, 2, 3], greedy(3)))[1] == "length"
+
+
+def test_frames_the_engine_cannot_read_never_end_it(client):
+    """A foreign sender's bad frames: a request the engine can name is rejected, the rest is
+    dropped, an unknown abort reason is a plain abort; requests in flight carry on."""
+    running = client.add_request([1, 2, 3], greedy(250))
+    assert not running.get(timeout=10).finished
+    bad_request = core_process.AddRequest("bad-seed", [1, 2, 3], SamplingParams(seed="7"))
+    stream = core_process.RequestStream("bad-seed")
+    with client._streams_lock:
+        client._streams["bad-seed"] = stream
+    client._send(bad_request)
+    client._send_frame(b"\xc1 not msgpack")
+    client._send(core_process.AbortRequests([running.request_id], 99))
+    with pytest.raises(RequestRejectedError, match="undecodable request"):
+        stream.get(timeout=10)
+    assert collect(running)[1] == "abort"
+    assert client.is_alive
+    assert collect(client.add_request([4, 5, 6], greedy(3)))[1] == "length"
+
+
 def test_engine_process_imports_no_exporters_and_logs_nothing_per_iteration(client):
     collect(client.add_request(list(range(1, 30)), greedy(20)))
     reply = client.probe()
