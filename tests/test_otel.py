@@ -296,9 +296,11 @@ class HungExporter:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.entered = threading.Event()  # an export is in progress (and hangs)
         self.num_exported = 0
 
     def export(self, spans) -> SpanExportResult:
+        self.entered.set()
         self.release.wait(30)
         self.num_exported += len(spans)
         return SpanExportResult.SUCCESS
@@ -312,15 +314,35 @@ def test_hung_collector_never_blocks_ingest_and_drops_are_counted():
     sink = OtelSink(exporter, max_queue_size=4, schedule_delay_s=0.01)
     sink.on_heartbeat(heartbeat())
     num_requests = 40
-    for iteration in range(1, num_requests + 1):  # 5 spans per request
-        sink.on_iteration(record(iteration, [finished(f"r{iteration}")]))
-    # Reached while the exporter is still hung: ingest did not wait on it.
-    assert not exporter.release.is_set()
+
+    def ingest(first: int, last: int) -> None:
+        for iteration in range(first, last + 1):  # 5 spans per request
+            sink.on_iteration(record(iteration, [finished(f"r{iteration}")]))
+
+    ingest(1, 4)
+    assert exporter.entered.wait(10), "the exporter never received a batch"
+    feeder = threading.Thread(target=ingest, args=(5, num_requests))  # while export hangs
+    feeder.start()
+    feeder.join(timeout=10)  # the hung export would hold a waiting ingest for 30 s
+    assert not feeder.is_alive(), "ingest waited for the hung collector"
     exporter.release.set()
     sink.close()
     num_dropped = sink.sidecar_counters()["otel_spans_dropped"]
     assert exporter.num_exported + num_dropped == 5 * num_requests
     assert num_dropped >= 5 * num_requests - 8  # at most one batch in flight + a full queue
+
+
+def test_records_dropped_before_a_heartbeat_count_every_span(monkeypatch):
+    """An engine that never sent a heartbeat: its held records are bounded, and what no longer
+    fits counts as the spans it would have made (5 for a request, 1 for an iteration)."""
+    monkeypatch.setattr(otel, "MAX_PENDING_RECORDS", 2)
+    sink = OtelSink(HungExporter(), schedule_delay_s=0.01)
+    sink.on_iteration(record(1, [finished("a")]))
+    sink.on_iteration(record(2, num_preemptions=1))  # a preempting iteration: one span
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
+    sink.on_iteration(record(3, [finished("b"), finished("c")], num_preemptions=1))
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 11.0}
+    sink.processor.shutdown()
 
 
 def test_failed_exports_count_as_dropped():

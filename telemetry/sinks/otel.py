@@ -302,7 +302,7 @@ class OtelSink(Sink):
             return
         engine = self._engines.get(record.engine_index)
         if engine is None:
-            self._hold(record, len(finished) + (reason is not None))
+            self._hold(record, sum(map(request_span_count, finished)) + (reason is not None))
             return
         for milestone in finished:
             self._emit_request(engine, record.engine_index, milestone)
@@ -337,6 +337,7 @@ class OtelSink(Sink):
     def _emit_request(
         self, engine: _EngineTracer, engine_index: int, milestone: RequestMilestone
     ) -> None:
+        """The request's spans; request_span_count says how many (keep the two in step)."""
         def wall(monotonic_ns: int) -> int:
             return self._clock.to_wall_ns(engine_index, monotonic_ns)
 
@@ -372,6 +373,11 @@ class OtelSink(Sink):
         engine.iteration_tracer.start_span(
             "iteration", start_time=start_ns, attributes=iteration_attributes(record, reason)
         ).end(end_time=start_ns + record.elapsed_ns)
+
+
+def request_span_count(milestone: RequestMilestone) -> int:
+    """Spans _emit_request makes: the request, queued, each prefill chunk, decode if any."""
+    return 2 + len(milestone.prefill_chunks) + (1 if milestone.first_token_ns else 0)
 
 
 # --- sidecar CLI plumbing ----------------------------------------------------------------
