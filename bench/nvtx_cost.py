@@ -4,7 +4,8 @@ Engine side (the only cost that lands between two forward passes): the optional
 ``--nvtx-markers`` range (engine/nvtx_markers.py), off and on, with no NVTX tool and with a
 tool attached (tests/nvtx_capture, writing to /dev/null: an upper bound for a real
 profiler's per-event work), next to what the engine already pays per iteration to encode
-its record. Sidecar side (off the engine's path): NvtxSink.on_iteration and
+its record. Sidecar side (off the engine's path): NvtxSink.on_iteration (it only queues the
+record), the pacer thread's drawing of one range with its counters, and
 OtelSink.on_iteration (unsampled record; record with one finished request = 5 spans).
 
     .venv/bin/python bench/nvtx_cost.py
@@ -98,16 +99,22 @@ def measure_nvtx_in_this_process() -> dict:
         "markers_on_class": type(markers).__name__,
         "record_encode_ns": best_ns_per_call(encode_loop, 200_000),
     }
-    sink = NvtxSink()
+    sink = NvtxSink(delay_ms=3_600_000)  # the pacer sleeps through the timed loops
     if sink.enabled:
         records = [decode_record(i) for i in range(20_000)]
 
-        def sink_loop(num_calls):
+        def queue_loop(num_calls):
             for i in range(num_calls):
                 sink.on_iteration(records[i])
 
-        figures["nvtx_sink_on_iteration_ns"] = best_ns_per_call(sink_loop, len(records))
-        sink.close()
+        def draw_loop(num_calls):  # what the pacer thread does per record: open, then close
+            for i in range(num_calls):
+                sink._open(records[i])
+                sink._close_range(records[i])
+
+        figures["nvtx_sink_on_iteration_ns"] = best_ns_per_call(queue_loop, len(records))
+        figures["nvtx_sink_draw_ns"] = best_ns_per_call(draw_loop, len(records))
+        # Not closed: close() would draw the queued ranges at their times, an hour from now.
     return figures
 
 
@@ -179,6 +186,7 @@ def main() -> None:
         "markers_on_with_tool_pct_of_10ms_iteration": round(
             100 * with_tool["markers_on_ns"] / iteration_ns, 4),
         "sidecar_nvtx_on_iteration_with_tool_ns": round(with_tool["nvtx_sink_on_iteration_ns"]),
+        "sidecar_nvtx_pacer_draw_with_tool_ns": round(with_tool["nvtx_sink_draw_ns"]),
         "sidecar_otel_unsampled_record_ns": round(otel["otel_unsampled_record_ns"], 1),
         "sidecar_otel_finished_request_ns": round(otel["otel_finished_request_ns"]),
     }
@@ -188,8 +196,10 @@ def main() -> None:
           f"markers on, tool attached {figures['markers_on_with_tool_ns']} ns = "
           f"{figures['markers_on_with_tool_vs_record_encode']}x the record encode, "
           f"{figures['markers_on_with_tool_pct_of_10ms_iteration']}% of a 10 ms iteration")
-    print(f"sidecar, per record: NVTX range + 3 counters (tool attached) "
-          f"{figures['sidecar_nvtx_on_iteration_with_tool_ns']} ns; OTel unsampled record "
+    print(f"sidecar, per record: NVTX sink on_iteration (queued for the pacer) "
+          f"{figures['sidecar_nvtx_on_iteration_with_tool_ns']} ns, then on the pacer thread "
+          f"range + 3 counters (tool attached) "
+          f"{figures['sidecar_nvtx_pacer_draw_with_tool_ns']} ns; OTel unsampled record "
           f"{figures['sidecar_otel_unsampled_record_ns']} ns; OTel record with one finished "
           f"request (5 spans) {figures['sidecar_otel_finished_request_ns']} ns")
     print(json.dumps(figures))

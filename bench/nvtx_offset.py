@@ -5,13 +5,16 @@ ipc) for iterations whose start and end it knows; the real sidecar (`iterscope s
 --nvtx`) runs under the NVTX capture tool (tests/nvtx_capture), which stamps every range
 with CLOCK_MONOTONIC, the clock of the engine's ``time.monotonic_ns()``. Per iteration N:
 
-    latency     = sidecar range start(N) - end of iteration N     (lane + ingest + NVTX call)
-    offset      = sidecar range start(N) - start of iteration N   (what Nsight shows)
-    next_offset = sidecar range start(N) - start of iteration N+1 (the one the range overlaps)
+    offset       = sidecar range start(N) - start of iteration N   (the lag Nsight shows)
+    length_error = sidecar range length(N) - length of iteration N (0 when paced exactly)
 
     .venv/bin/python bench/nvtx_offset.py [--num-iterations 2000] [--iteration-ms 5]
+        [--nvtx-delay-ms 50]
 
-Prints p50 / p99 of each, in microseconds; the last line is JSON.
+The sidecar paces its ranges (telemetry/sinks/nvtx_ranges.py): the offset should be one
+constant lag (least lane latency + the delay) and the length error near zero. Prints p50 /
+p99 of each, in microseconds, and the share of ranges shorter than half their iteration;
+the last line is JSON.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def start_sidecar(address: str, tool: Path, capture_path: Path) -> subprocess.Popen:
+def start_sidecar(address: str, tool: Path, capture_path: Path,
+                  delay_ms: float) -> subprocess.Popen:
     env = dict(os.environ, NVTX_INJECTION64_PATH=str(tool), NVTX_CAPTURE_PATH=str(capture_path),
                PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "engine.cli", "sidecar", "--address", address, "--nvtx",
-               "--no-log", "--no-metrics"]
+               "--nvtx-delay-ms", str(delay_ms), "--no-log", "--no-metrics"]
     return subprocess.Popen(command, env=env, cwd=REPO, stderr=subprocess.DEVNULL)
 
 
@@ -66,26 +70,31 @@ def run_engine(address: str, num_iterations: int, iteration_s: float) -> dict[in
     return times
 
 
-def range_starts(capture_path: Path) -> dict[int, int]:
-    """{iteration (the range payload): range start time} from the capture file."""
-    starts = {}
+def captured_ranges(capture_path: Path) -> dict[int, tuple[int, int]]:
+    """{iteration (the range payload): (range start, range end)} from the capture file."""
+    starts, ends, iterations = {}, {}, {}
     for line in capture_path.read_text().splitlines():
         fields = line.split("\t")
         if fields[0] == "start" and fields[2] == "iterscope":
-            starts[int(fields[4])] = int(fields[1])
-    return starts
+            starts[fields[3]] = int(fields[1])
+            iterations[fields[3]] = int(fields[4])
+        elif fields[0] == "end" and fields[2] == "iterscope":
+            ends[fields[3]] = int(fields[1])
+    return {iterations[range_id]: (starts[range_id], ends[range_id])
+            for range_id in starts if range_id in ends}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-iterations", type=int, default=2000)
     parser.add_argument("--iteration-ms", type=float, default=5.0)
+    parser.add_argument("--nvtx-delay-ms", type=float, default=50.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = Path(tmp)
         tool = build_capture_tool(tmp_dir)
         address, capture_path = f"ipc://{tmp_dir}/lane.sock", tmp_dir / "capture.tsv"
-        sidecar = start_sidecar(address, tool, capture_path)
+        sidecar = start_sidecar(address, tool, capture_path, args.nvtx_delay_ms)
         try:
             deadline = time.monotonic() + 30
             while not (tmp_dir / "lane.sock").exists() and time.monotonic() < deadline:
@@ -96,29 +105,27 @@ def main() -> None:
         finally:
             sidecar.send_signal(signal.SIGINT)
             sidecar.wait(30)
-        starts = range_starts(capture_path)
+        ranges = captured_ranges(capture_path)
 
-    latency, offset, next_offset = [], [], []
-    for iteration, range_start_ns in starts.items():
+    offset, length_error, num_short = [], [], 0
+    for iteration, (range_start_ns, range_end_ns) in ranges.items():
         start_ns, end_ns = times[iteration]
-        latency.append((range_start_ns - end_ns) / 1e3)
         offset.append((range_start_ns - start_ns) / 1e3)
-        if iteration + 1 in times:
-            next_offset.append((range_start_ns - times[iteration + 1][0]) / 1e3)
+        length_error.append(((range_end_ns - range_start_ns) - (end_ns - start_ns)) / 1e3)
+        num_short += (range_end_ns - range_start_ns) < (end_ns - start_ns) / 2
     figures = {"num_iterations": args.num_iterations, "iteration_ms": args.iteration_ms,
-               "num_ranges": len(starts)}
-    for name, values in (("latency", latency), ("offset", offset),
-                         ("next_offset", next_offset)):
-        figures[f"{name}_p50_us"] = round(percentile(values, 0.50), 1)
-        figures[f"{name}_p99_us"] = round(percentile(values, 0.99), 1)
-    print(f"{len(starts)} ranges for {args.num_iterations} iterations of "
-          f"{args.iteration_ms} ms")
-    print(f"range start - iteration end (latency): p50 {figures['latency_p50_us']} us, "
-          f"p99 {figures['latency_p99_us']} us")
-    print(f"range start - iteration start: p50 {figures['offset_p50_us']} us, "
-          f"p99 {figures['offset_p99_us']} us")
-    print(f"range start - next iteration start: p50 {figures['next_offset_p50_us']} us, "
-          f"p99 {figures['next_offset_p99_us']} us")
+               "nvtx_delay_ms": args.nvtx_delay_ms, "num_ranges": len(ranges),
+               "short_range_share": round(num_short / max(1, len(ranges)), 4)}
+    for name, values in (("offset", offset), ("length_error", length_error)):
+        for label, fraction in (("p1", 0.01), ("p50", 0.50), ("p99", 0.99)):
+            figures[f"{name}_{label}_us"] = round(percentile(values, fraction), 1)
+    print(f"{len(ranges)} ranges for {args.num_iterations} iterations of "
+          f"{args.iteration_ms} ms, --nvtx-delay-ms {args.nvtx_delay_ms}")
+    print(f"range start - iteration start (lag): p1 {figures['offset_p1_us']} us, "
+          f"p50 {figures['offset_p50_us']} us, p99 {figures['offset_p99_us']} us")
+    print(f"range length - iteration length: p1 {figures['length_error_p1_us']} us, "
+          f"p50 {figures['length_error_p50_us']} us, p99 {figures['length_error_p99_us']} us")
+    print(f"ranges shorter than half their iteration: {100 * figures['short_range_share']:.2f}%")
     print(json.dumps(figures))
 
 

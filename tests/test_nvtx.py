@@ -23,6 +23,7 @@ from engine.nvtx_markers import NullMarkers, make_markers
 from telemetry.iteration_line import format_iteration_line
 from telemetry.record import IterationRecord
 from telemetry.sinks import nvtx_ranges
+from telemetry.sinks.nvtx_ranges import END, START, RangePacer
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURE_SOURCE = REPO / "tests" / "nvtx_capture" / "nvtx_capture.c"
@@ -44,14 +45,20 @@ from telemetry.record import IterationRecord
 from telemetry.sinks.nvtx_ranges import NvtxSink
 
 records = msgspec.msgpack.Decoder(list[IterationRecord]).decode(open(sys.argv[1], "rb").read())
+batch = int(sys.argv[2])
 sink = NvtxSink()
 if not sink.enabled:
     sys.exit("the NVTX domain is disabled: the capture tool was not loaded")
+# As a live engine and its publisher: iterations now, records handed over in batches.
+base_ns = time.monotonic_ns() - records[0].start_ns + 1_000_000
 for record in records:
-    sink.on_iteration(record)
-    if record.iteration == int(sys.argv[2]):  # an idle gap: the tick closes the range
-        time.sleep(2 * record.elapsed_ns / 1e9)
-        sink.tick(time.monotonic_ns())
+    record.start_ns += base_ns
+for first in range(0, len(records), batch):
+    sent = records[first : first + batch]
+    last_end_ns = sent[-1].start_ns + sent[-1].elapsed_ns
+    time.sleep(max(0, last_end_ns - time.monotonic_ns()) / 1e9)
+    for record in sent:
+        sink.on_iteration(record)
 sink.close()
 """
 
@@ -81,12 +88,14 @@ def capture_library(tmp_path_factory) -> Path:
     return compile_library(CAPTURE_SOURCE, library, f"-I{nvtx_include_dir()}")
 
 
-def make_records(num_records: int, engine_index: int = 0) -> list[IterationRecord]:
+def make_records(num_records: int, engine_index: int = 0,
+                 elapsed_ns: int = 1_000_000) -> list[IterationRecord]:
+    """Iterations every 20 ms, each ``elapsed_ns`` (+ 1 us per iteration) long."""
     records = []
     for i in range(1, num_records + 1):
         records.append(IterationRecord(
             engine_index=engine_index, seq=i, iteration=100 + i, start_ns=i * 20_000_000,
-            elapsed_ns=1_000_000 + i * 1000, num_context_reqs=i % 2,
+            elapsed_ns=elapsed_ns + i * 1000, num_context_reqs=i % 2,
             num_context_tokens=(i % 2) * 512, num_generation_reqs=i, num_generation_tokens=i,
             num_running_reqs=i + i % 2, num_waiting_reqs=7 - i % 7, num_waiting_kv_reqs=0,
             num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0,
@@ -109,10 +118,11 @@ def run_with_capture(library: Path, script: str, args: list[str],
 
 
 def capture(library: Path, records: list[IterationRecord], tmp_path: Path,
-            idle_after: int = -1) -> list[list[str]]:
+            batch: int = 4) -> list[list[str]]:
+    """The live sink's NVTX events for ``records``, fed in real time ``batch`` at a time."""
     records_path = tmp_path / "records.msgpack"
     records_path.write_bytes(msgspec.msgpack.encode(records))
-    return run_with_capture(library, FEED_SINK, [str(records_path), str(idle_after)], tmp_path)
+    return run_with_capture(library, FEED_SINK, [str(records_path), str(batch)], tmp_path)
 
 
 def test_one_range_per_iteration_with_the_iteration_line(capture_library, tmp_path):
@@ -149,12 +159,70 @@ def test_counters_for_kv_usage_running_and_waiting(capture_library, tmp_path):
     }
 
 
-def test_tick_closes_a_range_whose_iteration_had_no_successor(capture_library, tmp_path):
-    records = make_records(3)
-    events = capture(capture_library, records, tmp_path, idle_after=102)
-    kinds = [(e[0], e[3]) for e in events if e[0] in ("start", "end")]
-    assert kinds == [("start", "1"), ("end", "1"), ("start", "2"), ("end", "2"),
-                     ("start", "3"), ("end", "3")]
+def test_ranges_keep_their_iterations_lengths_although_records_arrive_in_batches(
+        capture_library, tmp_path):
+    """Records come 5 at a time (the publisher's send period); ranges drawn on arrival would
+    last microseconds. Paced, each lasts about as long as its iteration: the median must be
+    over half of it (a loose bound: the exact placement is RangePacer's test below)."""
+    records = make_records(20, elapsed_ns=12_000_000)
+    events = capture(capture_library, records, tmp_path, batch=5)
+    starts = {e[3]: int(e[1]) for e in events if e[0] == "start"}
+    ends = {e[3]: int(e[1]) for e in events if e[0] == "end"}
+    assert len(starts) == len(ends) == len(records)
+    durations = sorted(ends[range_id] - starts[range_id] for range_id in starts)
+    assert durations[len(durations) // 2] > 6_000_000, durations
+
+
+def paced(pacer: RangePacer, now_ns: int) -> list[tuple[str, int]]:
+    return [("start" if kind == START else "end", record.iteration)
+            for kind, record in pacer.pop_due(now_ns)]
+
+
+def test_pacer_places_ranges_at_their_times_plus_the_least_latency_and_the_delay():
+    delay_ns = 50_000_000
+    pacer = RangePacer(delay_ns)
+    records = make_records(8, elapsed_ns=8_000_000)  # starts every 20 ms, 8 ms long
+    for first in (0, 4):  # two batches; each arrives 0.1 ms after its last iteration ended
+        batch = records[first : first + 4]
+        arrival_ns = batch[-1].start_ns + batch[-1].elapsed_ns + 100_000
+        for record in batch:
+            pacer.add(record, arrival_ns)
+    lag_ns = 100_000 + delay_ns  # the least latency seen, then the delay
+    # Every range sits exactly `lag` late, the first batch's too: the lag is applied when an
+    # event falls due, after the whole batch lowered the latency estimate.
+    for record in records:
+        start = record.start_ns + lag_ns
+        end = record.start_ns + record.elapsed_ns + lag_ns
+        assert paced(pacer, start - 1) == []
+        assert paced(pacer, start) == [("start", record.iteration)]
+        assert paced(pacer, end - 1) == []
+        assert paced(pacer, end) == [("end", record.iteration)]
+    assert pacer.next_due_ns() is None
+
+
+def test_pacer_keeps_order_and_maps_each_engines_clock_apart():
+    """Engine 1 runs on another host (another monotonic clock); each engine's ranges sit at
+    its own lag. A late sidecar gets every due event at once, in time order."""
+    delay_ns = 10_000_000
+    pacer = RangePacer(delay_ns)
+    local = make_records(3, engine_index=0)
+    remote = make_records(3, engine_index=1)
+    for record in remote:
+        record.start_ns += 5 * 10**12 + 500_000  # 0.5 ms after engine 0's, in its own clock
+    arrival_ns = local[-1].start_ns + local[-1].elapsed_ns + 1_000
+    for record in local:  # the batch arrives in one go: its last record sets the lag
+        pacer.add(record, arrival_ns)
+    for record in remote:
+        pacer.add(record, arrival_ns + 500_000)
+    lag_ns = 1_000 + delay_ns
+    assert pacer.next_due_ns() == local[0].start_ns + lag_ns
+    due = pacer.pop_due(10**18)
+    assert pacer.next_due_ns() is None
+    expected = []
+    for a, b in zip(local, remote, strict=True):
+        expected += [(START, 0, a.iteration), (START, 1, b.iteration),
+                     (END, 0, a.iteration), (END, 1, b.iteration)]
+    assert [(kind, r.engine_index, r.iteration) for kind, r in due] == expected
 
 
 def test_without_a_tool_the_sink_is_off(capsys):
@@ -231,6 +299,7 @@ import argparse, sys
 import msgspec
 from telemetry.record import IterationRecord
 from telemetry.sinks import nvtx_ranges
+from telemetry.sinks.nvtx_ranges import END, START, RangePacer
 
 backend, config, records_path = sys.argv[1:]
 parser = argparse.ArgumentParser()

@@ -7,11 +7,15 @@ the engine-side ``--nvtx-markers`` range of the same iteration (engine/nvtx_mark
 
 Two modes:
 
-- live (``--nvtx``, the sidecar runs under ``nsys profile``): the record of iteration N
-  reaches the sidecar just after N ended, so the range of N opens at that moment and closes
-  when the engine's next record arrives (or, at a tick, once it has lasted as long as N did).
-  It is therefore drawn one lane latency after N's end: over the real iteration N+1, shifted
-  by that latency. bench/nvtx_offset.py measures the shift; docs/profiling.md has figures.
+- live (``--nvtx``, the sidecar runs under ``nsys profile``): records reach the sidecar in
+  batches (the engine's publisher sends every 20 ms), so drawing each range as its record
+  arrives would squeeze most ranges into microseconds. A pacer thread replays them instead:
+  the range of iteration N opens at N's start and closes at N's end, both shifted by one
+  constant lag (the smallest lane latency seen for that engine, plus ``--nvtx-delay-ms``,
+  50 ms by default, which must exceed the publisher's send period). Ranges keep their true
+  lengths and order and sit that lag after the real iteration; if the sidecar falls further
+  behind, due ranges are drawn at once, shortened rather than dropped.
+  bench/nvtx_offset.py measures the lag and the length error; docs/profiling.md has figures.
 - exact (``--nvtx-writer-backend``): ranges and counter samples are written through an
   NVTXW backend (``nvtx.writer``) at the engine's own timestamps (CLOCK_MONOTONIC, the
   clock of ``time.monotonic_ns()``), for merging into an Nsight Systems report afterwards.
@@ -24,8 +28,11 @@ because ``Domain.get_registered_string`` caches every string forever).
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import nvtx
 from nvtx._lib.lib import DummyDomain, RegisteredString
@@ -50,6 +57,57 @@ def counter_name(engine_index: int, what: str) -> str:
     return f"{engine_category(engine_index)}: {what}"
 
 
+DEFAULT_DELAY_MS = 50.0
+START, END = 0, 1  # event kinds
+
+
+class RangePacer:
+    """When to open and close each live range, in the sidecar's clock (no NVTX calls here).
+
+    Each engine's events wait in a queue in its own clock, in record order. Engine time maps
+    to sidecar time by the smallest lane latency seen so far (arrival - record end), applied
+    when an event falls due, so a batch whose last record lowers the estimate moves its
+    earlier records with it; the mapping also holds for an engine on another host. ``delay``
+    is added on top so that a whole batch of records has arrived before its first range opens.
+    """
+
+    def __init__(self, delay_ns: int) -> None:
+        self.delay_ns = delay_ns
+        self._queues: dict[int, collections.deque] = {}  # engine -> (engine ns, kind, record)
+        self._offsets: dict[int, int] = {}  # engine index -> sidecar time - engine time
+
+    def add(self, record: IterationRecord, arrival_ns: int) -> None:
+        engine_index = record.engine_index
+        end_ns = record.start_ns + record.elapsed_ns
+        offset = self._offsets.get(engine_index)
+        if offset is None or arrival_ns - end_ns < offset:
+            self._offsets[engine_index] = arrival_ns - end_ns
+        queue = self._queues.setdefault(engine_index, collections.deque())
+        queue.append((record.start_ns, START, record))
+        queue.append((end_ns, END, record))
+
+    def next_due_ns(self) -> int | None:
+        """Sidecar time of the earliest queued event; None when nothing is queued."""
+        due = [queue[0][0] + self._offsets[engine_index] + self.delay_ns
+               for engine_index, queue in self._queues.items() if queue]
+        return min(due, default=None)
+
+    def pop_due(self, now_ns: int) -> list[tuple[int, IterationRecord]]:
+        """(kind, record) of every event due by ``now_ns``, in time order."""
+        due = []
+        while True:
+            earliest = None
+            for engine_index, queue in self._queues.items():
+                if queue:
+                    due_ns = queue[0][0] + self._offsets[engine_index] + self.delay_ns
+                    if due_ns <= now_ns and (earliest is None or due_ns < earliest[0]):
+                        earliest = (due_ns, queue)
+            if earliest is None:
+                return due
+            _, kind, record = earliest[1].popleft()
+            due.append((kind, record))
+
+
 class _EngineRanges:
     """One engine's counters and its currently open range (live mode)."""
 
@@ -63,49 +121,94 @@ class _EngineRanges:
         self.running = domain.get_counter(counter_name(engine_index, RUNNING), int)
         self.waiting = domain.get_counter(counter_name(engine_index, WAITING), int)
         self.open_range_id: int | None = None
-        self.close_at_ns = 0  # monotonic time after which a tick closes the open range
+        self.open_iteration = 0  # the iteration whose range is open
 
 
 class NvtxSink(Sink):
-    """Live mode: ranges drawn as records arrive (see the module docstring)."""
+    """Live mode: ranges replayed by a pacer thread at their iterations' times plus a constant
+    lag (see the module docstring). on_iteration only queues; every NVTX call is made on the
+    pacer thread."""
 
-    def __init__(self, domain_name: str = DOMAIN) -> None:
+    def __init__(
+        self,
+        domain_name: str = DOMAIN,
+        delay_ms: float = DEFAULT_DELAY_MS,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if delay_ms < 0:
+            raise ValueError(f"the NVTX delay must be >= 0 ms, got {delay_ms}")
         self.domain = nvtx.get_domain(domain_name)
         self.enabled = not isinstance(self.domain, DummyDomain)  # no NVTX tool attached
+        self.clock = clock
+        self._pacer = RangePacer(int(delay_ms * 1e6))
         self._engines: dict[int, _EngineRanges] = {}
+        self._wakeup = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="nvtx-pacer", daemon=True)
+        if self.enabled:
+            self._thread.start()
 
     def on_iteration(self, record: IterationRecord) -> None:
         if not self.enabled:
             return
-        engine = self._engines.get(record.engine_index)
+        with self._wakeup:
+            self._pacer.add(record, self.clock())
+            self._wakeup.notify()
+
+    def close(self) -> None:
+        """Draw what is still queued, at its times (at most the lag from now), then stop."""
+        if not self.enabled:
+            return
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        self._thread.join()
+        for engine in self._engines.values():
+            if engine.open_range_id is not None:
+                self.domain.end_range(engine.open_range_id)
+                engine.open_range_id = None
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                due = self._pacer.pop_due(self.clock())
+                if not due:
+                    next_ns = self._pacer.next_due_ns()
+                    if next_ns is None and self._closing:
+                        return
+                    timeout = None if next_ns is None else max(0, next_ns - self.clock()) / 1e9
+                    self._wakeup.wait(timeout)
+                    continue
+            for kind, record in due:
+                if kind == START:
+                    self._open(record)
+                else:
+                    self._close_range(record)
+
+    def _engine(self, engine_index: int) -> _EngineRanges:
+        engine = self._engines.get(engine_index)
         if engine is None:
-            engine = self._engines[record.engine_index] = _EngineRanges(
-                self.domain, record.engine_index
-            )
-        if engine.open_range_id is not None:
+            engine = self._engines[engine_index] = _EngineRanges(self.domain, engine_index)
+        return engine
+
+    def _open(self, record: IterationRecord) -> None:
+        engine = self._engine(record.engine_index)
+        if engine.open_range_id is not None:  # the lag shrank: the previous range ends here
             self.domain.end_range(engine.open_range_id)
         attributes = engine.attributes
         attributes.message = RegisteredString(self.domain.handle, format_iteration_line(record))
         attributes.payload = record.iteration
         engine.open_range_id = self.domain.start_range(attributes)
-        engine.close_at_ns = time.monotonic_ns() + record.elapsed_ns
+        engine.open_iteration = record.iteration
         engine.kv_usage.sample(100.0 * kv_usage_ratio(record))
         engine.running.sample(record.num_running_reqs)
         engine.waiting.sample(record.num_waiting_reqs)
 
-    def tick(self, now_ns: int) -> None:
-        """Close ranges that have lasted as long as their iteration and saw no successor."""
-        now_ns = time.monotonic_ns()  # the clock close_at_ns was set in
-        for engine in self._engines.values():
-            if engine.open_range_id is not None and now_ns >= engine.close_at_ns:
-                self.domain.end_range(engine.open_range_id)
-                engine.open_range_id = None
-
-    def close(self) -> None:
-        for engine in self._engines.values():
-            if engine.open_range_id is not None:
-                self.domain.end_range(engine.open_range_id)
-                engine.open_range_id = None
+    def _close_range(self, record: IterationRecord) -> None:
+        engine = self._engine(record.engine_index)
+        if engine.open_range_id is not None and engine.open_iteration == record.iteration:
+            self.domain.end_range(engine.open_range_id)
+            engine.open_range_id = None
 
 
 class NvtxWriterSink(Sink):
@@ -189,6 +292,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run the sidecar under `nsys profile`",
     )
     group.add_argument(
+        "--nvtx-delay-ms", type=float, default=DEFAULT_DELAY_MS, metavar="MS",
+        help="live mode: draw each range this long (plus the lane latency) after its "
+        "iteration, so ranges keep their true lengths although records arrive in batches "
+        f"(default {DEFAULT_DELAY_MS:g}; keep it above the publisher's 20 ms send period)",
+    )
+    group.add_argument(
         "--nvtx-writer-backend", metavar="PATH",
         help="exact-timestamp mode: write ranges at the engine's own times through this "
         "NVTXW backend library (nvtx.writer) instead of live NVTX calls",
@@ -204,7 +313,7 @@ def build(args: argparse.Namespace) -> NvtxSink | NvtxWriterSink | None:
         return NvtxWriterSink(args.nvtx_writer_backend, args.nvtx_writer_config)
     if not args.nvtx:
         return None
-    sink = NvtxSink()
+    sink = NvtxSink(delay_ms=args.nvtx_delay_ms)
     if not sink.enabled:
         print(
             "iterscope sidecar: --nvtx given but no NVTX tool is attached (start the sidecar "
