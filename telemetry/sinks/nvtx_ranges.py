@@ -32,7 +32,6 @@ import collections
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import nvtx
 from nvtx._lib.lib import DummyDomain, RegisteredString
@@ -129,17 +128,11 @@ class NvtxSink(Sink):
     lag (see the module docstring). on_iteration only queues; every NVTX call is made on the
     pacer thread."""
 
-    def __init__(
-        self,
-        domain_name: str = DOMAIN,
-        delay_ms: float = DEFAULT_DELAY_MS,
-        clock: Callable[[], int] = time.monotonic_ns,
-    ) -> None:
+    def __init__(self, domain_name: str = DOMAIN, delay_ms: float = DEFAULT_DELAY_MS) -> None:
         if delay_ms < 0:
             raise ValueError(f"the NVTX delay must be >= 0 ms, got {delay_ms}")
         self.domain = nvtx.get_domain(domain_name)
         self.enabled = not isinstance(self.domain, DummyDomain)  # no NVTX tool attached
-        self.clock = clock
         self._pacer = RangePacer(int(delay_ms * 1e6))
         self._engines: dict[int, _EngineRanges] = {}
         self._wakeup = threading.Condition()
@@ -152,7 +145,7 @@ class NvtxSink(Sink):
         if not self.enabled:
             return
         with self._wakeup:
-            self._pacer.add(record, self.clock())
+            self._pacer.add(record, time.monotonic_ns())
             self._wakeup.notify()
 
     def close(self) -> None:
@@ -171,13 +164,13 @@ class NvtxSink(Sink):
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                due = self._pacer.pop_due(self.clock())
+                due = self._pacer.pop_due(time.monotonic_ns())
                 if not due:
                     next_ns = self._pacer.next_due_ns()
                     if next_ns is None and self._closing:
                         return
-                    timeout = None if next_ns is None else max(0, next_ns - self.clock()) / 1e9
-                    self._wakeup.wait(timeout)
+                    wait_ns = None if next_ns is None else max(0, next_ns - time.monotonic_ns())
+                    self._wakeup.wait(None if wait_ns is None else wait_ns / 1e9)
                     continue
             for kind, record in due:
                 if kind == START:
