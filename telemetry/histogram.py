@@ -26,6 +26,8 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from prometheus_client.utils import floatToGoString
+
 MAX_COUNT_INDEX = 1 << 14  # count_index entries: built once per distinct bounds, ~2 ms, 128 KiB
 
 
@@ -96,6 +98,8 @@ def build_count_index(bounds: tuple[float, ...]) -> tuple[int, ...]:
     return tuple(bisect_left(bounds, count) for count in range(MAX_COUNT_INDEX))
 
 
+@functools.cache
 def format_bound(bound: float) -> str:
-    """The `le` label text, the way prometheus_client writes it (1.0, 0.005, 2560.0)."""
-    return repr(float(bound))
+    """The `le` label text, the way prometheus_client (and so vLLM) writes it: 1.0, 0.005,
+    2560.0, 1e+06. One spelling across a fleet keeps the buckets of one bound one series."""
+    return floatToGoString(float(bound))

@@ -232,14 +232,16 @@ METRICS_URL_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_metrics_sidecar(tmp_path: Path, address: str) -> tuple[subprocess.Popen, int]:
+def start_metrics_sidecar(
+    tmp_path: Path, address: str, *extra_args: str
+) -> tuple[subprocess.Popen, int]:
     """`iterscope sidecar` on the lane with /metrics on a free port; (process, port)."""
     log_path = tmp_path / "sidecar.log"
     env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
-             "--metrics-port", "0", "--no-log"],
+             "--metrics-port", "0", "--no-log", *extra_args],
             cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 30

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -409,6 +410,28 @@ def test_build_serves_metrics_over_http():
         sink.close()
 
 
+def test_vllm_names_keep_their_colon_whatever_format_the_scraper_asks_for():
+    """Prometheus asks for OpenMetrics first; prometheus_client's OpenMetrics writer would turn
+    vllm:num_requests_running into vllm_num_requests_running."""
+    sink = prometheus.build(parse_flags(["--metrics-port", "0", "--vllm-compatible-names"]))
+    try:
+        sink.on_iteration(make_record(1))
+        prometheus_accept = ("application/openmetrics-text;version=1.0.0,"
+                             "application/openmetrics-text;version=0.0.1;q=0.75,"
+                             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+        for accept in (prometheus_accept, "text/plain;version=1.0.0;escaping=underscores", ""):
+            request = urllib.request.Request(f"http://127.0.0.1:{sink.port}/metrics",
+                                             headers={"Accept": accept} if accept else {})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                text = response.read().decode()
+            assert 'vllm:num_requests_running{engine="0",model_name=""} 5.0' in text, accept
+            assert "vllm_num_requests_running" not in text
+            assert "# EOF" not in text  # not OpenMetrics
+    finally:
+        sink.close()
+
+
 def test_flags_defaults_no_metrics_and_bad_buckets(capsys):
     args = parse_flags([])
     assert args.metrics_host == "127.0.0.1" and not args.vllm_compatible_names
@@ -506,3 +529,32 @@ def test_iteration_histograms_edge_buckets():
     for name, expected in reference.items():
         observed = sink.engines[0].histograms[name]
         assert observed.cumulative_buckets() == expected.cumulative_buckets(), name
+
+
+def test_time_per_output_token_on_a_bound_lands_in_that_bucket():
+    """67.5 ms over 9 intervals is exactly 7.5 ms: le="0.0075", not the next bucket (dividing
+    the seconds instead of the nanoseconds rounded it past the bound)."""
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat())
+    finished = make_milestone(EVENT_FINISHED, first_token_ns=1_000 * MS,
+                              finished_ns=1_000 * MS + 67_500_000, num_output_tokens=10)
+    sink.on_iteration(make_record(1, milestones=[finished]))
+    samples = scrape(registry)
+    assert histogram_count(samples, "iterscope_time_per_output_token_seconds", le="0.0075") == 1
+
+
+def test_le_labels_are_spelled_as_prometheus_client_spells_them():
+    """Above 1e5 prometheus_client (so vLLM) writes 1e+06; a fleet mixing both must not split
+    one bucket into two series."""
+    from prometheus_client import Histogram as ClientHistogram
+
+    bounds = (0.005, 1.0, 2560.0, 500000.0, 1e6)
+    client_registry = CollectorRegistry()
+    ClientHistogram("reference", "", buckets=bounds, registry=client_registry)
+    expected = [sample.labels["le"] for family in client_registry.collect()
+                for sample in family.samples if sample.name.endswith("_bucket")]
+    sink, registry = new_sink(buckets={"request_prompt_tokens": bounds})
+    sink.on_heartbeat(make_heartbeat())
+    text = generate_latest(registry).decode()
+    ours = re.findall(r'iterscope_request_prompt_tokens_bucket\{[^}]*le="([^"]+)"', text)
+    assert ours == expected == ["0.005", "1.0", "2560.0", "500000.0", "1e+06", "+Inf"]

@@ -90,7 +90,7 @@ def wait_for_equal(prometheus: PrometheusHandle, expr: str, expected: float) -> 
 
 def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
-    sidecar, port = start_metrics_sidecar(tmp_path, address)
+    sidecar, port = start_metrics_sidecar(tmp_path, address, "--vllm-compatible-names")
     engine = None
     prometheus = None
     client = None
@@ -116,6 +116,12 @@ def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
         assert ttft_p90 > 0
         running = prometheus.query('iterscope_engine_state{state="running"}')
         assert float(running[0]["value"][1]) == 1
+        # vLLM's names reach Prometheus as they are, colon included, so vLLM's own dashboards
+        # and alert rules find them.
+        prometheus.wait_for_value('vllm:kv_cache_usage_perc{model_name="fake-llm"}',
+                                  lambda ratio: ratio > 0)
+        prometheus.wait_for_value("rate(vllm:generation_tokens_total[5s])",
+                                  lambda rate: rate > 0)
 
         client.halt.set()
         client.join(timeout=60)

@@ -32,9 +32,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import start_http_server
 
 from telemetry.histogram import MAX_COUNT_INDEX, Histogram, check_bounds
+from telemetry.metrics_http import serve_metrics
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -263,8 +263,8 @@ class EngineState:
             )
             histograms["request_decode_time_seconds"].observe(decode_ns / 1e9)
             if milestone.num_output_tokens > 1:
-                histograms["time_per_output_token_seconds"].observe(
-                    decode_ns / 1e9 / (milestone.num_output_tokens - 1)
+                histograms["time_per_output_token_seconds"].observe(  # ns first: 7.5 ms
+                    decode_ns / (milestone.num_output_tokens - 1) / 1e9  # stays le="0.0075"
                 )
 
     def apply_heartbeat(self, heartbeat: Heartbeat) -> None:
@@ -349,8 +349,9 @@ class PrometheusSink(Sink):
         self.peers = [sink for sink in sinks if hasattr(sink, "sidecar_counters")]
 
     def serve(self, host: str, port: int) -> int:
-        """Serve the registry on http://host:port/metrics; returns the bound port (0 = any)."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Serve the registry on http://host:port/metrics in the text format; returns the bound
+        port (0 = any)."""
+        self._server = serve_metrics(self.registry, host, port)
         self.port = self._server.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
         return self.port
