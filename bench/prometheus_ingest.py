@@ -63,33 +63,54 @@ LABELS = ("engine", "model_name")
 MS = 1_000_000
 
 
+NUM_RUNNING = 50  # decode requests in every iteration
+OUTPUT_TOKENS = 200  # per request
+REQUEST_PERIOD = OUTPUT_TOKENS // NUM_RUNNING  # iterations between two admissions: 4
+
+
 def make_records(num_records: int, seed: int = 3) -> list[IterationRecord]:
-    """A decode-heavy stream: ~50 running requests, a request finishing every 25 iterations."""
+    """A decode-heavy steady state: 50 running requests of 200 output tokens, so every 4th
+    iteration admits a request (a 512-token prefill whose first token comes out of it: a
+    first-token event) and another 4th iteration finishes one (a finish event), as the engine
+    sends them: two separate milestones per request."""
     rng = random.Random(seed)
     records = []
     start_ns = 10**12
     for index in range(num_records):
         iteration = index + 1
+        elapsed_ns = rng.randint(9, 12) * MS
+        end_ns = start_ns + elapsed_ns
         milestones = []
-        if iteration % 25 == 0:
-            arrival_ns = start_ns - rng.randint(500, 5000) * MS
-            milestones = [RequestMilestone(
-                request_id=f"r{iteration}", event=EVENT_FIRST_TOKEN | EVENT_FINISHED,
-                arrival_ns=arrival_ns, first_scheduled_ns=arrival_ns + 5 * MS,
-                first_token_ns=arrival_ns + 80 * MS, finished_ns=start_ns,
-                num_prompt_tokens=512, num_cached_tokens=128, num_output_tokens=200,
+        num_context_tokens = 0
+        if iteration % REQUEST_PERIOD == 1:  # admitted, prefilled, first token
+            num_context_tokens = 512
+            arrival_ns = start_ns - rng.randint(5, 500) * MS
+            milestones.append(RequestMilestone(
+                request_id=f"r{iteration}", event=EVENT_FIRST_TOKEN, arrival_ns=arrival_ns,
+                first_scheduled_ns=start_ns, first_token_ns=end_ns, finished_ns=0,
+                num_prompt_tokens=640, num_cached_tokens=128, num_output_tokens=1,
                 num_preemptions=0, finish_reason=0,
-            )]
-        num_context_tokens = 512 if iteration % 25 == 1 else 0
+            ))
+        if iteration % REQUEST_PERIOD == 3:  # the request admitted 200 tokens ago finishes
+            first_token_ns = start_ns - OUTPUT_TOKENS * 12 * MS
+            arrival_ns = first_token_ns - rng.randint(20, 520) * MS
+            milestones.append(RequestMilestone(
+                request_id=f"r{iteration}", event=EVENT_FINISHED, arrival_ns=arrival_ns,
+                first_scheduled_ns=first_token_ns - 12 * MS, first_token_ns=first_token_ns,
+                finished_ns=end_ns, num_prompt_tokens=640, num_cached_tokens=128,
+                num_output_tokens=OUTPUT_TOKENS, num_preemptions=rng.choice((0, 0, 0, 1)),
+                finish_reason=rng.choice((0, 1)),
+            ))
         records.append(IterationRecord(
             engine_index=0, seq=iteration + iteration // 100, iteration=iteration,
-            start_ns=start_ns, elapsed_ns=rng.randint(9, 12) * MS,
+            start_ns=start_ns, elapsed_ns=elapsed_ns,
             num_context_reqs=int(num_context_tokens > 0), num_context_tokens=num_context_tokens,
-            num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
-            num_waiting_reqs=3, num_waiting_kv_reqs=3, num_waiting_seq_limit_reqs=0,
-            num_waiting_budget_reqs=0, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
-            num_kv_tokens=56000, num_prefix_query_tokens=num_context_tokens,
-            num_prefix_hit_tokens=num_context_tokens // 4, num_preemptions=0,
+            num_generation_reqs=NUM_RUNNING, num_generation_tokens=NUM_RUNNING,
+            num_running_reqs=NUM_RUNNING + 1, num_waiting_reqs=3, num_waiting_kv_reqs=3,
+            num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=3500,
+            num_kv_blocks_free=65459, num_kv_tokens=56000,
+            num_prefix_query_tokens=num_context_tokens + 128 * (num_context_tokens > 0),
+            num_prefix_hit_tokens=128 * (num_context_tokens > 0), num_preemptions=0,
             milestones=milestones,
         ))
         start_ns += 12 * MS
@@ -207,22 +228,26 @@ class InstrumentSink(NothingSink):
             self.on_milestone(milestone)
 
     def on_milestone(self, milestone: RequestMilestone) -> None:
+        """As the sink: TTFT at the first-token event, the rest at the finish."""
         histograms = self.histograms
-        histograms["time_to_first_token_seconds"].observe(
-            (milestone.first_token_ns - milestone.arrival_ns) / 1e9)
-        self.cached_tokens.inc(milestone.num_cached_tokens)
+        if milestone.event & EVENT_FIRST_TOKEN:
+            histograms["time_to_first_token_seconds"].observe(
+                (milestone.first_token_ns - milestone.arrival_ns) / 1e9)
+            self.cached_tokens.inc(milestone.num_cached_tokens)
+        if not milestone.event & EVENT_FINISHED:
+            return
         self.finished[milestone.finish_reason].inc()
-        decode_s = (milestone.finished_ns - milestone.first_token_ns) / 1e9
-        for name, seconds in (
+        decode_ns = milestone.finished_ns - milestone.first_token_ns
+        for name, nanoseconds in (
             ("e2e_request_latency_seconds", milestone.finished_ns - milestone.arrival_ns),
             ("request_queue_time_seconds", milestone.first_scheduled_ns - milestone.arrival_ns),
             ("request_prefill_time_seconds",
              milestone.first_token_ns - milestone.first_scheduled_ns),
+            ("request_decode_time_seconds", decode_ns),
         ):
-            histograms[name].observe(seconds / 1e9)
-        histograms["request_decode_time_seconds"].observe(decode_s)
+            histograms[name].observe(nanoseconds / 1e9)
         histograms["time_per_output_token_seconds"].observe(
-            decode_s / (milestone.num_output_tokens - 1))
+            decode_ns / (milestone.num_output_tokens - 1) / 1e9)
         histograms["request_prompt_tokens"].observe(milestone.num_prompt_tokens)
         histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
         histograms["request_preemptions"].observe(milestone.num_preemptions)
