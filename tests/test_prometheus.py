@@ -197,6 +197,20 @@ def test_queues_and_kv_total_follow_latest_message():
     assert value(samples, "iterscope_requests_waiting") == 7
 
 
+def test_a_restarted_engine_shows_no_kv_state_of_the_old_process():
+    sink, registry = new_sink()
+    sink.on_heartbeat(make_heartbeat(pid=42))
+    sink.on_iteration(make_record(1, num_kv_blocks_used=97, num_kv_blocks_free=3))
+    assert value(scrape(registry), "iterscope_kv_cache_usage_ratio") == pytest.approx(0.97)
+    sink.on_heartbeat(make_heartbeat(pid=43, num_kv_blocks_total=200))  # the new process
+    samples = scrape(registry)
+    assert value(samples, "iterscope_kv_cache_usage_ratio") == 0
+    assert value(samples, "iterscope_kv_blocks_capacity") == 200
+    assert value(samples, "iterscope_iterations_total") == 1  # counters carry on
+    sink.on_iteration(make_record(1, num_kv_blocks_used=20, num_kv_blocks_free=180))
+    assert value(scrape(registry), "iterscope_kv_cache_usage_ratio") == pytest.approx(0.1)
+
+
 def test_lifecycle_histograms_from_one_milestone_with_both_events():
     sink, registry = new_sink()
     sink.on_heartbeat(make_heartbeat())

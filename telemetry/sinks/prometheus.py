@@ -271,6 +271,8 @@ class EngineState:
         self.num_received += 1
         self.heartbeat_received_ns = time.monotonic_ns()
         if heartbeat.pid != self.pid:  # a new engine process: its clocks and numbers restart
+            if self.pid:  # a restart: the old process's KV state is not the new one's
+                self.last_record = None
             self.pid = heartbeat.pid
             self.last_iteration = 0
             self.last_end_ns = 0
