@@ -68,7 +68,7 @@ def classify_undecodable(
         return "truncated" if truncated else "malformed"
     try:
         value = loads(data)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, RecursionError):  # deep nesting: a hostile frame
         return "malformed"
     if isinstance(value, list) and value and type(value[0]) is int:
         version, kind = divmod(value[0], 16)

@@ -132,10 +132,11 @@ def test_a_partial_last_line_is_cut_and_the_last_seqs_are_known(tmp_path):
 
 def test_undecodable_lines_are_counted_not_fatal(tmp_path):
     path = tmp_path / "rec.jsonl"
-    path.write_bytes(b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n')
+    path.write_bytes(b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n'
+                     + b"[17," + b"[" * 3000 + b"0" + b"]" * 3001 + b"\n")  # nested too deep
     ingest = replay(path, [])
     assert ingest.stats.num_undecodable == {
-        "malformed": 2, "truncated": 0, "oversized": 0, "version": 1,
+        "malformed": 3, "truncated": 0, "oversized": 0, "version": 1,
     }
     assert ingest.stats.num_messages == 1
 

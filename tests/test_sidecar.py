@@ -133,11 +133,13 @@ def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
     (encode(record(1, engine_index=-1)), "malformed"),
     (encode(record(0)), "malformed"),  # seq starts at 1
     (encode(record(1, num_running_reqs=-5)), "malformed"),  # a count below 0
-    (b"\x00" * 2000, "oversized"),
+    (b"\x00" * 9000, "oversized"),
+    (b"\x92\x11" + b"\x91" * 3000 + b"\x00", "malformed"),  # nested deeper than the stack
+    (b"\x92\x11" + b"\x81\x01" * 3000 + b"\x00", "malformed"),
 ])
 def test_undecodable_frames_are_counted_by_reason(frame, reason):
     sink = RecordingSink()
-    ingest = Ingest([sink], max_frame_bytes=1024)
+    ingest = Ingest([sink], max_frame_bytes=8192)
     ingest.on_frame(frame, now_ns=1)
     assert sink.of("undecodable") == [(reason,)]
     assert ingest.stats.num_undecodable[reason] == 1 and ingest.stats.num_messages == 0
