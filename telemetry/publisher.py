@@ -144,7 +144,8 @@ class ZmqPublisher:
         while True:
             closing = self._closed.is_set()
             self._send_queued()
-            if time.monotonic() >= next_heartbeat_s:
+            unsent_gap = self._next_seq - 1 > self._last_sent_seq  # drops no message carried
+            if time.monotonic() >= next_heartbeat_s or (closing and unsent_gap):
                 self._send_heartbeat()
                 next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
             if closing:

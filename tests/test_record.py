@@ -130,6 +130,28 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkey
     assert sum(m.num_dropped for m in messages) == 6
 
 
+def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path, monkeypatch):
+    """No later message would carry the gap of records dropped right before shutdown."""
+    monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600, queue_capacity=4)
+    try:
+        assert publisher.flush()  # the first heartbeat
+        for _ in range(10):  # the sender thread sleeps: 6 find the queue full
+            publisher.publish(decode_record())
+        publisher.close()
+        messages = []
+        while pull.poll(500):
+            messages.append(make_decoder().decode(pull.recv()))
+    finally:
+        pull.close(linger=0)
+    assert publisher.num_dropped_total == 6
+    assert isinstance(messages[-1], Heartbeat) and messages[-1].num_dropped == 6
+    assert sum(m.num_dropped for m in messages) == 6
+
+
 def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
     """A loop spinning on empty iterations must not look like progress to the sidecar."""
     address = f"ipc://{tmp_path}/lane.sock"
