@@ -227,6 +227,25 @@ def test_close_prints_the_open_window_so_every_record_is_in_a_line():
     assert "Avg generation throughput: 48.0 tokens/s" in lines.texts()[1]
 
 
+def test_idle_running_flips_are_debug_lines_other_transitions_stand_out():
+    """Under light load an engine flips idle <-> running with every request: those lines
+    would drown the throughput lines at INFO."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    for status in (EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.IDLE,
+                   EngineStatus.RUNNING, EngineStatus.STALLED, EngineStatus.RUNNING,
+                   EngineStatus.DEAD, EngineStatus.IDLE):
+        sink.on_status(0, status, 0)
+    assert lines.texts(logging.INFO) == ["Engine 000: connected, idle",
+                                         "Engine 000: stalled -> running",
+                                         "Engine 000: dead -> idle"]
+    assert lines.texts(logging.DEBUG) == ["Engine 000: idle -> running",
+                                          "Engine 000: running -> idle",
+                                          "Engine 000: idle -> running"]
+    assert [text.split(" (")[0] for text in lines.texts(logging.WARNING)] == [
+        "Engine 000: running -> stalled", "Engine 000: running -> dead"]
+
+
 def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
     lines = Lines()
     sink = LogSink(emit=lines)

@@ -262,8 +262,10 @@ class LogSink(Sink):
             text = f"Engine {engine_index:03d}: {previous.value} -> {status.value}"
         if status in (EngineStatus.STALLED, EngineStatus.DEAD):
             self.emit(logging.WARNING, f"{text} ({queues})")
+        elif {previous, status} == {EngineStatus.IDLE, EngineStatus.RUNNING}:
+            self.emit(logging.DEBUG, text)  # every request under light load: not news
         else:
-            self.emit(logging.INFO, text)
+            self.emit(logging.INFO, text)  # connected, or recovered from stalled / dead
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
         view = self._view(engine_index)
