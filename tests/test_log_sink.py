@@ -255,3 +255,36 @@ def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
     feed(sink, [heartbeat(1, 121.0)])  # another engine's clock closes the window
     assert any("Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
                for text in lines.texts()[1:])
+
+
+def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
+    """No other engine moves the log clock: the line comes when the engine is declared
+    dead, not when the sidecar exits."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_generation_tokens=40,
+                                           num_running_reqs=2)])
+    assert lines.texts(logging.INFO) == []
+    sink.on_status(0, EngineStatus.DEAD, 0)
+    throughput = [text for text in lines.texts(logging.INFO) if "throughput" in text]
+    assert len(throughput) == 1 and "Avg generation throughput: 4.0 tokens/s" in throughput[0]
+    sink.close()  # nothing is printed twice
+    assert len([text for text in lines.texts() if "throughput" in text]) == 1
+
+
+def test_a_wall_clock_stepped_back_keeps_the_lines_coming():
+    """NTP steps the clock back 60 s: lines go on from the new time, and a bogus far-future
+    heartbeat cannot silence them for good."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    feed(sink, [heartbeat(0, 99.0)])
+    for second in range(100, 130):
+        feed(sink, [record(0, second + 0.5, num_generation_tokens=80)])
+    assert len(lines.texts()) == 2  # the windows ending at 110 and 120
+    feed(sink, [heartbeat(0, 2.0**62 / SECOND)])  # a bogus time
+    for second in range(70, 100):  # then the clock is 60 s behind the highest time seen
+        feed(sink, [heartbeat(0, second + 0.1), record(0, second + 0.5, num_generation_tokens=80)])
+    throughput = [text for text in lines.texts() if "throughput" in text]
+    assert len(throughput) >= 5
+    assert all("Avg generation throughput: 80.0 tokens/s" in text
+               for text in throughput[:2] + throughput[3:])

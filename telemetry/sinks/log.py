@@ -39,6 +39,7 @@ from telemetry.sink import EngineStatus, Sink
 logger = logging.getLogger("iterscope.sidecar")
 
 DEFAULT_INTERVAL_S = 10.0
+CLOCK_STEP_INTERVALS = 2  # a wall time further back than this many intervals: a clock step
 
 Emit = Callable[[int, str], None]  # (logging level, text)
 
@@ -222,12 +223,22 @@ class LogSink(Sink):
             self._window_index = wall_ns // self.interval_ns
             return
         if wall_ns <= self._clock_ns:
+            if self._clock_ns - wall_ns > CLOCK_STEP_INTERVALS * self.interval_ns:
+                self._restart_clock(wall_ns)
             return
         self._clock_ns = wall_ns
         window_index = wall_ns // self.interval_ns
         if window_index > self._window_index:
             self._close_window()
             self._window_index = window_index
+
+    def _restart_clock(self, wall_ns: int) -> None:
+        """The engines' wall clock stepped back (NTP) or a bogus time was seen: print what
+        the open window holds and go on from ``wall_ns``, instead of staying silent until
+        the clock catches up with the highest time ever seen."""
+        self._close_window(end_ns=self._clock_ns)
+        self._clock_ns = wall_ns
+        self._window_index = wall_ns // self.interval_ns
 
     def _close_window(self, end_ns: int | None = None) -> None:
         """Print the window's lines; ``end_ns`` cuts it short (at close)."""
@@ -252,6 +263,16 @@ class LogSink(Sink):
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
         view = self._view(engine_index)
         previous, view.status = view.status, status
+        self._status_line(engine_index, previous, status, view)
+        all_dead = all(other.status is EngineStatus.DEAD for other in self.views.values())
+        if status is EngineStatus.DEAD and all_dead and self._clock_ns is not None:
+            # No engine moves the log clock any more: print the window with the last
+            # iterations now, not at the sidecar's exit, and start the next one.
+            self._close_window()
+            self._window_index += 1
+
+    def _status_line(self, engine_index: int, previous: EngineStatus | None,
+                     status: EngineStatus, view: EngineView) -> None:
         queues = (
             f"{view.num_waiting_reqs} waiting, {view.num_running_reqs} running, "
             f"last iteration {view.last_iteration}"
