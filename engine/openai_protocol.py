@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.detokenizer import check_stop_strings
 from engine.request import SamplingParams
@@ -46,7 +46,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    top_k: int = Field(default=0, ge=-1, le=INT64_MAX)  # 0 or -1: off
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = 1
     stream: bool = False
@@ -59,8 +59,20 @@ class _SamplingFields(BaseModel):
     logprobs: Any = None
     user: str | None = None
 
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "stop_token_ids",
+                     "ignore_eos", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """The OpenAI API lets clients send null for an optional field: its default."""
+        if value is None:
+            return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        return value
+
     def check_supported(self) -> None:
         """Reject what the engine does not implement, naming the parameter."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true",
+                                 "stream_options")
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", "n")
         try:
@@ -123,11 +135,18 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused in text() unless empty
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # a participant's name: the templates we serve do not use it
 
     def text(self) -> str:
-        """The content as one string; list content may hold text parts only."""
+        """The content as one string; list content may hold text parts only. Other fields
+        (tool_calls, tool_call_id, ...) would be lost on the way to the template: refused."""
+        for name, value in (self.model_extra or {}).items():
+            if value not in (None, "", [], {}):
+                raise InvalidRequest(f"messages: {name} is not supported", "messages")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError, TemplateSyntaxError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig, parse_memory_size
 from engine.core_process import EngineCoreClient, EngineDeadError
@@ -276,6 +277,17 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     def error(status: int, message: str, error_type: str, param: str | None = None):
         return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        """404 for an unknown path, 405 for a wrong method: OpenAI's shape too."""
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), error_type)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, exc: Exception):
+        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):

@@ -243,6 +243,9 @@ def test_models_and_health(server):
         ({"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+        ({"prompt": "hi", "top_k": 10**20}, 400, "top_k"),  # was a plain-text 500
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+         "stream_options is only allowed when stream is true"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
@@ -507,3 +510,39 @@ def test_the_frontend_reads_tokenizers_without_importing_torch():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert "torch" not in result.stdout.strip().splitlines()[-1], result.stdout
+
+
+def test_null_means_the_default_as_in_the_openai_api():
+    http, _ = scripted_app("ok")
+    response = http.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 5, "temperature": None, "top_p": None, "top_k": None,
+        "n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None,
+        "stop_token_ids": None, "ignore_eos": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "ok"
+
+
+def test_chat_message_fields_the_template_would_lose_are_refused():
+    http, _ = scripted_app("ok")
+    named = {"role": "user", "content": "hi", "name": "alice"}
+    assert http.post("/v1/chat/completions", json={"messages": [named]}).status_code == 200
+    tool_turn = {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "1", "type": "function",
+                                 "function": {"name": "f", "arguments": "{}"}}]}
+    response = http.post("/v1/chat/completions", json={"messages": [named, tool_turn]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "messages: tool_calls is not supported"
+
+
+def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies(
+        monkeypatch):
+    http, client = scripted_app("ok")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/health", 405)):
+        response = http.request(method, path)
+        assert response.status_code == status
+        assert response.json()["error"]["code"] == status
+    monkeypatch.setattr(client, "add_request", lambda *args, **kwargs: 1 / 0)
+    http = TestClient(http.app, raise_server_exceptions=False)
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 500
+    assert response.json()["error"]["message"].startswith("internal error: ZeroDivisionError")
