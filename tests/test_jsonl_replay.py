@@ -190,3 +190,56 @@ def test_cli_replay_leaves_metrics_off_so_it_never_collides_with_a_live_sidecar(
         )
     assert result.returncode == 0, result.stderr
     assert "replayed" in result.stderr
+
+
+class FlakyDisk:
+    """os.write for the JSONL sink: writes part of the data, then fails while ``full``."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.cut_next_write = False
+        self.real_write = os.write  # monkeypatching jsonl.os.write replaces os.write itself
+
+    def write(self, fd: int, data) -> int:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        if self.cut_next_write:  # the disk fills up in the middle of this write
+            self.cut_next_write, self.full = False, True
+            return self.real_write(fd, bytes(data[: len(data) // 2 + 3]))
+        return self.real_write(fd, data)
+
+
+def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(
+        tmp_path, monkeypatch):
+    from telemetry.sinks import jsonl
+
+    disk = FlakyDisk()
+    monkeypatch.setattr(jsonl.os, "write", disk.write)
+    monkeypatch.setattr(jsonl, "MAX_UNWRITTEN_BYTES", 4096)
+    path = tmp_path / "rec.jsonl"
+    sink = JsonlSink(path, flush_bytes=1 << 30)  # flushed by hand below
+    messages = run_messages(num_engines=1, seconds=20)
+    first, second, third = messages[:40], messages[40:120], messages[120:]
+    for message in first:
+        sink.on_iteration(message)
+    disk.cut_next_write = True
+    with pytest.raises(OSError):
+        sink.flush()  # half of it reaches the file, ending inside a line
+    disk.full = False
+    for message in second:
+        sink.on_iteration(message)
+    sink.flush()  # the rest of `first`, then `second`: nothing twice
+    assert list(read_recording(path)) == first + second
+    disk.full = True
+    for message in third:  # the disk stays full: the backlog stays bounded
+        sink.on_iteration(message)
+        try:
+            sink.flush()
+        except OSError:
+            pass
+    assert len(sink._buffer) <= 4096 + 1024 and sink.num_lines_lost > 0
+    disk.full = False
+    sink.close()
+    recorded = list(read_recording(path))  # every line whole; the lost ones missing
+    assert recorded[: len(first + second)] == first + second
+    assert len(recorded) + sink.num_lines_lost == len(messages)

@@ -17,6 +17,11 @@ Lines are buffered and written whole at every sidecar tick (about 0.1 s) or when
 reaches ``flush_bytes``. A sidecar killed mid-write can leave a partial last line; the next
 sidecar to open the file cuts it off, and reads the last ``seq`` of every engine back, so the
 messages it never wrote are counted as lost (``known_last_seqs``).
+
+A write that fails (a full disk) keeps what was not written, never what was: nothing is
+written twice, and a line cut by a partial write is completed first. While writes keep
+failing, at most MAX_UNWRITTEN_BYTES are held; whole lines beyond that are dropped and
+counted in ``num_lines_lost``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from telemetry.sink import Sink
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_MAX_FILES = 4
 DEFAULT_FLUSH_BYTES = 1 << 20
+NEWLINE = ord("\n")
+MAX_UNWRITTEN_BYTES = 64 << 20  # held while writes fail (disk full); beyond it lines are lost
 
 
 class LineHead(msgspec.Struct, array_like=True):
@@ -95,6 +102,8 @@ class JsonlSink(Sink):
         self.max_files = max_files
         self.flush_bytes = flush_bytes
         self.num_messages = 0
+        self.num_lines_lost = 0
+        self._midline = False  # a partial write ended inside a line
         self._encoder = msgspec.json.Encoder()
         self._buffer = bytearray()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,12 +139,24 @@ class JsonlSink(Sink):
             return
         if self._size and self._size + len(self._buffer) > self.max_bytes:
             self._rotate()
-        data = bytes(self._buffer)
-        num_written = 0
-        while num_written < len(data):
-            num_written += os.write(self._fd, data[num_written:])
-        self._size += len(data)
-        self._buffer.clear()
+        buffer = self._buffer
+        try:
+            while buffer:
+                num_written = os.write(self._fd, buffer)
+                self._midline = num_written > 0 and buffer[num_written - 1] != NEWLINE
+                del buffer[:num_written]
+                self._size += num_written
+        except OSError:
+            if len(buffer) > MAX_UNWRITTEN_BYTES:
+                self._drop_unwritten_lines()
+            raise
+
+    def _drop_unwritten_lines(self) -> None:
+        """Keep only the rest of a line a partial write began, so the file stays whole."""
+        buffer = self._buffer
+        keep = buffer.find(b"\n") + 1 if self._midline else 0
+        self.num_lines_lost += buffer.count(b"\n", keep)
+        del buffer[keep:]
 
     def _rotate(self) -> None:
         os.close(self._fd)
