@@ -141,6 +141,29 @@ def test_hf_directory_loads_weights_config_and_tokenizer(tmp_path):
     assert bf16.decoder.embed_tokens.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(("config", "expected"), [
+    ({}, [256, 1, 2]),  # no add_bos_token: tokenizer.json's post-processor adds BOS
+    ({"add_bos_token": False}, [1, 2]),  # the config says no: it wins, as in transformers
+    ({"add_bos_token": True}, [256, 1, 2]),
+])
+def test_plain_prompts_get_the_special_tokens_transformers_would_give(tmp_path, config,
+                                                                       expected):
+    """Llama 3's tokenizer_config.json has no add_bos_token; its tokenizer.json adds
+    <|begin_of_text|> through a TemplateProcessing post-processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from engine.model.tokenizer import load_hf_tokenizer
+
+    vocab = {"<unk>": 0, "hello": 1, "world": 2, "<s>": 256}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 256)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", **config}))
+    assert load_hf_tokenizer(tmp_path).encode("hello world") == expected
+
+
 def cpu_packs_bf16_weights() -> bool:
     """oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere it raises."""
     try:

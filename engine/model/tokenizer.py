@@ -43,20 +43,26 @@ class Tokenizer:
         chat_template: str | None,
         bos_token: str | None = None,
         eos_token: str | None = None,
-        add_bos_token: bool = False,
+        add_bos_token: bool | None = False,
     ) -> None:
+        """``add_bos_token`` None: the tokenizer's own post-processor decides what special
+        tokens a plain prompt gets, as transformers does when tokenizer_config.json does not
+        say (Llama 3's tokenizer.json adds <|begin_of_text|> that way)."""
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
-        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.use_post_processor = add_bos_token is None
+        self.add_bos_token = bool(add_bos_token) and self.bos_token_id is not None
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        if self.use_post_processor:
+            return self.backend.encode(text, add_special_tokens=True).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.add_bos_token else ids
 
@@ -99,7 +105,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> Tokenizer:
         template,
         bos_token=_token_text(config.get("bos_token")),
         eos_token=_token_text(config.get("eos_token")),
-        add_bos_token=bool(config.get("add_bos_token", False)),
+        add_bos_token=config.get("add_bos_token"),  # None: tokenizer.json's post-processor
     )
 
 
