@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import math
 import sys
@@ -177,26 +179,42 @@ def _note_token(result: RequestResult, start: float, last: float, now: float) ->
 
 
 class ConcurrencyLimit:
-    """At most ``limit_at(elapsed seconds)`` requests in flight; the limit may change in time."""
+    """At most ``limit_at(elapsed seconds)`` requests in flight; the limit may change in time.
+
+    Waiters are served first come, first served, as by vLLM's semaphore. Only the head of the
+    queue polls (every 0.1 s, for a rising limit); the others sleep until it is their turn.
+    """
 
     def __init__(self, limit_at: Callable[[float], int], start: float) -> None:
         self.limit_at = limit_at
         self.start = start
         self.num_in_flight = 0
-        self.changed = asyncio.Event()
+        self._queue: collections.deque[asyncio.Event] = collections.deque()
+
+    def _has_room(self) -> bool:
+        return self.num_in_flight < self.limit_at(time.perf_counter() - self.start)
 
     async def acquire(self) -> None:
-        while self.num_in_flight >= self.limit_at(time.perf_counter() - self.start):
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), timeout=0.1)  # ramps need re-reads
-            except asyncio.TimeoutError:
-                pass
+        turn = asyncio.Event()
+        self._queue.append(turn)
+        try:
+            while not (self._queue[0] is turn and self._has_room()):
+                timeout = 0.1 if self._queue[0] is turn else None
+                turn.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(turn.wait(), timeout)
+        finally:
+            self._queue.remove(turn)
+            self._wake_head()
         self.num_in_flight += 1
 
     def release(self) -> None:
         self.num_in_flight -= 1
-        self.changed.set()
+        self._wake_head()
+
+    def _wake_head(self) -> None:
+        if self._queue:
+            self._queue[0].set()
 
 
 async def run_benchmark(
@@ -215,22 +233,29 @@ async def run_benchmark(
     limit = ConcurrencyLimit(concurrency_at or (lambda _: math.inf), start)
     bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
 
-    async def one(request: BenchRequest) -> RequestResult:
+    def too_late() -> bool:
+        return stop_sending_after is not None and (
+            time.perf_counter() - start > stop_sending_after)
+
+    async def one(request: BenchRequest) -> RequestResult | None:
+        """Arrives on schedule, then waits for a free slot (queued on the client side)."""
+        await limit.acquire()
         try:
+            if too_late():
+                return None
             return await backend.send(request)
         finally:
             limit.release()
             bar.update(1)
 
     tasks = []
-    for request in requests:
-        if stop_sending_after is not None and time.perf_counter() - start > stop_sending_after:
+    for request in requests:  # arrivals on a fixed schedule, whatever is in flight
+        if too_late():
             break
-        await limit.acquire()
         tasks.append(asyncio.ensure_future(one(request)))
         if math.isfinite(request_rate):
             await asyncio.sleep(rng.exponential(1.0 / request_rate))
-    results = list(await asyncio.gather(*tasks))
+    results = [result for result in await asyncio.gather(*tasks) if result is not None]
     bar.close()
     return results, time.perf_counter() - start
 

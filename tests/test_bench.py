@@ -84,6 +84,26 @@ def test_max_concurrency_is_respected():
     assert backend.max_in_flight == 3
 
 
+def test_queued_arrivals_are_sent_first_come_first_served_as_the_limit_rises():
+    """Arrivals do not wait for a free slot (they queue on the client side, as in vLLM's
+    benchmark); a limit that rises mid-run lets more through, still in arrival order."""
+    backend = CountingBackend()
+    sent = []
+    send = backend.send
+
+    async def recording_send(request):
+        sent.append(request)
+        return await send(request)
+
+    backend.send = recording_send
+    requests = bench.random_dataset(40, 4, 2, vocab_size=10, seed=3)
+    results, _ = asyncio.run(bench.run_benchmark(
+        backend, requests, concurrency_at=lambda elapsed: 1 if elapsed < 0.05 else 4,
+        progress=False))
+    assert len(results) == 40 and sent == requests
+    assert backend.max_in_flight == 4
+
+
 def test_poisson_rate_and_stop_sending_after():
     backend = CountingBackend()
     requests = bench.random_dataset(1000, 4, 2, vocab_size=10)
