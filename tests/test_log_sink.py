@@ -174,6 +174,20 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     assert len(lines.lines) == before
 
 
+def test_a_stall_names_the_last_iteration_that_scheduled_work():
+    """An engine spinning on empty iterations (story 2's leak) is stalled at the last one
+    that did something, not at the latest empty one."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    feed(sink, [heartbeat(0, 100, running=2), record(0, 100.5, iteration=7)])
+    for iteration in range(8, 60):  # schedules nothing
+        feed(sink, [record(0, 101 + iteration / 100, iteration=iteration, num_context_reqs=0,
+                           num_generation_reqs=0, num_context_tokens=0,
+                           num_generation_tokens=0)])
+    sink.on_status(0, EngineStatus.STALLED, 0)
+    assert "last iteration 7)" in lines.texts(logging.WARNING)[0]
+
+
 def test_losses_are_reported_at_most_once_per_interval():
     lines = Lines()
     sink = LogSink(emit=lines, interval_s=10)
