@@ -48,6 +48,7 @@ STALL_AFTER_S = 5.0
 TICK_INTERVAL_S = 0.1
 DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
 RECV_BATCH = 4096
+DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
 
 logger = logging.getLogger("iterscope.sidecar")
@@ -359,12 +360,24 @@ class Sidecar:
                 if now_ns >= next_tick_ns:
                     self.ingest.tick(now_ns)
                     next_tick_ns = now_ns + self._tick_interval_ns
+            self._drain()
         finally:
             socket.close(linger=0)
             if self._curve:
                 from telemetry.curve import stop_server_auth
 
                 stop_server_auth(self._context)
+
+    def _drain(self) -> None:
+        """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
+        socket would drop it, and no later message could report that gap."""
+        deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
+        while time.monotonic_ns() < deadline_ns:
+            try:
+                frame = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.ingest.on_frame(frame, time.monotonic_ns())
 
     def stop(self) -> None:
         """Ask ``run()`` to return (safe from a signal handler or another thread)."""

@@ -273,3 +273,23 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
     assert stats.num_frames == 100_001
     assert stats.num_undecodable == expected
     assert sink.of("iteration") == [(0, 5)] and sink.of("dropped") == []
+
+
+def test_a_stopping_sidecar_ingests_what_it_already_received(tmp_path):
+    """Frames in the receive queue at stop are ingested, not dropped with the socket: no later
+    message could report them lost."""
+    address = f"ipc://{tmp_path}/lane.sock"
+    sink = RecordingSink()
+    sidecar = Sidecar(address, Ingest([sink]))
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(address)
+    try:
+        for seq in range(1, 201):
+            push.send(encode(record(seq)))
+        time.sleep(0.5)  # delivered into the sidecar's queue; nothing has read it yet
+        sidecar.stop()  # before run(): the loop never turns, only the drain reads
+        sidecar.run()
+    finally:
+        push.close(linger=0)
+    assert sidecar.ingest.stats.num_messages == 200
+    assert sink.of("dropped") == []
