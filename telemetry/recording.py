@@ -78,6 +78,9 @@ def message_time_ns(message: Message) -> int:
     return message.ts_ns
 
 
+FORGET_AFTER_CALLS = 3
+
+
 class RecordingReader:
     """Reads the lines added to a recording since the last call (``explain --follow``).
 
@@ -85,8 +88,9 @@ class RecordingReader:
     so a ``rec.jsonl.1`` that a rotation creates later is read too. Where a file stopped being
     read is kept by inode, not by name: rotation renames ``rec.jsonl`` to ``rec.jsonl.1``, and
     its tail written just before the rename is read from where reading stopped, once. A file
-    that shrank is read again from its start. Inodes no longer in the file list are forgotten,
-    so a reused inode starts from 0 unless it reappears between two calls.
+    that shrank is read again from its start. An inode missing from FORGET_AFTER_CALLS file
+    lists in a row is forgotten (a reused inode then starts from 0); one missing from fewer,
+    as when a rotation lands between listing the files and opening them, keeps its place.
     """
 
     def __init__(self, paths: Iterable[StrPath]) -> None:
@@ -94,6 +98,8 @@ class RecordingReader:
         self.decoder = msgspec.json.Decoder(Message)
         self.num_bad_lines = 0
         self._offsets: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> bytes read
+        self._last_seen: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> call number
+        self._num_calls = 0
 
     def read_new(self, final: bool = False) -> list[Message]:
         """Messages added since the last call; ``final`` also decodes an unterminated last line
@@ -102,7 +108,13 @@ class RecordingReader:
         seen: set[tuple[int, int]] = set()
         for path in with_rotated_files(self.paths):
             messages += self._read_path(path, final, seen)
-        self._offsets = {key: offset for key, offset in self._offsets.items() if key in seen}
+        self._num_calls += 1
+        for key in seen:
+            self._last_seen[key] = self._num_calls
+        for key, last in list(self._last_seen.items()):
+            if self._num_calls - last >= FORGET_AFTER_CALLS:
+                del self._last_seen[key]
+                self._offsets.pop(key, None)
         return messages
 
     def _read_path(self, path: Path, final: bool, seen: set[tuple[int, int]]) -> list[Message]:

@@ -340,6 +340,27 @@ def test_follow_reads_files_rotated_while_following(story2, tmp_path):
     assert read == story2.messages and reader.num_bad_lines == 0
 
 
+def test_follow_reads_nothing_twice_when_a_rotation_lands_between_listing_and_opening(
+        story2, tmp_path, monkeypatch):
+    from telemetry import recording
+
+    encoder = msgspec.json.Encoder()
+    lines = [encoder.encode(m) + b"\n" for m in story2.messages]
+    half = len(lines) // 2
+    path = tmp_path / "rec.jsonl"
+    path.write_bytes(b"".join(lines[:half]))
+    reader = RecordingReader([path])
+    read = reader.read_new()
+    path.rename(tmp_path / "rec.jsonl.1")  # the rotation, after the reader listed the files
+    path.write_bytes(b"".join(lines[half:]))
+    listing = recording.with_rotated_files
+    monkeypatch.setattr(recording, "with_rotated_files", lambda paths: [path])  # stale list
+    read += reader.read_new()
+    monkeypatch.setattr(recording, "with_rotated_files", listing)
+    read += reader.read_new()  # rec.jsonl.1 is listed again: its place was kept
+    assert read == story2.messages
+
+
 def test_follow_keeps_a_bounded_window(story2, tmp_path):
     path = story2.write(tmp_path / "story2.jsonl")
     out = io.StringIO()
