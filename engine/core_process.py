@@ -239,7 +239,7 @@ class _EngineLoop:
         before sending, so only a foreign sender gets here.)"""
         try:
             fields = msgspec.msgpack.decode(frame)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nested deeper than the stack
             return
         if isinstance(fields, list) and len(fields) > 1 and fields[0] == "add" and isinstance(
                 fields[1], str):

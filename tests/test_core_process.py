@@ -140,6 +140,7 @@ def test_frames_the_engine_cannot_read_never_end_it(client):
         client._streams["bad-seed"] = stream
     client._send(bad_request)
     client._send_frame(b"\xc1 not msgpack")
+    client._send_frame(b"\x92\xa3add" + b"\x91" * 3000 + b"\x00")  # nested too deep
     client._send(core_process.AbortRequests([running.request_id], 99))
     with pytest.raises(RequestRejectedError, match="undecodable request"):
         stream.get(timeout=10)
