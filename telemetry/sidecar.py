@@ -343,19 +343,13 @@ class Sidecar:
 
     def run(self) -> None:
         """Receive, decode and dispatch until stopped; the socket is closed on return."""
-        socket, on_frame = self._socket, self.ingest.on_frame
+        socket = self._socket
         poll_ms = max(1, self._tick_interval_ns // 1_000_000)
         next_tick_ns = time.monotonic_ns()
         try:
             while not self._stopped.is_set():
                 if socket.poll(poll_ms):
-                    now_ns = time.monotonic_ns()
-                    for _ in range(RECV_BATCH):
-                        try:
-                            frame = socket.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        on_frame(frame, now_ns)
+                    self._receive_batch(time.monotonic_ns())
                 now_ns = time.monotonic_ns()
                 if now_ns >= next_tick_ns:
                     self.ingest.tick(now_ns)
@@ -368,16 +362,24 @@ class Sidecar:
 
                 stop_server_auth(self._context)
 
+    def _receive_batch(self, now_ns: int) -> int:
+        """Ingest up to RECV_BATCH frames already received, stamped ``now_ns``; how many."""
+        recv, on_frame = self._socket.recv, self.ingest.on_frame
+        for num_received in range(RECV_BATCH):
+            try:
+                frame = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return num_received
+            on_frame(frame, now_ns)
+        return RECV_BATCH
+
     def _drain(self) -> None:
         """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
         socket would drop it, and no later message could report that gap."""
         deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
-        while time.monotonic_ns() < deadline_ns:
-            try:
-                frame = self._socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        while (now_ns := time.monotonic_ns()) < deadline_ns:
+            if self._receive_batch(now_ns) < RECV_BATCH:
                 return
-            self.ingest.on_frame(frame, time.monotonic_ns())
 
     def stop(self) -> None:
         """Ask ``run()`` to return (safe from a signal handler or another thread)."""

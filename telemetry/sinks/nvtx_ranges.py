@@ -87,24 +87,26 @@ class RangePacer:
 
     def next_due_ns(self) -> int | None:
         """Sidecar time of the earliest queued event; None when nothing is queued."""
-        due = [queue[0][0] + self._offsets[engine_index] + self.delay_ns
-               for engine_index, queue in self._queues.items() if queue]
-        return min(due, default=None)
+        earliest = self._earliest()
+        return None if earliest is None else earliest[0]
 
     def pop_due(self, now_ns: int) -> list[tuple[int, IterationRecord]]:
         """(kind, record) of every event due by ``now_ns``, in time order."""
         due = []
-        while True:
-            earliest = None
-            for engine_index, queue in self._queues.items():
-                if queue:
-                    due_ns = queue[0][0] + self._offsets[engine_index] + self.delay_ns
-                    if due_ns <= now_ns and (earliest is None or due_ns < earliest[0]):
-                        earliest = (due_ns, queue)
-            if earliest is None:
-                return due
+        while (earliest := self._earliest()) is not None and earliest[0] <= now_ns:
             _, kind, record = earliest[1].popleft()
             due.append((kind, record))
+        return due
+
+    def _earliest(self) -> tuple[int, collections.deque] | None:
+        """(sidecar time, queue) of the earliest queued event over all engines."""
+        earliest = None
+        for engine_index, queue in self._queues.items():
+            if queue:
+                due_ns = queue[0][0] + self._offsets[engine_index] + self.delay_ns
+                if earliest is None or due_ns < earliest[0]:
+                    earliest = (due_ns, queue)
+        return earliest
 
 
 class _EngineRanges:
