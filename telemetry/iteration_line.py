@@ -11,7 +11,13 @@ same record, so the line never mixes numbers from two moments.
 
 from __future__ import annotations
 
-from telemetry.record import IterationRecord
+from telemetry.record import (
+    UNKNOWN_CONTEXT_REQS,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    IterationRecord,
+    is_known,
+)
 
 
 def kv_usage_ratio(record: IterationRecord) -> float:
@@ -21,15 +27,24 @@ def kv_usage_ratio(record: IterationRecord) -> float:
 
 
 def format_iteration_line(record: IterationRecord) -> str:
+    """The line; a field the source marked unknown reads "unknown" (e.g. "unknown context
+    requests"), never a 0 it did not measure."""
     num_total_blocks = record.num_kv_blocks_used + record.num_kv_blocks_free
+    context_reqs = _known(record, UNKNOWN_CONTEXT_REQS, record.num_context_reqs)
+    elapsed = _known(record, UNKNOWN_ELAPSED, f"{record.elapsed_ns / 1e6:.2f} ms")
+    kv_tokens = _known(record, UNKNOWN_KV_TOKENS, record.num_kv_tokens)
     return (
         f"Iteration({record.iteration}): "
-        f"{record.num_context_reqs} context requests, "
+        f"{context_reqs} context requests, "
         f"{record.num_context_tokens} context tokens, "
         f"{record.num_generation_reqs} generation requests, "
         f"{record.num_generation_tokens} generation tokens, "
-        f"iteration elapsed time: {record.elapsed_ns / 1e6:.2f} ms, "
+        f"iteration elapsed time: {elapsed}, "
         f"kv cache: {100 * kv_usage_ratio(record):.1f}% "
         f"({record.num_kv_blocks_used}/{num_total_blocks} blocks, "
-        f"{record.num_kv_tokens} tokens)"
+        f"{kv_tokens} tokens)"
     )
+
+
+def _known(record: IterationRecord, unknown_bit: int, value: object) -> object:
+    return value if is_known(record, unknown_bit) else "unknown"

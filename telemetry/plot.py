@@ -54,7 +54,9 @@ def plot_timelines(
                     drawstyle="steps-post")
         token_ax.plot(t, tl.col("ctx_tokens"), ".", ms=2, label=f"context tokens{suffix}")
         token_ax.plot(t, tl.col("gen_tokens"), ".", ms=2, label=f"generation tokens{suffix}")
-        time_ax.plot(t, tl.col("elapsed_ns") / 1e6, ".", ms=2, label=f"iteration time{suffix}")
+        timed = tl.timed
+        time_ax.plot(t[timed], tl.col("elapsed_ns")[timed] / 1e6, ".", ms=2,
+                     label=f"iteration time{suffix}")
     kinds = _shade_episodes(axes, episodes, t0_ns)
     kv_ax.set_ylabel("KV cache usage (%)")
     kv_ax.set_ylim(-2, 102)

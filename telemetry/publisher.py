@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
+import tempfile
 import threading
 import time
 
@@ -38,6 +39,12 @@ HEARTBEAT_INTERVAL_S = 1.0
 SEND_INTERVAL_S = 0.02  # the sender thread's wake-up period
 CLOSE_LINGER_MS = 1000  # at close, how long ZMQ may take to deliver what it holds
 CONNECT_WAIT_MS = 100  # once, at start-up
+
+
+def default_address() -> str:
+    """The sidecar's default lane: a per-user ipc path, not reachable from other hosts, no
+    collision between users."""
+    return f"ipc://{tempfile.gettempdir()}/iterscope-{os.getuid()}/telemetry.sock"
 
 
 class NullPublisher:
@@ -121,6 +128,11 @@ class ZmqPublisher:
         """Queue lengths changed outside an iteration (a request arrived while idle)."""
         self._num_waiting = num_waiting
         self._num_running = num_running
+
+    def update_facts(self, **facts: object) -> None:
+        """Static Heartbeat fields learnt after start-up (a vLLM server's KV pool size).
+        The dict is replaced, not changed, so the sender thread never sees it half-updated."""
+        self._facts = {**self._facts, **facts}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything published so far was sent or counted as dropped."""

@@ -16,6 +16,10 @@ Invariants the sidecar relies on:
   ``wall_ns`` (``time.time_ns()``) read back to back, the clock anchor that converts the first
   into the second.
 - A steady-state decode record (no milestones) encodes to well under 96 bytes.
+- ``unknown`` holds UNKNOWN_* bits for the fields a source cannot fill (a vLLM server
+  reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
+  it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
+  The field is last, so frames without it (older senders) decode with ``unknown`` = 0.
 """
 
 from __future__ import annotations
@@ -39,8 +43,15 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 EVENT_FIRST_TOKEN = 1
 EVENT_FINISHED = 2
 
-# RequestMilestone.finish_reason values (engine.request.FinishReason), -1 = not finished
-FINISH_REASONS = ("stop", "length", "abort")
+# RequestMilestone.finish_reason values (engine.request.FinishReason; the same indexes as
+# vLLM's FinishReason, whose error and repetition our engine never sends), -1 = not finished
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+# IterationRecord.unknown bits: fields the source does not give (sent as 0, shown as unknown)
+UNKNOWN_CONTEXT_REQS = 1  # num_context_reqs
+UNKNOWN_ELAPSED = 2  # elapsed_ns (start_ns is then when the source saw the iteration end)
+UNKNOWN_WAITING_REASONS = 4  # num_waiting_kv_reqs, num_waiting_seq_limit_reqs, ..._budget_reqs
+UNKNOWN_KV_TOKENS = 8  # num_kv_tokens
 
 
 class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=False):
@@ -98,6 +109,12 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     num_preemptions: Count
     num_dropped: Count = 0  # messages the engine failed to send since the last one it sent
     milestones: list[RequestMilestone] = []
+    unknown: Count = 0  # UNKNOWN_* bits: fields this source does not give
+
+
+def is_known(record: IterationRecord, unknown_bit: int) -> bool:
+    """False when the record's source marked the field(s) of ``unknown_bit`` as unknown."""
+    return not record.unknown & unknown_bit
 
 
 class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):

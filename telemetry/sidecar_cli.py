@@ -15,13 +15,13 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from types import ModuleType
 
 import zmq
 
+from telemetry.publisher import default_address
 from telemetry.sidecar import (
     DEAD_AFTER_S,
     DEFAULT_RCVHWM,
@@ -43,11 +43,6 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
 
 logger = logging.getLogger("iterscope.sidecar")
-
-
-def default_address() -> str:
-    """A per-user ipc path: not reachable from other hosts, no collision between users."""
-    return f"ipc://{tempfile.gettempdir()}/iterscope-{os.getuid()}/telemetry.sock"
 
 
 def load_sink_modules(names: tuple[str, ...] = SINK_MODULES) -> list[ModuleType]:

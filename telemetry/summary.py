@@ -82,7 +82,7 @@ def _request_times(tl: EngineTimeline) -> tuple[list[float], list[float], int]:
 
 def summarize(tl: EngineTimeline) -> Summary:
     """Summary of a timeline; every figure is 0 when the timeline has no iteration."""
-    elapsed = tl.col("elapsed_ns") / NS_PER_S
+    elapsed = tl.col("elapsed_ns")[tl.timed] / NS_PER_S
     ctx_tokens, gen_tokens = tl.col("ctx_tokens"), tl.col("gen_tokens")
     batch_reqs = tl.col("ctx_reqs") + tl.col("gen_reqs")
     waiting = tl.col("waiting")

@@ -13,7 +13,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from telemetry.record import EVENT_FINISHED, Heartbeat, IterationRecord
+from telemetry.record import (
+    EVENT_FINISHED,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_WAITING_REASONS,
+    Heartbeat,
+    IterationRecord,
+)
 
 NS_PER_S = 1_000_000_000
 
@@ -43,6 +49,21 @@ class EngineTimeline:
 
     def col(self, name: str) -> np.ndarray:
         return self.columns[name]
+
+    def known(self, unknown_bits: int) -> np.ndarray:
+        """Rows whose source gave every field of ``unknown_bits`` (record.UNKNOWN_*)."""
+        return (self.col("unknown") & unknown_bits) == 0
+
+    @property
+    def timed(self) -> np.ndarray:
+        """Rows with a measured iteration time (a vLLM server without
+        --enable-logging-iteration-details reports none)."""
+        return self.known(UNKNOWN_ELAPSED)
+
+    @property
+    def waiting_reasons_known(self) -> bool:
+        """Whether every record says why requests waited (vLLM does not)."""
+        return bool(self.known(UNKNOWN_WAITING_REASONS).all())
 
     @property
     def kv_usage(self) -> np.ndarray:
@@ -105,6 +126,7 @@ RECORD_FIELDS = {
     "blocks_free": "num_kv_blocks_free",
     "kv_tokens": "num_kv_tokens",
     "preemptions": "num_preemptions",
+    "unknown": "unknown",  # UNKNOWN_* bits: fields the source did not give
 }
 
 

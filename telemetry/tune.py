@@ -29,10 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from telemetry.explain import parse_time, read_timelines
-from telemetry.record import EVENT_FINISHED
+from telemetry.record import EVENT_FINISHED, UNKNOWN_CONTEXT_REQS, UNKNOWN_ELAPSED
 from telemetry.timeline import NS_PER_S, EngineTimeline
 
 FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")
+UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_CONTEXT_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
 BUDGET_MULTIPLE = 16
 MAX_SEQS_CAP = 4096
@@ -72,12 +73,20 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
         names.remove(negative[0])
 
 
+def _untimed_hint(tl: EngineTimeline) -> str:
+    if tl.known(UNTIMED_OR_UNSPLIT).all():
+        return ""
+    return (" (the recording's source gave no iteration times or batch split: run vLLM with "
+            "--enable-logging-iteration-details)")
+
+
 def fit_iteration_time(tl: EngineTimeline) -> Fit:
     """Least-squares fit of iteration time; raises ValueError when there is too little data."""
-    busy = (tl.col("ctx_tokens") + tl.col("gen_tokens")) > 0
+    busy = ((tl.col("ctx_tokens") + tl.col("gen_tokens")) > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
-        raise ValueError(f"engine {tl.engine_index}: {int(busy.sum())} iterations did work; "
-                         "at least 10 are needed to fit iteration time")
+        raise ValueError(f"engine {tl.engine_index}: {int(busy.sum())} iterations did work "
+                         "with a measured time and batch; at least 10 are needed to fit "
+                         "iteration time" + _untimed_hint(tl))
     x = np.column_stack([tl.col(name)[busy] for name in FEATURES]).astype(float)
     y = tl.col("elapsed_ns")[busy] / NS_PER_S
     solution = _least_squares(x, y, list(FEATURES))

@@ -390,7 +390,7 @@ def test_vllm_compatible_names():
         assert families[name].type == metric_type, name
     success = {sample.labels["finished_reason"]: sample.value
                for sample in families["vllm:request_success"].samples}
-    assert success == {"stop": 0, "length": 1, "abort": 0}
+    assert success == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0}
     ours = {s.labels["finish_reason"]: s.value
             for s in families["iterscope_requests_finished"].samples}
     assert success == ours

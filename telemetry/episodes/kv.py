@@ -21,7 +21,14 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         span = slice(first, last + 1)
         num_preemptions = int(tl.col("preemptions")[span].sum())
         max_waiting_kv = int(tl.col("waiting_kv")[span].max())
+        max_waiting = int(tl.col("waiting")[span].max())
         peak = float(usage[span].max())
+        if tl.waiting_reasons_known:
+            waited = f"{max_waiting_kv} requests at most waited for KV capacity"
+            num_blocked = max_waiting_kv
+        else:  # the source does not say why requests wait: say what is known
+            waited = f"{max_waiting} requests at most waited (the source reports no reason)"
+            num_blocked = max_waiting
         episodes.append(Episode(
             kind="kv_saturation",
             engine_index=tl.engine_index,
@@ -31,22 +38,29 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             evidence=(
                 f"KV usage >= {pct(th.kv_saturated_ratio)} for {last - first + 1} iterations "
                 f"(peak {pct(peak)} of {tl.num_kv_blocks_total} blocks); "
-                f"{max_waiting_kv} requests at most waited for KV capacity; "
+                f"{waited}; "
                 f"{num_preemptions} preemptions; running {int(tl.col('running')[first])} -> "
                 f"{int(tl.col('running')[last])}"
             ),
-            explanation=_saturation_explanation(max_waiting_kv, num_preemptions),
+            explanation=_saturation_explanation(num_blocked, num_preemptions),
             setting=(
                 "Give the KV cache more memory, lower max_model_len, or lower max_num_seqs / "
                 "client concurrency so peak usage stays below ~90% "
                 "(`iterscope kv-plan` shows how many requests fit; runbook: "
                 "IterscopeKVCacheSaturated)."
             ),
-            severity=PROBLEM if max_waiting_kv or num_preemptions else INFO,
+            severity=PROBLEM if num_blocked or num_preemptions else INFO,
             numbers={"peak_usage": peak, "num_iterations": last - first + 1,
-                     "num_preemptions": num_preemptions, "max_waiting_kv_reqs": max_waiting_kv},
+                     "num_preemptions": num_preemptions,
+                     "max_waiting_kv_reqs": max_waiting_kv if tl.waiting_reasons_known else None},
         ))
     return episodes
+
+
+def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
+    if not tl.waiting_reasons_known:
+        return "reason not reported by the source"
+    return f"{int(tl.col('waiting_kv')[row])} for KV capacity"
 
 
 def _saturation_explanation(max_waiting_kv: int, num_preemptions: int) -> str:
@@ -116,7 +130,7 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"(iterations {int(tl.col('iteration')[high])}-{int(tl.col('iteration')[low])}); "
             f"running {int(running[high])} -> {int(running[low])}, waiting "
             f"{int(waiting[high])} -> {int(waiting[low])} "
-            f"({int(tl.col('waiting_kv')[low])} for KV capacity); "
+            f"({_waiting_kv_text(tl, low)}); "
             f"preemptions counted: {num_preemptions}; in the next 5 s {num_after} iterations ran "
             f"({num_ctx_after} context tokens, {num_gen_after} generation tokens)"
         ),

@@ -12,11 +12,11 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
     elapsed = tl.col("elapsed_ns")
     ctx_tokens, gen_reqs = tl.col("ctx_tokens"), tl.col("gen_reqs")
-    decode_only = (ctx_tokens == 0) & (gen_reqs > 0)
+    decode_only = (ctx_tokens == 0) & (gen_reqs > 0) & tl.timed
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     baseline_ns = float(np.median(elapsed[decode_only]))
-    with_context = ctx_tokens > 0
+    with_context = (ctx_tokens > 0) & tl.timed
     # What a context token costs, robustly (a median), so that a slow iteration counts only when
     # its chunk explains the slowness, not a hiccup of the machine (or warm-up).
     extra_per_token_ns = (elapsed[with_context] - baseline_ns) / ctx_tokens[with_context]

@@ -106,14 +106,15 @@ def _iteration_end_ns(tl: EngineTimeline, iteration: int, before_ns: int) -> int
 
 
 def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    scheduled = tl.col("ctx_reqs") + tl.col("gen_reqs")
+    scheduled = tl.col("ctx_tokens") + tl.col("gen_tokens")
     mask = (scheduled == 0) & (tl.col("waiting") + tl.col("running") > 0)
     episodes = []
     for first, last in true_runs(mask):
         if last - first + 1 < th.spin_min_iterations:
             continue
         span = slice(first, last + 1)
-        reasons = {WAIT_REASONS[n][0]: int(tl.col(n)[last]) for n in WAIT_REASONS}
+        reasons = ({WAIT_REASONS[n][0]: int(tl.col(n)[last]) for n in WAIT_REASONS}
+                   if tl.waiting_reasons_known else "not reported by the source")
         episodes.append(Episode(
             kind="stall",
             engine_index=tl.engine_index,

@@ -74,6 +74,9 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         f"{WAIT_REASONS[name][0]} {pct(total / max(num_waiting_sum, 1))}"
         for name, total in totals.items()
     )
+    if not tl.waiting_reasons_known:
+        label, cause = "reason not reported", "of a limit the source does not name"
+        split = "not reported by the source (vLLM does not say why requests wait)"
     peak_usage = float(tl.kv_usage[span].max())
     return Episode(
         kind="waiting",
@@ -105,4 +108,8 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_budget":
         return (f"Raise {limit_text(tl, 'max_num_batched_tokens')} for more throughput at the cost "
                 "of longer iterations; `iterscope tune --itl-target` picks a value.")
+    if not tl.waiting_reasons_known:
+        return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (give it "
+                "more memory, `iterscope kv-plan`); well below, the sequence limit or the token "
+                "budget is (`iterscope tune --itl-target`).")
     return "Check the engine's admission logic: requests waited with no limit reported."

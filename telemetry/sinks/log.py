@@ -201,7 +201,7 @@ class LogSink(Sink):
         view.num_waiting_reqs = record.num_waiting_reqs
         view.num_kv_blocks_used = record.num_kv_blocks_used
         view.num_kv_blocks_free = record.num_kv_blocks_free
-        if record.num_context_reqs or record.num_generation_reqs:  # as the heartbeat's:
+        if record.num_context_tokens or record.num_generation_tokens:  # as the heartbeat's:
             view.last_iteration = record.iteration  # a loop spinning empty is no progress
         if self.log_iterations:
             self.emit(logging.INFO, format_engine_iteration_line(record))

@@ -43,6 +43,8 @@ from telemetry.iteration_line import kv_usage_ratio
 from telemetry.record import (
     EVENT_FINISHED,
     FINISH_REASONS,
+    UNKNOWN_CONTEXT_REQS,
+    UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
@@ -221,7 +223,8 @@ def request_attributes(milestone: RequestMilestone, engine_index: int, model: st
 
 
 def iteration_attributes(record: IterationRecord, reason: str) -> dict:
-    return {
+    """The record's counts; those its source marked unknown are left out."""
+    attributes = {
         "iterscope.engine_index": record.engine_index,
         "iterscope.iteration": record.iteration,
         "iterscope.sample_reason": reason,
@@ -239,6 +242,12 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
         "iterscope.kv_usage_ratio": kv_usage_ratio(record),
         "iterscope.num_preemptions": record.num_preemptions,
     }
+    if record.unknown & UNKNOWN_CONTEXT_REQS:
+        del attributes["iterscope.num_context_reqs"]
+    if record.unknown & UNKNOWN_WAITING_REASONS:
+        for reason_field in ("kv", "seq_limit", "budget"):
+            del attributes[f"iterscope.num_waiting_{reason_field}_reqs"]
+    return attributes
 
 
 class _EngineTracer:

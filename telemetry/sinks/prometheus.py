@@ -39,9 +39,13 @@ from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    is_known,
 )
 from telemetry.sink import EngineStatus, Sink
 
@@ -189,10 +193,11 @@ class EngineState:
         self.num_running_reqs = record.num_running_reqs
         self.num_waiting_reqs = record.num_waiting_reqs
 
-        elapsed_s = elapsed_ns / 1e9
-        histogram = self._duration
-        histogram.bucket_counts[bisect_left(histogram.bounds, elapsed_s)] += 1
-        histogram.sum += elapsed_s
+        if not record.unknown & UNKNOWN_ELAPSED:  # a source without iteration times
+            elapsed_s = elapsed_ns / 1e9
+            histogram = self._duration
+            histogram.bucket_counts[bisect_left(histogram.bounds, elapsed_s)] += 1
+            histogram.sum += elapsed_s
         count = num_context_tokens + num_generation_tokens
         histogram = self._tokens
         index = histogram.count_index
@@ -401,15 +406,20 @@ class MetricsCollector:
             running.add_metric(labels, engine.num_running_reqs)
             waiting.add_metric(labels, engine.num_waiting_reqs)
             record = engine.last_record
-            for reason, field in WAITING_REASONS:
-                by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
+            if record is not None and not is_known(record, UNKNOWN_WAITING_REASONS):
+                by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
+            else:
+                for reason, field in WAITING_REASONS:
+                    by_reason.add_metric([*labels, reason],
+                                         getattr(record, field) if record else 0)
             blocks_total = engine.kv_blocks_capacity
             blocks_used = record.num_kv_blocks_used if record else 0
             usage.add_metric(labels, blocks_used / blocks_total if blocks_total else 0.0)
             used.add_metric(labels, blocks_used)
             free.add_metric(labels, record.num_kv_blocks_free if record else blocks_total)
             total.add_metric(labels, blocks_total)
-            kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            if record is None or is_known(record, UNKNOWN_KV_TOKENS):
+                kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
             for status in EngineStatus:
                 state.add_metric([*labels, status.value], float(engine.status == status))
             if engine.heartbeat_received_ns:

@@ -1,0 +1,174 @@
+"""The vLLM mapping (telemetry/vllm_records.py) on stand-ins shaped like vLLM 0.32's stats, and
+how every reader shows the fields vLLM does not give. The real vLLM runs in test_vllm_live.py."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from telemetry.iteration_line import format_iteration_line
+from telemetry.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    FINISH_REASONS,
+    UNKNOWN_CONTEXT_REQS,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    UNKNOWN_WAITING_REASONS,
+    Heartbeat,
+    IterationRecord,
+    make_decoder,
+    make_encoder,
+)
+from telemetry.sinks.prometheus import PrometheusSink
+from telemetry.timeline import EngineTimeline
+from telemetry.tune import fit_iteration_time
+from telemetry.vllm_records import RecordMaker, milestone, num_in_flight
+
+
+def scheduler_stats(running=2, waiting=1, skipped=1, usage=0.5, details=None, queries=32,
+                    hits=16):
+    return SimpleNamespace(
+        num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=skipped,
+        kv_cache_usage=usage, iteration_details=details,
+        prefix_cache_stats=SimpleNamespace(queries=queries, hits=hits),
+    )
+
+
+def details(ctx_reqs=1, ctx_tokens=100, gen_reqs=2, gen_tokens=2, elapsed_ms=12.5):
+    return SimpleNamespace(num_ctx_requests=ctx_reqs, num_ctx_tokens=ctx_tokens,
+                           num_generation_requests=gen_reqs, num_generation_tokens=gen_tokens,
+                           elapsed_ms=elapsed_ms, is_dummy=False)
+
+
+def iteration_stats(generated=3, computed=100, itls=(0.01, 0.01), preempted=0, finished=(),
+                    timestamp=None):
+    return SimpleNamespace(
+        num_generation_tokens=generated, prompt_token_stats=SimpleNamespace(computed=computed),
+        inter_token_latencies_iter=list(itls), num_preempted_reqs=preempted,
+        finished_requests=list(finished),
+        iteration_timestamp=time.time() if timestamp is None else timestamp,
+    )
+
+
+def finished(reason=1, e2e=2.0, queued=0.25, prefill=0.5, decode=1.0, outputs=16):
+    return SimpleNamespace(
+        finish_reason=reason, request_id="cmpl-1", e2e_latency=e2e, num_prompt_tokens=100,
+        num_preemptions=1, num_generation_tokens=outputs, queued_time=queued,
+        prefill_time=prefill, decode_time=decode, inference_time=prefill + decode,
+        num_cached_tokens=32,
+    )
+
+
+def test_a_step_with_iteration_details_maps_every_count():
+    maker = RecordMaker(engine_index=3, num_gpu_blocks=101)  # 100 usable + the null block
+    record = maker.make(scheduler_stats(details=details()), iteration_stats(preempted=1))
+    assert (record.engine_index, record.iteration) == (3, 1)
+    assert (record.num_context_reqs, record.num_context_tokens) == (1, 100)
+    assert (record.num_generation_reqs, record.num_generation_tokens) == (2, 3)
+    assert record.elapsed_ns == 12_500_000
+    assert (record.num_running_reqs, record.num_waiting_reqs) == (2, 2)  # deferred ones too
+    assert (record.num_kv_blocks_used, record.num_kv_blocks_free) == (50, 50)
+    assert (record.num_prefix_query_tokens, record.num_prefix_hit_tokens) == (32, 16)
+    assert record.num_preemptions == 1
+    assert record.unknown == UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS
+    assert maker.make(scheduler_stats(details=details()), None).iteration == 2
+
+
+def test_without_details_the_batch_split_and_time_are_unknown():
+    record = RecordMaker(0, 11).make(scheduler_stats(), iteration_stats(computed=64))
+    assert record.unknown & UNKNOWN_CONTEXT_REQS and record.unknown & UNKNOWN_ELAPSED
+    assert (record.num_context_tokens, record.num_generation_tokens) == (64, 3)
+    assert record.num_generation_reqs == 2  # requests that produced a non-first token
+    assert record.elapsed_ns == 0
+
+
+def test_calls_that_report_no_step_make_no_record():
+    maker = RecordMaker(0, 11)
+    drained = scheduler_stats(running=0, waiting=0, skipped=0, usage=0.0)
+    assert maker.make(drained, None) is None
+    dummy = details()
+    dummy.is_dummy = True
+    assert maker.make(scheduler_stats(details=dummy), None) is None
+    assert maker.iteration == 0
+    # a prefill chunk without outputs, requests running: a step all the same
+    assert maker.make(scheduler_stats(), None).iteration == 1
+    # unless vLLM sends details, which every step that scheduled tokens then carries
+    assert RecordMaker(0, 11, iteration_details=True).make(scheduler_stats(), None) is None
+    assert num_in_flight(scheduler_stats(waiting=3, skipped=2, running=4)) == (5, 4)
+
+
+def test_missing_attributes_degrade_to_zero_instead_of_raising():
+    record = RecordMaker(0).make(SimpleNamespace(num_running_reqs=1), SimpleNamespace())
+    assert record.num_running_reqs == 1 and record.num_kv_blocks_used == 0
+
+
+def test_finished_requests_become_milestones_at_vllm_times():
+    now_wall = time.time()
+    stats = iteration_stats(finished=[finished()], timestamp=now_wall)
+    record = RecordMaker(0, 11).make(scheduler_stats(), stats)
+    (m,) = record.milestones
+    assert m.event == EVENT_FIRST_TOKEN | EVENT_FINISHED
+    assert FINISH_REASONS[m.finish_reason] == "length"
+    offset_ns = time.time_ns() - time.monotonic_ns()
+    assert abs(m.finished_ns + offset_ns - now_wall * 1e9) < 50e6  # on this process's clock
+    assert m.finished_ns - m.arrival_ns == 2_000_000_000
+    assert m.finished_ns - m.first_token_ns == 1_000_000_000
+    assert m.first_token_ns - m.first_scheduled_ns == 500_000_000
+    assert (m.num_prompt_tokens, m.num_cached_tokens, m.num_output_tokens) == (100, 32, 16)
+    assert (m.num_preemptions, m.request_id) == (1, "cmpl-1")
+
+
+def test_a_request_aborted_before_its_first_token_has_no_first_token_time():
+    m = milestone(finished(reason=2, outputs=0, decode=0.0, prefill=0.0), 10_000_000_000)
+    assert m.event == EVENT_FINISHED and m.first_token_ns == 0 and m.first_scheduled_ns == 0
+    assert FINISH_REASONS[m.finish_reason] == "abort"
+    assert milestone(finished(reason=4), 10**10).finish_reason == 4  # repetition
+
+
+def test_unknown_survives_the_wire_and_old_frames_decode_as_known():
+    record = RecordMaker(0, 11).make(scheduler_stats(), iteration_stats())
+    decoded = make_decoder().decode(make_encoder().encode(record))
+    assert decoded.unknown == record.unknown != 0
+    old_frame = msgspec.msgpack.encode(msgspec.to_builtins(record)[:-1])  # no `unknown`
+    assert make_decoder().decode(old_frame).unknown == 0
+
+
+def unknown_record(**fields) -> IterationRecord:
+    record = RecordMaker(0, 11).make(scheduler_stats(**fields), iteration_stats())
+    record.seq = 1
+    return record
+
+
+def test_the_iteration_line_says_unknown_instead_of_zero():
+    line = format_iteration_line(unknown_record())
+    assert "unknown context requests" in line
+    assert "iteration elapsed time: unknown" in line
+    assert "blocks, unknown tokens)" in line
+    assert "100 context tokens" in line
+
+
+def test_prometheus_shows_unknown_fields_as_absent_or_unknown():
+    sink = PrometheusSink(CollectorRegistry())
+    sink.on_iteration(unknown_record(waiting=3, skipped=0))
+    families = {f.name: f for f in sink.collector.collect()}
+    by_reason = {s.labels["reason"]: s.value
+                 for s in families["iterscope_requests_waiting_by_reason"].samples}
+    assert by_reason == {"unknown": 3}
+    assert not families["iterscope_kv_tokens"].samples
+    durations = [s for s in families["iterscope_iteration_duration_seconds"].samples
+                 if s.name.endswith("_count")]
+    assert durations[0].value == 0  # no time was measured, none is invented
+    assert sink.engines[0].num_kv_blocked_iterations == 0
+
+
+def test_tune_refuses_untimed_records_and_names_the_vllm_flag():
+    records = [unknown_record() for _ in range(20)]
+    heartbeat = Heartbeat(engine_index=0, seq=1, ts_ns=1, wall_ns=1, last_iteration=0,
+                          num_waiting_reqs=0, num_running_reqs=0)
+    with pytest.raises(ValueError, match="--enable-logging-iteration-details"):
+        fit_iteration_time(EngineTimeline(0, records, [heartbeat]))
