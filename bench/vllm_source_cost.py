@@ -1,0 +1,199 @@
+"""What the vLLM plugin costs vLLM: time per record() call, and throughput with and without it.
+
+Runs with the vLLM environment's python (`make test` builds .vllm-venv and the model):
+
+    .vllm-venv/bin/python bench/vllm_source_cost.py [--calls 20000] [--rounds 2]
+
+1. Per call: IterscopeStatLogger.record() on vLLM's own SchedulerStats / IterationStats
+   objects shaped like a 16-request decode step (one finished request every 8 steps),
+   publishing to a real sidecar process; each call timed alone with perf_counter_ns.
+2. Throughput: `vllm serve` (CPU, bf16, --enable-logging-iteration-details) started with the
+   plugin on (ITERSCOPE_TELEMETRY_ADDRESS set, a sidecar listening) and off (VLLM_PLUGINS
+   naming no plugin), alternating, each round driven by the same `vllm bench serve` load
+   (random 256 in / 128 out, 64 prompts, max concurrency 16). Output tokens/s per run and the
+   ratio of the means.
+
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from telemetry.sidecar_process import start_sidecar  # noqa: E402
+
+MODEL_DIR = ROOT / ".models" / "smollm2-hf"
+VLLM = Path(sys.executable).parent / "vllm"
+NUM_RUNNING = 16
+
+
+def fake_config(num_gpu_blocks: int = 4096) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name="smollm2"),
+        device_config=SimpleNamespace(device_type="cpu"),
+        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=num_gpu_blocks),
+        scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=4096),
+        observability_config=SimpleNamespace(enable_logging_iteration_details=True),
+    )
+
+
+def decode_step(step: int):
+    """vLLM's own stats objects for one decode step of NUM_RUNNING requests."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import (
+        FinishedRequestStats,
+        IterationStats,
+        PrefixCacheStats,
+        SchedulerIterationDetails,
+        SchedulerStats,
+    )
+
+    details = SchedulerIterationDetails(
+        iteration_index=step, num_ctx_requests=0, num_ctx_tokens=0,
+        num_generation_requests=NUM_RUNNING, num_generation_tokens=NUM_RUNNING,
+        elapsed_ms=25.0)
+    scheduler = SchedulerStats(num_running_reqs=NUM_RUNNING, num_waiting_reqs=2,
+                               kv_cache_usage=0.4, iteration_details=details,
+                               prefix_cache_stats=PrefixCacheStats())
+    iteration = IterationStats()
+    iteration.num_generation_tokens = NUM_RUNNING
+    iteration.inter_token_latencies_iter = [0.025] * NUM_RUNNING
+    if step % 8 == 0:
+        iteration.finished_requests.append(FinishedRequestStats(
+            finish_reason=FinishReason.LENGTH, request_id=f"cmpl-{step}", e2e_latency=4.0,
+            num_prompt_tokens=256, num_generation_tokens=128, queued_time=0.1,
+            prefill_time=0.3, inference_time=3.5, decode_time=3.2, num_cached_tokens=0))
+    return scheduler, iteration
+
+
+def time_calls(num_calls: int) -> dict:
+    from telemetry.vllm_source import IterscopeStatLogger
+
+    steps = [decode_step(step) for step in range(64)]
+    with start_sidecar(["--no-metrics", "--no-log"]) as sidecar:
+        os.environ["ITERSCOPE_TELEMETRY_ADDRESS"] = sidecar.address
+        plugin = IterscopeStatLogger(fake_config(), engine_index=0)
+        plugin.log_engine_initialized()
+        times_ns = []
+        for call in range(num_calls):
+            scheduler, iteration = steps[call % len(steps)]
+            start = time.perf_counter_ns()
+            plugin.record(scheduler, iteration)
+            times_ns.append(time.perf_counter_ns() - start)
+        plugin._publisher.close()
+        del os.environ["ITERSCOPE_TELEMETRY_ADDRESS"]
+    times_ns.sort()
+    return {"record_call_p50_us": times_ns[len(times_ns) // 2] / 1e3,
+            "record_call_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
+            "plugin_errors": plugin.num_errors}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(port: int, plugin_address: str | None, log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.pop("ITERSCOPE_TELEMETRY_ADDRESS", None)
+    if plugin_address:
+        env["ITERSCOPE_TELEMETRY_ADDRESS"] = plugin_address
+    else:
+        env["VLLM_PLUGINS"] = "none"  # names no installed plugin: the plugin is not loaded
+    command = [str(VLLM), "serve", str(MODEL_DIR), "--served-model-name", "smollm2",
+               "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+               "--enable-logging-iteration-details", "--host", "127.0.0.1",
+               "--port", str(port)]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vllm serve not ready after 300 s; see {log_path}")
+
+
+def stop(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def output_throughput(port: int, result_dir: Path, name: str) -> float:
+    subprocess.run(
+        [str(VLLM), "bench", "serve", "--backend", "openai-chat", "--endpoint",
+         "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2",
+         "--tokenizer", str(MODEL_DIR), "--dataset-name", "random", "--random-input-len", "256",
+         "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16",
+         "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(result_dir),
+         "--result-filename", f"{name}.json"],
+        check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    return json.loads((result_dir / f"{name}.json").read_text())["output_throughput"]
+
+
+def compare_throughput(num_rounds: int) -> dict:
+    runs: dict[str, list[float]] = {"with_plugin": [], "without_plugin": []}
+    with tempfile.TemporaryDirectory() as tmp, start_sidecar(["--no-metrics", "--no-log"]) as sc:
+        for round_index in range(num_rounds):
+            for name, address in (("with_plugin", sc.address), ("without_plugin", None)):
+                port = free_port()
+                server = serve(port, address, Path(tmp) / f"{name}.log")
+                try:
+                    value = output_throughput(port, Path(tmp), f"{name}-{round_index}")
+                finally:
+                    stop(server)
+                runs[name].append(value)
+                print(f"round {round_index} {name}: {value:.1f} output tok/s", flush=True)
+    with_mean = statistics.mean(runs["with_plugin"])
+    without_mean = statistics.mean(runs["without_plugin"])
+    return {"output_tok_s_with_plugin": runs["with_plugin"],
+            "output_tok_s_without_plugin": runs["without_plugin"],
+            "throughput_ratio_with_over_without": with_mean / without_mean}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=2, help="plugin on/off pairs (0: none)")
+    args = parser.parse_args()
+    figures = time_calls(args.calls)
+    print(f"record() per call: p50 {figures['record_call_p50_us']:.1f} us, "
+          f"p99 {figures['record_call_p99_us']:.1f} us", flush=True)
+    if args.rounds:
+        figures.update(compare_throughput(args.rounds))
+        print(f"throughput with / without the plugin: "
+              f"{figures['throughput_ratio_with_over_without']:.3f}", flush=True)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""A real vLLM (CPU build, .vllm-venv) with the iterscope plugin, a real sidecar, the official
+openai client: the sidecar's numbers equal vLLM's own, a hung engine core reads as stalled, and
+a dead sidecar does not disturb vLLM. `make test` builds .vllm-venv and .models/smollm2-hf."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.sidecar_process import start_sidecar
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM = ROOT / ".vllm-venv" / "bin" / "vllm"
+MODEL_DIR = ROOT / ".models" / "smollm2-hf"
+START_TIMEOUT_S = 300
+pytestmark = pytest.mark.timeout(900)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(value for (sample, sample_labels), value in samples.items()
+               if sample == name and set(labels.items()) <= set(sample_labels))
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def engine_core_pid(api_pid: int) -> int:
+    """The child of `vllm serve` that runs the engine core loop (named VLLM::EngineCore)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == api_pid and b"EngineCore" in cmdline + stat.encode():
+            return int(entry.name)
+    raise AssertionError(f"no engine-core child of vllm serve (pid {api_pid})")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
+        pytest.fail(f"{VLLM} or {MODEL_DIR} is missing: `make test` builds both")
+    tmp = tmp_path_factory.mktemp("vllm")
+    metrics_port, api_port = free_port(), free_port()
+    sidecar_log = open(tmp / "sidecar.log", "w")
+    sidecar = start_sidecar(
+        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl"),
+         "--stall-after", "2", "--log-iterations"],
+        stderr=sidecar_log,
+    )
+    env = dict(os.environ, ITERSCOPE_TELEMETRY_ADDRESS=sidecar.address,
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_PLUGINS="iterscope",
+               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    vllm_log = open(tmp / "vllm.log", "w")
+    server = subprocess.Popen(
+        [str(VLLM), "serve", str(MODEL_DIR), "--served-model-name", "smollm2",
+         "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+         "--enable-logging-iteration-details", "--host", "127.0.0.1",
+         "--port", str(api_port)],
+        env=env, stdout=vllm_log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+    def healthy() -> bool:
+        if server.poll() is not None:
+            raise AssertionError(f"vllm serve exited: {(tmp / 'vllm.log').read_text()[-3000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{api_port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, START_TIMEOUT_S, "vllm serve to be ready", interval_s=1)
+        yield {"sidecar": sidecar, "server": server, "api_port": api_port,
+               "metrics_port": metrics_port, "tmp": tmp}
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        sidecar.stop()
+        sidecar_log.close()
+        vllm_log.close()
+
+
+def client(api_port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
+    """Completions and chat, four at a time, distinct prompts."""
+    api = client(api_port)
+
+    def one(i: int):
+        if i % 2:
+            return api.completions.create(model="smollm2", prompt=f"Request {i}: count to ten.",
+                                          max_tokens=max_tokens, temperature=0)
+        return api.chat.completions.create(
+            model="smollm2", max_tokens=max_tokens, temperature=0,
+            messages=[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, range(num_requests)))
+
+
+def counters_agree(stack) -> dict | None:
+    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
+    pairs = {
+        "prompt tokens computed": (
+            total(ours, "iterscope_prompt_tokens_total"),
+            total(theirs, "vllm:prompt_tokens_by_source_total", source="local_compute")),
+        "generation tokens": (total(ours, "iterscope_generation_tokens_total"),
+                              total(theirs, "vllm:generation_tokens_total")),
+        "finished requests": (total(ours, "iterscope_requests_finished_total"),
+                              total(theirs, "vllm:request_success_total")),
+    }
+    return pairs if all(a == b > 0 for a, b in pairs.values()) else None
+
+
+def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
+    responses = send_requests(stack["api_port"], 32, max_tokens=24)
+    assert len(responses) == 32 and all(r.usage.completion_tokens > 0 for r in responses)
+    try:
+        pairs = wait_for(lambda: counters_agree(stack), 15, "sidecar totals to equal vLLM's")
+    except AssertionError:
+        raise AssertionError(f"ours vs vLLM's: {counters_agree_debug(stack)}") from None
+    assert pairs["finished requests"][0] >= 32
+    ours = scrape(stack["metrics_port"])
+    vllm_log = (stack["tmp"] / "vllm.log").read_text()
+    num_vllm_steps = len(re.findall(r"Iteration\(\d+\): ", vllm_log))
+    assert total(ours, "iterscope_iterations_total") == num_vllm_steps > 0
+    assert total(ours, "iterscope_kv_blocks_capacity") > 0
+    assert total(ours, "iterscope_requests_waiting_by_reason", reason="unknown") == 0
+    assert total(ours, "iterscope_time_to_first_token_seconds_count") >= 32
+    assert total(ours, "iterscope_iteration_duration_seconds_count") == num_vllm_steps
+    sidecar_log = stack["tmp"] / "sidecar.log"
+    wait_for(lambda: "Avg prompt throughput" in sidecar_log.read_text(), 25,
+             "a 10-second line from the sidecar")
+    assert re.search(r"Iteration\(\d+\): \d+ context requests, \d+ context tokens",
+                     sidecar_log.read_text())
+    explain = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "explain", str(stack["tmp"] / "run.jsonl")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert explain.returncode == 0, explain.stderr
+    assert "engine 0" in explain.stdout.lower()
+
+
+def counters_agree_debug(stack) -> dict:
+    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
+    return {name: value for name, value in {**ours, **theirs}.items()
+            if "tokens_total" in name[0] or "request_success" in name[0]
+            or "finished_total" in name[0]}
+
+
+def engine_state(stack) -> str | None:
+    samples = scrape(stack["metrics_port"])
+    states = [dict(labels)["state"] for (name, labels), value in samples.items()
+              if name == "iterscope_engine_state" and value == 1]
+    return states[0] if states else None
+
+
+def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
+    core_pid = engine_core_pid(stack["server"].pid)
+    api = client(stack["api_port"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = [pool.submit(api.completions.create, model="smollm2", prompt="Tell a story.",
+                               max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+                   for _ in range(2)]
+        wait_for(lambda: engine_state(stack) == "running", 30, "the engine to run")
+        os.kill(core_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_for(lambda: engine_state(stack) == "stalled", 5, "stalled within 5 s")
+            assert time.monotonic() - stopped_at <= 5
+            assert engine_state(stack) != "dead"  # the API server's heartbeats go on
+        finally:
+            os.kill(core_pid, signal.SIGCONT)
+        wait_for(lambda: engine_state(stack) == "running", 10, "recovery after SIGCONT")
+        for future in pending:
+            assert future.result(timeout=120).usage.completion_tokens == 400
+    log = (stack["tmp"] / "sidecar.log").read_text()
+    assert "-> stalled" in log and "stalled -> running" in log
+
+
+def test_killing_the_sidecar_leaves_vllm_serving(stack):
+    stack["sidecar"].process.kill()
+    stack["sidecar"].process.wait()
+    responses = send_requests(stack["api_port"], 4, max_tokens=8)
+    assert all(r.usage.completion_tokens > 0 for r in responses)
+    assert stack["server"].poll() is None
