@@ -116,10 +116,10 @@ def summarize(tl: EngineTimeline) -> Summary:
         max_running_reqs=int(tl.col("running").max()) if tl.num_iterations else 0,
         waiting_share=_share(waiting > 0),
         max_waiting_reqs=int(waiting.max()) if waiting.size else 0,
-        waiting_reason_shares={
+        waiting_reason_shares={  # empty: the source does not say why requests wait
             label: int(tl.col(name).sum()) / num_waiting_total
             for name, (label, _) in WAIT_REASONS.items()
-        },
+        } if tl.waiting_reasons_known else {},
         mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
         peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
         num_preemptions=int(tl.col("preemptions").sum()),
@@ -149,16 +149,19 @@ def batched_or_queued(s: Summary) -> str:
         queued = (f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
                   f"iterations (median queue time {secs(s.queue_time_p50 * NS_PER_S)})")
     else:
-        reason = max(s.waiting_reason_shares, key=s.waiting_reason_shares.get)
+        shares = s.waiting_reason_shares
+        reason = (f"mostly for {max(shares, key=shares.get)}" if shares
+                  else "for a reason the source does not report")
         queued = (f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
-                  f"iterations (max {s.max_waiting_reqs}), mostly for {reason}; median queue time "
+                  f"iterations (max {s.max_waiting_reqs}), {reason}; median queue time "
                   f"{secs(s.queue_time_p50 * NS_PER_S)}, p90 {secs(s.queue_time_p90 * NS_PER_S)}")
     return f"{batched}; {queued}."
 
 
 def format_summary(s: Summary) -> list[str]:
     ms = 1000
-    reasons = ", ".join(f"{k} {pct(v)}" for k, v in s.waiting_reason_shares.items())
+    reasons = (", ".join(f"{k} {pct(v)}" for k, v in s.waiting_reason_shares.items())
+               or "reasons not reported by the source")
     return [
         f"{s.num_iterations} iterations in {s.duration_time:.1f} s "
         f"(busy {pct(s.busy_share)}); iteration time p50 {s.iteration_time_p50 * ms:.2f} ms, "

@@ -5,6 +5,7 @@ a dead sidecar does not disturb vLLM. `make test` builds .vllm-venv and .models/
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -178,12 +179,19 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
              "a 10-second line from the sidecar")
     assert re.search(r"Iteration\(\d+\): \d+ context requests, \d+ context tokens",
                      sidecar_log.read_text())
-    explain = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "explain", str(stack["tmp"] / "run.jsonl")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
-    assert explain.returncode == 0, explain.stderr
-    assert "engine 0" in explain.stdout.lower()
+    recording = str(stack["tmp"] / "run.jsonl")
+    explain = iterscope("explain", recording)
+    assert "engine 0" in explain.lower()
+    tune = json.loads(iterscope("tune", recording, "--itl-target", "500ms", "--json"))
+    assert tune, "tune fitted vLLM's iteration times and recommended settings"
+
+
+def iterscope(*args: str) -> str:
+    """Run an iterscope command; its stdout, after checking it succeeded."""
+    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def counters_agree_debug(stack) -> dict:

@@ -172,3 +172,27 @@ def test_tune_refuses_untimed_records_and_names_the_vllm_flag():
                           num_waiting_reqs=0, num_running_reqs=0)
     with pytest.raises(ValueError, match="--enable-logging-iteration-details"):
         fit_iteration_time(EngineTimeline(0, records, [heartbeat]))
+
+
+def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
+    """Blocks used with kv tokens unknown are no leak; waiting has no reason to report."""
+    from telemetry.episodes import Thresholds, detect_episodes
+    from telemetry.summary import format_summary, summarize
+
+    records = []
+    for i in range(400):
+        record = unknown_record(running=2, waiting=3, skipped=0, usage=0.9)
+        record.iteration, record.start_ns = i + 1, i * 50_000_000
+        records.append(record)
+    heartbeat = Heartbeat(engine_index=0, seq=1, ts_ns=0, wall_ns=10**18, last_iteration=0,
+                          num_waiting_reqs=3, num_running_reqs=2, block_size=16,
+                          num_kv_blocks_total=10)
+    timeline = EngineTimeline(0, records, [heartbeat])
+    episodes = detect_episodes(timeline, Thresholds())
+    kinds = {episode.kind for episode in episodes}
+    assert "kv_leak" not in kinds
+    (waiting,) = [episode for episode in episodes if episode.kind == "waiting"]
+    assert "reason not reported" in waiting.title
+    assert "KV capacity" not in waiting.evidence
+    summary = " ".join(format_summary(summarize(timeline)))
+    assert "reasons not reported by the source" in summary

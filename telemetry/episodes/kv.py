@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from telemetry.episodes.episode import INFO, PROBLEM, Episode, Thresholds, pct, true_runs
+from telemetry.record import UNKNOWN_KV_TOKENS
 from telemetry.timeline import NS_PER_S, EngineTimeline
 
 LEAK_MAX_GAP = 10  # iterations; the running requests' slack makes the excess dip a little
@@ -151,14 +152,18 @@ def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 
     A running request holds at most ceil(its tokens / block_size) blocks plus one allocated
     ahead for its next token, so used <= ceil(kv_tokens / block_size) + 2 * running unless
-    blocks are held by no request. Prefix sharing only lowers the left side.
+    blocks are held by no request. Prefix sharing only lowers the left side. Without the
+    block size or the tokens held (vLLM does not report them) only the idle case is seen:
+    blocks used while nothing runs.
     """
     block_size = int(tl.facts.get("block_size", 0))
     used, running = tl.col("blocks_used"), tl.col("running")
+    idle_case = np.where(running > 0, used, 0)
     if block_size:
-        needed = -(-tl.col("kv_tokens") // block_size) + 2 * running
+        by_tokens = -(-tl.col("kv_tokens") // block_size) + 2 * running
+        needed = np.where(tl.known(UNKNOWN_KV_TOKENS), by_tokens, idle_case)
     else:
-        needed = np.where(running > 0, used, 0)  # without block_size only the idle case is seen
+        needed = idle_case
     excess = used - needed
     min_blocks = max(th.leak_min_blocks, math.ceil(0.01 * tl.num_kv_blocks_total))
     episodes = []
