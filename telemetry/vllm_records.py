@@ -136,9 +136,10 @@ def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
     timestamp, the others are measured on the engine core's clock (queued: queued ->
     first scheduled, prefill: first scheduled -> first token, decode: first token -> last
     token). The finish is placed at the step's timestamp (``finished_ns``, on this
-    process's monotonic clock) and the rest counted back from it,
-    so arrival -> first scheduled includes the frontend's own time before the request was
-    queued, and the last token is taken to be the finish.
+    process's monotonic clock) and the rest counted back from it, so arrival -> first
+    scheduled includes the frontend's own time before the request was queued, and the last
+    token is taken to be the finish. vLLM reports no prefill chunks: the whole prefill phase
+    is given as one chunk of the prompt tokens not served from cache.
     """
     arrival_ns = finished_ns - _ns(getattr(stats, "e2e_latency", 0.0))
     first_token_ns = finished_ns - _ns(getattr(stats, "decode_time", 0.0))
@@ -147,6 +148,9 @@ def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
     if not num_output_tokens:  # aborted before its first token: only arrival and finish
         first_token_ns = first_scheduled_ns = 0
     reason = getattr(stats, "finish_reason", None)
+    num_prompt_tokens = _int(stats, "num_prompt_tokens")
+    num_cached_tokens = _int(stats, "num_cached_tokens")
+    prefill = [(first_scheduled_ns, first_token_ns, max(0, num_prompt_tokens - num_cached_tokens))]
     return RequestMilestone(
         request_id=str(getattr(stats, "request_id", None) or ""),
         event=EVENT_FIRST_TOKEN | EVENT_FINISHED if num_output_tokens else EVENT_FINISHED,
@@ -154,11 +158,12 @@ def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
         first_scheduled_ns=max(0, first_scheduled_ns),
         first_token_ns=max(0, first_token_ns),
         finished_ns=max(0, finished_ns),
-        num_prompt_tokens=_int(stats, "num_prompt_tokens"),
-        num_cached_tokens=_int(stats, "num_cached_tokens"),
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=num_cached_tokens,
         num_output_tokens=num_output_tokens,
         num_preemptions=_int(stats, "num_preemptions"),
         finish_reason=VLLM_FINISH_REASONS.get(int(reason), -1) if reason is not None else -1,
+        prefill_chunks=prefill if num_output_tokens and first_scheduled_ns > 0 else [],
     )
 
 

@@ -121,6 +121,29 @@ def test_finished_requests_become_milestones_at_vllm_times():
     assert m.first_token_ns - m.first_scheduled_ns == 500_000_000
     assert (m.num_prompt_tokens, m.num_cached_tokens, m.num_output_tokens) == (100, 32, 16)
     assert (m.num_preemptions, m.request_id) == (1, "cmpl-1")
+    assert m.prefill_chunks == [(m.first_scheduled_ns, m.first_token_ns, 100 - 32)]
+
+
+def test_a_vllm_request_becomes_a_trace_with_its_phases():
+    from test_otel import OtlpHttpReceiver, by_name, http_sink
+
+    receiver = OtlpHttpReceiver()
+    try:
+        sink = http_sink(receiver.endpoint)
+        maker = RecordMaker(0, 11)
+        sink.on_heartbeat(Heartbeat(engine_index=0, seq=1, ts_ns=time.monotonic_ns(),
+                                    wall_ns=time.time_ns(), last_iteration=0,
+                                    num_waiting_reqs=0, num_running_reqs=1))
+        sink.on_iteration(maker.make(scheduler_stats(), iteration_stats(finished=[finished()])))
+        sink.close()
+        spans = receiver.wait_for(4)
+    finally:
+        receiver.close()
+    assert sorted(span.name for span in spans) == ["decode", "llm_request", "prefill", "queued"]
+    (root,) = by_name(spans, "llm_request")
+    assert root.end_ns - root.start_ns == 2_000_000_000
+    (prefill,) = by_name(spans, "prefill")
+    assert prefill.end_ns - prefill.start_ns == 500_000_000
 
 
 def test_a_request_aborted_before_its_first_token_has_no_first_token_time():
