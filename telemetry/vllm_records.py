@@ -74,48 +74,29 @@ class RecordMaker:
         trailing call of a drained engine.
         """
         details = getattr(scheduler_stats, "iteration_details", None)
-        if details is not None and getattr(details, "is_dummy", False):
-            return None  # a data-parallel padding step: no work of this engine's own
-        if details is None and not iteration_stats and (
-            self.iteration_details or not _num_in_flight(scheduler_stats)
-        ):
+        if not self._is_step(details, scheduler_stats, iteration_stats):
             return None
-        end_ns = time.monotonic_ns()
-        wall_offset_ns = time.time_ns() - end_ns  # engine wall - this process's monotonic
         self.iteration += 1
-        unknown = UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS
-        record = IterationRecord(
-            engine_index=self.engine_index, seq=0, iteration=self.iteration, start_ns=end_ns,
-            elapsed_ns=0, num_context_reqs=0, num_context_tokens=0, num_generation_reqs=0,
-            num_generation_tokens=_int(iteration_stats, "num_generation_tokens"),
-            num_running_reqs=0, num_waiting_reqs=0, num_waiting_kv_reqs=0,
-            num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=0,
-            num_kv_blocks_free=0, num_kv_tokens=0, num_prefix_query_tokens=0,
-            num_prefix_hit_tokens=0,
-            num_preemptions=_int(iteration_stats, "num_preempted_reqs"),
-        )
-        if details is not None:
-            record.num_context_reqs = _int(details, "num_ctx_requests")
-            record.num_context_tokens = _int(details, "num_ctx_tokens")
-            record.num_generation_reqs = _int(details, "num_generation_requests")
-            record.elapsed_ns = max(0, int(getattr(details, "elapsed_ms", 0.0) * 1e6))
-            record.start_ns = end_ns - record.elapsed_ns
-        else:
-            unknown |= UNKNOWN_CONTEXT_REQS | UNKNOWN_ELAPSED
-            record.num_context_tokens = _int(
-                getattr(iteration_stats, "prompt_token_stats", None), "computed"
-            )
-            record.num_generation_reqs = len(
-                getattr(iteration_stats, "inter_token_latencies_iter", None) or ()
-            )
-        record.unknown = unknown
+        end_ns = time.monotonic_ns()
+        record = _blank_record(self.engine_index, self.iteration, end_ns)
+        record.num_generation_tokens = _int(iteration_stats, "num_generation_tokens")
+        record.num_preemptions = _int(iteration_stats, "num_preempted_reqs")
+        _fill_batch(record, details, iteration_stats)
         if scheduler_stats is not None:
             self._fill_scheduler_fields(record, scheduler_stats)
         finished = getattr(iteration_stats, "finished_requests", None)
         if finished:
+            wall_offset_ns = time.time_ns() - end_ns  # wall - this process's monotonic
             finished_ns = _ns(getattr(iteration_stats, "iteration_timestamp", 0.0)) - wall_offset_ns
             record.milestones = [milestone(stats, finished_ns) for stats in finished]
         return record
+
+    def _is_step(self, details: Any, scheduler_stats: Any, iteration_stats: Any) -> bool:
+        if details is not None:
+            return not getattr(details, "is_dummy", False)  # DP padding: no work of its own
+        if iteration_stats:
+            return True
+        return not self.iteration_details and _num_in_flight(scheduler_stats) > 0
 
     def _fill_scheduler_fields(self, record: IterationRecord, scheduler_stats: Any) -> None:
         record.num_running_reqs = _int(scheduler_stats, "num_running_reqs")
@@ -127,6 +108,36 @@ class RecordMaker:
         prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
         record.num_prefix_query_tokens = _int(prefix, "queries")
         record.num_prefix_hit_tokens = _int(prefix, "hits")
+
+
+def _blank_record(engine_index: int, iteration: int, end_ns: int) -> IterationRecord:
+    """A record of nothing, ending at ``end_ns``; every field vLLM never gives is unknown."""
+    return IterationRecord(
+        engine_index=engine_index, seq=0, iteration=iteration, start_ns=end_ns, elapsed_ns=0,
+        num_context_reqs=0, num_context_tokens=0, num_generation_reqs=0,
+        num_generation_tokens=0, num_running_reqs=0, num_waiting_reqs=0, num_waiting_kv_reqs=0,
+        num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=0,
+        num_kv_blocks_free=0, num_kv_tokens=0, num_prefix_query_tokens=0,
+        num_prefix_hit_tokens=0, num_preemptions=0,
+        unknown=UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS,
+    )
+
+
+def _fill_batch(record: IterationRecord, details: Any, iteration_stats: Any) -> None:
+    """What the step computed: vLLM's iteration details, else what its outputs tell."""
+    if details is not None:
+        record.num_context_reqs = _int(details, "num_ctx_requests")
+        record.num_context_tokens = _int(details, "num_ctx_tokens")
+        record.num_generation_reqs = _int(details, "num_generation_requests")
+        record.elapsed_ns = max(0, int(getattr(details, "elapsed_ms", 0.0) * 1e6))
+        record.start_ns -= record.elapsed_ns
+        return
+    record.unknown |= UNKNOWN_CONTEXT_REQS | UNKNOWN_ELAPSED
+    prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
+    record.num_context_tokens = _int(prompt_stats, "computed")
+    record.num_generation_reqs = len(
+        getattr(iteration_stats, "inter_token_latencies_iter", None) or ()
+    )
 
 
 def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
