@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,15 +30,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.vllm_server import MODEL_DIR, VLLM, start_vllm, stop_vllm  # noqa: E402
 from telemetry.sidecar_process import start_sidecar  # noqa: E402
 
-MODEL_DIR = ROOT / ".models" / "smollm2-hf"
-VLLM = Path(sys.executable).parent / "vllm"
 NUM_RUNNING = 16
 
 
@@ -111,40 +107,11 @@ def free_port() -> int:
 
 
 def serve(port: int, plugin_address: str | None, log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    env.pop("ITERSCOPE_TELEMETRY_ADDRESS", None)
-    if plugin_address:
-        env["ITERSCOPE_TELEMETRY_ADDRESS"] = plugin_address
-    else:
+    """vLLM with the plugin publishing to ``plugin_address``, or without the plugin loaded."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "ITERSCOPE_TELEMETRY_ADDRESS": plugin_address or ""}
+    if not plugin_address:
         env["VLLM_PLUGINS"] = "none"  # names no installed plugin: the plugin is not loaded
-    command = [str(VLLM), "serve", str(MODEL_DIR), "--served-model-name", "smollm2",
-               "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-               "--enable-logging-iteration-details", "--host", "127.0.0.1",
-               "--port", str(port)]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"vllm serve not ready after 300 s; see {log_path}")
-
-
-def stop(server: subprocess.Popen) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    return start_vllm(port, env, log_path)
 
 
 def output_throughput(port: int, result_dir: Path, name: str) -> float:
@@ -170,7 +137,7 @@ def compare_throughput(num_rounds: int) -> dict:
                 try:
                     value = output_throughput(port, Path(tmp), f"{name}-{round_index}")
                 finally:
-                    stop(server)
+                    stop_vllm(server)
                 runs[name].append(value)
                 print(f"round {round_index} {name}: {value:.1f} output tok/s", flush=True)
     with_mean = statistics.mean(runs["with_plugin"])

@@ -52,6 +52,7 @@ def assert_close_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def test_the_directory_holds_what_vllm_reads(hf_dir):
     names = {path.name for path in hf_dir.iterdir()}
+    assert all(path.stat().st_mode & 0o777 == 0o644 for path in hf_dir.iterdir())  # any user
     assert names == {"config.json", "generation_config.json", "model.safetensors",
                      "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}
     config = transformers.AutoConfig.from_pretrained(hf_dir)

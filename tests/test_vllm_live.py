@@ -20,12 +20,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.vllm_server import ROOT, start_vllm, stop_vllm
 from telemetry.sidecar_process import start_sidecar
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM = ROOT / ".vllm-venv" / "bin" / "vllm"
-MODEL_DIR = ROOT / ".models" / "smollm2-hf"
-START_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -75,8 +72,6 @@ def engine_core_pid(api_pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
-        pytest.fail(f"{VLLM} or {MODEL_DIR} is missing: `make test` builds both")
     tmp = tmp_path_factory.mktemp("vllm")
     metrics_port, api_port = free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
@@ -85,42 +80,18 @@ def stack(tmp_path_factory):
          "--stall-after", "2", "--log-iterations"],
         stderr=sidecar_log,
     )
-    env = dict(os.environ, ITERSCOPE_TELEMETRY_ADDRESS=sidecar.address,
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_PLUGINS="iterscope",
-               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    vllm_log = open(tmp / "vllm.log", "w")
-    server = subprocess.Popen(
-        [str(VLLM), "serve", str(MODEL_DIR), "--served-model-name", "smollm2",
-         "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-         "--enable-logging-iteration-details", "--host", "127.0.0.1",
-         "--port", str(api_port)],
-        env=env, stdout=vllm_log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-
-    def healthy() -> bool:
-        if server.poll() is not None:
-            raise AssertionError(f"vllm serve exited: {(tmp / 'vllm.log').read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{api_port}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    server = None
     try:
-        wait_for(healthy, START_TIMEOUT_S, "vllm serve to be ready", interval_s=1)
+        server = start_vllm(api_port, {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
+                                       "VLLM_CPU_KVCACHE_SPACE": "1",
+                                       "VLLM_PLUGINS": "iterscope"}, tmp / "vllm.log")
         yield {"sidecar": sidecar, "server": server, "api_port": api_port,
                "metrics_port": metrics_port, "tmp": tmp}
     finally:
-        os.killpg(server.pid, signal.SIGCONT)
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        if server is not None:
+            stop_vllm(server)
         sidecar.stop()
         sidecar_log.close()
-        vllm_log.close()
 
 
 def client(api_port: int) -> openai.OpenAI:
@@ -182,8 +153,10 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     recording = str(stack["tmp"] / "run.jsonl")
     explain = iterscope("explain", recording)
     assert "engine 0" in explain.lower()
-    tune = json.loads(iterscope("tune", recording, "--itl-target", "500ms", "--json"))
-    assert tune, "tune fitted vLLM's iteration times and recommended settings"
+    # a target any machine meets: this checks tune reads vLLM's times, not their speed
+    tune = json.loads(iterscope("tune", recording, "--itl-target", "30s", "--json"))
+    (engine,) = tune["engines"]
+    assert engine["fit"]["num_iterations"] > 0 and engine["recommendation"]["max_num_seqs"] > 0
 
 
 def iterscope(*args: str) -> str:
