@@ -61,6 +61,7 @@ _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 @dataclass
 class EngineConfig:
     model: str = "smollm2"  # an HF directory, or "smollm2" for the embedded default model
+    served_model_name: str | None = None  # the name clients and telemetry use; None = model
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     block_size: int = 16

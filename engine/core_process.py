@@ -150,7 +150,8 @@ def run_engine_core(
     try:
         try:
             core, model = build_engine_core(config, load_model, runner_class)
-            core.publisher = _make_publisher(config, core, model.config.name)
+            core.publisher = _make_publisher(
+                config, core, config.served_model_name or model.config.name)
         except Exception as error:  # a start-up failure the client must see (e.g. story 5)
             outputs.send(encoder.encode(EngineFailed(f"{type(error).__name__}: {error}")))
             return

@@ -61,6 +61,8 @@ def start_server(args: argparse.Namespace, record_path: Path) -> tuple[subproces
         "--cpu-threads", str(args.cpu_threads), "--metrics-port", str(args.metrics_port),
         "--record", str(record_path), f"--sidecar-arg=--log-interval={args.log_interval}",
     ]
+    if args.vllm_compatible_names:
+        command.append("--vllm-compatible-names")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return process, ServerOutput(process)
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds per sidecar log line (default %(default)s)")
     parser.add_argument("--record", type=Path, default=None,
                         help="JSONL recording path (default: a new temporary directory)")
+    parser.add_argument("--vllm-compatible-names", action="store_true",
+                        help="/metrics also has vLLM's series names (default off)")
     return parser
 
 

@@ -60,6 +60,7 @@ from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 
 logger = logging.getLogger("iterscope.serve")
 
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M GGUF
 TINY_MODEL = "tiny-llama"  # a 2-layer random-weight model with a byte tokenizer (tests, smoke)
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
@@ -377,8 +378,9 @@ def build_app(frontend: Frontend) -> FastAPI:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine-core options shared by `serve`, `bench --in-process` and `demo`."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="smollm2",
-                       help=f"HF directory, .gguf file, smollm2 (default) or {TINY_MODEL}")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"HF directory, .gguf file, smollm2 or {TINY_MODEL} (default "
+                       f"{DEFAULT_MODEL}); `serve` also takes it as its first argument")
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     group.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     group.add_argument("--max-model-len", type=int, default=None)
@@ -413,7 +415,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=args.model, served_model_name=getattr(args, "served_model_name", None),
+        dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -433,8 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterscope serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as with --model (as `vllm serve MODEL`)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: --model)")
+                        help="the model name clients use, and the model_name label of every "
+                        "telemetry series (default: the model)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
@@ -443,7 +449,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the sidecar's /metrics port (0 picks a free one)")
     group.add_argument("--record", default=None, metavar="PATH",
                        help="the sidecar records every telemetry message to this JSONL file")
+    group.add_argument("--vllm-compatible-names", action="store_true",
+                       help="the sidecar's /metrics also has vLLM's series names "
+                       "(vllm:num_requests_running, ...) for vLLM's dashboards (default off)")
     return parser
+
+
+def resolve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`serve MODEL` and `serve --model MODEL` are the same; both at once must agree."""
+    positional = args.model_positional
+    if positional is None:
+        return
+    if args.model not in (DEFAULT_MODEL, positional):
+        parser.error(f"the model is given twice: {positional!r} and --model {args.model!r}")
+    args.model = positional
 
 
 def sidecar_arguments(args: argparse.Namespace) -> list[str]:
@@ -452,6 +471,8 @@ def sidecar_arguments(args: argparse.Namespace) -> list[str]:
         extra.append(f"--metrics-port={args.metrics_port}")
     if args.record is not None:
         extra.append(f"--record={args.record}")
+    if args.vllm_compatible_names:
+        extra.append("--vllm-compatible-names")
     return extra
 
 
@@ -475,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from telemetry import sidecar_process
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    resolve_model_argument(parser, args)
     args.sidecar_arg = sidecar_arguments(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] "
                         "%(message)s", datefmt="%m-%d %H:%M:%S")

@@ -37,6 +37,7 @@ from engine.serve import (
     build_parser,
     engine_config,
     load_tiny_model,
+    resolve_model_argument,
     sidecar_arguments,
 )
 from telemetry.record import EVENT_FINISHED, IterationRecord, Message
@@ -216,6 +217,42 @@ def test_command_line_reaches_the_engine_config_and_the_sidecar():
     assert config.telemetry_curve_engine_name == "gpu-host-1"
     assert sidecar_arguments(args) == ["--log-iterations", "--metrics-port=0",
                                        "--record=run.jsonl"]
+
+
+def test_the_model_as_first_argument_and_the_served_name_as_vllm_serve_takes_them(capsys):
+    parser = build_parser()
+    args = parser.parse_args([TINY_MODEL, "--served-model-name", "my-llm",
+                              "--vllm-compatible-names"])
+    resolve_model_argument(parser, args)
+    config = engine_config(args, None)
+    assert (config.model, config.served_model_name) == (TINY_MODEL, "my-llm")
+    assert sidecar_arguments(args) == ["--vllm-compatible-names"]
+    args = parser.parse_args([TINY_MODEL, "--model", TINY_MODEL])
+    resolve_model_argument(parser, args)
+    assert args.model == TINY_MODEL
+    args = parser.parse_args([])
+    resolve_model_argument(parser, args)
+    assert args.model == "smollm2"
+    with pytest.raises(SystemExit):
+        resolve_model_argument(parser, parser.parse_args([TINY_MODEL, "--model", "other"]))
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_served_model_name_labels_the_telemetry_series(tmp_path):
+    server = ServerProcess(tmp_path, TINY_MODEL, "--served-model-name", "my-llm",
+                           "--vllm-compatible-names", "--kv-cache-memory", KV_CACHE_MEMORY,
+                           "--cpu-threads", "1")
+    try:
+        server.openai_client().completions.create(model="my-llm", prompt="hi", max_tokens=2)
+        server.wait_for_records(lambda records: len(records) > 0)
+        deadline = time.monotonic() + 20
+        while 'vllm:num_requests_running{engine="0",model_name="my-llm"}' not in (
+                text := httpx.get(server.metrics_url, timeout=5).text):
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(0.2)
+        assert 'model_name="tiny-llama"' not in text
+    finally:
+        server.stop()
 
 
 def test_models_and_health(server):
