@@ -67,6 +67,8 @@ class IterscopeStatLogger(StatLoggerBase):
         atexit.register(self._publisher.close)
         logger.info("iterscope: engine %d publishes per-step records to %s",
                     engine_index, address)
+        if engine_index == 0:
+            _warn_if_untested_version()
 
     def log_engine_initialized(self) -> None:
         """The KV pool's size is known from here on."""
@@ -129,6 +131,15 @@ class IterscopeStatLogger(StatLoggerBase):
 
 def _num_gpu_blocks(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", 0) or 0)
+
+
+def _warn_if_untested_version() -> None:
+    """vLLM's stats classes are no stable interface: say when this vLLM is not one tested."""
+    from vllm import __version__
+
+    if __version__.split("+")[0] not in TESTED_VLLM_VERSIONS:
+        logger.warning("iterscope: tested with vLLM %s, this is %s; a stats field vLLM renamed "
+                       "reads as 0 (docs/vllm.md)", ", ".join(TESTED_VLLM_VERSIONS), __version__)
 
 
 def _say_unconfigured_once() -> None:
