@@ -79,6 +79,7 @@ class ZmqPublisher:
         curve_keys_dir: str | None = None,
         curve_engine_name: str = "engine",
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+        send_interval_s: float = SEND_INTERVAL_S,
     ) -> None:
         """``facts``: static Heartbeat fields (model_name, device_name, block_size, ...).
 
@@ -101,6 +102,7 @@ class ZmqPublisher:
         self._queue_capacity = queue_capacity
         self._facts = dict(facts or {}, pid=os.getpid())
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._send_interval_s = send_interval_s
         self._socket = _connect(
             context or zmq.Context.instance(), address, sndhwm, curve_keys_dir, curve_engine_name
         )
@@ -162,7 +164,7 @@ class ZmqPublisher:
                 next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
             if closing:
                 return
-            self._wake.wait(SEND_INTERVAL_S)
+            self._wake.wait(self._send_interval_s)
             self._wake.clear()
 
     def _send_queued(self) -> None:

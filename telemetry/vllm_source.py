@@ -11,7 +11,7 @@ Without it the plugin does nothing and says so once. It imports the lane (record
 publisher) and the mapping (telemetry/vllm_records.py), nothing else of iterscope.
 
     vLLM event loop                                publisher thread (owns socket, encoder)
-    record(scheduler_stats, iteration_stats)       every 20 ms: stamp, encode, send(NOBLOCK)
+    record(scheduler_stats, iteration_stats)       every 100 ms: stamp, encode, send(NOBLOCK)
       -> RecordMaker.make -> publisher.publish     every 1 s: Heartbeat (last step that
          (fills a record and queues it, no I/O)      scheduled work, requests in flight)
 
@@ -36,6 +36,10 @@ from telemetry.vllm_records import RecordMaker, num_in_flight
 
 ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
+# The publisher thread wakes this often. vLLM's engine core spreads its OpenMP threads over
+# every core, so each wake-up of another thread can hold up a whole parallel region; vLLM
+# steps take tens of ms, so 100 ms still sends each record well within a heartbeat.
+SEND_INTERVAL_S = 0.1
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 _said_unconfigured = False
 
@@ -60,7 +64,8 @@ class IterscopeStatLogger(StatLoggerBase):
         if address == "default":
             address = default_address()
         try:
-            self._publisher = ZmqPublisher(address, engine_index, facts=self._facts())
+            self._publisher = ZmqPublisher(address, engine_index, facts=self._facts(),
+                                           send_interval_s=SEND_INTERVAL_S)
         except Exception:  # a bad address must not stop vLLM from serving
             logger.exception("iterscope: cannot publish to %s; telemetry is off", address)
             return
