@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+from engine.auto_dtype import auto_dtype
 from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
 from telemetry.record import MAX_ENGINE_INDEX
 
@@ -62,7 +63,7 @@ _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 class EngineConfig:
     model: str = "smollm2"  # an HF directory, or "smollm2" for the embedded default model
     served_model_name: str | None = None  # the name clients and telemetry use; None = model
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 where computed natively (engine/auto_dtype.py)
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 32
@@ -187,9 +188,14 @@ class EngineConfig:
     @property
     def torch_dtype_name(self) -> str:
         """float32 / bfloat16 / float16 with auto resolved for the device."""
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[str, str]:
+        """(dtype, the start-up line that says which and why)."""
         if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.device == "cuda" else "float32"
+            return self.dtype, f"dtype {self.dtype} (--dtype {self.dtype})"
+        dtype, reason = auto_dtype(self.device)
+        return dtype, f"dtype {dtype} (--dtype auto: {reason})"
 
     @property
     def device_name(self) -> str:

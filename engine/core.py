@@ -190,7 +190,8 @@ class EngineCore:
             time.sleep(self.config.test_stall_s)
 
     def startup_lines(self) -> list[str]:
-        return self.kv_plan.startup_lines()
+        """What start-up logged: the dtype and why, then the KV plan."""
+        return [self.config.dtype_choice()[1], *self.kv_plan.startup_lines()]
 
     def facts(self, model_name: str) -> dict[str, Any]:
         """Static Heartbeat fields."""
@@ -313,7 +314,9 @@ def build_engine_core(
         from engine.model.loader import load_model
     if runner_class is None:
         from engine.runner import ModelRunner as runner_class
-    model = load_model(config.model, config.torch_dtype_name, config.device)
+    dtype, dtype_line = config.dtype_choice()
+    logger.info(dtype_line)
+    model = load_model(config.model, dtype, config.device)
     weights_bytes = activation_peak_bytes = 0
     if config.device == "cuda":
         weights_bytes, activation_peak_bytes = _measure_cuda_memory(config, model, runner_class)

@@ -59,6 +59,7 @@ def collect(stream) -> tuple[list[int], str | None]:
 
 def test_ready_reports_the_kv_plan(client):
     assert client.ready.startup_lines == [
+        make_config().dtype_choice()[1],
         "Available KV cache memory: 0.00 GiB",
         "KV cache size: 1,024 tokens",
         "Maximum concurrency for 256 tokens per request: 4.00x",

@@ -156,6 +156,7 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
         [r.getMessage() for r in caplog.records]
         == core.startup_lines()
         == [
+            config.dtype_choice()[1],
             "Available KV cache memory: 0.00 GiB",
             "KV cache size: 4,096 tokens",
             "Maximum concurrency for 2,048 tokens per request: 2.00x",

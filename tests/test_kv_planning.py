@@ -125,8 +125,7 @@ def test_config_accepts_ints_for_floats_and_none_where_allowed():
 def test_config_resolves_model_len_and_dtype():
     config = EngineConfig(dtype="bf16")
     assert config.dtype == "bfloat16"
-    assert EngineConfig().torch_dtype_name == "float32"
-    assert EngineConfig(device="cuda").torch_dtype_name == "bfloat16"
+    assert EngineConfig(dtype="float16").torch_dtype_name == "float16"
     assert config.resolve_max_model_len(8192) == 8192
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         EngineConfig(max_model_len=9000).resolve_max_model_len(8192)
