@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from engine import bench
+from engine import arg_types, bench
 
 REPO = Path(__file__).resolve().parents[1]
 SEND_SHARE = 0.8  # of --duration spent sending (ramp included); the rest lets requests finish
@@ -57,7 +57,7 @@ def start_server(args: argparse.Namespace, record_path: Path) -> tuple[subproces
                                                                         ServerOutput]:
     command = [
         sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--port", "0",
-        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
+        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
         "--cpu-threads", str(args.cpu_threads), "--metrics-port", str(args.metrics_port),
         "--record", str(record_path), f"--sidecar-arg=--log-interval={args.log_interval}",
     ]
@@ -152,29 +152,44 @@ def explain(record_path: Path) -> None:
 
 
 def parse_ramp(text: str) -> list[int]:
-    steps = [int(step) for step in text.split(",") if step.strip()]
+    try:
+        steps = [int(step) for step in text.split(",") if step.strip()]
+    except ValueError:
+        steps = []
     if not steps or min(steps) < 1:
-        raise argparse.ArgumentTypeError(f"--ramp needs positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected concurrency steps as whole numbers >= 1 separated by commas, e.g. "
+            f"1,2,4,8, got {text!r}")
     return steps
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterscope demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=90.0,
+    parser.add_argument("--duration", type=arg_types.positive_float, default=90.0,
+                        metavar="SECONDS",
                         help="seconds of load after start-up (default %(default)s)")
-    parser.add_argument("--ramp", type=parse_ramp, default=[1, 2, 4, 8],
+    parser.add_argument("--ramp", type=parse_ramp, default=[1, 2, 4, 8], metavar="STEPS",
                         help="concurrency steps, equally long (default 1,2,4,8)")
-    parser.add_argument("--input-len", type=int, default=96, help="mean prompt tokens")
-    parser.add_argument("--output-len", type=int, default=64, help="mean output tokens")
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--kv-cache-memory", default="24MiB",
+    parser.add_argument("--input-len", type=arg_types.int_in_range(1), default=96,
+                        metavar="N", help="mean prompt tokens (default %(default)s)")
+    parser.add_argument("--output-len", type=arg_types.int_in_range(1), default=64,
+                        metavar="N", help="mean output tokens (default %(default)s)")
+    parser.add_argument("--model", default="smollm2",
+                        help="the model to serve, as `serve`'s (default %(default)s)")
+    parser.add_argument("--kv-cache-memory", default="24MiB", metavar="SIZE",
+                        type=arg_types.memory_size,
                         help="small on purpose: about 3 requests fit (default %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=256)
-    parser.add_argument("--cpu-threads", type=int, default=1)
-    parser.add_argument("--metrics-port", type=int, default=9470, help="0 picks a free one")
-    parser.add_argument("--log-interval", type=float, default=10.0,
+    parser.add_argument("--max-model-len", type=arg_types.int_in_range(1), default=256,
+                        metavar="N", help="longest prompt + output (default %(default)s)")
+    parser.add_argument("--cpu-threads", type=arg_types.int_in_range(1), default=1,
+                        metavar="N", help="torch threads of the engine (default %(default)s)")
+    parser.add_argument("--metrics-port", type=arg_types.port, default=9470, metavar="PORT",
+                        help="the sidecar's /metrics port, 0 picks a free one "
+                        "(default %(default)s)")
+    parser.add_argument("--log-interval", type=arg_types.positive_float, default=10.0,
+                        metavar="SECONDS",
                         help="seconds per sidecar log line (default %(default)s)")
-    parser.add_argument("--record", type=Path, default=None,
+    parser.add_argument("--record", type=Path, default=None, metavar="PATH",
                         help="JSONL recording path (default: a new temporary directory)")
     parser.add_argument("--vllm-compatible-names", action="store_true",
                         help="/metrics also has vLLM's series names (default off)")
@@ -183,9 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.duration <= 0:
-        print("iterscope demo: --duration must be > 0", file=sys.stderr)
-        return 2
     record_path = args.record or Path(tempfile.mkdtemp(prefix="iterscope-demo-")) / "demo.jsonl"
     print(f">>> starting iterscope serve on {args.model} with a sidecar; recording to "
           f"{record_path}", flush=True)

@@ -40,7 +40,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import EngineConfig, parse_memory_size
+from engine import arg_types
+from engine.config import MAX_BLOCK_SIZE, EngineConfig
 from engine.core_process import EngineCoreClient, EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.openai_protocol import (
@@ -57,6 +58,8 @@ from engine.openai_protocol import (
 from engine.request import FinishReason
 from engine.scheduler import RequestRejectedError
 from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
+from telemetry.record import MAX_ENGINE_INDEX
+from telemetry.sinks.prometheus import DEFAULT_METRICS_PORT
 
 logger = logging.getLogger("iterscope.serve")
 
@@ -376,41 +379,60 @@ def build_app(frontend: Frontend) -> FastAPI:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine-core options shared by `serve`, `bench --in-process` and `demo`."""
+    """Engine-core options shared by `serve` and `bench --in-process`; each help names its
+    default and each type's error names the form it expects (engine/arg_types.py)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"HF directory, .gguf file, smollm2 or {TINY_MODEL} (default "
                        f"{DEFAULT_MODEL}); `serve` also takes it as its first argument")
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    group.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=32)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--kv-cache-memory", type=parse_memory_size, default=None,
-                       metavar="SIZE", help="KV cache budget, e.g. 512MiB (default: 512MiB on "
-                       "CPU, --gpu-memory-utilization of the card on CUDA)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--engine-index", type=int, default=0)
+    group.add_argument("--dtype", default="auto", type=arg_types.dtype,
+                       help="auto, float32, bfloat16 or float16 (default auto: bfloat16 where "
+                       "the CPU or GPU computes it natively, else float32 on CPU and float16 "
+                       "on older GPUs; start-up says which)")
+    group.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                       help="where the model runs (default %(default)s)")
+    group.add_argument("--max-model-len", type=arg_types.int_in_range(1), default=None,
+                       metavar="N", help="longest prompt + output in tokens (default: the "
+                       "model's own limit)")
+    group.add_argument("--max-num-seqs", type=arg_types.int_in_range(1), default=32,
+                       metavar="N", help="most requests running at once (default %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=arg_types.int_in_range(1),
+                       default=2048, metavar="N",
+                       help="most tokens in one iteration (default %(default)s)")
+    group.add_argument("--block-size", type=arg_types.power_of_two(MAX_BLOCK_SIZE), default=16,
+                       metavar="N", help="tokens per KV cache block (default %(default)s)")
+    group.add_argument("--kv-cache-memory", type=arg_types.memory_size, default=None,
+                       metavar="SIZE", help="KV cache budget, e.g. 512MiB or 4GiB (default: "
+                       "512MiB on CPU, --gpu-memory-utilization of the card on CUDA)")
+    group.add_argument("--gpu-memory-utilization", type=arg_types.fraction, default=0.9,
+                       metavar="FRACTION", help="share of the GPU's memory for weights, "
+                       "activations and KV cache on CUDA (default %(default)s)")
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="turn the prefix cache off (default on)")
+    group.add_argument("--engine-index", type=arg_types.int_in_range(0, MAX_ENGINE_INDEX),
+                       default=0, metavar="N", help="this engine's index in its telemetry "
+                       "(the `engine` label; default %(default)s)")
     group.add_argument("--telemetry-curve-keys-dir", default=None, metavar="DIR",
                        help="CURVE keys for a tcp telemetry lane to a sidecar on another host "
-                       "(python -m telemetry.curve; docs/deploy.md)")
+                       "(python -m telemetry.curve; docs/deploy.md; default none: ipc lane)")
     group.add_argument("--telemetry-curve-engine-name", default="engine", metavar="NAME",
                        help="which engine key pair in that directory (default %(default)s)")
-    group.add_argument("--telemetry-sndhwm", type=int, default=DEFAULT_SNDHWM, metavar="N",
+    group.add_argument("--telemetry-sndhwm", type=arg_types.int_in_range(1),
+                       default=DEFAULT_SNDHWM, metavar="N",
                        help="telemetry frames ZMQ may hold for a slow sidecar before dropping "
                        "(default %(default)s)")
-    group.add_argument("--telemetry-queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY,
-                       metavar="N", help="records the engine queues for its telemetry sender "
-                       "thread before dropping (default %(default)s)")
+    group.add_argument("--telemetry-queue-capacity", type=arg_types.int_in_range(1),
+                       default=DEFAULT_QUEUE_CAPACITY, metavar="N",
+                       help="records the engine queues for its telemetry sender thread before "
+                       "dropping (default %(default)s)")
     group.add_argument("--nvtx-markers", action="store_true",
                        help="one NVTX range per iteration in the engine process, to pair with "
-                       "the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md)")
-    group.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                       help="torch threads of the engine process on CPU (default: one per "
-                       "core; 1 is faster when the frontend, sidecar and a load generator share "
-                       "a small machine)")
+                       "the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md; "
+                       "default off)")
+    group.add_argument("--cpu-threads", type=arg_types.int_in_range(1), default=None,
+                       metavar="N", help="torch threads of the engine process on CPU "
+                       "(default: one per core; 1 is faster when the frontend, sidecar and a "
+                       "load generator share a small machine)")
 
 
 def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> EngineConfig:
@@ -435,20 +457,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="iterscope serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--port", type=arg_types.port, default=8000,
+                        help="listen port, 0 picks a free one (default %(default)s)")
     parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                         help="the model, as with --model (as `vllm serve MODEL`)")
-    parser.add_argument("--served-model-name", default=None,
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients use, and the model_name label of every "
                         "telemetry series (default: the model)")
-    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every HTTP request (default off)")
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
-    group.add_argument("--metrics-port", type=int, default=None,
-                       help="the sidecar's /metrics port (0 picks a free one)")
+    group.add_argument("--metrics-port", type=arg_types.port, default=None, metavar="PORT",
+                       help="the sidecar's /metrics port, 0 picks a free one (default "
+                       f"{DEFAULT_METRICS_PORT})")
     group.add_argument("--record", default=None, metavar="PATH",
-                       help="the sidecar records every telemetry message to this JSONL file")
+                       help="the sidecar records every telemetry message to this JSONL file "
+                       "(default: no recording)")
     group.add_argument("--vllm-compatible-names", action="store_true",
                        help="the sidecar's /metrics also has vLLM's series names "
                        "(vllm:num_requests_running, ...) for vLLM's dashboards (default off)")

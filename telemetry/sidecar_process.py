@@ -100,17 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("telemetry")
     group.add_argument(
         "--no-sidecar", action="store_true",
-        help="run the engine alone: no sidecar, telemetry off (null publisher)",
+        help="run the engine alone: no sidecar, telemetry off (default: start a sidecar)",
     )
     group.add_argument(
         "--telemetry-address", metavar="ADDR",
         help="send telemetry to a sidecar that already runs (e.g. `iterscope sidecar`'s "
-             "address) instead of starting one",
+             "address) instead of starting one (default: start one)",
     )
     group.add_argument(
         "--sidecar-arg", action="append", default=[], metavar="ARG",
         help="pass ARG to the sidecar started here, e.g. --sidecar-arg=--record=run.jsonl "
-             "(repeatable)",
+             "(repeatable; default none)",
     )
 
 
