@@ -326,12 +326,8 @@ class RequestStream:
         self.finished = False
 
     def put(self, item: RequestOutput | Exception) -> None:
-        """Called by the client's reader thread."""
-        if self._loop is None:
-            self._queue.put(item)
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        """Called by the client's reader thread (``deliver`` hands over many at once)."""
+        deliver([(self, item)])
 
     def _unwrap(self, item: RequestOutput | Exception) -> RequestOutput:
         if isinstance(item, Exception):
@@ -357,6 +353,25 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             yield await self.aget()
+
+
+def deliver(deliveries: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+    """Hand each item to its stream, waking each event loop once for all of its streams:
+    one iteration's outputs for N requests cost one wake-up of the frontend's loop, not N."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in deliveries:
+        if stream._loop is None:
+            stream._queue.put(item)
+        else:
+            by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)
 
 
 class EngineCoreClient:
@@ -544,24 +559,23 @@ class EngineCoreClient:
             return
         if not isinstance(message, EngineOutputs):
             return
-        for output in message.outputs:
-            with self._streams_lock:
+        deliveries = []
+        with self._streams_lock:
+            for output in message.outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is not None and output.finished:
+                if stream is None:
+                    continue
+                if output.finished:
                     del self._streams[output.request_id]
-            if stream is None:
-                continue
-            if output.error:
-                stream.put(RequestRejectedError(output.error))
-            else:
-                stream.put(output)
+                error = RequestRejectedError(output.error) if output.error else None
+                deliveries.append((stream, error or output))
+        deliver(deliveries)
 
     def _mark_dead(self, text: str) -> None:
         with self._streams_lock:
             self._dead_error = EngineDeadError(text)
             streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            stream.put(EngineDeadError(text))
+        deliver([(stream, EngineDeadError(text)) for stream in streams])
 
     # Shutdown ----------------------------------------------------------------------------
 
