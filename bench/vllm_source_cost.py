@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_server import MODEL_DIR, VLLM, start_vllm, stop_vllm  # noqa: E402
+from bench.vllm_server import bench_serve, free_port, start_vllm, stop_vllm  # noqa: E402
 from telemetry.sidecar_process import start_sidecar  # noqa: E402
 
 NUM_RUNNING = 16
@@ -100,31 +99,12 @@ def time_calls(num_calls: int) -> dict:
             "plugin_errors": plugin.num_errors}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(port: int, plugin_address: str | None, log_path: Path) -> subprocess.Popen:
     """vLLM with the plugin publishing to ``plugin_address``, or without the plugin loaded."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "ITERSCOPE_TELEMETRY_ADDRESS": plugin_address or ""}
     if not plugin_address:
         env["VLLM_PLUGINS"] = "none"  # names no installed plugin: the plugin is not loaded
     return start_vllm(port, env, log_path)
-
-
-def output_throughput(port: int, result_dir: Path, name: str) -> float:
-    subprocess.run(
-        [str(VLLM), "bench", "serve", "--backend", "openai-chat", "--endpoint",
-         "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2",
-         "--tokenizer", str(MODEL_DIR), "--dataset-name", "random", "--random-input-len", "256",
-         "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16",
-         "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(result_dir),
-         "--result-filename", f"{name}.json"],
-        check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-    )
-    return json.loads((result_dir / f"{name}.json").read_text())["output_throughput"]
 
 
 def compare_throughput(num_rounds: int) -> dict:
@@ -135,7 +115,8 @@ def compare_throughput(num_rounds: int) -> dict:
                 port = free_port()
                 server = serve(port, address, Path(tmp) / f"{name}.log")
                 try:
-                    value = output_throughput(port, Path(tmp), f"{name}-{round_index}")
+                    result = bench_serve(port, Path(tmp), f"{name}-{round_index}")
+                    value = result["output_throughput"]
                 finally:
                     stop_vllm(server)
                 runs[name].append(value)

@@ -1,0 +1,114 @@
+"""`iterscope serve` against `vllm serve` on this machine: same model, same client, same load.
+
+    .venv/bin/python bench/serving_vs_vllm.py [--rounds 2] [--iterscope-arg=--cpu-threads=1]
+
+`make test` (or `make vllm`) builds the vLLM CPU environment and the Hugging Face copy of the
+embedded SmolLM2-135M that vLLM loads. One server at a time, each alone on the machine:
+vLLM at its fastest CPU configuration here (bench/vllm_server.py BEST_CPU_FLAGS, with the
+KV space the CPU backend requires and no stat-logger plugin), then `iterscope serve` at its
+defaults (plus any --iterscope-arg). Each gets one short warm-up run, then ``--rounds``
+measured runs of `vllm bench serve --backend openai-chat`, random 256 in / 128 out,
+64 prompts, max concurrency 16, ignore_eos. Printed per server: output tok/s, TTFT and TPOT
+(mean, p99), each the mean over the rounds; then iterscope / vLLM ratios (throughput: higher
+is better; latencies: lower is better). The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.vllm_server import (  # noqa: E402
+    BEST_CPU_FLAGS,
+    bench_serve,
+    free_port,
+    start_vllm,
+    stop_vllm,
+    wait_healthy,
+)
+
+FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
+WARMUP_LOAD = ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
+               "32", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos")
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_PLUGINS": "none"}
+
+
+def start_iterscope(port: int, extra_args: list[str], log_path: Path) -> subprocess.Popen:
+    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "engine.cli", "serve", "smollm2",
+               "--port", str(port), *extra_args]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", server, log_path, 300)
+    except RuntimeError:
+        stop_iterscope(server)
+        raise
+    return server
+
+
+def stop_iterscope(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
+    """Warm up once, then ``rounds`` measured runs; the mean of each figure."""
+    port = free_port()
+    server = start(port, tmp / f"{name}.log")
+    try:
+        bench_serve(port, tmp, f"{name}-warmup", WARMUP_LOAD)
+        runs = []
+        for round_index in range(rounds):
+            result = bench_serve(port, tmp, f"{name}-{round_index}")
+            if result["failed"]:
+                raise RuntimeError(f"{name}: {result['failed']} requests failed")
+            runs.append({figure: result[figure] for figure in FIGURES})
+            print(f"{name} round {round_index}: " + ", ".join(
+                f"{figure} {runs[-1][figure]:.1f}" for figure in FIGURES), flush=True)
+    finally:
+        stop(server)
+    return {figure: statistics.mean(run[figure] for run in runs) for figure in FIGURES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="measured runs per server "
+                        "(default %(default)s)")
+    parser.add_argument("--iterscope-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `iterscope serve` flag (repeatable; default none)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        vllm = measure("vllm", lambda port, log: start_vllm(port, VLLM_ENV, log, BEST_CPU_FLAGS),
+                       stop_vllm, args.rounds, tmp)
+        ours = measure("iterscope",
+                       lambda port, log: start_iterscope(port, args.iterscope_arg, log),
+                       stop_iterscope, args.rounds, tmp)
+    ratios = {f"{figure}_ratio": ours[figure] / vllm[figure] for figure in FIGURES}
+    for name, figures in (("vLLM", vllm), ("iterscope", ours)):
+        print(f"{name:>9}: {figures['output_throughput']:.1f} output tok/s, TTFT mean "
+              f"{figures['mean_ttft_ms']:.0f} ms p99 {figures['p99_ttft_ms']:.0f} ms, TPOT mean "
+              f"{figures['mean_tpot_ms']:.1f} ms p99 {figures['p99_tpot_ms']:.1f} ms")
+    print(f"iterscope / vLLM: throughput {ratios['output_throughput_ratio']:.2f}x, TTFT mean "
+          f"{ratios['mean_ttft_ms_ratio']:.2f}x, TPOT mean {ratios['mean_tpot_ms_ratio']:.2f}x")
+    print(json.dumps({"vllm": vllm, "iterscope": ours, "iterscope_args": args.iterscope_arg,
+                      "rounds": args.rounds, **ratios}))
+
+
+if __name__ == "__main__":
+    main()
