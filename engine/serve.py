@@ -44,6 +44,7 @@ from engine import arg_types
 from engine.config import MAX_BLOCK_SIZE, EngineConfig
 from engine.core_process import EngineCoreClient, EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.http_guard import DEFAULT_BODY_TIMEOUT_S, HttpLimits, RequestGuard
 from engine.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -65,6 +66,7 @@ logger = logging.getLogger("iterscope.serve")
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M GGUF
 TINY_MODEL = "tiny-llama"  # a 2-layer random-weight model with a byte tokenizer (tests, smoke)
+API_KEY_ENV = "ITERSCOPE_API_KEY"
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -104,6 +106,16 @@ def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> Engine
     return EngineCoreClient(config, load_model=load_model)
 
 
+def check_text(text: str, param: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate (\\ud800), which is no character: a client
+    error, before a tokenizer fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate at character "
+                             f"{error.start}", param) from None
+
+
 @dataclass
 class TextDelta:
     """What the frontend sends for one engine output: the new text (after detokenization and
@@ -132,7 +144,10 @@ class Frontend:
                               f"{self.model_name!r}")
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of the prompt. Called off the event loop (tokenizing a large prompt
+        takes seconds, and must cost only its own request that time)."""
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         bad = [token_id for token_id in prompt if not 0 <= token_id < self.vocab_size]
         if bad:
@@ -144,7 +159,10 @@ class Frontend:
         """The prompt the model's chat template makes of the messages. A template that refuses
         them (its raise_exception, or a Jinja or type error on a role or shape it does not
         expect) is a client error: InvalidRequest with the template's message. A template that
-        does not compile (TemplateSyntaxError) is the server's and passes through."""
+        does not compile (TemplateSyntaxError) is the server's and passes through. Called
+        off the event loop, as prompt_ids is."""
+        for message in messages:
+            check_text(message["content"], "messages")
         try:
             return self.tokenizer.apply_chat_template(messages)
         except TemplateSyntaxError:
@@ -275,9 +293,10 @@ async def collect(outputs: AsyncIterator) -> tuple[str, str | None, int]:
     return "".join(pieces), finish_reason, num_output_tokens
 
 
-def build_app(frontend: Frontend) -> FastAPI:
+def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
     """The FastAPI application; every error leaves as an OpenAI-style error body."""
     app = FastAPI(title="iterscope", docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGuard, limits=limits or HttpLimits())
 
     def error(status: int, message: str, error_type: str, param: str | None = None):
         return JSONResponse(error_body(message, error_type, status, param), status_code=status)
@@ -338,7 +357,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         if (refusal := checked(body)) is not None:
             return refusal
         try:
-            prompt_ids = frontend.prompt_ids(body.single_prompt())
+            prompt_ids = await asyncio.to_thread(frontend.prompt_ids, body.single_prompt())
         except InvalidRequest as exc:
             return error(400, str(exc), "invalid_request_error", exc.param)
         return await run(http_request, body, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS,
@@ -349,7 +368,8 @@ def build_app(frontend: Frontend) -> FastAPI:
         if (refusal := checked(body)) is not None:
             return refusal
         try:
-            prompt_ids = frontend.chat_prompt_ids(body.template_messages())
+            prompt_ids = await asyncio.to_thread(frontend.chat_prompt_ids,
+                                                 body.template_messages())
         except InvalidRequest as exc:
             return error(400, str(exc), "invalid_request_error", exc.param)
         except TemplateSyntaxError as exc:
@@ -466,6 +486,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "telemetry series (default: the model)")
     parser.add_argument("--access-log", action="store_true",
                         help="log every HTTP request (default off)")
+    parser.add_argument("--max-request-body", type=arg_types.memory_size, default="4MiB",
+                        metavar="SIZE", help="larger request bodies get 413 unread "
+                        "(default %(default)s)")
+    parser.add_argument("--request-body-timeout", type=arg_types.positive_float,
+                        default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                        help="a request body must arrive within this long, else 408 "
+                        "(default %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                        help="/v1/ requests need 'Authorization: Bearer KEY' (default: "
+                        f"${API_KEY_ENV} if set, else no key; prefer the variable, since "
+                        "command lines are visible to other users)")
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
@@ -538,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         client = start_engine(config, args.cpu_threads)
         frontend = Frontend(client, tokenizer, args.served_model_name or args.model)
         sock = listening_socket(args.host, args.port)
-        uv_config = uvicorn.Config(build_app(frontend), log_level="warning",
+        limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
+        uv_config = uvicorn.Config(build_app(frontend, limits), log_level="warning",
                                    access_log=args.access_log, lifespan="off")
         print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"
               f"{sock.getsockname()[1]}/v1", flush=True)

@@ -4,6 +4,8 @@ and text cut at stop strings."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_serve import ServerProcess
 
@@ -68,3 +70,41 @@ def test_chat_stop_string(server):
     response = client.chat.completions.create(**request, stop=["Paris"])
     assert response.choices[0].message.content == answer[: answer.index("Paris")]
     assert response.choices[0].finish_reason == "stop"
+
+
+def test_a_large_prompt_costs_only_its_own_request(server):
+    """Tokenizing 3.5 MB of text takes seconds; /health must answer meanwhile, and the prompt
+    too long for max_model_len gets its 400 once tokenized. A body over the limit gets 413
+    without being read; a lone surrogate is a 400."""
+    import threading
+
+    import httpx
+
+    big = {"model": "smollm2", "prompt": "hello world, this is a prompt. " * 112_000}
+    outcome = {}
+
+    def post_big():
+        outcome["response"] = httpx.post(f"{server.base_url}/v1/completions", json=big,
+                                         timeout=300)
+        outcome["done_at"] = time.monotonic()
+
+    sender = threading.Thread(target=post_big)
+    sender.start()
+    time.sleep(0.5)  # the body is in and being tokenized
+    health = httpx.get(f"{server.base_url}/health", timeout=300)
+    health_at = time.monotonic()
+    sender.join()
+    assert health.status_code == 200
+    assert health_at < outcome["done_at"]  # answered while the prompt was still tokenizing
+    assert outcome["response"].status_code == 400
+    assert "max_model_len" in outcome["response"].text
+
+    huge = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                      content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and "4,194,304 bytes" in huge.json()["error"]["message"]
+
+    lone = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                      content=b'{"prompt": "a\\ud800b", "max_tokens": 1}',
+                      headers={"content-type": "application/json"})
+    assert lone.status_code == 400 and "lone surrogate" in lone.json()["error"]["message"]
