@@ -4,14 +4,19 @@
     PUSH  ipc://DIR/input  --AddRequest/Abort/Shutdown/Probe-->  PULL
     PULL  ipc://DIR/output <--EngineReady/Failed/Outputs/ProbeReply--  PUSH
 
-Both lanes are lossless: a send that finds ZMQ's queue full (its default high-water mark)
-waits and retries, never drops, and the client binds both sockets before the engine
-connects. Every frame the client sends is first decoded with the engine's own decoder, so a
-value of a wrong type is rejected at submission instead of reaching the engine; a frame the
-engine still cannot read rejects its request (or is dropped) and never ends the engine.
+Both lanes are lossless, and the client never waits on the engine: a request that finds
+the input lane full (ZMQ's high-water marks: the engine has stopped reading) is refused with
+EngineBusyError, a control message (abort, shutdown) is kept and sent by the reader thread
+once the engine reads again; the engine waits on a full output lane. The client binds both
+sockets before the engine connects. Every frame the client sends is first decoded with the
+engine's own decoder, so a value of a wrong type is rejected at submission instead of
+reaching the engine; a frame the engine still cannot read rejects its request (or is
+dropped) and never ends the engine.
 
 The engine loop drains its input without blocking while it has work and waits for input when
-idle; it sends one EngineOutputs per iteration that produced tokens. It exits on Shutdown
+idle; it sends one EngineOutputs per iteration that produced tokens, and an empty one at
+least every PROGRESS_BEAT_S while it has work, so ``engine_state`` can tell stalled from
+running. It exits on Shutdown
 (aborting what is left), or when its parent dies.
 
 The client's reader thread routes outputs to one RequestStream per request, usable from
@@ -26,6 +31,7 @@ iteration; ``probe()`` reports its loaded modules and log-record count so a test
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import multiprocessing
@@ -53,7 +59,11 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is alive
 BLOCKED_POLL_MS = 10  # work waits but nothing could be scheduled: do not spin flat out
-SEND_RETRY_S = 0.005  # a full input lane: how long the client waits before trying again
+# An engine with work sends at least this often (an empty EngineOutputs when its iterations
+# produce no tokens, as long prefills do), so the client can tell a working engine from a
+# stuck one by the age of its last message.
+PROGRESS_BEAT_S = 1.0
+DEFAULT_STALL_AFTER_S = 30.0  # requests in flight and no message for this long: stalled
 
 
 # Client -> engine --------------------------------------------------------------------------
@@ -114,6 +124,11 @@ EngineMessage = EngineReady | EngineFailed | EngineOutputs | ProbeReply
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no more outputs will come."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine is not reading its input lane (it is stuck or stopped): a new request is
+    refused at once rather than queued without bound."""
 
 
 # The engine-core process -------------------------------------------------------------------
@@ -200,6 +215,7 @@ class _EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.parent_pid = os.getppid()
         self.running = True
+        self.last_sent_s = time.monotonic()
 
     def run(self) -> None:
         while self.running and os.getppid() == self.parent_pid:
@@ -210,7 +226,8 @@ class _EngineLoop:
                 self._drain_inputs()
             if self.running and self.core.has_work:
                 request_outputs = self._step()
-                if request_outputs:
+                now = time.monotonic()
+                if request_outputs or now - self.last_sent_s >= PROGRESS_BEAT_S:
                     self._send(EngineOutputs(request_outputs))
 
     def _step(self) -> list[RequestOutput]:
@@ -287,6 +304,7 @@ class _EngineLoop:
         """Lossless while the client lives; if the parent dies while the lane is full, stop
         instead of blocking forever."""
         frame = self.encoder.encode(message)
+        self.last_sent_s = time.monotonic()
         while True:
             try:
                 self.outputs.send(frame, zmq.NOBLOCK)
@@ -400,6 +418,8 @@ class EngineCoreClient:
         self._input_decoder = msgspec.msgpack.Decoder(EngineInput)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._input_lock = threading.Lock()
+        self._pending_frames: collections.deque[bytes] = collections.deque()
+        self.last_message_s = time.monotonic()  # when the engine was last heard from
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._probe_replies: queue.Queue[ProbeReply] = queue.Queue()
@@ -479,6 +499,8 @@ class EngineCoreClient:
             self._raise_if_dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
+            if not self._streams:  # an idle engine owes no message: the stall clock starts now
+                self.last_message_s = time.monotonic()
             self._streams[request_id] = stream
         try:
             self._send_frame(frame)
@@ -507,25 +529,58 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self._dead_error is None and self.process.is_alive()
 
+    def engine_state(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
+        """"dead" (the process is gone), "stalled" (requests in flight and no message from
+        the engine for ``stall_after_s``; it beats every PROGRESS_BEAT_S while it works),
+        "running" (requests in flight) or "idle". Cheap: no message to the engine."""
+        if not self.is_alive:
+            return "dead"
+        if not self._streams:
+            return "idle"
+        if time.monotonic() - self.last_message_s > stall_after_s:
+            return "stalled"
+        return "running"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
     def _send(self, message: Any) -> None:
-        self._send_frame(self._encoder.encode(message))
+        """A control message (abort, probe, shutdown): sent now, or, while the engine is not
+        reading its lane, kept and sent by the reader thread once it reads again. Never
+        blocks the caller (the frontend's event loop)."""
+        frame = self._encoder.encode(message)
+        with self._input_lock:
+            if not self._pending_frames and self._try_send(frame):
+                return
+            self._pending_frames.append(frame)
 
     def _send_frame(self, frame: bytes) -> None:
-        """Lossless: retry until the engine takes the frame; never hang on a dead engine
-        (a PUSH socket with no peer would block a plain send forever)."""
-        while True:
-            self._raise_if_dead()
-            if not self.process.is_alive():
-                raise EngineDeadError(
-                    f"the engine process died (exit code {self.process.exitcode})"
-                )
-            with self._input_lock:
-                try:
-                    self._input.send(frame, zmq.NOBLOCK)
-                    return
-                except zmq.Again:
-                    pass
-            time.sleep(SEND_RETRY_S)
+        """A request: sent now or refused with EngineBusyError; never waits (a PUSH socket
+        with no reader would block a plain send forever)."""
+        self._raise_if_dead()
+        if not self.process.is_alive():
+            raise EngineDeadError(f"the engine process died (exit code {self.process.exitcode})")
+        with self._input_lock:
+            if self._try_send(frame):
+                return
+        raise EngineBusyError(
+            f"the engine is not taking requests: {len(self._streams)} are in flight and its "
+            f"input lane is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
+            "s ago)")
+
+    def _try_send(self, frame: bytes) -> bool:
+        try:
+            self._input.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _flush_pending(self) -> None:
+        """Reader thread: send the control messages the full lane held back, in order."""
+        with self._input_lock:
+            while self._pending_frames and self._try_send(self._pending_frames[0]):
+                self._pending_frames.popleft()
 
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:
@@ -535,7 +590,10 @@ class EngineCoreClient:
 
     def _read_outputs(self) -> None:
         while not self._closing.is_set():
+            if self._pending_frames:
+                self._flush_pending()
             if self._output.poll(POLL_INTERVAL_MS):
+                self.last_message_s = time.monotonic()
                 self._dispatch(self._decoder.decode(self._output.recv()))
             elif not self.process.is_alive():
                 self._drain_outputs()

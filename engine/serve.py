@@ -42,7 +42,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import arg_types
 from engine.config import MAX_BLOCK_SIZE, EngineConfig
-from engine.core_process import EngineCoreClient, EngineDeadError
+from engine.core_process import (
+    DEFAULT_STALL_AFTER_S,
+    EngineBusyError,
+    EngineCoreClient,
+    EngineDeadError,
+)
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.http_guard import DEFAULT_BODY_TIMEOUT_S, HttpLimits, RequestGuard
 from engine.openai_protocol import (
@@ -132,11 +137,13 @@ class TextDelta:
 class Frontend:
     """Request handling shared by both endpoints: prompt checks, generation, abort."""
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str) -> None:
+    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str,
+                 stall_after_s: float = DEFAULT_STALL_AFTER_S) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = int(tokenizer.vocab_size)
+        self.stall_after_s = stall_after_s
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, "", self.model_name):
@@ -338,6 +345,8 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
             return error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
         except EngineDeadError as exc:
             return error(503, f"the engine is not running: {exc}", "service_unavailable")
+        except EngineBusyError as exc:
+            return error(503, str(exc), "service_unavailable")
         counts = usage(len(prompt_ids), num_output_tokens)
         return JSONResponse(whole_body(request_id, frontend.model_name, text, finish_reason,
                                        counts))
@@ -388,9 +397,20 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not frontend.client.is_alive:
-            return error(503, "the engine is not running", "service_unavailable")
-        return {"status": "ok", "engine_pid": frontend.client.ready.pid}
+        """200 while the engine works or idles; 503 once it is dead, or stalled: requests in
+        flight and nothing heard from it for --engine-stall-timeout."""
+        client = frontend.client
+        state = client.engine_state(frontend.stall_after_s)
+        body = {"status": "ok" if state in ("idle", "running") else state,
+                "engine": state, "engine_pid": client.ready.pid,
+                "num_requests_in_flight": client.num_in_flight}
+        if state == "dead":
+            body["error"] = "the engine is not running"
+        elif state == "stalled":
+            body["error"] = (f"the engine has produced nothing for "
+                             f"{time.monotonic() - client.last_message_s:.0f} s with "
+                             f"{client.num_in_flight} requests in flight")
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     return app
 
@@ -493,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
                         help="a request body must arrive within this long, else 408 "
                         "(default %(default)s)")
+    parser.add_argument("--engine-stall-timeout", type=arg_types.positive_float,
+                        default=DEFAULT_STALL_AFTER_S, metavar="SECONDS",
+                        help="/health says stalled (503) when requests are in flight and the "
+                        "engine has sent nothing for this long (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                         help="/v1/ requests need 'Authorization: Bearer KEY' (default: "
                         f"${API_KEY_ENV} if set, else no key; prefer the variable, since "
@@ -567,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
-        frontend = Frontend(client, tokenizer, args.served_model_name or args.model)
+        frontend = Frontend(client, tokenizer, args.served_model_name or args.model,
+                            args.engine_stall_timeout)
         sock = listening_socket(args.host, args.port)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
         uv_config = uvicorn.Config(build_app(frontend, limits), log_level="warning",

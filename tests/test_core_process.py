@@ -7,15 +7,18 @@ the engine needs); outputs are checked against the single-request reference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import queue
 import signal
+import time
 
 import pytest
 from fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
 
 from engine import core_process
 from engine.config import EngineConfig
-from engine.core_process import EngineCoreClient, EngineDeadError
+from engine.core_process import EngineBusyError, EngineCoreClient, EngineDeadError
 from engine.request import SamplingParams
 from engine.scheduler import RequestRejectedError
 
@@ -188,24 +191,27 @@ def test_engine_death_wakes_every_waiter():
         client.shutdown()
 
 
-def test_sending_to_a_just_killed_engine_raises_instead_of_hanging():
-    """Before the reader thread notices the death, a send must not block on the dead lane."""
+def test_sending_to_a_just_killed_engine_is_refused_instead_of_hanging():
+    """Before the reader thread notices the death, a send must not block on the dead lane:
+    once its queue is full (at once here: a PUSH socket without a peer takes nothing), a
+    request is refused with EngineBusyError."""
     client = start_client()
     try:
         os.kill(client.process.pid, signal.SIGKILL)
         client.process.join(5)
-        # As if nobody had noticed yet: the reader thread (stopped here) and the first
-        # liveness checks, so sends go on until the lane's queue is full.
+        # As if nobody had noticed yet: the reader thread (stopped here) and the liveness
+        # check, so sends go on until the lane's queue is full.
         client._closing.set()
         client._dead_error = None
-        checks = iter([True] * 2000)
-        client.process.is_alive = lambda: next(checks, False)
-        num_sent = 0
-        with pytest.raises(EngineDeadError, match="died"):
+        client.process.is_alive = lambda: True
+        with pytest.raises(EngineBusyError, match="not taking requests"):
             for index in range(10_000):  # more than the lane's queue holds
                 client.add_request([1, 2, index % 100], greedy(2))
-                num_sent += 1
-        assert num_sent < 1990  # the lane filled up: sends were retried, not blocked
+        client.abort("a")  # a control message is kept for later, not a hang either
+        assert len(client._pending_frames) == 1
+        client.process.is_alive = lambda: False
+        with pytest.raises(EngineDeadError, match="died"):
+            client.add_request([1, 2, 3], greedy(2))
     finally:
         client.shutdown()
 
@@ -257,3 +263,23 @@ def test_engine_process_publishes_records_and_heartbeats(tmp_path):
     assert (heartbeat.block_size, heartbeat.num_kv_blocks_total) == (16, 64)
     assert (heartbeat.max_num_seqs, heartbeat.max_num_batched_tokens) == (4, 64)
     assert heartbeat.pid == client.ready.pid
+
+
+def test_engine_state_tells_stalled_from_running_and_idle():
+    """An iteration that hangs with a request in flight reads as stalled once no message has
+    come for the threshold, and the engine is running again when outputs resume."""
+    client = start_client(test_stall_at_iteration=3, test_stall_s=3.0)
+    try:
+        assert client.engine_state(0.5) == "idle"
+        stream = client.add_request([1, 2, 3], greedy(10))
+        states = set()
+        deadline = time.monotonic() + 30
+        while not stream.finished and time.monotonic() < deadline:
+            states.add(client.engine_state(0.5))
+            with contextlib.suppress(queue.Empty):
+                stream.get(timeout=0.1)
+        assert stream.finished and {"running", "stalled"} <= states
+        assert client.engine_state(0.5) == "idle"
+    finally:
+        client.shutdown()
+    assert client.engine_state() == "dead"
