@@ -15,6 +15,11 @@ An ASGI middleware in front of the FastAPI app:
 
 The body is read here, whole, then replayed to the application; after it, the app's
 ``receive`` reaches the client's again, so disconnects are still seen.
+
+- **Header time.** uvicorn waits forever for a request's headers; HeaderTimeoutH11Protocol
+  (its HTTP/1.1 protocol, passed as ``http=``) closes a connection whose request headers
+  are not complete within ``header_timeout_s`` of its first byte, or of the connection
+  itself (a client that connects and sends nothing).
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from engine.openai_protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -147,3 +156,39 @@ async def _send_error(send: Send, status: int, message: str, error_type: str) ->
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's headers. Between
+    requests a keep-alive connection is uvicorn's (its keep-alive timeout)."""
+
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # headers of a request not complete yet
+            self._arm_header_deadline()
+        elif self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.header_timeout_s,
+                                                         self.transport.close)
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
+    """The protocol class for uvicorn.Config(http=...) with this header deadline."""
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
+                {"header_timeout_s": header_timeout_s})

@@ -49,7 +49,13 @@ from engine.core_process import (
     EngineDeadError,
 )
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.http_guard import DEFAULT_BODY_TIMEOUT_S, HttpLimits, RequestGuard
+from engine.http_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    HttpLimits,
+    RequestGuard,
+    header_timeout_protocol,
+)
 from engine.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -513,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
                         help="a request body must arrive within this long, else 408 "
                         "(default %(default)s)")
+    parser.add_argument("--request-header-timeout", type=arg_types.positive_float,
+                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="a connection whose request headers take longer is closed "
+                        "(default %(default)s)")
     parser.add_argument("--engine-stall-timeout", type=arg_types.positive_float,
                         default=DEFAULT_STALL_AFTER_S, metavar="SECONDS",
                         help="/health says stalled (503) when requests are in flight and the "
@@ -596,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = listening_socket(args.host, args.port)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
         uv_config = uvicorn.Config(build_app(frontend, limits), log_level="warning",
+                                   http=header_timeout_protocol(args.request_header_timeout),
                                    access_log=args.access_log, lifespan="off")
         print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"
               f"{sock.getsockname()[1]}/v1", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -76,3 +77,37 @@ def test_a_stopped_engine_reads_as_stalled_and_requests_complete_when_it_continu
                if response.status_code == 503]
     assert all("not taking requests" in message for message in refused)
     assert recovered[-1]["engine"] in ("idle", "running")
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """Everything the server sends until it closes the connection (fails after timeout_s)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.fixture
+def quick_timeouts_server(tmp_path):
+    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
+                           KV_CACHE_MEMORY, "--no-sidecar", "--request-header-timeout", "1",
+                           "--request-body-timeout", "1")
+    yield server
+    server.stop()
+
+
+def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_server):
+    host, port = quick_timeouts_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as silent:
+        assert read_until_closed(silent, 30) == b""  # connected, sent nothing: closed
+    with socket.create_connection((host, int(port))) as slow_headers:
+        slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert read_until_closed(slow_headers, 30) == b""
+    with socket.create_connection((host, int(port))) as slow_body:
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        answer = read_until_closed(slow_body, 30)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in answer
+    health = httpx.get(f"{quick_timeouts_server.base_url}/health", timeout=10)
+    assert health.status_code == 200  # a prompt client after all that is served
