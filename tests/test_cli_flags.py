@@ -71,3 +71,11 @@ def test_good_values_are_converted():
     assert (args.kv_cache_memory, args.dtype, args.block_size) == (4 << 30, "bfloat16", 32)
     assert (args.gpu_memory_utilization, args.port, args.model_positional) == (0.5, 0, "smollm2")
     assert demo.build_parser().parse_args([]).kv_cache_memory == 24 << 20
+
+
+def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
+    monkeypatch.setenv("ITERSCOPE_API_KEY", "from-env")
+    assert serve.build_parser().parse_args([]).api_key == "from-env"
+    assert serve.build_parser().parse_args(["--api-key", "given"]).api_key == "given"
+    monkeypatch.delenv("ITERSCOPE_API_KEY")
+    assert serve.build_parser().parse_args([]).api_key is None

@@ -322,6 +322,31 @@ def test_podmonitor_and_service_reach_the_sidecar_metrics_port():
         assert port["targetPort"] in ports
 
 
+def test_network_policy_admits_only_clients_to_the_api_and_prometheus_to_metrics():
+    pod = k8s_object("Deployment", "iterscope")["spec"]["template"]
+    policy = k8s_object("NetworkPolicy", "iterscope")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    container_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    admitted = {}
+    for rule in policy["ingress"]:
+        assert rule["from"], "a rule without 'from' admits every peer"
+        for port in rule["ports"]:
+            admitted[port["port"]] = rule["from"]
+    assert set(admitted) == {"http", "metrics"} == container_ports
+    assert admitted["http"] == [{"podSelector": {"matchLabels": {"iterscope-client": "true"}}}]
+    (metrics_peer,) = admitted["metrics"]
+    assert metrics_peer["namespaceSelector"] and metrics_peer["podSelector"]
+
+
+def test_the_api_key_comes_from_an_optional_secret():
+    pod = k8s_object("Deployment", "iterscope")["spec"]["template"]
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    (variable,) = [v for v in engine["env"] if v["name"] == "ITERSCOPE_API_KEY"]
+    secret = variable["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "iterscope-api-key", "key": "key", "optional": True}
+
+
 def test_podmonitor_sets_instance_to_the_pod_name():
     """Pages and legends read "<pod> engine 0" rather than a pod IP that changes on restart."""
     (endpoint,) = k8s_object("PodMonitor", "iterscope")["spec"]["podMetricsEndpoints"]
