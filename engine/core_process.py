@@ -187,6 +187,15 @@ def run_engine_core(
         inputs.close(linger=0)
         outputs.close(linger=1000)
         context.term()
+        _remove_lanes_if_orphaned(input_address)
+
+
+def _remove_lanes_if_orphaned(input_address: str) -> None:
+    """A client that was killed (SIGKILL) could not remove the private directory of the
+    lanes' sockets; its engine, the last one using them, does."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive() and input_address.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(input_address[len("ipc://"):]), ignore_errors=True)
 
 
 def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:

@@ -111,3 +111,23 @@ def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_serve
         assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in answer
     health = httpx.get(f"{quick_timeouts_server.base_url}/health", timeout=10)
     assert health.status_code == 200  # a prompt client after all that is served
+
+
+def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
+    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
+                           KV_CACHE_MEMORY, "--no-sidecar")
+    try:
+        engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
+        lanes = [link for link in os.listdir(f"/proc/{engine_pid}/fd")
+                 if "iterscope-engine-" in os.readlink(f"/proc/{engine_pid}/fd/{link}")]
+        engine_dirs = {os.path.dirname(os.readlink(f"/proc/{engine_pid}/fd/{link}"))
+                       for link in lanes}
+        server.process.kill()
+        server.process.wait()
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{engine_pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{engine_pid}"), "the engine outlived its client"
+    finally:
+        server.stop()
+    assert all(not os.path.exists(directory) for directory in engine_dirs)
