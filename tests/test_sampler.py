@@ -4,14 +4,13 @@ Python reference written from the parameter's definition (vLLM's), token by toke
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from engine.logits_processing import process_logits
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler, sample_row
+from tests.sampling_reference import reference_log_softmax, reference_penalized
 
 VOCAB = 50
 EOS = 7
@@ -37,26 +36,6 @@ def requests_of(params: list[SamplingParams], num_tokens: list[int]) -> list[Req
 
 def tokens_of(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return sampler.sample(logits, requests)[0]
-
-
-def reference_penalized(logits: list[float], prompt: list[int], output: list[int],
-                        params: SamplingParams) -> list[float]:
-    """The penalties as defined, one token at a time."""
-    result = []
-    for token, logit in enumerate(logits):
-        count = output.count(token)
-        if token in prompt or count:
-            rp = params.repetition_penalty
-            logit = logit / rp if logit > 0 else logit * rp
-        logit -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
-        result.append(logit)
-    return result
-
-
-def reference_log_softmax(logits: list[float]) -> list[float]:
-    top = max(logits)
-    log_sum = top + math.log(sum(math.exp(x - top) for x in logits))
-    return [x - log_sum for x in logits]
 
 
 def test_greedy_rows_take_the_argmax():
