@@ -22,7 +22,9 @@ from engine.request import Request
 
 def needs_processing(request: Request) -> bool:
     params = request.sampling_params
-    return params.penalized or request.num_output_tokens < params.min_tokens
+    if params.min_tokens and request.num_output_tokens < params.min_tokens:
+        return True
+    return params.penalized
 
 
 def process_logits(
