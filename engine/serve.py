@@ -209,7 +209,10 @@ class Frontend:
         try:
             async for output in stream:
                 num_tokens += len(output.new_token_ids)
-                text = detokenizer.add(output.new_token_ids, output.finished)
+                token_ids = output.new_token_ids
+                if output.finish_reason == "stop" and token_ids:
+                    token_ids = token_ids[:-1]  # as in vLLM, EOS or a stop id is not in the text
+                text = detokenizer.add(token_ids, output.finished)
                 text = stops.add(text, output.finished, num_tokens > params.min_tokens)
                 finish_reason = "stop" if stops.stopped else output.finish_reason
                 if stops.stopped:

@@ -325,6 +325,20 @@ def test_greedy_with_penalties_and_min_tokens_equals_its_definition(server, engi
                      prompt_ids, expected)
 
 
+def test_a_stop_token_ends_the_output_and_is_left_out_of_its_text(server, engine):
+    _, model = engine
+    prompt_ids = [*model.tokenizer.encode("The penalty for repeating is"), 239, 128, 243, 47]
+    tokens = reference_greedy(model, prompt_ids, SamplingParams(3, 0.0), ())
+    body = {"prompt": prompt_ids, "max_tokens": 10, "temperature": 0,
+            "stop_token_ids": [tokens[2]], "logprobs": 0}
+    response = post(server, "/v1/completions", body).json()
+    choice = response["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (model.tokenizer.decode(tokens[:2]),
+                                                         "stop")
+    assert response["usage"]["completion_tokens"] == 3  # counted, and in the logprobs
+    assert_choice_is(choice, model, prompt_ids, tokens)
+
+
 def test_sampling_filters_reach_the_engine(server, engine):
     """Seeded draws depend only on the seed and the tokens so far: the server's equal the
     engine core's here for the same parameters, and differ once one of them changes."""
