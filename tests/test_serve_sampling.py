@@ -370,3 +370,20 @@ def test_a_stop_string_must_end_after_the_first_min_tokens():
     # The first "l" is the third token: with min_tokens 3 only the second one can stop.
     late = http.post("/v1/completions", json={**body, "min_tokens": 3}).json()
     assert (late["choices"][0]["text"], late["choices"][0]["finish_reason"]) == ("Hel", "stop")
+
+
+def test_the_openai_client_reads_choices_and_logprobs(server):
+    client = server.openai_client()
+    chat = client.chat.completions.create(
+        model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
+        n=2, seed=9, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    for choice in chat.choices:
+        assert len(choice.logprobs.content) == 4
+        assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+    assert chat.usage.completion_tokens == 8
+    completion = client.completions.create(model=TINY_MODEL, prompt="hi", max_tokens=4,
+                                           logprobs=2, extra_body={"ignore_eos": True,
+                                                                   "min_p": 0.1})
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 4
