@@ -318,7 +318,8 @@ async def collect(outputs: AsyncIterator, n: int) -> list[WholeChoice]:
         choice.num_tokens += delta.num_new_tokens
         choice.finish_reason = delta.finish_reason
         if delta.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            choice.logprobs = choice.logprobs or []
+            choice.logprobs.extend(delta.logprobs)
     return choices
 
 
