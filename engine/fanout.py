@@ -1,7 +1,8 @@
 """``n`` > 1: one engine request per choice, their outputs interleaved as they come.
 
-Each choice is an engine request of its own on the same prompt (the prefix cache shares the
-prompt's full KV blocks once one of them has computed them). With a seed, choice i draws with
+Each choice is an engine request of its own on the same prompt. Choices admitted in the same
+iteration each compute the prompt; one admitted later finds its full KV blocks in the prefix
+cache. With a seed, choice i draws with
 seed + i, as in vLLM: the choices differ from one another, and the same request with the same
 seed gets the same choices again.
 """
