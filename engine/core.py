@@ -17,6 +17,7 @@ import msgspec
 from engine.block_pool import BlockPool
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.kv_planning import KvPlan, cuda_kv_budget_bytes, kv_bytes_per_token, plan_kv_cache
+from engine.logprobs import TokenLogprobs
 from engine.nvtx_markers import make_markers
 from engine.request import FinishReason, Request
 from engine.scheduler import RequestRejectedError, Scheduler, SchedulerOutput, WaitReason
@@ -40,6 +41,7 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0
     error: str = ""  # set when the request was rejected (then finished is True)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if the request asked
 
 
 class Runner(Protocol):
@@ -138,6 +140,7 @@ class EngineCore:
         for request in updated:
             reason = request.finish_reason
             finish_reason = reason.text if reason is not None else None
+            logprobs = request.sampled_logprobs
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -145,6 +148,7 @@ class EngineCore:
                     request.is_finished,
                     finish_reason,
                     request.num_cached_tokens,
+                    logprobs=None if logprobs is None else [logprobs],
                 )
             )
             event = EVENT_FIRST_TOKEN if request.first_token_ns == end_ns else 0

@@ -88,13 +88,16 @@ class StopStringMatcher:
         self.pending = ""
         self.stopped = False
 
-    def add(self, text: str, finished: bool) -> str:
+    def add(self, text: str, finished: bool, can_stop: bool = True) -> str:
         """The part of ``text`` (after any held tail) that is decided not to belong to a stop
-        string; once a stop string is found, the text before it and ``stopped`` is True."""
+        string; once a stop string is found, the text before it and ``stopped`` is True.
+        Only a stop string that ends in ``text`` counts, and none while ``can_stop`` is False
+        (the text of the first min_tokens tokens), though a tail that could start one is
+        still held back."""
         if self.stopped:
             return ""
         candidate = self.pending + text
-        stop_at = self._first_stop(candidate)
+        stop_at = self._first_stop(candidate, len(self.pending)) if can_stop else None
         if stop_at is not None:
             self.stopped, self.pending = True, ""
             return candidate[:stop_at]
@@ -102,12 +105,14 @@ class StopStringMatcher:
         self.pending = candidate[len(candidate) - num_held :]
         return candidate[: len(candidate) - num_held]
 
-    def _first_stop(self, text: str) -> int | None:
-        """Where the stop string that is complete first (then the longest) starts in text.
+    def _first_stop(self, text: str, num_old_chars: int) -> int | None:
+        """Where the stop string that is complete first (then the longest) starts in text,
+        among those that end after its first ``num_old_chars`` characters.
 
         The first to complete is where generation stops, however the text was split into
         deltas: stop strings ["b", "abc"] on "abc" stop at "b" (text "a")."""
-        found = [(index + len(s), index) for s in self.stop_strings if (index := text.find(s)) >= 0]
+        found = [(index + len(s), index) for s in self.stop_strings
+                 if (index := text.find(s, max(0, num_old_chars - len(s) + 1))) >= 0]
         return min(found)[1] if found else None
 
     def _num_held_chars(self, text: str) -> int:

@@ -7,8 +7,9 @@ request.token_ids are computed; their K/V go to slot
 
 and attention covers positions [0, num_computed_tokens + n) through the block table. A request
 whose computed range reaches len(token_ids) gets one sampled token; others (chunks of a longer
-prompt) get None. Requests are read, never mutated: the engine advances num_computed_tokens
-and appends the sampled tokens.
+prompt) get None. Requests are read, never mutated, but for the sampled token's logprobs
+(request.sampled_logprobs) when asked for: the engine advances num_computed_tokens and appends
+the sampled tokens.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ModelRunner:
         # Head-major blocks: see engine/model/attention.py.
         shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=cfg.eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
@@ -66,13 +67,11 @@ class ModelRunner:
             return results
         logits = self.decoder.compute_logits(hidden[inputs.sample_token_indices])
         requests = [scheduled[inputs.order[row]][0] for row in inputs.sample_rows]
-        tokens = self.sampler.sample(
-            logits,
-            [r.sampling_params for r in requests],
-            [len(r.token_ids) for r in requests],
-        )
-        for row, token in zip(inputs.sample_rows, tokens, strict=True):
+        tokens, logprobs = self.sampler.sample(logits, requests)
+        for row, request, token, entry in zip(inputs.sample_rows, requests, tokens, logprobs,
+                                              strict=True):
             results[inputs.order[row]] = token
+            request.sampled_logprobs = entry
         return results
 
     @torch.inference_mode()

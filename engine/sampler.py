@@ -1,4 +1,12 @@
-"""Pick the next token of each request from its logits: greedy, temperature, top-k, top-p.
+"""Pick the next token of each request from its logits, and report logprobs where asked.
+
+Per step, in vLLM's order:
+
+    raw logits --> logprobs (log_softmax; only rows asking, before anything below)
+        |
+        +--> min_tokens mask, penalties (engine/logits_processing.py; only rows asking)
+               +--> greedy rows: one batched argmax
+               +--> other rows: / temperature -> min_p -> top_k -> top_p -> draw
 
 A request with a seed draws from its own torch.Generator seeded by (seed, len(token_ids)), so the
 same request replays the same tokens whatever it is batched with or preempted by, and the sampler
@@ -8,9 +16,13 @@ Stop conditions (EOS, stop ids, max_tokens) are the engine's job, not the sample
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from engine.request import SamplingParams
+from engine.logits_processing import process_logits
+from engine.logprobs import TokenLogprobs
+from engine.request import Request, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: neighbouring steps get unrelated seeds
 _SEED_MASK = (1 << 63) - 1
@@ -22,26 +34,28 @@ def step_seed(seed: int, num_tokens: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
+        """``eos_token_ids`` are masked with the stop ids until a request has min_tokens."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_tokens: list[int]
-    ) -> list[int]:
-        """logits [N, vocab] (float32); params and num_tokens (len(token_ids)) per row."""
-        if logits.shape[0] != len(params) or len(params) != len(num_tokens):
-            raise ValueError(
-                f"{logits.shape[0]} logit rows for {len(params)} params "
-                f"and {len(num_tokens)} requests"
-            )
-        if not params:
-            return []
-        tokens = logits.argmax(dim=-1).tolist()  # one batched op covers every greedy row
-        for row, sp in enumerate(params):
-            if not sp.greedy:
-                generator = self._generator(sp.seed, num_tokens[row])
-                tokens[row] = sample_row(logits[row], sp, generator)
-        return tokens
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [N, vocab] (float32), a row per request -> (a token per request, its
+        logprobs where the request asked for them, else None)."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        if not requests:
+            return [], []
+        processed = process_logits(logits, requests, self.eos_token_ids)
+        tokens = processed.argmax(dim=-1).tolist()  # one batched op covers every greedy row
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if not params.greedy:
+                generator = self._generator(params.seed, request.num_tokens)
+                tokens[row] = sample_row(processed[row], params, generator)
+        return tokens, token_logprobs(logits, requests, tokens)
 
     def _generator(self, seed: int | None, num_tokens: int) -> torch.Generator:
         if seed is None:
@@ -50,8 +64,11 @@ class Sampler:
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One draw from softmax(logits / T) restricted to the top-k and the top-p nucleus."""
+    """One draw from softmax(logits / T) restricted by min_p, the top-k and the top-p nucleus."""
     scaled = logits.float().cpu() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < scaled.shape[0]:
         kth_value = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth_value, float("-inf"))
@@ -64,3 +81,25 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(
+    logits: torch.Tensor, requests: Sequence[Request], tokens: list[int]
+) -> list[TokenLogprobs | None]:
+    """For each request that asked (sampling_params.logprobs = N), log_softmax of its raw
+    logits at the sampled token and at the N most likely tokens; None for the others."""
+    results: list[TokenLogprobs | None] = [None] * len(requests)
+    rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return results
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    num_top = min(max(requests[row].sampling_params.logprobs for row in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    sampled_ids = torch.tensor([tokens[row] for row in rows], device=logprobs.device)
+    sampled_values = logprobs.gather(1, sampled_ids[:, None])[:, 0].tolist()
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(rows):
+        num = requests[row].sampling_params.logprobs
+        results[row] = TokenLogprobs(tokens[row], sampled_values[i], top_ids[i][:num],
+                                     top_values[i][:num])
+    return results

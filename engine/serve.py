@@ -31,7 +31,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,6 +49,7 @@ from engine.core_process import (
     EngineDeadError,
 )
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.fanout import choice_params, choice_request_id, interleave
 from engine.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -56,14 +57,18 @@ from engine.http_guard import (
     RequestGuard,
     header_timeout_protocol,
 )
+from engine.logprobs import LogprobsFormatter, TokenLogprobs
 from engine.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     chat_body,
+    chat_choice,
     chat_chunk,
+    chat_chunk_choice,
     completion_body,
+    completion_choice,
     error_body,
     usage,
 )
@@ -130,11 +135,24 @@ def check_text(text: str, param: str) -> None:
 @dataclass
 class TextDelta:
     """What the frontend sends for one engine output: the new text (after detokenization and
-    stop strings), the tokens it came from, and the finish reason once finished."""
+    stop strings), the tokens it came from, the finish reason once finished, the choice it
+    belongs to, and the tokens' logprobs if the request asked for them."""
 
     text: str
     num_new_tokens: int
     finish_reason: str | None
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class WholeChoice:
+    """One choice of a whole (not streamed) response, gathered from its deltas."""
+
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 # The frontend --------------------------------------------------------------------------------
@@ -191,27 +209,50 @@ class Frontend:
             return requested
         return max(1, min(default, self.client.ready.max_model_len - num_prompt_tokens))
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def generate_choices(
+        self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any, n: int,
+        traceparent: str, stop_strings: list[str],
+    ) -> AsyncIterator[TextDelta]:
+        """The deltas of n choices, each an engine request of its own (engine/fanout.py)."""
+        if n == 1:
+            return self.generate(http_request, request_id, prompt_ids, params, traceparent,
+                                 stop_strings)
+        return interleave([
+            self.generate(http_request, choice_request_id(request_id, index), prompt_ids,
+                          choice_params(params, index), traceparent, stop_strings, index)
+            for index in range(n)])
+
     async def generate(
         self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any,
-        traceparent: str, stop_strings: list[str],
+        traceparent: str, stop_strings: list[str], index: int = 0,
     ) -> AsyncIterator[TextDelta]:
         """A TextDelta per engine output. A stop string in the text ends the request there
         (finish reason "stop"); it is aborted in the engine, as it is when the HTTP client
-        disconnects or the caller stops iterating early."""
+        disconnects or the caller stops iterating early. As in vLLM, a stop string must end
+        in the text of an output token after the first min_tokens."""
         self._raise_if_engine_died()
         stream = self.client.add_request(prompt_ids, params, request_id, traceparent)
         watcher = asyncio.ensure_future(self._abort_on_disconnect(http_request, stream))
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringMatcher(stop_strings)
         abort_reason = FinishReason.ABORT  # the telemetry's finish reason if we stop early
+        num_tokens = 0
         try:
             async for output in stream:
-                text = detokenizer.add(output.new_token_ids, output.finished)
-                text = stops.add(text, output.finished)
+                num_tokens += len(output.new_token_ids)
+                token_ids = output.new_token_ids
+                if output.finish_reason == "stop" and token_ids:
+                    token_ids = token_ids[:-1]  # as in vLLM, EOS or a stop id is not in the text
+                text = detokenizer.add(token_ids, output.finished)
+                text = stops.add(text, output.finished, num_tokens > params.min_tokens)
                 finish_reason = "stop" if stops.stopped else output.finish_reason
                 if stops.stopped:
                     abort_reason = FinishReason.STOP
-                yield TextDelta(text, len(output.new_token_ids), finish_reason)
+                yield TextDelta(text, len(output.new_token_ids), finish_reason, index,
+                                output.logprobs)
                 if stops.stopped:
                     return
         finally:
@@ -264,17 +305,19 @@ async def first_and_rest(generator: AsyncIterator[Any]) -> AsyncIterator[Any]:
 async def completion_events(frontend: Frontend, body: CompletionRequest, request_id: str,
                             outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
     num_output_tokens = 0
+    logprobs = LogprobsFormatter(frontend.token_text, chat=False)
     try:
         async for delta in outputs:
             num_output_tokens += delta.num_new_tokens
-            yield sse(completion_body(request_id, frontend.model_name, delta.text,
-                                      delta.finish_reason, None, chunk=True))
+            choice = completion_choice(delta.index, delta.text, delta.finish_reason,
+                                       logprobs(delta.index, delta.logprobs))
+            yield sse(completion_body(request_id, frontend.model_name, [choice], None, True))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
         return
     if body.include_usage:
         counts = usage(num_prompt_tokens, num_output_tokens)
-        yield sse(completion_body(request_id, frontend.model_name, None, None, counts, True))
+        yield sse(completion_body(request_id, frontend.model_name, [], counts, True))
     yield sse("[DONE]")
 
 
@@ -282,28 +325,36 @@ async def chat_events(frontend: Frontend, body: ChatCompletionRequest, request_i
                       outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
     name = frontend.model_name
     num_output_tokens = 0
-    yield sse(chat_chunk(request_id, name, {"role": "assistant", "content": ""}, None))
+    logprobs = LogprobsFormatter(frontend.token_text, chat=True)
+    for index in range(body.n):
+        role = {"role": "assistant", "content": ""}
+        yield sse(chat_chunk(request_id, name, [chat_chunk_choice(index, role, None)]))
     try:
         async for delta in outputs:
             num_output_tokens += delta.num_new_tokens
-            yield sse(chat_chunk(request_id, name, {"content": delta.text}, delta.finish_reason))
+            choice = chat_chunk_choice(delta.index, {"content": delta.text}, delta.finish_reason,
+                                       logprobs(delta.index, delta.logprobs))
+            yield sse(chat_chunk(request_id, name, [choice]))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
         return
     if body.include_usage:
-        yield sse(chat_chunk(request_id, name, None, None,
-                             usage(num_prompt_tokens, num_output_tokens)))
+        yield sse(chat_chunk(request_id, name, [], usage(num_prompt_tokens, num_output_tokens)))
     yield sse("[DONE]")
 
 
-async def collect(outputs: AsyncIterator) -> tuple[str, str | None, int]:
-    """Whole text, finish reason and number of output tokens of a non-streamed request."""
-    pieces, finish_reason, num_output_tokens = [], None, 0
+async def collect(outputs: AsyncIterator, n: int) -> list[WholeChoice]:
+    """The n choices of a non-streamed request."""
+    choices = [WholeChoice() for _ in range(n)]
     async for delta in outputs:
-        pieces.append(delta.text)
-        num_output_tokens += delta.num_new_tokens
-        finish_reason = delta.finish_reason
-    return "".join(pieces), finish_reason, num_output_tokens
+        choice = choices[delta.index]
+        choice.pieces.append(delta.text)
+        choice.num_tokens += delta.num_new_tokens
+        choice.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            choice.logprobs = choice.logprobs or []
+            choice.logprobs.extend(delta.logprobs)
+    return choices
 
 
 def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
@@ -332,7 +383,7 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
         return error(400, "; ".join(problems), "invalid_request_error")
 
     async def run(http_request: Request, body: Any, prompt_ids: list[int], default_max: int,
-                  events: Any, whole_body: Any):
+                  events: Any, whole_body: Any, make_choice: Any):
         request_id = f"{'cmpl' if isinstance(body, CompletionRequest) else 'chatcmpl'}-" \
                      f"{uuid.uuid4().hex}"
         requested = (body.requested_max_tokens if isinstance(body, ChatCompletionRequest)
@@ -340,22 +391,26 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
         try:
             max_tokens = frontend.max_tokens(requested, len(prompt_ids), default_max)
             params = body.sampling_params(max_tokens)
-            outputs = frontend.generate(http_request, request_id, prompt_ids, params,
-                                        traceparent_of(http_request), body.stop_strings)
+            outputs = frontend.generate_choices(http_request, request_id, prompt_ids, params,
+                                                body.n, traceparent_of(http_request),
+                                                body.stop_strings)
             if body.stream:
                 outputs = await first_and_rest(outputs)
                 stream = events(frontend, body, request_id, outputs, len(prompt_ids))
                 return StreamingResponse(stream, media_type="text/event-stream")
-            text, finish_reason, num_output_tokens = await collect(outputs)
+            whole = await collect(outputs, body.n)
         except (InvalidRequest, RequestRejectedError, ValueError) as exc:
             return error(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
         except EngineDeadError as exc:
             return error(503, f"the engine is not running: {exc}", "service_unavailable")
         except EngineBusyError as exc:
             return error(503, str(exc), "service_unavailable")
-        counts = usage(len(prompt_ids), num_output_tokens)
-        return JSONResponse(whole_body(request_id, frontend.model_name, text, finish_reason,
-                                       counts))
+        counts = usage(len(prompt_ids), sum(choice.num_tokens for choice in whole))
+        logprobs = LogprobsFormatter(frontend.token_text, isinstance(body, ChatCompletionRequest))
+        choices = [make_choice(index, "".join(choice.pieces), choice.finish_reason,
+                               logprobs(index, choice.logprobs))
+                   for index, choice in enumerate(whole)]
+        return JSONResponse(whole_body(request_id, frontend.model_name, choices, counts))
 
     def checked(body: Any) -> JSONResponse | None:
         try:
@@ -376,7 +431,7 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
         except InvalidRequest as exc:
             return error(400, str(exc), "invalid_request_error", exc.param)
         return await run(http_request, body, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS,
-                         completion_events, completion_body)
+                         completion_events, completion_body, completion_choice)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
@@ -391,7 +446,8 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
             return error(500, f"the model's chat template does not compile: {exc}",
                          "server_error")
         default_max = frontend.client.ready.max_model_len
-        return await run(http_request, body, prompt_ids, default_max, chat_events, chat_body)
+        return await run(http_request, body, prompt_ids, default_max, chat_events, chat_body,
+                         chat_choice)
 
     @app.get("/v1/models")
     async def models():

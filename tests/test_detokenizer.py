@@ -179,6 +179,19 @@ def test_a_stop_string_overlapping_a_held_prefix():
     assert matcher.stopped
 
 
+def test_a_stop_string_must_end_where_stopping_is_allowed():
+    """While can_stop is False (the first min_tokens tokens) a stop string in the text does
+    not count, but one that starts there and ends later does."""
+    matcher = StopStringMatcher(["ab", "xyz"])
+    assert matcher.add("ab-x", finished=False, can_stop=False) == "ab-"  # "x" could start "xyz"
+    assert matcher.add("yz and more", finished=False) == ""
+    assert matcher.stopped
+    matcher = StopStringMatcher(["b", "abc"])
+    assert matcher.add("ab", finished=False, can_stop=False) == ""  # held: could start "abc"
+    assert matcher.add("-b", finished=False) == "ab-"  # the "b" that was held does not count
+    assert matcher.stopped
+
+
 def test_no_stop_strings_pass_text_through():
     assert feed(StopStringMatcher([]), ["a", "b"]) == ["a", "b"]
 
