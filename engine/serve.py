@@ -5,9 +5,9 @@
     engine core --telemetry lane--> sidecar (started here unless --no-sidecar)
 
 Endpoints: /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
-/health. Errors use OpenAI's body shape: 400 for bad parameters, prompts that can never fit
-and messages the chat template refuses, 404 for an unknown model name, 503 once the engine is
-dead. Output text comes from engine/detokenizer.py: decoded incrementally, and cut at the
+/health, /metrics (engine/api_metrics.py). Errors use OpenAI's body shape: 400 for bad
+parameters, prompts that can never fit and messages the chat template refuses, 404 for an
+unknown model name, 503 once the engine is dead. Output text comes from engine/detokenizer.py: decoded incrementally, and cut at the
 first ``stop`` string, which also aborts the engine request.
 
 Every generation runs under a disconnect watcher: when the HTTP client goes away, the engine
@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine import api_metrics
 from engine.config import EngineConfig, parse_memory_size
 from engine.core_process import EngineCoreClient, EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -272,9 +273,11 @@ async def collect(outputs: AsyncIterator) -> tuple[str, str | None, int]:
     return "".join(pieces), finish_reason, num_output_tokens
 
 
-def build_app(frontend: Frontend) -> FastAPI:
-    """The FastAPI application; every error leaves as an OpenAI-style error body."""
+def build_app(frontend: Frontend, sidecar_metrics_url: str | None = None) -> FastAPI:
+    """The FastAPI application; every error leaves as an OpenAI-style error body. GET /metrics
+    serves the sidecar's series (read from ``sidecar_metrics_url``) and the HTTP series."""
     app = FastAPI(title="iterscope", docs_url=None, redoc_url=None)
+    api_metrics.attach(app, sidecar_metrics_url)
 
     def error(status: int, message: str, error_type: str, param: str | None = None):
         return JSONResponse(error_body(message, error_type, status, param), status_code=status)
@@ -444,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
+    api_metrics.add_arguments(parser)
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="the sidecar's /metrics port (0 picks a free one)")
@@ -507,12 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     sidecar = client = None
     try:
         sidecar = sidecar_process.start_from_args(args)
+        sidecar_metrics_url = api_metrics.sidecar_metrics_url(args, sidecar)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
         frontend = Frontend(client, tokenizer, args.served_model_name or args.model)
         sock = listening_socket(args.host, args.port)
-        uv_config = uvicorn.Config(build_app(frontend), log_level="warning",
+        uv_config = uvicorn.Config(build_app(frontend, sidecar_metrics_url), log_level="warning",
                                    access_log=args.access_log, lifespan="off")
         print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"
               f"{sock.getsockname()[1]}/v1", flush=True)
