@@ -5,11 +5,10 @@
     engine core --telemetry lane--> sidecar (started here unless --no-sidecar)
 
 Endpoints: /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
-/health, /metrics (engine/api_metrics.py). Errors use OpenAI's body shape: 400 for bad
-parameters, prompts that can never fit and messages the chat template refuses, 404 for an
-unknown model name, 503 once the engine is dead. Output text comes from engine/detokenizer.py:
-decoded incrementally, and cut at the first ``stop`` string, which also aborts the engine
-request.
+/health. Errors use OpenAI's body shape: 400 for bad parameters, prompts that can never fit
+and messages the chat template refuses, 404 for an unknown model name, 503 once the engine is
+dead. Output text comes from engine/detokenizer.py: decoded incrementally, and cut at the
+first ``stop`` string, which also aborts the engine request.
 
 Every generation runs under a disconnect watcher: when the HTTP client goes away, the engine
 request is aborted at once, so its KV blocks are freed in the next iteration (the abort's
