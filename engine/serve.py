@@ -4,7 +4,7 @@
                                                        (EngineCoreClient spawns it)
     engine core --telemetry lane--> sidecar (started here unless --no-sidecar)
 
-Endpoints: /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
+Endpoints: /metrics, /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
 /health. Errors use OpenAI's body shape: 400 for bad parameters, prompts that can never fit
 and messages the chat template refuses, 404 for an unknown model name, 503 once the engine is
 dead. Output text comes from engine/detokenizer.py: decoded incrementally, and cut at the
