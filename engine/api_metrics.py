@@ -157,6 +157,7 @@ def attach(app: FastAPI, sidecar_url: str | None,
            timeout_s: float = SIDECAR_TIMEOUT_S) -> ApiMetrics:
     """Count the app's requests and answer GET /metrics on it."""
     metrics = ApiMetrics(sidecar_url, timeout_s)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # its INFO is a line per scrape
     app.add_middleware(CountRequests, series=metrics.series, router=app.router)
 
     @app.get("/metrics", include_in_schema=False)
