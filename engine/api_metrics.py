@@ -93,8 +93,8 @@ class CountRequests:
         self.router = router  # read per request: routes are added after the middleware
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        handler = route_template(self.router.routes, scope) if scope["type"] == "http" else ""
-        if handler in ("", *NOT_COUNTED):
+        handler = route_template(self.router.routes, scope) if scope["type"] == "http" else None
+        if handler is None or handler in NOT_COUNTED:
             await self.app(scope, receive, send)
             return
         status = 500
