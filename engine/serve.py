@@ -4,7 +4,7 @@
                                                        (EngineCoreClient spawns it)
     engine core --telemetry lane--> sidecar (started here unless --no-sidecar)
 
-Endpoints: /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
+Endpoints: /metrics, /v1/completions and /v1/chat/completions (streaming SSE or not), /v1/models,
 /health. Errors use OpenAI's body shape: 400 for bad parameters, prompts that can never fit
 and messages the chat template refuses, 404 for an unknown model name, 503 once the engine is
 dead. Output text comes from engine/detokenizer.py: decoded incrementally, and cut at the
@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import arg_types
+from engine import api_metrics, arg_types
 from engine.config import MAX_BLOCK_SIZE, EngineConfig
 from engine.core_process import (
     DEFAULT_STALL_AFTER_S,
@@ -357,10 +357,14 @@ async def collect(outputs: AsyncIterator, n: int) -> list[WholeChoice]:
     return choices
 
 
-def build_app(frontend: Frontend, limits: HttpLimits | None = None) -> FastAPI:
-    """The FastAPI application; every error leaves as an OpenAI-style error body."""
+def build_app(frontend: Frontend, limits: HttpLimits | None = None,
+              sidecar_metrics_url: str | None = None) -> FastAPI:
+    """The FastAPI application; every error leaves as an OpenAI-style error body. GET /metrics
+    serves the sidecar's series (read from ``sidecar_metrics_url``) and the HTTP series, which
+    count the guard's refusals too (its middleware is the outer one)."""
     app = FastAPI(title="iterscope", docs_url=None, redoc_url=None)
     app.add_middleware(RequestGuard, limits=limits or HttpLimits())
+    api_metrics.attach(app, sidecar_metrics_url)
 
     def error(status: int, message: str, error_type: str, param: str | None = None):
         return JSONResponse(error_body(message, error_type, status, param), status_code=status)
@@ -589,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "command lines are visible to other users)")
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
+    api_metrics.add_arguments(parser)
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
     group.add_argument("--metrics-port", type=arg_types.port, default=None, metavar="PORT",
                        help="the sidecar's /metrics port, 0 picks a free one (default "
@@ -654,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     sidecar = client = None
     try:
         sidecar = sidecar_process.start_from_args(args)
+        sidecar_metrics_url = api_metrics.sidecar_metrics_url(args, sidecar)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
@@ -661,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.engine_stall_timeout)
         sock = listening_socket(args.host, args.port)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
-        uv_config = uvicorn.Config(build_app(frontend, limits), log_level="warning",
+        uv_config = uvicorn.Config(build_app(frontend, limits, sidecar_metrics_url),
+                                   log_level="warning",
                                    http=header_timeout_protocol(args.request_header_timeout),
                                    access_log=args.access_log, lifespan="off")
         print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"

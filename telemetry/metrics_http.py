@@ -9,6 +9,7 @@ path answers with the metrics, as prometheus_client's own server does.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -48,3 +49,18 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServ
     server = make_server(address[0], port, app, Server, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The URL a process on this host reaches /metrics at, when served on ``host``:``port``
+    (a wildcard address is reached through loopback)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def write_metrics_url(path: str, url: str) -> None:
+    """Write ``url`` to ``path`` whole or not at all (a reader never sees half of it)."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as file:
+        file.write(url + "\n")
+    os.replace(partial, path)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 MAX_IPC_PATH = 100  # sockaddr_un holds 107 bytes
+METRICS_URL_FILE = "metrics_url"  # in the run directory: where the sidecar serves /metrics
 
 
 class SidecarProcess:
@@ -37,6 +38,16 @@ class SidecarProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this sidecar serves /metrics (the port it bound), None with --no-metrics.
+        The sidecar writes it before it listens on its lane, so before start_sidecar returns."""
+        try:
+            with open(os.path.join(self.run_dir, METRICS_URL_FILE)) as file:
+                return file.read().strip()
+        except FileNotFoundError:
+            return None
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (the sidecar flushes its sinks), SIGKILL after ``timeout_s``; exit status."""
@@ -79,7 +90,8 @@ def start_sidecar(
     address = f"ipc://{socket_path}"
     command = [
         sys.executable, "-m", "telemetry.sidecar_cli", "--address", address, "--bind",
-        "--parent-pid", str(os.getpid()), *extra_args,
+        "--parent-pid", str(os.getpid()),
+        "--metrics-url-file", os.path.join(run_dir, METRICS_URL_FILE), *extra_args,
     ]
     process = subprocess.Popen(command, start_new_session=True, **popen_kwargs)
     sidecar = SidecarProcess(process, address, run_dir)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.histogram import MAX_COUNT_INDEX, Histogram
+from telemetry.metrics_http import metrics_url
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -396,10 +397,21 @@ def test_vllm_compatible_names():
     assert success == ours
     usage = families["vllm:kv_cache_usage_perc"].samples[0]
     assert usage.value == pytest.approx(0.25) and usage.labels == ENGINE0
+    # One sample per request here, so vLLM's "most tokens among the n samples" is the length.
+    longest = families["vllm:request_max_num_generation_tokens"]
+    lengths = families["iterscope_request_generation_tokens"]
+    assert longest.type == "histogram"
+    assert samples_by_suffix(longest) == samples_by_suffix(lengths)
+    assert {suffix: value for suffix, _, value in samples_by_suffix(lengths)}["_count"] == 1
     # Colons are vLLM's convention; promtool flags only those (and vLLM's own _total histogram).
     for line in lint_problems(text):
         assert line.startswith("vllm:") and ("':'" in line or "_total" in line), line
     assert "vllm:" not in busy_exposition()
+
+
+def samples_by_suffix(family) -> list[tuple[str, dict, float]]:
+    """(suffix such as "_bucket", labels, value) of each sample: the family without its name."""
+    return [(s.name.removeprefix(family.name), s.labels, s.value) for s in family.samples]
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
@@ -422,6 +434,27 @@ def test_build_serves_metrics_over_http():
         assert 'iterscope_iteration_tokens_bucket{engine="0",le="10.0",model_name=""}' in text
     finally:
         sink.close()
+
+
+def test_the_sidecar_writes_the_url_it_serves_metrics_on(tmp_path):
+    """A process that started it on port 0 reads the bound port from --metrics-url-file."""
+    url_file = tmp_path / "metrics_url"
+    sink = prometheus.build(parse_flags(["--metrics-port", "0",
+                                         "--metrics-url-file", str(url_file)]))
+    try:
+        url = url_file.read_text().strip()
+        assert url == f"http://127.0.0.1:{sink.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert b"iterscope_iterations_total" in response.read()
+    finally:
+        sink.close()
+    assert prometheus.build(parse_flags(["--no-metrics", "--metrics-url-file",
+                                         str(tmp_path / "none")])) is None
+    assert not (tmp_path / "none").exists()
+    assert metrics_url("0.0.0.0", 9) == "http://127.0.0.1:9/metrics"
+    assert metrics_url("::", 9) == "http://[::1]:9/metrics"
+    assert metrics_url("fe80::1", 9) == "http://[fe80::1]:9/metrics"
+    assert metrics_url("10.0.0.2", 9) == "http://10.0.0.2:9/metrics"
 
 
 def test_vllm_names_keep_their_colon_whatever_format_the_scraper_asks_for():

@@ -77,7 +77,7 @@ def stack(tmp_path_factory):
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
         ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl"),
-         "--stall-after", "2", "--log-iterations"],
+         "--stall-after", "2", "--log-iterations", "--vllm-compatible-names"],
         stderr=sidecar_log,
     )
     server = None
@@ -157,6 +157,25 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     tune = json.loads(iterscope("tune", recording, "--itl-target", "30s", "--json"))
     (engine,) = tune["engines"]
     assert engine["fit"]["num_iterations"] > 0 and engine["recommendation"]["max_num_seqs"] > 0
+
+
+def families(port: int) -> dict:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def label_names(family) -> set[str]:
+    return {name for sample in family.samples for name in sample.labels} - {"le"}
+
+
+def test_vllm_compatible_names_are_vllms_own(stack):
+    """Every vllm: series of the sidecar is one vLLM exposes, with its type and labels."""
+    ours, theirs = families(stack["metrics_port"]), families(stack["api_port"])
+    aliases = {name: family for name, family in ours.items() if name.startswith("vllm:")}
+    assert len(aliases) >= 20
+    assert {name: (family.type, label_names(family)) for name, family in aliases.items()} == {
+        name: (theirs[name].type, label_names(theirs[name])) for name in aliases
+        if name in theirs}
 
 
 def iterscope(*args: str) -> str:

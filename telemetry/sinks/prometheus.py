@@ -34,7 +34,7 @@ from prometheus_client.core import (
 )
 
 from telemetry.histogram import MAX_COUNT_INDEX, Histogram, check_bounds
-from telemetry.metrics_http import serve_metrics
+from telemetry.metrics_http import metrics_url, serve_metrics, write_metrics_url
 from telemetry.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -133,6 +133,9 @@ VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "vllm:request_decode_time_seconds": ("iterscope_request_decode_time_seconds", {}),
     "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
     "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    # vLLM's is the most tokens any of a request's n samples generated; a request here is
+    # one sample (serve takes n=1 only), so it is the request's own output length.
+    "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
     "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
 }
 LABELS = ("engine", "model_name")
@@ -516,6 +519,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="HISTOGRAM=B1,B2,...",
                        help="bucket bounds for one histogram (name without iterscope_);"
                             " repeatable")
+    # How a process that started this sidecar on --metrics-port 0 learns the port it got.
+    group.add_argument("--metrics-url-file", default=None, help=argparse.SUPPRESS)
 
 
 def build(args: argparse.Namespace) -> PrometheusSink | None:
@@ -524,5 +529,7 @@ def build(args: argparse.Namespace) -> PrometheusSink | None:
         return None
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, dict(args.metrics_buckets), args.vllm_compatible_names)
-    sink.serve(args.metrics_host, args.metrics_port)
+    port = sink.serve(args.metrics_host, args.metrics_port)
+    if args.metrics_url_file:
+        write_metrics_url(args.metrics_url_file, metrics_url(args.metrics_host, port))
     return sink
