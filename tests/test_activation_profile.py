@@ -130,6 +130,7 @@ def test_cuda_kv_budget_subtracts_weights_and_the_measured_peak(monkeypatch):
 
     class Properties:
         total_memory = total_bytes
+        major, minor = 8, 0  # an Ampere card: --dtype auto is bfloat16
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Properties)
     config = EngineConfig(
