@@ -1,7 +1,7 @@
 """The metric names the dashboards and alerts read: the contract with the Prometheus sink.
 
 Every series carries the labels ``engine`` (engine index as a string) and ``model_name``;
-``iterscope_frames_undecodable_total`` from an unknown sender has both empty.
+sidecar-level series (``iterscope_frames_undecodable_total`` and the like) have both empty.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ COUNTERS = {
     "iterscope_records_dropped_total",
     "iterscope_engine_index_conflicts_total",
     "iterscope_frames_undecodable_total",
+    "iterscope_frames_rejected_total",
+    "iterscope_lane_disconnects_total",
     "iterscope_otel_spans_dropped_total",
 }
 HISTOGRAMS = {

@@ -61,6 +61,16 @@ class Sink:
         """A frame could not be decoded; reason is 'malformed', 'truncated', 'version' or
         'oversized' (telemetry.sidecar.UNDECODABLE_REASONS)."""
 
+    def on_rejected(self, reason: str) -> None:
+        """A decoded frame failed a check and was dropped; reason is 'unknown_engine' (a
+        record before its engine's first heartbeat), 'engine_limit' (a new engine beyond
+        --max-engines) or 'seq_jump' (a seq its engine's counts do not explain)
+        (telemetry.sidecar.REJECTED_REASONS)."""
+
+    def on_lane_disconnect(self) -> None:
+        """A connection to the lane ended: an engine exited, or the socket's size guard cut
+        off a sender of an over-size frame."""
+
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""
 

@@ -42,7 +42,7 @@ CONTRACT = {
         "iterscope_prefix_cache_hits", "iterscope_requests_finished",
         "iterscope_records_received", "iterscope_records_dropped",
         "iterscope_engine_index_conflicts", "iterscope_frames_undecodable",
-        "iterscope_otel_spans_dropped",
+        "iterscope_frames_rejected", "iterscope_lane_disconnects", "iterscope_otel_spans_dropped",
     ],
     "histogram": [
         "iterscope_iteration_duration_seconds", "iterscope_iteration_tokens",

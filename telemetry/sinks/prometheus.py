@@ -53,6 +53,7 @@ DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
 PREFIX = "iterscope_"
 UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")  # telemetry/sidecar.py
+REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")  # telemetry/sidecar.py
 WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
@@ -316,6 +317,8 @@ class PrometheusSink(Sink):
             self.buckets[name] = check_bounds(bounds)
         self.engines: dict[int, EngineState] = {}
         self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
+        self.num_rejected = dict.fromkeys(REJECTED_REASONS, 0)
+        self.num_lane_disconnects = 0
         self.peers: list = []
         self.collector = MetricsCollector(self, vllm_compatible_names)
         self.registry = registry
@@ -347,6 +350,12 @@ class PrometheusSink(Sink):
 
     def on_undecodable(self, reason: str) -> None:
         self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
+
+    def on_rejected(self, reason: str) -> None:
+        self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1
+
+    def on_lane_disconnect(self) -> None:
+        self.num_lane_disconnects += 1
 
     def tick(self, now_ns: int) -> None:
         """Nothing to do: every series is rendered at scrape time."""
@@ -447,6 +456,19 @@ class MetricsCollector:
         for reason, count in list(self.sink.num_undecodable.items()):
             undecodable.add_metric(["", "", reason], count)
         yield undecodable
+        rejected = CounterMetricFamily(
+            PREFIX + "frames_rejected",
+            "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
+            labels=[*LABELS, "reason"])
+        for reason, count in list(self.sink.num_rejected.items()):
+            rejected.add_metric(["", "", reason], count)
+        yield rejected
+        disconnects = CounterMetricFamily(
+            PREFIX + "lane_disconnects",
+            "Lane connections that ended: engines exiting, senders cut off by the size guard.",
+            labels=LABELS)
+        disconnects.add_metric(["", ""], self.sink.num_lane_disconnects)
+        yield disconnects
 
     def histograms(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():

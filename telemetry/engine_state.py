@@ -1,0 +1,76 @@
+"""What the sidecar knows of one engine, and the checks a new message of it must pass.
+
+A lane can be written by anyone who can reach it (docs/architecture.md, "Who can write to
+the lane"), so a message's ``seq`` is trusted only as far as it can be checked against what
+the engine said before:
+
+    forward   the gap before the message must be explained by the engine's own count of
+              the sends it dropped (``num_dropped``), give or take what the lane can lose
+              in transit: num_dropped <= gap <= num_dropped + MAX_IN_TRANSIT
+    back      the engine restarted (seq counts from 1 again): what it lost before this
+              message is what it says it dropped
+    anything  no message may claim more drops than MAX_SEQ_JUMP, or more than the messages
+              numbered before it (num_dropped < seq)
+
+A message that fails is a suspect frame: counted, never passed on, and the engine's state
+stays as it was. One forged frame therefore moves no counter by more than MAX_SEQ_JUMP, and
+cannot make the real engine's next messages look like billions of drops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from telemetry.record import Message
+from telemetry.sink import EngineStatus
+
+# A single message may account for at most this many lost messages: about 4.6 hours of an
+# engine iterating a thousand times a second with no sidecar listening.
+MAX_SEQ_JUMP = 1 << 24
+# Messages an engine sent that a connected sidecar never received: only when a connection
+# breaks, at most what the lane buffers (the engine's 8192-frame send queue, the kernel's
+# socket buffers) at default high-water marks.
+MAX_IN_TRANSIT = 1 << 17
+
+
+def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> bool:
+    """No message reports more drops than were numbered before it, or than MAX_SEQ_JUMP."""
+    return message.num_dropped < message.seq and message.num_dropped <= max_seq_jump
+
+
+@dataclass
+class EngineState:
+    """What the sidecar knows of one engine. Times are the ingest clock (``now_ns``)."""
+
+    engine_index: int
+    last_seq: int = 0
+    last_message_ns: int = 0
+    last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
+    last_iteration: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+    num_dropped_total: int = 0
+    status: EngineStatus | None = None
+    pid: int = 0  # from the latest heartbeat; 0 = none yet
+    previous_pid: int = 0  # the pid before the latest change
+
+    @property
+    def has_work(self) -> bool:
+        return self.num_waiting_reqs + self.num_running_reqs > 0
+
+    def gap_before(self, message: Message, is_heartbeat: bool) -> int | None:
+        """Messages of this engine lost right before ``message``; None: its seq is suspect.
+
+        A dead engine that heartbeats again is met anew (its own drop count is the loss), so
+        a suspect frame that moved ``last_seq`` before the checks existed, or a connection
+        that lost more than MAX_IN_TRANSIT, keeps the engine out for a few seconds at most.
+        """
+        seq = message.seq
+        if seq <= self.last_seq:  # restarted: seq counts from 1 again
+            return message.num_dropped
+        gap = seq - self.last_seq - 1
+        if message.num_dropped <= gap <= message.num_dropped + MAX_IN_TRANSIT:
+            return gap
+        if is_heartbeat and self.status is EngineStatus.DEAD:
+            return message.num_dropped
+        return None
