@@ -17,7 +17,6 @@ from telemetry.recording import message_time_ns, read_recording  # also imported
 from telemetry.sidecar import (
     DEAD_AFTER_S,
     DEFAULT_MAX_ENGINES,
-    STALL_AFTER_S,
     TICK_INTERVAL_S,
     Ingest,
 )
@@ -30,7 +29,7 @@ def replay(
     path: str | os.PathLike,
     sinks: Iterable[Sink],
     dead_after_s: float = DEAD_AFTER_S,
-    stall_after_s: float = STALL_AFTER_S,
+    stall_after_s: float | None = None,
     tick_interval_s: float = TICK_INTERVAL_S,
     max_engines: int = DEFAULT_MAX_ENGINES,
 ) -> Ingest:

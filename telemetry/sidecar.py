@@ -56,7 +56,6 @@ DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics gro
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
 GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
-STALL_AFTER_S = 5.0
 TICK_INTERVAL_S = 0.1
 DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
 RECV_BATCH = 4096
@@ -125,13 +124,15 @@ class Ingest:
         self,
         sinks: Iterable[Sink],
         dead_after_s: float = DEAD_AFTER_S,
-        stall_after_s: float = STALL_AFTER_S,
+        stall_after_s: float | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         known_last_seqs: dict[int, int] | None = None,
         max_engines: int = DEFAULT_MAX_ENGINES,
         max_seq_jump: int = MAX_SEQ_JUMP,
     ) -> None:
-        if dead_after_s <= 0 or stall_after_s <= 0:
+        """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
+        progress intervals (telemetry/engine_state.py)."""
+        if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
         if max_engines < 1:
             raise ValueError(f"max_engines must be at least 1, got {max_engines}")
@@ -139,7 +140,7 @@ class Ingest:
         self.engines: dict[int, EngineState] = {}
         self.stats = IngestStats()
         self._dead_after_ns = int(dead_after_s * 1e9)
-        self._stall_after_ns = int(stall_after_s * 1e9)
+        self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._max_frame_bytes = max_frame_bytes
         self._max_engines = max_engines
         self._max_seq_jump = max_seq_jump
@@ -215,7 +216,7 @@ class Ingest:
         else:
             num_lost = state.gap_before(message, is_heartbeat)
             if num_lost is not None and message.seq <= state.last_seq:
-                state.last_iteration = 0  # restarted
+                state.note_restart(now_ns)
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
@@ -270,7 +271,7 @@ class Ingest:
             # requests wait is stalled (heartbeats count the same way: last_iteration is the
             # last iteration that scheduled work).
             state.last_iteration = record.iteration
-            state.last_progress_ns = now_ns
+            state.note_progress(now_ns)
         elif not state.has_work:  # (before this record) nothing waited or ran: idle, not stuck
             state.last_progress_ns = now_ns
         state.num_waiting_reqs = record.num_waiting_reqs
@@ -281,13 +282,14 @@ class Ingest:
     def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
         if heartbeat.pid != state.pid and heartbeat.pid:
             self._note_pid_change(state, heartbeat.pid)
-        had_work = state.has_work
+        # Iterations whose records were all lost still count as progress.
+        if heartbeat.last_iteration > state.last_iteration:
+            state.note_progress(now_ns)
+            state.last_iteration = heartbeat.last_iteration
+        elif not state.has_work:  # (before this heartbeat) idle: the stall clock starts now
+            state.last_progress_ns = now_ns
         state.num_waiting_reqs = heartbeat.num_waiting_reqs
         state.num_running_reqs = heartbeat.num_running_reqs
-        # Iterations whose records were all lost still count as progress.
-        if heartbeat.last_iteration > state.last_iteration or not had_work:
-            state.last_progress_ns = now_ns
-        state.last_iteration = max(state.last_iteration, heartbeat.last_iteration)
         self._update_status(state, now_ns)
 
     def _note_pid_change(self, state: EngineState, pid: int) -> None:
@@ -306,11 +308,14 @@ class Ingest:
         state.previous_pid, state.pid = state.pid, pid
 
     def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
+        """Dead: no message (the publisher's thread sends them, heartbeats included, whether
+        or not the engine loop moves). Stalled: messages, work in flight, no progress."""
         if now_ns - state.last_message_ns > self._dead_after_ns:
             return EngineStatus.DEAD
         if not state.has_work:
             return EngineStatus.IDLE
-        if now_ns - state.last_progress_ns > self._stall_after_ns:
+        stall_after_ns = self._stall_after_ns or state.adaptive_stall_after_ns(now_ns)
+        if now_ns - state.last_progress_ns > stall_after_ns:
             return EngineStatus.STALLED
         return EngineStatus.RUNNING
 

@@ -21,12 +21,12 @@ from types import ModuleType
 
 import zmq
 
+from telemetry.engine_state import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.publisher import default_address
 from telemetry.sidecar import (
     DEAD_AFTER_S,
     DEFAULT_MAX_ENGINES,
     DEFAULT_RCVHWM,
-    STALL_AFTER_S,
     Ingest,
     Sidecar,
     check_address,
@@ -97,9 +97,11 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     status = parser.add_argument_group("engine status")
     status.add_argument("--dead-after", type=float, default=DEAD_AFTER_S, metavar="S",
                         help="no message for this long: dead (default: %(default)s)")
-    status.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
-                        help="work waits, no iteration for this long: stalled "
-                             "(default: %(default)s)")
+    status.add_argument("--stall-after", type=float, default=None, metavar="S",
+                        help="work in flight, no iteration for this long: stalled (default: "
+                             f"{STALL_FACTOR} x the engine's longest progress interval of the "
+                             f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
+                             f"{STALL_FLOOR_S:g} s)")
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     for module in sink_modules:
         module.add_arguments(parser)

@@ -25,9 +25,13 @@ class EngineStatus(str, enum.Enum):
 
     IDLE:    heartbeats arrive, nothing waits or runs.
     RUNNING: iterations arrive.
-    STALLED: heartbeats arrive and work waits or runs, but no iteration finished lately.
+    STALLED: heartbeats arrive and work waits or runs, but no iteration finished for longer
+             than the stall threshold (adapted to the engine's iteration times, at least
+             5 s; telemetry/engine_state.py).
     DEAD:    no message for the dead-after interval (2.5 s by default, so a killed engine is
-             reported within 3 s).
+             reported within 3 s). Heartbeats come from the publisher's thread, which runs
+             while the engine loop is stuck; only a process that is gone, frozen whole
+             (SIGSTOP) or cut off from the lane sends none.
     """
 
     IDLE = "idle"
