@@ -18,6 +18,9 @@ GAUGES = {
     "iterscope_engine_state",
     "iterscope_heartbeat_age_seconds",
     "iterscope_sidecar_lag_seconds",
+    "iterscope_sidecar_up",
+    "iterscope_sidecar_start_time_seconds",
+    "iterscope_sink_last_write_timestamp_seconds",
 }
 COUNTERS = {
     "iterscope_iterations_total",
@@ -35,6 +38,8 @@ COUNTERS = {
     "iterscope_frames_undecodable_total",
     "iterscope_frames_rejected_total",
     "iterscope_lane_disconnects_total",
+    "iterscope_sink_errors_total",
+    "iterscope_sink_lines_lost_total",
     "iterscope_otel_spans_dropped_total",
 }
 HISTOGRAMS = {

@@ -46,7 +46,7 @@ from telemetry.record import (
     Message,
     make_decoder,
 )
-from telemetry.sink import EngineStatus, Sink
+from telemetry.sink import EngineStatus, Sink, sink_name
 
 UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")
 # Decoded frames that fail a check: a record of an engine no heartbeat introduced, a new
@@ -191,13 +191,16 @@ class Ingest:
             try:
                 getattr(sink, method)(*args)
             except Exception:
-                self._sink_failed()
+                self._sink_failed(sink)
 
-    def _sink_failed(self) -> None:
+    def _sink_failed(self, sink: Sink) -> None:
+        """Counted in total and on the sink itself (``num_errors``, its /metrics series)."""
+        sink.num_errors = getattr(sink, "num_errors", 0) + 1
         self.stats.num_sink_errors += 1
         num = self.stats.num_sink_errors
         if num <= 10 or num % 10_000 == 0:
-            logger.exception("a sink failed (%d failures so far); ingest goes on", num)
+            logger.exception("the %s sink failed (%d sink failures so far); ingest goes on",
+                             sink_name(sink), num)
 
     def on_message(self, message: Message, now_ns: int) -> None:
         """A decoded message: check it, report any gap before it, hand it to the sinks,
@@ -231,14 +234,14 @@ class Ingest:
                 try:
                     on_heartbeat(message)
                 except Exception:
-                    self._sink_failed()
+                    self._sink_failed(on_heartbeat.__self__)
             self._note_heartbeat(state, message, now_ns)
         else:
             for on_iteration in self._on_iteration:
                 try:
                     on_iteration(message)
                 except Exception:
-                    self._sink_failed()
+                    self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
 
     def _meet(

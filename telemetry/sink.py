@@ -41,7 +41,17 @@ class EngineStatus(str, enum.Enum):
 
 
 class Sink:
-    """The calls a sink receives; each does nothing unless a sink overrides it."""
+    """The calls a sink receives; each does nothing unless a sink overrides it.
+
+    Health, read by the Prometheus sink at scrape time (``iterscope_sink_*{sink=name}``):
+    ``num_errors`` is written by the ingest thread each time a call on this sink raises;
+    ``num_lines_lost`` and ``last_write_time`` by a sink that writes an output of its own.
+    """
+
+    name = ""  # the ``sink`` label of its health series; "" = the class name
+    num_errors = 0  # calls that raised (counted by the sidecar's Ingest)
+    num_lines_lost = 0  # messages it accepted but gave up writing
+    last_write_time = 0.0  # unix time of its last successful write; 0 = none
 
     def on_iteration(self, record: IterationRecord) -> None:
         """One iteration record, in arrival order."""
@@ -80,3 +90,8 @@ class Sink:
 
     def close(self) -> None:
         """The sidecar stops: flush and release what the sink holds."""
+
+
+def sink_name(sink: object) -> str:
+    """The ``sink`` label of a sink's health series: its ``name``, else its class name."""
+    return getattr(sink, "name", "") or type(sink).__name__

@@ -166,6 +166,8 @@ def _log_to_logger(level: int, text: str) -> None:
 class LogSink(Sink):
     """Prints the periodic lines, per-iteration lines (opt-in), status changes and losses."""
 
+    name = "log"
+
     def __init__(
         self,
         interval_s: float = DEFAULT_INTERVAL_S,

@@ -47,7 +47,7 @@ from telemetry.record import (
     RequestMilestone,
     is_known,
 )
-from telemetry.sink import EngineStatus, Sink
+from telemetry.sink import EngineStatus, Sink, sink_name
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
@@ -303,6 +303,8 @@ class EngineState:
 class PrometheusSink(Sink):
     """A Sink (telemetry/sink.py) that exposes its engines' state as Prometheus series."""
 
+    name = "prometheus"
+
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -324,6 +326,7 @@ class PrometheusSink(Sink):
         self.registry = registry
         registry.register(self.collector)
         self.port = 0  # bound port once serving
+        self.start_time = time.time()
         self._server = None
 
     def engine(self, engine_index: int) -> EngineState:
@@ -361,8 +364,9 @@ class PrometheusSink(Sink):
         """Nothing to do: every series is rendered at scrape time."""
 
     def set_peers(self, sinks: list) -> None:
-        """The sidecar's sinks; those with ``sidecar_counters()`` are read at scrape time."""
-        self.peers = [sink for sink in sinks if hasattr(sink, "sidecar_counters")]
+        """The sidecar's sinks (itself included), read at scrape time: their health
+        (telemetry/sink.py) and, from those that have it, ``sidecar_counters()``."""
+        self.peers = list(sinks)
 
     def serve(self, host: str, port: int) -> int:
         """Serve the registry on http://host:port/metrics in the text format; returns the bound
@@ -390,7 +394,8 @@ class MetricsCollector:
         engines = [(state, [str(state.engine_index), state.model_name])
                    for state in list(self.sink.engines.values())]
         families = [*self.gauges(engines), *self.counters(engines),
-                    *self.histograms(engines), *self.sidecar_counters()]
+                    *self.histograms(engines), *self.sidecar_counters(),
+                    *self.sidecar_health()]
         yield from families
         if self.vllm_compatible_names:
             yield from vllm_aliases(families)
@@ -482,6 +487,8 @@ class MetricsCollector:
         """Counters of the sidecar itself, from peer sinks (e.g. OTel spans dropped)."""
         values = {"otel_spans_dropped": 0.0}
         for peer in self.sink.peers:
+            if not hasattr(peer, "sidecar_counters"):
+                continue
             for key, value in peer.sidecar_counters().items():
                 name = key.removeprefix(PREFIX).removesuffix("_total")
                 if _METRIC_NAME.match(name):
@@ -491,6 +498,30 @@ class MetricsCollector:
                                          labels=LABELS)
             family.add_metric(["", ""], value)
             yield family
+
+
+    def sidecar_health(self) -> list[Metric]:
+        """The sidecar's own up and start time, and each sink's failures and last write."""
+        up = gauge("sidecar_up", "1 while the sidecar serves this; absent when it is down.")
+        up.add_metric(["", ""], 1.0)
+        started = gauge("sidecar_start_time_seconds", "When the sidecar started (unix time).")
+        started.add_metric(["", ""], self.sink.start_time)
+        errors = CounterMetricFamily(PREFIX + "sink_errors",
+                                     "Calls on the sink that raised (ingest went on).",
+                                     labels=[*LABELS, "sink"])
+        lost = CounterMetricFamily(PREFIX + "sink_lines_lost",
+                                   "Messages the sink accepted but gave up writing.",
+                                   labels=[*LABELS, "sink"])
+        last_write = gauge("sink_last_write_timestamp_seconds",
+                           "When the sink last wrote its output successfully (unix time).",
+                           ["sink"])
+        for peer in self.sink.peers or [self.sink]:
+            labels = ["", "", sink_name(peer)]
+            errors.add_metric(labels, getattr(peer, "num_errors", 0))
+            lost.add_metric(labels, getattr(peer, "num_lines_lost", 0))
+            if getattr(peer, "last_write_time", 0.0):
+                last_write.add_metric(labels, peer.last_write_time)
+        return [up, started, errors, lost, last_write]
 
 
 def gauge(name: str, documentation: str, extra_labels: Sequence[str] = ()) -> GaugeMetricFamily:
