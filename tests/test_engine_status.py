@@ -24,7 +24,7 @@ IDLE, RUNNING, STALLED, DEAD = (EngineStatus.IDLE, EngineStatus.RUNNING, EngineS
                                 EngineStatus.DEAD)
 
 
-class Clock:
+class ScriptedEngine:
     """An engine that heartbeats every second on the ingest clock, and iterates when told."""
 
     def __init__(self, ingest):
@@ -58,19 +58,19 @@ def test_long_iterations_teach_the_threshold_and_a_real_hang_is_still_stalled():
     """Prefill chunks of 8-13 s on a CPU: after the first, none is called stalled; a hang is,
     once no progress came for STALL_FACTOR x the longest iteration seen."""
     sink = RecordingSink()
-    clock = Clock(Ingest([sink]))
-    clock.message(heartbeat, waiting=1, running=1)
+    engine = ScriptedEngine(Ingest([sink]))
+    engine.message(heartbeat, waiting=1, running=1)
     rng = random.Random(7)
     lengths = [rng.randint(80, 130) / 10 for _ in range(20)]
-    clock.run_for(lengths[0])  # nothing learnt yet: stalled after the floor, once
+    engine.run_for(lengths[0])  # nothing learnt yet: stalled after the floor, once
     assert [status for status, _ in statuses(sink)] == [RUNNING, STALLED, RUNNING]
     first_stall_ns = statuses(sink)[1][1]
     assert STALL_FLOOR_S * SECOND < first_stall_ns <= STALL_FLOOR_S * SECOND + SECOND // 10
     for length in lengths[1:]:
-        clock.run_for(length)
+        engine.run_for(length)
     assert len(statuses(sink)) == 3  # no flapping
-    hang_start_ns = clock.now_ns
-    clock.run_for(100, finish_iteration=False)
+    hang_start_ns = engine.now_ns
+    engine.run_for(100, finish_iteration=False)
     stalled_at = statuses(sink)[3]
     longest_ns = max(lengths) * SECOND
     assert stalled_at[0] is STALLED
@@ -80,10 +80,10 @@ def test_long_iterations_teach_the_threshold_and_a_real_hang_is_still_stalled():
 
 def test_a_fixed_stall_after_does_not_adapt():
     sink = RecordingSink()
-    clock = Clock(Ingest([sink], stall_after_s=5))
-    clock.message(heartbeat, waiting=1, running=1)
+    engine = ScriptedEngine(Ingest([sink], stall_after_s=5))
+    engine.message(heartbeat, waiting=1, running=1)
     for _ in range(3):
-        clock.run_for(8)
+        engine.run_for(8)
     assert [status for status, _ in statuses(sink)] == [RUNNING] + [STALLED, RUNNING] * 3
 
 
@@ -91,17 +91,17 @@ def test_a_silent_pause_is_no_iteration_to_learn_from():
     """A frozen process (SIGSTOP) is dead meanwhile; its pause does not raise the threshold."""
     sink = RecordingSink()
     ingest = Ingest([sink])
-    clock = Clock(ingest)
-    clock.message(heartbeat, waiting=1, running=1)
-    clock.run_for(1)
+    engine = ScriptedEngine(ingest)
+    engine.message(heartbeat, waiting=1, running=1)
+    engine.run_for(1)
     for _ in range(300):  # 30 s without any message
-        clock.now_ns += SECOND // 10
-        ingest.tick(clock.now_ns)
-    clock.iteration += 1
-    clock.message(record, iteration=clock.iteration, num_running_reqs=1, num_waiting_reqs=1)
+        engine.now_ns += SECOND // 10
+        ingest.tick(engine.now_ns)
+    engine.iteration += 1
+    engine.message(record, iteration=engine.iteration, num_running_reqs=1, num_waiting_reqs=1)
     assert [status for status, _ in statuses(sink)] == [RUNNING, DEAD, RUNNING]
     state = ingest.engines[0]
-    assert state.adaptive_stall_after_ns(clock.now_ns) == STALL_FLOOR_S * SECOND
+    assert state.adaptive_stall_after_ns(engine.now_ns) == STALL_FLOOR_S * SECOND
 
 
 class StuckRunner(FakeRunner):

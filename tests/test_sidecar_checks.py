@@ -17,7 +17,7 @@ from telemetry.sinks.prometheus import PrometheusSink
 SECOND = 1_000_000_000
 
 
-class RealEngine:
+class HonestEngine:
     """Messages of one honest engine: consecutive seqs, some sends dropped (and said so)."""
 
     def __init__(self, ingest, engine_index=0):
@@ -64,7 +64,7 @@ def dropped_of_engine_0(text: str) -> float:
 
 def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
     ingest, registry, recorder = prometheus_ingest()
-    engine = RealEngine(ingest)
+    engine = HonestEngine(ingest)
     engine.send(kind="heartbeat")
     engine.send()
     engine.send(num_dropped_before=3)
@@ -85,7 +85,7 @@ def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
 
 def test_no_frame_accounts_for_more_drops_than_the_bound():
     ingest, registry, _ = prometheus_ingest(max_seq_jump=1000)
-    engine = RealEngine(ingest)
+    engine = HonestEngine(ingest)
     engine.send(kind="heartbeat")
     engine.send(num_dropped_before=1000)  # exactly the bound: plausible
     engine.send(num_dropped_before=1001)  # beyond it: suspect, whatever the frame says
@@ -118,7 +118,7 @@ def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_los
 def test_5000_fake_engines_keep_counters_truthful_and_a_scrape_small():
     ingest, registry, recorder = prometheus_ingest()
     base_size = len(scrape_text(registry))
-    engine = RealEngine(ingest)
+    engine = HonestEngine(ingest)
     engine.send(kind="heartbeat")
     one_engine_size = len(scrape_text(registry)) - base_size
     for fake_index in range(1, 5001):
