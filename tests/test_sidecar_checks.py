@@ -94,8 +94,8 @@ def test_no_frame_accounts_for_more_drops_than_the_bound():
     assert ingest.stats.num_rejected["seq_jump"] == 1
 
 
-def test_a_record_claiming_more_drops_than_messages_before_it_is_suspect():
-    ingest, _, recorder = prometheus_ingest()
+def test_a_message_claiming_more_drops_than_messages_before_it_is_suspect():
+    ingest, _, _ = prometheus_ingest()
     ingest.on_frame(encode(heartbeat(5, num_dropped=5)), now_ns=1)
     assert ingest.engines == {} and ingest.stats.num_rejected["seq_jump"] == 1
 
