@@ -1,7 +1,7 @@
 """The metric names the dashboards and alerts read: the contract with the Prometheus sink.
 
 Every series carries the labels ``engine`` (engine index as a string) and ``model_name``;
-``iterscope_frames_undecodable_total`` from an unknown sender has both empty.
+sidecar-level series (``iterscope_frames_undecodable_total`` and the like) have both empty.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ GAUGES = {
     "iterscope_engine_state",
     "iterscope_heartbeat_age_seconds",
     "iterscope_sidecar_lag_seconds",
+    "iterscope_sidecar_up",
+    "iterscope_sidecar_start_time_seconds",
+    "iterscope_sink_last_write_timestamp_seconds",
 }
 COUNTERS = {
     "iterscope_iterations_total",
@@ -33,6 +36,10 @@ COUNTERS = {
     "iterscope_records_dropped_total",
     "iterscope_engine_index_conflicts_total",
     "iterscope_frames_undecodable_total",
+    "iterscope_frames_rejected_total",
+    "iterscope_lane_disconnects_total",
+    "iterscope_sink_errors_total",
+    "iterscope_sink_lines_lost_total",
     "iterscope_otel_spans_dropped_total",
 }
 HISTOGRAMS = {

@@ -57,6 +57,36 @@ def frames_undecodable() -> dashboard.Panel:
     )
 
 
+def frames_rejected() -> dashboard.Panel:
+    # Sidecar-level: the engine a rejected frame claims is what cannot be trusted.
+    expr = (
+        f"sum by (reason) "
+        f"(rate(iterscope_frames_rejected_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    )
+    disconnects = f"sum(rate(iterscope_lane_disconnects_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    return timeseries_panel(
+        "Rejected frames and lane disconnects per second",
+        "Decoded frames that failed the sidecar's checks, by reason (a record before its "
+        "engine's heartbeat, an engine beyond --max-engines, an implausible seq), and lane "
+        "connections that ended (engines exiting, senders cut off for over-size frames).",
+        [query(expr, "{{reason}}", "A"), query(disconnects, "disconnects/s", "B")],
+        unit="ops",
+    )
+
+
+def sink_failures() -> dashboard.Panel:
+    # Sidecar-level, by sink: a recording on a full disk shows here.
+    errors = f"sum by (sink) (rate(iterscope_sink_errors_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    lost = f"sum by (sink) (rate(iterscope_sink_lines_lost_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    return timeseries_panel(
+        "Sink failures per second",
+        "Calls on each sink of the sidecar that failed (a full disk under the recording), and "
+        "lines a sink gave up writing.",
+        [query(errors, "{{sink}} errors/s", "A"), query(lost, "{{sink}} lines lost/s", "B")],
+        unit="ops",
+    )
+
+
 def otel_spans_dropped() -> dashboard.Panel:
     # A sidecar-level counter (empty engine and model_name labels): filtered by instance only.
     expr = f"sum(rate(iterscope_otel_spans_dropped_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
@@ -91,13 +121,15 @@ def build() -> dashboard.Dashboard:
     board = new_dashboard(
         UID,
         "iterscope / Pipeline health",
-        "Completeness and freshness of iterscope telemetry: records, drops, undecodable "
-        "frames, dropped spans, heartbeats and sidecar lag.",
+        "Completeness and freshness of iterscope telemetry: records, drops, undecodable and "
+        "rejected frames, sink failures, dropped spans, heartbeats and sidecar lag.",
     )
     panels = [
         records_received(),
         records_dropped(),
         frames_undecodable(),
+        frames_rejected(),
+        sink_failures(),
         otel_spans_dropped(),
         heartbeat_age(),
         sidecar_lag(),

@@ -14,7 +14,12 @@ import os
 from collections.abc import Iterable
 
 from telemetry.recording import message_time_ns, read_recording  # also imported from here
-from telemetry.sidecar import DEAD_AFTER_S, STALL_AFTER_S, TICK_INTERVAL_S, Ingest
+from telemetry.sidecar import (
+    DEAD_AFTER_S,
+    DEFAULT_MAX_ENGINES,
+    TICK_INTERVAL_S,
+    Ingest,
+)
 from telemetry.sink import Sink
 
 MAX_TICKS_PER_GAP = 100
@@ -24,8 +29,9 @@ def replay(
     path: str | os.PathLike,
     sinks: Iterable[Sink],
     dead_after_s: float = DEAD_AFTER_S,
-    stall_after_s: float = STALL_AFTER_S,
+    stall_after_s: float | None = None,
     tick_interval_s: float = TICK_INTERVAL_S,
+    max_engines: int = DEFAULT_MAX_ENGINES,
 ) -> Ingest:
     """Feed a recording through ``sinks`` in order; returns the Ingest (stats, engines).
 
@@ -33,7 +39,8 @@ def replay(
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"no recording at {path}")
-    ingest = Ingest(sinks, dead_after_s=dead_after_s, stall_after_s=stall_after_s)
+    ingest = Ingest(sinks, dead_after_s=dead_after_s, stall_after_s=stall_after_s,
+                    max_engines=max_engines)
     tick_ns = int(tick_interval_s * 1e9)
     now_ns: int | None = None
     next_tick_ns = 0

@@ -21,11 +21,12 @@ from types import ModuleType
 
 import zmq
 
+from telemetry.engine_state import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.publisher import default_address
 from telemetry.sidecar import (
     DEAD_AFTER_S,
+    DEFAULT_MAX_ENGINES,
     DEFAULT_RCVHWM,
-    STALL_AFTER_S,
     Ingest,
     Sidecar,
     check_address,
@@ -56,6 +57,13 @@ def load_sink_modules(names: tuple[str, ...] = SINK_MODULES) -> list[ModuleType]
     return modules
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope sidecar", description="Ingest per-iteration telemetry records."
@@ -77,6 +85,10 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
                            "(see python -m telemetry.curve)")
     lane.add_argument("--rcvhwm", type=int, default=DEFAULT_RCVHWM, metavar="N",
                       help="messages queued before the lane drops (default: %(default)s)")
+    lane.add_argument("--max-engines", type=positive_int, default=DEFAULT_MAX_ENGINES,
+                      metavar="N",
+                      help="engines tracked at most; heartbeats of more are counted and "
+                           "rejected (default: %(default)s)")
     lane.add_argument("--replay", metavar="FILE",
                       help="feed a JSONL recording through the sinks instead of listening "
                       "(/metrics stays off, so a replay never collides with a live sidecar)")
@@ -85,9 +97,11 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     status = parser.add_argument_group("engine status")
     status.add_argument("--dead-after", type=float, default=DEAD_AFTER_S, metavar="S",
                         help="no message for this long: dead (default: %(default)s)")
-    status.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
-                        help="work waits, no iteration for this long: stalled "
-                             "(default: %(default)s)")
+    status.add_argument("--stall-after", type=float, default=None, metavar="S",
+                        help="work in flight, no iteration for this long: stalled (default: "
+                             f"{STALL_FACTOR} x the engine's longest progress interval of the "
+                             f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
+                             f"{STALL_FLOOR_S:g} s)")
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     for module in sink_modules:
         module.add_arguments(parser)
@@ -119,7 +133,7 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     if address.startswith("ipc://") and args.bind:
         os.makedirs(os.path.dirname(address[len("ipc://"):]) or ".", mode=0o700, exist_ok=True)
     ingest = Ingest(sinks, args.dead_after, args.stall_after,
-                    known_last_seqs=known_last_seqs(sinks))
+                    known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines)
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
         logger.warning("the telemetry lane %s is neither authenticated nor encrypted; "
                        "consider --curve-keys-dir", address)
@@ -137,8 +151,9 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
         ingest.close()
     stats = ingest.stats
     dropped = {index: state.num_dropped_total for index, state in sorted(ingest.engines.items())}
-    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, dropped per engine %s",
-                stats.num_frames, stats.num_messages, stats.num_undecodable_total, dropped)
+    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
+                "dropped per engine %s", stats.num_frames, stats.num_messages,
+                stats.num_undecodable_total, stats.num_rejected_total, dropped)
     return 0
 
 
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             from telemetry.replay import replay
 
-            ingest = replay(args.replay, sinks, args.dead_after, args.stall_after)
+            ingest = replay(args.replay, sinks, args.dead_after, args.stall_after,
+                            max_engines=args.max_engines)
             stats = ingest.stats
             logger.info("replayed %d messages, %d undecodable lines",
                         stats.num_messages, stats.num_undecodable_total)

@@ -25,9 +25,13 @@ class EngineStatus(str, enum.Enum):
 
     IDLE:    heartbeats arrive, nothing waits or runs.
     RUNNING: iterations arrive.
-    STALLED: heartbeats arrive and work waits or runs, but no iteration finished lately.
+    STALLED: heartbeats arrive and work waits or runs, but no iteration finished for longer
+             than the stall threshold (adapted to the engine's iteration times, at least
+             5 s; telemetry/engine_state.py).
     DEAD:    no message for the dead-after interval (2.5 s by default, so a killed engine is
-             reported within 3 s).
+             reported within 3 s). Heartbeats come from the publisher's thread, which runs
+             while the engine loop is stuck; only a process that is gone, frozen whole
+             (SIGSTOP) or cut off from the lane sends none.
     """
 
     IDLE = "idle"
@@ -37,7 +41,17 @@ class EngineStatus(str, enum.Enum):
 
 
 class Sink:
-    """The calls a sink receives; each does nothing unless a sink overrides it."""
+    """The calls a sink receives; each does nothing unless a sink overrides it.
+
+    Health, read by the Prometheus sink at scrape time (``iterscope_sink_*{sink=name}``):
+    ``num_errors`` is written by the ingest thread each time a call on this sink raises;
+    ``num_lines_lost`` and ``last_write_time`` by a sink that writes an output of its own.
+    """
+
+    name = ""  # the ``sink`` label of its health series; "" = the class name
+    num_errors = 0  # calls that raised (counted by the sidecar's Ingest)
+    num_lines_lost = 0  # messages it accepted but gave up writing
+    last_write_time = 0.0  # unix time of its last successful write; 0 = none
 
     def on_iteration(self, record: IterationRecord) -> None:
         """One iteration record, in arrival order."""
@@ -61,8 +75,23 @@ class Sink:
         """A frame could not be decoded; reason is 'malformed', 'truncated', 'version' or
         'oversized' (telemetry.sidecar.UNDECODABLE_REASONS)."""
 
+    def on_rejected(self, reason: str) -> None:
+        """A decoded frame failed a check and was dropped; reason is 'unknown_engine' (a
+        record before its engine's first heartbeat), 'engine_limit' (a new engine beyond
+        --max-engines) or 'seq_jump' (a seq its engine's counts do not explain)
+        (telemetry.sidecar.REJECTED_REASONS)."""
+
+    def on_lane_disconnect(self) -> None:
+        """A connection to the lane ended: an engine exited, or the socket's size guard cut
+        off a sender of an over-size frame."""
+
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""
 
     def close(self) -> None:
         """The sidecar stops: flush and release what the sink holds."""
+
+
+def sink_name(sink: object) -> str:
+    """The ``sink`` label of a sink's health series: its ``name``, else its class name."""
+    return getattr(sink, "name", "") or type(sink).__name__

@@ -31,6 +31,8 @@ EXPECTED_ALERTS = {
     "IterscopeTelemetryDropping",
     "IterscopeTelemetryUndecodable",
     "IterscopeEngineIndexConflict",
+    "IterscopeRecordingFailing",
+    "IterscopeSidecarAbsent",
 }
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm on the dashboards", "## What to change")
 # by/without clauses of aggregations and on/ignoring clauses of binary operators.

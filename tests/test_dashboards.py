@@ -24,7 +24,11 @@ from dashboards.panel_queries import (  # noqa: E402
 )
 
 # Sidecar-level series (empty engine/model_name): filtered by the instance variable only.
-SIDECAR_SERIES = {"iterscope_frames_undecodable_total", "iterscope_otel_spans_dropped_total"}
+SIDECAR_SERIES = {
+    "iterscope_frames_undecodable_total", "iterscope_frames_rejected_total",
+    "iterscope_lane_disconnects_total", "iterscope_otel_spans_dropped_total",
+    "iterscope_sink_errors_total", "iterscope_sink_lines_lost_total",
+}
 METRIC = re.compile(r"\biterscope_\w+")
 # A metric and its label matchers, e.g. iterscope_kv_tokens{model_name=~"$model_name", ...}.
 SELECTOR = re.compile(r"\b(iterscope_\w+)(\{[^}]*\})?")

@@ -35,7 +35,8 @@ CONTRACT = {
         "iterscope_requests_waiting_by_reason", "iterscope_kv_cache_usage_ratio",
         "iterscope_kv_blocks_used", "iterscope_kv_blocks_free", "iterscope_kv_blocks_capacity",
         "iterscope_kv_tokens", "iterscope_engine_state", "iterscope_heartbeat_age_seconds",
-        "iterscope_sidecar_lag_seconds",
+        "iterscope_sidecar_lag_seconds", "iterscope_sidecar_up",
+        "iterscope_sidecar_start_time_seconds",
     ],
     "counter": [
         "iterscope_iterations", "iterscope_prompt_tokens", "iterscope_prompt_tokens_cached",
@@ -43,7 +44,8 @@ CONTRACT = {
         "iterscope_prefix_cache_hits", "iterscope_requests_finished",
         "iterscope_records_received", "iterscope_records_dropped",
         "iterscope_engine_index_conflicts", "iterscope_frames_undecodable",
-        "iterscope_otel_spans_dropped",
+        "iterscope_frames_rejected", "iterscope_lane_disconnects", "iterscope_otel_spans_dropped",
+        "iterscope_sink_errors", "iterscope_sink_lines_lost",
     ],
     "histogram": [
         "iterscope_iteration_duration_seconds", "iterscope_iteration_tokens",

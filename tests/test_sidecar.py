@@ -13,12 +13,12 @@ from test_sidecar_engine import synthetic_record
 
 from telemetry.record import TAG_HEARTBEAT, TAG_ITERATION, Heartbeat, make_encoder
 from telemetry.sidecar import Ingest, Sidecar, check_address
-from telemetry.sink import EngineStatus
+from telemetry.sink import EngineStatus, Sink
 
 SECOND = 1_000_000_000
 
 
-class RecordingSink:
+class RecordingSink(Sink):
     """Remembers every call, in order."""
 
     def __init__(self):
@@ -39,6 +39,9 @@ class RecordingSink:
 
     def on_undecodable(self, reason):
         self.calls.append(("undecodable", reason))
+
+    def on_rejected(self, reason):
+        self.calls.append(("rejected", reason))
 
     def on_engine_conflict(self, engine_index, pids):
         self.calls.append(("conflict", engine_index, pids))
@@ -75,7 +78,8 @@ def encode(message):
 def test_seq_gaps_become_exact_dropped_counts_before_the_next_message():
     sink = RecordingSink()
     ingest = Ingest([sink])
-    for seq in (1, 2, 5, 6, 10):
+    ingest.on_frame(encode(heartbeat(1)), now_ns=1)
+    for seq in (2, 5, 6, 10):
         ingest.on_frame(encode(record(seq)), now_ns=seq)
     assert sink.of("dropped") == [(0, 2), (0, 3)]
     dropped_at = sink.calls.index(("dropped", 0, 2))
@@ -86,10 +90,11 @@ def test_seq_gaps_become_exact_dropped_counts_before_the_next_message():
 def test_engines_are_tracked_apart_and_a_restart_counts_from_seq_1():
     sink = RecordingSink()
     ingest = Ingest([sink])
-    for message in (record(1, 0), record(1, 7), record(2, 0), record(3, 7), record(3, 0)):
+    for message in (heartbeat(1, 0), heartbeat(1, 7), record(2, 0), record(3, 7), record(3, 0)):
         ingest.on_message(message, now_ns=1)
     assert sink.of("dropped") == [(7, 1)]
-    ingest.on_message(record(2, 0), now_ns=2)  # seq went back: engine 0 restarted, 1 missed
+    # seq went back: engine 0 restarted, and says it could not send its first message
+    ingest.on_message(record(2, 0, num_dropped=1), now_ns=2)
     assert sink.of("dropped") == [(7, 1), (0, 1)]
 
 
@@ -115,8 +120,8 @@ def test_two_live_processes_on_one_engine_index_are_reported_as_a_conflict():
 def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
     sink = RecordingSink()
     ingest = Ingest([sink], known_last_seqs={1: 40})
-    ingest.on_message(record(100, engine_index=0, num_dropped=3), now_ns=1)
-    ingest.on_message(record(50, engine_index=1, num_dropped=3), now_ns=1)
+    ingest.on_message(heartbeat(100, engine_index=0, num_dropped=3), now_ns=1)
+    ingest.on_message(heartbeat(50, engine_index=1, num_dropped=3), now_ns=1)
     assert sink.of("dropped") == [(0, 3), (1, 9)]
 
 
@@ -150,7 +155,8 @@ def test_undecodable_frames_are_counted_by_reason(frame, reason):
 def test_any_bytes_are_either_a_message_or_counted(frame):
     ingest = Ingest([RecordingSink()], max_frame_bytes=150)
     ingest.on_frame(frame, now_ns=1)
-    assert ingest.stats.num_messages + ingest.stats.num_undecodable_total == 1
+    stats = ingest.stats
+    assert stats.num_messages + stats.num_undecodable_total + stats.num_rejected_total == 1
 
 
 def test_status_idle_running_stalled_dead_each_transition_once():
@@ -177,8 +183,9 @@ def test_a_loop_that_iterates_without_scheduling_anything_is_stalled():
     """Story 2: requests wait, the loop spins on empty iterations (e.g. leaked KV blocks)."""
     sink = RecordingSink()
     ingest = Ingest([sink], stall_after_s=2)
-    ingest.on_message(record(1, iteration=1), now_ns=0)  # work scheduled: progress
-    seq = 1
+    ingest.on_message(heartbeat(1, waiting=2), now_ns=0)
+    ingest.on_message(record(2, iteration=1), now_ns=0)  # work scheduled: progress
+    seq = 2
     for step in range(1, 50):  # 100 empty iterations a second, heartbeats frozen at 1
         seq += 1
         now_ns = step * SECOND // 10
@@ -211,10 +218,10 @@ def test_a_failing_sink_is_counted_and_ingest_goes_on():
 
     good = RecordingSink()
     ingest = Ingest([Failing(), good])
-    for seq in (1, 2):
-        ingest.on_message(record(seq), now_ns=seq)
+    for message in (heartbeat(1), record(2), record(3)):
+        ingest.on_message(message, now_ns=message.seq)
     assert ingest.stats.num_sink_errors == 2
-    assert good.of("iteration") == [(0, 1), (0, 2)] and good.of("status")
+    assert good.of("iteration") == [(0, 2), (0, 3)] and good.of("status")
 
 
 @pytest.mark.parametrize(("address", "bind", "allowed"), [
@@ -260,7 +267,7 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
     try:
         for frame in frames:
             push.send(frame)  # blocking: every frame arrives
-        push.send(encode(record(5)))
+        push.send(encode(heartbeat(5)))
         deadline = time.monotonic() + 60
         while sidecar.ingest.stats.num_messages == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -272,7 +279,7 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
     stats = sidecar.ingest.stats
     assert stats.num_frames == 100_001
     assert stats.num_undecodable == expected
-    assert sink.of("iteration") == [(0, 5)] and sink.of("dropped") == []
+    assert sink.of("heartbeat") == [(0, 5)] and sink.of("dropped") == []
 
 
 def test_a_stopping_sidecar_ingests_what_it_already_received(tmp_path):
@@ -284,7 +291,8 @@ def test_a_stopping_sidecar_ingests_what_it_already_received(tmp_path):
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(address)
     try:
-        for seq in range(1, 201):
+        push.send(encode(heartbeat(1)))
+        for seq in range(2, 201):
             push.send(encode(record(seq)))
         time.sleep(0.5)  # delivered into the sidecar's queue; nothing has read it yet
         sidecar.stop()  # before run(): the loop never turns, only the drain reads

@@ -1,7 +1,10 @@
 """The issue's reliability tests, with the synthetic engine (tests/test_sidecar_engine.py) as
-a process of its own: a killed and restarted sidecar, a stopped sidecar, a killed engine."""
+a process of its own: a killed and restarted sidecar (by hand, and by the supervision of the
+engine commands), a stopped sidecar, a killed engine."""
 
+import argparse
 import ast
+import logging
 import os
 import re
 import signal
@@ -10,14 +13,17 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
+from prom_helpers import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from test_sidecar import RecordingSink
 from test_sidecar_engine import rss_bytes, start_engine, stop_engine
 
 from telemetry.record import IterationRecord
 from telemetry.replay import read_recording
 from telemetry.sidecar import Ingest, Sidecar
-from telemetry.sidecar_process import start_sidecar
+from telemetry.sidecar_process import start_from_args, start_sidecar
 from telemetry.sink import EngineStatus
 
 MIB = 1 << 20
@@ -164,3 +170,53 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
         thread.join(timeout=10)
     assert statuses[-1][1] - killed_ns <= 3e9
     assert [s for s, _ in statuses].count(EngineStatus.DEAD) == 1
+
+
+def scrape_dropped(port: int) -> tuple[float, float]:
+    """(records dropped of engine 0, sidecar start time) from a sidecar's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {sample.name: sample.value
+               for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.labels.get("engine") in ("0", "")}
+    return (samples["iterscope_records_dropped_total"],
+            samples["iterscope_sidecar_start_time_seconds"])
+
+
+def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counted(
+        tmp_path, caplog):
+    """The sidecar `serve` starts (start_from_args) is killed: it is logged, restarted on the
+    same lane and port, and the new one reports exactly the messages its recording misses."""
+    recording = tmp_path / "rec.jsonl"
+    port = free_port()
+    args = argparse.Namespace(no_sidecar=False, telemetry_address=None, sidecar_arg=[
+        "--record", str(recording), "--metrics-port", str(port), "--no-log"])
+    sidecar = start_from_args(args)
+    engine = start_engine(sidecar.address, tmp_path / "engine.json", "--iteration-time", "0.002")
+    try:
+        time.sleep(1.5)
+        _, first_start_time = scrape_dropped(port)
+        first_pid = sidecar.pid
+        with caplog.at_level(logging.WARNING, logger="iterscope.telemetry"):
+            os.kill(first_pid, signal.SIGKILL)
+            num_first_lines = recording.read_bytes().count(b"\n")  # final: it is dead
+            deadline = time.monotonic() + 30
+            while sidecar.num_restarts == 0:
+                assert time.monotonic() < deadline, "the sidecar was not restarted"
+                time.sleep(0.05)
+        time.sleep(1.5)
+        stop_engine(engine, tmp_path / "engine.json")
+        time.sleep(0.5)
+        dropped, second_start_time = scrape_dropped(port)
+    finally:
+        engine.kill()
+        status = sidecar.stop()
+    assert status == 0 and sidecar.pid != first_pid
+    assert second_start_time > first_start_time
+    assert any(f"sidecar (pid {first_pid}) exited" in r.getMessage() for r in caplog.records)
+    messages = list(read_recording(recording))
+    last_seq_first = max(m.seq for m in messages[:num_first_lines])
+    seqs_second = {m.seq for m in messages[num_first_lines:]}
+    real_gap = max(seqs_second) - last_seq_first - len(seqs_second)
+    assert real_gap > 0
+    assert dropped == real_gap

@@ -21,13 +21,15 @@ messages it never wrote are counted as lost (``known_last_seqs``).
 A write that fails (a full disk) keeps what was not written, never what was: nothing is
 written twice, and a line cut by a partial write is completed first. While writes keep
 failing, at most MAX_UNWRITTEN_BYTES are held; whole lines beyond that are dropped and
-counted in ``num_lines_lost``.
+counted in ``num_lines_lost``. The failure itself propagates, so the sidecar counts it
+(``num_errors``); both, and ``last_write_time``, are series of /metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import msgspec
@@ -85,6 +87,8 @@ def read_last_seqs(path: Path) -> dict[int, int]:
 
 class JsonlSink(Sink):
     """Appends every message to a size-rotated JSONL recording."""
+
+    name = "jsonl"
 
     def __init__(
         self,
@@ -146,6 +150,7 @@ class JsonlSink(Sink):
                 self._midline = num_written > 0 and buffer[num_written - 1] != NEWLINE
                 del buffer[:num_written]
                 self._size += num_written
+            self.last_write_time = time.time()
         except OSError:
             if len(buffer) > MAX_UNWRITTEN_BYTES:
                 self._drop_unwritten_lines()

@@ -166,6 +166,8 @@ def _log_to_logger(level: int, text: str) -> None:
 class LogSink(Sink):
     """Prints the periodic lines, per-iteration lines (opt-in), status changes and losses."""
 
+    name = "log"
+
     def __init__(
         self,
         interval_s: float = DEFAULT_INTERVAL_S,
@@ -182,6 +184,8 @@ class LogSink(Sink):
         self._window_index = 0
         self._undecodable_unreported: dict[str, int] = {}
         self._num_undecodable_total = 0
+        self._rejected_unreported: dict[str, int] = {}
+        self._num_rejected_total = 0
         self._last_loss_report_ns: int | None = None
 
     def _view(self, engine_index: int) -> EngineView:
@@ -302,6 +306,10 @@ class LogSink(Sink):
         self._undecodable_unreported[reason] = self._undecodable_unreported.get(reason, 0) + 1
         self._num_undecodable_total += 1
 
+    def on_rejected(self, reason: str) -> None:
+        self._rejected_unreported[reason] = self._rejected_unreported.get(reason, 0) + 1
+        self._num_rejected_total += 1
+
     def tick(self, now_ns: int) -> None:
         """Report losses at most once per interval (of the ingest clock)."""
         last = self._last_loss_report_ns
@@ -330,17 +338,20 @@ class LogSink(Sink):
                 ))
                 view.conflicting_pids = None
                 reported = True
-        if self._undecodable_unreported:
-            by_reason = ", ".join(
-                f"{reason}: {num}" for reason, num in sorted(self._undecodable_unreported.items())
-            )
-            self.emit(logging.WARNING, (
-                f"Sidecar: {sum(self._undecodable_unreported.values())} undecodable frames "
-                f"({by_reason}), {self._num_undecodable_total} in total"
-            ))
-            self._undecodable_unreported.clear()
-            reported = True
+        reported |= self._report_frames("undecodable frames", self._undecodable_unreported,
+                                        self._num_undecodable_total)
+        reported |= self._report_frames("frames rejected", self._rejected_unreported,
+                                        self._num_rejected_total)
         return reported
+
+    def _report_frames(self, what: str, unreported: dict[str, int], total: int) -> bool:
+        if not unreported:
+            return False
+        by_reason = ", ".join(f"{reason}: {num}" for reason, num in sorted(unreported.items()))
+        self.emit(logging.WARNING,
+                  f"Sidecar: {sum(unreported.values())} {what} ({by_reason}), {total} in total")
+        unreported.clear()
+        return True
 
     def close(self) -> None:
         """Print the open window up to the last time seen, so every record is in a line."""

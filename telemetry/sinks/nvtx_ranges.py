@@ -130,6 +130,8 @@ class NvtxSink(Sink):
     lag (see the module docstring). on_iteration only queues; every NVTX call is made on the
     pacer thread."""
 
+    name = "nvtx"
+
     def __init__(self, domain_name: str = DOMAIN, delay_ms: float = DEFAULT_DELAY_MS) -> None:
         if delay_ms < 0:
             raise ValueError(f"the NVTX delay must be >= 0 ms, got {delay_ms}")
@@ -213,6 +215,8 @@ class NvtxWriterSink(Sink):
     of an iteration is [start_ns, start_ns + elapsed_ns] exactly, counters are sampled at its
     end. No NVTX tool needs to be attached to the sidecar in this mode.
     """
+
+    name = "nvtx"
 
     def __init__(self, backend_path: str, config: str | None = None,
                  name: str = DOMAIN) -> None:

@@ -284,6 +284,8 @@ class _EngineTracer:
 class OtelSink(Sink):
     """The sidecar's trace sink (see the module docstring)."""
 
+    name = "otel"
+
     def __init__(
         self,
         exporter: SpanExporter,

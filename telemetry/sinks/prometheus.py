@@ -47,12 +47,13 @@ from telemetry.record import (
     RequestMilestone,
     is_known,
 )
-from telemetry.sink import EngineStatus, Sink
+from telemetry.sink import EngineStatus, Sink, sink_name
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
 PREFIX = "iterscope_"
 UNDECODABLE_REASONS = ("malformed", "truncated", "oversized", "version")  # telemetry/sidecar.py
+REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")  # telemetry/sidecar.py
 WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
@@ -305,6 +306,8 @@ class EngineState:
 class PrometheusSink(Sink):
     """A Sink (telemetry/sink.py) that exposes its engines' state as Prometheus series."""
 
+    name = "prometheus"
+
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -319,11 +322,14 @@ class PrometheusSink(Sink):
             self.buckets[name] = check_bounds(bounds)
         self.engines: dict[int, EngineState] = {}
         self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
+        self.num_rejected = dict.fromkeys(REJECTED_REASONS, 0)
+        self.num_lane_disconnects = 0
         self.peers: list = []
         self.collector = MetricsCollector(self, vllm_compatible_names)
         self.registry = registry
         registry.register(self.collector)
         self.port = 0  # bound port once serving
+        self.start_time = time.time()
         self._server = None
 
     def engine(self, engine_index: int) -> EngineState:
@@ -351,12 +357,19 @@ class PrometheusSink(Sink):
     def on_undecodable(self, reason: str) -> None:
         self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
 
+    def on_rejected(self, reason: str) -> None:
+        self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1
+
+    def on_lane_disconnect(self) -> None:
+        self.num_lane_disconnects += 1
+
     def tick(self, now_ns: int) -> None:
         """Nothing to do: every series is rendered at scrape time."""
 
     def set_peers(self, sinks: list) -> None:
-        """The sidecar's sinks; those with ``sidecar_counters()`` are read at scrape time."""
-        self.peers = [sink for sink in sinks if hasattr(sink, "sidecar_counters")]
+        """The sidecar's sinks (itself included), read at scrape time: their health
+        (telemetry/sink.py) and, from those that have it, ``sidecar_counters()``."""
+        self.peers = list(sinks)
 
     def serve(self, host: str, port: int) -> int:
         """Serve the registry on http://host:port/metrics in the text format; returns the bound
@@ -384,7 +397,8 @@ class MetricsCollector:
         engines = [(state, [str(state.engine_index), state.model_name])
                    for state in list(self.sink.engines.values())]
         families = [*self.gauges(engines), *self.counters(engines),
-                    *self.histograms(engines), *self.sidecar_counters()]
+                    *self.histograms(engines), *self.sidecar_counters(),
+                    *self.sidecar_health()]
         yield from families
         if self.vllm_compatible_names:
             yield from vllm_aliases(families)
@@ -450,6 +464,19 @@ class MetricsCollector:
         for reason, count in list(self.sink.num_undecodable.items()):
             undecodable.add_metric(["", "", reason], count)
         yield undecodable
+        rejected = CounterMetricFamily(
+            PREFIX + "frames_rejected",
+            "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
+            labels=[*LABELS, "reason"])
+        for reason, count in list(self.sink.num_rejected.items()):
+            rejected.add_metric(["", "", reason], count)
+        yield rejected
+        disconnects = CounterMetricFamily(
+            PREFIX + "lane_disconnects",
+            "Lane connections that ended: engines exiting, senders cut off by the size guard.",
+            labels=LABELS)
+        disconnects.add_metric(["", ""], self.sink.num_lane_disconnects)
+        yield disconnects
 
     def histograms(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():
@@ -463,6 +490,8 @@ class MetricsCollector:
         """Counters of the sidecar itself, from peer sinks (e.g. OTel spans dropped)."""
         values = {"otel_spans_dropped": 0.0}
         for peer in self.sink.peers:
+            if not hasattr(peer, "sidecar_counters"):
+                continue
             for key, value in peer.sidecar_counters().items():
                 name = key.removeprefix(PREFIX).removesuffix("_total")
                 if _METRIC_NAME.match(name):
@@ -472,6 +501,30 @@ class MetricsCollector:
                                          labels=LABELS)
             family.add_metric(["", ""], value)
             yield family
+
+
+    def sidecar_health(self) -> list[Metric]:
+        """The sidecar's own up and start time, and each sink's failures and last write."""
+        up = gauge("sidecar_up", "1 while the sidecar serves this; absent when it is down.")
+        up.add_metric(["", ""], 1.0)
+        started = gauge("sidecar_start_time_seconds", "When the sidecar started (unix time).")
+        started.add_metric(["", ""], self.sink.start_time)
+        errors = CounterMetricFamily(PREFIX + "sink_errors",
+                                     "Calls on the sink that raised (ingest went on).",
+                                     labels=[*LABELS, "sink"])
+        lost = CounterMetricFamily(PREFIX + "sink_lines_lost",
+                                   "Messages the sink accepted but gave up writing.",
+                                   labels=[*LABELS, "sink"])
+        last_write = gauge("sink_last_write_timestamp_seconds",
+                           "When the sink last wrote its output successfully (unix time).",
+                           ["sink"])
+        for peer in self.sink.peers or [self.sink]:
+            labels = ["", "", sink_name(peer)]
+            errors.add_metric(labels, getattr(peer, "num_errors", 0))
+            lost.add_metric(labels, getattr(peer, "num_lines_lost", 0))
+            if getattr(peer, "last_write_time", 0.0):
+                last_write.add_metric(labels, peer.last_write_time)
+        return [up, started, errors, lost, last_write]
 
 
 def gauge(name: str, documentation: str, extra_labels: Sequence[str] = ()) -> GaugeMetricFamily:

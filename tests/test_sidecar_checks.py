@@ -1,0 +1,181 @@
+"""A lane that trusts nothing it cannot check: forged seqs, fake engines, over-size frames."""
+
+import threading
+import time
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+from test_sidecar import RecordingSink, encode, heartbeat, record
+
+from telemetry.engine_state import MAX_IN_TRANSIT
+from telemetry.record import MAX_ENGINE_INDEX
+from telemetry.sidecar import DEFAULT_MAX_ENGINES, GUARD_FRAME_BYTES, Ingest, Sidecar
+from telemetry.sink import EngineStatus
+from telemetry.sinks.prometheus import PrometheusSink
+
+SECOND = 1_000_000_000
+
+
+class HonestEngine:
+    """Messages of one honest engine: consecutive seqs, some sends dropped (and said so)."""
+
+    def __init__(self, ingest, engine_index=0):
+        self.ingest = ingest
+        self.engine_index = engine_index
+        self.seq = 0
+        self.num_dropped_total = 0
+        self.now_ns = 0
+
+    def send(self, num_dropped_before=0, kind="record"):
+        self.seq += 1 + num_dropped_before
+        self.num_dropped_total += num_dropped_before
+        self.now_ns += SECOND // 10
+        make = heartbeat if kind == "heartbeat" else record
+        message = make(self.seq, engine_index=self.engine_index, num_dropped=num_dropped_before)
+        self.ingest.on_frame(encode(message), self.now_ns)
+
+
+def with_seq(message, seq, num_dropped):
+    message.seq, message.num_dropped = seq, num_dropped
+    return message
+
+
+def prometheus_ingest(**kwargs):
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    recorder = RecordingSink()
+    return Ingest([sink, recorder], **kwargs), registry, recorder
+
+
+def scrape_text(registry) -> str:
+    return generate_latest(registry).decode()
+
+
+def sample(text: str, line_start: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(line_start)]
+    assert len(lines) == 1, (line_start, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def dropped_of_engine_0(text: str) -> float:
+    return sample(text, 'iterscope_records_dropped_total{engine="0"')
+
+
+def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
+    ingest, registry, recorder = prometheus_ingest()
+    engine = HonestEngine(ingest)
+    engine.send(kind="heartbeat")
+    engine.send()
+    engine.send(num_dropped_before=3)
+    forged = [with_seq(record(1), 2**62, 0), with_seq(record(1), 2**62, 2**62 - 1),
+              heartbeat(engine.seq + MAX_IN_TRANSIT + 10)]
+    for message in forged:
+        ingest.on_frame(encode(message), engine.now_ns)
+    engine.send()
+    engine.send(num_dropped_before=5, kind="heartbeat")
+    engine.send()
+    text = scrape_text(registry)
+    assert dropped_of_engine_0(text) == engine.num_dropped_total == 8
+    assert sample(text, 'iterscope_frames_rejected_total{engine="",model_name="",'
+                        'reason="seq_jump"}') == len(forged)
+    delivered = recorder.of("iteration") + recorder.of("heartbeat")
+    assert sorted(seq for _, seq in delivered) == [1, 2, 6, 7, 13, 14]  # never a forged one
+
+
+def test_no_frame_accounts_for_more_drops_than_the_bound():
+    ingest, registry, _ = prometheus_ingest(max_seq_jump=1000)
+    engine = HonestEngine(ingest)
+    engine.send(kind="heartbeat")
+    engine.send(num_dropped_before=1000)  # exactly the bound: plausible
+    engine.send(num_dropped_before=1001)  # beyond it: suspect, whatever the frame says
+    text = scrape_text(registry)
+    assert dropped_of_engine_0(text) == 1000
+    assert ingest.stats.num_rejected["seq_jump"] == 1
+
+
+def test_a_message_claiming_more_drops_than_messages_before_it_is_suspect():
+    ingest, _, _ = prometheus_ingest()
+    ingest.on_frame(encode(heartbeat(5, num_dropped=5)), now_ns=1)
+    assert ingest.engines == {} and ingest.stats.num_rejected["seq_jump"] == 1
+
+
+def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_lost():
+    ingest, registry, recorder = prometheus_ingest()
+    # A sidecar that starts while engine 3 runs: its first two records arrive before its
+    # heartbeat; the engine had failed to send seqs 1-4 (no sidecar listened).
+    messages = [record(5, engine_index=3, num_dropped=4), record(6, engine_index=3),
+                heartbeat(7, engine_index=3), record(8, engine_index=3)]
+    for message in messages:
+        ingest.on_frame(encode(message), now_ns=1)
+    assert ingest.stats.num_rejected["unknown_engine"] == 2
+    assert recorder.of("heartbeat") == [(3, 7)] and recorder.of("iteration") == [(3, 8)]
+    # Every seq before the first delivered one was lost to the sinks.
+    assert recorder.of("dropped") == [(3, 7 - 1)]
+    assert sample(scrape_text(registry), 'iterscope_records_dropped_total{engine="3"') == 6
+
+
+def test_5000_fake_engines_keep_counters_truthful_and_a_scrape_small():
+    ingest, registry, recorder = prometheus_ingest()
+    base_size = len(scrape_text(registry))
+    engine = HonestEngine(ingest)
+    engine.send(kind="heartbeat")
+    one_engine_size = len(scrape_text(registry)) - base_size
+    for fake_index in range(1, 5001):
+        ingest.on_frame(encode(heartbeat(1, engine_index=fake_index)), engine.now_ns)
+        engine.send(num_dropped_before=fake_index % 2)
+    text = scrape_text(registry)
+    num_out_of_range = 5000 - MAX_ENGINE_INDEX
+    num_admitted_fakes = DEFAULT_MAX_ENGINES - 1
+    assert len(ingest.engines) == DEFAULT_MAX_ENGINES
+    assert sample(text, 'iterscope_frames_undecodable_total{engine="",model_name="",'
+                        'reason="malformed"}') == num_out_of_range
+    assert sample(text, 'iterscope_frames_rejected_total{engine="",model_name="",'
+                        'reason="engine_limit"}') == 5000 - num_out_of_range - num_admitted_fakes
+    assert dropped_of_engine_0(text) == engine.num_dropped_total == 2500
+    # Series labelled with a four-digit index are a few bytes longer than engine "0"'s.
+    assert len(text) < base_size + DEFAULT_MAX_ENGINES * one_engine_size * 1.05
+    ingest.tick(engine.now_ns + 60 * SECOND)  # every engine falls silent: one "dead" each
+    dead = [call for call in recorder.of("status") if call[1] is EngineStatus.DEAD]
+    assert len(dead) == DEFAULT_MAX_ENGINES
+
+
+def test_max_engines_is_a_bound_and_must_be_positive():
+    ingest, _, _ = prometheus_ingest(max_engines=2)
+    for index in range(5):
+        ingest.on_frame(encode(heartbeat(1, engine_index=index)), now_ns=1)
+    assert sorted(ingest.engines) == [0, 1] and ingest.stats.num_rejected["engine_limit"] == 3
+    with pytest.raises(ValueError, match="max_engines"):
+        Ingest([], max_engines=0)
+
+
+def test_the_socket_guard_cuts_an_oversize_sender_off_and_the_disconnect_is_counted(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    sidecar = Sidecar(address, Ingest([RecordingSink()]))
+    thread = threading.Thread(target=sidecar.run)
+    thread.start()
+    context = zmq.Context.instance()
+    honest, hostile = context.socket(zmq.PUSH), context.socket(zmq.PUSH)
+    stats = sidecar.ingest.stats
+    try:
+        honest.connect(address)
+        hostile.connect(address)
+        honest.send(encode(heartbeat(1)))
+        hostile.send(b"\x00" * (GUARD_FRAME_BYTES + 1))
+        wait_until(lambda: stats.num_lane_disconnects == 1)
+        honest.send(encode(record(2)))
+        wait_until(lambda: stats.num_messages == 2)  # the honest engine was not cut off
+        honest.close(linger=1000)  # an engine that exits: one more disconnect
+        wait_until(lambda: stats.num_lane_disconnects == 2)
+    finally:
+        hostile.close(linger=0)
+        sidecar.stop()
+        thread.join(timeout=10)
+    assert stats.num_frames == 2  # the guard's frame never reached the decoder
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
