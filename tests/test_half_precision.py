@@ -82,7 +82,7 @@ def test_bfloat16_on_a_cpu_without_bf16_matmuls(architecture, monkeypatch):
     def refuse(weight):
         raise RuntimeError("bf16 path needs the cpu support avx512bw")
 
-    monkeypatch.setattr(linear, "pack_bf16_weight", refuse)
+    monkeypatch.setattr(linear, "pack_weight", refuse)
     monkeypatch.setattr(attention, "cpu_has_bf16_matmul", lambda: False)
     hf_config = tiny_hf_config(architecture)
     config = ModelConfig.from_hf_dict(hf_config, architecture, "bfloat16")

@@ -194,6 +194,22 @@ def test_prepared_bf16_weights_match_plain_linear(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
 
 
+def test_packed_float32_linear_is_f_linear_up_to_the_order_of_sums(monkeypatch):
+    from engine.model import linear
+
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(1536, 576, generator=generator) * 0.05
+    bias = torch.randn(1536, generator=generator)
+    layer = linear.Linear(weight, bias)
+    assert layer.weight is None and layer.packed is not None
+    for num_rows in (1, 16, 48, 300):
+        x = torch.randn(num_rows, 576, generator=generator)
+        want = (x.double() @ weight.double().T + bias.double()).float()
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("ITERSCOPE_PACK_WEIGHTS", "0")
+    assert linear.Linear(weight, bias).packed is None
+
+
 def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch):
     """Where oneDNN cannot pack bf16 (AVX2 CPUs), the weight is widened to float32: the same
     products and float32 sums as a bf16 GEMM, so the result is the float64 product of the
@@ -203,7 +219,7 @@ def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch):
     def refuse(weight):
         raise RuntimeError("bf16 path needs the cpu support avx512bw")
 
-    monkeypatch.setattr(linear, "pack_bf16_weight", refuse)
+    monkeypatch.setattr(linear, "pack_weight", refuse)
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(48, 64, generator=generator).bfloat16()
     bias = torch.randn(48, generator=generator).bfloat16()
