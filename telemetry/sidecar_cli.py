@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -127,11 +128,29 @@ def known_last_seqs(sinks: list[Sink]) -> dict[int, int]:
     return last_seqs
 
 
+def check_private_directory(directory: str) -> None:
+    """The directory of the lane's socket, made 0700 if new; ValueError if it is someone
+    else's or others may write to it: whoever controls it can replace the socket and read
+    or forge every record."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"the lane's directory {directory} is not a directory (a link?); "
+                         "remove it or choose another --address")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"the lane's directory {directory} belongs to uid {info.st_uid}, not "
+                         f"to you (uid {os.getuid()}); remove it or choose another --address")
+    if info.st_mode & 0o022:
+        raise ValueError(f"the lane's directory {directory} is writable by others (mode "
+                         f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or choose another "
+                         "--address")
+
+
 def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     address = args.address or default_address()
     check_address(address, args.bind, args.allow_remote or bool(args.curve_keys_dir))
     if address.startswith("ipc://") and args.bind:
-        os.makedirs(os.path.dirname(address[len("ipc://"):]) or ".", mode=0o700, exist_ok=True)
+        check_private_directory(os.path.dirname(address[len("ipc://"):]) or ".")
     ingest = Ingest(sinks, args.dead_after, args.stall_after,
                     known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines)
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:

@@ -243,3 +243,11 @@ def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(
     recorded = list(read_recording(path))  # every line whole; the lost ones missing
     assert recorded[: len(first + second)] == first + second
     assert len(recorded) + sink.num_lines_lost == len(messages)
+
+
+def test_recordings_and_their_rotations_are_readable_by_their_owner_only(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    live(run_messages(seconds=3), path, max_bytes=2_000, max_files=3)
+    files = sorted(tmp_path.glob("rec.jsonl*"))
+    assert len(files) > 1  # rotated at least once
+    assert {oct(file.stat().st_mode & 0o777) for file in files} == {oct(0o600)}

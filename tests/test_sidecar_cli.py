@@ -112,3 +112,35 @@ def _proc_state(pid):
             return " " + file.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return " Z"
+
+
+def test_the_lane_directory_is_made_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    sidecar_cli.check_private_directory(str(fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by others"):
+        sidecar_cli.check_private_directory(str(open_to_all))
+    link = tmp_path / "link"
+    link.symlink_to(fresh)
+    with pytest.raises(ValueError, match="not a directory"):
+        sidecar_cli.check_private_directory(str(link))
+    someone_else = os.getuid() + 1
+    monkeypatch.setattr(sidecar_cli.os, "getuid", lambda: someone_else)
+    with pytest.raises(ValueError, match=f"belongs to uid {os.stat(fresh).st_uid}, not to you"):
+        sidecar_cli.check_private_directory(str(fresh))
+
+
+def test_a_sidecar_refuses_to_bind_in_a_directory_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    result = subprocess.run(
+        [sys.executable, "-m", "telemetry.sidecar_cli", "--address",
+         f"ipc://{shared}/telemetry.sock", "--bind", "--no-metrics"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "writable by others (mode 777)" in result.stderr
+    assert not (shared / "telemetry.sock").exists()

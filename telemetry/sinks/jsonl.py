@@ -42,6 +42,8 @@ DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_MAX_FILES = 4
 DEFAULT_FLUSH_BYTES = 1 << 20
 NEWLINE = ord("\n")
+# Recordings hold request timings and ids of a whole service: readable by their owner only.
+RECORDING_MODE = 0o600
 MAX_UNWRITTEN_BYTES = 64 << 20  # held while writes fail (disk full); beyond it lines are lost
 
 
@@ -113,7 +115,7 @@ class JsonlSink(Sink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             cut_partial_last_line(self.path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, RECORDING_MODE)
         self._size = os.fstat(self._fd).st_size
 
     def known_last_seqs(self) -> dict[int, int]:
@@ -171,7 +173,7 @@ class JsonlSink(Sink):
             source = rotated_path(self.path, generation)
             if source.exists():
                 source.rename(rotated_path(self.path, generation + 1))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, RECORDING_MODE)
         self._size = 0
 
     def tick(self, now_ns: int) -> None:
