@@ -38,7 +38,7 @@ class InvalidRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -47,7 +47,9 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are refused in check_supported
+    # Unknown fields are refused in check_supported. strict: a value of another JSON type is
+    # a 400 naming the field, never coerced (max_tokens: true is not 1, "5" is not 5).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -168,7 +170,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # refused in text() unless empty
+    model_config = ConfigDict(extra="allow", strict=True)  # refused in text() unless empty
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None

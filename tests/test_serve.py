@@ -300,6 +300,9 @@ def test_models_and_health(server):
         ({"prompt": "hi", "top_k": 10**20}, 400, "top_k"),  # was a plain-text 500
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
          "stream_options is only allowed when stream is true"),
+        ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "hi", "stream": 1}, 400, "stream: Input should be a valid boolean"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
@@ -310,8 +313,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     error = response.json()["error"]
     assert message in error["message"]
     assert error["type"] and error["code"] == status
-    ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                    timeout=30)
+    ok = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                    json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
