@@ -8,6 +8,7 @@ imports prometheus_client.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -38,7 +39,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iterscope: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        status = int(module.main(rest) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
+    return status
+
+
+def _stdout_closed() -> int:
+    """The reader went away (`iterscope explain run.jsonl | head`): stop quietly.
+
+    Python's documented way: stdout is pointed at devnull so the flush at interpreter exit
+    does not raise BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 if __name__ == "__main__":

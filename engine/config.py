@@ -59,6 +59,29 @@ def parse_memory_size(text: str) -> int:
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 
 
+
+# The flag `iterscope serve` (and demo) takes for each setting, so that errors name what the
+# user types as well as the field a Python caller sets.
+FLAGS = {
+    "block_size": "--block-size",
+    "device": "--device",
+    "dtype": "--dtype",
+    "engine_index": "--engine-index",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "kv_cache_memory_bytes": "--kv-cache-memory",
+    "max_model_len": "--max-model-len",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs",
+    "telemetry_queue_capacity": "--telemetry-queue-capacity",
+    "telemetry_sndhwm": "--telemetry-sndhwm",
+}
+
+
+def field_and_flag(name: str) -> str:
+    """``kv_cache_memory_bytes (--kv-cache-memory)``; the bare name for a setting with no flag."""
+    flag = FLAGS.get(name)
+    return f"{name} ({flag})" if flag else name
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2"  # an HF directory, or "smollm2" for the embedded default model
@@ -93,15 +116,15 @@ class EngineConfig:
         self._check_positive("telemetry_queue_capacity", self.telemetry_queue_capacity)
         if not 0 <= self.engine_index <= MAX_ENGINE_INDEX:
             raise ValueError(
-                f"engine_index must be in 0..{MAX_ENGINE_INDEX} (the sidecar drops anything "
-                f"else as malformed), got {self.engine_index}"
+                f"{field_and_flag('engine_index')} must be in 0..{MAX_ENGINE_INDEX} (the "
+                f"sidecar drops anything else as malformed), got {self.engine_index}"
             )
         self._check_device()
         self._check_positive("block_size", self.block_size)
         if self.block_size > MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
             raise ValueError(
-                f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got "
-                f"{self.block_size}; use 16"
+                f"{field_and_flag('block_size')} must be a power of two up to "
+                f"{MAX_BLOCK_SIZE}, got {self.block_size}; use 16"
             )
         self._check_positive("max_num_seqs", self.max_num_seqs)
         self._check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -109,7 +132,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"max_num_seqs ({self.max_num_seqs}), so a full batch of decodes could never "
-                "run in one iteration; raise max_num_batched_tokens or lower max_num_seqs"
+                "run in one iteration; raise max_num_batched_tokens (--max-num-batched-tokens) "
+                "or lower max_num_seqs (--max-num-seqs)"
             )
         if self.max_model_len is not None:
             self._check_positive("max_model_len", self.max_model_len)
@@ -118,7 +142,8 @@ class EngineConfig:
             self._check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                f"{field_and_flag('gpu_memory_utilization')} must be in (0, 1], got "
+                f"{self.gpu_memory_utilization}"
             )
         for name in ("test_leak_blocks_per_finish", "test_stall_at_iteration", "test_stall_s"):
             if getattr(self, name) < 0:
@@ -132,15 +157,16 @@ class EngineConfig:
         if self.max_model_len > max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({max_position_embeddings}); lower max_model_len"
+                f"max_position_embeddings ({max_position_embeddings}); lower max_model_len "
+                "(--max-model-len)"
             )
         return self.max_model_len
 
     def kv_cache_memory_setting(self) -> str:
         """The setting a user changes to give the KV cache more memory on this device."""
         if self.device == "cuda" and self.kv_cache_memory_bytes is None:
-            return "gpu_memory_utilization"
-        return "kv_cache_memory_bytes"
+            return field_and_flag("gpu_memory_utilization")
+        return field_and_flag("kv_cache_memory_bytes")
 
     def _check_types(self) -> None:
         """Each setting has its annotated type: 2.5 sequences or "no" for a switch (truthy,
@@ -154,7 +180,7 @@ class EngineConfig:
             is_bool = isinstance(value, bool)
             if not isinstance(value, accepted) or (is_bool and bool not in accepted):
                 raise ValueError(
-                    f"{setting.name} must be {' or '.join(kinds)}, got {value!r} "
+                    f"{field_and_flag(setting.name)} must be {' or '.join(kinds)}, got {value!r} "
                     f"({type(value).__name__})"
                 )
 
@@ -162,14 +188,17 @@ class EngineConfig:
         dtype = DTYPE_ALIASES.get(str(self.dtype).lower())
         if dtype is None:
             raise ValueError(
-                f"dtype {self.dtype!r} is not supported; use one of auto, float32, bfloat16, "
-                "float16"
+                f"{field_and_flag('dtype')} {self.dtype!r} is not supported; use one of auto, "
+                "float32, bfloat16, float16"
             )
         return dtype
 
     def _check_device(self) -> None:
         if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+            raise ValueError(
+                f"{field_and_flag('device')} must be one of {', '.join(DEVICES)}, got "
+                f"{self.device!r}"
+            )
 
     def _check_token_budget(self, max_model_len: int) -> None:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
@@ -177,13 +206,14 @@ class EngineConfig:
                 f"with chunked prefill off, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}) "
                 "or a long prompt could never be scheduled; enable chunked prefill, raise "
-                "max_num_batched_tokens or lower max_model_len"
+                "max_num_batched_tokens (--max-num-batched-tokens) or lower max_model_len "
+                "(--max-model-len)"
             )
 
     @staticmethod
     def _check_positive(name: str, value: int) -> None:
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise ValueError(f"{field_and_flag(name)} must be at least 1, got {value}")
 
     @property
     def torch_dtype_name(self) -> str:

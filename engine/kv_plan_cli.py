@@ -1,23 +1,36 @@
 """`iterscope kv-plan`: how many tokens and requests fit in a KV budget, before launch.
 
     iterscope kv-plan --model DIR|FILE.gguf|smollm2 --memory 4.5GiB --max-model-len 40960
+    iterscope kv-plan --model DIR --gpu-memory 80GiB --gpu-memory-utilization 0.9 \
+        --weights 16GiB --activation-peak 2GiB
 
-``--memory`` is the memory the KV cache gets (on a GPU: the card's share minus weights and
-activations). The model's shape comes from its config.json (no weights are read) or from a
-GGUF file's metadata. Uses the engine's own planning code, so the lines and the error are the
-ones the engine prints at start-up; exits 1 when max_model_len does not fit.
+``--memory`` is the memory the KV cache gets (what serve's ``--kv-cache-memory`` sets).
+``--gpu-memory`` plans the way the engine budgets on a GPU: the card's memory times
+``--gpu-memory-utilization``, minus the weights (default: the size of the model's weight
+files) and the activation peak (the engine measures it at start-up and logs it), each term
+printed. The model's shape comes from its config.json or a GGUF file's metadata. Uses the
+engine's own planning code, so the lines and the error are the ones the engine prints at
+start-up. Exits 1 when max_model_len does not fit, 2 on bad input (message on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.config import DTYPE_ALIASES, parse_memory_size
-from engine.kv_planning import KvPlan, estimate_max_model_len, kv_bytes_per_token, plan_kv_cache
+from engine.kv_planning import (
+    GIB,
+    KvPlan,
+    cuda_kv_budget_bytes,
+    estimate_max_model_len,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -72,9 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="How many tokens and concurrent requests fit in a KV cache budget.",
     )
     parser.add_argument("--model", required=True, help="HF directory, .gguf file or smollm2")
-    parser.add_argument(
-        "--memory", required=True, help="memory for the KV cache, e.g. 4.5GiB, 24GiB, 512MiB"
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument(
+        "--memory", help="memory for the KV cache, e.g. 4.5GiB, 24GiB, 512MiB (serve's "
+        "--kv-cache-memory)"
     )
+    budget.add_argument("--gpu-memory", help="the card's total memory, e.g. 80GiB: plan as the "
+                        "engine budgets a GPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of --gpu-memory the engine may use (default 0.9, as serve)")
+    parser.add_argument("--weights", help="weights' memory (default: the model's weight files)")
+    parser.add_argument("--activation-peak", help="activation peak, as the engine logs it at "
+                        "start-up (needed with --gpu-memory)")
     parser.add_argument(
         "--max-model-len", type=int, help="tokens per request to plan for (default: the model's)"
     )
@@ -86,13 +108,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], bool]:
-    """The report, and whether max_model_len fits."""
+def weight_files_bytes(model: str) -> int:
+    """Bytes of the model's weight files: a .gguf file, or a directory's safetensors/bin."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    files = [*path.glob("*.safetensors"), *path.glob("*.bin")] if path.is_dir() else []
+    if not files:
+        raise ValueError(f"{model}: no weight files (*.safetensors, *.bin) to size; pass --weights")
+    return sum(f.stat().st_size for f in files)
+
+
+def kv_budget(args: argparse.Namespace) -> tuple[int, list[str], str]:
+    """(KV bytes, the lines that show how they were reached, the flag that gives more)."""
+    if args.memory is not None:
+        return parse_memory_size(args.memory), [], "--memory"
+    if args.activation_peak is None:
+        raise ValueError("--gpu-memory needs --activation-peak: the engine measures it at "
+                         "start-up and logs it ('activation peak X GiB')")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
+                         f"{args.gpu_memory_utilization}")
+    total = parse_memory_size(args.gpu_memory)
+    weights = (parse_memory_size(args.weights) if args.weights is not None
+               else weight_files_bytes(args.model))
+    peak = parse_memory_size(args.activation_peak)
+    budget = cuda_kv_budget_bytes(total, args.gpu_memory_utilization, weights, peak)
+    lines = [
+        f"GPU memory: {total / GIB:.2f} GiB x {args.gpu_memory_utilization:g} utilization = "
+        f"{int(total * args.gpu_memory_utilization) / GIB:.2f} GiB",
+        f"  minus weights: {weights / GIB:.2f} GiB",
+        f"  minus activation peak: {peak / GIB:.2f} GiB",
+        f"  = KV cache budget: {budget / GIB:.2f} GiB",
+    ]
+    return budget, lines, "--gpu-memory-utilization"
+
+
+def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The report, and why max_model_len does not fit ("" when it does)."""
     dtype = DTYPE_ALIASES.get((args.dtype or shape.dtype).lower())
     if dtype is None or dtype == "auto":
         raise ValueError(f"--dtype {args.dtype!r} is not one of bf16, fp16, fp32")
-    available = parse_memory_size(args.memory)
+    available, budget_lines, memory_flag = kv_budget(args)
     max_model_len = args.max_model_len or shape.max_position_embeddings
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len:,} is above the model's own limit "
+            f"(max_position_embeddings {shape.max_position_embeddings:,}); the engine refuses it"
+        )
     bytes_per_token = kv_bytes_per_token(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype]
     )
@@ -103,6 +166,7 @@ def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], 
         f"KV bytes per token: {bytes_per_token:,} (2 x {shape.num_layers} layers x "
         f"{shape.num_kv_heads} KV heads x {shape.head_dim} head_dim x {DTYPE_BYTES[dtype]} "
         "bytes)",
+        *budget_lines,
     ]
     num_blocks = available // (args.block_size * bytes_per_token)
     capacity = KvPlan(bytes_per_token, args.block_size, available, num_blocks, max_model_len)
@@ -112,10 +176,10 @@ def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], 
     )
     lines.append(f"Largest max model length that fits: {largest:,}")
     try:
-        plan_kv_cache(bytes_per_token, available, args.block_size, max_model_len, "--memory")
+        plan_kv_cache(bytes_per_token, available, args.block_size, max_model_len, memory_flag)
     except ValueError as error:
-        return [*lines, str(error)], False
-    return lines, True
+        return lines, str(error)
+    return lines, ""
 
 
 def main(argv: list[str]) -> int:
@@ -126,9 +190,12 @@ def main(argv: list[str]) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
-        lines, fits = plan_lines(read_model_shape(args.model), args)
+        lines, not_fitting = plan_lines(read_model_shape(args.model), args)
     except (ValueError, FileNotFoundError) as error:
-        print(f"iterscope kv-plan: {error}")
+        print(f"iterscope kv-plan: {error}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    return 0 if fits else 1
+    if not_fitting:
+        print(f"iterscope kv-plan: {not_fitting}", file=sys.stderr)
+        return 1
+    return 0

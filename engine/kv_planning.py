@@ -52,7 +52,8 @@ def cuda_kv_budget_bytes(
             f"no memory left for the KV cache: {gpu_memory_utilization:.2f} x "
             f"{total_bytes / GIB:.2f} GiB minus weights ({weights_bytes / GIB:.2f} GiB) and "
             f"activation peak ({activation_peak_bytes / GIB:.2f} GiB) is {budget / GIB:.2f} "
-            "GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            "GiB; raise gpu_memory_utilization (--gpu-memory-utilization) or lower "
+            "max_num_batched_tokens (--max-num-batched-tokens)"
         )
     return budget
 
@@ -89,7 +90,7 @@ def plan_kv_cache(
     available_bytes: int,
     block_size: int,
     max_model_len: int,
-    memory_setting: str = "kv_cache_memory_bytes",
+    memory_setting: str = "kv_cache_memory_bytes (--kv-cache-memory)",
 ) -> KvPlan:
     """Blocks that fit in ``available_bytes``; ValueError when one max-length request does not.
 
@@ -112,7 +113,7 @@ def plan_kv_cache(
             f"{needed_bytes / GIB:.2f} GiB KV cache is needed, which is larger than the "
             f"available KV cache memory ({max(available_bytes, 0) / GIB:.2f} GiB). Based on "
             f"the available memory, the estimated maximum model length is {estimate}. Try "
-            f"increasing `{memory_setting}` or decreasing `max_model_len`."
+            f"increasing {memory_setting} or decreasing max_model_len (--max-model-len)."
         )
     num_blocks = available_bytes // (block_size * bytes_per_token)
     return KvPlan(bytes_per_token, block_size, available_bytes, num_blocks, max_model_len)

@@ -26,28 +26,15 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
-from telemetry.episodes import INFO, Episode, Thresholds, detect_episodes
-from telemetry.recording import RecordingReader, read_recording
+from telemetry.actions import finding_action
+from telemetry.cli_time import parse_time
+from telemetry.episodes import Episode, Thresholds, detect_episodes
+from telemetry.findings import Finding, build_findings
+from telemetry.recording import RecordingReader, read_timelines
 from telemetry.summary import format_summary, summarize
 from telemetry.timeline import NS_PER_S, EngineTimeline, build_timelines
 
 WRAP_COLUMNS = 100
-
-
-def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
-    """(timelines by engine index, number of messages, number of unreadable lines).
-
-    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too."""
-    missing = [str(p) for p in paths if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
-    messages, num_bad_lines = [], 0
-    for item in read_recording(paths):
-        if isinstance(item, str):
-            num_bad_lines += 1
-        else:
-            messages.append(item)
-    return build_timelines(messages), len(messages), num_bad_lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,14 +63,20 @@ def engine_header(tl: EngineTimeline) -> str:
     return ", ".join(parts)
 
 
-def _wrapped(label: str, text: str) -> list[str]:
+def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
     indent = " " * 6
     return textwrap.wrap(
         text,
         WRAP_COLUMNS,
         initial_indent=f"{indent}{label:<10}",
         subsequent_indent=indent + " " * 10,
+        max_lines=max_lines,
+        placeholder=" [...]",
     )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[str]:
@@ -98,20 +91,58 @@ def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[st
     return lines
 
 
-def format_engine(tl: EngineTimeline, episodes: list[Episode]) -> list[str]:
+MAX_FINDING_LINES = 15  # the ranked findings fit on one screen above the summary
+
+
+def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
+    """Headline, worst instance with its figures, and the action (wrapped)."""
+    worst = finding.worst
+    cost = ("cost not measurable (no records)" if finding.cost_label == "unknown"
+            else f"{finding.cost:.1f} request-s {finding.cost_label}")
+    lines = [f"  {number}. {finding.title}: {_plural(finding.count, 'time')}, "
+             f"{finding.total_time:.2f} s in all, {cost}"]
+    lines += _wrapped("worst", f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} "
+                      f"s): {worst.evidence}", max_lines=2)
+    lines += _wrapped("do", action)
+    return lines
+
+
+def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
+                    ) -> list[str]:
+    """The costliest findings first, in at most MAX_FINDING_LINES lines."""
+    if not findings:
+        return ["  No problem found: no saturation, preemption storm, sustained waiting, "
+                "stall, leak, telemetry gap or latency spike."]
+    num_episodes = sum(f.count for f in findings)
+    lines = [f"  {_plural(len(findings), 'finding')} from {_plural(num_episodes, 'episode')}, "
+             "costliest first:"]
+    shown = 0
+    for finding in findings:
+        block = format_finding(tl, shown + 1, finding, finding_action(tl, finding, thresholds))
+        if len(lines) + len(block) > MAX_FINDING_LINES - 1 and shown:
+            break
+        lines += block
+        shown += 1
+    if shown < len(findings):
+        lines.append(f"  ... {len(findings) - shown} more finding(s); --all lists every episode.")
+    return lines
+
+
+def format_engine(tl: EngineTimeline, episodes: list[Episode], thresholds: Thresholds,
+                  show_all: bool = False) -> list[str]:
+    """Header, ranked findings, summary; with show_all every episode in time order after."""
     lines = [engine_header(tl)]
     if tl.records or tl.heartbeats:
         lines.append(f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
                      f"{clock_text(tl, tl.last_ns)}")
-    lines += [f"  {line}" for line in format_summary(summarize(tl))]
-    problems = [e for e in episodes if e.severity != INFO]
+    lines += format_findings(tl, build_findings(tl, episodes), thresholds)
     lines.append("")
-    if not problems:
-        lines.append("  No problem found: no saturation, preemption storm, sustained waiting, "
-                     "stall, leak, telemetry gap or latency spike.")
-    lines.append(f"  Episodes ({len(episodes)}):" if episodes else "  Episodes: none")
-    for number, episode in enumerate(episodes, 1):
-        lines += format_episode(tl, number, episode)
+    lines += [f"  {line}" for line in format_summary(summarize(tl))]
+    if show_all:
+        lines.append("")
+        lines.append(f"  Episodes ({len(episodes)}):" if episodes else "  Episodes: none")
+        for number, episode in enumerate(episodes, 1):
+            lines += format_episode(tl, number, episode)
     return lines
 
 
@@ -123,6 +154,19 @@ def episode_json(tl: EngineTimeline, episode: Episode) -> dict:
     return data
 
 
+def finding_json(tl: EngineTimeline, finding: Finding, thresholds: Thresholds) -> dict:
+    return {
+        "kind": finding.kind,
+        "title": finding.title,
+        "count": finding.count,
+        "total_time_s": finding.total_time,
+        "cost_request_s": finding.cost,
+        "cost_label": finding.cost_label,
+        "action": finding_action(tl, finding, thresholds),
+        "worst": episode_json(tl, finding.worst),
+    }
+
+
 def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) -> dict:
     engines = []
     for tl in timelines.values():
@@ -131,6 +175,7 @@ def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) ->
             "engine_index": tl.engine_index,
             "facts": tl.facts,
             "summary": summarize(tl).to_dict(),
+            "findings": [finding_json(tl, f, thresholds) for f in build_findings(tl, episodes)],
             "episodes": [episode_json(tl, e) for e in episodes],
         })
     return {"engines": engines}
@@ -180,7 +225,7 @@ def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
         pass
     timelines = _only_engine(build_timelines(messages), engine_index)
     for line in (line for tl in timelines.values() for line in
-                 format_engine(tl, detect_episodes(tl, thresholds))):
+                 format_engine(tl, detect_episodes(tl, thresholds), thresholds)):
         print(line, file=out)
     return 0
 
@@ -211,15 +256,6 @@ def _show_new_episodes(timelines, thresholds, shown, out) -> None:
 # Command line
 
 
-def parse_time(text: str) -> float:
-    """'50ms', '2s', '1.5' (seconds) -> seconds."""
-    text = text.strip().lower()
-    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * scale
-    return float(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope explain",
@@ -229,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("recordings", nargs="+", type=Path,
                         help="JSONL recording file(s) written by `iterscope sidecar --record`")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--all", action="store_true",
+                        help="also list every episode in time order, with its explanation")
     parser.add_argument("--plot", type=Path, metavar="OUT.png",
                         help="also draw KV usage, queues, tokens, iteration time; episodes shaded")
     parser.add_argument("--engine", type=int, help="only this engine index")
@@ -264,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iterscope explain: {len(args.recordings)} file(s), {num_messages} messages"
               f" ({num_bad} unreadable lines), {len(timelines)} engine(s)\n")
         for tl in timelines.values():
-            print("\n".join(format_engine(tl, detect_episodes(tl, thresholds))) + "\n")
+            episodes = detect_episodes(tl, thresholds)
+            print("\n".join(format_engine(tl, episodes, thresholds, args.all)) + "\n")
     if args.plot:
         from telemetry.plot import plot_timelines
 

@@ -21,6 +21,7 @@ import msgspec
 
 from telemetry.record import IterationRecord, Message
 from telemetry.sidecar import classify_undecodable, is_plausible
+from telemetry.timeline import EngineTimeline, build_timelines
 
 StrPath = str | os.PathLike
 
@@ -145,3 +146,19 @@ class RecordingReader:
             else:
                 messages.append(item)
         return messages
+
+
+def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
+    """(timelines by engine index, number of messages, number of unreadable lines).
+
+    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too."""
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
+    messages, num_bad_lines = [], 0
+    for item in read_recording(paths):
+        if isinstance(item, str):
+            num_bad_lines += 1
+        else:
+            messages.append(item)
+    return build_timelines(messages), len(messages), num_bad_lines

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from telemetry.explain import parse_time, read_timelines
+from telemetry.cli_time import parse_time
 from telemetry.record import EVENT_FINISHED, UNKNOWN_CONTEXT_REQS, UNKNOWN_ELAPSED
+from telemetry.recording import read_timelines
 from telemetry.timeline import NS_PER_S, EngineTimeline
 
 FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")

@@ -162,8 +162,20 @@ def test_kv_saturation_with_requests_waiting_for_kv():
     assert saturation.end_ns == records[-2].start_ns + records[-2].elapsed_ns
     assert "peak 100.0% of 100 blocks" in saturation.evidence
     assert "could not be admitted" in saturation.explanation
+    # No preemption in the records: the text must not claim any.
+    assert "were preempted" not in saturation.explanation
+    assert "no running request was preempted" in saturation.explanation
     longer = Thresholds(kv_saturated_min_iterations=len(records))
     assert detect_kv_saturation(timeline, longer) == []
+
+
+def test_kv_saturation_with_preemptions_says_how_many(story2):
+    (saturation,) = detect_kv_saturation(build_timelines(story2.messages)[0], Thresholds())
+    num_preemptions = saturation.numbers["num_preemptions"]
+    assert num_preemptions > 0
+    assert f"{num_preemptions} running request(s) that needed a new block were preempted" in (
+        saturation.explanation)
+    assert "no running request was preempted" not in saturation.explanation
 
 
 def test_kv_saturation_where_everything_fits_is_information():
@@ -366,7 +378,7 @@ def test_follow_keeps_a_bounded_window(story2, tmp_path):
     out = io.StringIO()
     follow([path], Thresholds(), interval_time=0.05, max_time=0.3, out=out, window_messages=300)
     (newest,) = build_timelines(story2.messages[-300:]).values()
-    summary = "\n".join(format_engine(newest, detect_episodes(newest)))
+    summary = "\n".join(format_engine(newest, detect_episodes(newest), Thresholds()))
     assert out.getvalue().endswith(summary + "\n")
     assert newest.num_iterations < 300 < len(story2.messages)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.kv_plan_cli import main
+from engine.kv_planning import GIB, cuda_kv_budget_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,8 +34,9 @@ def story5_dir(tmp_path):
 
 def test_story5_does_not_fit_and_says_why(story5_dir, capsys):
     code = main(["--model", str(story5_dir), "--memory", "4.5GiB", "--max-model-len", "40960"])
-    lines = capsys.readouterr().out.splitlines()
-    assert code == 1
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert code == 1 and len(lines) == 6
     assert lines[1] == (
         "KV bytes per token: 147,456 (2 x 36 layers x 8 KV heads x 128 head_dim x 2 bytes)"
     )
@@ -44,11 +46,13 @@ def test_story5_does_not_fit_and_says_why(story5_dir, capsys):
         "Maximum concurrency for 40,960 tokens per request: 0.80x",
         "Largest max model length that fits: 32,768",
     ]
-    assert lines[6].startswith(
-        "To serve at least one request with the model's max seq len (40960), 5.62 GiB KV "
-        "cache is needed, which is larger than the available KV cache memory (4.50 GiB)."
+    assert err.startswith(
+        "iterscope kv-plan: To serve at least one request with the model's max seq len "
+        "(40960), 5.62 GiB KV cache is needed, which is larger than the available KV cache "
+        "memory (4.50 GiB)."
     )
-    assert "estimated maximum model length is 32768" in lines[6]
+    assert "estimated maximum model length is 32768" in err
+    assert "Try increasing --memory or decreasing max_model_len (--max-model-len)" in err
 
 
 def test_story5_fits_with_a_shorter_max_len(story5_dir, capsys):
@@ -74,10 +78,36 @@ def test_embedded_model_is_read_from_its_gguf(capsys):
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--memory", "1GiB"]) == 2
-    assert "no config.json" in capsys.readouterr().out
+    assert "no config.json" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps(STORY5_CONFIG))
     assert main(["--model", str(tmp_path), "--memory", "lots"]) == 2
-    assert "cannot read memory size 'lots'" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "cannot read memory size 'lots'" in err and out == ""
+
+
+def test_max_model_len_above_the_models_is_refused(story5_dir, capsys):
+    argv = ["--model", str(story5_dir), "--memory", "80GiB", "--max-model-len", "40961"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "above the model's own limit (max_position_embeddings 40,960)" in err
+
+
+def test_gpu_budget_subtracts_weights_and_activation_peak_like_the_engine(story5_dir, capsys):
+    (story5_dir / "model.safetensors").write_bytes(b"\0" * 4096)
+    argv = ["--model", str(story5_dir), "--gpu-memory", "10GiB", "--gpu-memory-utilization",
+            "0.5", "--activation-peak", "1GiB", "--max-model-len", "1024"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    budget = cuda_kv_budget_bytes(10 * GIB, 0.5, 4096, GIB)
+    assert budget == 4 * GIB - 4096  # 10 x 0.5 - weights - activation peak
+    assert "GPU memory: 10.00 GiB x 0.5 utilization = 5.00 GiB" in out
+    assert "minus weights: 0.00 GiB" in out and "minus activation peak: 1.00 GiB" in out
+    assert f"Available KV cache memory: {budget / GIB:.2f} GiB" in out
+    assert main([*argv[:-2], "--weights", "4.5GiB"]) == 2  # nothing left for the KV cache
+    assert "raise gpu_memory_utilization (--gpu-memory-utilization)" in capsys.readouterr().err
+    assert main(argv[:6]) == 2
+    assert "--gpu-memory needs --activation-peak" in capsys.readouterr().err
 
 
 def test_console_command_dispatches(story5_dir):
@@ -99,3 +129,12 @@ def test_console_command_dispatches(story5_dir):
     )
     assert result.returncode == 0, result.stderr
     assert "Maximum concurrency for 40,960 tokens per request:" in result.stdout
+
+
+def test_console_command_does_not_fit_exits_1_with_the_error_on_stderr(story5_dir):
+    command = [sys.executable, "-m", "engine.cli", "kv-plan", "--model", str(story5_dir),
+               "--memory", "1GiB"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 1
+    assert "To serve at least one request" in result.stderr
+    assert "To serve" not in result.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, parse_memory_size
+from engine.config import EngineConfig, field_and_flag, parse_memory_size
 from engine.kv_planning import (
     GIB,
     cuda_kv_budget_bytes,
@@ -25,13 +25,22 @@ def test_story5_bytes_per_token():
 
 def test_story5_error_names_needed_available_estimate_and_fixes():
     with pytest.raises(ValueError) as error:
-        plan_kv_cache(STORY5_BYTES_PER_TOKEN, int(4.5 * GIB), 16, 40_960, "gpu_memory_utilization")
+        plan_kv_cache(STORY5_BYTES_PER_TOKEN, int(4.5 * GIB), 16, 40_960,
+                      field_and_flag("gpu_memory_utilization"))
     assert str(error.value) == (
         "To serve at least one request with the model's max seq len (40960), 5.62 GiB KV "
         "cache is needed, which is larger than the available KV cache memory (4.50 GiB). "
         "Based on the available memory, the estimated maximum model length is 32768. Try "
-        "increasing `gpu_memory_utilization` or decreasing `max_model_len`."
+        "increasing gpu_memory_utilization (--gpu-memory-utilization) or decreasing "
+        "max_model_len (--max-model-len)."
     )
+
+
+def test_memory_setting_names_the_flag():
+    assert EngineConfig(device="cuda").kv_cache_memory_setting() == (
+        "gpu_memory_utilization (--gpu-memory-utilization)")
+    assert EngineConfig(kv_cache_memory_bytes=GIB).kv_cache_memory_setting() == (
+        "kv_cache_memory_bytes (--kv-cache-memory)")
 
 
 def test_estimate_is_the_largest_length_that_fits():
@@ -88,27 +97,45 @@ def test_parse_memory_size_rejects_garbage(text):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"block_size": 0}, r"block_size \(--block-size\) must be at least 1"),
         ({"block_size": 12}, "power of two"),
-        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
-        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "raise max_num_batched_tokens"),
-        ({"max_model_len": 0}, "max_model_len must be at least 1"),
+        ({"max_num_seqs": 0}, r"max_num_seqs \(--max-num-seqs\) must be at least 1"),
+        (
+            {"max_num_seqs": 64, "max_num_batched_tokens": 32},
+            r"raise max_num_batched_tokens \(--max-num-batched-tokens\)",
+        ),
+        ({"max_model_len": 0}, r"max_model_len \(--max-model-len\) must be at least 1"),
         (
             {"enable_chunked_prefill": False, "max_model_len": 4096},
             "enable chunked prefill, raise max_num_batched_tokens",
         ),
-        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
-        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be at least 1"),
-        ({"dtype": "int3"}, "dtype 'int3' is not supported"),
-        ({"device": "tpu"}, "device must be one of"),
+        (
+            {"gpu_memory_utilization": 1.5},
+            r"gpu_memory_utilization \(--gpu-memory-utilization\) must be in",
+        ),
+        (
+            {"kv_cache_memory_bytes": 0},
+            r"kv_cache_memory_bytes \(--kv-cache-memory\) must be at least 1",
+        ),
+        ({"dtype": "int3"}, r"dtype \(--dtype\) 'int3' is not supported"),
+        ({"device": "tpu"}, r"device \(--device\) must be one of"),
         ({"test_stall_s": -1.0}, "test_stall_s must be >= 0"),
-        ({"max_num_seqs": 2.5}, r"max_num_seqs must be int, got 2.5 \(float\)"),
-        ({"block_size": 16.0}, r"block_size must be int, got 16.0 \(float\)"),
-        ({"max_num_batched_tokens": float("inf")}, "max_num_batched_tokens must be int"),
-        ({"max_num_seqs": True}, r"max_num_seqs must be int, got True \(bool\)"),
+        ({"max_num_seqs": 2.5}, r"max_num_seqs \(--max-num-seqs\) must be int, got 2.5 \(float\)"),
+        ({"block_size": 16.0}, r"block_size \(--block-size\) must be int, got 16.0 \(float\)"),
+        (
+            {"max_num_batched_tokens": float("inf")},
+            r"max_num_batched_tokens \(--max-num-batched-tokens\) must be int",
+        ),
+        ({"max_num_seqs": True}, r"max_num_seqs \(--max-num-seqs\) must be int, got True \(bool\)"),
         ({"enable_chunked_prefill": "no"}, "enable_chunked_prefill must be bool, got 'no'"),
-        ({"max_model_len": "4096"}, "max_model_len must be int or None, got '4096'"),
-        ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be float"),
+        (
+            {"max_model_len": "4096"},
+            r"max_model_len \(--max-model-len\) must be int or None, got '4096'",
+        ),
+        (
+            {"gpu_memory_utilization": "0.9"},
+            r"gpu_memory_utilization \(--gpu-memory-utilization\) must be float",
+        ),
         ({"telemetry_address": 5555}, "telemetry_address must be str or None"),
     ],
 )

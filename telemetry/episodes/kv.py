@@ -64,12 +64,20 @@ def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
     return f"{int(tl.col('waiting_kv')[row])} for KV capacity"
 
 
-def _saturation_explanation(max_waiting_kv: int, num_preemptions: int) -> str:
-    if not max_waiting_kv and not num_preemptions:
+def _saturation_explanation(num_blocked: int, num_preemptions: int) -> str:
+    """Each clause only when the records show it: waiting and preemption are told apart."""
+    if not num_blocked and not num_preemptions:
         return ("The cache was full but what was admitted still fit: no request waited for KV "
                 "and none was preempted. Any more load will wait or be preempted.")
-    return ("Every KV block was in use: new requests could not be admitted and running requests "
-            "that needed a new block had to be preempted (recomputed later).")
+    effects = []
+    if num_blocked:
+        effects.append("new requests could not be admitted and waited")
+    if num_preemptions:
+        effects.append(f"{num_preemptions} running request(s) that needed a new block were "
+                       "preempted (recomputed later)")
+    else:
+        effects.append("no running request was preempted")
+    return f"Every KV block was in use: {'; '.join(effects)}."
 
 
 def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:

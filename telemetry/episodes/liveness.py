@@ -79,7 +79,8 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
         ongoing=ongoing,
         numbers={"frozen_iteration": group[0].last_iteration,
                  "stall_time_s": (until_ns - since_ns) / NS_PER_S,
-                 "max_waiting_reqs": max_waiting, "inside_iteration": bool(inside)},
+                 "max_waiting_reqs": max_waiting, "max_running_reqs": max_running,
+                 "inside_iteration": bool(inside)},
     )
 
 

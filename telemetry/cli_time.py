@@ -1,0 +1,12 @@
+"""Durations on command lines: '50ms', '2s', '1.5' (seconds)."""
+
+from __future__ import annotations
+
+
+def parse_time(text: str) -> float:
+    """'50ms', '2s', '1.5' (seconds) -> seconds."""
+    text = text.strip().lower()
+    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)

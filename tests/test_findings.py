@@ -1,0 +1,103 @@
+"""Findings: episodes merged by kind, costed in request-seconds, ranked; their actions."""
+
+import json
+
+import pytest
+from scenarios import synthetic
+from scenarios.synthetic import Cost, Simulator, arrivals
+
+from telemetry.actions import finding_action
+from telemetry.episodes import Thresholds, detect_episodes
+from telemetry.explain import MAX_FINDING_LINES, main
+from telemetry.findings import build_findings, episode_cost
+from telemetry.record import EVENT_FIRST_TOKEN, IterationRecord
+from telemetry.timeline import NS_PER_S, build_timelines
+
+
+def findings_of(sim: Simulator):
+    timeline = build_timelines(sim.messages)[0]
+    return timeline, build_findings(timeline, detect_episodes(timeline))
+
+
+@pytest.mark.parametrize(("story", "expected_top"), [
+    (synthetic.story1_kv_cliff, {"kv_cliff"}),      # running became waiting, none preempted
+    (synthetic.story2_leak, {"kv_leak", "stall"}),  # usage climbs: a leak (and its spin)
+    (synthetic.stalled, {"stall"}),
+    (lambda: synthetic.story3_bursty(4), {"waiting"}),  # queued by max_num_seqs
+])
+def test_story_top_finding_first(story, expected_top):
+    _, findings = findings_of(story())
+    assert findings[0].kind in expected_top, [(f.kind, f.cost) for f in findings]
+    costs = [f.cost for f in findings]
+    assert costs == sorted(costs, reverse=True)
+
+
+def test_story3_batched_has_no_finding():
+    assert findings_of(synthetic.story3_bursty(64))[1] == []
+
+
+def test_story3_queued_action_raises_max_num_seqs():
+    _, (finding,) = findings_of(synthetic.story3_bursty(4))
+    assert finding.worst.numbers["reason"] == "waiting_seq_limit"
+    timeline = build_timelines(synthetic.story3_bursty(4).messages)[0]
+    action = finding_action(timeline, finding, Thresholds())
+    value = int(action.split("--max-num-seqs ")[1].split()[0])
+    assert value > 4 and "(now 4)" in action
+
+
+def test_waiting_cost_matches_the_requests_queue_time():
+    """Little's law: requests waiting x time = the sum of each request's time in the queue."""
+    sim = synthetic.story3_bursty(4)
+    _, (finding,) = findings_of(sim)
+    queue_s = sum(
+        (m.first_scheduled_ns - m.arrival_ns) / NS_PER_S
+        for message in sim.messages if isinstance(message, IterationRecord)
+        for m in message.milestones if m.event & EVENT_FIRST_TOKEN
+    )
+    last_end_ns = max(m.start_ns + m.elapsed_ns for m in sim.messages
+                      if isinstance(m, IterationRecord))
+    queue_s += sum((last_end_ns - r.arrival_ns) / NS_PER_S for r in sim.waiting)  # never ran
+    assert finding.cost == pytest.approx(queue_s, rel=0.1)
+
+
+def test_same_kind_episodes_merge_into_one_finding():
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    sim.run(22)
+    timeline, (finding,) = findings_of(sim)
+    episodes = detect_episodes(timeline)
+    assert finding.kind == "long_prefill" and finding.count == len(episodes) == 3
+    assert finding.total_time == pytest.approx(sum(e.duration_time for e in episodes))
+    costs = [episode_cost(timeline, e) for e in episodes]
+    assert finding.cost == pytest.approx(sum(costs)) and min(costs) > 0
+    assert finding.worst == episodes[costs.index(max(costs))]
+    action = finding_action(timeline, finding, Thresholds())
+    assert "--max-num-batched-tokens" in action and "(now 2048)" in action
+
+
+def test_text_ranks_findings_in_at_most_15_lines_and_all_lists_episodes(tmp_path, capsys):
+    path = synthetic.story2_leak().write(tmp_path / "story2.jsonl")
+    assert main([str(path)]) == 0
+    text = capsys.readouterr().out
+    block = text.split("costliest first:\n")[1].split("\n\n")[0].splitlines()
+    assert 1 + len(block) <= MAX_FINDING_LINES
+    assert block[0].startswith("  1. KV blocks leaking")
+    assert "Episodes (" not in text and "--all lists every episode" in text
+    assert main([str(path), "--all"]) == 0
+    assert "Episodes (" in capsys.readouterr().out
+
+
+def test_json_findings(tmp_path, capsys):
+    path = synthetic.stalled().write(tmp_path / "stalled.jsonl")
+    assert main([str(path), "--json"]) == 0
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    top = engine["findings"][0]
+    assert set(top) == {"kind", "title", "count", "total_time_s", "cost_request_s",
+                        "cost_label", "action", "worst"}
+    assert top["kind"] == "stall" and top["worst"] in engine["episodes"]
+    stall = top["worst"]["numbers"]
+    expected = ((stall["max_waiting_reqs"] + stall["max_running_reqs"])
+                * (top["worst"]["end_ns"] - top["worst"]["start_ns"]) / NS_PER_S)
+    assert top["cost_request_s"] == pytest.approx(expected)
