@@ -416,16 +416,23 @@ def test_generator_sets_runbook_base_and_thresholds_of_the_config():
     }
 
 
-def test_generated_rules_with_another_threshold_pass_promtool(tmp_path):
-    """A threshold written by the generator is one Prometheus accepts and the alerts read."""
+def test_alerts_fire_on_the_threshold_the_generator_writes(tmp_path):
+    """With the 5xx threshold raised from 5% to 20%, the promtool tests of latency.yml (pods
+    answering 10% errors fire at the default) fail for IterscopeHTTPErrors alone: the alert
+    reads the threshold the generator wrote, and Prometheus accepts what it wrote."""
     generator = load_generator()
-    groups = generator.apply_alerting(
-        shipped_rule_groups(), alerting_config("https://docs.example.com", http_5xx_ratio=0.2)
-    )
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": groups}))
-    result = subprocess.run([promtool(), "check", "rules", str(tmp_path / "rules.yml")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    config = alerting_config(generator.load_alerting()["runbook_base_url"], http_5xx_ratio=0.2)
+    groups = generator.apply_alerting(shipped_rule_groups(), config)
+    (tmp_path / "latency.yml").write_text(yaml.safe_dump({"groups": groups}))
+    (tmp_path / "tests").mkdir()
+    unit_tests = REPO / "dashboards" / "alerts" / "tests" / "latency_test.yml"
+    shutil.copy(unit_tests, tmp_path / "tests" / unit_tests.name)
+    result = subprocess.run([promtool(), "test", "rules", unit_tests.name],
+                            cwd=tmp_path / "tests", capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "alertname: IterscopeHTTPErrors" in output, output
+    assert "IterscopeTTFTHigh" not in output and "IterscopeInterTokenLatencyHigh" not in output
 
 
 def test_generator_refuses_a_wrong_alerting_config():
