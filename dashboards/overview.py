@@ -139,6 +139,28 @@ def end_to_end_latency() -> dashboard.Panel:
     )
 
 
+# Where a request's time goes (TTFT = queue + prefill, end-to-end = TTFT + decode) and how fast
+# its tokens come: (title, description, histogram) of one p50/p95/p99 panel each.
+REQUEST_PHASES = [
+    ("Queue time", "p50, p95 and p99 of the time from arrival to first scheduling (admission) of "
+     "finished requests.", "iterscope_request_queue_time_seconds"),
+    ("Prefill time", "p50, p95 and p99 of the time from first scheduling to the first token of "
+     "finished requests (prompt chunks included).", "iterscope_request_prefill_time_seconds"),
+    ("Decode time", "p50, p95 and p99 of the time from the first token to the last of finished "
+     "requests.", "iterscope_request_decode_time_seconds"),
+    ("Time per output token", "p50, p95 and p99 of each finished request's decode time divided "
+     "by its generated tokens after the first (TPOT).",
+     "iterscope_time_per_output_token_seconds"),
+]
+
+
+def request_phase_panels() -> list[dashboard.Panel]:
+    return [
+        timeseries_panel(title, description, quantile_queries(histogram), unit="s")
+        for title, description, histogram in REQUEST_PHASES
+    ]
+
+
 def finish_reasons() -> dashboard.Panel:
     return timeseries_panel(
         "Finished requests by reason",
@@ -171,6 +193,7 @@ def build() -> dashboard.Dashboard:
         time_to_first_token(),
         inter_token_latency(),
         end_to_end_latency(),
+        *request_phase_panels(),
     ]
     for panel in panels:
         board = board.with_panel(panel)

@@ -1,12 +1,17 @@
-"""Regenerate the Kubernetes manifests that mirror dashboards/ (run from anywhere):
+"""Regenerate the deployment files that mirror dashboards/ (run from anywhere):
 
-    python deploy/generate.py           write deploy/k8s/generated/*.yaml
+    python deploy/generate.py           write them
     python deploy/generate.py --check   exit 1 if they are out of date
 
-- ``prometheusrule.yaml``: one PrometheusRule (prometheus-operator) holding every rule group
-  of ``dashboards/alerts/*.yml``, unchanged, in file-name order.
-- ``grafana-dashboards.yaml``: one ConfigMap per ``dashboards/json/*.json``, its data the
-  file's exact text, labelled ``grafana_dashboard: "1"`` for Grafana's dashboard sidecar.
+- ``prometheus/rules/iterscope.yml``: every rule group of ``dashboards/alerts/*.yml`` in
+  file-name order, with ``deploy/alerting.yml`` applied: each alert's ``runbook_url`` under
+  its ``runbook_base_url``, each ``iterscope:alert_threshold:<name>`` recording rule set to its
+  threshold. The compose stack's Prometheus loads it.
+- ``k8s/generated/prometheusrule.yaml``: the same groups in one PrometheusRule
+  (prometheus-operator).
+- ``k8s/generated/grafana-dashboards.yaml``: one ConfigMap per ``dashboards/json/*.json``, its
+  data the file's exact text, labelled ``grafana_dashboard: "1"`` for Grafana's dashboard
+  sidecar.
 
 The output depends only on those files, so regenerating an unchanged tree changes nothing.
 """
@@ -14,6 +19,7 @@ The output depends only on those files, so regenerating an unchanged tree change
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -22,9 +28,13 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 ALERTS_DIR = REPO / "dashboards" / "alerts"
 DASHBOARDS_DIR = REPO / "dashboards" / "json"
-GENERATED_DIR = REPO / "deploy" / "k8s" / "generated"
-PROMETHEUS_RULE_FILE = "prometheusrule.yaml"
-DASHBOARD_CONFIGMAPS_FILE = "grafana-dashboards.yaml"
+DEPLOY_DIR = REPO / "deploy"
+ALERTING_CONFIG = DEPLOY_DIR / "alerting.yml"
+# Paths of the generated files, relative to DEPLOY_DIR.
+RULES_FILE = "prometheus/rules/iterscope.yml"
+PROMETHEUS_RULE_FILE = "k8s/generated/prometheusrule.yaml"
+DASHBOARD_CONFIGMAPS_FILE = "k8s/generated/grafana-dashboards.yaml"
+THRESHOLD_RECORD_PREFIX = "iterscope:alert_threshold:"
 # The Grafana Helm chart's dashboard sidecar watches ConfigMaps with this label.
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}
 DASHBOARD_FOLDER_ANNOTATION = {"grafana_folder": "iterscope"}
@@ -52,8 +62,8 @@ def dump(documents: list[dict], source: str) -> str:
     return HEADER.format(source=source) + body
 
 
-def prometheus_rule(alerts_dir: Path = ALERTS_DIR) -> dict:
-    """A PrometheusRule with the groups of every rules file, refusing duplicate group names."""
+def rule_groups(alerts_dir: Path = ALERTS_DIR) -> list[dict]:
+    """The groups of every rules file in file-name order, refusing duplicate group names."""
     groups: list[dict] = []
     seen: dict[str, str] = {}
     for path in sorted(alerts_dir.glob("*.yml")):
@@ -68,6 +78,45 @@ def prometheus_rule(alerts_dir: Path = ALERTS_DIR) -> dict:
             groups.append(group)
     if not groups:
         raise ValueError(f"no rule groups in {alerts_dir}/*.yml")
+    return groups
+
+
+def apply_alerting(groups: list[dict], config: dict) -> list[dict]:
+    """``groups`` with the runbook base and thresholds of an alerting config applied.
+
+    Every alert gets ``<runbook_base_url>/<alert>.md``; every threshold recording rule gets
+    ``vector(<value>)``. A threshold the rules lack, or a rule the config does not set, is an
+    error: either would silently keep a value the operator did not choose.
+    """
+    base = str(config["runbook_base_url"]).rstrip("/")
+    if not base.startswith(("https://", "http://")):
+        raise ValueError(f"runbook_base_url {base!r} is not an absolute http(s) URL")
+    thresholds = {name: float(value) for name, value in config["thresholds"].items()}
+    applied = copy.deepcopy(groups)
+    unset = []
+    for rule in (rule for group in applied for rule in group["rules"]):
+        if "alert" in rule:
+            rule["annotations"]["runbook_url"] = f"{base}/{rule['alert']}.md"
+        elif rule["record"].startswith(THRESHOLD_RECORD_PREFIX):
+            name = rule["record"].removeprefix(THRESHOLD_RECORD_PREFIX)
+            if name not in thresholds:
+                unset.append(name)
+                continue
+            rule["expr"] = f"vector({thresholds.pop(name):g})"
+    if unset or thresholds:
+        raise ValueError(f"thresholds not set: {unset}; not in the rules: {sorted(thresholds)}")
+    return applied
+
+
+def load_alerting(path: Path = ALERTING_CONFIG) -> dict:
+    config = yaml.safe_load(path.read_text())
+    if not isinstance(config, dict) or not {"runbook_base_url", "thresholds"} <= set(config):
+        raise ValueError(f"{path}: needs runbook_base_url and thresholds")
+    return config
+
+
+def prometheus_rule(groups: list[dict]) -> dict:
+    """A PrometheusRule holding ``groups``."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -99,18 +148,21 @@ def dashboard_configmaps(dashboards_dir: Path = DASHBOARDS_DIR) -> list[dict]:
 
 
 def render() -> dict[str, str]:
-    """File name (under deploy/k8s/generated) -> its full text."""
+    """Path (relative to deploy/) of each generated file -> its full text."""
+    groups = apply_alerting(rule_groups(), load_alerting())
+    rules_source = "dashboards/alerts/*.yml and deploy/alerting.yml"
     return {
-        PROMETHEUS_RULE_FILE: dump([prometheus_rule()], "dashboards/alerts/*.yml"),
+        RULES_FILE: dump([{"groups": groups}], rules_source),
+        PROMETHEUS_RULE_FILE: dump([prometheus_rule(groups)], rules_source),
         DASHBOARD_CONFIGMAPS_FILE: dump(dashboard_configmaps(), "dashboards/json/*.json"),
     }
 
 
-def stale_files(rendered: dict[str, str], generated_dir: Path = GENERATED_DIR) -> list[str]:
-    """Names of generated files missing or different from ``rendered``."""
+def stale_files(rendered: dict[str, str], deploy_dir: Path = DEPLOY_DIR) -> list[str]:
+    """Paths of generated files missing or different from ``rendered``."""
     return [
         name for name, text in rendered.items()
-        if not (generated_dir / name).is_file() or (generated_dir / name).read_text() != text
+        if not (deploy_dir / name).is_file() or (deploy_dir / name).read_text() != text
     ]
 
 
@@ -120,18 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rendered = render()
-    except (OSError, ValueError, yaml.YAMLError) as error:
+    except (OSError, KeyError, ValueError, yaml.YAMLError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    stale = stale_files(rendered, GENERATED_DIR)
+    stale = stale_files(rendered, DEPLOY_DIR)
     if args.check:
         for name in stale:
-            print(f"stale: deploy/k8s/generated/{name}; run `python deploy/generate.py`")
+            print(f"stale: deploy/{name}; run `python deploy/generate.py`")
         return 1 if stale else 0
-    GENERATED_DIR.mkdir(parents=True, exist_ok=True)
     for name in stale:
-        (GENERATED_DIR / name).write_text(rendered[name])
-        print(f"wrote deploy/k8s/generated/{name}")
+        (DEPLOY_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+        (DEPLOY_DIR / name).write_text(rendered[name])
+        print(f"wrote deploy/{name}")
     return 0
 
 

@@ -67,7 +67,8 @@ def rule_labels() -> dict[str, dict[str, str]]:
     for path in RULE_FILES:
         for group in yaml.safe_load(path.read_text())["groups"]:
             for rule in group["rules"]:
-                labels[rule["alert"]] = rule.get("labels", {})
+                if "alert" in rule:  # not a recording rule (the alert thresholds)
+                    labels[rule["alert"]] = rule.get("labels", {})
     return labels
 
 

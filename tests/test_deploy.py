@@ -68,6 +68,14 @@ def flag_value(argv: list[str], flag: str) -> str:
 # --- Prometheus ------------------------------------------------------------------------------
 
 
+def shipped_rule_groups() -> list[dict]:
+    groups = []
+    for path in sorted((REPO / "dashboards" / "alerts").glob("*.yml")):
+        groups += yaml.safe_load(path.read_text())["groups"]
+    assert groups, "dashboards/alerts/*.yml: no rule groups exist"
+    return groups
+
+
 def rule_file_patterns(config_path: Path) -> list[str]:
     config = yaml.safe_load(config_path.read_text())
     return [str(config_path.parent / pattern) for pattern in config["rule_files"]]
@@ -81,17 +89,19 @@ def test_promtool_accepts_the_prometheus_config():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_prometheus_loads_every_alert_rules_file_of_dashboards():
-    """Each rule_files pattern matches files, together exactly dashboards/alerts/*.yml (an empty
-    match would load no alerts without any error from Prometheus)."""
+def test_prometheus_loads_the_generated_rules_of_every_alert_file():
+    """Each rule_files pattern matches files, together exactly the generated rules file (an
+    empty match would load no alerts without any error from Prometheus), which holds every
+    group of dashboards/alerts/*.yml."""
     loaded = set()
     for pattern in rule_file_patterns(PROMETHEUS_CONFIG):
         matches = {Path(p).resolve() for p in glob.glob(pattern)}
         assert matches, f"rule_files pattern {pattern} matches no file"
         loaded |= matches
-    shipped = {p.resolve() for p in (REPO / "dashboards" / "alerts").glob("*.yml")}
-    assert shipped, "dashboards/alerts/*.yml: no alert rules exist"
-    assert loaded == shipped
+    rules_file = DEPLOY / "prometheus" / "rules" / "iterscope.yml"
+    assert loaded == {rules_file.resolve()}
+    names = [g["name"] for g in yaml.safe_load(rules_file.read_text())["groups"]]
+    assert names == [g["name"] for g in shipped_rule_groups()]
 
 
 def test_prometheus_scrapes_the_sidecar_and_sends_to_alertmanager():
@@ -134,9 +144,8 @@ def test_alertmanager_inhibit_rules_name_shipped_alerts():
     config = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
     shipped = {
         rule["alert"]
-        for path in (REPO / "dashboards" / "alerts").glob("*.yml")
-        for group in yaml.safe_load(path.read_text())["groups"]
-        for rule in group["rules"]
+        for group in shipped_rule_groups()
+        for rule in group["rules"] if "alert" in rule
     }
     for rule in config["inhibit_rules"]:
         matchers = rule["source_matchers"] + rule["target_matchers"]
@@ -192,7 +201,7 @@ def test_compose_services_load_the_shipped_configs():
         "prometheus", flag_value(services["prometheus"]["command"], "--config.file")
     )
     assert prometheus_config == PROMETHEUS_CONFIG
-    # The rule_files patterns, resolved inside the container, reach dashboards/alerts.
+    # The rule_files patterns, resolved inside the container, reach the generated rules.
     container_config = PurePosixPath(flag_value(services["prometheus"]["command"], "--config.file"))
     for pattern in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["rule_files"]:
         container_pattern = str(container_config.parent / pattern)
@@ -366,13 +375,77 @@ def test_generated_manifests_are_in_sync_with_dashboards():
     assert not stale, f"stale {stale}: run `python deploy/generate.py` and commit the result"
 
 
-def test_prometheus_rule_holds_every_group_of_every_alert_file():
+def test_prometheus_rule_holds_the_groups_of_the_compose_rules():
     rule = k8s_object("PrometheusRule", "iterscope-alerts")
-    expected = []
-    for path in sorted((REPO / "dashboards" / "alerts").glob("*.yml")):
-        expected += yaml.safe_load(path.read_text())["groups"]
-    assert expected, "dashboards/alerts/*.yml: no rule groups exist"
-    assert rule["spec"]["groups"] == expected
+    rules_file = DEPLOY / "prometheus" / "rules" / "iterscope.yml"
+    assert rule["spec"]["groups"] == yaml.safe_load(rules_file.read_text())["groups"]
+
+
+def test_shipped_alerting_config_keeps_the_rules_defaults():
+    """deploy/alerting.yml as checked in states the defaults: the generated rules are the
+    rules of dashboards/alerts unchanged (what the promtool tests test)."""
+    rules_file = DEPLOY / "prometheus" / "rules" / "iterscope.yml"
+    assert yaml.safe_load(rules_file.read_text())["groups"] == shipped_rule_groups()
+
+
+def alerting_config(base: str, **thresholds: float) -> dict:
+    defaults = {"ttft_p99_seconds": 2, "inter_token_latency_p99_seconds": 0.2,
+                "http_5xx_ratio": 0.05}
+    return {"runbook_base_url": base, "thresholds": {**defaults, **thresholds}}
+
+
+def test_generator_sets_runbook_base_and_thresholds_of_the_config():
+    generator = load_generator()
+    base = "https://wiki.example.com/ops/iterscope/"
+    groups = generator.apply_alerting(
+        shipped_rule_groups(), alerting_config(base, ttft_p99_seconds=0.75)
+    )
+    rules = [rule for group in groups for rule in group["rules"]]
+    alerts = [rule for rule in rules if "alert" in rule]
+    assert alerts
+    for alert in alerts:
+        url = alert["annotations"]["runbook_url"]
+        assert url == f"https://wiki.example.com/ops/iterscope/{alert['alert']}.md"
+        assert (REPO / "docs" / "runbooks" / url.rsplit("/", 1)[1]).is_file()
+    thresholds = {r["record"]: r["expr"] for r in rules if r.get("record", "").startswith(
+        "iterscope:alert_threshold:")}
+    assert thresholds == {
+        "iterscope:alert_threshold:ttft_p99_seconds": "vector(0.75)",
+        "iterscope:alert_threshold:inter_token_latency_p99_seconds": "vector(0.2)",
+        "iterscope:alert_threshold:http_5xx_ratio": "vector(0.05)",
+    }
+
+
+def test_alerts_fire_on_the_threshold_the_generator_writes(tmp_path):
+    """With the 5xx threshold raised from 5% to 20%, the promtool tests of latency.yml (pods
+    answering 10% errors fire at the default) fail for IterscopeHTTPErrors alone: the alert
+    reads the threshold the generator wrote, and Prometheus accepts what it wrote."""
+    generator = load_generator()
+    config = alerting_config(generator.load_alerting()["runbook_base_url"], http_5xx_ratio=0.2)
+    groups = generator.apply_alerting(shipped_rule_groups(), config)
+    (tmp_path / "latency.yml").write_text(yaml.safe_dump({"groups": groups}))
+    (tmp_path / "tests").mkdir()
+    unit_tests = REPO / "dashboards" / "alerts" / "tests" / "latency_test.yml"
+    shutil.copy(unit_tests, tmp_path / "tests" / unit_tests.name)
+    result = subprocess.run([promtool(), "test", "rules", unit_tests.name],
+                            cwd=tmp_path / "tests", capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "alertname: IterscopeHTTPErrors" in output, output
+    assert "IterscopeTTFTHigh" not in output and "IterscopeInterTokenLatencyHigh" not in output
+
+
+def test_generator_refuses_a_wrong_alerting_config():
+    generator = load_generator()
+    groups = shipped_rule_groups()
+    with pytest.raises(ValueError, match="not an absolute"):
+        generator.apply_alerting(groups, alerting_config("docs/runbooks"))
+    with pytest.raises(ValueError, match=r"not in the rules: \['ttft_p99_second'\]"):
+        generator.apply_alerting(groups, alerting_config("https://x.org", ttft_p99_second=1))
+    config = alerting_config("https://x.org")
+    del config["thresholds"]["http_5xx_ratio"]
+    with pytest.raises(ValueError, match=r"not set: \['http_5xx_ratio'\]"):
+        generator.apply_alerting(groups, config)
 
 
 def test_a_configmap_holds_each_dashboard_verbatim():
@@ -390,19 +463,21 @@ def test_generator_refuses_duplicate_groups_and_non_rule_files(tmp_path):
     (tmp_path / "a.yml").write_text(group)
     (tmp_path / "b.yml").write_text(group)
     with pytest.raises(ValueError, match="'same' is in both a.yml and b.yml"):
-        generator.prometheus_rule(tmp_path)
+        generator.rule_groups(tmp_path)
     (tmp_path / "b.yml").write_text("rule_files: []\n")
     with pytest.raises(ValueError, match="not a Prometheus rules file"):
-        generator.prometheus_rule(tmp_path)
+        generator.rule_groups(tmp_path)
     with pytest.raises(ValueError, match="no dashboards"):
         generator.dashboard_configmaps(tmp_path)
 
 
 def test_generator_check_mode_reports_a_stale_file(tmp_path, monkeypatch, capsys):
     generator = load_generator()
-    monkeypatch.setattr(generator, "GENERATED_DIR", tmp_path)
+    monkeypatch.setattr(generator, "DEPLOY_DIR", tmp_path)
     assert generator.main(["--check"]) == 1
-    assert "stale: deploy/k8s/generated/prometheusrule.yaml" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stale: deploy/k8s/generated/prometheusrule.yaml" in out
+    assert "stale: deploy/prometheus/rules/iterscope.yml" in out
     assert generator.main([]) == 0
     assert generator.main(["--check"]) == 0
 
