@@ -18,7 +18,6 @@ import importlib.util
 import io
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import threading
 from pathlib import Path
 
 from engine import arg_types, bench
+from telemetry.sidecar_process import terminate
 
 REPO = Path(__file__).resolve().parents[1]
 SEND_SHARE = 0.8  # of --duration spent sending (ramp included); the rest lets requests finish
@@ -70,13 +70,7 @@ def start_server(args: argparse.Namespace, record_path: Path) -> tuple[subproces
 
 def stop_server(process: subprocess.Popen, timeout_s: float = 30) -> None:
     """SIGTERM: the server shuts its engine down and the sidecar flushes the recording."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    terminate(process, timeout_s)
 
 
 class Ramp:

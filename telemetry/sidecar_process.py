@@ -86,7 +86,7 @@ class SidecarProcess:
         deadline = time.monotonic() + ready_timeout_s
         while not os.path.exists(self.socket_path):
             if process.poll() is not None or time.monotonic() > deadline:
-                _terminate(process, timeout_s=1)
+                terminate(process, timeout_s=1)
                 raise RuntimeError(
                     f"the sidecar did not start listening on {self.address} "
                     f"(exit status {process.returncode}); command: {' '.join(self._command)}"
@@ -136,7 +136,7 @@ class SidecarProcess:
         """SIGTERM (the sidecar flushes its sinks), SIGKILL after ``timeout_s``; exit status."""
         self._stopping.set()
         with self._lock:
-            status = _terminate(self.process, timeout_s)
+            status = terminate(self.process, timeout_s)
         if self._watcher is not None:
             self._watcher.join(timeout=5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -149,7 +149,8 @@ class SidecarProcess:
         self.stop()
 
 
-def _terminate(process: subprocess.Popen, timeout_s: float) -> int:
+def terminate(process: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM, SIGKILL after ``timeout_s``; the exit status."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:

@@ -8,6 +8,7 @@ traceparents are checked in the records themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -117,13 +119,24 @@ def finish_milestones(records: list[IterationRecord], request_id: str) -> list:
             if m.request_id == request_id and m.event & EVENT_FINISHED]
 
 
+@contextlib.contextmanager
+def tiny_server(directory: Path, *extra_args: str) -> Iterator[ServerProcess]:
+    """`serve` on the tiny model with a recording sidecar; it must stop cleanly, with no
+    traceback in its output."""
+    server = ServerProcess(directory, "--model", TINY_MODEL, "--kv-cache-memory",
+                           KV_CACHE_MEMORY, "--cpu-threads", "1", *extra_args)
+    try:
+        yield server
+    finally:
+        status = server.stop()
+    assert status == 0, server.log()
+    assert "Traceback" not in server.log(), server.log()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("serve"), "--model", TINY_MODEL,
-                           "--kv-cache-memory", KV_CACHE_MEMORY, "--cpu-threads", "1")
-    yield server
-    assert server.stop() == 0, server.log()
-    assert "Traceback" not in server.log(), server.log()
+    with tiny_server(tmp_path_factory.mktemp("serve")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_serve import KV_CACHE_MEMORY, ServerProcess
+from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
 from engine.serve import TINY_MODEL
 
@@ -25,11 +25,8 @@ NUM_QUEUED = 1000
 
 @pytest.fixture
 def server(tmp_path):
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1", "--no-sidecar",
-                           "--engine-stall-timeout", "2")
-    yield server
-    server.stop()
+    with tiny_server(tmp_path, "--no-sidecar", "--engine-stall-timeout", "2") as server:
+        yield server
 
 
 async def health_until(base_url: str, status: str, timeout_s: float) -> list[dict]:
@@ -90,11 +87,9 @@ def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
 
 @pytest.fixture
 def quick_timeouts_server(tmp_path):
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--no-sidecar", "--request-header-timeout", "1",
-                           "--request-body-timeout", "1")
-    yield server
-    server.stop()
+    with tiny_server(tmp_path, "--no-sidecar", "--request-header-timeout", "1",
+                     "--request-body-timeout", "1") as server:
+        yield server
 
 
 def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_server):

@@ -18,7 +18,7 @@ from engine.core import build_engine_core
 from engine.request import Request, SamplingParams
 from engine.serve import TINY_MODEL, load_tiny_model
 from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
-from tests.test_serve import KV_CACHE_MEMORY, ServerProcess, finish_milestones, scripted_app
+from tests.test_serve import finish_milestones, scripted_app, tiny_server
 
 PROMPT = "Sampling, as vLLM's clients ask for it:"
 OUTPUT_LEN = 8
@@ -26,11 +26,8 @@ OUTPUT_LEN = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("serve"), "--model", TINY_MODEL,
-                           "--kv-cache-memory", KV_CACHE_MEMORY, "--cpu-threads", "1")
-    yield server
-    assert server.stop() == 0, server.log()
-    assert "Traceback" not in server.log(), server.log()
+    with tiny_server(tmp_path_factory.mktemp("serve")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
