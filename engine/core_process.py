@@ -16,8 +16,7 @@ dropped) and never ends the engine.
 The engine loop drains its input without blocking while it has work and waits for input when
 idle; it sends one EngineOutputs per iteration that produced tokens, and an empty one at
 least every PROGRESS_BEAT_S while it has work, so ``engine_state`` can tell stalled from
-running. It exits on Shutdown
-(aborting what is left), or when its parent dies.
+running. It exits on Shutdown (aborting what is left), or when its parent dies.
 
 The client's reader thread routes outputs to one RequestStream per request, usable from
 threads (``get`` / iteration) or from asyncio (``aget`` / ``async for``; the stream binds to
