@@ -132,6 +132,10 @@ def check_text(text: str, param: str) -> None:
                              f"{error.start}", param) from None
 
 
+class RequestTimeoutError(RuntimeError):
+    """A request ran past --request-timeout (answered with HTTP 504)."""
+
+
 @dataclass
 class TextDelta:
     """What the frontend sends for one engine output: the new text (after detokenization and
@@ -162,12 +166,14 @@ class Frontend:
     """Request handling shared by both endpoints: prompt checks, generation, abort."""
 
     def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str,
-                 stall_after_s: float = DEFAULT_STALL_AFTER_S) -> None:
+                 stall_after_s: float = DEFAULT_STALL_AFTER_S,
+                 request_timeout_s: float | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = int(tokenizer.vocab_size)
         self.stall_after_s = stall_after_s
+        self.request_timeout_s = request_timeout_s
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, "", self.model_name):
@@ -241,7 +247,7 @@ class Frontend:
         abort_reason = FinishReason.ABORT  # the telemetry's finish reason if we stop early
         num_tokens = 0
         try:
-            async for output in stream:
+            async for output in self._within_timeout(stream):
                 num_tokens += len(output.new_token_ids)
                 token_ids = output.new_token_ids
                 if output.finish_reason == "stop" and token_ids:
@@ -259,6 +265,23 @@ class Frontend:
             watcher.cancel()
             if not stream.finished:
                 self._abort(request_id, abort_reason)
+
+    async def _within_timeout(self, stream: Any) -> AsyncIterator[Any]:
+        """The stream's outputs; RequestTimeoutError once --request-timeout has passed since
+        the first was asked for (generate's cleanup then aborts the engine request)."""
+        if self.request_timeout_s is None:
+            async for output in stream:
+                yield output
+            return
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        while not stream.finished:
+            remaining_s = deadline - asyncio.get_running_loop().time()
+            try:
+                yield await asyncio.wait_for(stream.aget(), max(remaining_s, 0))
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"the request did not finish within --request-timeout "
+                    f"{self.request_timeout_s:g} s; it was aborted") from None
 
     async def _abort_on_disconnect(self, http_request: Any, stream: Any) -> None:
         while (await http_request.receive())["type"] != "http.disconnect":
@@ -315,6 +338,9 @@ async def completion_events(frontend: Frontend, body: CompletionRequest, request
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
         return
+    except RequestTimeoutError as error:
+        yield sse(error_body(str(error), "timeout", 504))
+        return
     if body.include_usage:
         counts = usage(num_prompt_tokens, num_output_tokens)
         yield sse(completion_body(request_id, frontend.model_name, [], counts, True))
@@ -337,6 +363,9 @@ async def chat_events(frontend: Frontend, body: ChatCompletionRequest, request_i
             yield sse(chat_chunk(request_id, name, [choice]))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
+        return
+    except RequestTimeoutError as error:
+        yield sse(error_body(str(error), "timeout", 504))
         return
     if body.include_usage:
         yield sse(chat_chunk(request_id, name, [], usage(num_prompt_tokens, num_output_tokens)))
@@ -409,6 +438,8 @@ def build_app(frontend: Frontend, limits: HttpLimits | None = None,
             return error(503, f"the engine is not running: {exc}", "service_unavailable")
         except EngineBusyError as exc:
             return error(503, str(exc), "service_unavailable")
+        except RequestTimeoutError as exc:
+            return error(504, str(exc), "timeout")
         counts = usage(len(prompt_ids), sum(choice.num_tokens for choice in whole))
         logprobs = LogprobsFormatter(frontend.token_text, isinstance(body, ChatCompletionRequest))
         choices = [make_choice(index, "".join(choice.pieces), choice.finish_reason,
@@ -583,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
                         help="a connection whose request headers take longer is closed "
                         "(default %(default)s)")
+    parser.add_argument("--request-timeout", type=arg_types.positive_float, default=None,
+                        metavar="SECONDS", help="a request still generating after this long "
+                        "is aborted and answered 504 (default: no limit)")
     parser.add_argument("--engine-stall-timeout", type=arg_types.positive_float,
                         default=DEFAULT_STALL_AFTER_S, metavar="SECONDS",
                         help="/health says stalled (503) when requests are in flight and the "
@@ -664,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
         frontend = Frontend(client, tokenizer, args.served_model_name or args.model,
-                            args.engine_stall_timeout)
+                            args.engine_stall_timeout, args.request_timeout)
         sock = listening_socket(args.host, args.port)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
         uv_config = uvicorn.Config(build_app(frontend, limits, sidecar_metrics_url),

@@ -616,3 +616,28 @@ def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies
     response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 500
     assert response.json()["error"]["message"].startswith("internal error: ZeroDivisionError")
+
+
+class HangingClient(ScriptedClient):
+    """Sends the first output of every request, then nothing more."""
+
+    def add_request(self, prompt_ids, params, request_id, traceparent) -> RequestStream:
+        stream = RequestStream(request_id)
+        stream.put(RequestOutput(request_id, self.steps[0], False, None))
+        return stream
+
+
+def test_a_stream_past_its_request_timeout_ends_with_an_error_event_and_an_abort():
+    client = HangingClient([[ord("h")], [ord("i")]])
+    frontend = Frontend(client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL,
+                        request_timeout_s=0.3)
+    http = TestClient(build_app(frontend))
+    body = {"prompt": "hi", "max_tokens": 5, "stream": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    bodies = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+              if line.startswith("data: ")]  # no [DONE]: the stream ends with the error
+    assert bodies[0]["choices"][0]["text"] == "h"
+    assert bodies[-1]["error"]["code"] == 504 and "--request-timeout" in bodies[-1]["error"][
+        "message"]
+    assert len(client.aborted) == 1

@@ -126,3 +126,24 @@ def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
     finally:
         server.stop()
     assert all(not os.path.exists(directory) for directory in engine_dirs)
+
+
+def test_a_request_past_its_timeout_is_aborted_with_504(tmp_path):
+    with tiny_server(tmp_path, "--no-sidecar", "--request-timeout", "2") as server:
+        engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
+        body = {"model": TINY_MODEL, "prompt": "hello", "max_tokens": 4}
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            whole = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+            streamed = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                                  json={**body, "stream": True})
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        assert whole.status_code == 504
+        assert "--request-timeout 2 s" in whole.json()["error"]["message"]
+        # Nothing came before the timeout, so the stream had not started: a 504 too (a stream
+        # already under way ends with an error event instead).
+        assert streamed.status_code == 504
+        assert asyncio.run(health_until(server.base_url, "ok", 30))[-1]["engine"] == "idle"
+        ok = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert ok.status_code == 200  # in time once the engine runs
