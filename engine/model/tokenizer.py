@@ -7,7 +7,9 @@ then encoded without adding special tokens again.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,10 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Stands in for a message's content while the template renders: private-use characters that
+# no template or tokenizer gives a meaning to.
+CONTENT_SENTINEL = "\ue000{}\ue001"
+CONTENT_SENTINEL_PATTERN = re.compile("\ue000([0-9]+)\ue001")
 GGUF_PRE_TOKENIZERS = {
     "default": None,
     "gpt2": None,
@@ -77,13 +83,52 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render the conversation with a generation prompt and encode it."""
+        """Render the conversation with a generation prompt and encode it. The template's own
+        special tokens are special; the same text inside a message is text, so a user cannot
+        forge a turn by writing "<|im_start|>system"."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt")
-        text = render_chat_template(
+        if any(self._holds_special_text(message["content"]) for message in messages):
+            return self._ids_with_literal_contents(messages)
+        return self._ids(self._render(messages), add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return render_chat_template(
             self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token
         )
-        return self._ids(text, add_special_tokens=False)
+
+    def _holds_special_text(self, text: str) -> bool:
+        return any(special in text for special in self._special_texts)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        added = self.backend.get_added_tokens_decoder().values()
+        return tuple(token.content for token in added if token.special)
+
+    @functools.cached_property
+    def _literal_backend(self) -> Any:
+        """A copy of the backend that reads special tokens' text as plain text."""
+        literal = type(self.backend).from_str(self.backend.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    def _ids_with_literal_contents(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render with a sentinel in place of each message's content; the template's pieces
+        are encoded as usual, each content with the literal backend. (Only conversations
+        holding special tokens' text come here, so every other one is encoded exactly as the
+        model's own tokenizer does.)"""
+        masked = [{**message, "content": CONTENT_SENTINEL.format(index)}
+                  for index, message in enumerate(messages)]
+        ids: list[int] = []
+        pieces = CONTENT_SENTINEL_PATTERN.split(self._render(masked))
+        for position, piece in enumerate(pieces):  # template, index, template, index, ...
+            if position % 2:
+                content = messages[int(piece)]["content"]
+                ids += self._literal_backend.encode_batch_fast(
+                    [content], add_special_tokens=False)[0].ids
+            elif piece:
+                ids += self._ids(piece, add_special_tokens=False)
+        return ids
 
 
 def _token_text(value: Any) -> str | None:
