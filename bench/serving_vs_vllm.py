@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ from bench.vllm_server import (  # noqa: E402
     bench_serve,
     free_port,
     start_vllm,
-    stop_vllm,
+    stop_server,
     wait_healthy,
 )
 
@@ -52,18 +50,9 @@ def start_iterscope(port: int, extra_args: list[str], log_path: Path) -> subproc
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, 300)
     except RuntimeError:
-        stop_iterscope(server)
+        stop_server(server)
         raise
     return server
-
-
-def stop_iterscope(server: subprocess.Popen) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
@@ -95,10 +84,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         vllm = measure("vllm", lambda port, log: start_vllm(port, VLLM_ENV, log, BEST_CPU_FLAGS),
-                       stop_vllm, args.rounds, tmp)
+                       stop_server, args.rounds, tmp)
         ours = measure("iterscope",
                        lambda port, log: start_iterscope(port, args.iterscope_arg, log),
-                       stop_iterscope, args.rounds, tmp)
+                       stop_server, args.rounds, tmp)
     ratios = {f"{figure}_ratio": ours[figure] / vllm[figure] for figure in FIGURES}
     for name, figures in (("vLLM", vllm), ("iterscope", ours)):
         print(f"{name:>9}: {figures['output_throughput']:.1f} output tok/s, TTFT mean "

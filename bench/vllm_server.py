@@ -55,7 +55,7 @@ def start_vllm(port: int, env: dict[str, str], log_path: Path,
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, ready_timeout_s)
     except RuntimeError:
-        stop_vllm(server)
+        stop_server(server)
         raise
     return server
 
@@ -93,9 +93,10 @@ def bench_serve(port: int, result_dir: Path, name: str,
     return json.loads((result_dir / f"{name}.json").read_text())
 
 
-def stop_vllm(server: subprocess.Popen) -> None:
-    """SIGTERM to the whole process group (API server and engine core), SIGKILL after 30 s;
-    a stopped (SIGSTOP) engine core is continued first so it can exit."""
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the whole process group (API server, engine core, sidecar), SIGKILL after
+    30 s; a stopped (SIGSTOP) engine core is continued first so it can exit. For vLLM and
+    `iterscope serve` alike (both are started in a session of their own)."""
     try:
         os.killpg(server.pid, signal.SIGCONT)
         os.killpg(server.pid, signal.SIGTERM)

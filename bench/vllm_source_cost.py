@@ -32,7 +32,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_server import bench_serve, free_port, start_vllm, stop_vllm  # noqa: E402
+from bench.vllm_server import bench_serve, free_port, start_vllm, stop_server  # noqa: E402
 from telemetry.sidecar_process import start_sidecar  # noqa: E402
 
 NUM_RUNNING = 16
@@ -118,7 +118,7 @@ def compare_throughput(num_rounds: int) -> dict:
                     result = bench_serve(port, Path(tmp), f"{name}-{round_index}")
                     value = result["output_throughput"]
                 finally:
-                    stop_vllm(server)
+                    stop_server(server)
                 runs[name].append(value)
                 print(f"round {round_index} {name}: {value:.1f} output tok/s", flush=True)
     with_mean = statistics.mean(runs["with_plugin"])

@@ -15,12 +15,10 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
+from bench.vllm_server import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 README_PORT = "8000"
@@ -37,12 +35,6 @@ def by_hand_commands(readme: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def fresh_shell(command: str, cwd: Path, **popen_args) -> subprocess.Popen:
     """``command`` in a new non-login, non-interactive bash with a bare environment."""
     env = {
@@ -53,19 +45,6 @@ def fresh_shell(command: str, cwd: Path, **popen_args) -> subprocess.Popen:
     }
     return subprocess.Popen(["bash", "--noprofile", "--norc", "-c", command], cwd=cwd,
                             env=env, text=True, **popen_args)
-
-
-def wait_healthy(port: int, serve: subprocess.Popen) -> None:
-    deadline = time.monotonic() + SERVE_READY_S
-    while time.monotonic() < deadline:
-        assert serve.poll() is None, f"serve exited with {serve.returncode}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"serve not healthy within {SERVE_READY_S} s")
 
 
 def run(command: str, cwd: Path) -> str:
@@ -87,7 +66,7 @@ def test_readme_commands_run_in_a_fresh_shell(tmp_path):
                         stderr=subprocess.STDOUT, start_new_session=True)
     outputs = {}
     try:
-        wait_healthy(port, serve)
+        wait_healthy(f"http://127.0.0.1:{port}", serve, tmp_path / "serve.log", SERVE_READY_S)
         for line in client_lines:
             command = line.replace(README_PORT, str(port))
             if " bench " in command:

@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_server import ROOT, start_vllm, stop_vllm
+from bench.vllm_server import ROOT, start_vllm, stop_server
 from telemetry.sidecar_process import start_sidecar
 
 pytestmark = pytest.mark.timeout(900)
@@ -89,7 +89,7 @@ def stack(tmp_path_factory):
                "metrics_port": metrics_port, "tmp": tmp}
     finally:
         if server is not None:
-            stop_vllm(server)
+            stop_server(server)
         sidecar.stop()
         sidecar_log.close()
 
