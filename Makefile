@@ -77,7 +77,7 @@ alertmanager:
 	      prometheus-alertmanager )
 
 demo: $(STAMP)
-	$(PY) -m engine.cli demo $(ARGS)
+	$(PY) -m engine.entrypoints.cli demo $(ARGS)
 
 test: $(STAMP) prometheus alertmanager vllm
 	$(PY) -m ruff check .

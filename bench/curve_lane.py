@@ -3,7 +3,7 @@
     .venv/bin/python bench/curve_lane.py [--records 20000] [--rate 5000] [--rounds 2]
 
 An engine-side ZmqPublisher sends paced steady-state decode records to a PULL socket in another
-process (CURVE server set up by telemetry.curve when on). Per mode, interleaved over rounds:
+process (CURVE server set up by telemetry.lane.curve when on). Per mode, interleaved over rounds:
 the publish() call cost (p50, p99 in ns), the engine process's CPU time per record (user +
 system of the whole process, so ZMQ's I/O thread, where CURVE encrypts, is included; the
 sender sleeps between batches of 50), and the records delivered. The last line is one JSON
@@ -22,9 +22,9 @@ import time
 
 import zmq
 
-from telemetry import curve
-from telemetry.publisher import ZmqPublisher
-from telemetry.record import IterationRecord
+from telemetry.lane import curve
+from telemetry.lane.publisher import ZmqPublisher
+from telemetry.lane.record import IterationRecord
 
 MODES = ("tcp", "tcp+curve")
 BATCH = 50  # records sent back to back, then a sleep that keeps the mean rate

@@ -26,7 +26,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.kv_planning import KvPlan  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
-from telemetry.publisher import NullPublisher, ZmqPublisher  # noqa: E402
+from telemetry.lane.publisher import NullPublisher, ZmqPublisher  # noqa: E402
 
 BATCH_SIZES = (1, 32, 256)
 NUM_ITERATIONS = 2000

@@ -58,7 +58,7 @@ def best_ns_per_call(body, num_calls: int) -> float:
 
 
 def decode_record(iteration: int = 1000, milestones=()):
-    from telemetry.record import IterationRecord
+    from telemetry.lane.record import IterationRecord
 
     return IterationRecord(
         engine_index=0, seq=iteration, iteration=iteration, start_ns=time.monotonic_ns(),
@@ -74,8 +74,8 @@ def decode_record(iteration: int = 1000, milestones=()):
 def measure_nvtx_in_this_process() -> dict:
     """Engine markers and the NVTX sink, with whatever NVTX tool this process has."""
     from engine.nvtx_markers import NullMarkers, make_markers
-    from telemetry.record import make_encoder
-    from telemetry.sinks.nvtx_ranges import NvtxSink
+    from telemetry.lane.record import make_encoder
+    from telemetry.sidecar.sinks.nvtx_ranges import NvtxSink
 
     def markers_loop(markers):
         def body(num_calls):
@@ -121,8 +121,8 @@ def measure_nvtx_in_this_process() -> dict:
 def measure_otel_sink() -> dict:
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from telemetry.record import EVENT_FINISHED, Heartbeat, RequestMilestone
-    from telemetry.sinks.otel import OtelSink
+    from telemetry.lane.record import EVENT_FINISHED, Heartbeat, RequestMilestone
+    from telemetry.sidecar.sinks.otel import OtelSink
 
     class DiscardingExporter:
         def export(self, spans):

@@ -11,7 +11,7 @@ with CLOCK_MONOTONIC, the clock of the engine's ``time.monotonic_ns()``. Per ite
     .venv/bin/python bench/nvtx_offset.py [--num-iterations 2000] [--iteration-ms 5]
         [--nvtx-delay-ms 50]
 
-The sidecar paces its ranges (telemetry/sinks/nvtx_ranges.py): the offset should be one
+The sidecar paces its ranges (telemetry/sidecar/sinks/nvtx_ranges.py): the offset should be one
 constant lag (least lane latency + the delay) and the length error near zero. Prints p50 /
 p99 of each, in microseconds, and the share of ranges shorter than half their iteration;
 the last line is JSON.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nvtx_cost import build_capture_tool, decode_record  # noqa: E402
 
-from telemetry.publisher import ZmqPublisher  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -47,8 +47,8 @@ def start_sidecar(address: str, tool: Path, capture_path: Path,
                   delay_ms: float) -> subprocess.Popen:
     env = dict(os.environ, NVTX_INJECTION64_PATH=str(tool), NVTX_CAPTURE_PATH=str(capture_path),
                PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "engine.cli", "sidecar", "--address", address, "--nvtx",
-               "--nvtx-delay-ms", str(delay_ms), "--no-log", "--no-metrics"]
+    command = [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
+               "--nvtx", "--nvtx-delay-ms", str(delay_ms), "--no-log", "--no-metrics"]
     return subprocess.Popen(command, env=env, cwd=REPO, stderr=subprocess.DEVNULL)
 
 

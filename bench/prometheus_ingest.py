@@ -11,7 +11,7 @@
    each alone, and behind the sidecar's Ingest (msgpack decode + sequence checks) from frames;
    and Ingest with a sink that does nothing (what decode + sequence checks cost alone).
 2. Visibility: a real `iterscope sidecar` process; this process publishes one record at a time
-   with telemetry.publisher.ZmqPublisher and polls GET /metrics until the record's iteration
+   with telemetry.lane.publisher.ZmqPublisher and polls GET /metrics until the record's iteration
    shows, while a second engine process streams background records. Latency = publish to
    the first scrape that shows it (includes one full scrape). Reports p50 / p99.
 
@@ -46,8 +46,8 @@ from prometheus_client import (  # noqa: E402
     generate_latest,
 )
 
-from telemetry.publisher import ZmqPublisher  # noqa: E402
-from telemetry.record import (  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
+from telemetry.lane.record import (  # noqa: E402
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
@@ -56,8 +56,8 @@ from telemetry.record import (  # noqa: E402
     RequestMilestone,
     make_encoder,
 )
-from telemetry.sidecar import Ingest  # noqa: E402
-from telemetry.sinks.prometheus import HISTOGRAMS, WAITING_REASONS, PrometheusSink  # noqa: E402
+from telemetry.sidecar.ingest import Ingest  # noqa: E402
+from telemetry.sidecar.sinks.prometheus import HISTOGRAMS, WAITING_REASONS, PrometheusSink  # noqa: E402
 
 LABELS = ("engine", "model_name")
 MS = 1_000_000

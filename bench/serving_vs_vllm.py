@@ -42,8 +42,8 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_PLUGINS": "none"}
 
 
 def start_iterscope(port: int, extra_args: list[str], log_path: Path) -> subprocess.Popen:
-    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "engine.cli", "serve", "smollm2",
-               "--port", str(port), *extra_args]
+    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "engine.entrypoints.cli", "serve",
+               "smollm2", "--port", str(port), *extra_args]
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)

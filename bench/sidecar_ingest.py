@@ -26,10 +26,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.record import Heartbeat, IterationRecord, make_encoder  # noqa: E402
-from telemetry.sidecar import Ingest, Sidecar  # noqa: E402
-from telemetry.sinks.jsonl import JsonlSink  # noqa: E402
-from telemetry.sinks.log import LogSink  # noqa: E402
+from telemetry.lane.record import Heartbeat, IterationRecord, make_encoder  # noqa: E402
+from telemetry.sidecar.ingest import Ingest, Sidecar  # noqa: E402
+from telemetry.sidecar.sinks.jsonl import JsonlSink  # noqa: E402
+from telemetry.sidecar.sinks.log import LogSink  # noqa: E402
 
 WALL_OFFSET_NS = 1_700_000_000_000_000_000
 

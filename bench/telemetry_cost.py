@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.publisher import ZmqPublisher  # noqa: E402
-from telemetry.record import IterationRecord, RequestMilestone, make_encoder  # noqa: E402
-from telemetry.sidecar_process import start_sidecar  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
+from telemetry.lane.record import IterationRecord, RequestMilestone, make_encoder  # noqa: E402
+from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 BLOCK = 10_000
 

@@ -31,8 +31,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import build_engine_core  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
-from telemetry.publisher import ZmqPublisher  # noqa: E402
-from telemetry.sidecar_process import start_sidecar  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
+from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 
 def run_once(args: argparse.Namespace, model, prompts: list[list[int]], telemetry: bool,

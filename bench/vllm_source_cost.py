@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.vllm_server import bench_serve, free_port, start_vllm, stop_server  # noqa: E402
-from telemetry.sidecar_process import start_sidecar  # noqa: E402
+from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 NUM_RUNNING = 16
 
@@ -78,7 +78,7 @@ def decode_step(step: int):
 
 
 def time_calls(num_calls: int) -> dict:
-    from telemetry.vllm_source import IterscopeStatLogger
+    from telemetry.sources.vllm_stat_logger import IterscopeStatLogger
 
     steps = [decode_step(step) for step in range(64)]
     with start_sidecar(["--no-metrics", "--no-log"]) as sidecar:

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, fields
 
 from engine.auto_dtype import auto_dtype
-from telemetry.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
-from telemetry.record import MAX_ENGINE_INDEX
+from telemetry.lane.publisher import DEFAULT_QUEUE_CAPACITY, DEFAULT_SNDHWM
+from telemetry.lane.record import MAX_ENGINE_INDEX
 
 DTYPE_ALIASES = {
     "auto": "auto",

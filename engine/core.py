@@ -21,8 +21,8 @@ from engine.logprobs import TokenLogprobs
 from engine.nvtx_markers import make_markers
 from engine.request import FinishReason, Request
 from engine.scheduler import RequestRejectedError, Scheduler, SchedulerOutput, WaitReason
-from telemetry.publisher import NullPublisher
-from telemetry.record import (
+from telemetry.lane.publisher import NullPublisher
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     IterationRecord,

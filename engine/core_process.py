@@ -200,7 +200,7 @@ def _remove_lanes_if_orphaned(input_address: str) -> None:
 def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
     if config.telemetry_address is None:
         return core.publisher
-    from telemetry.publisher import ZmqPublisher
+    from telemetry.lane.publisher import ZmqPublisher
 
     return ZmqPublisher(
         config.telemetry_address,

@@ -1,7 +1,7 @@
 """Engine-side NVTX markers (``--nvtx-markers``): one range per iteration around the step.
 
 The message is the constant string "iteration" and the payload is the iteration number, the
-same number the sidecar's range for that iteration carries (telemetry/sinks/nvtx_ranges.py),
+same number the sidecar's range for that iteration carries (telemetry/sidecar/sinks/nvtx_ranges.py),
 so in Nsight Systems the engine's exact range and the sidecar's descriptive one pair up by
 payload. Nothing is formatted here: the event attributes are built once and only the int64
 payload changes per iteration.

@@ -240,7 +240,7 @@ def start_metrics_sidecar(
     env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO_ROOT))
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "sidecar", "--address", address,
+            [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
              "--metrics-port", "0", "--no-log", *extra_args],
             cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
         )

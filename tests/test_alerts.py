@@ -242,9 +242,9 @@ def test_kv_blocked_panel_threshold_is_the_alert_share():
 def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):
     """The runbook tells operators to look for the sidecar's ERROR lines: quote them as the
     sidecar and its log sink write them today (pids as in the runbook's example)."""
-    from telemetry.record import Heartbeat
-    from telemetry.sidecar import Ingest
-    from telemetry.sinks.log import LogSink
+    from telemetry.lane.record import Heartbeat
+    from telemetry.sidecar.ingest import Ingest
+    from telemetry.sidecar.sinks.log import LogSink
 
     log_sink_lines = []
     log_sink = LogSink(emit=lambda level, text: log_sink_lines.append(text), interval_s=10)

@@ -1,5 +1,6 @@
-"""GET /metrics on the API port (engine/api_metrics.py), in this process: the frontend over a
-scripted engine client, the sidecar a real metrics HTTP server (telemetry/metrics_http.py)."""
+"""GET /metrics on the API port (engine/entrypoints/api_metrics.py), in this process: the
+frontend over a scripted engine client, the sidecar a real metrics HTTP server
+(telemetry/sidecar/metrics_http.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import PLAIN_TEMPLATE, ScriptedClient, TemplateTokenizer
 
-from engine import api_metrics
-from engine.serve import TINY_MODEL, Frontend, build_app
-from telemetry.metrics_http import serve_metrics
+from engine.entrypoints import api_metrics
+from engine.entrypoints.serve import TINY_MODEL, Frontend, build_app
+from telemetry.sidecar.metrics_http import serve_metrics
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from prom_helpers import start_prometheus
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import KV_CACHE_MEMORY, ServerProcess
 
-from engine.serve import TINY_MODEL
+from engine.entrypoints.serve import TINY_MODEL
 
 MODEL = f'model_name="{TINY_MODEL}"'
 WINDOW = "1m"  # stands in for Grafana's $__rate_interval and the rules' [5m]

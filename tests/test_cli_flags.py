@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine import demo, serve
+from engine.entrypoints import demo, serve
 
 
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:

@@ -234,7 +234,7 @@ def test_startup_failure_reaches_the_client():
 def test_engine_process_publishes_records_and_heartbeats(tmp_path):
     import zmq
 
-    from telemetry.record import Heartbeat, IterationRecord, make_decoder
+    from telemetry.lane.record import Heartbeat, IterationRecord, make_decoder
 
     context = zmq.Context()
     sink = context.socket(zmq.PULL)

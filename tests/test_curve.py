@@ -1,5 +1,5 @@
 """CURVE on the telemetry lane: engines publish over loopback tcp to a PULL socket set up by
-telemetry.curve; only engines holding listed keys get through."""
+telemetry.lane.curve; only engines holding listed keys get through."""
 
 import socket
 import stat
@@ -12,9 +12,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from telemetry import curve
-from telemetry.publisher import ZmqPublisher
-from telemetry.record import IterationRecord, make_decoder
+from telemetry.lane import curve
+from telemetry.lane.publisher import ZmqPublisher
+from telemetry.lane.record import IterationRecord, make_decoder
 
 DEADLINE_S = 15.0
 HANDSHAKE_FAILED_EVENTS = (
@@ -297,7 +297,7 @@ def free_tcp_address() -> str:
 
 
 def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
-    from telemetry.sidecar import Ingest, Sidecar
+    from telemetry.sidecar.ingest import Ingest, Sidecar
 
     sink = RecordingSink()
     context = zmq.Context()

@@ -13,13 +13,13 @@ import httpx
 import msgspec
 from test_serve import REPO
 
-from telemetry.record import IterationRecord, Message
+from telemetry.lane.record import IterationRecord, Message
 
 
 def test_short_demo(tmp_path):
     record_path = tmp_path / "demo.jsonl"
     command = [
-        sys.executable, "-m", "engine.cli", "demo", "--duration", "16", "--ramp", "2,6",
+        sys.executable, "-m", "engine.entrypoints.cli", "demo", "--duration", "16", "--ramp", "2,6",
         "--input-len", "48", "--output-len", "24", "--kv-cache-memory", "12MiB",
         "--metrics-port", "0", "--log-interval", "3", "--record", str(record_path),
     ]

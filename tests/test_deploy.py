@@ -502,7 +502,7 @@ def iterscope_commands() -> list[tuple[str, list[str]]]:
 @functools.cache
 def subcommand_help(subcommand: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", subcommand, "--help"],
+        [sys.executable, "-m", "engine.entrypoints.cli", subcommand, "--help"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (engine/detokenizer.py).
+"""Incremental detokenization and stop strings (engine/entrypoints/detokenizer.py).
 
 Streamed pieces must join to the one-shot decode of the final ids, never show a U+FFFD for a
 character split across tokens, and cost the same per token however long the output is; stop
@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from engine.detokenizer import (
+from engine.entrypoints.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,
     check_stop_strings,
 )
+from engine.entrypoints.serve import TINY_MODEL, load_tokenizer
 from engine.model.tokenizer import ByteTokenizer, Tokenizer
-from engine.serve import TINY_MODEL, load_tokenizer
 
 TEXTS = [
     "Hello, 你好 world! Ünïcödé 😀 emoji 🇫🇷 flags — ok",

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, build_engine_core
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestRejectedError
-from telemetry.record import (
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,

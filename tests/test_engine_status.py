@@ -14,10 +14,10 @@ from test_sidecar import RecordingSink, heartbeat, record
 from test_sidecar_engine import start_engine, stop_engine
 
 from engine.request import Request, SamplingParams
-from telemetry.engine_state import STALL_FACTOR, STALL_FLOOR_S
-from telemetry.publisher import ZmqPublisher
-from telemetry.sidecar import Ingest, Sidecar
-from telemetry.sink import EngineStatus
+from telemetry.lane.publisher import ZmqPublisher
+from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S
+from telemetry.sidecar.ingest import Ingest, Sidecar
+from telemetry.sidecar.sink import EngineStatus
 
 SECOND = 1_000_000_000
 IDLE, RUNNING, STALLED, DEAD = (EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED,

@@ -11,12 +11,18 @@ import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
-from telemetry.episodes import INFO, PROBLEM, Thresholds, detect_episodes, detect_kv_saturation
-from telemetry.explain import follow, format_engine, main, read_timelines
-from telemetry.record import IterationRecord
-from telemetry.recording import RecordingReader
-from telemetry.summary import summarize
-from telemetry.timeline import build_timelines
+from telemetry.analysis.episodes import (
+    INFO,
+    PROBLEM,
+    Thresholds,
+    detect_episodes,
+    detect_kv_saturation,
+)
+from telemetry.analysis.explain import follow, format_engine, main, read_timelines
+from telemetry.analysis.summary import summarize
+from telemetry.analysis.timeline import build_timelines
+from telemetry.lane.record import IterationRecord
+from telemetry.lane.recording import RecordingReader
 
 
 def episodes_of(sim: Simulator, engine_index: int = 0):
@@ -354,7 +360,7 @@ def test_follow_reads_files_rotated_while_following(story2, tmp_path):
 
 def test_follow_reads_nothing_twice_when_a_rotation_lands_between_listing_and_opening(
         story2, tmp_path, monkeypatch):
-    from telemetry import recording
+    from telemetry.lane import recording
 
     encoder = msgspec.json.Encoder()
     lines = [encoder.encode(m) + b"\n" for m in story2.messages]
@@ -384,7 +390,7 @@ def test_follow_keeps_a_bounded_window(story2, tmp_path):
 
 
 def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
-    from engine.cli import main as iterscope
+    from engine.entrypoints.cli import main as iterscope
 
     path = story2.write(tmp_path / "story2.jsonl")
     assert iterscope(["explain", str(path), "--engine", "0"]) == 0

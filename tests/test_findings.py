@@ -6,12 +6,12 @@ import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
-from telemetry.actions import finding_action
-from telemetry.episodes import Thresholds, detect_episodes
-from telemetry.explain import MAX_FINDING_LINES, main
-from telemetry.findings import build_findings, episode_cost
-from telemetry.record import EVENT_FIRST_TOKEN, IterationRecord
-from telemetry.timeline import NS_PER_S, build_timelines
+from telemetry.analysis.actions import finding_action
+from telemetry.analysis.episodes import Thresholds, detect_episodes
+from telemetry.analysis.explain import MAX_FINDING_LINES, main
+from telemetry.analysis.findings import build_findings, episode_cost
+from telemetry.analysis.timeline import NS_PER_S, build_timelines
+from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord
 
 
 def findings_of(sim: Simulator):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from engine.http_guard import HttpLimits, RequestGuard
+from engine.entrypoints.http_guard import HttpLimits, RequestGuard
 
 
 def echo_app(limits: HttpLimits) -> FastAPI:

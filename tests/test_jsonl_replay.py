@@ -11,13 +11,13 @@ import msgspec
 import pytest
 from test_sidecar_engine import synthetic_record
 
-from telemetry.explain import read_timelines
-from telemetry.record import Heartbeat, IterationRecord, Message, RequestMilestone
-from telemetry.recording import read_recording, recording_files
-from telemetry.replay import replay
-from telemetry.sidecar import Ingest
-from telemetry.sinks.jsonl import JsonlSink
-from telemetry.sinks.log import LogSink
+from telemetry.analysis.explain import read_timelines
+from telemetry.lane.record import Heartbeat, IterationRecord, Message, RequestMilestone
+from telemetry.lane.recording import read_recording, recording_files
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.replay import replay
+from telemetry.sidecar.sinks.jsonl import JsonlSink
+from telemetry.sidecar.sinks.log import LogSink
 
 SECOND = 1_000_000_000
 OFFSET_NS = 1_700_000_000 * SECOND
@@ -165,7 +165,7 @@ def test_cli_replay_prints_the_same_lines(tmp_path):
     messages = run_messages(seconds=12)
     live_lines, _ = live(messages, tmp_path / "rec.jsonl")
     result = subprocess.run(
-        [sys.executable, "-m", "telemetry.sidecar_cli", "--replay", str(tmp_path / "rec.jsonl"),
+        [sys.executable, "-m", "telemetry.sidecar.cli", "--replay", str(tmp_path / "rec.jsonl"),
          "--log-interval", "5", "--no-metrics"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
     )
@@ -184,7 +184,7 @@ def test_cli_replay_leaves_metrics_off_so_it_never_collides_with_a_live_sidecar(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         result = subprocess.run(
-            [sys.executable, "-m", "telemetry.sidecar_cli", "--replay",
+            [sys.executable, "-m", "telemetry.sidecar.cli", "--replay",
              str(tmp_path / "rec.jsonl"), "--metrics-port", str(busy.getsockname()[1])],
             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
         )
@@ -211,7 +211,7 @@ class FlakyDisk:
 
 def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(
         tmp_path, monkeypatch):
-    from telemetry.sinks import jsonl
+    from telemetry.sidecar.sinks import jsonl
 
     disk = FlakyDisk()
     monkeypatch.setattr(jsonl.os, "write", disk.write)

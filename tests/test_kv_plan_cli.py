@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_plan_cli import main
+from engine.entrypoints.kv_plan import main
 from engine.kv_planning import GIB, cuda_kv_budget_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_console_command_dispatches(story5_dir):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "engine.entrypoints.cli",
             "kv-plan",
             "--model",
             str(story5_dir),
@@ -132,8 +132,8 @@ def test_console_command_dispatches(story5_dir):
 
 
 def test_console_command_does_not_fit_exits_1_with_the_error_on_stderr(story5_dir):
-    command = [sys.executable, "-m", "engine.cli", "kv-plan", "--model", str(story5_dir),
-               "--memory", "1GiB"]
+    command = [sys.executable, "-m", "engine.entrypoints.cli", "kv-plan",
+               "--model", str(story5_dir), "--memory", "1GiB"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 1
     assert "To serve at least one request" in result.stderr

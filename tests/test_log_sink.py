@@ -4,10 +4,10 @@ import logging
 
 from test_sidecar_engine import synthetic_record
 
-from telemetry.record import Heartbeat
-from telemetry.sidecar import Ingest
-from telemetry.sink import EngineStatus
-from telemetry.sinks.log import LogSink
+from telemetry.lane.record import Heartbeat
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.sinks.log import LogSink
 
 SECOND = 1_000_000_000
 CLOCK_OFFSET_NS = 1_700_000_000 * SECOND  # wall - monotonic, as a heartbeat reports it

@@ -20,10 +20,10 @@ import msgspec
 import pytest
 
 from engine.nvtx_markers import NullMarkers, make_markers
-from telemetry.iteration_line import format_iteration_line
-from telemetry.record import IterationRecord
-from telemetry.sinks import nvtx_ranges
-from telemetry.sinks.nvtx_ranges import END, START, RangePacer
+from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.iteration_line import format_iteration_line
+from telemetry.sidecar.sinks import nvtx_ranges
+from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURE_SOURCE = REPO / "tests" / "nvtx_capture" / "nvtx_capture.c"
@@ -41,8 +41,8 @@ for iteration in range(1, 6):
 FEED_SINK = """
 import sys, time
 import msgspec
-from telemetry.record import IterationRecord
-from telemetry.sinks.nvtx_ranges import NvtxSink
+from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.sinks.nvtx_ranges import NvtxSink
 
 records = msgspec.msgpack.Decoder(list[IterationRecord]).decode(open(sys.argv[1], "rb").read())
 batch = int(sys.argv[2])
@@ -297,9 +297,9 @@ NVTXW_BACKEND_SOURCE = REPO / "tests" / "nvtxw_capture" / "nvtxw_capture.c"
 FEED_WRITER_SINK = """
 import argparse, sys
 import msgspec
-from telemetry.record import IterationRecord
-from telemetry.sinks import nvtx_ranges
-from telemetry.sinks.nvtx_ranges import END, START, RangePacer
+from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.sinks import nvtx_ranges
+from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
 
 backend, config, records_path = sys.argv[1:]
 parser = argparse.ArgumentParser()

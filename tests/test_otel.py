@@ -21,15 +21,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from telemetry.record import (
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
 )
-from telemetry.sinks import otel
-from telemetry.sinks.otel import IterationSampling, OtelSink, make_exporter
+from telemetry.sidecar.sinks import otel
+from telemetry.sidecar.sinks.otel import IterationSampling, OtelSink, make_exporter
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -454,13 +454,13 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
     import signal
     import sys
 
-    from telemetry.publisher import ZmqPublisher
+    from telemetry.lane.publisher import ZmqPublisher
 
     address = f"ipc://{tmp_path}/lane.sock"
     repo = Path(__file__).resolve().parent.parent
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "sidecar", "--address", address, "--no-log",
-         "--no-metrics", "--otlp-traces-endpoint", receiver.endpoint],
+        [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
+         "--no-log", "--no-metrics", "--otlp-traces-endpoint", receiver.endpoint],
         cwd=repo, stderr=subprocess.PIPE, text=True,
     )
     publisher = None
@@ -494,7 +494,7 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
 
 
 def test_wall_clock_uses_the_latest_anchor_and_refuses_without_one():
-    from telemetry.clock import WallClock
+    from telemetry.sidecar.clock import WallClock
 
     clock = WallClock()
     assert not clock.has_anchor(0)

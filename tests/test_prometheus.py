@@ -15,18 +15,18 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.histogram import MAX_COUNT_INDEX, Histogram
-from telemetry.metrics_http import metrics_url
-from telemetry.record import (
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
 )
-from telemetry.sink import EngineStatus
-from telemetry.sinks import prometheus
-from telemetry.sinks.prometheus import PrometheusSink
+from telemetry.sidecar.histogram import MAX_COUNT_INDEX, Histogram
+from telemetry.sidecar.metrics_http import metrics_url
+from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.sinks import prometheus
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 MS = 1_000_000
 CONTRACT = {

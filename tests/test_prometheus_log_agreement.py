@@ -18,10 +18,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.record import Heartbeat, IterationRecord, make_encoder
-from telemetry.sidecar import Ingest
-from telemetry.sinks.log import LogSink
-from telemetry.sinks.prometheus import PrometheusSink
+from telemetry.lane.record import Heartbeat, IterationRecord, make_encoder
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.sinks.log import LogSink
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 INTERVAL_S = 10
 WALL_BASE_NS = 1_700_000_000 * 10**9  # a window boundary

@@ -4,9 +4,9 @@ import msgspec
 import pytest
 import zmq
 
-from telemetry import publisher as publisher_module
-from telemetry.publisher import ZmqPublisher
-from telemetry.record import (
+from telemetry.lane import publisher as publisher_module
+from telemetry.lane.publisher import ZmqPublisher
+from telemetry.lane.record import (
     TAG_ITERATION,
     Heartbeat,
     IterationRecord,

@@ -29,10 +29,7 @@ from fastapi.testclient import TestClient
 from engine.config import EngineConfig
 from engine.core import RequestOutput, build_engine_core
 from engine.core_process import RequestStream
-from engine.model.chat_template import render_chat_template
-from engine.model.tokenizer import ByteTokenizer
-from engine.request import FinishReason, Request, SamplingParams
-from engine.serve import (
+from engine.entrypoints.serve import (
     TINY_MODEL,
     Frontend,
     build_app,
@@ -42,7 +39,10 @@ from engine.serve import (
     resolve_model_argument,
     sidecar_arguments,
 )
-from telemetry.record import EVENT_FINISHED, IterationRecord, Message
+from engine.model.chat_template import render_chat_template
+from engine.model.tokenizer import ByteTokenizer
+from engine.request import FinishReason, Request, SamplingParams
+from telemetry.lane.record import EVENT_FINISHED, IterationRecord, Message
 
 REPO = Path(__file__).resolve().parents[1]
 KV_CACHE_MEMORY = "4MiB"  # 512 blocks of 16 tokens for the tiny model
@@ -56,7 +56,8 @@ class ServerProcess:
         self.log_path = tmp_path / "serve.log"
         self.record_path = tmp_path / "recording.jsonl"
         command = [
-            sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--metrics-port", "0",
+            sys.executable, "-m", "engine.entrypoints.cli", "serve",
+            "--port", "0", "--metrics-port", "0",
             "--record", str(self.record_path), *extra_args,
         ]
         with open(self.log_path, "wb") as log:
@@ -571,7 +572,7 @@ def test_the_frontend_reads_tokenizers_without_importing_torch():
     (about 1.5 s and 180 MiB)."""
     script = (
         "import sys\n"
-        "from engine.serve import TINY_MODEL, load_tokenizer\n"
+        "from engine.entrypoints.serve import TINY_MODEL, load_tokenizer\n"
         "for name in (TINY_MODEL, 'smollm2'):\n"
         "    assert load_tokenizer(name).encode('hi'), name\n"
         "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"

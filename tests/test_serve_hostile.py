@@ -18,7 +18,7 @@ import httpx
 import pytest
 from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
-from engine.serve import TINY_MODEL
+from engine.entrypoints.serve import TINY_MODEL
 
 NUM_QUEUED = 1000
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sidecar_engine import synthetic_record
 
-from telemetry.record import TAG_HEARTBEAT, TAG_ITERATION, Heartbeat, make_encoder
-from telemetry.sidecar import Ingest, Sidecar, check_address
-from telemetry.sink import EngineStatus, Sink
+from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION, Heartbeat, make_encoder
+from telemetry.sidecar.ingest import Ingest, Sidecar, check_address
+from telemetry.sidecar.sink import EngineStatus, Sink
 
 SECOND = 1_000_000_000
 

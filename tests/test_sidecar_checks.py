@@ -8,11 +8,11 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from test_sidecar import RecordingSink, encode, heartbeat, record
 
-from telemetry.engine_state import MAX_IN_TRANSIT
-from telemetry.record import MAX_ENGINE_INDEX
-from telemetry.sidecar import DEFAULT_MAX_ENGINES, GUARD_FRAME_BYTES, Ingest, Sidecar
-from telemetry.sink import EngineStatus
-from telemetry.sinks.prometheus import PrometheusSink
+from telemetry.lane.record import MAX_ENGINE_INDEX
+from telemetry.sidecar.engine_state import MAX_IN_TRANSIT
+from telemetry.sidecar.ingest import DEFAULT_MAX_ENGINES, GUARD_FRAME_BYTES, Ingest, Sidecar
+from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 SECOND = 1_000_000_000
 

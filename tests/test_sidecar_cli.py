@@ -11,15 +11,17 @@ import time
 import pytest
 from test_sidecar_engine import start_engine, stop_engine
 
-from telemetry import sidecar_cli, sidecar_process
-from telemetry.sidecar_process import start_sidecar
+from telemetry.sidecar import cli as sidecar_cli
+from telemetry.sidecar import process as sidecar_process
+from telemetry.sidecar.process import start_sidecar
 
 
 def test_missing_sink_modules_are_skipped_but_broken_ones_are_not(tmp_path, monkeypatch):
     (tmp_path / "broken_sink.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    modules = sidecar_cli.load_sink_modules(("telemetry.sinks.log", "telemetry.sinks.nope"))
-    assert [m.__name__ for m in modules] == ["telemetry.sinks.log"]
+    modules = sidecar_cli.load_sink_modules(
+        ("telemetry.sidecar.sinks.log", "telemetry.sidecar.sinks.nope"))
+    assert [m.__name__ for m in modules] == ["telemetry.sidecar.sinks.log"]
     with pytest.raises(ModuleNotFoundError):
         sidecar_cli.load_sink_modules(("broken_sink",))
 
@@ -31,8 +33,8 @@ def test_sinks_are_built_from_their_modules_and_peers_are_introduced(tmp_path):
 
     peer = Peer()
     fake = argparse.Namespace(add_arguments=lambda parser: None, build=lambda args: peer)
-    modules = [*sidecar_cli.load_sink_modules(("telemetry.sinks.log", "telemetry.sinks.jsonl")),
-               fake]
+    sink_modules = ("telemetry.sidecar.sinks.log", "telemetry.sidecar.sinks.jsonl")
+    modules = [*sidecar_cli.load_sink_modules(sink_modules), fake]
     args = sidecar_cli.build_parser(modules).parse_args(
         ["--record", str(tmp_path / "r.jsonl"), "--log-interval", "2"])
     sinks = sidecar_cli.build_sinks(modules, args)
@@ -83,7 +85,7 @@ def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
 def test_sidecar_stops_when_the_process_that_started_it_dies(tmp_path):
     script = textwrap.dedent("""
         import sys, time
-        from telemetry.sidecar_process import start_sidecar
+        from telemetry.sidecar.process import start_sidecar
         sidecar = start_sidecar(["--no-metrics"], stderr=open(sys.argv[1], "wb"))
         print(sidecar.pid, flush=True)
         time.sleep(60)
@@ -138,7 +140,7 @@ def test_a_sidecar_refuses_to_bind_in_a_directory_others_can_write(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     result = subprocess.run(
-        [sys.executable, "-m", "telemetry.sidecar_cli", "--address",
+        [sys.executable, "-m", "telemetry.sidecar.cli", "--address",
          f"ipc://{shared}/telemetry.sock", "--bind", "--no-metrics"],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2

@@ -29,8 +29,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.publisher import ZmqPublisher  # noqa: E402
-from telemetry.record import IterationRecord, make_decoder  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
+from telemetry.lane.record import IterationRecord, make_decoder  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 

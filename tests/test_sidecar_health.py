@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_sidecar import heartbeat, record
 from test_sidecar_engine import start_engine, stop_engine
 
-from telemetry.sidecar import Ingest
-from telemetry.sidecar_process import start_sidecar
-from telemetry.sink import Sink
-from telemetry.sinks.prometheus import PrometheusSink
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.process import start_sidecar
+from telemetry.sidecar.sink import Sink
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 RECORDING_LIMIT_BYTES = 64 << 10
 

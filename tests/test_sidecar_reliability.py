@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_sidecar import RecordingSink
 from test_sidecar_engine import rss_bytes, start_engine, stop_engine
 
-from telemetry.record import IterationRecord
-from telemetry.replay import read_recording
-from telemetry.sidecar import Ingest, Sidecar
-from telemetry.sidecar_process import start_from_args, start_sidecar
-from telemetry.sink import EngineStatus
+from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.ingest import Ingest, Sidecar
+from telemetry.sidecar.process import start_from_args, start_sidecar
+from telemetry.sidecar.replay import read_recording
+from telemetry.sidecar.sink import EngineStatus
 
 MIB = 1 << 20
 
@@ -32,7 +32,7 @@ MIB = 1 << 20
 def start_cli_sidecar(address, log_path, *extra):
     log = open(log_path, "ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "telemetry.sidecar_cli", "--address", address, "--no-metrics",
+        [sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--no-metrics",
          "--log-interval", "1", *extra],
         stderr=log, env={**os.environ, "PYTHONPATH": "."},
     )

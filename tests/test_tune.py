@@ -5,8 +5,8 @@ import json
 import pytest
 from scenarios import synthetic
 
-from telemetry.timeline import build_timelines
-from telemetry.tune import fit_iteration_time, kv_max_seqs, main, recommend
+from telemetry.analysis.timeline import build_timelines
+from telemetry.analysis.tune import fit_iteration_time, kv_max_seqs, main, recommend
 
 TRUTH = synthetic.STORY_COST
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from bench.vllm_server import MODEL_DIR, VLLM
-from engine.serve import TINY_MODEL
+from engine.entrypoints.serve import TINY_MODEL
 from tests.test_serve import KV_CACHE_MEMORY, ServerProcess
 
 pytestmark = pytest.mark.timeout(600)

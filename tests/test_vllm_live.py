@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.vllm_server import ROOT, start_vllm, stop_server
-from telemetry.sidecar_process import start_sidecar
+from telemetry.sidecar.process import start_sidecar
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -180,8 +180,8 @@ def test_vllm_compatible_names_are_vllms_own(stack):
 
 def iterscope(*args: str) -> str:
     """Run an iterscope command; its stdout, after checking it succeeded."""
-    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

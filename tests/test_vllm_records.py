@@ -1,5 +1,6 @@
-"""The vLLM mapping (telemetry/vllm_records.py) on stand-ins shaped like vLLM 0.32's stats, and
-how every reader shows the fields vLLM does not give. The real vLLM runs in test_vllm_live.py."""
+"""The vLLM mapping (telemetry/sources/vllm_records.py) on stand-ins shaped like vLLM 0.32's
+stats, and how every reader shows the fields vLLM does not give. The real vLLM runs in
+test_vllm_live.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from telemetry.iteration_line import format_iteration_line
-from telemetry.record import (
+from telemetry.analysis.timeline import EngineTimeline
+from telemetry.analysis.tune import fit_iteration_time
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
@@ -24,10 +26,9 @@ from telemetry.record import (
     make_decoder,
     make_encoder,
 )
-from telemetry.sinks.prometheus import PrometheusSink
-from telemetry.timeline import EngineTimeline
-from telemetry.tune import fit_iteration_time
-from telemetry.vllm_records import RecordMaker, milestone, num_in_flight
+from telemetry.sidecar.iteration_line import format_iteration_line
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
+from telemetry.sources.vllm_records import RecordMaker, milestone, num_in_flight
 
 
 def scheduler_stats(running=2, waiting=1, skipped=1, usage=0.5, details=None, queries=32,
@@ -199,8 +200,8 @@ def test_tune_refuses_untimed_records_and_names_the_vllm_flag():
 
 def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
     """Blocks used with kv tokens unknown are no leak; waiting has no reason to report."""
-    from telemetry.episodes import Thresholds, detect_episodes
-    from telemetry.summary import format_summary, summarize
+    from telemetry.analysis.episodes import Thresholds, detect_episodes
+    from telemetry.analysis.summary import format_summary, summarize
 
     records = []
     for i in range(400):

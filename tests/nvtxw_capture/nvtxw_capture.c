@@ -1,6 +1,6 @@
 /*
  * nvtxw_capture: a recording NVTXW backend, for testing the sidecar's exact-timestamp mode
- * (telemetry/sinks/nvtx_ranges.py, NvtxWriterSink) through the real nvtx.writer module.
+ * (telemetry/sidecar/sinks/nvtx_ranges.py, NvtxWriterSink) through the real nvtx.writer module.
  *
  * nvtx.writer dlopens a backend library, resolves its exported nvtxwGetInterface, asks it
  * for interface version 2 and calls through the returned table of function pointers. This

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import build_engine_core  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
-from telemetry.publisher import ZmqPublisher  # noqa: E402
-from telemetry.sidecar_process import start_sidecar  # noqa: E402
+from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
+from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x 16 x fp32
 BLOCK_SIZE = 16

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from telemetry.record import (
+from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     Heartbeat,

@@ -8,9 +8,9 @@ times on a shared CPU vary a lot, so the assertions are about what happened, not
 
 import pytest
 
-from telemetry.episodes import INFO, detect_episodes
-from telemetry.explain import main, read_timelines
-from telemetry.summary import summarize
+from telemetry.analysis.episodes import INFO, detect_episodes
+from telemetry.analysis.explain import main, read_timelines
+from telemetry.analysis.summary import summarize
 
 from . import real_engine
 

@@ -1,0 +1,117 @@
+"""One concrete action per finding: the flag to change and the value to give it.
+
+Values come from the recording itself: the token budget and sequence limit from `tune`'s fit
+of iteration time (for a latency target of ``long_prefill_ratio`` times the median decode-only
+iteration, the point where explain calls an iteration stretched), the KV size from how many
+requests wanted in at once against how many of the recorded mean length the cache holds
+(what `kv-plan` computes from a model). Where a value cannot be derived, the action says which
+command computes it and why it could not be given here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telemetry.analysis.episodes import Episode, Thresholds
+from telemetry.analysis.findings import Finding
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_seqs, recommend
+
+KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
+KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
+
+
+def _decode_baseline_s(tl: EngineTimeline) -> float | None:
+    decode_only = (tl.col("ctx_tokens") == 0) & (tl.col("gen_reqs") > 0) & tl.timed
+    if not decode_only.any():
+        return None
+    return float(np.median(tl.col("elapsed_ns")[decode_only])) / NS_PER_S
+
+
+def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, str]:
+    """tune's recommendation at the latency explain holds iterations to, or (None, why not)."""
+    baseline_s = _decode_baseline_s(tl)
+    if baseline_s is None:
+        return None, "no decode-only iteration was recorded to set a latency target from"
+    target_s = th.long_prefill_ratio * baseline_s
+    try:
+        return recommend(fit_iteration_time(tl), target_s, kv_seqs=kv_max_seqs(tl)[0]), ""
+    except ValueError as error:
+        return None, str(error)
+
+
+def _target_text(rec: Recommendation, th: Thresholds) -> str:
+    return (f"`iterscope tune --itl-target {rec.itl_target * 1000:.0f}ms` "
+            f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+
+
+def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
+    rec, why_not = _tuned(tl, th)
+    current = tl.facts.get("max_num_batched_tokens")
+    if rec is None:
+        return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens (now {current or '?'});"
+                f" no value could be computed here: {why_not}.")
+    value = rec.max_num_batched_tokens
+    if current and (value >= current if lower else value <= current):
+        return (f"Keep --max-num-batched-tokens at {current}: {_target_text(rec, th)} suggests "
+                f"{value}, so a latency target that loose does not call for a change.")
+    return (f"Set --max-num-batched-tokens {value} (now {current or '?'}), from "
+            f"{_target_text(rec, th)}.")
+
+
+def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
+    rec, why_not = _tuned(tl, th)
+    current = tl.facts.get("max_num_seqs")
+    if rec is None:
+        return (f"Raise --max-num-seqs (now {current or '?'}); no value could be computed here: "
+                f"{why_not}.")
+    if current and rec.max_num_seqs <= current:
+        return (f"Keep --max-num-seqs at {current}: {_target_text(rec, th)} allows "
+                f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
+                "engine.")
+    return (f"Set --max-num-seqs {rec.max_num_seqs} (now {current or '?'}), from "
+            f"{_target_text(rec, th)}.")
+
+
+def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
+    starts = tl.col("start_ns")
+    rows = slice(int(np.searchsorted(starts, episode.start_ns)),
+                 int(np.searchsorted(starts, episode.end_ns, side="right")))
+    wanted = tl.col("running")[rows] + tl.col("waiting")[rows]
+    demand = int(wanted.max()) if wanted.size else 0
+    fit, mean_length = kv_max_seqs(tl)
+    if fit is None or mean_length is None or demand <= 0:
+        return ("Raise --kv-cache-memory or lower --max-num-seqs; no value could be computed "
+                "here (the recording has no finished request or no block size): "
+                "`iterscope kv-plan --model DIR` computes one.")
+    if demand <= fit:
+        return _kv_peak_action(tl, rows)
+    return (f"Raise --kv-cache-memory to {demand / fit:.1f}x its size (the cache holds {fit} "
+            f"requests of {mean_length:.0f} tokens, {demand} wanted in at once; `iterscope "
+            f"kv-plan --model DIR --max-num-seqs {demand}` gives the bytes), or set "
+            f"--max-num-seqs {fit}.")
+
+
+def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
+    """Fewer requests together, so that their peak stays near KV_TARGET_USAGE."""
+    usage = tl.kv_usage[rows]
+    peak = int(np.argmax(usage))
+    running = int(tl.col("running")[rows][peak])
+    value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
+    return (f"Set --max-num-seqs {value}: {running} requests running together took KV usage to "
+            f"{100 * usage[peak]:.1f}%, and {value} keep it near {100 * KV_TARGET_USAGE:.0f}%; "
+            "or raise --kv-cache-memory (`iterscope kv-plan --model DIR` gives the size).")
+
+
+def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
+    """The one thing to change for this finding, naming the flag and, where known, the value."""
+    kind, reason = finding.kind, finding.worst.numbers.get("reason")
+    if kind == "long_prefill":
+        return _budget_action(tl, th, lower=True)
+    if kind == "waiting" and reason == "waiting_budget":
+        return _budget_action(tl, th, lower=False)
+    if kind == "waiting" and reason == "waiting_seq_limit":
+        return _seqs_action(tl, th)
+    if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
+        return _kv_action(tl, finding.worst)
+    return finding.worst.setting

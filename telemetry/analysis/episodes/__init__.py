@@ -1,0 +1,87 @@
+"""Episodes: stretches of a recording that answer an operator's question, found from records.
+
+Input is one engine's timeline (its IterationRecords and Heartbeats from a recording); output
+is a list of Episode, each with a start and end in the engine's record time (monotonic ns), the
+numbers that prove it, a plain-language explanation and the setting to change.
+
+What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
+
+    kv_saturation     KV usage >= 95% for 10+ iterations
+    kv_cliff          KV usage falls from >= 90% by 40+ points within 5 iterations while
+                      running requests (not finished ones) turn into waiting ones (story 1),
+                      preemptions counted or not
+    preemption_storm  3+ preemptions with less than 1 s between them
+    waiting           requests wait after scheduling for 1 s+, named by the dominant reason
+                      (KV capacity, max_num_seqs, max_num_batched_tokens)
+    stall             heartbeats say work waits or runs but last_iteration stays frozen for
+                      2 s+, or iterations run that schedule nothing while work waits
+    kv_leak           KV blocks held beyond what the running requests' tokens need
+                      (used > ceil(kv_tokens / block_size) + 2 * running), e.g. blocks used
+                      with nothing running (story 2)
+    idle              heartbeats, nothing waiting or running, no iteration, for 5 s+ (info)
+    telemetry_gap     holes in ``seq`` (lost messages), or no message at all for 3 s+
+    long_prefill      iterations whose prefill chunk makes them 3x slower than the median
+                      decode-only iteration while requests are decoding (the chunk's size times
+                      the median cost of a context token must account for the slowdown)
+
+A healthy run (load within the limits, no faults) yields no episode but ``idle``.
+
+Modules: ``episode`` (Episode, Thresholds, shared helpers), ``kv``, ``queues``, ``liveness``,
+``latency`` (the detectors by concept); the timeline they read is ``telemetry.analysis.timeline``.
+"""
+
+from __future__ import annotations
+
+from telemetry.analysis.episodes.episode import (
+    INFO,
+    PROBLEM,
+    Episode,
+    Thresholds,
+    group_by_time,
+    limit_text,
+    pct,
+    secs,
+    true_runs,
+)
+from telemetry.analysis.episodes.kv import detect_kv_cliff, detect_kv_leaks, detect_kv_saturation
+from telemetry.analysis.episodes.latency import detect_long_prefill
+from telemetry.analysis.episodes.liveness import detect_idle, detect_stalls, detect_telemetry_gaps
+from telemetry.analysis.episodes.queues import detect_preemption_storms, detect_waiting
+from telemetry.analysis.timeline import (
+    FACT_FIELDS,
+    NS_PER_S,
+    RECORD_FIELDS,
+    WAIT_REASONS,
+    EngineTimeline,
+    build_timelines,
+)
+
+__all__ = [
+    "DETECTORS", "FACT_FIELDS", "INFO", "NS_PER_S", "PROBLEM", "RECORD_FIELDS", "WAIT_REASONS",
+    "EngineTimeline", "Episode", "Thresholds", "build_timelines", "detect_episodes",
+    "detect_idle", "detect_kv_cliff", "detect_kv_leaks", "detect_kv_saturation",
+    "detect_long_prefill", "detect_preemption_storms", "detect_stalls", "detect_telemetry_gaps",
+    "detect_waiting", "group_by_time", "limit_text", "pct", "secs", "true_runs",
+]
+
+
+DETECTORS = (
+    detect_kv_saturation,
+    detect_kv_cliff,
+    detect_preemption_storms,
+    detect_waiting,
+    detect_stalls,
+    detect_kv_leaks,
+    detect_idle,
+    detect_telemetry_gaps,
+    detect_long_prefill,
+)
+
+
+def detect_episodes(
+    timeline: EngineTimeline, thresholds: Thresholds | None = None
+) -> list[Episode]:
+    """Every episode of one engine, ordered by start time."""
+    thresholds = thresholds or Thresholds()
+    episodes = [e for detector in DETECTORS for e in detector(timeline, thresholds)]
+    return sorted(episodes, key=lambda e: (e.start_ns, e.kind))

@@ -1,0 +1,95 @@
+"""The Episode type, where patterns become episodes (Thresholds), and helpers detectors share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+
+PROBLEM = "problem"
+INFO = "info"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where a pattern becomes an episode. Times in seconds, ratios in 0..1."""
+
+    kv_saturated_ratio: float = 0.95
+    kv_saturated_min_iterations: int = 10
+    kv_cliff_high_ratio: float = 0.90
+    kv_cliff_min_drop: float = 0.40  # usage falls by at least this much (of the whole cache)
+    kv_cliff_max_iterations: int = 5
+    storm_min_preemptions: int = 3
+    storm_window_time: float = 1.0
+    waiting_min_time: float = 1.0
+    waiting_min_iterations: int = 10
+    stall_min_time: float = 2.0
+    spin_min_iterations: int = 10
+    leak_min_blocks: int = 2
+    leak_min_iterations: int = 5
+    idle_min_time: float = 5.0
+    silence_min_time: float = 3.0
+    gap_merge_time: float = 1.0
+    long_prefill_ratio: float = 3.0
+    long_prefill_min_extra_time: float = 0.005
+    long_prefill_min_baseline_iterations: int = 10
+
+
+@dataclass
+class Episode:
+    """One finding. ``numbers`` holds the key figures of ``evidence`` for machines and tests."""
+
+    kind: str
+    engine_index: int
+    start_ns: int
+    end_ns: int
+    title: str
+    evidence: str
+    explanation: str
+    setting: str
+    severity: str = PROBLEM
+    ongoing: bool = False
+    numbers: dict = field(default_factory=dict)
+
+    @property
+    def duration_time(self) -> float:
+        return (self.end_ns - self.start_ns) / NS_PER_S
+
+
+def true_runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
+    """Inclusive (first, last) index pairs of True runs; runs split by <= max_gap False merge."""
+    index = np.flatnonzero(mask)
+    if not index.size:
+        return []
+    breaks = np.flatnonzero(np.diff(index) > max_gap + 1)
+    firsts = np.r_[index[0], index[breaks + 1]]
+    lasts = np.r_[index[breaks], index[-1]]
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+
+
+def group_by_time(times_ns: list[int], window_ns: int) -> list[tuple[int, int]]:
+    """Inclusive index ranges of sorted times where consecutive times are <= window_ns apart."""
+    groups: list[tuple[int, int]] = []
+    for i, t in enumerate(times_ns):
+        if groups and t - times_ns[groups[-1][1]] <= window_ns:
+            groups[-1] = (groups[-1][0], i)
+        else:
+            groups.append((i, i))
+    return groups
+
+
+def pct(ratio: float) -> str:
+    return f"{100 * ratio:.1f}%"
+
+
+def secs(time_ns: int | float) -> str:
+    seconds = time_ns / NS_PER_S
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def limit_text(timeline: EngineTimeline, name: str) -> str:
+    """``name=value`` when the engine reported the limit, else just ``name``."""
+    value = timeline.facts.get(name)
+    return f"{name}={value}" if value else name

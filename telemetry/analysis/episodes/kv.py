@@ -1,0 +1,230 @@
+"""KV cache episodes: saturation, a cliff (running requests turned waiting), leaked blocks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from telemetry.analysis.episodes.episode import INFO, PROBLEM, Episode, Thresholds, pct, true_runs
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.lane.record import UNKNOWN_KV_TOKENS
+
+LEAK_MAX_GAP = 10  # iterations; the running requests' slack makes the excess dip a little
+
+
+def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    usage = tl.kv_usage
+    episodes = []
+    for first, last in true_runs(usage >= th.kv_saturated_ratio, max_gap=2):
+        if last - first + 1 < th.kv_saturated_min_iterations:
+            continue
+        span = slice(first, last + 1)
+        num_preemptions = int(tl.col("preemptions")[span].sum())
+        max_waiting_kv = int(tl.col("waiting_kv")[span].max())
+        max_waiting = int(tl.col("waiting")[span].max())
+        peak = float(usage[span].max())
+        if tl.waiting_reasons_known:
+            waited = f"{max_waiting_kv} requests at most waited for KV capacity"
+            num_blocked = max_waiting_kv
+        else:  # the source does not say why requests wait: say what is known
+            waited = f"{max_waiting} requests at most waited (the source reports no reason)"
+            num_blocked = max_waiting
+        episodes.append(Episode(
+            kind="kv_saturation",
+            engine_index=tl.engine_index,
+            start_ns=int(tl.col("start_ns")[first]),
+            end_ns=int(tl.col("end_ns")[last]),
+            title="KV cache saturated",
+            evidence=(
+                f"KV usage >= {pct(th.kv_saturated_ratio)} for {last - first + 1} iterations "
+                f"(peak {pct(peak)} of {tl.num_kv_blocks_total} blocks); "
+                f"{waited}; "
+                f"{num_preemptions} preemptions; running {int(tl.col('running')[first])} -> "
+                f"{int(tl.col('running')[last])}"
+            ),
+            explanation=_saturation_explanation(num_blocked, num_preemptions),
+            setting=(
+                "Give the KV cache more memory, lower max_model_len, or lower max_num_seqs / "
+                "client concurrency so peak usage stays below ~90% "
+                "(`iterscope kv-plan` shows how many requests fit; runbook: "
+                "IterscopeKVCacheSaturated)."
+            ),
+            severity=PROBLEM if num_blocked or num_preemptions else INFO,
+            numbers={"peak_usage": peak, "num_iterations": last - first + 1,
+                     "num_preemptions": num_preemptions,
+                     "max_waiting_kv_reqs": max_waiting_kv if tl.waiting_reasons_known else None},
+        ))
+    return episodes
+
+
+def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
+    if not tl.waiting_reasons_known:
+        return "reason not reported by the source"
+    return f"{int(tl.col('waiting_kv')[row])} for KV capacity"
+
+
+def _saturation_explanation(num_blocked: int, num_preemptions: int) -> str:
+    """Each clause only when the records show it: waiting and preemption are told apart."""
+    if not num_blocked and not num_preemptions:
+        return ("The cache was full but what was admitted still fit: no request waited for KV "
+                "and none was preempted. Any more load will wait or be preempted.")
+    effects = []
+    if num_blocked:
+        effects.append("new requests could not be admitted and waited")
+    if num_preemptions:
+        effects.append(f"{num_preemptions} running request(s) that needed a new block were "
+                       "preempted (recomputed later)")
+    else:
+        effects.append("no running request was preempted")
+    return f"Every KV block was in use: {'; '.join(effects)}."
+
+
+def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Usage collapses from high to low in a few iterations while running turns to waiting."""
+    usage = tl.kv_usage
+    running, waiting = tl.col("running"), tl.col("waiting")
+    window = th.kv_cliff_max_iterations
+    candidates = []
+    for i in range(1, tl.num_iterations):
+        lookback = slice(max(0, i - window), i)
+        high = max(0, i - window) + int(np.argmax(usage[lookback]))
+        if usage[high] < th.kv_cliff_high_ratio or usage[high] - usage[i] < th.kv_cliff_min_drop:
+            continue
+        num_finished = int(tl.col("finished")[high + 1 : i + 1].sum())
+        num_evicted = int(running[high] - running[i]) - num_finished  # finishes are no cliff
+        num_waiting_gained = int(waiting[i] - waiting[high])
+        if num_evicted >= 1 and num_waiting_gained >= max(1, num_evicted // 2):
+            candidates.append((high, i))
+    episodes = []
+    last_end = -1
+    for high, low in candidates:
+        if high <= last_end:
+            continue
+        last_end = low
+        episodes.append(_kv_cliff_episode(tl, high, low))
+    return episodes
+
+
+def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
+    usage = tl.kv_usage
+    running, waiting = tl.col("running"), tl.col("waiting")
+    num_preemptions = int(tl.col("preemptions")[high : low + 1].sum())
+    after_end = int(np.searchsorted(tl.col("start_ns"), tl.col("end_ns")[low] + 5 * NS_PER_S))
+    after = slice(low + 1, after_end)
+    num_after = after_end - low - 1
+    num_ctx_after = int(tl.col("ctx_tokens")[after].sum())
+    num_gen_after = int(tl.col("gen_tokens")[after].sum())
+    if num_preemptions:
+        why = (
+            f"The scheduler preempted {num_preemptions} running request(s) (by recompute) and "
+            "freed their KV blocks: they went back to the waiting queue and must prefill their "
+            "whole prompt again, which with long prompts costs as much as the first time."
+        )
+    else:
+        why = (
+            "The running requests released all their KV blocks and returned to the waiting "
+            "queue, yet no preemption was counted: they were evicted by a path that does not "
+            "count as a preemption. The engine did not stop: it kept iterating, recomputing "
+            "the evicted prompts (context tokens) instead of generating."
+        )
+    return Episode(
+        kind="kv_cliff",
+        engine_index=tl.engine_index,
+        start_ns=int(tl.col("start_ns")[high]),
+        end_ns=int(tl.col("end_ns")[low]),
+        title="KV cache cliff: running requests became waiting",
+        evidence=(
+            f"KV usage {pct(usage[high])} -> {pct(usage[low])} in {low - high} iteration(s) "
+            f"(iterations {int(tl.col('iteration')[high])}-{int(tl.col('iteration')[low])}); "
+            f"running {int(running[high])} -> {int(running[low])}, waiting "
+            f"{int(waiting[high])} -> {int(waiting[low])} "
+            f"({_waiting_kv_text(tl, low)}); "
+            f"preemptions counted: {num_preemptions}; in the next 5 s {num_after} iterations ran "
+            f"({num_ctx_after} context tokens, {num_gen_after} generation tokens)"
+        ),
+        explanation=why,
+        setting=(
+            f"Peak KV usage reached {pct(usage[high])} with {int(running[high])} requests: lower "
+            "client concurrency or max_num_seqs so the peak stays below ~90%, or give the KV "
+            "cache more memory (`iterscope kv-plan` shows how many requests of your length fit)."
+        ),
+        numbers={"usage_before": float(usage[high]), "usage_after": float(usage[low]),
+                 "running_before": int(running[high]), "running_after": int(running[low]),
+                 "num_preemptions": num_preemptions, "num_iterations_after": num_after},
+    )
+
+
+def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Blocks used beyond what the running requests' tokens need.
+
+    A running request holds at most ceil(its tokens / block_size) blocks plus one allocated
+    ahead for its next token, so used <= ceil(kv_tokens / block_size) + 2 * running unless
+    blocks are held by no request. Prefix sharing only lowers the left side. Without the
+    block size or the tokens held (vLLM does not report them) only the idle case is seen:
+    blocks used while nothing runs.
+    """
+    block_size = int(tl.facts.get("block_size", 0))
+    used, running = tl.col("blocks_used"), tl.col("running")
+    idle_case = np.where(running > 0, used, 0)
+    if block_size:
+        by_tokens = -(-tl.col("kv_tokens") // block_size) + 2 * running
+        needed = np.where(tl.known(UNKNOWN_KV_TOKENS), by_tokens, idle_case)
+    else:
+        needed = idle_case
+    excess = used - needed
+    min_blocks = max(th.leak_min_blocks, math.ceil(0.01 * tl.num_kv_blocks_total))
+    episodes = []
+    for first, last in _growing_runs(excess, min_blocks):
+        span = slice(first, last + 1)
+        nothing_running = bool((running[span] == 0).any())
+        if last - first + 1 < th.leak_min_iterations and not nothing_running:
+            continue
+        episodes.append(_leak_episode(tl, first, last, excess, nothing_running))
+    return episodes
+
+
+def _growing_runs(excess: np.ndarray, min_blocks: int) -> list[tuple[int, int]]:
+    """Runs of excess >= min_blocks; a run whose peak is not below the previous run's peak
+    continues it (the excess is a lower bound that dips while many requests run)."""
+    runs: list[tuple[int, int]] = []
+    for first, last in true_runs(excess >= min_blocks, max_gap=LEAK_MAX_GAP):
+        if runs and excess[first : last + 1].max() >= excess[runs[-1][0] : runs[-1][1] + 1].max():
+            runs[-1] = (runs[-1][0], last)
+        else:
+            runs.append((first, last))
+    return runs
+
+
+def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
+    usage = tl.kv_usage
+    used, running = tl.col("blocks_used"), tl.col("running")
+    idle_rows = np.flatnonzero(running[first : last + 1] == 0)
+    idle_note = ""
+    if idle_rows.size:
+        row = first + int(idle_rows[-1])
+        idle_note = (f"; at iteration {int(tl.col('iteration')[row])} nothing ran yet "
+                     f"{int(used[row])} blocks ({pct(usage[row])}) were in use")
+    return Episode(
+        kind="kv_leak",
+        engine_index=tl.engine_index,
+        start_ns=int(tl.col("start_ns")[first]),
+        end_ns=int(tl.col("end_ns")[last]),
+        title="KV blocks leaking",
+        evidence=(
+            f"blocks held by no running request grew {int(excess[first])} -> {int(excess[last])} "
+            f"over {last - first + 1} iterations; KV usage {pct(usage[first])} -> "
+            f"{pct(usage[last])} while running was {int(running[first])} -> "
+            f"{int(running[last])} (mean {running[first : last + 1].mean():.1f})" + idle_note
+        ),
+        explanation=(
+            "KV blocks are not returned to the pool when requests finish: usage climbs while "
+            "few or no requests run, until new requests cannot be admitted and clients time out."
+        ),
+        setting=(
+            "Not a tuning setting: a block-accounting bug. Restart the engine to recover and "
+            "report it with this recording (alert and runbook: IterscopeKVBlocksLeaked)."
+        ),
+        numbers={"excess_blocks_first": int(excess[first]), "excess_blocks_last": int(excess[last]),
+                 "nothing_running": nothing_running, "usage_last": float(usage[last])},
+    )

@@ -1,0 +1,62 @@
+"""Latency episodes: long prefill chunks that stretch the decoding requests' iterations."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telemetry.analysis.episodes.episode import Episode, Thresholds, group_by_time, limit_text, secs
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+
+
+def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
+    elapsed = tl.col("elapsed_ns")
+    ctx_tokens, gen_reqs = tl.col("ctx_tokens"), tl.col("gen_reqs")
+    decode_only = (ctx_tokens == 0) & (gen_reqs > 0) & tl.timed
+    if decode_only.sum() < th.long_prefill_min_baseline_iterations:
+        return []
+    baseline_ns = float(np.median(elapsed[decode_only]))
+    with_context = (ctx_tokens > 0) & tl.timed
+    # What a context token costs, robustly (a median), so that a slow iteration counts only when
+    # its chunk explains the slowness, not a hiccup of the machine (or warm-up).
+    extra_per_token_ns = (elapsed[with_context] - baseline_ns) / ctx_tokens[with_context]
+    ctx_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
+    extra_ns = th.long_prefill_ratio * baseline_ns - baseline_ns
+    stretched = (
+        with_context & (gen_reqs > 0)
+        & (elapsed >= th.long_prefill_ratio * baseline_ns)
+        & (elapsed - baseline_ns >= th.long_prefill_min_extra_time * NS_PER_S)
+        & (ctx_tokens * ctx_token_ns >= extra_ns)
+    )
+    index = np.flatnonzero(stretched)
+    times = tl.col("start_ns")[index].tolist()
+    episodes = []
+    for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
+        rows = index[first : last + 1]
+        worst = int(rows[np.argmax(elapsed[rows])])
+        episodes.append(Episode(
+            kind="long_prefill",
+            engine_index=tl.engine_index,
+            start_ns=int(tl.col("start_ns")[rows[0]]),
+            end_ns=int(tl.col("end_ns")[rows[-1]]),
+            title="Long prefill chunks stretch decode latency",
+            evidence=(
+                f"{len(rows)} iterations mixing up to {int(ctx_tokens[rows].max())} context "
+                f"tokens with decoding requests took up to {secs(elapsed[worst])} (iteration "
+                f"{int(tl.col('iteration')[worst])}, {int(gen_reqs[worst])} decoding) against a "
+                f"median decode-only iteration of {secs(baseline_ns)}"
+            ),
+            explanation=(
+                "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
+                "requests; each of them waits for the whole chunk, so their inter-token latency "
+                "spikes to the iteration time."
+            ),
+            setting=(
+                f"Lower {limit_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
+                "`iterscope tune RECORDING --itl-target 50ms` computes the largest budget that "
+                "keeps your target."
+            ),
+            numbers={"num_iterations": len(rows), "max_elapsed_s": elapsed[worst] / NS_PER_S,
+                     "baseline_s": baseline_ns / NS_PER_S},
+        ))
+    return episodes

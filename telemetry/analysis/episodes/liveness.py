@@ -1,0 +1,252 @@
+"""Liveness episodes: stalls (frozen or spinning loop), idle stretches, telemetry gaps and
+silences (lost messages, a frozen or restarted process)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+
+from telemetry.analysis.episodes.episode import (
+    INFO,
+    Episode,
+    Thresholds,
+    group_by_time,
+    pct,
+    secs,
+    true_runs,
+)
+from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+from telemetry.lane.record import Heartbeat
+from telemetry.lane.recording import message_time_ns
+
+SEQ_RESTART_SLACK = 64  # a seq this far below the highest seen means the engine restarted
+
+
+def detect_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    return _frozen_heartbeat_stalls(tl, th) + _spinning_stalls(tl, th)
+
+
+def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    episodes = []
+    for group in _heartbeat_groups(tl, busy=True):
+        if len(group) < 2:
+            continue
+        last_iteration = group[0].last_iteration
+        since_ns = _iteration_end_ns(tl, last_iteration, before_ns=group[0].ts_ns)
+        if since_ns is None:
+            since_ns = group[0].ts_ns
+        next_row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
+        ongoing = next_row >= tl.num_iterations
+        until_ns = group[-1].ts_ns if ongoing else int(tl.col("end_ns")[next_row])
+        if until_ns - since_ns < th.stall_min_time * NS_PER_S:
+            continue
+        inside = not ongoing and tl.col("start_ns")[next_row] - since_ns < (until_ns - since_ns) / 2
+        episodes.append(_stall_episode(tl, group, since_ns, until_ns, ongoing, inside))
+    return episodes
+
+
+def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
+    if ongoing:
+        where = "inside the next iteration or between iterations: none has finished since"
+    elif inside:
+        where = (f"inside iteration {group[0].last_iteration + 1}, which took "
+                 f"{secs(until_ns - since_ns)} (a forward pass or a step that hung)")
+    else:
+        where = "between iterations (it did not start the next one)"
+    max_waiting = max(h.num_waiting_reqs for h in group)
+    max_running = max(h.num_running_reqs for h in group)
+    return Episode(
+        kind="stall",
+        engine_index=tl.engine_index,
+        start_ns=since_ns,
+        end_ns=until_ns,
+        title="Engine stalled" + (" (still stalled at the end)" if ongoing else ""),
+        evidence=(
+            f"last_iteration stayed at {group[0].last_iteration} for {secs(until_ns - since_ns)} "
+            f"across {len(group)} heartbeats with {max_waiting} requests waiting and "
+            f"{max_running} running (at most; pid {group[0].pid or '?'})"
+        ),
+        explanation=(
+            f"Not idle (work was queued) and not dead (heartbeats kept coming): the loop was "
+            f"stuck {where}. Clients see no tokens and eventually time out."
+        ),
+        setting=(
+            "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
+            f"--pid {group[0].pid or 'PID'}`), check the device, restart the engine if it does "
+            "not recover (alert and runbook: IterscopeEngineStalled)."
+        ),
+        ongoing=ongoing,
+        numbers={"frozen_iteration": group[0].last_iteration,
+                 "stall_time_s": (until_ns - since_ns) / NS_PER_S,
+                 "max_waiting_reqs": max_waiting, "max_running_reqs": max_running,
+                 "inside_iteration": bool(inside)},
+    )
+
+
+def _heartbeat_groups(tl: EngineTimeline, busy: bool) -> list[list[Heartbeat]]:
+    """Consecutive heartbeats of one process with the same last_iteration and busy state."""
+    groups: list[list[Heartbeat]] = []
+    for heartbeat in tl.heartbeats:
+        is_busy = heartbeat.num_waiting_reqs + heartbeat.num_running_reqs > 0
+        if is_busy != busy:
+            groups.append([])
+            continue
+        previous = groups[-1][-1] if groups and groups[-1] else None
+        if (previous is not None and previous.pid == heartbeat.pid
+                and previous.last_iteration == heartbeat.last_iteration):
+            groups[-1].append(heartbeat)
+        else:
+            groups.append([heartbeat])
+    return [g for g in groups if g]
+
+
+def _iteration_end_ns(tl: EngineTimeline, iteration: int, before_ns: int) -> int | None:
+    rows = np.flatnonzero((tl.col("iteration") == iteration) & (tl.col("end_ns") <= before_ns))
+    return int(tl.col("end_ns")[rows[-1]]) if rows.size else None
+
+
+def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    scheduled = tl.col("ctx_tokens") + tl.col("gen_tokens")
+    mask = (scheduled == 0) & (tl.col("waiting") + tl.col("running") > 0)
+    episodes = []
+    for first, last in true_runs(mask):
+        if last - first + 1 < th.spin_min_iterations:
+            continue
+        span = slice(first, last + 1)
+        reasons = ({WAIT_REASONS[n][0]: int(tl.col(n)[last]) for n in WAIT_REASONS}
+                   if tl.waiting_reasons_known else "not reported by the source")
+        episodes.append(Episode(
+            kind="stall",
+            engine_index=tl.engine_index,
+            start_ns=int(tl.col("start_ns")[first]),
+            end_ns=int(tl.col("end_ns")[last]),
+            title="Engine spinning: iterations schedule nothing",
+            evidence=(
+                f"{last - first + 1} iterations scheduled no request while up to "
+                f"{int(tl.col('waiting')[span].max())} waited and "
+                f"{int(tl.col('running')[span].max())} ran; waiting by reason at the end: "
+                f"{reasons}; KV usage {pct(tl.kv_usage[last])}"
+            ),
+            explanation=(
+                "The loop is alive but admits nothing: the first waiting request cannot be "
+                "admitted (e.g. it needs more free KV blocks than exist) and nothing running will "
+                "free them."
+            ),
+            setting="Check for leaked KV blocks (kv_leak) and requests larger than the cache.",
+            numbers={"num_iterations": last - first + 1},
+        ))
+    return episodes
+
+
+def detect_idle(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    episodes = []
+    for group in _heartbeat_groups(tl, busy=False):
+        since_ns = _iteration_end_ns(tl, group[0].last_iteration, before_ns=group[0].ts_ns)
+        since_ns = group[0].ts_ns if since_ns is None else since_ns
+        until_ns = group[-1].ts_ns
+        if until_ns - since_ns < th.idle_min_time * NS_PER_S:
+            continue
+        episodes.append(Episode(
+            kind="idle",
+            engine_index=tl.engine_index,
+            start_ns=since_ns,
+            end_ns=until_ns,
+            title="Idle",
+            evidence=(f"{len(group)} heartbeats with nothing waiting or running, no iteration "
+                      f"for {secs(until_ns - since_ns)}"),
+            explanation="Nothing to do: no request was waiting or running.",
+            setting="None needed.",
+            severity=INFO,
+            numbers={"idle_time_s": (until_ns - since_ns) / NS_PER_S},
+        ))
+    return episodes
+
+
+def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Holes in seq (lost messages) and silences (no message, not even a heartbeat)."""
+    segments = _seq_segments(sorted([*tl.records, *tl.heartbeats], key=message_time_ns))
+    holes, silences = [], []
+    for segment in segments:
+        by_seq = sorted(segment, key=lambda m: m.seq)
+        holes += [(a, b, b.seq - a.seq - 1) for a, b in pairwise(by_seq) if b.seq > a.seq + 1]
+    for number, segment in enumerate(segments):
+        previous = segments[number - 1][-1] if number else None
+        for before, after in pairwise([previous, *segment]):
+            if before is None:
+                continue
+            gap_ns = message_time_ns(after) - message_time_ns(before)
+            lost = after.seq > before.seq + 1 and after is not segment[0]
+            if gap_ns >= th.silence_min_time * NS_PER_S and not lost:
+                silences.append((before, after, after is segment[0]))
+    return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
+
+
+def _seq_segments(messages: list) -> list[list]:
+    """Split time-ordered messages where seq starts again (a restarted engine)."""
+    segments: list[list] = []
+    highest_seq = 0
+    for message in messages:
+        restarted = message.seq + SEQ_RESTART_SLACK < highest_seq or (
+            message.seq == 1 and highest_seq > 1)
+        if restarted or not segments:
+            segments.append([])
+            highest_seq = 0
+        segments[-1].append(message)
+        highest_seq = max(highest_seq, message.seq)
+    return segments
+
+
+def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Episode]:
+    times = [message_time_ns(before) for before, _, _ in holes]
+    episodes = []
+    for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
+        group = holes[first : last + 1]
+        num_lost = sum(n for _, _, n in group)
+        num_dropped = sum(min(after.num_dropped, n) for _, after, n in group)
+        start_ns, end_ns = message_time_ns(group[0][0]), message_time_ns(group[-1][1])
+        episodes.append(Episode(
+            kind="telemetry_gap",
+            engine_index=tl.engine_index,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            title="Telemetry gap: messages lost",
+            evidence=(
+                f"{num_lost} messages missing (seq holes: {len(group)}); {num_dropped} of them "
+                f"dropped by the engine because its send queue was full or no sidecar was "
+                f"connected, {num_lost - num_dropped} lost after sending"
+            ),
+            explanation=(
+                "The recording misses part of this stretch, so counts here are lower bounds; "
+                "the engine itself was not slowed (telemetry never blocks it)."
+            ),
+            setting=(
+                "Keep the sidecar running and keeping up (bench/sidecar_ingest.py), raise the "
+                "publisher's send high-water mark, and pass every rotated recording file "
+                "(runbook: IterscopeTelemetryDropping)."
+            ),
+            numbers={"num_lost": num_lost, "num_dropped_by_engine": num_dropped},
+        ))
+    return episodes
+
+
+def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Episode:
+    start_ns, end_ns = message_time_ns(before), message_time_ns(after)
+    if restarted:
+        what = "then the engine started again (seq restarted)"
+        why = "The engine process died or was restarted: no heartbeat came while it was gone."
+    else:
+        what = "with no message lost (seq continuous)"
+        why = ("The whole engine process was frozen, heartbeat thread included (suspended, or "
+               "a native call holding the interpreter), then resumed.")
+    return Episode(
+        kind="telemetry_gap",
+        engine_index=tl.engine_index,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        title="Engine silent" + (": restarted" if restarted else ""),
+        evidence=f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}",
+        explanation=why,
+        setting="Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown).",
+        numbers={"silent_time_s": (end_ns - start_ns) / NS_PER_S, "restarted": restarted},
+    )

@@ -1,0 +1,115 @@
+"""Queue episodes: preemption storms, and requests waiting after scheduling."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telemetry.analysis.episodes.episode import (
+    Episode,
+    Thresholds,
+    group_by_time,
+    limit_text,
+    pct,
+    true_runs,
+)
+from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+
+
+def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    index = np.flatnonzero(tl.col("preemptions") > 0)
+    times = tl.col("start_ns")[index].tolist()
+    episodes = []
+    for first, last in group_by_time(times, int(th.storm_window_time * NS_PER_S)):
+        rows = index[first : last + 1]
+        num_preemptions = int(tl.col("preemptions")[rows].sum())
+        if num_preemptions < th.storm_min_preemptions:
+            continue
+        span = slice(int(rows[0]), int(rows[-1]) + 1)
+        num_ctx_tokens = int(tl.col("ctx_tokens")[span].sum())
+        episodes.append(Episode(
+            kind="preemption_storm",
+            engine_index=tl.engine_index,
+            start_ns=int(tl.col("start_ns")[rows[0]]),
+            end_ns=int(tl.col("end_ns")[rows[-1]]),
+            title="Preemption storm",
+            evidence=(
+                f"{num_preemptions} preemptions in {len(rows)} iterations; KV usage peak "
+                f"{pct(tl.kv_usage[span].max())}; {num_ctx_tokens} context tokens computed "
+                f"meanwhile (recompute included); waiting up to "
+                f"{int(tl.col('waiting')[span].max())}"
+            ),
+            explanation=(
+                "Running requests ran out of KV blocks as they grew, so the scheduler evicted "
+                "some and will recompute them: work is thrown away and latency rises."
+            ),
+            setting=(
+                f"Lower {limit_text(tl, 'max_num_seqs')} or client concurrency, or give the KV "
+                "cache more memory, so the requests admitted together fit until they finish "
+                "(runbook: IterscopePreemptionStorm)."
+            ),
+            numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
+        ))
+    return episodes
+
+
+def detect_waiting(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    waiting = tl.col("waiting")
+    episodes = []
+    for first, last in true_runs(waiting > 0, max_gap=2):
+        start_ns, end_ns = int(tl.col("start_ns")[first]), int(tl.col("end_ns")[last])
+        if (last - first + 1 < th.waiting_min_iterations
+                or end_ns - start_ns < th.waiting_min_time * NS_PER_S):
+            continue
+        episodes.append(_waiting_episode(tl, first, last))
+    return episodes
+
+
+def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
+    span = slice(first, last + 1)
+    totals = {name: int(tl.col(name)[span].sum()) for name in WAIT_REASONS}
+    num_waiting_sum = int(tl.col("waiting")[span].sum())
+    reason = max(totals, key=totals.get) if any(totals.values()) else ""
+    label, cause = WAIT_REASONS.get(reason, ("unattributed", "no admission limit was reported"))
+    split = ", ".join(
+        f"{WAIT_REASONS[name][0]} {pct(total / max(num_waiting_sum, 1))}"
+        for name, total in totals.items()
+    )
+    if not tl.waiting_reasons_known:
+        label, cause = "reason not reported", "of a limit the source does not name"
+        split = "not reported by the source (vLLM does not say why requests wait)"
+    peak_usage = float(tl.kv_usage[span].max())
+    return Episode(
+        kind="waiting",
+        engine_index=tl.engine_index,
+        start_ns=int(tl.col("start_ns")[first]),
+        end_ns=int(tl.col("end_ns")[last]),
+        title=f"Requests waiting: {label}",
+        evidence=(
+            f"waiting > 0 in {last - first + 1} iterations (mean "
+            f"{tl.col('waiting')[span].mean():.1f}, max {int(tl.col('waiting')[span].max())}); "
+            f"reasons: {split}; running mean {tl.col('running')[span].mean():.1f}; "
+            f"KV usage peak {pct(peak_usage)}"
+        ),
+        explanation=f"Requests queued because {cause}; their time to first token grows.",
+        setting=_waiting_setting(tl, reason, peak_usage),
+        numbers={"reason": reason, "max_waiting_reqs": int(tl.col("waiting")[span].max()),
+                 "num_iterations": last - first + 1, "peak_usage": peak_usage},
+    )
+
+
+def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
+    if reason == "waiting_kv":
+        return ("Give the KV cache more memory, lower max_model_len, or send fewer concurrent "
+                "requests (`iterscope kv-plan`).")
+    if reason == "waiting_seq_limit":
+        room = "KV had room" if peak_usage < 0.9 else "but KV was nearly full too"
+        return (f"Raise {limit_text(tl, 'max_num_seqs')} ({room}, peak {pct(peak_usage)}); "
+                "`iterscope tune --itl-target` picks a value that keeps your latency target.")
+    if reason == "waiting_budget":
+        return (f"Raise {limit_text(tl, 'max_num_batched_tokens')} for more throughput at the cost "
+                "of longer iterations; `iterscope tune --itl-target` picks a value.")
+    if not tl.waiting_reasons_known:
+        return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (give it "
+                "more memory, `iterscope kv-plan`); well below, the sequence limit or the token "
+                "budget is (`iterscope tune --itl-target`).")
+    return "Check the engine's admission logic: requests waited with no limit reported."

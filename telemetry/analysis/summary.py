@@ -1,0 +1,182 @@
+"""A one-screen summary of one engine's recording, answering "batched or queued?" (story 3).
+
+Batch composition comes straight from the records: requests per iteration (context +
+generation), how many iterations mixed a prefill chunk with decoding, and how often requests
+were left waiting after scheduling and why. Queue time and TTFT come from the requests'
+milestones (arrival -> first scheduled -> first token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from telemetry.analysis.episodes import pct, secs
+from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
+
+BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
+QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues
+
+
+@dataclass
+class Summary:
+    engine_index: int
+    duration_time: float
+    num_iterations: int
+    busy_share: float
+    iteration_time_p50: float
+    iteration_time_p99: float
+    iteration_time_max: float
+    mean_batch_reqs: float
+    max_batch_reqs: int
+    mean_batch_tokens: float
+    decode_only_share: float
+    prefill_only_share: float
+    mixed_share: float
+    num_context_tokens: int
+    num_generation_tokens: int
+    prompt_throughput: float
+    generation_throughput: float
+    mean_running_reqs: float
+    max_running_reqs: int
+    waiting_share: float
+    max_waiting_reqs: int
+    waiting_reason_shares: dict
+    mean_kv_usage: float
+    peak_kv_usage: float
+    num_preemptions: int
+    prefix_hit_rate: float
+    num_finished_reqs: int
+    queue_time_p50: float
+    queue_time_p90: float
+    ttft_p50: float
+    ttft_p90: float
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _share(mask: np.ndarray) -> float:
+    return float(mask.mean()) if mask.size else 0.0
+
+
+def _quantile(values: list[float] | np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if len(values) else 0.0
+
+
+def _request_times(tl: EngineTimeline) -> tuple[list[float], list[float], int]:
+    """Queue times and TTFTs in seconds, and the number of finished requests."""
+    queue_times, ttfts, num_finished = [], [], 0
+    for record in tl.records:
+        for milestone in record.milestones:
+            if milestone.event & EVENT_FIRST_TOKEN:
+                ttfts.append((milestone.first_token_ns - milestone.arrival_ns) / NS_PER_S)
+                queue_time_ns = milestone.first_scheduled_ns - milestone.arrival_ns
+                queue_times.append(queue_time_ns / NS_PER_S)
+            num_finished += bool(milestone.event & EVENT_FINISHED)
+    return queue_times, ttfts, num_finished
+
+
+def summarize(tl: EngineTimeline) -> Summary:
+    """Summary of a timeline; every figure is 0 when the timeline has no iteration."""
+    elapsed = tl.col("elapsed_ns")[tl.timed] / NS_PER_S
+    ctx_tokens, gen_tokens = tl.col("ctx_tokens"), tl.col("gen_tokens")
+    batch_reqs = tl.col("ctx_reqs") + tl.col("gen_reqs")
+    waiting = tl.col("waiting")
+    span_time = (tl.last_ns - tl.first_ns) / NS_PER_S
+    active_time = (
+        (tl.col("end_ns")[-1] - tl.col("start_ns")[0]) / NS_PER_S if tl.num_iterations else 0.0
+    )
+    num_waiting_total = max(int(waiting.sum()), 1)
+    queue_times, ttfts, num_finished = _request_times(tl)
+    prefix_queries = sum(r.num_prefix_query_tokens for r in tl.records)
+    prefix_hits = sum(r.num_prefix_hit_tokens for r in tl.records)
+    summary = Summary(
+        engine_index=tl.engine_index,
+        duration_time=span_time,
+        num_iterations=tl.num_iterations,
+        busy_share=float(elapsed.sum() / span_time) if span_time else 0.0,
+        iteration_time_p50=_quantile(elapsed, 0.5),
+        iteration_time_p99=_quantile(elapsed, 0.99),
+        iteration_time_max=float(elapsed.max()) if elapsed.size else 0.0,
+        mean_batch_reqs=float(batch_reqs.mean()) if batch_reqs.size else 0.0,
+        max_batch_reqs=int(batch_reqs.max()) if batch_reqs.size else 0,
+        mean_batch_tokens=float((ctx_tokens + gen_tokens).mean()) if ctx_tokens.size else 0.0,
+        decode_only_share=_share((ctx_tokens == 0) & (gen_tokens > 0)),
+        prefill_only_share=_share((ctx_tokens > 0) & (gen_tokens == 0)),
+        mixed_share=_share((ctx_tokens > 0) & (gen_tokens > 0)),
+        num_context_tokens=int(ctx_tokens.sum()),
+        num_generation_tokens=int(gen_tokens.sum()),
+        prompt_throughput=float(ctx_tokens.sum() / active_time) if active_time else 0.0,
+        generation_throughput=float(gen_tokens.sum() / active_time) if active_time else 0.0,
+        mean_running_reqs=float(tl.col("running").mean()) if tl.num_iterations else 0.0,
+        max_running_reqs=int(tl.col("running").max()) if tl.num_iterations else 0,
+        waiting_share=_share(waiting > 0),
+        max_waiting_reqs=int(waiting.max()) if waiting.size else 0,
+        waiting_reason_shares={  # empty: the source does not say why requests wait
+            label: int(tl.col(name).sum()) / num_waiting_total
+            for name, (label, _) in WAIT_REASONS.items()
+        } if tl.waiting_reasons_known else {},
+        mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
+        peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
+        num_preemptions=int(tl.col("preemptions").sum()),
+        prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else 0.0,
+        num_finished_reqs=num_finished,
+        queue_time_p50=_quantile(queue_times, 0.5),
+        queue_time_p90=_quantile(queue_times, 0.9),
+        ttft_p50=_quantile(ttfts, 0.5),
+        ttft_p90=_quantile(ttfts, 0.9),
+        verdict="",
+    )
+    summary.verdict = batched_or_queued(summary)
+    return summary
+
+
+def batched_or_queued(s: Summary) -> str:
+    """One sentence: did requests share iterations, and did they wait for a limit?"""
+    if not s.num_iterations:
+        return "No iteration recorded."
+    if s.mean_batch_reqs >= BATCHED_MIN_REQS:
+        batched = (f"Batched: {s.mean_batch_reqs:.1f} requests shared each iteration on average "
+                   f"(max {s.max_batch_reqs})")
+    else:
+        batched = (f"Mostly one at a time: {s.mean_batch_reqs:.1f} requests per iteration "
+                   f"(max {s.max_batch_reqs}), too few arrived together to batch")
+    if s.waiting_share < QUEUED_MIN_SHARE:
+        queued = (f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
+                  f"iterations (median queue time {secs(s.queue_time_p50 * NS_PER_S)})")
+    else:
+        shares = s.waiting_reason_shares
+        reason = (f"mostly for {max(shares, key=shares.get)}" if shares
+                  else "for a reason the source does not report")
+        queued = (f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
+                  f"iterations (max {s.max_waiting_reqs}), {reason}; median queue time "
+                  f"{secs(s.queue_time_p50 * NS_PER_S)}, p90 {secs(s.queue_time_p90 * NS_PER_S)}")
+    return f"{batched}; {queued}."
+
+
+def format_summary(s: Summary) -> list[str]:
+    ms = 1000
+    reasons = (", ".join(f"{k} {pct(v)}" for k, v in s.waiting_reason_shares.items())
+               or "reasons not reported by the source")
+    return [
+        f"{s.num_iterations} iterations in {s.duration_time:.1f} s "
+        f"(busy {pct(s.busy_share)}); iteration time p50 {s.iteration_time_p50 * ms:.2f} ms, "
+        f"p99 {s.iteration_time_p99 * ms:.2f} ms, max {s.iteration_time_max * ms:.2f} ms",
+        f"batch: {s.mean_batch_reqs:.1f} requests and {s.mean_batch_tokens:.1f} tokens per "
+        f"iteration on average; decode-only {pct(s.decode_only_share)}, prefill-only "
+        f"{pct(s.prefill_only_share)}, mixed {pct(s.mixed_share)} of iterations",
+        f"tokens: {s.num_context_tokens} context ({s.prompt_throughput:.1f} tokens/s), "
+        f"{s.num_generation_tokens} generation ({s.generation_throughput:.1f} tokens/s)",
+        f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
+        f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
+        f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}; preemptions "
+        f"{s.num_preemptions}; prefix cache hit rate {pct(s.prefix_hit_rate)}",
+        f"requests: {s.num_finished_reqs} finished; queue time p50 {s.queue_time_p50 * ms:.1f} ms"
+        f", p90 {s.queue_time_p90 * ms:.1f} ms; TTFT p50 {s.ttft_p50 * ms:.1f} ms, p90 "
+        f"{s.ttft_p90 * ms:.1f} ms",
+        f"batched or queued? {s.verdict}",
+    ]

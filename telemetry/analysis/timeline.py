@@ -1,0 +1,208 @@
+"""The timeline of one engine: its records and heartbeats from a recording, as numpy columns.
+
+Everything ``explain``, ``tune`` and the episode detectors read goes through EngineTimeline:
+record columns by short name (RECORD_FIELDS), static facts from heartbeats (FACT_FIELDS),
+record time to wall time through heartbeat anchors, and the reasons requests wait
+(WAIT_REASONS). ``build_timelines`` splits a recording's messages by engine;
+``read_timelines`` reads a recording's files into them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from telemetry.lane.record import (
+    EVENT_FINISHED,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_WAITING_REASONS,
+    Heartbeat,
+    IterationRecord,
+)
+from telemetry.lane.recording import read_recording
+
+NS_PER_S = 1_000_000_000
+
+
+class EngineTimeline:
+    """One engine's records and heartbeats, ordered by record time, with numpy columns.
+
+    Records are sorted by ``start_ns`` and heartbeats by ``ts_ns``; both clocks are the
+    engine's monotonic clock, which keeps running across engine restarts on one host.
+    Static facts (block size, limits, model) come from the latest heartbeat that has them.
+    """
+
+    def __init__(
+        self, engine_index: int, records: list[IterationRecord], heartbeats: list[Heartbeat]
+    ) -> None:
+        self.engine_index = engine_index
+        self.records = sorted(records, key=lambda r: r.start_ns)
+        self.heartbeats = sorted(heartbeats, key=lambda h: h.ts_ns)
+        self._anchor_ts_ns = [h.ts_ns for h in self.heartbeats]
+        self._anchor_offset_ns = [h.wall_ns - h.ts_ns for h in self.heartbeats]
+        self.columns = _record_columns(self.records)
+        self.facts = _latest_facts(self.heartbeats)
+
+    @property
+    def num_iterations(self) -> int:
+        return len(self.records)
+
+    def col(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def known(self, unknown_bits: int) -> np.ndarray:
+        """Rows whose source gave every field of ``unknown_bits`` (record.UNKNOWN_*)."""
+        return (self.col("unknown") & unknown_bits) == 0
+
+    @property
+    def timed(self) -> np.ndarray:
+        """Rows with a measured iteration time (a vLLM server without
+        --enable-logging-iteration-details reports none)."""
+        return self.known(UNKNOWN_ELAPSED)
+
+    @property
+    def waiting_reasons_known(self) -> bool:
+        """Whether every record says why requests waited (vLLM does not)."""
+        return bool(self.known(UNKNOWN_WAITING_REASONS).all())
+
+    @property
+    def kv_usage(self) -> np.ndarray:
+        total = self.col("blocks_used") + self.col("blocks_free")
+        return np.where(total > 0, self.col("blocks_used") / np.maximum(total, 1), 0.0)
+
+    @property
+    def num_kv_blocks_total(self) -> int:
+        if self.records:
+            return int((self.col("blocks_used") + self.col("blocks_free")).max())
+        return int(self.facts.get("num_kv_blocks_total", 0))
+
+    @property
+    def first_ns(self) -> int:
+        times = [t for t in (self._first_record_ns(), self._first_heartbeat_ns()) if t >= 0]
+        return min(times) if times else 0
+
+    @property
+    def last_ns(self) -> int:
+        times = []
+        if self.records:
+            times.append(int(self.col("end_ns").max()))
+        if self.heartbeats:
+            times.append(self.heartbeats[-1].ts_ns)
+        return max(times) if times else 0
+
+    def _first_record_ns(self) -> int:
+        return int(self.col("start_ns")[0]) if self.records else -1
+
+    def _first_heartbeat_ns(self) -> int:
+        return self.heartbeats[0].ts_ns if self.heartbeats else -1
+
+    def has_clock_anchor(self) -> bool:
+        return bool(self.heartbeats)
+
+    def to_wall_ns(self, ts_ns: int) -> int:
+        """Wall time of a record time, from the nearest heartbeat's (ts_ns, wall_ns) anchor."""
+        if not self.heartbeats:
+            raise ValueError(f"engine {self.engine_index}: no heartbeat, so no clock anchor")
+        i = bisect.bisect_left(self._anchor_ts_ns, ts_ns)
+        candidates = [j for j in (i - 1, i) if 0 <= j < len(self._anchor_ts_ns)]
+        nearest = min(candidates, key=lambda j: abs(self._anchor_ts_ns[j] - ts_ns))
+        return ts_ns + self._anchor_offset_ns[nearest]
+
+
+RECORD_FIELDS = {
+    "iteration": "iteration",
+    "start_ns": "start_ns",
+    "elapsed_ns": "elapsed_ns",
+    "ctx_reqs": "num_context_reqs",
+    "ctx_tokens": "num_context_tokens",
+    "gen_reqs": "num_generation_reqs",
+    "gen_tokens": "num_generation_tokens",
+    "running": "num_running_reqs",
+    "waiting": "num_waiting_reqs",
+    "waiting_kv": "num_waiting_kv_reqs",
+    "waiting_seq_limit": "num_waiting_seq_limit_reqs",
+    "waiting_budget": "num_waiting_budget_reqs",
+    "blocks_used": "num_kv_blocks_used",
+    "blocks_free": "num_kv_blocks_free",
+    "kv_tokens": "num_kv_tokens",
+    "preemptions": "num_preemptions",
+    "unknown": "unknown",  # UNKNOWN_* bits: fields the source did not give
+}
+
+
+def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
+    columns = {
+        name: np.fromiter((getattr(r, attr) for r in records), dtype=np.int64, count=len(records))
+        for name, attr in RECORD_FIELDS.items()
+    }
+    columns["end_ns"] = columns["start_ns"] + columns["elapsed_ns"]
+    columns["finished"] = np.fromiter(
+        (sum(1 for m in r.milestones if m.event & EVENT_FINISHED) for r in records),
+        dtype=np.int64, count=len(records),
+    )
+    return columns
+
+
+FACT_FIELDS = (
+    "model_name", "device_name", "block_size", "num_kv_blocks_total", "max_num_seqs",
+    "max_num_batched_tokens", "pid",
+)
+
+
+def _latest_facts(heartbeats: list[Heartbeat]) -> dict:
+    facts: dict = {}
+    for heartbeat in heartbeats:
+        for name in FACT_FIELDS:
+            value = getattr(heartbeat, name)
+            if value:
+                facts[name] = value
+    return facts
+
+
+def build_timelines(
+    messages: Iterable[IterationRecord | Heartbeat],
+) -> dict[int, EngineTimeline]:
+    """Split messages by engine; duplicates (the same file read twice) are dropped."""
+    records: dict[int, dict[tuple, IterationRecord]] = {}
+    heartbeats: dict[int, dict[tuple, Heartbeat]] = {}
+    for message in messages:
+        if isinstance(message, IterationRecord):
+            key = (message.seq, message.start_ns)
+            records.setdefault(message.engine_index, {})[key] = message
+        else:
+            key = (message.seq, message.ts_ns)
+            heartbeats.setdefault(message.engine_index, {})[key] = message
+    engines = sorted(set(records) | set(heartbeats))
+    return {
+        e: EngineTimeline(
+            e, list(records.get(e, {}).values()), list(heartbeats.get(e, {}).values())
+        )
+        for e in engines
+    }
+
+
+# column -> (what limit made requests wait, why it keeps them waiting)
+WAIT_REASONS = {
+    "waiting_kv": ("KV capacity", "no free KV blocks for the next request"),
+    "waiting_seq_limit": ("max_num_seqs", "the sequence limit was reached"),
+    "waiting_budget": ("max_num_batched_tokens", "the token budget of the iteration was used up"),
+}
+
+
+def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
+    """(timelines by engine index, number of messages, number of unreadable lines).
+
+    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too."""
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
+    messages, num_bad_lines = [], 0
+    for item in read_recording(paths):
+        if isinstance(item, str):
+            num_bad_lines += 1
+        else:
+            messages.append(item)
+    return build_timelines(messages), len(messages), num_bad_lines

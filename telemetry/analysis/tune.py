@@ -1,0 +1,289 @@
+"""`iterscope tune RECORDING.jsonl --itl-target 50ms`: a token budget and a sequence limit.
+
+A decoding request gets one token per iteration, so its inter-token latency (ITL) is the time of
+the iterations it is part of. We fit, by least squares over the recorded iterations,
+
+    iteration_time = base + ctx_token_time * context_tokens + gen_token_time * generation_tokens
+                     + ctx_req_time * context_requests
+
+(generation requests equal generation tokens, one each, so they share one term), then choose:
+
+- max_num_seqs: the most decoding requests whose decode-only iteration, plus a prefill chunk of
+  ``--min-chunk`` tokens, stays within the target; never more than fit in the KV cache at the
+  recorded request length (prompt + output of finished requests), when that is known;
+- max_num_batched_tokens: those decoding tokens plus the largest prefill chunk that keeps a
+  mixed iteration within the target, rounded down to a multiple of 16.
+
+Iterations far slower than the fit (a stall, a hiccup) are left out of the second fit pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from telemetry.analysis.cli_time import parse_time
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
+from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_CONTEXT_REQS, UNKNOWN_ELAPSED
+
+FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")
+UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_CONTEXT_REQS  # rows the fit cannot use
+OUTLIER_SIGMAS = 5.0
+BUDGET_MULTIPLE = 16
+MAX_SEQS_CAP = 4096
+
+
+@dataclass
+class Fit:
+    """Seconds per unit of each feature; ``base_time`` is the fixed cost of an iteration."""
+
+    base_time: float
+    coefficients: dict[str, float]
+    rmse_time: float
+    mean_abs_error_ratio: float
+    r_squared: float
+    num_iterations: int
+    num_outliers: int
+    max_tokens_seen: int
+    max_gen_reqs_seen: int
+
+    def predict(self, ctx_tokens: float = 0, gen_tokens: float = 0, ctx_reqs: float = 0) -> float:
+        values = {"ctx_tokens": ctx_tokens, "gen_tokens": gen_tokens, "ctx_reqs": ctx_reqs}
+        return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
+
+
+def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, float]:
+    """Fit with an intercept; features whose coefficient comes out negative (noise, or a
+    feature that never varies) are dropped and the rest refitted, so costs are never < 0."""
+    names = [n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0]
+    while True:
+        columns = [FEATURES.index(n) for n in names]
+        design = np.column_stack([np.ones(len(y)), x[:, columns]])
+        solution, *_ = np.linalg.lstsq(design, y, rcond=None)
+        negative = [n for n, c in zip(names, solution[1:], strict=True) if c < 0]
+        if not negative:
+            return {"base": float(solution[0]), **dict(zip(names, map(float, solution[1:]),
+                                                            strict=True))}
+        names.remove(negative[0])
+
+
+def _untimed_hint(tl: EngineTimeline) -> str:
+    if tl.known(UNTIMED_OR_UNSPLIT).all():
+        return ""
+    return (" (the recording's source gave no iteration times or batch split: run vLLM with "
+            "--enable-logging-iteration-details)")
+
+
+def fit_iteration_time(tl: EngineTimeline) -> Fit:
+    """Least-squares fit of iteration time; raises ValueError when there is too little data."""
+    busy = ((tl.col("ctx_tokens") + tl.col("gen_tokens")) > 0) & tl.known(UNTIMED_OR_UNSPLIT)
+    if busy.sum() < 10:
+        raise ValueError(f"engine {tl.engine_index}: {int(busy.sum())} iterations did work "
+                         "with a measured time and batch; at least 10 are needed to fit "
+                         "iteration time" + _untimed_hint(tl))
+    x = np.column_stack([tl.col(name)[busy] for name in FEATURES]).astype(float)
+    y = tl.col("elapsed_ns")[busy] / NS_PER_S
+    solution = _least_squares(x, y, list(FEATURES))
+    residuals = y - _predict(solution, x)
+    sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
+    keep = residuals <= OUTLIER_SIGMAS * max(sigma, 1e-6)
+    solution = _least_squares(x[keep], y[keep], list(FEATURES))
+    residuals = y[keep] - _predict(solution, x[keep])
+    total_variance = float(((y[keep] - y[keep].mean()) ** 2).sum())
+    return Fit(
+        base_time=solution.pop("base"),
+        coefficients=solution,
+        rmse_time=float(np.sqrt((residuals**2).mean())),
+        mean_abs_error_ratio=float(np.mean(np.abs(residuals) / y[keep])),
+        r_squared=1 - float((residuals**2).sum()) / total_variance if total_variance else 1.0,
+        num_iterations=int(keep.sum()),
+        num_outliers=int((~keep).sum()),
+        max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
+        max_gen_reqs_seen=int(tl.col("gen_reqs").max()),
+    )
+
+
+def _predict(solution: dict[str, float], x: np.ndarray) -> np.ndarray:
+    y = np.full(len(x), solution["base"])
+    for name, coefficient in solution.items():
+        if name != "base":
+            y += coefficient * x[:, FEATURES.index(name)]
+    return y
+
+
+def kv_max_seqs(tl: EngineTimeline) -> tuple[int | None, float | None]:
+    """(requests that fit in the KV cache at the mean finished length, that length)."""
+    lengths = [
+        m.num_prompt_tokens + m.num_output_tokens
+        for r in tl.records for m in r.milestones if m.event & EVENT_FINISHED
+    ]
+    block_size = int(tl.facts.get("block_size", 0))
+    if not lengths or not block_size or not tl.num_kv_blocks_total:
+        return None, None
+    mean_length = float(np.mean(lengths))
+    return max(1, int(tl.num_kv_blocks_total // math.ceil(mean_length / block_size))), mean_length
+
+
+@dataclass
+class Recommendation:
+    itl_target: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    decode_iteration_time: float
+    worst_iteration_time: float
+    generation_throughput: float
+    prompt_throughput: float
+    limited_by: str
+    notes: list[str] = field(default_factory=list)
+
+
+def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
+              kv_seqs: int | None = None) -> Recommendation:
+    """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds)."""
+    gen_time = fit.coefficients.get("gen_tokens", 0.0)
+    ctx_time = fit.coefficients.get("ctx_tokens", 0.0)
+    fixed_time = fit.base_time + fit.coefficients.get("ctx_reqs", 0.0)
+    room_time = itl_target - fixed_time - ctx_time * min_chunk_tokens
+    if room_time < gen_time:
+        fastest = fit.predict(gen_tokens=1) + ctx_time * min_chunk_tokens
+        raise ValueError(
+            f"an ITL target of {itl_target * 1000:.1f} ms is below the fastest iteration that "
+            f"decodes one request beside a {min_chunk_tokens}-token prefill chunk "
+            f"({fastest * 1000:.1f} ms by the fit); raise the target or lower --min-chunk"
+        )
+    latency_seqs = int(room_time // gen_time) if gen_time > 0 else MAX_SEQS_CAP
+    max_num_seqs = min(latency_seqs, MAX_SEQS_CAP)
+    limited_by = "latency target"
+    if kv_seqs is not None and kv_seqs < max_num_seqs:
+        max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
+    chunk_time = itl_target - fixed_time - gen_time * max_num_seqs
+    chunk_tokens = int(chunk_time // ctx_time) if ctx_time > 0 else 16 * min_chunk_tokens
+    budget = max(max_num_seqs, (max_num_seqs + chunk_tokens) // BUDGET_MULTIPLE * BUDGET_MULTIPLE)
+    decode_time = fit.predict(gen_tokens=max_num_seqs)
+    chunk_only_time = fit.predict(ctx_tokens=budget, ctx_reqs=1)
+    return Recommendation(
+        itl_target=itl_target,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        decode_iteration_time=decode_time,
+        worst_iteration_time=fit.predict(
+            gen_tokens=max_num_seqs, ctx_tokens=budget - max_num_seqs, ctx_reqs=1),
+        generation_throughput=max_num_seqs / decode_time,
+        prompt_throughput=budget / chunk_only_time,
+        limited_by=limited_by,
+        notes=_extrapolation_notes(fit, max_num_seqs, budget),
+    )
+
+
+def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
+    notes = []
+    if budget > fit.max_tokens_seen:
+        notes.append(f"the recording has at most {fit.max_tokens_seen} tokens per iteration: "
+                     f"{budget} is extrapolated, re-record at the new settings to confirm")
+    if max_num_seqs > fit.max_gen_reqs_seen:
+        notes.append(f"the recording has at most {fit.max_gen_reqs_seen} decoding requests per "
+                     f"iteration: {max_num_seqs} is extrapolated")
+    if "ctx_tokens" not in fit.coefficients:
+        notes.append("no prefill cost could be fitted (no context tokens varied): the budget "
+                     "is a guess")
+    return notes
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
+                  kv_seqs: int | None, kv_length: float | None) -> list[str]:
+    ms, us = 1000, 1e6
+    coefficient_text = ", ".join(
+        f"{us * fit.coefficients[name]:.2f} us per {label}"
+        for name, label in (("ctx_tokens", "context token"), ("gen_tokens", "generation token"),
+                            ("ctx_reqs", "context request"))
+        if name in fit.coefficients
+    )
+    lines = [
+        f"Engine {tl.engine_index}: fit over {fit.num_iterations} iterations "
+        f"({fit.num_outliers} outliers left out)",
+        f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
+        f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
+        f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
+    ]
+    current_seqs = tl.facts.get("max_num_seqs")
+    current_budget = tl.facts.get("max_num_batched_tokens")
+    if current_seqs and current_budget:
+        worst = fit.predict(gen_tokens=current_seqs, ctx_tokens=max(current_budget - current_seqs,
+                                                                    0), ctx_reqs=1)
+        lines.append(f"  current: max_num_seqs {current_seqs}, max_num_batched_tokens "
+                     f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted")
+    if kv_seqs is not None and kv_length is not None:
+        lines.append(f"  KV cache: {tl.num_kv_blocks_total} blocks hold {kv_seqs} requests of "
+                     f"the mean recorded length ({kv_length:.0f} tokens) at once")
+    lines += [
+        f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms: --max-num-seqs {rec.max_num_seqs} "
+        f"--max-num-batched-tokens {rec.max_num_batched_tokens} (max_num_seqs limited by "
+        f"{rec.limited_by})",
+        f"  predicted: decode-only iteration {rec.decode_iteration_time * ms:.1f} ms at "
+        f"{rec.max_num_seqs} requests -> {rec.generation_throughput:.0f} generation tokens/s; "
+        f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms; prefill "
+        f"{rec.prompt_throughput:.0f} tokens/s at a full budget",
+    ]
+    lines += [f"  note: {note}" for note in rec.notes]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iterscope tune",
+        description="Fit iteration time from a recording and recommend max_num_batched_tokens "
+                    "and max_num_seqs for an inter-token latency target.",
+    )
+    parser.add_argument("recordings", nargs="+", type=Path, help="JSONL recording file(s)")
+    parser.add_argument("--itl-target", type=parse_time, required=True,
+                        help="inter-token latency target, e.g. 50ms")
+    parser.add_argument("--min-chunk", type=int, default=512,
+                        help="prefill tokens an iteration must still fit beside a full decode "
+                             "batch (default 512)")
+    parser.add_argument("--engine", type=int, help="only this engine index")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.itl_target <= 0 or args.min_chunk < 0:
+        print("iterscope tune: --itl-target must be > 0 and --min-chunk >= 0", file=sys.stderr)
+        return 2
+    try:
+        timelines, _, _ = read_timelines(args.recordings)
+    except FileNotFoundError as error:
+        print(f"iterscope tune: {error}", file=sys.stderr)
+        return 2
+    if args.engine is not None:
+        timelines = {k: v for k, v in timelines.items() if k == args.engine}
+    results, status = [], 0
+    for tl in timelines.values():
+        try:
+            fit = fit_iteration_time(tl)
+            kv_seqs, kv_length = kv_max_seqs(tl)
+            rec = recommend(fit, args.itl_target, args.min_chunk, kv_seqs)
+        except ValueError as error:
+            print(f"iterscope tune: engine {tl.engine_index}: {error}", file=sys.stderr)
+            status = 1
+            continue
+        results.append({"engine_index": tl.engine_index, "fit": asdict(fit),
+                        "recommendation": asdict(rec)})
+        if not args.json:
+            print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))
+    if not timelines:
+        print("iterscope tune: no iteration found in the recording", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"engines": results}, indent=2))
+    return status

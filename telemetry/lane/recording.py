@@ -1,0 +1,148 @@
+"""The JSONL recording format (what ``telemetry.sidecar.sinks.jsonl`` writes): file names, and
+reading it back for replay, explain and tune.
+
+A recording is one message per line, the msgspec JSON of an IterationRecord or Heartbeat. It
+may span rotated files, oldest last in number:
+
+    rec.jsonl.N-1 ... rec.jsonl.1 rec.jsonl      (read in this order)
+
+Every line decodes to a message or to the reason it could not be ('malformed', 'truncated',
+'version'), the same reasons and the same plausibility checks the live sidecar applies to a
+frame, so a replay and ``explain`` count bad lines the same way.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from telemetry.lane.frame_checks import classify_undecodable, is_plausible
+from telemetry.lane.record import IterationRecord, Message
+
+StrPath = str | os.PathLike
+
+
+def rotated_path(path: Path, generation: int) -> Path:
+    """Generation 0 is ``path`` itself, generation n >= 1 is ``path.n``."""
+    return path if generation == 0 else path.with_name(f"{path.name}.{generation}")
+
+
+def recording_files(path: StrPath) -> list[Path]:
+    """The files of a recording, oldest first: path.N, ..., path.1, path."""
+    path = Path(path)
+    older = []
+    generation = 1
+    while rotated_path(path, generation).exists():
+        older.append(rotated_path(path, generation))
+        generation += 1
+    return [*reversed(older), path]
+
+
+def with_rotated_files(paths: Iterable[StrPath]) -> list[Path]:
+    """Each path preceded by its rotated older files, without repeats."""
+    expanded: list[Path] = []
+    for path in paths:
+        expanded += [p for p in recording_files(path) if p not in expanded]
+    return expanded
+
+
+def decode_line(decoder: msgspec.json.Decoder, line: bytes) -> Message | str:
+    """A message, or why the line is not one ('malformed', 'truncated', 'version')."""
+    try:
+        message = decoder.decode(line)
+    except (msgspec.DecodeError, ValueError) as error:
+        return classify_undecodable(line, error, loads=msgspec.json.decode)
+    return message if is_plausible(message) else "malformed"
+
+
+def read_recording(paths: StrPath | Iterable[StrPath]) -> Iterator[Message | str]:
+    """Every line of a recording: one path or several, each read with its rotated older files
+    (oldest first, a file given twice read once); a message per line, or the reason the line
+    could not be decoded."""
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    decoder = msgspec.json.Decoder(Message)
+    for file_path in with_rotated_files(paths):
+        with open(file_path, "rb") as file:
+            for line in file:
+                yield decode_line(decoder, line)
+
+
+def message_time_ns(message: Message) -> int:
+    """When a message happened on its engine's monotonic clock (an iteration's end)."""
+    if type(message) is IterationRecord:
+        return message.start_ns + message.elapsed_ns
+    return message.ts_ns
+
+
+FORGET_AFTER_CALLS = 3
+
+
+class RecordingReader:
+    """Reads the lines added to a recording since the last call (``explain --follow``).
+
+    The file list (each path with its rotated older files) is looked up again at every call,
+    so a ``rec.jsonl.1`` that a rotation creates later is read too. Where a file stopped being
+    read is kept by inode, not by name: rotation renames ``rec.jsonl`` to ``rec.jsonl.1``, and
+    its tail written just before the rename is read from where reading stopped, once. A file
+    that shrank is read again from its start. An inode missing from FORGET_AFTER_CALLS file
+    lists in a row is forgotten (a reused inode then starts from 0); one missing from fewer,
+    as when a rotation lands between listing the files and opening them, keeps its place.
+    """
+
+    def __init__(self, paths: Iterable[StrPath]) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.decoder = msgspec.json.Decoder(Message)
+        self.num_bad_lines = 0
+        self._offsets: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> bytes read
+        self._last_seen: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> call number
+        self._num_calls = 0
+
+    def read_new(self, final: bool = False) -> list[Message]:
+        """Messages added since the last call; ``final`` also decodes an unterminated last line
+        (which a writer may still be completing when following)."""
+        messages: list[Message] = []
+        seen: set[tuple[int, int]] = set()
+        for path in with_rotated_files(self.paths):
+            messages += self._read_path(path, final, seen)
+        self._num_calls += 1
+        for key in seen:
+            self._last_seen[key] = self._num_calls
+        for key, last in list(self._last_seen.items()):
+            if self._num_calls - last >= FORGET_AFTER_CALLS:
+                del self._last_seen[key]
+                self._offsets.pop(key, None)
+        return messages
+
+    def _read_path(self, path: Path, final: bool, seen: set[tuple[int, int]]) -> list[Message]:
+        try:
+            with open(path, "rb") as file:
+                stat = os.fstat(file.fileno())
+                key = (stat.st_dev, stat.st_ino)
+                if key in seen:  # the same file under two names
+                    return []
+                offset = self._offsets.get(key, 0)
+                if stat.st_size < offset:
+                    offset = 0
+                file.seek(offset)
+                data = file.read()
+        except FileNotFoundError:
+            return []
+        seen.add(key)
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self._offsets[key] = offset + end
+        return self._decode_lines(data[:end])
+
+    def _decode_lines(self, data: bytes) -> list[Message]:
+        messages = []
+        for line in io.BytesIO(data):  # split as reading the file line by line would
+            item = decode_line(self.decoder, line)
+            if isinstance(item, str):
+                self.num_bad_lines += 1
+            else:
+                messages.append(item)
+        return messages

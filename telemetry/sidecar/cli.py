@@ -1,0 +1,226 @@
+"""`iterscope sidecar`: ingest the telemetry lane (or replay a recording) into the sinks.
+
+Sinks are plug-ins by convention: each module in SINK_MODULES offers
+``add_arguments(parser)`` and ``build(args) -> Sink | None`` (None = that sink is off). A
+module that does not exist is skipped, so the sidecar runs with whatever sinks are present.
+After building, a sink with ``set_peers(sinks)`` is handed the list of all built sinks (the
+Prometheus sink reads the others' ``sidecar_counters()`` through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from types import ModuleType
+
+import zmq
+
+from telemetry.lane.publisher import default_address
+from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
+from telemetry.sidecar.ingest import (
+    DEAD_AFTER_S,
+    DEFAULT_MAX_ENGINES,
+    DEFAULT_RCVHWM,
+    Ingest,
+    Sidecar,
+    check_address,
+)
+from telemetry.sidecar.sink import Sink
+
+SINK_MODULES = (
+    "telemetry.sidecar.sinks.log",
+    "telemetry.sidecar.sinks.jsonl",
+    "telemetry.sidecar.sinks.prometheus",
+    "telemetry.sidecar.sinks.otel",
+    "telemetry.sidecar.sinks.nvtx_ranges",
+)
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
+
+logger = logging.getLogger("iterscope.sidecar")
+
+
+def load_sink_modules(names: tuple[str, ...] = SINK_MODULES) -> list[ModuleType]:
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError as error:
+            if error.name != name:  # the sink exists but one of its imports is missing
+                raise
+    return modules
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iterscope sidecar", description="Ingest per-iteration telemetry records."
+    )
+    lane = parser.add_argument_group("telemetry lane")
+    lane.add_argument(
+        "--address", default=None,
+        help=f"ZMQ address of the lane (default: {default_address()}); tcp:// only if asked",
+    )
+    mode = lane.add_mutually_exclusive_group()
+    mode.add_argument("--bind", dest="bind", action="store_true", default=True,
+                      help="bind the address; engines connect (default)")
+    mode.add_argument("--connect", dest="bind", action="store_false",
+                      help="connect to the address instead of binding it")
+    lane.add_argument("--allow-remote", action="store_true",
+                      help="allow binding a tcp address reachable from other hosts")
+    lane.add_argument("--curve-keys-dir", metavar="DIR",
+                      help="accept only engines with CURVE keys listed in DIR/clients "
+                           "(see python -m telemetry.lane.curve)")
+    lane.add_argument("--rcvhwm", type=int, default=DEFAULT_RCVHWM, metavar="N",
+                      help="messages queued before the lane drops (default: %(default)s)")
+    lane.add_argument("--max-engines", type=positive_int, default=DEFAULT_MAX_ENGINES,
+                      metavar="N",
+                      help="engines tracked at most; heartbeats of more are counted and "
+                           "rejected (default: %(default)s)")
+    lane.add_argument("--replay", metavar="FILE",
+                      help="feed a JSONL recording through the sinks instead of listening "
+                      "(/metrics stays off, so a replay never collides with a live sidecar)")
+    lane.add_argument("--serve-after-replay", action="store_true",
+                      help="with --replay: serve /metrics of the replayed state until Ctrl-C")
+    status = parser.add_argument_group("engine status")
+    status.add_argument("--dead-after", type=float, default=DEAD_AFTER_S, metavar="S",
+                        help="no message for this long: dead (default: %(default)s)")
+    status.add_argument("--stall-after", type=float, default=None, metavar="S",
+                        help="work in flight, no iteration for this long: stalled (default: "
+                             f"{STALL_FACTOR} x the engine's longest progress interval of the "
+                             f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
+                             f"{STALL_FLOOR_S:g} s)")
+    parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    for module in sink_modules:
+        module.add_arguments(parser)
+    return parser
+
+
+def build_sinks(sink_modules: list[ModuleType], args: argparse.Namespace) -> list[Sink]:
+    sinks = [sink for module in sink_modules if (sink := module.build(args)) is not None]
+    for sink in sinks:
+        set_peers = getattr(sink, "set_peers", None)
+        if set_peers is not None:
+            set_peers(sinks)
+    return sinks
+
+
+def known_last_seqs(sinks: list[Sink]) -> dict[int, int]:
+    last_seqs: dict[int, int] = {}
+    for sink in sinks:
+        read = getattr(sink, "known_last_seqs", None)
+        if read is not None:
+            for engine_index, seq in read().items():
+                last_seqs[engine_index] = max(seq, last_seqs.get(engine_index, 0))
+    return last_seqs
+
+
+def check_private_directory(directory: str) -> None:
+    """The directory of the lane's socket, made 0700 if new; ValueError if it is someone
+    else's or others may write to it: whoever controls it can replace the socket and read
+    or forge every record."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"the lane's directory {directory} is not a directory (a link?); "
+                         "remove it or choose another --address")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"the lane's directory {directory} belongs to uid {info.st_uid}, not "
+                         f"to you (uid {os.getuid()}); remove it or choose another --address")
+    if info.st_mode & 0o022:
+        raise ValueError(f"the lane's directory {directory} is writable by others (mode "
+                         f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or choose another "
+                         "--address")
+
+
+def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
+    address = args.address or default_address()
+    check_address(address, args.bind, args.allow_remote or bool(args.curve_keys_dir))
+    if address.startswith("ipc://") and args.bind:
+        check_private_directory(os.path.dirname(address[len("ipc://"):]) or ".")
+    ingest = Ingest(sinks, args.dead_after, args.stall_after,
+                    known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines)
+    if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
+        logger.warning("the telemetry lane %s is neither authenticated nor encrypted; "
+                       "consider --curve-keys-dir", address)
+    sidecar = Sidecar(address, ingest, bind=args.bind, rcvhwm=args.rcvhwm,
+                      curve_keys_dir=args.curve_keys_dir)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sidecar.stop())
+    if args.parent_pid:
+        stop_when_parent_exits(args.parent_pid, sidecar)
+    logger.info("sidecar %s on %s (pid %d)", "bound" if args.bind else "connected",
+                address, os.getpid())
+    try:
+        sidecar.run()
+    finally:
+        ingest.close()
+    stats = ingest.stats
+    dropped = {index: state.num_dropped_total for index, state in sorted(ingest.engines.items())}
+    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
+                "dropped per engine %s", stats.num_frames, stats.num_messages,
+                stats.num_undecodable_total, stats.num_rejected_total, dropped)
+    return 0
+
+
+def wait_for_stop_signal() -> None:
+    """Block until SIGINT or SIGTERM (the sinks' servers keep serving meanwhile)."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    logger.info("replay done; serving until Ctrl-C")
+    while not stop.wait(1.0):
+        pass
+
+
+def stop_when_parent_exits(parent_pid: int, sidecar: Sidecar) -> None:
+    """Stop the sidecar once the process that started it is gone (checked twice a second)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        sidecar.stop()
+
+    threading.Thread(target=watch, name="iterscope-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    sink_modules = load_sink_modules()
+    args = build_parser(sink_modules).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    try:
+        if args.replay and not args.serve_after_replay and hasattr(args, "no_metrics"):
+            args.no_metrics = True
+        sinks = build_sinks(sink_modules, args)
+        if args.replay:
+            from telemetry.sidecar.replay import replay
+
+            ingest = replay(args.replay, sinks, args.dead_after, args.stall_after,
+                            max_engines=args.max_engines)
+            stats = ingest.stats
+            logger.info("replayed %d messages, %d undecodable lines",
+                        stats.num_messages, stats.num_undecodable_total)
+            if args.serve_after_replay:
+                wait_for_stop_signal()
+            return 0
+        return run_live(args, sinks)
+    except (ValueError, OSError, zmq.ZMQError) as error:
+        print(f"iterscope sidecar: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

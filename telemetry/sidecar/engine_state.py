@@ -1,0 +1,137 @@
+"""What the sidecar knows of one engine: the checks a new message of it must pass, and the
+evidence its status is judged on.
+
+A lane can be written by anyone who can reach it (docs/architecture.md, "Who can write to
+the lane"), so a message's ``seq`` is trusted only as far as it can be checked against what
+the engine said before:
+
+    forward   the gap before the message must be explained by the engine's own count of
+              the sends it dropped (``num_dropped``), give or take what the lane can lose
+              in transit: num_dropped <= gap <= num_dropped + MAX_IN_TRANSIT
+    back      the engine restarted (seq counts from 1 again): what it lost before this
+              message is what it says it dropped
+    anything  no message may claim more drops than MAX_SEQ_JUMP, or more than the messages
+              numbered before it (num_dropped < seq)
+
+A message that fails is a suspect frame: counted, never passed on, and the engine's state
+stays as it was. One forged frame therefore moves no counter by more than MAX_SEQ_JUMP, and
+cannot make the real engine's next messages look like billions of drops.
+
+Stalled is judged on progress (an iteration that scheduled work, seen in a record or in a
+heartbeat's ``last_iteration``) while work is in flight. How long is too long adapts to the
+engine: the threshold is STALL_FACTOR times the longest progress interval of the last
+STALL_WINDOW_S, at least STALL_FLOOR_S, so an engine whose prefill chunks take 10 s is not
+called stalled at every chunk. A hang that recovers raises the threshold too, for
+STALL_WINDOW_S at most; a fixed ``--stall-after`` turns the adaptation off.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from telemetry.lane.record import Message
+from telemetry.sidecar.sink import EngineStatus
+
+# A single message may account for at most this many lost messages: about 4.6 hours of an
+# engine iterating a thousand times a second with no sidecar listening.
+MAX_SEQ_JUMP = 1 << 24
+# Messages an engine sent that a connected sidecar never received: only when a connection
+# breaks, at most what the lane buffers (the engine's 8192-frame send queue, the kernel's
+# socket buffers) at default high-water marks.
+MAX_IN_TRANSIT = 1 << 17
+STALL_FLOOR_S = 5.0
+STALL_FACTOR = 2
+STALL_WINDOW_S = 600.0
+_STALL_FLOOR_NS = int(STALL_FLOOR_S * 1e9)
+# Shorter progress intervals cannot raise the threshold above the floor: not worth keeping.
+_SHORTEST_LEARNT_NS = _STALL_FLOOR_NS // STALL_FACTOR
+
+
+class RecentMax:
+    """The largest value added within the last ``window_ns`` of the ingest clock.
+
+    A deque of (time, value) whose values decrease from front to back: a new value removes
+    the smaller ones before it (they can never be the maximum again), and the front expires
+    with time, so each call is O(1) amortized.
+    """
+
+    def __init__(self, window_ns: int) -> None:
+        self.window_ns = window_ns
+        self._entries: collections.deque[tuple[int, int]] = collections.deque()
+
+    def add(self, now_ns: int, value: int) -> None:
+        entries = self._entries
+        while entries and entries[-1][1] <= value:
+            entries.pop()
+        entries.append((now_ns, value))
+
+    def max(self, now_ns: int) -> int:
+        """The largest value added since ``now_ns - window_ns``; 0 if none."""
+        entries = self._entries
+        while entries and entries[0][0] < now_ns - self.window_ns:
+            entries.popleft()
+        return entries[0][1] if entries else 0
+
+
+def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> bool:
+    """No message reports more drops than were numbered before it, or than MAX_SEQ_JUMP."""
+    return message.num_dropped < message.seq and message.num_dropped <= max_seq_jump
+
+
+@dataclass
+class EngineState:
+    """What the sidecar knows of one engine. Times are the ingest clock (``now_ns``)."""
+
+    engine_index: int
+    last_seq: int = 0
+    last_message_ns: int = 0
+    last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
+    last_iteration: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+    num_dropped_total: int = 0
+    status: EngineStatus | None = None
+    pid: int = 0  # from the latest heartbeat; 0 = none yet
+    previous_pid: int = 0  # the pid before the latest change
+    progress_intervals: RecentMax = field(
+        default_factory=lambda: RecentMax(int(STALL_WINDOW_S * 1e9)))
+
+    @property
+    def has_work(self) -> bool:
+        return self.num_waiting_reqs + self.num_running_reqs > 0
+
+    def note_progress(self, now_ns: int) -> None:
+        """The loop moved on; if work was in flight, the wait is a progress interval (not
+        when the engine was silent meanwhile: a frozen process's pause is no iteration)."""
+        interval_ns = now_ns - self.last_progress_ns
+        if (interval_ns > _SHORTEST_LEARNT_NS and self.has_work
+                and self.status is not EngineStatus.DEAD):
+            self.progress_intervals.add(now_ns, interval_ns)
+        self.last_progress_ns = now_ns
+
+    def note_restart(self, now_ns: int) -> None:
+        """A new process: its progress is counted from now."""
+        self.last_iteration = 0
+        self.last_progress_ns = now_ns
+
+    def adaptive_stall_after_ns(self, now_ns: int) -> int:
+        """STALL_FACTOR x the longest recent progress interval, at least STALL_FLOOR_S."""
+        return max(_STALL_FLOOR_NS, STALL_FACTOR * self.progress_intervals.max(now_ns))
+
+    def gap_before(self, message: Message, is_heartbeat: bool) -> int | None:
+        """Messages of this engine lost right before ``message``; None: its seq is suspect.
+
+        A dead engine that heartbeats again is met anew (its own drop count is the loss), so
+        a suspect frame that moved ``last_seq`` before the checks existed, or a connection
+        that lost more than MAX_IN_TRANSIT, keeps the engine out for a few seconds at most.
+        """
+        seq = message.seq
+        if seq <= self.last_seq:  # restarted: seq counts from 1 again
+            return message.num_dropped
+        gap = seq - self.last_seq - 1
+        if message.num_dropped <= gap <= message.num_dropped + MAX_IN_TRANSIT:
+            return gap
+        if is_heartbeat and self.status is EngineStatus.DEAD:
+            return message.num_dropped
+        return None

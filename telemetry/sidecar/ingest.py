@@ -1,0 +1,421 @@
+"""The sidecar's ingest: lane frames in, checks, engine status, sinks called in order.
+
+Two layers, so that a live socket and a replayed recording go through the same code:
+
+    Ingest   frames/messages -> typed decode -> checks (engine admission, seq) -> status -> sinks
+             (no socket and no clock of its own: every call is given ``now_ns``)
+    Sidecar  a ZMQ PULL socket (bound by default; ipc:// unless told otherwise) feeding an
+             Ingest from one thread, and ticking it about ten times a second
+
+Invariants:
+- Sinks are called from one thread, in arrival order. For one engine, arrival order is send
+  order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
+- An engine appears only with a heartbeat (the message that carries its facts: model,
+  device, pid), and at most ``max_engines`` are tracked: the state garbage or a forger can
+  make the sidecar hold, and the size of a scrape, are bounded.
+- Every lost message is reported exactly once, through ``on_dropped``, before the next
+  message of that engine reaches the sinks: lost = gap in ``seq``, checked against what the
+  engine says it dropped (telemetry/sidecar/engine_state.py). When this sidecar meets an engine for
+  the first time, the gap is counted from the last ``seq`` a sink remembers
+  (``known_last_seqs``, the JSONL recording does) and otherwise from the engine's own
+  ``num_dropped`` (exact for the time no sidecar was connected, thanks to ZMQ_IMMEDIATE),
+  plus the records that came before its first heartbeat.
+- A frame that cannot be decoded is counted by reason, a decoded one that fails a check is
+  counted by reason; neither stops ingest nor reaches the sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from telemetry.lane.frame_checks import UNDECODABLE_REASONS, classify_undecodable
+from telemetry.lane.record import (
+    MAX_ENGINE_INDEX,
+    Heartbeat,
+    IterationRecord,
+    Message,
+    make_decoder,
+)
+from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState, drops_are_plausible
+from telemetry.sidecar.sink import EngineStatus, Sink, sink_name
+
+# Decoded frames that fail a check: a record of an engine no heartbeat introduced, a new
+# engine beyond --max-engines, a seq the engine's own counts do not explain.
+REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")
+DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
+MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
+GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)
+DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
+TICK_INTERVAL_S = 0.1
+DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
+RECV_BATCH = 4096
+DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
+_RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
+
+logger = logging.getLogger("iterscope.sidecar")
+
+
+@dataclass
+class IngestStats:
+    num_frames: int = 0
+    num_messages: int = 0
+    num_engine_conflicts: int = 0
+    num_sink_errors: int = 0
+    num_undecodable: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0)
+    )
+    num_rejected: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(REJECTED_REASONS, 0)
+    )
+    num_lane_disconnects: int = 0
+
+    @property
+    def num_undecodable_total(self) -> int:
+        return sum(self.num_undecodable.values())
+
+    @property
+    def num_rejected_total(self) -> int:
+        return sum(self.num_rejected.values())
+
+
+class Ingest:
+    """Decoded messages -> seq gaps, engine status, sinks. Single-threaded; no clock of its own."""
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink],
+        dead_after_s: float = DEAD_AFTER_S,
+        stall_after_s: float | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        known_last_seqs: dict[int, int] | None = None,
+        max_engines: int = DEFAULT_MAX_ENGINES,
+        max_seq_jump: int = MAX_SEQ_JUMP,
+    ) -> None:
+        """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
+        progress intervals (telemetry/sidecar/engine_state.py)."""
+        if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
+            raise ValueError("dead_after_s and stall_after_s must be positive")
+        if max_engines < 1:
+            raise ValueError(f"max_engines must be at least 1, got {max_engines}")
+        self.sinks = list(sinks)
+        self.engines: dict[int, EngineState] = {}
+        self.stats = IngestStats()
+        self._dead_after_ns = int(dead_after_s * 1e9)
+        self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
+        self._max_frame_bytes = max_frame_bytes
+        self._max_engines = max_engines
+        self._max_seq_jump = max_seq_jump
+        self._known_last_seqs = dict(known_last_seqs or {})
+        # engine index -> messages lost before its first heartbeat (records that came first,
+        # and the drops they reported); at most MAX_ENGINE_INDEX + 1 entries.
+        self._lost_before_met: dict[int, int] = {}
+        self._decoder = make_decoder()
+        self._decode = self._decoder.decode
+        self._on_iteration = [sink.on_iteration for sink in self.sinks]
+        self._on_heartbeat = [sink.on_heartbeat for sink in self.sinks]
+
+    def on_frame(self, frame: bytes, now_ns: int) -> None:
+        """One lane frame: decode it, or count it as undecodable and carry on."""
+        self.stats.num_frames += 1
+        if len(frame) > self._max_frame_bytes:
+            self.count_undecodable("oversized")
+            return
+        try:
+            message = self._decode(frame)
+        except (msgspec.DecodeError, ValueError) as error:
+            self.count_undecodable(classify_undecodable(frame, error))
+            return
+        # is_plausible(message), inlined: this runs once per frame.
+        if not (0 <= message.engine_index <= MAX_ENGINE_INDEX and message.seq >= 1):
+            self.count_undecodable("malformed")
+            return
+        self.on_message(message, now_ns)
+
+    def count_undecodable(self, reason: str) -> None:
+        self.stats.num_undecodable[reason] += 1
+        self._call_sinks("on_undecodable", reason)
+
+    def count_rejected(self, reason: str) -> None:
+        """A decoded frame failed a check (REJECTED_REASONS): counted, never passed on."""
+        self.stats.num_rejected[reason] += 1
+        self._call_sinks("on_rejected", reason)
+
+    def count_lane_disconnect(self) -> None:
+        """A connection to the lane ended: an engine exited, or the socket's size guard cut
+        off a sender whose frame was over it (ZMQ tells the two apart to no one)."""
+        self.stats.num_lane_disconnects += 1
+        self._call_sinks("on_lane_disconnect")
+
+    def _call_sinks(self, method: str, *args: object) -> None:
+        """Call ``method`` on every sink; one that raises is counted and the rest still run."""
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception:
+                self._sink_failed(sink)
+
+    def _sink_failed(self, sink: Sink) -> None:
+        """Counted in total and on the sink itself (``num_errors``, its /metrics series)."""
+        sink.num_errors = getattr(sink, "num_errors", 0) + 1
+        self.stats.num_sink_errors += 1
+        num = self.stats.num_sink_errors
+        if num <= 10 or num % 10_000 == 0:
+            logger.exception("the %s sink failed (%d sink failures so far); ingest goes on",
+                             sink_name(sink), num)
+
+    def on_message(self, message: Message, now_ns: int) -> None:
+        """A decoded message: check it, report any gap before it, hand it to the sinks,
+        update status. A sink that raises is logged and counted; the others and ingest go on.
+        """
+        is_heartbeat = type(message) is Heartbeat
+        state = self.engines.get(message.engine_index)
+        if state is not None and message.seq == state.last_seq + 1 and not message.num_dropped:
+            num_lost = 0  # the common case, inlined: nothing lost, nothing to doubt
+        elif not drops_are_plausible(message, self._max_seq_jump):
+            num_lost = None
+        elif state is None:
+            state, num_lost = self._meet(message, is_heartbeat, now_ns)
+            if state is None:
+                return
+        else:
+            num_lost = state.gap_before(message, is_heartbeat)
+            if num_lost is not None and message.seq <= state.last_seq:
+                state.note_restart(now_ns)
+        if num_lost is None:
+            self.count_rejected("seq_jump")
+            return
+        self.stats.num_messages += 1
+        state.last_seq = message.seq
+        state.last_message_ns = now_ns
+        if num_lost > 0:
+            state.num_dropped_total += num_lost
+            self._call_sinks("on_dropped", message.engine_index, num_lost)
+        if is_heartbeat:
+            for on_heartbeat in self._on_heartbeat:
+                try:
+                    on_heartbeat(message)
+                except Exception:
+                    self._sink_failed(on_heartbeat.__self__)
+            self._note_heartbeat(state, message, now_ns)
+        else:
+            for on_iteration in self._on_iteration:
+                try:
+                    on_iteration(message)
+                except Exception:
+                    self._sink_failed(on_iteration.__self__)
+            self._note_iteration(state, message, now_ns)
+
+    def _meet(
+        self, message: Message, is_heartbeat: bool, now_ns: int
+    ) -> tuple[EngineState | None, int]:
+        """A message of an engine not tracked yet: its heartbeat makes it appear, within
+        ``max_engines``; a record before that is rejected and counted as lost when it does."""
+        index = message.engine_index
+        if not is_heartbeat:
+            lost = self._lost_before_met.get(index, 0) + 1 + message.num_dropped
+            self._lost_before_met[index] = min(lost, self._max_seq_jump)
+            self.count_rejected("unknown_engine")
+            return None, 0
+        if len(self.engines) >= self._max_engines:
+            self.count_rejected("engine_limit")
+            return None, 0
+        state = self.engines[index] = EngineState(index)
+        state.last_progress_ns = now_ns
+        lost_before = self._lost_before_met.pop(index, 0)
+        known_seq = self._known_last_seqs.pop(index, None)
+        if known_seq is not None and 0 <= message.seq - known_seq - 1 <= self._max_seq_jump:
+            return state, message.seq - known_seq - 1  # exact: the recording's last seq
+        # Joined mid-stream, or restarted while no sidecar listened: only the engine's own
+        # count is known.
+        return state, lost_before + message.num_dropped
+
+    def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
+        if record.num_context_tokens + record.num_generation_tokens > 0:
+            # Progress means scheduled work: a loop that spins on empty iterations while
+            # requests wait is stalled (heartbeats count the same way: last_iteration is the
+            # last iteration that scheduled work).
+            state.last_iteration = record.iteration
+            state.note_progress(now_ns)
+        elif not state.has_work:  # (before this record) nothing waited or ran: idle, not stuck
+            state.last_progress_ns = now_ns
+        state.num_waiting_reqs = record.num_waiting_reqs
+        state.num_running_reqs = record.num_running_reqs
+        if state.status is not _RUNNING:
+            self._update_status(state, now_ns)
+
+    def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
+        if heartbeat.pid != state.pid and heartbeat.pid:
+            self._note_pid_change(state, heartbeat.pid)
+        # Iterations whose records were all lost still count as progress.
+        if heartbeat.last_iteration > state.last_iteration:
+            state.note_progress(now_ns)
+            state.last_iteration = heartbeat.last_iteration
+        elif not state.has_work:  # (before this heartbeat) idle: the stall clock starts now
+            state.last_progress_ns = now_ns
+        state.num_waiting_reqs = heartbeat.num_waiting_reqs
+        state.num_running_reqs = heartbeat.num_running_reqs
+        self._update_status(state, now_ns)
+
+    def _note_pid_change(self, state: EngineState, pid: int) -> None:
+        """A restart changes the pid once; heartbeats switching back to the pid before it
+        mean two live processes share this engine index."""
+        if pid == state.previous_pid and state.pid:
+            self.stats.num_engine_conflicts += 1
+            pids = (min(pid, state.pid), max(pid, state.pid))
+            if self.stats.num_engine_conflicts <= 3 or self.stats.num_engine_conflicts % 100 == 0:
+                logger.error(
+                    "engine %d: two engine processes (pids %d and %d) publish as engine %d; "
+                    "their records mix. Give each its own --engine-index.",
+                    state.engine_index, *pids, state.engine_index,
+                )
+            self._call_sinks("on_engine_conflict", state.engine_index, pids)
+        state.previous_pid, state.pid = state.pid, pid
+
+    def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
+        """Dead: no message (the publisher's thread sends them, heartbeats included, whether
+        or not the engine loop moves). Stalled: messages, work in flight, no progress."""
+        if now_ns - state.last_message_ns > self._dead_after_ns:
+            return EngineStatus.DEAD
+        if not state.has_work:
+            return EngineStatus.IDLE
+        stall_after_ns = self._stall_after_ns or state.adaptive_stall_after_ns(now_ns)
+        if now_ns - state.last_progress_ns > stall_after_ns:
+            return EngineStatus.STALLED
+        return EngineStatus.RUNNING
+
+    def _update_status(self, state: EngineState, now_ns: int) -> None:
+        status = self.status_of(state, now_ns)
+        if status is not state.status:
+            state.status = status
+            self._call_sinks("on_status", state.engine_index, status, now_ns)
+
+    def tick(self, now_ns: int) -> None:
+        """Re-evaluate every engine's status (stall and death show up only here), tick sinks."""
+        for state in self.engines.values():
+            self._update_status(state, now_ns)
+        self._call_sinks("tick", now_ns)
+
+    def close(self) -> None:
+        self._call_sinks("close")
+
+
+def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
+    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ValueError(
+            f"telemetry address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
+        )
+    if scheme == "tcp" and bind and not allow_remote:
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"binding {address!r} makes the telemetry lane reachable from other hosts; "
+                "use 127.0.0.1, or pass --allow-remote to mean it"
+            )
+
+
+class Sidecar:
+    """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
+
+    def __init__(
+        self,
+        address: str,
+        ingest: Ingest,
+        bind: bool = True,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        tick_interval_s: float = TICK_INTERVAL_S,
+        context: zmq.Context | None = None,
+        curve_keys_dir: str | None = None,
+    ) -> None:
+        """``curve_keys_dir``: accept only engines holding CURVE keys listed there (tcp lanes
+        across hosts; see telemetry/lane/curve.py)."""
+        self.address = address
+        self.ingest = ingest
+        self._tick_interval_ns = int(tick_interval_s * 1e9)
+        self._stopped = threading.Event()
+        self._context = context or zmq.Context.instance()
+        self._curve = bool(curve_keys_dir)
+        self._socket = self._context.socket(zmq.PULL)
+        if curve_keys_dir:
+            from telemetry.lane.curve import configure_server
+
+            configure_server(self._socket, curve_keys_dir)
+        self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Memory guard: a peer sending frames far above the oversize limit is disconnected.
+        # ZMQ drops that frame without a word; the disconnect is what can be counted.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if bind:
+            self._socket.bind(address)
+        else:
+            self._socket.connect(address)
+
+    def run(self) -> None:
+        """Receive, decode and dispatch until stopped; the socket is closed on return."""
+        socket, monitor = self._socket, self._monitor
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poll_ms = max(1, self._tick_interval_ns // 1_000_000)
+        next_tick_ns = time.monotonic_ns()
+        try:
+            while not self._stopped.is_set():
+                ready = dict(poller.poll(poll_ms))
+                if socket in ready:
+                    self._receive_batch(time.monotonic_ns())
+                if monitor in ready:
+                    self._count_disconnects()
+                now_ns = time.monotonic_ns()
+                if now_ns >= next_tick_ns:
+                    self.ingest.tick(now_ns)
+                    next_tick_ns = now_ns + self._tick_interval_ns
+            self._drain()
+            self._count_disconnects()
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
+            socket.close(linger=0)
+            if self._curve:
+                from telemetry.lane.curve import stop_server_auth
+
+                stop_server_auth(self._context)
+
+    def _receive_batch(self, now_ns: int) -> int:
+        """Ingest up to RECV_BATCH frames already received, stamped ``now_ns``; how many."""
+        recv, on_frame = self._socket.recv, self.ingest.on_frame
+        for num_received in range(RECV_BATCH):
+            try:
+                frame = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return num_received
+            on_frame(frame, now_ns)
+        return RECV_BATCH
+
+    def _count_disconnects(self) -> None:
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: one event
+            except zmq.Again:
+                return
+            self.ingest.count_lane_disconnect()
+
+    def _drain(self) -> None:
+        """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
+        socket would drop it, and no later message could report that gap."""
+        deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
+        while (now_ns := time.monotonic_ns()) < deadline_ns:
+            if self._receive_batch(now_ns) < RECV_BATCH:
+                return
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return (safe from a signal handler or another thread)."""
+        self._stopped.set()

@@ -1,0 +1,206 @@
+"""JSONL recording of the raw lane messages: the input of replay, `explain` and `tune`.
+
+This module writes it; ``telemetry.lane.recording`` reads it.
+
+One message per line, the ``msgspec.json`` encoding of the decoded message: IterationRecord
+and Heartbeat as tagged JSON arrays holding exactly the wire fields, so
+``msgspec.json.Decoder(telemetry.lane.record.Message)`` reads every line back.
+
+Files rotate by size with a bounded count:
+
+    rec.jsonl      the newest, appended to
+    rec.jsonl.1    the one before
+    ...
+    rec.jsonl.N-1  the oldest kept (N = max_files); older ones are deleted
+
+Lines are buffered and written whole at every sidecar tick (about 0.1 s) or when the buffer
+reaches ``flush_bytes``. A sidecar killed mid-write can leave a partial last line; the next
+sidecar to open the file cuts it off, and reads the last ``seq`` of every engine back, so the
+messages it never wrote are counted as lost (``known_last_seqs``).
+
+A write that fails (a full disk) keeps what was not written, never what was: nothing is
+written twice, and a line cut by a partial write is completed first. While writes keep
+failing, at most MAX_UNWRITTEN_BYTES are held; whole lines beyond that are dropped and
+counted in ``num_lines_lost``. The failure itself propagates, so the sidecar counts it
+(``num_errors``); both, and ``last_write_time``, are series of /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.lane.recording import recording_files, rotated_path
+from telemetry.sidecar.sink import Sink
+
+DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_MAX_FILES = 4
+DEFAULT_FLUSH_BYTES = 1 << 20
+NEWLINE = ord("\n")
+# Recordings hold request timings and ids of a whole service: readable by their owner only.
+RECORDING_MODE = 0o600
+MAX_UNWRITTEN_BYTES = 64 << 20  # held while writes fail (disk full); beyond it lines are lost
+
+
+class LineHead(msgspec.Struct, array_like=True):
+    """The first three elements of any recorded message; the rest are ignored."""
+
+    tag: int
+    engine_index: int
+    seq: int
+
+
+def cut_partial_last_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline (a writer killed mid-line leaves a stub)."""
+    with open(path, "rb+") as file:
+        size = file.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            file.seek(start)
+            chunk = file.read(end - start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        if end != size:
+            file.truncate(end)
+
+
+def read_last_seqs(path: Path) -> dict[int, int]:
+    """engine_index -> seq of its last line in one recording file (undecodable lines skipped)."""
+    decoder = msgspec.json.Decoder(LineHead)
+    last_seqs: dict[int, int] = {}
+    with open(path, "rb") as file:
+        for line in file:
+            try:
+                head = decoder.decode(line)
+            except msgspec.DecodeError:
+                continue
+            last_seqs[head.engine_index] = head.seq
+    return last_seqs
+
+
+class JsonlSink(Sink):
+    """Appends every message to a size-rotated JSONL recording."""
+
+    name = "jsonl"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_files: int = DEFAULT_MAX_FILES,
+        flush_bytes: int = DEFAULT_FLUSH_BYTES,
+    ) -> None:
+        if max_bytes <= 0 or max_files < 1:
+            raise ValueError(
+                f"need max_bytes > 0 and max_files >= 1, got {max_bytes} and {max_files}"
+            )
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self.flush_bytes = flush_bytes
+        self.num_messages = 0
+        self.num_lines_lost = 0
+        self._midline = False  # a partial write ended inside a line
+        self._encoder = msgspec.json.Encoder()
+        self._buffer = bytearray()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            cut_partial_last_line(self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, RECORDING_MODE)
+        self._size = os.fstat(self._fd).st_size
+
+    def known_last_seqs(self) -> dict[int, int]:
+        """The last seq per engine already recorded, from the newest two files.
+
+        A live engine heartbeats every second, so it appears in the newest file unless that
+        file was just started; the one before covers that case.
+        """
+        last_seqs: dict[int, int] = {}
+        for path in recording_files(self.path)[-2:]:
+            last_seqs.update(read_last_seqs(path))
+        return last_seqs
+
+    def _append(self, message: IterationRecord | Heartbeat) -> None:
+        self._encoder.encode_into(message, self._buffer, -1)
+        self._buffer += b"\n"
+        self.num_messages += 1
+        if len(self._buffer) >= self.flush_bytes:
+            self.flush()
+
+    on_iteration = _append
+    on_heartbeat = _append
+
+    def flush(self) -> None:
+        """Write the buffered lines (whole lines only), rotating first if the file is full."""
+        if not self._buffer:
+            return
+        if self._size and self._size + len(self._buffer) > self.max_bytes:
+            self._rotate()
+        buffer = self._buffer
+        try:
+            while buffer:
+                num_written = os.write(self._fd, buffer)
+                self._midline = num_written > 0 and buffer[num_written - 1] != NEWLINE
+                del buffer[:num_written]
+                self._size += num_written
+            self.last_write_time = time.time()
+        except OSError:
+            if len(buffer) > MAX_UNWRITTEN_BYTES:
+                self._drop_unwritten_lines()
+            raise
+
+    def _drop_unwritten_lines(self) -> None:
+        """Keep only the rest of a line a partial write began, so the file stays whole."""
+        buffer = self._buffer
+        keep = buffer.find(b"\n") + 1 if self._midline else 0
+        self.num_lines_lost += buffer.count(b"\n", keep)
+        del buffer[keep:]
+
+    def _rotate(self) -> None:
+        os.close(self._fd)
+        oldest = rotated_path(self.path, self.max_files - 1)
+        oldest.unlink(missing_ok=True)
+        for generation in range(self.max_files - 2, -1, -1):
+            source = rotated_path(self.path, generation)
+            if source.exists():
+                source.rename(rotated_path(self.path, generation + 1))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, RECORDING_MODE)
+        self._size = 0
+
+    def tick(self, now_ns: int) -> None:
+        self.flush()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.flush()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("recording")
+    group.add_argument("--record", metavar="PATH", help="record every message to a JSONL file")
+    group.add_argument(
+        "--record-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
+        help="rotate the recording at this size (default: %(default)s)",
+    )
+    group.add_argument(
+        "--record-max-files", type=int, default=DEFAULT_MAX_FILES, metavar="N",
+        help="files kept, the current one included (default: %(default)s)",
+    )
+
+
+def build(args: argparse.Namespace) -> JsonlSink | None:
+    if not args.record:
+        return None
+    return JsonlSink(args.record, args.record_max_bytes, args.record_max_files)

@@ -1,0 +1,379 @@
+"""Log sink: the vLLM-compatible 10-second line per engine, opt-in per-iteration lines.
+
+Windows follow record time, not the sidecar's clock, so a replayed recording prints the
+same lines as the live run did:
+
+- An engine's monotonic times are placed on the wall clock with the (ts_ns, wall_ns) anchor
+  of its latest heartbeat. Records that arrive before an engine's first heartbeat join the
+  open window without moving it.
+- The log clock is the latest wall time seen from any engine. Windows are
+  [k * interval, (k + 1) * interval) of wall time; when the log clock enters a later window,
+  the open one is closed and printed. A record that arrives after its window closed is
+  counted in the open one, so every record is counted exactly once (the lines add up to the
+  Prometheus counters).
+
+What a line reports, per engine and window:
+    prompt throughput       context (prefill) tokens computed / window length
+    generation throughput   generation tokens / window length
+    Running, Waiting        from the engine's latest record or heartbeat
+    KV cache usage          used / (used + free) blocks of the latest record
+    Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
+    Preemptions             sum over the window, shown only when non-zero
+The window length is shortened to the time since the engine was first seen, so the first
+window after a (re)start does not under-report. An engine prints nothing for a window in
+which it ran no iteration and had nothing running or waiting, and nothing once dead. When
+two or more engines print in a window, an aggregated line follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.sidecar.iteration_line import format_iteration_line
+from telemetry.sidecar.sink import EngineStatus, Sink
+
+logger = logging.getLogger("iterscope.sidecar")
+
+DEFAULT_INTERVAL_S = 10.0
+CLOCK_STEP_INTERVALS = 2  # a wall time further back than this many intervals: a clock step
+
+Emit = Callable[[int, str], None]  # (logging level, text)
+
+
+@dataclass
+class WindowCounts:
+    """Sums over one log window for one engine (or over all engines, for the aggregate)."""
+
+    num_iterations: int = 0
+    num_context_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    def add_record(self, record: IterationRecord) -> None:
+        self.num_iterations += 1
+        self.num_context_tokens += record.num_context_tokens
+        self.num_generation_tokens += record.num_generation_tokens
+        self.num_preemptions += record.num_preemptions
+        self.num_prefix_query_tokens += record.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+
+
+@dataclass
+class LineFigures:
+    """Everything one 10-second line shows."""
+
+    label: str
+    prompt_throughput: float  # tokens/s
+    generation_throughput: float  # tokens/s
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    device_name: str
+
+
+@dataclass
+class EngineView:
+    """The log sink's picture of one engine."""
+
+    engine_index: int
+    clock_offset_ns: int | None = None  # wall_ns - ts_ns of the latest heartbeat
+    first_ts_ns: int | None = None  # engine clock: start of the first record or heartbeat seen
+    first_wall_ns: int | None = None  # the same on the wall clock, once an anchor is known
+    device_name: str = ""
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_free: int = 0
+    last_iteration: int = 0
+    status: EngineStatus | None = None
+    num_dropped_unreported: int = 0
+    num_dropped_total: int = 0
+    conflicting_pids: tuple[int, int] | None = None  # unreported: two processes, one index
+    counts: WindowCounts = field(default_factory=WindowCounts)
+
+
+def format_engine_line(figures: LineFigures) -> str:
+    kv_total = figures.num_kv_blocks_total
+    kv_usage = 100.0 * figures.num_kv_blocks_used / kv_total if kv_total else 0.0
+    queries = figures.num_prefix_query_tokens
+    hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
+    line = (
+        f"{figures.label}: "
+        f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
+        f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
+        f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
+        f"{figures.device_name or 'GPU'} KV cache usage: {kv_usage:.1f}%, "
+        f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
+    if figures.num_preemptions:
+        line += f", Preemptions: {figures.num_preemptions}"
+    return line
+
+
+def format_engine_iteration_line(record: IterationRecord) -> str:
+    """The shared per-iteration line; prefixed with the engine for engines other than 000."""
+    line = format_iteration_line(record)
+    return f"Engine {record.engine_index:03d}: {line}" if record.engine_index else line
+
+
+def engine_figures(view: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
+    return LineFigures(
+        label=f"Engine {view.engine_index:03d}",
+        prompt_throughput=counts.num_context_tokens / window_time,
+        generation_throughput=counts.num_generation_tokens / window_time,
+        num_running_reqs=view.num_running_reqs,
+        num_waiting_reqs=view.num_waiting_reqs,
+        num_kv_blocks_used=view.num_kv_blocks_used,
+        num_kv_blocks_total=view.num_kv_blocks_used + view.num_kv_blocks_free,
+        num_prefix_query_tokens=counts.num_prefix_query_tokens,
+        num_prefix_hit_tokens=counts.num_prefix_hit_tokens,
+        num_preemptions=counts.num_preemptions,
+        device_name=view.device_name,
+    )
+
+
+def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
+    """Several engines as one: rates and queues add up; ratios are of the summed parts."""
+    return LineFigures(
+        label=f"{len(lines)} Engines Aggregated",
+        prompt_throughput=sum(f.prompt_throughput for f in lines),
+        generation_throughput=sum(f.generation_throughput for f in lines),
+        num_running_reqs=sum(f.num_running_reqs for f in lines),
+        num_waiting_reqs=sum(f.num_waiting_reqs for f in lines),
+        num_kv_blocks_used=sum(f.num_kv_blocks_used for f in lines),
+        num_kv_blocks_total=sum(f.num_kv_blocks_total for f in lines),
+        num_prefix_query_tokens=sum(f.num_prefix_query_tokens for f in lines),
+        num_prefix_hit_tokens=sum(f.num_prefix_hit_tokens for f in lines),
+        num_preemptions=sum(f.num_preemptions for f in lines),
+        device_name=lines[0].device_name,
+    )
+
+
+def _log_to_logger(level: int, text: str) -> None:
+    logger.log(level, text)
+
+
+class LogSink(Sink):
+    """Prints the periodic lines, per-iteration lines (opt-in), status changes and losses."""
+
+    name = "log"
+
+    def __init__(
+        self,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        log_iterations: bool = False,
+        emit: Emit = _log_to_logger,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"log interval must be positive, got {interval_s}")
+        self.interval_ns = int(interval_s * 1e9)
+        self.log_iterations = log_iterations
+        self.emit = emit
+        self.views: dict[int, EngineView] = {}
+        self._clock_ns: int | None = None  # latest wall time seen from any engine
+        self._window_index = 0
+        self._undecodable_unreported: dict[str, int] = {}
+        self._num_undecodable_total = 0
+        self._rejected_unreported: dict[str, int] = {}
+        self._num_rejected_total = 0
+        self._last_loss_report_ns: int | None = None
+
+    def _view(self, engine_index: int) -> EngineView:
+        view = self.views.get(engine_index)
+        if view is None:
+            view = self.views[engine_index] = EngineView(engine_index)
+        return view
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        view = self._view(record.engine_index)
+        if view.clock_offset_ns is not None:
+            self._advance(record.start_ns + record.elapsed_ns + view.clock_offset_ns)
+        if view.first_ts_ns is None:
+            view.first_ts_ns = record.start_ns
+        view.counts.add_record(record)
+        view.num_running_reqs = record.num_running_reqs
+        view.num_waiting_reqs = record.num_waiting_reqs
+        view.num_kv_blocks_used = record.num_kv_blocks_used
+        view.num_kv_blocks_free = record.num_kv_blocks_free
+        if record.num_context_tokens or record.num_generation_tokens:  # as the heartbeat's:
+            view.last_iteration = record.iteration  # a loop spinning empty is no progress
+        if self.log_iterations:
+            self.emit(logging.INFO, format_engine_iteration_line(record))
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        view = self._view(heartbeat.engine_index)
+        view.clock_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
+        if view.first_wall_ns is None:
+            first_ts_ns = heartbeat.ts_ns if view.first_ts_ns is None else view.first_ts_ns
+            view.first_wall_ns = min(first_ts_ns, heartbeat.ts_ns) + view.clock_offset_ns
+        self._advance(heartbeat.wall_ns)  # first: what it says belongs to the new window
+        view.device_name = heartbeat.device_name
+        view.num_running_reqs = heartbeat.num_running_reqs
+        view.num_waiting_reqs = heartbeat.num_waiting_reqs
+        view.last_iteration = max(view.last_iteration, heartbeat.last_iteration)
+
+    def _advance(self, wall_ns: int) -> None:
+        if self._clock_ns is None:
+            self._clock_ns = wall_ns
+            self._window_index = wall_ns // self.interval_ns
+            return
+        if wall_ns <= self._clock_ns:
+            if self._clock_ns - wall_ns > CLOCK_STEP_INTERVALS * self.interval_ns:
+                self._restart_clock(wall_ns)
+            return
+        self._clock_ns = wall_ns
+        window_index = wall_ns // self.interval_ns
+        if window_index > self._window_index:
+            self._close_window()
+            self._window_index = window_index
+
+    def _restart_clock(self, wall_ns: int) -> None:
+        """The engines' wall clock stepped back (NTP) or a bogus time was seen: print what
+        the open window holds and go on from ``wall_ns``, instead of staying silent until
+        the clock catches up with the highest time ever seen."""
+        self._close_window(end_ns=self._clock_ns)
+        self._clock_ns = wall_ns
+        self._window_index = wall_ns // self.interval_ns
+
+    def _close_window(self, end_ns: int | None = None) -> None:
+        """Print the window's lines; ``end_ns`` cuts it short (at close)."""
+        start_ns = self._window_index * self.interval_ns
+        end_ns = start_ns + self.interval_ns if end_ns is None else end_ns
+        lines = []
+        for index in sorted(self.views):
+            view = self.views[index]
+            counts, view.counts = view.counts, WindowCounts()
+            has_work = view.num_running_reqs + view.num_waiting_reqs > 0
+            quiet = counts.num_iterations == 0 and not has_work
+            if quiet or (view.status is EngineStatus.DEAD and counts.num_iterations == 0):
+                continue  # a dead engine's last iterations still get their line
+            seen_ns = max(start_ns, view.first_wall_ns or start_ns)
+            window_time = (end_ns - seen_ns if seen_ns < end_ns else self.interval_ns) / 1e9
+            lines.append(engine_figures(view, counts, window_time))
+        for figures in lines:
+            self.emit(logging.INFO, format_engine_line(figures))
+        if len(lines) > 1:
+            self.emit(logging.INFO, format_engine_line(aggregate_figures(lines)))
+
+    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
+        view = self._view(engine_index)
+        previous, view.status = view.status, status
+        self._status_line(engine_index, previous, status, view)
+        all_dead = all(other.status is EngineStatus.DEAD for other in self.views.values())
+        if status is EngineStatus.DEAD and all_dead and self._clock_ns is not None:
+            # No engine moves the log clock any more: print the window with the last
+            # iterations now, not at the sidecar's exit, and start the next one.
+            self._close_window()
+            self._window_index += 1
+
+    def _status_line(self, engine_index: int, previous: EngineStatus | None,
+                     status: EngineStatus, view: EngineView) -> None:
+        queues = (
+            f"{view.num_waiting_reqs} waiting, {view.num_running_reqs} running, "
+            f"last iteration {view.last_iteration}"
+        )
+        if previous is None:
+            text = f"Engine {engine_index:03d}: connected, {status.value}"
+        else:
+            text = f"Engine {engine_index:03d}: {previous.value} -> {status.value}"
+        if status in (EngineStatus.STALLED, EngineStatus.DEAD):
+            self.emit(logging.WARNING, f"{text} ({queues})")
+        elif {previous, status} == {EngineStatus.IDLE, EngineStatus.RUNNING}:
+            self.emit(logging.DEBUG, text)  # every request under light load: not news
+        else:
+            self.emit(logging.INFO, text)  # connected, or recovered from stalled / dead
+
+    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
+        view = self._view(engine_index)
+        view.num_dropped_unreported += num_dropped
+        view.num_dropped_total += num_dropped
+
+    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
+        view = self._view(engine_index)
+        view.conflicting_pids = pids
+
+    def on_undecodable(self, reason: str) -> None:
+        self._undecodable_unreported[reason] = self._undecodable_unreported.get(reason, 0) + 1
+        self._num_undecodable_total += 1
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected_unreported[reason] = self._rejected_unreported.get(reason, 0) + 1
+        self._num_rejected_total += 1
+
+    def tick(self, now_ns: int) -> None:
+        """Report losses at most once per interval (of the ingest clock)."""
+        last = self._last_loss_report_ns
+        if last is not None and now_ns - last < self.interval_ns:
+            return
+        if self._report_losses():
+            self._last_loss_report_ns = now_ns
+
+    def _report_losses(self) -> bool:
+        reported = False
+        for index in sorted(self.views):
+            view = self.views[index]
+            if view.num_dropped_unreported:
+                self.emit(logging.WARNING, (
+                    f"Engine {index:03d}: {view.num_dropped_unreported} telemetry messages "
+                    f"lost (sequence gaps), {view.num_dropped_total} in total"
+                ))
+                view.num_dropped_unreported = 0
+                reported = True
+            if view.conflicting_pids:
+                first, second = view.conflicting_pids
+                self.emit(logging.ERROR, (
+                    f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
+                    f"publish as engine {index}; its numbers mix both. Give each its own "
+                    "--engine-index"
+                ))
+                view.conflicting_pids = None
+                reported = True
+        reported |= self._report_frames("undecodable frames", self._undecodable_unreported,
+                                        self._num_undecodable_total)
+        reported |= self._report_frames("frames rejected", self._rejected_unreported,
+                                        self._num_rejected_total)
+        return reported
+
+    def _report_frames(self, what: str, unreported: dict[str, int], total: int) -> bool:
+        if not unreported:
+            return False
+        by_reason = ", ".join(f"{reason}: {num}" for reason, num in sorted(unreported.items()))
+        self.emit(logging.WARNING,
+                  f"Sidecar: {sum(unreported.values())} {what} ({by_reason}), {total} in total")
+        unreported.clear()
+        return True
+
+    def close(self) -> None:
+        """Print the open window up to the last time seen, so every record is in a line."""
+        if self._clock_ns is not None:
+            self._close_window(end_ns=self._clock_ns)
+        self._report_losses()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("log lines")
+    group.add_argument(
+        "--log-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+        help="seconds of record time per throughput line (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-iterations", action="store_true",
+        help="also print one line per iteration (Iteration(N): ...)",
+    )
+    group.add_argument("--no-log", action="store_true", help="print no log lines at all")
+
+
+def build(args: argparse.Namespace) -> LogSink | None:
+    if args.no_log:
+        return None
+    return LogSink(interval_s=args.log_interval, log_iterations=args.log_iterations)

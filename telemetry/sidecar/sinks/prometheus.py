@@ -1,0 +1,588 @@
+"""The Prometheus sink: per-engine state updated from records, rendered at scrape time.
+
+    ingest thread                                   HTTP thread (per scrape)
+    on_iteration / on_heartbeat / on_status ...     MetricsCollector.collect()
+      -> EngineState: plain ints, Histogram lists     -> Gauge/Counter/HistogramMetricFamily
+         and the last record (for gauges)                built fresh from EngineState
+
+Ingest takes no lock and touches no prometheus_client object; a scrape reads the state while
+ingest may be writing it, so one scrape can mix two consecutive records (never a torn number:
+every value is a single int/float/reference read under the GIL). Counters only ever add the
+non-negative counts a record carries, so they stay monotonic when an engine reconnects
+(seq and iteration restart at 1) and when a recording is replayed into the sidecar.
+
+Every series carries the labels ``engine`` (engine index) and ``model_name`` (from the
+engine's heartbeats, "" until the first one); sidecar-level series use ``engine=""``.
+docs/metrics.md lists every series with the record fields it comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from telemetry.lane.frame_checks import UNDECODABLE_REASONS
+from telemetry.lane.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    FINISH_REASONS,
+    UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    UNKNOWN_WAITING_REASONS,
+    Heartbeat,
+    IterationRecord,
+    RequestMilestone,
+    is_known,
+)
+from telemetry.sidecar.histogram import MAX_COUNT_INDEX, Histogram, check_bounds
+from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
+from telemetry.sidecar.sink import EngineStatus, Sink, sink_name
+
+DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_PORT = 9470
+PREFIX = "iterscope_"
+REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")  # telemetry/sidecar/ingest.py
+WAITING_REASONS = (  # (reason label, IterationRecord field)
+    ("kv_capacity", "num_waiting_kv_reqs"),
+    ("seq_limit", "num_waiting_seq_limit_reqs"),
+    ("token_budget", "num_waiting_budget_reqs"),
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
+                         5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                         960.0, 1920.0, 7680.0)
+_BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                        65536)
+_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                          50000, 100000, 200000, 500000, 1000000)
+# Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
+    "iteration_tokens": ("Context + generation tokens per iteration.", _BATCH_TOKEN_BUCKETS),
+    "iteration_context_tokens": ("Context (prefill) tokens per iteration.",
+                                 (0, *_BATCH_TOKEN_BUCKETS)),
+    "iteration_generation_requests": ("Generation (decode) requests per iteration.",
+                                      (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+    "time_to_first_token_seconds": ("Arrival to first token.",
+                                    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                                     640.0, 2560.0)),
+    "inter_token_latency_seconds": ("Time between the ends of consecutive iterations, once per "
+                                    "generated token.", _ITL_BUCKETS),
+    "time_per_output_token_seconds": ("Decode time / (output tokens - 1), per request.",
+                                      _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to finish.", _REQUEST_TIME_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to first scheduled.", _REQUEST_TIME_BUCKETS),
+    "request_prefill_time_seconds": ("First scheduled to first token.", _REQUEST_TIME_BUCKETS),
+    "request_decode_time_seconds": ("First token to finish.", _REQUEST_TIME_BUCKETS),
+    "request_prompt_tokens": ("Prompt length of finished requests.", _REQUEST_TOKEN_BUCKETS),
+    "request_generation_tokens": ("Output length of finished requests.",
+                                  _REQUEST_TOKEN_BUCKETS),
+    "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
+}
+# Counters: name (after the prefix, without _total) -> (help, EngineState attribute).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "iterations": ("Iteration records received.", "num_iterations"),
+    "prompt_tokens": ("Context (prompt) tokens computed.", "num_prompt_tokens"),
+    "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
+                             "num_prompt_tokens_cached"),
+    "generation_tokens": ("Generation (decode) tokens computed.", "num_generation_tokens"),
+    "preemptions": ("Requests preempted.", "num_preemptions"),
+    "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
+                              "num_kv_blocked_iterations"),
+    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.", "num_prefix_query_tokens"),
+    "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "num_prefix_hit_tokens"),
+    "records_received": ("Telemetry messages received (iterations + heartbeats).",
+                         "num_received"),
+    "records_dropped": ("Telemetry messages lost (sequence gaps).", "num_dropped"),
+    "engine_index_conflicts": (
+        "Times two live engine processes were seen publishing under this engine index.",
+        "num_engine_conflicts",
+    ),
+}
+# --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
+VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "vllm:num_requests_running": ("iterscope_requests_running", {}),
+    "vllm:num_requests_waiting": ("iterscope_requests_waiting", {}),
+    "vllm:kv_cache_usage_perc": ("iterscope_kv_cache_usage_ratio", {}),
+    "vllm:num_preemptions": ("iterscope_preemptions", {}),
+    "vllm:prompt_tokens": ("iterscope_prompt_tokens", {}),
+    "vllm:generation_tokens": ("iterscope_generation_tokens", {}),
+    "vllm:prefix_cache_queries": ("iterscope_prefix_cache_queries", {}),
+    "vllm:prefix_cache_hits": ("iterscope_prefix_cache_hits", {}),
+    "vllm:request_success": ("iterscope_requests_finished", {"finish_reason": "finished_reason"}),
+    "vllm:time_to_first_token_seconds": ("iterscope_time_to_first_token_seconds", {}),
+    "vllm:inter_token_latency_seconds": ("iterscope_inter_token_latency_seconds", {}),
+    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds",
+                                                   {}),
+    "vllm:e2e_request_latency_seconds": ("iterscope_e2e_request_latency_seconds", {}),
+    "vllm:request_queue_time_seconds": ("iterscope_request_queue_time_seconds", {}),
+    "vllm:request_prefill_time_seconds": ("iterscope_request_prefill_time_seconds", {}),
+    "vllm:request_decode_time_seconds": ("iterscope_request_decode_time_seconds", {}),
+    "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
+    "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    # vLLM's is the most tokens any of a request's n samples generated; a request here is
+    # one sample (serve takes n=1 only), so it is the request's own output length.
+    "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
+}
+LABELS = ("engine", "model_name")
+_METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+log = logging.getLogger(__name__)
+
+
+class EngineState:
+    """Everything the sink knows about one engine; written only by the ingest thread."""
+
+    def __init__(self, engine_index: int, buckets: dict[str, tuple[float, ...]]) -> None:
+        self.engine_index = engine_index
+        self.model_name = ""
+        self.pid = 0
+        self.status = EngineStatus.IDLE
+        for _, attribute in COUNTERS.values():
+            setattr(self, attribute, 0)
+        self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
+        self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
+        # Bound once: the per-record path then does no lookups by name.
+        self._duration, self._tokens, self._context_tokens, self._generation_reqs = (
+            self.histograms[name] for name in (
+                "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
+                "iteration_generation_requests",
+            )
+        )
+        self._inter_token = self.histograms["inter_token_latency_seconds"]
+        self.last_record: IterationRecord | None = None
+        self.last_end_ns = 0  # engine clock: end of the last iteration received
+        self.last_iteration = 0
+        self.num_running_reqs = 0  # from the latest record or heartbeat, as the log line
+        self.num_waiting_reqs = 0
+        self.num_kv_blocks_total = 0  # from heartbeats, until the first record
+        self.heartbeat_received_ns = 0  # sidecar monotonic clock, 0 = none yet
+        self.wall_offset_ns: int | None = None  # engine wall - engine monotonic
+        self.lag_ns: int | None = None
+
+    def apply_iteration(self, record: IterationRecord) -> None:
+        """Counters, the latest record (for gauges) and the per-iteration histograms.
+
+        Once per record, so Histogram.observe and observe_count are inlined: a method call
+        per observation cost as much as the observation.
+        """
+        num_context_tokens = record.num_context_tokens
+        num_generation_tokens = record.num_generation_tokens
+        num_generation_reqs = record.num_generation_reqs
+        elapsed_ns = record.elapsed_ns
+        self.num_received += 1
+        self.num_iterations += 1
+        self.num_prompt_tokens += num_context_tokens
+        self.num_generation_tokens += num_generation_tokens
+        self.num_preemptions += record.num_preemptions
+        self.num_prefix_query_tokens += record.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+        if record.num_waiting_kv_reqs:
+            self.num_kv_blocked_iterations += 1
+        self.last_record = record
+        self.num_running_reqs = record.num_running_reqs
+        self.num_waiting_reqs = record.num_waiting_reqs
+
+        if not record.unknown & UNKNOWN_ELAPSED:  # a source without iteration times
+            elapsed_s = elapsed_ns / 1e9
+            histogram = self._duration
+            histogram.bucket_counts[bisect_left(histogram.bounds, elapsed_s)] += 1
+            histogram.sum += elapsed_s
+        count = num_context_tokens + num_generation_tokens
+        histogram = self._tokens
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
+        histogram.sum += count
+        count = num_context_tokens
+        histogram = self._context_tokens
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
+        histogram.sum += count
+        count = num_generation_reqs
+        histogram = self._generation_reqs
+        index = histogram.count_index
+        histogram.bucket_counts[
+            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
+        ] += 1
+        histogram.sum += count
+
+        # Only across two consecutive iterations of one engine process: a gap (drop, restart,
+        # replay) is no interval. last_end_ns == 0: no previous iteration. Weighted: one
+        # observation per generated token.
+        end_ns = record.start_ns + elapsed_ns
+        last_end_ns = self.last_end_ns
+        if (num_generation_reqs and last_end_ns and end_ns > last_end_ns
+                and record.iteration == self.last_iteration + 1):
+            interval_s = (end_ns - last_end_ns) / 1e9
+            histogram = self._inter_token
+            histogram.bucket_counts[bisect_left(histogram.bounds, interval_s)] += (
+                num_generation_reqs)
+            histogram.sum += interval_s * num_generation_reqs
+        self.last_iteration = record.iteration
+        self.last_end_ns = end_ns
+        if record.milestones:
+            for milestone in record.milestones:
+                self.apply_milestone(milestone)
+
+    def apply_milestone(self, milestone: RequestMilestone) -> None:
+        """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
+        histograms = self.histograms
+        if milestone.event & EVENT_FIRST_TOKEN:
+            histograms["time_to_first_token_seconds"].observe(
+                (milestone.first_token_ns - milestone.arrival_ns) / 1e9
+            )
+            self.num_prompt_tokens_cached += milestone.num_cached_tokens
+        if not milestone.event & EVENT_FINISHED:
+            return
+        reason_index = milestone.finish_reason
+        if 0 <= reason_index < len(FINISH_REASONS):
+            self.num_finished_by_reason[FINISH_REASONS[reason_index]] += 1
+        histograms["e2e_request_latency_seconds"].observe(
+            (milestone.finished_ns - milestone.arrival_ns) / 1e9
+        )
+        histograms["request_prompt_tokens"].observe_count(milestone.num_prompt_tokens)
+        histograms["request_generation_tokens"].observe_count(milestone.num_output_tokens)
+        histograms["request_preemptions"].observe_count(milestone.num_preemptions)
+        if milestone.first_scheduled_ns:  # 0: aborted while waiting
+            histograms["request_queue_time_seconds"].observe(
+                (milestone.first_scheduled_ns - milestone.arrival_ns) / 1e9
+            )
+        if milestone.first_token_ns:  # 0: aborted before its first token
+            decode_ns = milestone.finished_ns - milestone.first_token_ns
+            histograms["request_prefill_time_seconds"].observe(
+                (milestone.first_token_ns - milestone.first_scheduled_ns) / 1e9
+            )
+            histograms["request_decode_time_seconds"].observe(decode_ns / 1e9)
+            if milestone.num_output_tokens > 1:
+                histograms["time_per_output_token_seconds"].observe(  # ns first: 7.5 ms
+                    decode_ns / (milestone.num_output_tokens - 1) / 1e9  # stays le="0.0075"
+                )
+
+    def apply_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.num_received += 1
+        self.heartbeat_received_ns = time.monotonic_ns()
+        if heartbeat.pid != self.pid:  # a new engine process: its clocks and numbers restart
+            if self.pid:  # a restart: the old process's KV state is not the new one's
+                self.last_record = None
+            self.pid = heartbeat.pid
+            self.last_iteration = 0
+            self.last_end_ns = 0
+        self.wall_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
+        self.lag_ns = time.time_ns() - heartbeat.wall_ns
+        if heartbeat.model_name:
+            self.model_name = heartbeat.model_name
+        if heartbeat.num_kv_blocks_total:
+            self.num_kv_blocks_total = heartbeat.num_kv_blocks_total
+        self.num_running_reqs = heartbeat.num_running_reqs
+        self.num_waiting_reqs = heartbeat.num_waiting_reqs
+
+    @property
+    def kv_blocks_capacity(self) -> int:
+        """used + free of the latest record (as the log line); the heartbeat's before one."""
+        record = self.last_record
+        if record is None:
+            return self.num_kv_blocks_total
+        return record.num_kv_blocks_used + record.num_kv_blocks_free
+
+
+class PrometheusSink(Sink):
+    """A Sink (telemetry/sidecar/sink.py) that exposes its engines' state as Prometheus series."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        buckets: dict[str, tuple[float, ...]] | None = None,
+        vllm_compatible_names: bool = False,
+    ) -> None:
+        """``buckets`` overrides default bounds by histogram name (e.g. "iteration_tokens")."""
+        self.buckets = {name: bounds for name, (_, bounds) in HISTOGRAMS.items()}
+        for name, bounds in (buckets or {}).items():
+            if name not in HISTOGRAMS:
+                raise ValueError(f"unknown histogram {name!r}; known: {', '.join(HISTOGRAMS)}")
+            self.buckets[name] = check_bounds(bounds)
+        self.engines: dict[int, EngineState] = {}
+        self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
+        self.num_rejected = dict.fromkeys(REJECTED_REASONS, 0)
+        self.num_lane_disconnects = 0
+        self.peers: list = []
+        self.collector = MetricsCollector(self, vllm_compatible_names)
+        self.registry = registry
+        registry.register(self.collector)
+        self.port = 0  # bound port once serving
+        self.start_time = time.time()
+        self._server = None
+
+    def engine(self, engine_index: int) -> EngineState:
+        state = self.engines.get(engine_index)
+        if state is None:
+            state = self.engines[engine_index] = EngineState(engine_index, self.buckets)
+        return state
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        state = self.engines.get(record.engine_index) or self.engine(record.engine_index)
+        state.apply_iteration(record)
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.engine(heartbeat.engine_index).apply_heartbeat(heartbeat)
+
+    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
+        self.engine(engine_index).status = status
+
+    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
+        self.engine(engine_index).num_dropped += num_dropped
+
+    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
+        self.engine(engine_index).num_engine_conflicts += 1
+
+    def on_undecodable(self, reason: str) -> None:
+        self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
+
+    def on_rejected(self, reason: str) -> None:
+        self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1
+
+    def on_lane_disconnect(self) -> None:
+        self.num_lane_disconnects += 1
+
+    def tick(self, now_ns: int) -> None:
+        """Nothing to do: every series is rendered at scrape time."""
+
+    def set_peers(self, sinks: list) -> None:
+        """The sidecar's sinks (itself included), read at scrape time: their health
+        (telemetry/sidecar/sink.py) and, from those that have it, ``sidecar_counters()``."""
+        self.peers = list(sinks)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve the registry on http://host:port/metrics in the text format; returns the bound
+        port (0 = any)."""
+        self._server = serve_metrics(self.registry, host, port)
+        self.port = self._server.server_port
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class MetricsCollector:
+    """client_python's custom-Collector pattern: fresh metric families on every scrape."""
+
+    def __init__(self, sink: PrometheusSink, vllm_compatible_names: bool) -> None:
+        self.sink = sink
+        self.vllm_compatible_names = vllm_compatible_names
+
+    def collect(self) -> Iterator[Metric]:
+        engines = [(state, [str(state.engine_index), state.model_name])
+                   for state in list(self.sink.engines.values())]
+        families = [*self.gauges(engines), *self.counters(engines),
+                    *self.histograms(engines), *self.sidecar_counters(),
+                    *self.sidecar_health()]
+        yield from families
+        if self.vllm_compatible_names:
+            yield from vllm_aliases(families)
+
+    def gauges(self, engines: list[tuple[EngineState, list[str]]]) -> list[Metric]:
+        now_ns = time.monotonic_ns()
+        running = gauge("requests_running", "Requests running (after the last iteration).")
+        waiting = gauge("requests_waiting", "Requests waiting (after the last iteration).")
+        by_reason = gauge("requests_waiting_by_reason",
+                          "Waiting requests by what blocked admission.", ["reason"])
+        usage = gauge("kv_cache_usage_ratio", "KV blocks used / total (0..1).")
+        used = gauge("kv_blocks_used", "KV-cache blocks in use.")
+        free = gauge("kv_blocks_free", "KV-cache blocks free.")
+        total = gauge("kv_blocks_capacity", "KV-cache blocks in the pool.")
+        kv_tokens = gauge("kv_tokens", "Tokens held in the KV cache.")
+        state = gauge("engine_state", "1 for the engine's current state, 0 for the others.",
+                      ["state"])
+        age = gauge("heartbeat_age_seconds", "Time since the last heartbeat was received.")
+        lag = gauge("sidecar_lag_seconds",
+                    "Wall time at ingest - wall time the last message was sent.")
+        for engine, labels in engines:
+            running.add_metric(labels, engine.num_running_reqs)
+            waiting.add_metric(labels, engine.num_waiting_reqs)
+            record = engine.last_record
+            if record is not None and not is_known(record, UNKNOWN_WAITING_REASONS):
+                by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
+            else:
+                for reason, field in WAITING_REASONS:
+                    by_reason.add_metric([*labels, reason],
+                                         getattr(record, field) if record else 0)
+            blocks_total = engine.kv_blocks_capacity
+            blocks_used = record.num_kv_blocks_used if record else 0
+            usage.add_metric(labels, blocks_used / blocks_total if blocks_total else 0.0)
+            used.add_metric(labels, blocks_used)
+            free.add_metric(labels, record.num_kv_blocks_free if record else blocks_total)
+            total.add_metric(labels, blocks_total)
+            if record is None or is_known(record, UNKNOWN_KV_TOKENS):
+                kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            for status in EngineStatus:
+                state.add_metric([*labels, status.value], float(engine.status == status))
+            if engine.heartbeat_received_ns:
+                age.add_metric(labels, (now_ns - engine.heartbeat_received_ns) / 1e9)
+            if engine.lag_ns is not None:
+                lag.add_metric(labels, engine.lag_ns / 1e9)
+        return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
+                lag]
+
+    def counters(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, attribute) in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for engine, labels in engines:
+                family.add_metric(labels, getattr(engine, attribute))
+            yield family
+        finished = CounterMetricFamily(PREFIX + "requests_finished", "Requests finished.",
+                                       labels=[*LABELS, "finish_reason"])
+        for engine, labels in engines:
+            for reason, count in list(engine.num_finished_by_reason.items()):
+                finished.add_metric([*labels, reason], count)
+        yield finished
+        undecodable = CounterMetricFamily(PREFIX + "frames_undecodable",
+                                          "Frames that could not be decoded (unknown sender).",
+                                          labels=[*LABELS, "reason"])
+        for reason, count in list(self.sink.num_undecodable.items()):
+            undecodable.add_metric(["", "", reason], count)
+        yield undecodable
+        rejected = CounterMetricFamily(
+            PREFIX + "frames_rejected",
+            "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
+            labels=[*LABELS, "reason"])
+        for reason, count in list(self.sink.num_rejected.items()):
+            rejected.add_metric(["", "", reason], count)
+        yield rejected
+        disconnects = CounterMetricFamily(
+            PREFIX + "lane_disconnects",
+            "Lane connections that ended: engines exiting, senders cut off by the size guard.",
+            labels=LABELS)
+        disconnects.add_metric(["", ""], self.sink.num_lane_disconnects)
+        yield disconnects
+
+    def histograms(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, _) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for engine, labels in engines:
+                buckets, total_sum = engine.histograms[name].cumulative_buckets()
+                family.add_metric(labels, buckets, total_sum)
+            yield family
+
+    def sidecar_counters(self) -> Iterator[Metric]:
+        """Counters of the sidecar itself, from peer sinks (e.g. OTel spans dropped)."""
+        values = {"otel_spans_dropped": 0.0}
+        for peer in self.sink.peers:
+            if not hasattr(peer, "sidecar_counters"):
+                continue
+            for key, value in peer.sidecar_counters().items():
+                name = key.removeprefix(PREFIX).removesuffix("_total")
+                if _METRIC_NAME.match(name):
+                    values[name] = values.get(name, 0.0) + value
+        for name, value in values.items():
+            family = CounterMetricFamily(PREFIX + name, f"Sidecar counter {name}.",
+                                         labels=LABELS)
+            family.add_metric(["", ""], value)
+            yield family
+
+
+    def sidecar_health(self) -> list[Metric]:
+        """The sidecar's own up and start time, and each sink's failures and last write."""
+        up = gauge("sidecar_up", "1 while the sidecar serves this; absent when it is down.")
+        up.add_metric(["", ""], 1.0)
+        started = gauge("sidecar_start_time_seconds", "When the sidecar started (unix time).")
+        started.add_metric(["", ""], self.sink.start_time)
+        errors = CounterMetricFamily(PREFIX + "sink_errors",
+                                     "Calls on the sink that raised (ingest went on).",
+                                     labels=[*LABELS, "sink"])
+        lost = CounterMetricFamily(PREFIX + "sink_lines_lost",
+                                   "Messages the sink accepted but gave up writing.",
+                                   labels=[*LABELS, "sink"])
+        last_write = gauge("sink_last_write_timestamp_seconds",
+                           "When the sink last wrote its output successfully (unix time).",
+                           ["sink"])
+        for peer in self.sink.peers or [self.sink]:
+            labels = ["", "", sink_name(peer)]
+            errors.add_metric(labels, getattr(peer, "num_errors", 0))
+            lost.add_metric(labels, getattr(peer, "num_lines_lost", 0))
+            if getattr(peer, "last_write_time", 0.0):
+                last_write.add_metric(labels, peer.last_write_time)
+        return [up, started, errors, lost, last_write]
+
+
+def gauge(name: str, documentation: str, extra_labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, labels=[*LABELS, *extra_labels])
+
+
+def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
+    """The same samples again under vLLM's names, so vLLM dashboards and alerts work."""
+    by_name = {family.name: family for family in families}
+    for vllm_name, (our_name, label_renames) in VLLM_ALIASES.items():
+        family = by_name[our_name]
+        alias = Metric(vllm_name, family.documentation, family.type)
+        for sample in family.samples:
+            labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
+            suffix = sample.name[len(our_name):]
+            alias.samples.append(sample._replace(name=vllm_name + suffix, labels=labels))
+        yield alias
+
+
+def parse_buckets(text: str) -> tuple[str, tuple[float, ...]]:
+    """``NAME=B1,B2,...`` -> (name, bounds), for --metrics-buckets."""
+    name, sep, values = text.partition("=")
+    name = name.strip().removeprefix(PREFIX)
+    if not sep or name not in HISTOGRAMS:
+        raise argparse.ArgumentTypeError(
+            f"expected HISTOGRAM=B1,B2,... with HISTOGRAM one of {', '.join(HISTOGRAMS)};"
+            f" got {text!r}"
+        )
+    try:
+        return name, check_bounds(float(value) for value in values.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Prometheus /metrics")
+    group.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                       help="address to serve /metrics on (default %(default)s)")
+    group.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                       help="port to serve /metrics on; 0 picks a free one (default %(default)s)")
+    group.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    group.add_argument("--vllm-compatible-names", action="store_true",
+                       help="also expose vLLM's series names (vllm:num_requests_running, ...)")
+    group.add_argument("--metrics-buckets", type=parse_buckets, action="append", default=[],
+                       metavar="HISTOGRAM=B1,B2,...",
+                       help="bucket bounds for one histogram (name without iterscope_);"
+                            " repeatable")
+    # How a process that started this sidecar on --metrics-port 0 learns the port it got.
+    group.add_argument("--metrics-url-file", default=None, help=argparse.SUPPRESS)
+
+
+def build(args: argparse.Namespace) -> PrometheusSink | None:
+    """The sink, serving on --metrics-host/--metrics-port, or None with --no-metrics."""
+    if args.no_metrics:
+        return None
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry, dict(args.metrics_buckets), args.vllm_compatible_names)
+    port = sink.serve(args.metrics_host, args.metrics_port)
+    if args.metrics_url_file:
+        write_metrics_url(args.metrics_url_file, metrics_url(args.metrics_host, port))
+    return sink

@@ -1,0 +1,3 @@
+"""Sources of the lane other than our engine: vLLM's stat-logger plugin and its mapping of
+vLLM's stats onto the record.
+"""
