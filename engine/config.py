@@ -103,10 +103,6 @@ class EngineConfig:
     telemetry_sndhwm: int = DEFAULT_SNDHWM  # frames ZMQ may hold for a slow sidecar
     telemetry_queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # records waiting for the sender
     nvtx_markers: bool = False  # one NVTX range per iteration when an NVTX tool is attached
-    # Test-only fault injection (scenario tests of issue 9). Never set these in production.
-    test_leak_blocks_per_finish: int = 0  # blocks a finished request keeps forever
-    test_stall_at_iteration: int = 0  # 0 = off; the iteration that sleeps before its forward
-    test_stall_s: float = 0.0  # how long that iteration sleeps
     test_count_log_records: bool = False  # engine process counts every log record (probe)
 
     def __post_init__(self) -> None:
@@ -145,9 +141,6 @@ class EngineConfig:
                 f"{field_and_flag('gpu_memory_utilization')} must be in (0, 1], got "
                 f"{self.gpu_memory_utilization}"
             )
-        for name in ("test_leak_blocks_per_finish", "test_stall_at_iteration", "test_stall_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The max_model_len to serve with, given the model's own limit."""

@@ -79,7 +79,6 @@ class EngineCore:
             max_model_len=kv_plan.max_model_len,
             eos_token_ids=eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            leak_blocks_per_finish=config.test_leak_blocks_per_finish,
         )
         self.publisher = publisher or NullPublisher()
         self.markers = make_markers(config.nvtx_markers)
@@ -123,7 +122,6 @@ class EngineCore:
         self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
         self.num_scheduled_reqs = len(scheduled.scheduled)
-        self._maybe_stall()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()
         updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
@@ -187,11 +185,6 @@ class EngineCore:
             num_preemptions=scheduled.num_preemptions,
             milestones=milestones,
         )
-
-    def _maybe_stall(self) -> None:
-        """Test-only: sleep inside the loop, with work waiting, at one chosen iteration."""
-        if self.iteration == self.config.test_stall_at_iteration and self.config.test_stall_s:
-            time.sleep(self.config.test_stall_s)
 
     def startup_lines(self) -> list[str]:
         """What start-up logged: the dtype and why, then the KV plan."""

@@ -107,7 +107,6 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         enable_chunked_prefill: bool = True,
-        leak_blocks_per_finish: int = 0,
     ):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -115,7 +114,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.leak_blocks_per_finish = leak_blocks_per_finish  # test-only fault injection
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_kv_tokens = 0  # computed tokens the running requests hold in KV
@@ -275,8 +273,6 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason, now_ns: int) -> None:
         """Mark finished and release blocks; the caller takes it off the running list."""
         self.num_kv_tokens -= request.num_computed_tokens
-        if self.leak_blocks_per_finish:
-            self.pool.acquire(request.block_ids[: self.leak_blocks_per_finish])
         self.pool.free_request(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

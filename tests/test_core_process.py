@@ -15,6 +15,7 @@ import time
 
 import pytest
 from fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
+from faults import stalling
 
 from engine import core_process
 from engine.config import EngineConfig
@@ -36,8 +37,8 @@ def make_config(**settings) -> EngineConfig:
     return EngineConfig(**{**defaults, **settings})
 
 
-def start_client(**settings) -> EngineCoreClient:
-    return EngineCoreClient(make_config(**settings), load_fake_model, FakeRunner, 60)
+def start_client(runner_class=FakeRunner, **settings) -> EngineCoreClient:
+    return EngineCoreClient(make_config(**settings), load_fake_model, runner_class, 60)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -268,7 +269,7 @@ def test_engine_process_publishes_records_and_heartbeats(tmp_path):
 def test_engine_state_tells_stalled_from_running_and_idle():
     """An iteration that hangs with a request in flight reads as stalled once no message has
     come for the threshold, and the engine is running again when outputs resume."""
-    client = start_client(test_stall_at_iteration=3, test_stall_s=3.0)
+    client = start_client(stalling(FakeRunner, at_call=3, seconds=3.0))
     try:
         assert client.engine_state(0.5) == "idle"
         stream = client.add_request([1, 2, 3], greedy(10))

@@ -7,6 +7,7 @@ import logging
 import msgspec
 import pytest
 from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_core
+from faults import StallingRunner, leak_blocks_per_finish
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, build_engine_core
@@ -128,8 +129,9 @@ def test_queue_lengths_are_noted_when_a_request_arrives():
     assert core.publisher.queue_notes == [(1, 0), (2, 0)]
 
 
-def test_leak_hook_keeps_blocks_with_nothing_running():
-    core = make_core(num_blocks=16, test_leak_blocks_per_finish=1)
+def test_leaked_blocks_stay_used_with_nothing_running():
+    core = make_core(num_blocks=16)
+    leak_blocks_per_finish(core, 1)
     for index in range(3):
         core.add_request(make_request(f"r{index}", [1 + index, 2, 3, 4, 5], 2))
     drain(core)
@@ -138,8 +140,9 @@ def test_leak_hook_keeps_blocks_with_nothing_running():
     assert record.num_kv_blocks_used == 3
 
 
-def test_stall_hook_sleeps_inside_the_chosen_iteration():
-    core = make_core(num_blocks=16, test_stall_at_iteration=2, test_stall_s=0.2)
+def test_a_forward_pass_that_hangs_is_inside_its_iteration_time():
+    core = make_core(num_blocks=16)
+    core.runner = StallingRunner(core.runner, at_call=2, seconds=0.2)
     core.add_request(make_request("a", [1, 2, 3], 4))
     drain(core)
     stalled = core.publisher.records[1]
@@ -205,7 +208,8 @@ def test_real_runner_greedy_output_equals_output_without_preemption():
 
 
 def test_leaked_blocks_leave_work_waiting_for_kv_with_nothing_running():
-    core = make_core(num_blocks=4, test_leak_blocks_per_finish=2)
+    core = make_core(num_blocks=4)
+    leak_blocks_per_finish(core, 2)
     core.add_request(make_request("a", [1, 2, 3, 4, 5], 2))
     drain(core)
     core.add_request(make_request("b", list(range(11, 20)), 2))  # needs 3 blocks, 2 are free

@@ -119,7 +119,6 @@ def test_parse_memory_size_rejects_garbage(text):
         ),
         ({"dtype": "int3"}, r"dtype \(--dtype\) 'int3' is not supported"),
         ({"device": "tpu"}, r"device \(--device\) must be one of"),
-        ({"test_stall_s": -1.0}, "test_stall_s must be >= 0"),
         ({"max_num_seqs": 2.5}, r"max_num_seqs \(--max-num-seqs\) must be int, got 2.5 \(float\)"),
         ({"block_size": 16.0}, r"block_size \(--block-size\) must be int, got 16.0 \(float\)"),
         (
@@ -145,7 +144,7 @@ def test_invalid_config_names_the_setting(settings, message):
 
 
 def test_config_accepts_ints_for_floats_and_none_where_allowed():
-    config = EngineConfig(gpu_memory_utilization=1, max_model_len=None, test_stall_s=0)
+    config = EngineConfig(gpu_memory_utilization=1, max_model_len=None)
     assert config.gpu_memory_utilization == 1 and config.max_model_len is None
 
 

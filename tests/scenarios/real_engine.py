@@ -3,8 +3,8 @@
 The engine core (engine.core.EngineCore with the real scheduler, block pool and model runner
 on a tiny random-weight Llama) runs in this process, driven by a list of arrivals; it
 publishes through the real ZmqPublisher to an `iterscope sidecar --record FILE` subprocess, so
-the recording is exactly what a user would get. Faults come from the engine's own test-only
-settings (EngineConfig.test_leak_blocks_per_finish, test_stall_at_iteration / test_stall_s).
+the recording is exactly what a user would get. Faults are injected from outside the engine
+(tests/faults.py): a runner that hangs in one forward pass, a scheduler that leaks blocks.
 
     recording = run_scenario(tmp_path, arrivals, max_num_seqs=8, num_kv_blocks=64)
 
@@ -28,8 +28,10 @@ import torch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import build_engine_core  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
+from tests.faults import leak_blocks_per_finish, stalling  # noqa: E402
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x 16 x fp32
 BLOCK_SIZE = 16
@@ -66,9 +68,15 @@ def run_scenario(
     num_kv_blocks: int = 256,
     tail_s: float = 1.5,
     deadline_s: float = 60.0,
+    leak_blocks: int = 0,
+    stall_at_call: int = 0,
+    stall_s: float = 0.0,
     **config: object,
 ) -> Path:
-    """Run the arrivals to completion (then ``tail_s`` idle); return the recording's path."""
+    """Run the arrivals to completion (then ``tail_s`` idle); return the recording's path.
+
+    ``leak_blocks``: every finished request keeps that many blocks; ``stall_at_call``: that
+    forward pass first sleeps ``stall_s`` (0 = no fault)."""
     recording = out_dir / "recording.jsonl"
     sidecar_log = open(out_dir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
     sidecar = start_sidecar(["--record", str(recording), "--no-metrics", "--log-interval", "2"],
@@ -82,7 +90,11 @@ def run_scenario(
             max_model_len=1024, **config,
         )
         torch.set_num_threads(1)  # 2 shared cores: threads only fight over them
-        core, _ = build_engine_core(engine_config, load_model=load_tiny_model)
+        runner_class = stalling(ModelRunner, stall_at_call, stall_s) if stall_at_call else None
+        core, _ = build_engine_core(engine_config, load_model=load_tiny_model,
+                                    runner_class=runner_class)
+        if leak_blocks:
+            leak_blocks_per_finish(core, leak_blocks)
         publisher = ZmqPublisher(sidecar.address, engine_config.engine_index,
                                  facts=core.facts("tiny-llama"))
         core.publisher = publisher
@@ -134,13 +146,12 @@ def story1_kv_cliff(out_dir: Path) -> Path:
 def story2_leak(out_dir: Path) -> Path:
     """Every finished request keeps 2 blocks: usage climbs while few requests run."""
     return run_scenario(out_dir, bursty(20, 4.0, 48, 16), num_kv_blocks=256,
-                        test_leak_blocks_per_finish=2)
+                        leak_blocks=2)
 
 
 def stalled(out_dir: Path) -> Path:
     """The loop sleeps 3 s inside one iteration while requests wait (heartbeats go on)."""
-    return run_scenario(out_dir, bursty(20, 3.0, 32, 64), test_stall_at_iteration=40,
-                        test_stall_s=3.0)
+    return run_scenario(out_dir, bursty(20, 3.0, 32, 64), stall_at_call=40, stall_s=3.0)
 
 
 def story3_bursty(out_dir: Path, max_num_seqs: int) -> Path:
