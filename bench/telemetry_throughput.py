@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import build_engine_core  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
+from engine.startup import build_engine_core  # noqa: E402
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 

@@ -22,9 +22,9 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.core import build_engine_core
 from engine.model.loader import load_model
 from engine.request import Request, SamplingParams
+from engine.startup import build_engine_core
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -12,10 +12,10 @@ import torch
 
 from engine.activation_profile import MemoryProbe, measure_activation_peak_bytes, profile_batches
 from engine.config import EngineConfig
-from engine.core import build_engine_core
 from engine.kv_planning import kv_bytes_per_token
 from engine.model.loader import build_tiny_model
 from engine.runner import ModelRunner
+from engine.startup import build_engine_core
 from tests.fake_runner import FakeRunner, load_fake_model
 
 GIB = 2**30

@@ -17,10 +17,11 @@ import pytest
 from fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
 from faults import stalling
 
-from engine import core_process
+from engine import core_client, core_messages
 from engine.config import EngineConfig
-from engine.core_process import EngineBusyError, EngineCoreClient, EngineDeadError
+from engine.core_client import EngineBusyError, EngineCoreClient, EngineDeadError
 from engine.request import SamplingParams
+from engine.request_stream import RequestStream
 from engine.scheduler import RequestRejectedError
 
 MAX_MODEL_LEN = 256
@@ -118,7 +119,7 @@ def test_impossible_request_is_rejected_by_the_client(client):
 
 
 def test_impossible_request_is_rejected_by_the_engine(client, monkeypatch):
-    monkeypatch.setattr(core_process, "check_request_fits", lambda *args: None)
+    monkeypatch.setattr(core_client, "check_request_fits", lambda *args: None)
     stream = client.add_request([1] * 250, greedy(10))
     with pytest.raises(RequestRejectedError, match="exceeds max_model_len"):
         stream.get(timeout=10)
@@ -139,14 +140,14 @@ def test_frames_the_engine_cannot_read_never_end_it(client):
     dropped, an unknown abort reason is a plain abort; requests in flight carry on."""
     running = client.add_request([1, 2, 3], greedy(250))
     assert not running.get(timeout=10).finished
-    bad_request = core_process.AddRequest("bad-seed", [1, 2, 3], SamplingParams(seed="7"))
-    stream = core_process.RequestStream("bad-seed")
+    bad_request = core_messages.AddRequest("bad-seed", [1, 2, 3], SamplingParams(seed="7"))
+    stream = RequestStream("bad-seed")
     with client._streams_lock:
         client._streams["bad-seed"] = stream
     client._send(bad_request)
     client._send_frame(b"\xc1 not msgpack")
     client._send_frame(b"\x92\xa3add" + b"\x91" * 3000 + b"\x00")  # nested too deep
-    client._send(core_process.AbortRequests([running.request_id], 99))
+    client._send(core_messages.AbortRequests([running.request_id], 99))
     with pytest.raises(RequestRejectedError, match="undecodable request"):
         stream.get(timeout=10)
     assert collect(running)[1] == "abort"

@@ -42,7 +42,7 @@ from prom_helpers import (  # noqa: E402
 
 from dashboards.panel_queries import panel_queries, substitute  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core_process import EngineCoreClient  # noqa: E402
+from engine.core_client import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 ALERTS_DIR = REPO_ROOT / "dashboards" / "alerts"

@@ -10,9 +10,10 @@ from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_co
 from faults import StallingRunner, leak_blocks_per_finish
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, build_engine_core
+from engine.core import EngineCore
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestRejectedError
+from engine.startup import build_engine_core
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -151,7 +152,7 @@ def test_a_forward_pass_that_hangs_is_inside_its_iteration_time():
 
 def test_build_engine_core_plans_and_logs_startup_lines(caplog):
     config = EngineConfig(model="tiny", kv_cache_memory_bytes=1 << 20, max_model_len=2048)
-    with caplog.at_level(logging.INFO, logger="engine.core"):
+    with caplog.at_level(logging.INFO, logger="engine.startup"):
         core, model = build_engine_core(config, load_fake_model, FakeRunner)
     bytes_per_token = 2 * 2 * 2 * 8 * 4  # layers x kv heads x head_dim x fp32, K and V
     assert core.kv_plan.num_blocks == (1 << 20) // (16 * bytes_per_token)

@@ -27,7 +27,7 @@ from prom_helpers import (  # noqa: E402
 )
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.core_process import EngineCoreClient  # noqa: E402
+from engine.core_client import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 NUM_KV_BLOCKS = 64

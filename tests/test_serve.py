@@ -27,8 +27,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
-from engine.core import RequestOutput, build_engine_core
-from engine.core_process import RequestStream
+from engine.core import RequestOutput
 from engine.entrypoints.serve import (
     TINY_MODEL,
     Frontend,
@@ -42,6 +41,8 @@ from engine.entrypoints.serve import (
 from engine.model.chat_template import render_chat_template
 from engine.model.tokenizer import ByteTokenizer
 from engine.request import FinishReason, Request, SamplingParams
+from engine.request_stream import RequestStream
+from engine.startup import build_engine_core
 from telemetry.lane.record import EVENT_FINISHED, IterationRecord, Message
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import build_engine_core
 from engine.entrypoints.serve import TINY_MODEL, load_tiny_model
 from engine.request import Request, SamplingParams
+from engine.startup import build_engine_core
 from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
 from tests.test_serve import finish_milestones, scripted_app, tiny_server
 

@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.core import build_engine_core
 from engine.model.loader import load_model
 from engine.request import Request, SamplingParams
+from engine.startup import build_engine_core
 
 NUM_CHECKED_TOKENS = 32
 CHAT_PROMPTS = [

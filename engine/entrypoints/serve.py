@@ -41,7 +41,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_BLOCK_SIZE, EngineConfig
-from engine.core_process import (
+from engine.core_client import (
     DEFAULT_STALL_AFTER_S,
     EngineBusyError,
     EngineCoreClient,

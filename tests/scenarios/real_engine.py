@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import build_engine_core  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
+from engine.startup import build_engine_core  # noqa: E402
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 from tests.faults import leak_blocks_per_finish, stalling  # noqa: E402

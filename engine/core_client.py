@@ -1,0 +1,342 @@
+"""The client of the engine-core process: starts it, sends it requests, routes its outputs.
+
+The client never waits on the engine: a request that finds the input lane full (ZMQ's
+high-water marks: the engine has stopped reading) is refused with EngineBusyError, a control
+message (abort, shutdown) is kept and sent by the reader thread once the engine reads again.
+The client binds both sockets before the engine connects. Every frame it sends is first
+decoded with the engine's own decoder (engine/core_messages.py).
+
+The reader thread routes outputs to one RequestStream per request (engine/request_stream.py)
+and watches the process: when the engine dies, every waiter gets EngineDeadError within about
+0.1 s (POLL_INTERVAL_MS).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import multiprocessing
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineInput,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    Probe,
+    ProbeReply,
+    Shutdown,
+)
+from engine.core_process import run_engine_core
+from engine.request import FinishReason, SamplingParams
+from engine.request_stream import RequestStream, deliver
+from engine.scheduler import RequestRejectedError, check_request_fits
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
+DEFAULT_STALL_AFTER_S = 30.0  # requests in flight and no message for this long: stalled
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no more outputs will come."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine is not reading its input lane (it is stuck or stopped): a new request is
+    refused at once rather than queued without bound."""
+
+
+class EngineCoreClient:
+    """Starts the engine-core process and talks to it; thread-safe and asyncio-friendly.
+
+    ``load_model`` / ``runner_class`` replace the real model (tests pass picklable fakes).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        load_model: Any = None,
+        runner_class: Any = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.config = config
+        self._dir = tempfile.mkdtemp(prefix="iterscope-engine-")
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._input_decoder = msgspec.msgpack.Decoder(EngineInput)
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._input_lock = threading.Lock()
+        self._pending_frames: collections.deque[bytes] = collections.deque()
+        self.last_message_s = time.monotonic()  # when the engine was last heard from
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._probe_replies: queue.Queue[ProbeReply] = queue.Queue()
+        self._dead_error: EngineDeadError | None = None
+        self._closing = threading.Event()
+        self._shutting_down = False
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core,
+            args=(config, input_address, output_address, load_model, runner_class),
+            name="iterscope-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        try:
+            self.ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self._stop_process(timeout_s=1.0)
+            self._close_sockets()
+            raise
+        for line in self.ready.startup_lines:
+            logger.info(line)
+        self._reader = threading.Thread(
+            target=self._read_outputs, name="iterscope-engine-client", daemon=True
+        )
+        self._reader.start()
+
+    # Start-up --------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout_s: float) -> EngineReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._output.poll(POLL_INTERVAL_MS):
+                message = self._decoder.decode(self._output.recv())
+                if isinstance(message, EngineFailed):
+                    raise RuntimeError(f"the engine failed to start: {message.error}")
+                if isinstance(message, EngineReady):
+                    return message
+            elif not self.process.is_alive():
+                raise EngineDeadError(
+                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                )
+        raise TimeoutError(f"the engine did not start within {timeout_s:.0f} s")
+
+    # Requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        traceparent: str = "",
+    ) -> RequestStream:
+        """Submit a request; RequestRejectedError now if it could never run."""
+        request_id = request_id or uuid.uuid4().hex
+        if not prompt_token_ids:
+            raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
+        ready = self.ready
+        check_request_fits(
+            request_id,
+            len(prompt_token_ids),
+            sampling_params.max_tokens,
+            ready.max_model_len,
+            ready.block_size,
+            ready.num_kv_blocks,
+        )
+        message = AddRequest(
+            request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
+        )
+        frame = self._encoder.encode(message)  # fails here, before any state, if unencodable
+        try:
+            self._input_decoder.decode(frame)  # the engine's own check, before it gets there
+        except msgspec.ValidationError as error:  # e.g. SamplingParams(seed="7")
+            raise RequestRejectedError(f"request {request_id!r}: {error}") from None
+        stream = RequestStream(request_id)
+        with self._streams_lock:
+            self._raise_if_dead()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            if not self._streams:  # an idle engine owes no message: the stall clock starts now
+                self.last_message_s = time.monotonic()
+            self._streams[request_id] = stream
+        try:
+            self._send_frame(frame)
+        except BaseException:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(
+        self, request_ids: str | list[str], finish_reason: FinishReason = FinishReason.ABORT
+    ) -> None:
+        """Stop requests; each stream ends with `finish_reason` (default "abort"; "stop" when
+        the frontend matched a stop string), which the telemetry records too. Unknown ids are
+        ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self._send(AbortRequests(list(request_ids), int(FinishReason(finish_reason))))
+
+    def probe(self, timeout_s: float = 10.0) -> ProbeReply:
+        """The engine process's loaded top-level modules and log-record count (for tests)."""
+        self._send(Probe())
+        return self._probe_replies.get(timeout=timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_error is None and self.process.is_alive()
+
+    def engine_state(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
+        """"dead" (the process is gone), "stalled" (requests in flight and no message from
+        the engine for ``stall_after_s``; it beats every PROGRESS_BEAT_S while it works),
+        "running" (requests in flight) or "idle". Cheap: no message to the engine."""
+        if not self.is_alive:
+            return "dead"
+        if not self._streams:
+            return "idle"
+        if time.monotonic() - self.last_message_s > stall_after_s:
+            return "stalled"
+        return "running"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, message: Any) -> None:
+        """A control message (abort, probe, shutdown): sent now, or, while the engine is not
+        reading its lane, kept and sent by the reader thread once it reads again. Never
+        blocks the caller (the frontend's event loop)."""
+        frame = self._encoder.encode(message)
+        with self._input_lock:
+            if not self._pending_frames and self._try_send(frame):
+                return
+            self._pending_frames.append(frame)
+
+    def _send_frame(self, frame: bytes) -> None:
+        """A request: sent now or refused with EngineBusyError; never waits (a PUSH socket
+        with no reader would block a plain send forever)."""
+        self._raise_if_dead()
+        if not self.process.is_alive():
+            raise EngineDeadError(f"the engine process died (exit code {self.process.exitcode})")
+        with self._input_lock:
+            if self._try_send(frame):
+                return
+        raise EngineBusyError(
+            f"the engine is not taking requests: {len(self._streams)} are in flight and its "
+            f"input lane is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
+            "s ago)")
+
+    def _try_send(self, frame: bytes) -> bool:
+        try:
+            self._input.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _flush_pending(self) -> None:
+        """Reader thread: send the control messages the full lane held back, in order."""
+        with self._input_lock:
+            while self._pending_frames and self._try_send(self._pending_frames[0]):
+                self._pending_frames.popleft()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+
+    # Outputs -----------------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        while not self._closing.is_set():
+            if self._pending_frames:
+                self._flush_pending()
+            if self._output.poll(POLL_INTERVAL_MS):
+                self.last_message_s = time.monotonic()
+                self._dispatch(self._decoder.decode(self._output.recv()))
+            elif not self.process.is_alive():
+                self._drain_outputs()
+                reason = "shut down" if self._shutting_down else "died"
+                self._mark_dead(
+                    f"the engine process {reason} (pid {self.process.pid}, exit code "
+                    f"{self.process.exitcode})"
+                )
+                return
+
+    def _drain_outputs(self) -> None:
+        while self._output.poll(0):
+            self._dispatch(self._decoder.decode(self._output.recv()))
+
+    def _dispatch(self, message: EngineMessage) -> None:
+        if isinstance(message, ProbeReply):
+            self._probe_replies.put(message)
+            return
+        if isinstance(message, EngineFailed):  # the loop failed after start-up
+            self._mark_dead(message.error)
+            return
+        if not isinstance(message, EngineOutputs):
+            return
+        deliveries = []
+        with self._streams_lock:
+            for output in message.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                error = RequestRejectedError(output.error) if output.error else None
+                deliveries.append((stream, error or output))
+        deliver(deliveries)
+
+    def _mark_dead(self, text: str) -> None:
+        with self._streams_lock:
+            self._dead_error = EngineDeadError(text)
+            streams, self._streams = list(self._streams.values()), {}
+        deliver([(stream, EngineDeadError(text)) for stream in streams])
+
+    # Shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Graceful: the engine aborts what is left (streams end with "abort") and exits."""
+        self._shutting_down = True
+        if self._dead_error is None and self.process.is_alive():
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                self._send(Shutdown())
+        self.process.join(timeout_s)
+        self._stop_process(timeout_s=2.0)
+        self._reader.join(timeout=timeout_s)
+        self._closing.set()
+        self._reader.join(timeout=2.0)
+        if self._dead_error is None:
+            self._mark_dead("the engine was shut down")
+        self._close_sockets()
+
+    def _stop_process(self, timeout_s: float) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+
+    def _close_sockets(self) -> None:
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
