@@ -18,8 +18,9 @@ below is defined here once, so that every sink says the same:
                   Queues: the latest record's or heartbeat's.
     KV blocks     used and used + free of the latest record, so the two never mix moments;
                   before a record of this process, 0 used of the heartbeat's total.
-    facts         pid, model and device from heartbeats; a heartbeat that leaves one empty
-                  keeps the one before. A new pid is a new process: its records start afresh.
+    facts         from heartbeats: the latest device ("" = not said); the latest non-empty
+                  model and KV total (a metric label must not flap). A new pid (0 = not
+                  said) is a new process: no record of it yet.
     status        written by Ingest only, right before it calls the sinks' ``on_status``.
 
 Invariant: only Ingest's thread writes a view; another thread (a /metrics scrape) may read
@@ -112,8 +113,7 @@ class EngineView:
         self.take_anchor(heartbeat)
         if heartbeat.model_name:
             self.model_name = heartbeat.model_name
-        if heartbeat.device_name:
-            self.device_name = heartbeat.device_name
+        self.device_name = heartbeat.device_name
         if heartbeat.num_kv_blocks_total:
             self.heartbeat_kv_blocks_total = heartbeat.num_kv_blocks_total
         if heartbeat.last_iteration > self.last_iteration:
