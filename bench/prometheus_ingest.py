@@ -56,6 +56,7 @@ from telemetry.lane.record import (  # noqa: E402
     RequestMilestone,
     make_encoder,
 )
+from telemetry.sidecar.engine_view import EngineView  # noqa: E402
 from telemetry.sidecar.ingest import Ingest  # noqa: E402
 from telemetry.sidecar.sinks.prometheus import HISTOGRAMS, WAITING_REASONS, PrometheusSink  # noqa: E402
 
@@ -126,10 +127,10 @@ def first_heartbeat() -> Heartbeat:
 class NothingSink:
     """The Sink protocol doing nothing: Ingest's own cost (decode + sequence checks)."""
 
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         pass
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
         pass
 
     def on_status(self, *args) -> None:
@@ -194,7 +195,7 @@ class InstrumentSink(NothingSink):
         self.last_end_ns = 0
         self.last_iteration = 0
 
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         self.received.inc()
         self.iterations.inc()
         self.prompt_tokens.inc(record.num_context_tokens)
@@ -252,18 +253,22 @@ class InstrumentSink(NothingSink):
         histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
         histograms["request_preemptions"].observe(milestone.num_preemptions)
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
         self.received.inc()
 
 
 def time_sink(make_sink, records: list[IterationRecord]) -> float:
-    """records/s of one run of sink.on_iteration on every record."""
-    sink = make_sink()
-    sink.on_heartbeat(first_heartbeat())
-    on_iteration = sink.on_iteration
+    """records/s of one run of sink.on_iteration on every record, with the engine view's
+    update that Ingest makes after it (the sink reads the queues and KV gauges from there)."""
+    sink, engine, heartbeat = make_sink(), EngineView(0), first_heartbeat()
+    engine.take_anchor(heartbeat)
+    sink.on_heartbeat(heartbeat, engine)
+    engine.apply_heartbeat(heartbeat)
+    on_iteration, apply_iteration = sink.on_iteration, engine.apply_iteration
     start = time.perf_counter()
     for record in records:
-        on_iteration(record)
+        on_iteration(record, engine)
+        apply_iteration(record)
     return len(records) / (time.perf_counter() - start)
 
 
@@ -304,10 +309,11 @@ def measure_ingest(num_records: int, repeats: int) -> dict:
         figures["sink_records_per_s"] / figures["baseline_itl_per_token_sink_records_per_s"])
     figures["ingest_speedup"] = (figures["ingest_records_per_s"]
                                  / figures["baseline_ingest_records_per_s"])
-    sink = PrometheusSink(CollectorRegistry())
-    sink.on_heartbeat(first_heartbeat())
-    for record in records:
-        sink.on_iteration(record)
+    ingest = Ingest([PrometheusSink(CollectorRegistry())])
+    ingest.on_frame(encoder.encode(first_heartbeat()), 0)
+    for frame in frames:
+        ingest.on_frame(frame, 0)
+    sink = ingest.sinks[0]
     start = time.perf_counter()
     exposition = generate_latest(sink.registry)
     figures["scrape_ms_one_engine"] = (time.perf_counter() - start) * 1e3

@@ -268,10 +268,10 @@ class RecordingSink:
     def __init__(self) -> None:
         self.engine_indexes: Counter = Counter()
 
-    def on_iteration(self, record) -> None:
+    def on_iteration(self, record, engine) -> None:
         self.engine_indexes[record.engine_index] += 1
 
-    def on_heartbeat(self, heartbeat) -> None:
+    def on_heartbeat(self, heartbeat, engine) -> None:
         pass
 
     def on_status(self, engine_index, status, now_ns) -> None:

@@ -9,6 +9,7 @@ import sys
 
 import msgspec
 import pytest
+from sink_feed import send
 from test_sidecar_engine import synthetic_record
 
 from telemetry.analysis.explain import read_timelines
@@ -221,18 +222,18 @@ def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(
     messages = run_messages(num_engines=1, seconds=20)
     first, second, third = messages[:40], messages[40:120], messages[120:]
     for message in first:
-        sink.on_iteration(message)
+        send(sink, message)
     disk.cut_next_write = True
     with pytest.raises(OSError):
         sink.flush()  # half of it reaches the file, ending inside a line
     disk.full = False
     for message in second:
-        sink.on_iteration(message)
+        send(sink, message)
     sink.flush()  # the rest of `first`, then `second`: nothing twice
     assert list(read_recording(path)) == first + second
     disk.full = True
     for message in third:  # the disk stays full: the backlog stays bounded
-        sink.on_iteration(message)
+        send(sink, message)
         try:
             sink.flush()
         except OSError:

@@ -2,6 +2,7 @@
 
 import logging
 
+from sink_feed import send
 from test_sidecar_engine import synthetic_record
 
 from telemetry.lane.record import Heartbeat
@@ -58,11 +59,7 @@ def design_messages(engine_index=0, start_s=100.0, device="GPU", preemptions=0):
 
 
 def feed(sink, messages):
-    for message in messages:
-        if isinstance(message, Heartbeat):
-            sink.on_heartbeat(message)
-        else:
-            sink.on_iteration(message)
+    send(sink, *messages)
 
 
 def design_window(sink, **kwargs):
@@ -93,10 +90,10 @@ def test_idle_engine_is_silent_and_a_waiting_one_is_not():
     lines = Lines()
     sink = LogSink(emit=lines)
     for second in range(60):
-        sink.on_heartbeat(heartbeat(0, 100 + second))
+        send(sink, heartbeat(0, 100 + second))
     assert lines.texts() == []
     for second in range(60, 81):  # work waits, nothing runs: the line says so
-        sink.on_heartbeat(heartbeat(0, 100 + second, waiting=4))
+        send(sink, heartbeat(0, 100 + second, waiting=4))
     assert len(lines.texts()) == 2
     assert all("Avg prompt throughput: 0.0 tokens/s" in t and "Waiting: 4 reqs" in t
                for t in lines.texts())
@@ -124,9 +121,9 @@ def test_several_engines_get_an_aggregated_line():
 def test_first_window_is_measured_from_when_the_engine_was_first_seen():
     lines = Lines()
     sink = LogSink(emit=lines)
-    sink.on_heartbeat(heartbeat(0, 105.0, running=1))
-    sink.on_iteration(record(0, 106.0, num_generation_tokens=50))
-    sink.on_heartbeat(heartbeat(0, 110.5, running=1))
+    send(sink, heartbeat(0, 105.0, running=1))
+    send(sink, record(0, 106.0, num_generation_tokens=50))
+    send(sink, heartbeat(0, 110.5, running=1))
     assert "Avg generation throughput: 10.0 tokens/s" in lines.texts()[0]  # 50 tokens / 5 s
 
 
@@ -138,8 +135,8 @@ def test_per_iteration_lines_in_the_design_format():
                   num_kv_tokens=56000)
     message = record(0, 100, iteration=188, **fields)
     message.elapsed_ns = 10_250_000
-    sink.on_iteration(message)
-    sink.on_iteration(record(2, 100, iteration=7, **fields))
+    send(sink, message)
+    send(sink, record(2, 100, iteration=7, **fields))
     assert lines.texts() == [
         "Iteration(188): 0 context requests, 0 context tokens, 50 generation requests, "
         "50 generation tokens, iteration elapsed time: 10.25 ms, "
@@ -170,7 +167,7 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     ]
     assert lines.texts(logging.INFO)[0] == "Engine 000: connected, running"
     before = len(lines.lines)
-    sink.on_iteration(record(0, 130))  # a late record from the dead engine
+    sink.on_iteration(record(0, 130), ingest.engines[0].view)  # late, from the dead engine
     assert len(lines.lines) == before
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from engine.nvtx_markers import NullMarkers, make_markers
 from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks import nvtx_ranges
 from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
@@ -42,6 +43,7 @@ FEED_SINK = """
 import sys, time
 import msgspec
 from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sinks.nvtx_ranges import NvtxSink
 
 records = msgspec.msgpack.Decoder(list[IterationRecord]).decode(open(sys.argv[1], "rb").read())
@@ -58,7 +60,7 @@ for first in range(0, len(records), batch):
     last_end_ns = sent[-1].start_ns + sent[-1].elapsed_ns
     time.sleep(max(0, last_end_ns - time.monotonic_ns()) / 1e9)
     for record in sent:
-        sink.on_iteration(record)
+        sink.on_iteration(record, EngineView(record.engine_index))
 sink.close()
 """
 
@@ -234,7 +236,7 @@ def test_without_a_tool_the_sink_is_off(capsys):
     assert nvtx_ranges.build(parser.parse_args(["--nvtx"])) is None
     assert "no NVTX tool is attached" in capsys.readouterr().err
     sink = nvtx_ranges.NvtxSink()
-    sink.on_iteration(make_records(1)[0])  # a no-op, not an error
+    sink.on_iteration(make_records(1)[0], EngineView(0))  # a no-op, not an error
     sink.close()
 
 
@@ -298,6 +300,7 @@ FEED_WRITER_SINK = """
 import argparse, sys
 import msgspec
 from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sinks import nvtx_ranges
 from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
 
@@ -309,7 +312,7 @@ sink = nvtx_ranges.build(parser.parse_args(
 assert isinstance(sink, nvtx_ranges.NvtxWriterSink), sink
 records = msgspec.msgpack.Decoder(list[IterationRecord]).decode(open(records_path, "rb").read())
 for record in records:
-    sink.on_iteration(record)
+    sink.on_iteration(record, EngineView(record.engine_index))
 sink.close()
 """
 

@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.sdk.trace.export import SpanExportResult
+from sink_feed import send
 
 from telemetry.lane.record import (
     EVENT_FINISHED,
@@ -186,7 +187,7 @@ def http_sink(endpoint: str, **kwargs) -> OtelSink:
 # --- tests ----------------------------------------------------------------------------------
 def test_request_span_tree_over_http_protobuf(receiver):
     sink = http_sink(receiver.endpoint)
-    sink.on_heartbeat(heartbeat())
+    send(sink, heartbeat())
     milestone = finished("req-1", TRACEPARENT)
     first_token_only = RequestMilestone(
         request_id="req-2", event=EVENT_FIRST_TOKEN, arrival_ns=MONO_BASE_NS,
@@ -194,7 +195,7 @@ def test_request_span_tree_over_http_protobuf(receiver):
         num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1, num_preemptions=0,
         finish_reason=-1,
     )
-    sink.on_iteration(record(1, [milestone, first_token_only]))
+    send(sink, record(1, [milestone, first_token_only]))
     sink.close()
     spans = receiver.wait_for(5)  # llm_request, queued, 2 x prefill, decode
     assert sorted(span.name for span in spans) == [
@@ -238,9 +239,9 @@ def test_request_span_tree_over_http_protobuf(receiver):
 def test_records_before_first_heartbeat_are_held_then_placed_in_wall_time(receiver):
     sink = http_sink(receiver.endpoint)
     early = finished("early")
-    sink.on_iteration(record(1, [early], engine_index=3))
-    sink.on_iteration(record(2, engine_index=3, num_preemptions=1))  # sampled: preempting
-    sink.on_heartbeat(heartbeat(engine_index=3))
+    send(sink, record(1, [early], engine_index=3))
+    send(sink, record(2, engine_index=3, num_preemptions=1))  # sampled: preempting
+    send(sink, heartbeat(engine_index=3))
     sink.close()
     spans = receiver.wait_for(6)
     (root,) = by_name(spans, "llm_request")
@@ -269,10 +270,10 @@ def test_iteration_sampling_reasons():
 
 def test_unsampled_iterations_and_bad_traceparent(receiver):
     sink = http_sink(receiver.endpoint)
-    sink.on_heartbeat(heartbeat())
+    send(sink, heartbeat())
     for iteration in range(1, 50):
-        sink.on_iteration(record(iteration))  # none sampled
-    sink.on_iteration(record(50, [finished("r", traceparent="00-garbage-01")]))
+        send(sink, record(iteration))  # none sampled
+    send(sink, record(50, [finished("r", traceparent="00-garbage-01")]))
     sink.close()
     spans = receiver.wait_for(5)  # close() returned after the export: nothing more comes
     assert len(receiver.spans) == 5 and not by_name(spans, "iteration")
@@ -283,9 +284,9 @@ def test_unsampled_iterations_and_bad_traceparent(receiver):
 def test_the_sdk_sampler_thins_request_spans_but_never_chosen_iterations(receiver, monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     sink = http_sink(receiver.endpoint, sampling=IterationSampling(slow_ns=50_000_000))
-    sink.on_heartbeat(heartbeat())
-    sink.on_iteration(record(1, [finished("r")]))  # request spans: dropped by the sampler
-    sink.on_iteration(record(2, elapsed_ns=80_000_000))  # slow: chosen by our own sampling
+    send(sink, heartbeat())
+    send(sink, record(1, [finished("r")]))  # request spans: dropped by the sampler
+    send(sink, record(2, elapsed_ns=80_000_000))  # slow: chosen by our own sampling
     sink.close()
     spans = receiver.wait_for(1)
     assert [span.name for span in spans] == ["iteration"]
@@ -312,12 +313,12 @@ class HungExporter:
 def test_hung_collector_never_blocks_ingest_and_drops_are_counted():
     exporter = HungExporter()
     sink = OtelSink(exporter, max_queue_size=4, schedule_delay_s=0.01)
-    sink.on_heartbeat(heartbeat())
+    send(sink, heartbeat())
     num_requests = 40
 
     def ingest(first: int, last: int) -> None:
         for iteration in range(first, last + 1):  # 5 spans per request
-            sink.on_iteration(record(iteration, [finished(f"r{iteration}")]))
+            send(sink, record(iteration, [finished(f"r{iteration}")]))
 
     ingest(1, 4)
     assert exporter.entered.wait(10), "the exporter never received a batch"
@@ -337,10 +338,10 @@ def test_records_dropped_before_a_heartbeat_count_every_span(monkeypatch):
     fits counts as the spans it would have made (5 for a request, 1 for an iteration)."""
     monkeypatch.setattr(otel, "MAX_PENDING_RECORDS", 2)
     sink = OtelSink(HungExporter(), schedule_delay_s=0.01)
-    sink.on_iteration(record(1, [finished("a")]))
-    sink.on_iteration(record(2, num_preemptions=1))  # a preempting iteration: one span
+    send(sink, record(1, [finished("a")]))
+    send(sink, record(2, num_preemptions=1))  # a preempting iteration: one span
     assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
-    sink.on_iteration(record(3, [finished("b"), finished("c")], num_preemptions=1))
+    send(sink, record(3, [finished("b"), finished("c")], num_preemptions=1))
     assert sink.sidecar_counters() == {"otel_spans_dropped": 11.0}
     sink.processor.shutdown()
 
@@ -354,8 +355,8 @@ def test_failed_exports_count_as_dropped():
             pass
 
     sink = OtelSink(FailingExporter(), schedule_delay_s=0.01)
-    sink.on_heartbeat(heartbeat())
-    sink.on_iteration(record(1, [finished("a"), finished("b")]))
+    send(sink, heartbeat())
+    send(sink, record(1, [finished("a"), finished("b")]))
     sink.close()
     assert sink.sidecar_counters() == {"otel_spans_dropped": 10.0}
 
@@ -433,9 +434,9 @@ def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
         monkeypatch.setenv("OTEL_SERVICE_NAME", "iterscope-test")
         sink = OtelSink(make_exporter("grpc", f"http://127.0.0.1:{grpc_port}"),
                         schedule_delay_s=0.05)
-        sink.on_heartbeat(heartbeat())
+        send(sink, heartbeat())
         milestone = finished("via-rotel", TRACEPARENT)
-        sink.on_iteration(record(1, [milestone]))
+        send(sink, record(1, [milestone]))
         sink.close()
         spans = receiver.wait_for(5)
     finally:
@@ -494,15 +495,14 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
 
 
 def test_wall_clock_uses_the_latest_anchor_and_refuses_without_one():
-    from telemetry.sidecar.clock import WallClock
+    from telemetry.sidecar.engine_view import EngineView
 
-    clock = WallClock()
-    assert not clock.has_anchor(0)
+    engine = EngineView(0)
     with pytest.raises(KeyError, match="no clock anchor"):
-        clock.to_wall_ns(0, 123)
-    clock.update(heartbeat())
-    assert clock.to_wall_ns(0, MONO_BASE_NS + 7) == MONO_BASE_NS + 7 + WALL_OFFSET_NS
+        engine.to_wall_ns(123)
+    engine.take_anchor(heartbeat())
+    assert engine.to_wall_ns(MONO_BASE_NS + 7) == MONO_BASE_NS + 7 + WALL_OFFSET_NS
     stepped = heartbeat()
     stepped.wall_ns += 2_000_000_000  # NTP stepped the wall clock by 2 s
-    clock.update(stepped)
-    assert clock.to_wall_ns(0, MONO_BASE_NS) == MONO_BASE_NS + WALL_OFFSET_NS + 2_000_000_000
+    engine.apply_heartbeat(stepped)
+    assert engine.to_wall_ns(MONO_BASE_NS) == MONO_BASE_NS + WALL_OFFSET_NS + 2_000_000_000

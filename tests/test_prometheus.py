@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from sink_feed import send, set_status
 
 from telemetry.lane.record import (
     EVENT_FINISHED,
@@ -119,8 +120,8 @@ def histogram_count(samples: dict, name: str, le: str = "+Inf") -> float:
 
 def test_every_contract_series_has_type_and_engine_labels():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat())
-    sink.on_iteration(make_record(1))
+    send(sink, make_heartbeat())
+    send(sink, make_record(1))
     families = {f.name: f for f in text_string_to_metric_families(
         generate_latest(registry).decode())}
     for metric_type, names in CONTRACT.items():
@@ -134,10 +135,10 @@ def test_every_contract_series_has_type_and_engine_labels():
 
 def test_gauges_and_counters_follow_records():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat())
-    sink.on_iteration(make_record(1))
-    sink.on_iteration(make_record(2, num_kv_blocks_used=40, num_kv_blocks_free=60))
-    sink.on_status(0, EngineStatus.RUNNING, 0)
+    send(sink, make_heartbeat())
+    send(sink, make_record(1))
+    send(sink, make_record(2, num_kv_blocks_used=40, num_kv_blocks_free=60))
+    set_status(sink, 0, EngineStatus.RUNNING, 0)
     sink.on_dropped(0, 3)
     sink.on_engine_conflict(0, (100, 200))
     samples = scrape(registry)
@@ -170,13 +171,13 @@ def test_kv_blocked_iterations_count_every_iteration_that_left_requests_waiting_
     """Counted per record, not sampled: the saturation alert's rate() sees every iteration,
     however the waiting_by_reason gauge flaps between scrapes."""
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat())
+    send(sink, make_heartbeat())
     blocked = dict(num_waiting_reqs=3, num_waiting_kv_reqs=3, num_waiting_seq_limit_reqs=0)
     seq_limited = dict(num_waiting_reqs=3, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=3)
     nobody_waits = dict(num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0)
     for iteration, fields in enumerate(
             (blocked, seq_limited, blocked, nobody_waits, blocked, seq_limited), start=1):
-        sink.on_iteration(make_record(iteration, **fields))
+        send(sink, make_record(iteration, **fields))
     samples = scrape(registry)
     assert value(samples, "iterscope_kv_blocked_iterations_total") == 3
     assert value(samples, "iterscope_iterations_total") == 6
@@ -185,16 +186,16 @@ def test_kv_blocked_iterations_count_every_iteration_that_left_requests_waiting_
 
 def test_queues_and_kv_total_follow_latest_message():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat(num_running_reqs=9, num_kv_blocks_total=120))
+    send(sink, make_heartbeat(num_running_reqs=9, num_kv_blocks_total=120))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 9
     assert value(samples, "iterscope_kv_blocks_capacity") == 120
     assert value(samples, "iterscope_kv_blocks_free") == 120
-    sink.on_iteration(make_record(1))
+    send(sink, make_record(1))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 5
     assert value(samples, "iterscope_kv_blocks_capacity") == 100  # used + free, as the log line
-    sink.on_heartbeat(make_heartbeat(num_running_reqs=0, num_waiting_reqs=7))
+    send(sink, make_heartbeat(num_running_reqs=0, num_waiting_reqs=7))
     samples = scrape(registry)
     assert value(samples, "iterscope_requests_running") == 0
     assert value(samples, "iterscope_requests_waiting") == 7
@@ -202,23 +203,23 @@ def test_queues_and_kv_total_follow_latest_message():
 
 def test_a_restarted_engine_shows_no_kv_state_of_the_old_process():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat(pid=42))
-    sink.on_iteration(make_record(1, num_kv_blocks_used=97, num_kv_blocks_free=3))
+    send(sink, make_heartbeat(pid=42))
+    send(sink, make_record(1, num_kv_blocks_used=97, num_kv_blocks_free=3))
     assert value(scrape(registry), "iterscope_kv_cache_usage_ratio") == pytest.approx(0.97)
-    sink.on_heartbeat(make_heartbeat(pid=43, num_kv_blocks_total=200))  # the new process
+    send(sink, make_heartbeat(pid=43, num_kv_blocks_total=200))  # the new process
     samples = scrape(registry)
     assert value(samples, "iterscope_kv_cache_usage_ratio") == 0
     assert value(samples, "iterscope_kv_blocks_capacity") == 200
     assert value(samples, "iterscope_iterations_total") == 1  # counters carry on
-    sink.on_iteration(make_record(1, num_kv_blocks_used=20, num_kv_blocks_free=180))
+    send(sink, make_record(1, num_kv_blocks_used=20, num_kv_blocks_free=180))
     assert value(scrape(registry), "iterscope_kv_cache_usage_ratio") == pytest.approx(0.1)
 
 
 def test_lifecycle_histograms_from_one_milestone_with_both_events():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat())
+    send(sink, make_heartbeat())
     milestone = make_milestone(EVENT_FIRST_TOKEN | EVENT_FINISHED)
-    sink.on_iteration(make_record(1, milestones=[milestone]))
+    send(sink, make_record(1, milestones=[milestone]))
     samples = scrape(registry)
     expected_sums = {
         "iterscope_time_to_first_token_seconds": 0.25,
@@ -243,11 +244,11 @@ def test_lifecycle_histograms_from_one_milestone_with_both_events():
 
 def test_first_token_and_finish_in_separate_iterations_count_once():
     sink, registry = new_sink()
-    sink.on_iteration(make_record(1, milestones=[make_milestone(EVENT_FIRST_TOKEN)]))
+    send(sink, make_record(1, milestones=[make_milestone(EVENT_FIRST_TOKEN)]))
     samples = scrape(registry)
     assert value(samples, "iterscope_time_to_first_token_seconds_count", model_name="") == 1
     assert value(samples, "iterscope_e2e_request_latency_seconds_count", model_name="") == 0
-    sink.on_iteration(make_record(2, milestones=[make_milestone(EVENT_FINISHED)]))
+    send(sink, make_record(2, milestones=[make_milestone(EVENT_FINISHED)]))
     samples = scrape(registry)
     assert value(samples, "iterscope_time_to_first_token_seconds_count", model_name="") == 1
     assert value(samples, "iterscope_e2e_request_latency_seconds_count", model_name="") == 1
@@ -258,7 +259,7 @@ def test_request_aborted_while_waiting_has_no_phase_times():
     sink, registry = new_sink()
     aborted = make_milestone(EVENT_FINISHED, first_scheduled_ns=0, first_token_ns=0,
                              num_output_tokens=0, finish_reason=2)
-    sink.on_iteration(make_record(1, milestones=[aborted]))
+    send(sink, make_record(1, milestones=[aborted]))
     samples = scrape(registry)
     labels = {"model_name": ""}
     assert value(samples, "iterscope_e2e_request_latency_seconds_count", **labels) == 1
@@ -271,10 +272,10 @@ def test_request_aborted_while_waiting_has_no_phase_times():
 
 def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
     sink, registry = new_sink()
-    sink.on_iteration(make_record(1))  # no previous iteration: no interval
-    sink.on_iteration(make_record(2, num_generation_reqs=4))  # 10 ms after iteration 1, x4
-    sink.on_iteration(make_record(5, num_generation_reqs=3))  # gap: iterations 3, 4 lost
-    sink.on_iteration(make_record(6, num_generation_reqs=0))  # nothing decoded
+    send(sink, make_record(1))  # no previous iteration: no interval
+    send(sink, make_record(2, num_generation_reqs=4))  # 10 ms after iteration 1, x4
+    send(sink, make_record(5, num_generation_reqs=3))  # gap: iterations 3, 4 lost
+    send(sink, make_record(6, num_generation_reqs=0))  # nothing decoded
     samples = scrape(registry)
     labels = {"model_name": ""}
     assert value(samples, "iterscope_inter_token_latency_seconds_count", **labels) == 4
@@ -302,9 +303,9 @@ def test_counters_monotonic_across_engine_restart_and_replay():
     previous = {}
     for message in first_life + second_life + first_life:
         if isinstance(message, Heartbeat):
-            sink.on_heartbeat(message)
+            send(sink, message)
         else:
-            sink.on_iteration(message)
+            send(sink, message)
         current = counter_like_values(scrape(registry))
         for key, old in previous.items():
             assert current[key] >= old, key
@@ -334,11 +335,11 @@ def test_sidecar_level_series_use_empty_engine_labels():
 
 def test_two_engines_are_separate_series():
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat(engine_index=0))
-    sink.on_heartbeat(make_heartbeat(engine_index=1, model_name="tiny"))
-    sink.on_iteration(make_record(1, engine_index=0))
-    sink.on_iteration(make_record(1, engine_index=1))
-    sink.on_iteration(make_record(2, engine_index=1))
+    send(sink, make_heartbeat(engine_index=0))
+    send(sink, make_heartbeat(engine_index=1, model_name="tiny"))
+    send(sink, make_record(1, engine_index=0))
+    send(sink, make_record(1, engine_index=1))
+    send(sink, make_record(2, engine_index=1))
     samples = scrape(registry)
     assert value(samples, "iterscope_iterations_total") == 1
     assert value(samples, "iterscope_iterations_total", engine="1") == 2
@@ -353,9 +354,9 @@ def run_promtool(text: str) -> str:
 
 def busy_exposition(**kwargs) -> str:
     sink, registry = new_sink(**kwargs)
-    sink.on_heartbeat(make_heartbeat())
-    sink.on_iteration(make_record(1, milestones=[make_milestone(3)]))
-    sink.on_iteration(make_record(2))
+    send(sink, make_heartbeat())
+    send(sink, make_record(1, milestones=[make_milestone(3)]))
+    send(sink, make_record(2))
     sink.on_undecodable("version")
     return generate_latest(registry).decode()
 
@@ -428,7 +429,7 @@ def test_build_serves_metrics_over_http():
     sink = prometheus.build(args)
     try:
         assert sink.port > 0
-        sink.on_iteration(make_record(1))
+        send(sink, make_record(1))
         url = f"http://127.0.0.1:{sink.port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
@@ -464,7 +465,7 @@ def test_vllm_names_keep_their_colon_whatever_format_the_scraper_asks_for():
     vllm:num_requests_running into vllm_num_requests_running."""
     sink = prometheus.build(parse_flags(["--metrics-port", "0", "--vllm-compatible-names"]))
     try:
-        sink.on_iteration(make_record(1))
+        send(sink, make_record(1))
         prometheus_accept = ("application/openmetrics-text;version=1.0.0,"
                              "application/openmetrics-text;version=0.0.1;q=0.75,"
                              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -518,18 +519,18 @@ def test_counters_never_decrease_whatever_the_message_order(events):
         if kind == "record":
             iterations[engine] += 1 + amount % 3  # sometimes skips iterations (lost records)
             milestones = [make_milestone(event, finish_reason=amount % 4 - 1)] if event else []
-            sink.on_iteration(make_record(iterations[engine], engine_index=engine,
+            send(sink, make_record(iterations[engine], engine_index=engine,
                                           num_context_tokens=amount, milestones=milestones))
         elif kind == "restart":
             iterations[engine] = 0
             pids[engine] += 1
-            sink.on_heartbeat(make_heartbeat(engine, pid=pids[engine], ts_ns=amount * MS))
+            send(sink, make_heartbeat(engine, pid=pids[engine], ts_ns=amount * MS))
         elif kind == "heartbeat":
-            sink.on_heartbeat(make_heartbeat(engine, pid=pids[engine]))
+            send(sink, make_heartbeat(engine, pid=pids[engine]))
         elif kind == "dropped":
             sink.on_dropped(engine, amount)
         else:
-            sink.on_status(engine, list(EngineStatus)[event], 0)
+            set_status(sink, engine, list(EngineStatus)[event], 0)
         current = {(name, frozenset((k, v) for k, v in labels if k != "model_name")): val
                    for (name, labels), val in counter_like_values(scrape(registry)).items()}
         assert all(current[key] >= old for key, old in previous.items())
@@ -563,7 +564,7 @@ def test_iteration_histograms_edge_buckets():
     end_ns = 0
     for iteration, (context_tokens, generation_reqs, elapsed_ns) in enumerate(cases, start=1):
         start_ns = end_ns + 2 * MS
-        sink.on_iteration(make_record(iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
+        send(sink, make_record(iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
                                       num_context_tokens=context_tokens,
                                       num_generation_reqs=generation_reqs,
                                       num_generation_tokens=generation_reqs))
@@ -584,10 +585,10 @@ def test_time_per_output_token_on_a_bound_lands_in_that_bucket():
     """67.5 ms over 9 intervals is exactly 7.5 ms: le="0.0075", not the next bucket (dividing
     the seconds instead of the nanoseconds rounded it past the bound)."""
     sink, registry = new_sink()
-    sink.on_heartbeat(make_heartbeat())
+    send(sink, make_heartbeat())
     finished = make_milestone(EVENT_FINISHED, first_token_ns=1_000 * MS,
                               finished_ns=1_000 * MS + 67_500_000, num_output_tokens=10)
-    sink.on_iteration(make_record(1, milestones=[finished]))
+    send(sink, make_record(1, milestones=[finished]))
     samples = scrape(registry)
     assert histogram_count(samples, "iterscope_time_per_output_token_seconds", le="0.0075") == 1
 
@@ -603,7 +604,7 @@ def test_le_labels_are_spelled_as_prometheus_client_spells_them():
     expected = [sample.labels["le"] for family in client_registry.collect()
                 for sample in family.samples if sample.name.endswith("_bucket")]
     sink, registry = new_sink(buckets={"request_prompt_tokens": bounds})
-    sink.on_heartbeat(make_heartbeat())
+    send(sink, make_heartbeat())
     text = generate_latest(registry).decode()
     ours = re.findall(r'iterscope_request_prompt_tokens_bucket\{[^}]*le="([^"]+)"', text)
     assert ours == expected == ["0.005", "1.0", "2560.0", "500000.0", "1e+06", "+Inf"]

@@ -25,10 +25,10 @@ class RecordingSink(Sink):
         self.calls = []
         self.closed = False
 
-    def on_iteration(self, record):
+    def on_iteration(self, record, engine):
         self.calls.append(("iteration", record.engine_index, record.seq))
 
-    def on_heartbeat(self, heartbeat):
+    def on_heartbeat(self, heartbeat, engine):
         self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.seq))
 
     def on_status(self, engine_index, status, now_ns):
@@ -213,7 +213,7 @@ def test_heartbeat_progress_counts_when_the_records_were_lost():
 
 def test_a_failing_sink_is_counted_and_ingest_goes_on():
     class Failing(RecordingSink):
-        def on_iteration(self, record):
+        def on_iteration(self, record, engine):
             raise RuntimeError("boom")
 
     good = RecordingSink()

@@ -36,7 +36,7 @@ class BrokenDisk(Sink):
     def __init__(self):
         self.num_messages = 0
 
-    def on_iteration(self, record):
+    def on_iteration(self, record, engine):
         self.num_messages += 1
         if self.num_messages >= 3:
             self.num_lines_lost += 1

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
+from sink_feed import send
 
 from telemetry.analysis.timeline import EngineTimeline
 from telemetry.analysis.tune import fit_iteration_time
@@ -132,10 +133,10 @@ def test_a_vllm_request_becomes_a_trace_with_its_phases():
     try:
         sink = http_sink(receiver.endpoint)
         maker = RecordMaker(0, 11)
-        sink.on_heartbeat(Heartbeat(engine_index=0, seq=1, ts_ns=time.monotonic_ns(),
-                                    wall_ns=time.time_ns(), last_iteration=0,
-                                    num_waiting_reqs=0, num_running_reqs=1))
-        sink.on_iteration(maker.make(scheduler_stats(), iteration_stats(finished=[finished()])))
+        send(sink, Heartbeat(engine_index=0, seq=1, ts_ns=time.monotonic_ns(),
+                             wall_ns=time.time_ns(), last_iteration=0, num_waiting_reqs=0,
+                             num_running_reqs=1))
+        send(sink, maker.make(scheduler_stats(), iteration_stats(finished=[finished()])))
         sink.close()
         spans = receiver.wait_for(4)
     finally:
@@ -178,7 +179,7 @@ def test_the_iteration_line_says_unknown_instead_of_zero():
 
 def test_prometheus_shows_unknown_fields_as_absent_or_unknown():
     sink = PrometheusSink(CollectorRegistry())
-    sink.on_iteration(unknown_record(waiting=3, skipped=0))
+    send(sink, unknown_record(waiting=3, skipped=0))
     families = {f.name: f for f in sink.collector.collect()}
     by_reason = {s.labels["reason"]: s.value
                  for s in families["iterscope_requests_waiting_by_reason"].samples}

@@ -31,6 +31,7 @@ import collections
 from dataclasses import dataclass, field
 
 from telemetry.lane.record import Message
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sink import EngineStatus
 
 # A single message may account for at most this many lost messages: about 4.6 hours of an
@@ -81,38 +82,35 @@ def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> b
 
 @dataclass
 class EngineState:
-    """What the sidecar knows of one engine. Times are the ingest clock (``now_ns``)."""
+    """What the sidecar knows of one engine: ``view``, what sinks read (engine_view.py), and
+    the checks and status evidence that are Ingest's alone. Times are the ingest clock."""
 
     engine_index: int
     last_seq: int = 0
     last_message_ns: int = 0
     last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
-    last_iteration: int = 0
-    num_waiting_reqs: int = 0
-    num_running_reqs: int = 0
     num_dropped_total: int = 0
-    status: EngineStatus | None = None
-    pid: int = 0  # from the latest heartbeat; 0 = none yet
     previous_pid: int = 0  # the pid before the latest change
     progress_intervals: RecentMax = field(
         default_factory=lambda: RecentMax(int(STALL_WINDOW_S * 1e9)))
+    view: EngineView = field(init=False)
 
-    @property
-    def has_work(self) -> bool:
-        return self.num_waiting_reqs + self.num_running_reqs > 0
+    def __post_init__(self) -> None:
+        self.view = EngineView(self.engine_index)
 
-    def note_progress(self, now_ns: int) -> None:
-        """The loop moved on; if work was in flight, the wait is a progress interval (not
-        when the engine was silent meanwhile: a frozen process's pause is no iteration)."""
+    def note_progress(self, now_ns: int, had_work: bool) -> None:
+        """The loop moved on; if work was in flight (``had_work``, before the message), the
+        wait is a progress interval (not when the engine was silent meanwhile: a frozen
+        process's pause is no iteration)."""
         interval_ns = now_ns - self.last_progress_ns
-        if (interval_ns > _SHORTEST_LEARNT_NS and self.has_work
-                and self.status is not EngineStatus.DEAD):
+        if (interval_ns > _SHORTEST_LEARNT_NS and had_work
+                and self.view.status is not EngineStatus.DEAD):
             self.progress_intervals.add(now_ns, interval_ns)
         self.last_progress_ns = now_ns
 
     def note_restart(self, now_ns: int) -> None:
         """A new process: its progress is counted from now."""
-        self.last_iteration = 0
+        self.view.last_iteration = 0
         self.last_progress_ns = now_ns
 
     def adaptive_stall_after_ns(self, now_ns: int) -> int:
@@ -132,6 +130,6 @@ class EngineState:
         gap = seq - self.last_seq - 1
         if message.num_dropped <= gap <= message.num_dropped + MAX_IN_TRANSIT:
             return gap
-        if is_heartbeat and self.status is EngineStatus.DEAD:
+        if is_heartbeat and self.view.status is EngineStatus.DEAD:
             return message.num_dropped
         return None

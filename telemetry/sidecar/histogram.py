@@ -62,10 +62,7 @@ class Histogram:
         self.sum += value * weight
 
     def observe_count(self, count: int) -> None:
-        """``observe(count)`` for an int ``count >= 0`` (a record's Count field), by lookup.
-
-        Hot callers inline this body (a method call costs as much as the update).
-        """
+        """``observe(count)`` for an int ``count >= 0`` (a record's Count field), by lookup."""
         index = self.count_index
         self.bucket_counts[
             index[count] if count < MAX_COUNT_INDEX else bisect_left(self.bounds, count)

@@ -197,17 +197,19 @@ class Ingest:
         if num_lost > 0:
             state.num_dropped_total += num_lost
             self._call_sinks("on_dropped", message.engine_index, num_lost)
+        view = state.view  # applied after the sinks: they see the engine before the message
         if is_heartbeat:
+            view.take_anchor(message)
             for on_heartbeat in self._on_heartbeat:
                 try:
-                    on_heartbeat(message)
+                    on_heartbeat(message, view)
                 except Exception:
                     self._sink_failed(on_heartbeat.__self__)
             self._note_heartbeat(state, message, now_ns)
         else:
             for on_iteration in self._on_iteration:
                 try:
-                    on_iteration(message)
+                    on_iteration(message, view)
                 except Exception:
                     self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
@@ -237,38 +239,36 @@ class Ingest:
         return state, lost_before + message.num_dropped
 
     def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
-        if record.num_context_tokens + record.num_generation_tokens > 0:
-            # Progress means scheduled work: a loop that spins on empty iterations while
-            # requests wait is stalled (heartbeats count the same way: last_iteration is the
-            # last iteration that scheduled work).
-            state.last_iteration = record.iteration
-            state.note_progress(now_ns)
-        elif not state.has_work:  # (before this record) nothing waited or ran: idle, not stuck
+        """The view takes the record in; progress is judged against the queues before it."""
+        view = state.view
+        had_work = view.num_waiting_reqs + view.num_running_reqs > 0
+        if view.apply_iteration(record):
+            state.note_progress(now_ns, had_work)
+        elif not had_work:  # nothing waited or ran: idle, not stuck
             state.last_progress_ns = now_ns
-        state.num_waiting_reqs = record.num_waiting_reqs
-        state.num_running_reqs = record.num_running_reqs
-        if state.status is not _RUNNING:
+        if view.status is not _RUNNING:
             self._update_status(state, now_ns)
 
     def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
-        if heartbeat.pid != state.pid and heartbeat.pid:
-            self._note_pid_change(state, heartbeat.pid)
+        view = state.view
+        pid_before, had_work, last_iteration = view.pid, view.has_work, view.last_iteration
+        view.apply_heartbeat(heartbeat)
+        if view.pid != pid_before:
+            self._note_pid_change(state, pid_before)
         # Iterations whose records were all lost still count as progress.
-        if heartbeat.last_iteration > state.last_iteration:
-            state.note_progress(now_ns)
-            state.last_iteration = heartbeat.last_iteration
-        elif not state.has_work:  # (before this heartbeat) idle: the stall clock starts now
+        if view.last_iteration > last_iteration:
+            state.note_progress(now_ns, had_work)
+        elif not had_work:  # idle: the stall clock starts now
             state.last_progress_ns = now_ns
-        state.num_waiting_reqs = heartbeat.num_waiting_reqs
-        state.num_running_reqs = heartbeat.num_running_reqs
         self._update_status(state, now_ns)
 
-    def _note_pid_change(self, state: EngineState, pid: int) -> None:
+    def _note_pid_change(self, state: EngineState, pid_before: int) -> None:
         """A restart changes the pid once; heartbeats switching back to the pid before it
         mean two live processes share this engine index."""
-        if pid == state.previous_pid and state.pid:
+        pid = state.view.pid
+        if pid == state.previous_pid and pid_before:
             self.stats.num_engine_conflicts += 1
-            pids = (min(pid, state.pid), max(pid, state.pid))
+            pids = (min(pid, pid_before), max(pid, pid_before))
             if self.stats.num_engine_conflicts <= 3 or self.stats.num_engine_conflicts % 100 == 0:
                 logger.error(
                     "engine %d: two engine processes (pids %d and %d) publish as engine %d; "
@@ -276,14 +276,14 @@ class Ingest:
                     state.engine_index, *pids, state.engine_index,
                 )
             self._call_sinks("on_engine_conflict", state.engine_index, pids)
-        state.previous_pid, state.pid = state.pid, pid
+        state.previous_pid = pid_before
 
     def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
         """Dead: no message (the publisher's thread sends them, heartbeats included, whether
         or not the engine loop moves). Stalled: messages, work in flight, no progress."""
         if now_ns - state.last_message_ns > self._dead_after_ns:
             return EngineStatus.DEAD
-        if not state.has_work:
+        if not state.view.has_work:
             return EngineStatus.IDLE
         stall_after_ns = self._stall_after_ns or state.adaptive_stall_after_ns(now_ns)
         if now_ns - state.last_progress_ns > stall_after_ns:
@@ -292,8 +292,8 @@ class Ingest:
 
     def _update_status(self, state: EngineState, now_ns: int) -> None:
         status = self.status_of(state, now_ns)
-        if status is not state.status:
-            state.status = status
+        if status is not state.view.status:
+            state.view.status = status
             self._call_sinks("on_status", state.engine_index, status, now_ns)
 
     def tick(self, now_ns: int) -> None:

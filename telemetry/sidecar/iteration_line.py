@@ -5,8 +5,8 @@ NVTX sink (the message of each iteration's range), so both say exactly the same 
     50 generation tokens, iteration elapsed time: 10.25 ms, kv cache: 5.1% (3500/68959 blocks,
     56000 tokens)
 
-(one line; wrapped here). The KV total is ``num_kv_blocks_used + num_kv_blocks_free`` of the
-same record, so the line never mixes numbers from two moments.
+(one line; wrapped here). The KV numbers are the record's own (telemetry/sidecar/engine_view.py:
+used and used + free of the same record), so the line never mixes numbers from two moments.
 """
 
 from __future__ import annotations
@@ -18,18 +18,12 @@ from telemetry.lane.record import (
     IterationRecord,
     is_known,
 )
-
-
-def kv_usage_ratio(record: IterationRecord) -> float:
-    """Fraction of KV blocks in use after the iteration, 0.0 when the pool is empty."""
-    num_total_blocks = record.num_kv_blocks_used + record.num_kv_blocks_free
-    return record.num_kv_blocks_used / num_total_blocks if num_total_blocks else 0.0
+from telemetry.sidecar.engine_view import kv_blocks_total, record_kv_usage_ratio
 
 
 def format_iteration_line(record: IterationRecord) -> str:
     """The line; a field the source marked unknown reads "unknown" (e.g. "unknown context
     requests"), never a 0 it did not measure."""
-    num_total_blocks = record.num_kv_blocks_used + record.num_kv_blocks_free
     context_reqs = _known(record, UNKNOWN_CONTEXT_REQS, record.num_context_reqs)
     elapsed = _known(record, UNKNOWN_ELAPSED, f"{record.elapsed_ns / 1e6:.2f} ms")
     kv_tokens = _known(record, UNKNOWN_KV_TOKENS, record.num_kv_tokens)
@@ -40,8 +34,8 @@ def format_iteration_line(record: IterationRecord) -> str:
         f"{record.num_generation_reqs} generation requests, "
         f"{record.num_generation_tokens} generation tokens, "
         f"iteration elapsed time: {elapsed}, "
-        f"kv cache: {100 * kv_usage_ratio(record):.1f}% "
-        f"({record.num_kv_blocks_used}/{num_total_blocks} blocks, "
+        f"kv cache: {100 * record_kv_usage_ratio(record):.1f}% "
+        f"({record.num_kv_blocks_used}/{kv_blocks_total(record)} blocks, "
         f"{kv_tokens} tokens)"
     )
 

@@ -2,8 +2,15 @@
 subclasses ``Sink`` and overrides the calls it cares about (the others do nothing); the
 sidecar's ingest thread calls them in arrival order, one at a time.
 
-Sinks keep their own state and derive everything from the records they are given, so two
-sinks fed the same records agree (the log line and the Prometheus counters, say).
+Each message comes with its engine's view (telemetry/sidecar/engine_view.py):
+``on_iteration(record, engine)``, ``on_heartbeat(heartbeat, engine)``. The view is the engine
+as it was before the message (a heartbeat's clock anchor already taken in); Ingest applies
+the message to it once every sink has seen it. What every sink needs of an engine is defined
+there once (clock anchor, progress and queues, KV blocks and usage, facts from heartbeats,
+status); sinks read it, never write it, and may keep a reference to it (one object for the
+engine's whole life, read again at scrape or window time). A sink keeps only what is its own
+(a log window, metric families, open spans, a file), so two sinks fed the same messages
+agree (the log line and the Prometheus gauges, say).
 
 Optional hooks, looked up with getattr by the sidecar (telemetry/sidecar/cli.py):
 - ``known_last_seqs() -> dict[int, int]``: the last seq per engine this sink already holds
@@ -16,8 +23,12 @@ A sink module offers ``add_arguments(parser)`` and ``build(args) -> Sink | None`
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from telemetry.lane.record import Heartbeat, IterationRecord
+
+if TYPE_CHECKING:  # engine_view imports EngineStatus from here
+    from telemetry.sidecar.engine_view import EngineView
 
 
 class EngineStatus(str, enum.Enum):
@@ -53,14 +64,16 @@ class Sink:
     num_lines_lost = 0  # messages it accepted but gave up writing
     last_write_time = 0.0  # unix time of its last successful write; 0 = none
 
-    def on_iteration(self, record: IterationRecord) -> None:
-        """One iteration record, in arrival order."""
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
+        """One iteration record, in arrival order; ``engine`` is as it was before it."""
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        """A heartbeat: progress, the clock anchor and static facts."""
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
+        """A heartbeat (progress, the clock anchor, static facts); ``engine`` is as it was
+        before it, but with its clock anchor."""
 
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        """An engine changed status (called once per transition)."""
+        """An engine changed status (called once per transition, after the message that
+        caused it was applied to the engine's view, which holds the new status too)."""
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
         """``num_dropped`` messages of this engine were lost (from seq gaps)."""

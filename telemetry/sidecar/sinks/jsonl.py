@@ -36,6 +36,7 @@ import msgspec
 
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import recording_files, rotated_path
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sink import Sink
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -129,7 +130,7 @@ class JsonlSink(Sink):
             last_seqs.update(read_last_seqs(path))
         return last_seqs
 
-    def _append(self, message: IterationRecord | Heartbeat) -> None:
+    def _append(self, message: IterationRecord | Heartbeat, engine: EngineView) -> None:
         self._encoder.encode_into(message, self._buffer, -1)
         self._buffer += b"\n"
         self.num_messages += 1

@@ -3,9 +3,9 @@
 Windows follow record time, not the sidecar's clock, so a replayed recording prints the
 same lines as the live run did:
 
-- An engine's monotonic times are placed on the wall clock with the (ts_ns, wall_ns) anchor
-  of its latest heartbeat. Records that arrive before an engine's first heartbeat join the
-  open window without moving it.
+- An engine's monotonic times are placed on the wall clock with its view's clock anchor
+  (telemetry/sidecar/engine_view.py). Records of an engine without one yet join the open
+  window without moving it.
 - The log clock is the latest wall time seen from any engine. Windows are
   [k * interval, (k + 1) * interval) of wall time; when the log clock enters a later window,
   the open one is closed and printed. A record that arrives after its window closed is
@@ -15,8 +15,9 @@ same lines as the live run did:
 What a line reports, per engine and window:
     prompt throughput       context (prefill) tokens computed / window length
     generation throughput   generation tokens / window length
-    Running, Waiting        from the engine's latest record or heartbeat
-    KV cache usage          used / (used + free) blocks of the latest record
+    Running, Waiting        the engine view's queues (its latest record or heartbeat)
+    KV cache usage          the engine view's KV blocks: used / (used + free) of the latest
+                            record, 0 of the heartbeat's total before one
     Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
     Preemptions             sum over the window, shown only when non-zero
 The window length is shortened to the time since the engine was first seen, so the first
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.sidecar.engine_view import EngineView, kv_usage_percent
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sink import EngineStatus, Sink
 
@@ -82,29 +84,26 @@ class LineFigures:
 
 
 @dataclass
-class EngineView:
-    """The log sink's picture of one engine."""
+class EngineLog:
+    """What the log sink keeps of one engine besides its view: the open window's counts,
+    when the engine was first seen, the status it last logged, losses not yet reported."""
 
     engine_index: int
-    clock_offset_ns: int | None = None  # wall_ns - ts_ns of the latest heartbeat
+    engine: EngineView = field(init=False)  # Ingest's, from the engine's first message on
     first_ts_ns: int | None = None  # engine clock: start of the first record or heartbeat seen
     first_wall_ns: int | None = None  # the same on the wall clock, once an anchor is known
-    device_name: str = ""
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_free: int = 0
-    last_iteration: int = 0
-    status: EngineStatus | None = None
+    status: EngineStatus | None = None  # the last one logged
     num_dropped_unreported: int = 0
     num_dropped_total: int = 0
     conflicting_pids: tuple[int, int] | None = None  # unreported: two processes, one index
     counts: WindowCounts = field(default_factory=WindowCounts)
 
+    def __post_init__(self) -> None:
+        self.engine = EngineView(self.engine_index)  # nothing known: only losses seen so far
+
 
 def format_engine_line(figures: LineFigures) -> str:
-    kv_total = figures.num_kv_blocks_total
-    kv_usage = 100.0 * figures.num_kv_blocks_used / kv_total if kv_total else 0.0
+    kv_usage = kv_usage_percent(figures.num_kv_blocks_used, figures.num_kv_blocks_total)
     queries = figures.num_prefix_query_tokens
     hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
     line = (
@@ -126,19 +125,20 @@ def format_engine_iteration_line(record: IterationRecord) -> str:
     return f"Engine {record.engine_index:03d}: {line}" if record.engine_index else line
 
 
-def engine_figures(view: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
+def engine_figures(engine: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
+    num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
     return LineFigures(
-        label=f"Engine {view.engine_index:03d}",
+        label=f"Engine {engine.engine_index:03d}",
         prompt_throughput=counts.num_context_tokens / window_time,
         generation_throughput=counts.num_generation_tokens / window_time,
-        num_running_reqs=view.num_running_reqs,
-        num_waiting_reqs=view.num_waiting_reqs,
-        num_kv_blocks_used=view.num_kv_blocks_used,
-        num_kv_blocks_total=view.num_kv_blocks_used + view.num_kv_blocks_free,
+        num_running_reqs=engine.num_running_reqs,
+        num_waiting_reqs=engine.num_waiting_reqs,
+        num_kv_blocks_used=num_kv_blocks_used,
+        num_kv_blocks_total=num_kv_blocks_total,
         num_prefix_query_tokens=counts.num_prefix_query_tokens,
         num_prefix_hit_tokens=counts.num_prefix_hit_tokens,
         num_preemptions=counts.num_preemptions,
-        device_name=view.device_name,
+        device_name=engine.device_name,
     )
 
 
@@ -179,7 +179,7 @@ class LogSink(Sink):
         self.interval_ns = int(interval_s * 1e9)
         self.log_iterations = log_iterations
         self.emit = emit
-        self.views: dict[int, EngineView] = {}
+        self.engines: dict[int, EngineLog] = {}
         self._clock_ns: int | None = None  # latest wall time seen from any engine
         self._window_index = 0
         self._undecodable_unreported: dict[str, int] = {}
@@ -188,39 +188,32 @@ class LogSink(Sink):
         self._num_rejected_total = 0
         self._last_loss_report_ns: int | None = None
 
-    def _view(self, engine_index: int) -> EngineView:
-        view = self.views.get(engine_index)
-        if view is None:
-            view = self.views[engine_index] = EngineView(engine_index)
-        return view
+    def _log_of(self, engine_index: int) -> EngineLog:
+        log = self.engines.get(engine_index)
+        if log is None:
+            log = self.engines[engine_index] = EngineLog(engine_index)
+        return log
 
-    def on_iteration(self, record: IterationRecord) -> None:
-        view = self._view(record.engine_index)
-        if view.clock_offset_ns is not None:
-            self._advance(record.start_ns + record.elapsed_ns + view.clock_offset_ns)
-        if view.first_ts_ns is None:
-            view.first_ts_ns = record.start_ns
-        view.counts.add_record(record)
-        view.num_running_reqs = record.num_running_reqs
-        view.num_waiting_reqs = record.num_waiting_reqs
-        view.num_kv_blocks_used = record.num_kv_blocks_used
-        view.num_kv_blocks_free = record.num_kv_blocks_free
-        if record.num_context_tokens or record.num_generation_tokens:  # as the heartbeat's:
-            view.last_iteration = record.iteration  # a loop spinning empty is no progress
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
+        log = self.engines.get(record.engine_index) or self._log_of(record.engine_index)
+        log.engine = engine
+        if engine.clock_offset_ns is not None:
+            self._advance(record.start_ns + record.elapsed_ns + engine.clock_offset_ns)
+        if log.first_ts_ns is None:
+            log.first_ts_ns = record.start_ns
+        log.counts.add_record(record)
         if self.log_iterations:
             self.emit(logging.INFO, format_engine_iteration_line(record))
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        view = self._view(heartbeat.engine_index)
-        view.clock_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
-        if view.first_wall_ns is None:
-            first_ts_ns = heartbeat.ts_ns if view.first_ts_ns is None else view.first_ts_ns
-            view.first_wall_ns = min(first_ts_ns, heartbeat.ts_ns) + view.clock_offset_ns
-        self._advance(heartbeat.wall_ns)  # first: what it says belongs to the new window
-        view.device_name = heartbeat.device_name
-        view.num_running_reqs = heartbeat.num_running_reqs
-        view.num_waiting_reqs = heartbeat.num_waiting_reqs
-        view.last_iteration = max(view.last_iteration, heartbeat.last_iteration)
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
+        """The view is still the engine before this heartbeat (save its anchor), so a window
+        the heartbeat closes shows what was true within it."""
+        log = self._log_of(heartbeat.engine_index)
+        log.engine = engine
+        if log.first_wall_ns is None:
+            first_ts_ns = heartbeat.ts_ns if log.first_ts_ns is None else log.first_ts_ns
+            log.first_wall_ns = engine.to_wall_ns(min(first_ts_ns, heartbeat.ts_ns))
+        self._advance(heartbeat.wall_ns)
 
     def _advance(self, wall_ns: int) -> None:
         if self._clock_ns is None:
@@ -250,26 +243,26 @@ class LogSink(Sink):
         start_ns = self._window_index * self.interval_ns
         end_ns = start_ns + self.interval_ns if end_ns is None else end_ns
         lines = []
-        for index in sorted(self.views):
-            view = self.views[index]
-            counts, view.counts = view.counts, WindowCounts()
-            has_work = view.num_running_reqs + view.num_waiting_reqs > 0
-            quiet = counts.num_iterations == 0 and not has_work
-            if quiet or (view.status is EngineStatus.DEAD and counts.num_iterations == 0):
+        for index in sorted(self.engines):
+            log = self.engines[index]
+            counts, log.counts = log.counts, WindowCounts()
+            engine = log.engine
+            quiet = counts.num_iterations == 0 and not engine.has_work
+            if quiet or (log.status is EngineStatus.DEAD and counts.num_iterations == 0):
                 continue  # a dead engine's last iterations still get their line
-            seen_ns = max(start_ns, view.first_wall_ns or start_ns)
+            seen_ns = max(start_ns, log.first_wall_ns or start_ns)
             window_time = (end_ns - seen_ns if seen_ns < end_ns else self.interval_ns) / 1e9
-            lines.append(engine_figures(view, counts, window_time))
+            lines.append(engine_figures(engine, counts, window_time))
         for figures in lines:
             self.emit(logging.INFO, format_engine_line(figures))
         if len(lines) > 1:
             self.emit(logging.INFO, format_engine_line(aggregate_figures(lines)))
 
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        view = self._view(engine_index)
-        previous, view.status = view.status, status
-        self._status_line(engine_index, previous, status, view)
-        all_dead = all(other.status is EngineStatus.DEAD for other in self.views.values())
+        log = self._log_of(engine_index)
+        previous, log.status = log.status, status
+        self._status_line(engine_index, previous, status, log.engine)
+        all_dead = all(other.status is EngineStatus.DEAD for other in self.engines.values())
         if status is EngineStatus.DEAD and all_dead and self._clock_ns is not None:
             # No engine moves the log clock any more: print the window with the last
             # iterations now, not at the sidecar's exit, and start the next one.
@@ -277,10 +270,10 @@ class LogSink(Sink):
             self._window_index += 1
 
     def _status_line(self, engine_index: int, previous: EngineStatus | None,
-                     status: EngineStatus, view: EngineView) -> None:
+                     status: EngineStatus, engine: EngineView) -> None:
         queues = (
-            f"{view.num_waiting_reqs} waiting, {view.num_running_reqs} running, "
-            f"last iteration {view.last_iteration}"
+            f"{engine.num_waiting_reqs} waiting, {engine.num_running_reqs} running, "
+            f"last iteration {engine.last_iteration}"
         )
         if previous is None:
             text = f"Engine {engine_index:03d}: connected, {status.value}"
@@ -294,13 +287,12 @@ class LogSink(Sink):
             self.emit(logging.INFO, text)  # connected, or recovered from stalled / dead
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        view = self._view(engine_index)
-        view.num_dropped_unreported += num_dropped
-        view.num_dropped_total += num_dropped
+        log = self._log_of(engine_index)
+        log.num_dropped_unreported += num_dropped
+        log.num_dropped_total += num_dropped
 
     def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
-        view = self._view(engine_index)
-        view.conflicting_pids = pids
+        self._log_of(engine_index).conflicting_pids = pids
 
     def on_undecodable(self, reason: str) -> None:
         self._undecodable_unreported[reason] = self._undecodable_unreported.get(reason, 0) + 1
@@ -320,23 +312,23 @@ class LogSink(Sink):
 
     def _report_losses(self) -> bool:
         reported = False
-        for index in sorted(self.views):
-            view = self.views[index]
-            if view.num_dropped_unreported:
+        for index in sorted(self.engines):
+            log = self.engines[index]
+            if log.num_dropped_unreported:
                 self.emit(logging.WARNING, (
-                    f"Engine {index:03d}: {view.num_dropped_unreported} telemetry messages "
-                    f"lost (sequence gaps), {view.num_dropped_total} in total"
+                    f"Engine {index:03d}: {log.num_dropped_unreported} telemetry messages "
+                    f"lost (sequence gaps), {log.num_dropped_total} in total"
                 ))
-                view.num_dropped_unreported = 0
+                log.num_dropped_unreported = 0
                 reported = True
-            if view.conflicting_pids:
-                first, second = view.conflicting_pids
+            if log.conflicting_pids:
+                first, second = log.conflicting_pids
                 self.emit(logging.ERROR, (
                     f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
                     f"publish as engine {index}; its numbers mix both. Give each its own "
                     "--engine-index"
                 ))
-                view.conflicting_pids = None
+                log.conflicting_pids = None
                 reported = True
         reported |= self._report_frames("undecodable frames", self._undecodable_unreported,
                                         self._num_undecodable_total)

@@ -37,7 +37,8 @@ import nvtx
 from nvtx._lib.lib import DummyDomain, RegisteredString
 
 from telemetry.lane.record import IterationRecord
-from telemetry.sidecar.iteration_line import format_iteration_line, kv_usage_ratio
+from telemetry.sidecar.engine_view import EngineView, record_kv_usage_ratio
+from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sink import Sink
 
 DOMAIN = "iterscope"
@@ -64,7 +65,8 @@ class RangePacer:
     """When to open and close each live range, in the sidecar's clock (no NVTX calls here).
 
     Each engine's events wait in a queue in its own clock, in record order. Engine time maps
-    to sidecar time by the smallest lane latency seen so far (arrival - record end), applied
+    to sidecar time by the smallest lane latency seen so far (arrival - record end; not the
+    heartbeat's wall-clock anchor, which says nothing of the sidecar's clock), applied
     when an event falls due, so a batch whose last record lowers the estimate moves its
     earlier records with it; the mapping also holds for an engine on another host. ``delay``
     is added on top so that a whole batch of records has arrived before its first range opens.
@@ -145,7 +147,7 @@ class NvtxSink(Sink):
         if self.enabled:
             self._thread.start()
 
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         if not self.enabled:
             return
         with self._wakeup:
@@ -197,7 +199,7 @@ class NvtxSink(Sink):
         attributes.payload = record.iteration
         engine.open_range_id = self.domain.start_range(attributes)
         engine.open_iteration = record.iteration
-        engine.kv_usage.sample(100.0 * kv_usage_ratio(record))
+        engine.kv_usage.sample(100.0 * record_kv_usage_ratio(record))
         engine.running.sample(record.num_running_reqs)
         engine.waiting.sample(record.num_waiting_reqs)
 
@@ -261,7 +263,7 @@ class NvtxWriterSink(Sink):
             self._counters[key] = counter
         return counter
 
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         stream = self._stream(record.engine_index)
         end_ns = record.start_ns + record.elapsed_ns
         stream.write_startend(
@@ -269,7 +271,7 @@ class NvtxWriterSink(Sink):
             color=RANGE_COLOR, category=engine_category(record.engine_index),
         )
         samples = (
-            (KV_USAGE, float, 100.0 * kv_usage_ratio(record)),
+            (KV_USAGE, float, 100.0 * record_kv_usage_ratio(record)),
             (RUNNING, int, record.num_running_reqs),
             (WAITING, int, record.num_waiting_reqs),
         )

@@ -2,7 +2,7 @@
 
 Each request that finishes becomes one trace (or joins the caller's, through its W3C
 ``traceparent``) placed at its true times, converted from the engine's monotonic clock to
-wall time with the heartbeat anchor (telemetry/sidecar/clock.py):
+wall time with the engine view's clock anchor (telemetry/sidecar/engine_view.py):
 
     llm_request (SERVER)  arrival ................................................ finish
       queued              arrival .. first scheduled
@@ -17,7 +17,9 @@ Exporting never blocks ingest: finished spans go to a bounded queue that one thr
 (BoundedSpanProcessor); a full queue or a failed export drops spans and counts them, exposed
 to Prometheus as ``iterscope_otel_spans_dropped_total`` through ``sidecar_counters()``.
 Records of an engine that arrive before its first heartbeat (no clock anchor, no model name
-yet) are held back, at most MAX_PENDING_RECORDS per engine, and replayed at that heartbeat.
+yet) are held back, at most MAX_PENDING_RECORDS per engine, and replayed at that heartbeat
+(Ingest admits an engine only with a heartbeat, so this holds records only when the sink is
+fed by hand).
 """
 
 from __future__ import annotations
@@ -47,8 +49,7 @@ from telemetry.lane.record import (
     IterationRecord,
     RequestMilestone,
 )
-from telemetry.sidecar.clock import WallClock
-from telemetry.sidecar.iteration_line import kv_usage_ratio
+from telemetry.sidecar.engine_view import EngineView, record_kv_usage_ratio
 from telemetry.sidecar.sink import Sink
 
 DEFAULT_SERVICE_NAME = "iterscope"
@@ -80,7 +81,7 @@ class IterationSampling:
             return "preempting"
         if record.elapsed_ns >= self.slow_ns:
             return "slow"
-        if kv_usage_ratio(record) >= self.kv_saturation:
+        if record_kv_usage_ratio(record) >= self.kv_saturation:
             return "kv_saturated"
         if self.one_in_n and record.iteration % self.one_in_n == 0:
             return "one_in_n"
@@ -239,7 +240,7 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
         "iterscope.num_waiting_budget_reqs": record.num_waiting_budget_reqs,
         "iterscope.num_kv_blocks_used": record.num_kv_blocks_used,
         "iterscope.num_kv_blocks_free": record.num_kv_blocks_free,
-        "iterscope.kv_usage_ratio": kv_usage_ratio(record),
+        "iterscope.kv_usage_ratio": record_kv_usage_ratio(record),
         "iterscope.num_preemptions": record.num_preemptions,
     }
     if record.unknown & UNKNOWN_CONTEXT_REQS:
@@ -301,33 +302,31 @@ class OtelSink(Sink):
         )
         self.num_pending_dropped = 0  # spans lost because their engine never sent a heartbeat
         self._service_name = service_name
-        self._clock = WallClock()
         self._engines: dict[int, _EngineTracer] = {}
         self._pending: dict[int, collections.deque[IterationRecord]] = {}
 
     # --- Sink protocol -------------------------------------------------------------------
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         finished = [m for m in record.milestones if m.event & EVENT_FINISHED]
         reason = self.sampling.reason(record)
         if not finished and reason is None:
             return
-        engine = self._engines.get(record.engine_index)
-        if engine is None:
+        tracer = self._engines.get(record.engine_index)
+        if tracer is None:
             self._hold(record, sum(map(request_span_count, finished)) + (reason is not None))
             return
         for milestone in finished:
-            self._emit_request(engine, record.engine_index, milestone)
+            self._emit_request(tracer, engine, milestone)
         if reason is not None:
-            self._emit_iteration(engine, record, reason)
+            self._emit_iteration(tracer, engine, record, reason)
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        self._clock.update(heartbeat)
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
         if heartbeat.engine_index in self._engines:
             return
-        engine = _EngineTracer(heartbeat, self._service_name, self.processor)
-        self._engines[heartbeat.engine_index] = engine
+        tracer = _EngineTracer(heartbeat, self._service_name, self.processor)
+        self._engines[heartbeat.engine_index] = tracer
         for record in self._pending.pop(heartbeat.engine_index, ()):
-            self.on_iteration(record)
+            self.on_iteration(record, engine)
 
     def close(self) -> None:
         self.processor.force_flush(timeout_millis=5_000)
@@ -346,19 +345,17 @@ class OtelSink(Sink):
         pending.append(record)
 
     def _emit_request(
-        self, engine: _EngineTracer, engine_index: int, milestone: RequestMilestone
+        self, engine_tracer: _EngineTracer, engine: EngineView, milestone: RequestMilestone
     ) -> None:
         """The request's spans; request_span_count says how many (keep the two in step)."""
-        def wall(monotonic_ns: int) -> int:
-            return self._clock.to_wall_ns(engine_index, monotonic_ns)
-
-        tracer = engine.tracer
+        wall = engine.to_wall_ns
+        tracer = engine_tracer.tracer
         root = tracer.start_span(
             "llm_request",
             context=parent_context(milestone.traceparent),
             kind=SpanKind.SERVER,
             start_time=wall(milestone.arrival_ns),
-            attributes=request_attributes(milestone, engine_index, engine.model),
+            attributes=request_attributes(milestone, engine.engine_index, engine_tracer.model),
         )
         inside = trace.set_span_in_context(root)
         queue_end_ns = milestone.first_scheduled_ns or milestone.finished_ns
@@ -379,9 +376,10 @@ class OtelSink(Sink):
             root.add_event("preempted", timestamp=wall(preempted_ns))
         root.end(end_time=wall(milestone.finished_ns))
 
-    def _emit_iteration(self, engine: _EngineTracer, record: IterationRecord, reason: str) -> None:
-        start_ns = self._clock.to_wall_ns(record.engine_index, record.start_ns)
-        engine.iteration_tracer.start_span(
+    def _emit_iteration(self, engine_tracer: _EngineTracer, engine: EngineView,
+                        record: IterationRecord, reason: str) -> None:
+        start_ns = engine.to_wall_ns(record.start_ns)
+        engine_tracer.iteration_tracer.start_span(
             "iteration", start_time=start_ns, attributes=iteration_attributes(record, reason)
         ).end(end_time=start_ns + record.elapsed_ns)
 

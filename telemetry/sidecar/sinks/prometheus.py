@@ -1,9 +1,9 @@
 """The Prometheus sink: per-engine state updated from records, rendered at scrape time.
 
     ingest thread                                   HTTP thread (per scrape)
-    on_iteration / on_heartbeat / on_status ...     MetricsCollector.collect()
-      -> EngineState: plain ints, Histogram lists     -> Gauge/Counter/HistogramMetricFamily
-         and the last record (for gauges)                built fresh from EngineState
+    on_iteration / on_heartbeat / on_dropped ...    MetricsCollector.collect()
+      -> EngineMetrics: plain ints, Histogram         -> Gauge/Counter/HistogramMetricFamily
+         lists, and the engine's view (gauges)           built fresh from EngineMetrics
 
 Ingest takes no lock and touches no prometheus_client object; a scrape reads the state while
 ingest may be writing it, so one scrape can mix two consecutive records (never a torn number:
@@ -22,7 +22,6 @@ import argparse
 import logging
 import re
 import time
-from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import (
@@ -46,7 +45,8 @@ from telemetry.lane.record import (
     RequestMilestone,
     is_known,
 )
-from telemetry.sidecar.histogram import MAX_COUNT_INDEX, Histogram, check_bounds
+from telemetry.sidecar.engine_view import EngineView, kv_usage_ratio
+from telemetry.sidecar.histogram import Histogram, check_bounds
 from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
 from telemetry.sidecar.sink import EngineStatus, Sink, sink_name
 
@@ -93,7 +93,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                                   _REQUEST_TOKEN_BUCKETS),
     "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
 }
-# Counters: name (after the prefix, without _total) -> (help, EngineState attribute).
+# Counters: name (after the prefix, without _total) -> (help, EngineMetrics attribute).
 COUNTERS: dict[str, tuple[str, str]] = {
     "iterations": ("Iteration records received.", "num_iterations"),
     "prompt_tokens": ("Context (prompt) tokens computed.", "num_prompt_tokens"),
@@ -144,14 +144,13 @@ _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 log = logging.getLogger(__name__)
 
 
-class EngineState:
-    """Everything the sink knows about one engine; written only by the ingest thread."""
+class EngineMetrics:
+    """What the sink keeps of one engine besides its view (telemetry/sidecar/engine_view.py,
+    which the gauges and labels are read from): counters and histograms. Written only by the
+    ingest thread."""
 
-    def __init__(self, engine_index: int, buckets: dict[str, tuple[float, ...]]) -> None:
-        self.engine_index = engine_index
-        self.model_name = ""
-        self.pid = 0
-        self.status = EngineStatus.IDLE
+    def __init__(self, engine: EngineView, buckets: dict[str, tuple[float, ...]]) -> None:
+        self.engine = engine
         for _, attribute in COUNTERS.values():
             setattr(self, attribute, 0)
         self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
@@ -164,83 +163,45 @@ class EngineState:
             )
         )
         self._inter_token = self.histograms["inter_token_latency_seconds"]
-        self.last_record: IterationRecord | None = None
-        self.last_end_ns = 0  # engine clock: end of the last iteration received
-        self.last_iteration = 0
-        self.num_running_reqs = 0  # from the latest record or heartbeat, as the log line
-        self.num_waiting_reqs = 0
-        self.num_kv_blocks_total = 0  # from heartbeats, until the first record
         self.heartbeat_received_ns = 0  # sidecar monotonic clock, 0 = none yet
-        self.wall_offset_ns: int | None = None  # engine wall - engine monotonic
         self.lag_ns: int | None = None
 
-    def apply_iteration(self, record: IterationRecord) -> None:
-        """Counters, the latest record (for gauges) and the per-iteration histograms.
-
-        Once per record, so Histogram.observe and observe_count are inlined: a method call
-        per observation cost as much as the observation.
-        """
-        num_context_tokens = record.num_context_tokens
-        num_generation_tokens = record.num_generation_tokens
-        num_generation_reqs = record.num_generation_reqs
-        elapsed_ns = record.elapsed_ns
+    def apply_iteration(self, record: IterationRecord, engine: EngineView) -> None:
+        """Counters and histograms of one record; ``engine`` is its view, before the record."""
+        self.engine = engine
         self.num_received += 1
         self.num_iterations += 1
-        self.num_prompt_tokens += num_context_tokens
-        self.num_generation_tokens += num_generation_tokens
+        self.num_prompt_tokens += record.num_context_tokens
+        self.num_generation_tokens += record.num_generation_tokens
         self.num_preemptions += record.num_preemptions
         self.num_prefix_query_tokens += record.num_prefix_query_tokens
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
         if record.num_waiting_kv_reqs:
             self.num_kv_blocked_iterations += 1
-        self.last_record = record
-        self.num_running_reqs = record.num_running_reqs
-        self.num_waiting_reqs = record.num_waiting_reqs
-
-        if not record.unknown & UNKNOWN_ELAPSED:  # a source without iteration times
-            elapsed_s = elapsed_ns / 1e9
-            histogram = self._duration
-            histogram.bucket_counts[bisect_left(histogram.bounds, elapsed_s)] += 1
-            histogram.sum += elapsed_s
-        count = num_context_tokens + num_generation_tokens
-        histogram = self._tokens
-        index = histogram.count_index
-        histogram.bucket_counts[
-            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
-        ] += 1
-        histogram.sum += count
-        count = num_context_tokens
-        histogram = self._context_tokens
-        index = histogram.count_index
-        histogram.bucket_counts[
-            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
-        ] += 1
-        histogram.sum += count
-        count = num_generation_reqs
-        histogram = self._generation_reqs
-        index = histogram.count_index
-        histogram.bucket_counts[
-            index[count] if count < MAX_COUNT_INDEX else bisect_left(histogram.bounds, count)
-        ] += 1
-        histogram.sum += count
-
-        # Only across two consecutive iterations of one engine process: a gap (drop, restart,
-        # replay) is no interval. last_end_ns == 0: no previous iteration. Weighted: one
-        # observation per generated token.
-        end_ns = record.start_ns + elapsed_ns
-        last_end_ns = self.last_end_ns
-        if (num_generation_reqs and last_end_ns and end_ns > last_end_ns
-                and record.iteration == self.last_iteration + 1):
-            interval_s = (end_ns - last_end_ns) / 1e9
-            histogram = self._inter_token
-            histogram.bucket_counts[bisect_left(histogram.bounds, interval_s)] += (
-                num_generation_reqs)
-            histogram.sum += interval_s * num_generation_reqs
-        self.last_iteration = record.iteration
-        self.last_end_ns = end_ns
+        self.observe_iteration(record, engine.last_record)
         if record.milestones:
             for milestone in record.milestones:
                 self.apply_milestone(milestone)
+
+    def observe_iteration(self, record: IterationRecord,
+                          previous: IterationRecord | None) -> None:
+        """The per-iteration histograms. The inter-token interval is measured only between
+        two consecutive iterations of one engine process (``previous``: the record before,
+        None after a restart); a gap (drop, restart, replay) is no interval. Weighted: one
+        observation per generated token."""
+        if not record.unknown & UNKNOWN_ELAPSED:  # a source without iteration times
+            self._duration.observe(record.elapsed_ns / 1e9)
+        num_context_tokens = record.num_context_tokens
+        num_generation_reqs = record.num_generation_reqs
+        self._tokens.observe_count(num_context_tokens + record.num_generation_tokens)
+        self._context_tokens.observe_count(num_context_tokens)
+        self._generation_reqs.observe_count(num_generation_reqs)
+        if (num_generation_reqs and previous is not None
+                and record.iteration == previous.iteration + 1):
+            end_ns = record.start_ns + record.elapsed_ns
+            previous_end_ns = previous.start_ns + previous.elapsed_ns
+            if previous_end_ns and end_ns > previous_end_ns:
+                self._inter_token.observe((end_ns - previous_end_ns) / 1e9, num_generation_reqs)
 
     def apply_milestone(self, milestone: RequestMilestone) -> None:
         """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
@@ -276,32 +237,12 @@ class EngineState:
                     decode_ns / (milestone.num_output_tokens - 1) / 1e9  # stays le="0.0075"
                 )
 
-    def apply_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def apply_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
+        """Received and lag: the sidecar's own clocks at receipt (not the ingest clock)."""
+        self.engine = engine
         self.num_received += 1
         self.heartbeat_received_ns = time.monotonic_ns()
-        if heartbeat.pid != self.pid:  # a new engine process: its clocks and numbers restart
-            if self.pid:  # a restart: the old process's KV state is not the new one's
-                self.last_record = None
-            self.pid = heartbeat.pid
-            self.last_iteration = 0
-            self.last_end_ns = 0
-        self.wall_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
         self.lag_ns = time.time_ns() - heartbeat.wall_ns
-        if heartbeat.model_name:
-            self.model_name = heartbeat.model_name
-        if heartbeat.num_kv_blocks_total:
-            self.num_kv_blocks_total = heartbeat.num_kv_blocks_total
-        self.num_running_reqs = heartbeat.num_running_reqs
-        self.num_waiting_reqs = heartbeat.num_waiting_reqs
-
-    @property
-    def kv_blocks_capacity(self) -> int:
-        """used + free of the latest record (as the log line); the heartbeat's before one."""
-        record = self.last_record
-        if record is None:
-            return self.num_kv_blocks_total
-        return record.num_kv_blocks_used + record.num_kv_blocks_free
-
 
 class PrometheusSink(Sink):
     """A Sink (telemetry/sidecar/sink.py) that exposes its engines' state as Prometheus series."""
@@ -320,7 +261,7 @@ class PrometheusSink(Sink):
             if name not in HISTOGRAMS:
                 raise ValueError(f"unknown histogram {name!r}; known: {', '.join(HISTOGRAMS)}")
             self.buckets[name] = check_bounds(bounds)
-        self.engines: dict[int, EngineState] = {}
+        self.engines: dict[int, EngineMetrics] = {}
         self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
         self.num_rejected = dict.fromkeys(REJECTED_REASONS, 0)
         self.num_lane_disconnects = 0
@@ -332,27 +273,27 @@ class PrometheusSink(Sink):
         self.start_time = time.time()
         self._server = None
 
-    def engine(self, engine_index: int) -> EngineState:
-        state = self.engines.get(engine_index)
-        if state is None:
-            state = self.engines[engine_index] = EngineState(engine_index, self.buckets)
-        return state
+    def metrics_of(self, engine_index: int) -> EngineMetrics:
+        """The engine's metrics; one first met through a loss holds a blank view until its
+        first message brings Ingest's."""
+        metrics = self.engines.get(engine_index)
+        if metrics is None:
+            metrics = EngineMetrics(EngineView(engine_index), self.buckets)
+            self.engines[engine_index] = metrics
+        return metrics
 
-    def on_iteration(self, record: IterationRecord) -> None:
-        state = self.engines.get(record.engine_index) or self.engine(record.engine_index)
-        state.apply_iteration(record)
+    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
+        metrics = self.engines.get(record.engine_index) or self.metrics_of(record.engine_index)
+        metrics.apply_iteration(record, engine)
 
-    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        self.engine(heartbeat.engine_index).apply_heartbeat(heartbeat)
-
-    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
-        self.engine(engine_index).status = status
+    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
+        self.metrics_of(heartbeat.engine_index).apply_heartbeat(heartbeat, engine)
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        self.engine(engine_index).num_dropped += num_dropped
+        self.metrics_of(engine_index).num_dropped += num_dropped
 
     def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
-        self.engine(engine_index).num_engine_conflicts += 1
+        self.metrics_of(engine_index).num_engine_conflicts += 1
 
     def on_undecodable(self, reason: str) -> None:
         self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
@@ -394,8 +335,8 @@ class MetricsCollector:
         self.vllm_compatible_names = vllm_compatible_names
 
     def collect(self) -> Iterator[Metric]:
-        engines = [(state, [str(state.engine_index), state.model_name])
-                   for state in list(self.sink.engines.values())]
+        engines = [(metrics, [str(index), metrics.engine.model_name])
+                   for index, metrics in list(self.sink.engines.items())]
         families = [*self.gauges(engines), *self.counters(engines),
                     *self.histograms(engines), *self.sidecar_counters(),
                     *self.sidecar_health()]
@@ -403,7 +344,8 @@ class MetricsCollector:
         if self.vllm_compatible_names:
             yield from vllm_aliases(families)
 
-    def gauges(self, engines: list[tuple[EngineState, list[str]]]) -> list[Metric]:
+    def gauges(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
+        """From each engine's view (its status None, not judged yet, reads as idle)."""
         now_ns = time.monotonic_ns()
         running = gauge("requests_running", "Requests running (after the last iteration).")
         waiting = gauge("requests_waiting", "Requests waiting (after the last iteration).")
@@ -419,7 +361,8 @@ class MetricsCollector:
         age = gauge("heartbeat_age_seconds", "Time since the last heartbeat was received.")
         lag = gauge("sidecar_lag_seconds",
                     "Wall time at ingest - wall time the last message was sent.")
-        for engine, labels in engines:
+        for metrics, labels in engines:
+            engine = metrics.engine
             running.add_metric(labels, engine.num_running_reqs)
             waiting.add_metric(labels, engine.num_waiting_reqs)
             record = engine.last_record
@@ -429,24 +372,24 @@ class MetricsCollector:
                 for reason, field in WAITING_REASONS:
                     by_reason.add_metric([*labels, reason],
                                          getattr(record, field) if record else 0)
-            blocks_total = engine.kv_blocks_capacity
-            blocks_used = record.num_kv_blocks_used if record else 0
-            usage.add_metric(labels, blocks_used / blocks_total if blocks_total else 0.0)
+            blocks_used, blocks_total = engine.kv_blocks()
+            usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
             used.add_metric(labels, blocks_used)
-            free.add_metric(labels, record.num_kv_blocks_free if record else blocks_total)
+            free.add_metric(labels, blocks_total - blocks_used)
             total.add_metric(labels, blocks_total)
             if record is None or is_known(record, UNKNOWN_KV_TOKENS):
                 kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            current = engine.status or EngineStatus.IDLE
             for status in EngineStatus:
-                state.add_metric([*labels, status.value], float(engine.status == status))
-            if engine.heartbeat_received_ns:
-                age.add_metric(labels, (now_ns - engine.heartbeat_received_ns) / 1e9)
-            if engine.lag_ns is not None:
-                lag.add_metric(labels, engine.lag_ns / 1e9)
+                state.add_metric([*labels, status.value], float(current == status))
+            if metrics.heartbeat_received_ns:
+                age.add_metric(labels, (now_ns - metrics.heartbeat_received_ns) / 1e9)
+            if metrics.lag_ns is not None:
+                lag.add_metric(labels, metrics.lag_ns / 1e9)
         return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
                 lag]
 
-    def counters(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+    def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, attribute) in COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
             for engine, labels in engines:
@@ -478,7 +421,7 @@ class MetricsCollector:
         disconnects.add_metric(["", ""], self.sink.num_lane_disconnects)
         yield disconnects
 
-    def histograms(self, engines: list[tuple[EngineState, list[str]]]) -> Iterator[Metric]:
+    def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():
             family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
             for engine, labels in engines:

@@ -1,0 +1,122 @@
+"""What every sink may read of one engine: the view Ingest folds from that engine's messages.
+
+Ingest (telemetry/sidecar/ingest.py) keeps one EngineView per engine and hands it to the sinks
+with each message (``on_iteration(record, engine)``, ``on_heartbeat(heartbeat, engine)``).
+It applies the message to the view right after the sinks have seen it: a sink sees the engine
+as it was before the message (the message is the news; a log window that the message closes
+shows what was true within it), except for a heartbeat's clock anchor, taken in first so that
+the heartbeat's own times read with it. Sinks read the view and never write it. Each concept
+below is defined here once, so that every sink says the same:
+
+    clock anchor  engine monotonic -> wall time: ``wall_ns - ts_ns`` of the latest heartbeat,
+                  which reads both clocks back to back (to within a few hundred ns). The
+                  latest wins, so a wall clock stepped by NTP is followed within a heartbeat.
+                  None until the first heartbeat (Ingest meets an engine only with one).
+    progress      ``last_iteration``: the last iteration that scheduled work, from records (a
+                  loop spinning on empty iterations makes none) and from heartbeats (its
+                  records may all be lost); 0 again when the engine restarts (Ingest).
+                  Queues: the latest record's or heartbeat's.
+    KV blocks     used and used + free of the latest record, so the two never mix moments;
+                  before a record of this process, 0 used of the heartbeat's total.
+    facts         from heartbeats: the latest device ("" = not said); the latest non-empty
+                  model and KV total (a metric label must not flap). A new pid (0 = not
+                  said) is a new process: no record of it yet.
+    status        written by Ingest only, right before it calls the sinks' ``on_status``.
+
+Invariant: only Ingest's thread writes a view; another thread (a /metrics scrape) may read
+one, a single attribute at a time.
+"""
+
+from __future__ import annotations
+
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.sidecar.sink import EngineStatus
+
+
+def kv_blocks_total(record: IterationRecord) -> int:
+    """The KV pool of one record: its used + free blocks."""
+    return record.num_kv_blocks_used + record.num_kv_blocks_free
+
+
+def kv_usage_ratio(num_blocks_used: int, num_blocks_total: int) -> float:
+    """Fraction of KV blocks in use, 0.0 for an empty pool."""
+    return num_blocks_used / num_blocks_total if num_blocks_total else 0.0
+
+
+def kv_usage_percent(num_blocks_used: int, num_blocks_total: int) -> float:
+    """The log line's percent, from the counts: ``100 * ratio`` differs in the last bit and so
+    rounds some x.x5 values the other way."""
+    return 100.0 * num_blocks_used / num_blocks_total if num_blocks_total else 0.0
+
+
+def record_kv_usage_ratio(record: IterationRecord) -> float:
+    """Fraction of KV blocks in use after the iteration, 0.0 when the pool is empty."""
+    return kv_usage_ratio(record.num_kv_blocks_used, kv_blocks_total(record))
+
+
+class EngineView:
+    """One engine as every sink sees it (see the module docstring)."""
+
+    def __init__(self, engine_index: int) -> None:
+        self.engine_index = engine_index
+        self.pid = 0  # 0 = no heartbeat named one yet
+        self.model_name = ""
+        self.device_name = ""
+        self.clock_offset_ns: int | None = None  # wall - monotonic, of the latest heartbeat
+        self.last_iteration = 0
+        self.num_waiting_reqs = 0
+        self.num_running_reqs = 0
+        self.last_record: IterationRecord | None = None  # of this process
+        self.heartbeat_kv_blocks_total = 0
+        self.status: EngineStatus | None = None  # None: not judged yet
+
+    @property
+    def has_work(self) -> bool:
+        return self.num_waiting_reqs + self.num_running_reqs > 0
+
+    def to_wall_ns(self, monotonic_ns: int) -> int:
+        """Wall time of an engine monotonic timestamp; KeyError before the first anchor."""
+        if self.clock_offset_ns is None:
+            raise KeyError(f"no clock anchor (heartbeat) yet from engine {self.engine_index}")
+        return monotonic_ns + self.clock_offset_ns
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(used, total) KV blocks, from one read of the latest record."""
+        record = self.last_record
+        if record is None:
+            return 0, self.heartbeat_kv_blocks_total
+        return record.num_kv_blocks_used, record.num_kv_blocks_used + record.num_kv_blocks_free
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return kv_usage_ratio(*self.kv_blocks())
+
+    def apply_iteration(self, record: IterationRecord) -> bool:
+        """Take in a record; True if it scheduled work (progress)."""
+        self.num_waiting_reqs = record.num_waiting_reqs
+        self.num_running_reqs = record.num_running_reqs
+        self.last_record = record
+        if record.num_context_tokens + record.num_generation_tokens > 0:
+            self.last_iteration = record.iteration
+            return True
+        return False
+
+    def take_anchor(self, heartbeat: Heartbeat) -> None:
+        """The heartbeat's clock anchor (before the sinks see it: see the module docstring)."""
+        self.clock_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
+
+    def apply_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """Take in a heartbeat: anchor, facts, queues, and its last iteration if later."""
+        if heartbeat.pid and heartbeat.pid != self.pid:  # a new process: no record of it yet
+            self.pid = heartbeat.pid
+            self.last_record = None
+        self.take_anchor(heartbeat)
+        if heartbeat.model_name:
+            self.model_name = heartbeat.model_name
+        self.device_name = heartbeat.device_name
+        if heartbeat.num_kv_blocks_total:
+            self.heartbeat_kv_blocks_total = heartbeat.num_kv_blocks_total
+        if heartbeat.last_iteration > self.last_iteration:
+            self.last_iteration = heartbeat.last_iteration
+        self.num_waiting_reqs = heartbeat.num_waiting_reqs
+        self.num_running_reqs = heartbeat.num_running_reqs
