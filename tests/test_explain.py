@@ -214,7 +214,7 @@ def test_story3_batched_versus_queued():
     assert "and queued" in queued.verdict and "max_num_seqs" in queued.verdict
     (wait,) = only(detect_episodes(queued_timeline), "waiting")
     assert wait.numbers["reason"] == "waiting_seq_limit"
-    assert "max_num_seqs=4" in wait.setting
+    assert "Raise --max-num-seqs (now 4)" in wait.setting
 
 
 def test_lost_messages_make_a_telemetry_gap():
@@ -252,7 +252,7 @@ def test_long_prefill_chunks_stretch_decode():
     long_prefills = only(episodes, "long_prefill")
     assert len(long_prefills) == 2
     assert long_prefills[0].numbers["max_elapsed_s"] > 3 * long_prefills[0].numbers["baseline_s"]
-    assert "max_num_batched_tokens=2048" in long_prefills[0].setting
+    assert "Lower --max-num-batched-tokens (now 2048)" in long_prefills[0].setting
 
 
 def test_engines_are_told_apart():
