@@ -396,3 +396,13 @@ def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
     assert iterscope(["explain", str(path), "--engine", "0"]) == 0
     assert "KV blocks leaking" in capsys.readouterr().out
     assert iterscope(["explain", str(path), "--engine", "7"]) == 1
+
+
+def test_wrapped_lines_never_split_a_flag():
+    from telemetry.analysis.explain import _wrapped
+
+    text = "Raise " + " ".join(["--gpu-memory-utilization"] * 12)
+    lines = _wrapped("do", text)
+    assert len(lines) > 2
+    assert all(word.startswith("--") or word in ("do", "Raise")
+               for line in lines for word in line.split())

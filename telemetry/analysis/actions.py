@@ -21,6 +21,7 @@ from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_s
 
 KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
 KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
+MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default first
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
@@ -40,48 +41,55 @@ def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
 
 
 def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, str]:
-    """tune's recommendation at the latency explain holds iterations to, or (None, why not)."""
-    target_text = itl_target_text(tl, th)
-    if target_text is None:
+    """tune's recommendation at the latency explain holds iterations to, with the tune command
+    that prints it; or (None, why not). Where tune's default prefill chunk does not fit beside
+    one decoding request within the target, smaller chunks are tried (MIN_CHUNK_TOKENS)."""
+    target = itl_target_text(tl, th)
+    if target is None:
         return None, "no decode-only iteration was recorded to set a latency target from"
-    target_s = parse_time(target_text)
     try:
-        return recommend(fit_iteration_time(tl), target_s, kv_seqs=kv_max_seqs(tl)[0]), ""
+        fit = fit_iteration_time(tl)
     except ValueError as error:
         return None, str(error)
-
-
-def _target_text(tl: EngineTimeline, th: Thresholds) -> str:
-    return (f"`iterscope tune RECORDING --itl-target {itl_target_text(tl, th)}` "
-            f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+    why_not = ""
+    for min_chunk in MIN_CHUNK_TOKENS:
+        try:
+            rec = recommend(fit, parse_time(target), min_chunk, kv_max_seqs(tl)[0])
+        except ValueError as error:
+            why_not = str(error)
+            continue
+        chunk = "" if min_chunk == MIN_CHUNK_TOKENS[0] else f" --min-chunk {min_chunk}"
+        return rec, (f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
+                     f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+    return None, f"`iterscope tune` finds none: {why_not}"
 
 
 def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
-    rec, why_not = _tuned(tl, th)
+    rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
         return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens (now {current or '?'});"
-                f" no value could be computed here: {why_not}.")
+                f" no value could be computed here: {tuned}.")
     value = rec.max_num_batched_tokens
     if current and (value >= current if lower else value <= current):
-        return (f"Keep --max-num-batched-tokens at {current}: {_target_text(tl, th)} suggests "
+        return (f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
                 f"{value}, so a latency target that loose does not call for a change.")
     return (f"Set --max-num-batched-tokens {value} (now {current or '?'}), from "
-            f"{_target_text(tl, th)}.")
+            f"{tuned}.")
 
 
 def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
-    rec, why_not = _tuned(tl, th)
+    rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_seqs")
     if rec is None:
         return (f"Raise --max-num-seqs (now {current or '?'}); no value could be computed here: "
-                f"{why_not}.")
+                f"{tuned}.")
     if current and rec.max_num_seqs <= current:
-        return (f"Keep --max-num-seqs at {current}: {_target_text(tl, th)} allows "
+        return (f"Keep --max-num-seqs at {current}: {tuned} allows "
                 f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
                 "engine.")
     return (f"Set --max-num-seqs {rec.max_num_seqs} (now {current or '?'}), from "
-            f"{_target_text(tl, th)}.")
+            f"{tuned}.")
 
 
 def _kv_action(tl: EngineTimeline, episode: Episode) -> str:

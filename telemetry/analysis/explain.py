@@ -63,6 +63,7 @@ def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
         subsequent_indent=indent + " " * 10,
         max_lines=max_lines,
         placeholder=" [...]",
+        break_on_hyphens=False,  # flags (--max-num-seqs) stay whole, to be copied
     )
 
 
