@@ -61,7 +61,7 @@ def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, s
         chunk = "" if min_chunk == MIN_CHUNK_TOKENS[0] else f" --min-chunk {min_chunk}"
         return rec, (f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
                      f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
-    return None, f"`iterscope tune` finds none: {why_not}"
+    return None, why_not
 
 
 def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
