@@ -214,7 +214,7 @@ def test_story3_batched_versus_queued():
     assert "and queued" in queued.verdict and "max_num_seqs" in queued.verdict
     (wait,) = only(detect_episodes(queued_timeline), "waiting")
     assert wait.numbers["reason"] == "waiting_seq_limit"
-    assert "max_num_seqs=4" in wait.setting
+    assert "Raise --max-num-seqs (now 4)" in wait.setting
 
 
 def test_lost_messages_make_a_telemetry_gap():
@@ -252,7 +252,7 @@ def test_long_prefill_chunks_stretch_decode():
     long_prefills = only(episodes, "long_prefill")
     assert len(long_prefills) == 2
     assert long_prefills[0].numbers["max_elapsed_s"] > 3 * long_prefills[0].numbers["baseline_s"]
-    assert "max_num_batched_tokens=2048" in long_prefills[0].setting
+    assert "Lower --max-num-batched-tokens (now 2048)" in long_prefills[0].setting
 
 
 def test_engines_are_told_apart():
@@ -396,3 +396,13 @@ def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
     assert iterscope(["explain", str(path), "--engine", "0"]) == 0
     assert "KV blocks leaking" in capsys.readouterr().out
     assert iterscope(["explain", str(path), "--engine", "7"]) == 1
+
+
+def test_wrapped_lines_never_split_a_flag():
+    from telemetry.analysis.explain import _wrapped
+
+    text = "Raise " + " ".join(["--gpu-memory-utilization"] * 12)
+    lines = _wrapped("do", text)
+    assert len(lines) > 2
+    assert all(word.startswith("--") or word in ("do", "Raise")
+               for line in lines for word in line.split())

@@ -1,7 +1,9 @@
 """Findings: episodes merged by kind, costed in request-seconds, ranked; their actions."""
 
 import json
+import re
 
+import numpy as np
 import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
@@ -101,3 +103,68 @@ def test_json_findings(tmp_path, capsys):
     expected = ((stall["max_waiting_reqs"] + stall["max_running_reqs"])
                 * (top["worst"]["end_ns"] - top["worst"]["start_ns"]) / NS_PER_S)
     assert top["cost_request_s"] == pytest.approx(expected)
+
+
+def long_prefill_sim() -> Simulator:
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    return sim.run(22)
+
+
+def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_path, capsys):
+    from telemetry.analysis.tune import main as tune
+
+    sim = long_prefill_sim()
+    timeline, (finding,) = findings_of(sim)
+    action = finding_action(timeline, finding, Thresholds())
+    decode_only = (timeline.col("ctx_tokens") == 0) & (timeline.col("gen_reqs") > 0)
+    baseline_ms = float(np.median(timeline.col("elapsed_ns")[decode_only])) / 1e6
+    (command,) = quoted_commands(action)
+    assert command[:2] == ["tune", PLACEHOLDERS["RECORDING"]]
+    target = command[command.index("--itl-target") + 1]
+    assert target == f"{round(3 * baseline_ms, 1):g}ms"  # 3x the median decode-only iteration
+    value = int(action.split("Set --max-num-batched-tokens ")[1].split()[0])
+    assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
+    assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
+
+
+PLACEHOLDERS = {"RECORDING": "rec.jsonl", "DIR": "model", "SIZE": "4GiB", "TOKENS": "512",
+                "T": "50ms"}
+CONFIG_NAMES = re.compile(r"\b(max_num_seqs|max_num_batched_tokens|max_model_len|"
+                          r"kv_cache_memory|gpu_memory_utilization)\b")
+
+
+def quoted_commands(text: str) -> list[list[str]]:
+    """The `iterscope ...` commands quoted in a line, placeholders given sample values."""
+    return [[PLACEHOLDERS.get(word, word) for word in command.split()[1:]]
+            for command in re.findall(r"`(iterscope [^`]*)`", text)]
+
+
+def test_change_and_action_lines_name_real_flags_and_runnable_commands():
+    import argparse
+
+    from engine.entrypoints import kv_plan, serve
+    from telemetry.analysis import explain, tune
+
+    engine_flags = argparse.ArgumentParser()
+    serve.add_engine_arguments(engine_flags)
+    parsers = {"tune": tune.build_parser(), "kv-plan": kv_plan.build_parser(),
+               "explain": explain.build_parser()}
+    lines = []
+    for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
+                synthetic.story3_bursty(4), long_prefill_sim()):
+        timeline, findings = findings_of(sim)
+        lines += [e.setting for e in detect_episodes(timeline)]
+        lines += [finding_action(timeline, f, Thresholds()) for f in findings]
+    kinds_with_commands = 0
+    for line in lines:
+        assert not CONFIG_NAMES.search(line), line
+        for command in quoted_commands(line):
+            parsers[command[0]].parse_args(command[1:])  # exits (fails) on a wrong flag
+            kinds_with_commands += 1
+        outside = re.sub(r"`[^`]*`", "", line)
+        for flag in re.findall(r"--[a-z][a-z-]*", outside):
+            assert flag in engine_flags._option_string_actions, (flag, line)
+    assert kinds_with_commands >= 5

@@ -95,3 +95,16 @@ def test_too_few_iterations_is_a_clear_error(tmp_path, capsys):
     path = sim.write(tmp_path / "idle.jsonl")
     assert main([str(path), "--itl-target", "50ms"]) == 1
     assert "at least 10 are needed" in capsys.readouterr().err
+
+
+def test_unreachable_target_error_names_a_fastest_iteration_above_the_target(bursty_timeline):
+    """The fastest iteration quoted counts every fixed cost, a context request's included."""
+    fit = fit_iteration_time(bursty_timeline)
+    fit.coefficients["ctx_reqs"] = 0.030  # a context request costs 30 ms
+    target = fit.predict(gen_tokens=1, ctx_tokens=512) + 0.010  # met, but for that cost
+    with pytest.raises(ValueError, match="below the fastest iteration") as error:
+        recommend(fit, target, min_chunk_tokens=512)
+    fastest_ms = float(str(error.value).split("(")[1].split(" ms")[0])
+    assert fastest_ms > target * 1000
+    assert fastest_ms == pytest.approx(
+        1000 * fit.predict(gen_tokens=1, ctx_tokens=512, ctx_reqs=1), abs=0.1)

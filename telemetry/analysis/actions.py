@@ -5,20 +5,23 @@ of iteration time (for a latency target of ``long_prefill_ratio`` times the medi
 iteration, the point where explain calls an iteration stretched), the KV size from how many
 requests wanted in at once against how many of the recorded mean length the cache holds
 (what `kv-plan` computes from a model). Where a value cannot be derived, the action says which
-command computes it and why it could not be given here.
+command computes it and why it could not be given here. A tune command an action quotes
+prints the value the action gives: the target is quoted as it is parsed back.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from telemetry.analysis.episodes import Episode, Thresholds
+from telemetry.analysis.cli_time import parse_time
+from telemetry.analysis.episodes import KV_MEMORY_TEXT, Episode, Thresholds
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_seqs, recommend
 
 KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
 KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
+MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default first
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
@@ -28,49 +31,65 @@ def _decode_baseline_s(tl: EngineTimeline) -> float | None:
     return float(np.median(tl.col("elapsed_ns")[decode_only])) / NS_PER_S
 
 
-def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, str]:
-    """tune's recommendation at the latency explain holds iterations to, or (None, why not)."""
+def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
+    """The latency explain holds iterations to (long_prefill_ratio x the median decode-only
+    iteration) as a --itl-target value, to 0.1 ms; None without a decode-only iteration."""
     baseline_s = _decode_baseline_s(tl)
     if baseline_s is None:
+        return None
+    return f"{max(round(th.long_prefill_ratio * baseline_s * 1000, 1), 0.1):g}ms"
+
+
+def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, str]:
+    """tune's recommendation at the latency explain holds iterations to, with the tune command
+    that prints it; or (None, why not). Where tune's default prefill chunk does not fit beside
+    one decoding request within the target, smaller chunks are tried (MIN_CHUNK_TOKENS)."""
+    target = itl_target_text(tl, th)
+    if target is None:
         return None, "no decode-only iteration was recorded to set a latency target from"
-    target_s = th.long_prefill_ratio * baseline_s
     try:
-        return recommend(fit_iteration_time(tl), target_s, kv_seqs=kv_max_seqs(tl)[0]), ""
+        fit = fit_iteration_time(tl)
     except ValueError as error:
         return None, str(error)
-
-
-def _target_text(rec: Recommendation, th: Thresholds) -> str:
-    return (f"`iterscope tune --itl-target {rec.itl_target * 1000:.0f}ms` "
-            f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+    why_not = ""
+    for min_chunk in MIN_CHUNK_TOKENS:
+        try:
+            rec = recommend(fit, parse_time(target), min_chunk, kv_max_seqs(tl)[0])
+        except ValueError as error:
+            why_not = str(error)
+            continue
+        chunk = "" if min_chunk == MIN_CHUNK_TOKENS[0] else f" --min-chunk {min_chunk}"
+        return rec, (f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
+                     f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+    return None, why_not
 
 
 def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
-    rec, why_not = _tuned(tl, th)
+    rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
         return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens (now {current or '?'});"
-                f" no value could be computed here: {why_not}.")
+                f" no value could be computed here: {tuned}.")
     value = rec.max_num_batched_tokens
     if current and (value >= current if lower else value <= current):
-        return (f"Keep --max-num-batched-tokens at {current}: {_target_text(rec, th)} suggests "
+        return (f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
                 f"{value}, so a latency target that loose does not call for a change.")
     return (f"Set --max-num-batched-tokens {value} (now {current or '?'}), from "
-            f"{_target_text(rec, th)}.")
+            f"{tuned}.")
 
 
 def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
-    rec, why_not = _tuned(tl, th)
+    rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_seqs")
     if rec is None:
         return (f"Raise --max-num-seqs (now {current or '?'}); no value could be computed here: "
-                f"{why_not}.")
+                f"{tuned}.")
     if current and rec.max_num_seqs <= current:
-        return (f"Keep --max-num-seqs at {current}: {_target_text(rec, th)} allows "
+        return (f"Keep --max-num-seqs at {current}: {tuned} allows "
                 f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
                 "engine.")
     return (f"Set --max-num-seqs {rec.max_num_seqs} (now {current or '?'}), from "
-            f"{_target_text(rec, th)}.")
+            f"{tuned}.")
 
 
 def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
@@ -81,15 +100,16 @@ def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
     demand = int(wanted.max()) if wanted.size else 0
     fit, mean_length = kv_max_seqs(tl)
     if fit is None or mean_length is None or demand <= 0:
-        return ("Raise --kv-cache-memory or lower --max-num-seqs; no value could be computed "
-                "here (the recording has no finished request or no block size): "
-                "`iterscope kv-plan --model DIR` computes one.")
+        return (f"Raise {KV_MEMORY_TEXT} or lower --max-num-seqs; no value could be computed "
+                "here (the recording has no finished request or no block size): `iterscope "
+                "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
+                "of your length a size holds.")
     if demand <= fit:
         return _kv_peak_action(tl, rows)
-    return (f"Raise --kv-cache-memory to {demand / fit:.1f}x its size (the cache holds {fit} "
-            f"requests of {mean_length:.0f} tokens, {demand} wanted in at once; `iterscope "
-            f"kv-plan --model DIR --max-num-seqs {demand}` gives the bytes), or set "
-            f"--max-num-seqs {fit}.")
+    return (f"Raise --kv-cache-memory to {demand / fit:.1f}x the cache's size now (it holds "
+            f"{fit} requests of {mean_length:.0f} tokens, {demand} wanted in at once; `iterscope "
+            f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
+            f"such requests a SIZE holds), or set --max-num-seqs {fit}.")
 
 
 def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
@@ -100,7 +120,8 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
     return (f"Set --max-num-seqs {value}: {running} requests running together took KV usage to "
             f"{100 * usage[peak]:.1f}%, and {value} keep it near {100 * KV_TARGET_USAGE:.0f}%; "
-            "or raise --kv-cache-memory (`iterscope kv-plan --model DIR` gives the size).")
+            f"or raise {KV_MEMORY_TEXT} (`iterscope kv-plan --model DIR --memory SIZE` shows "
+            "how many requests a size holds).")
 
 
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:

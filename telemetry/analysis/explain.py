@@ -16,7 +16,6 @@ can be watched live; it keeps a trailing window of the newest messages
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -28,10 +27,11 @@ from pathlib import Path
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.cli_time import parse_time
+from telemetry.analysis.clock import clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.findings import Finding, build_findings
 from telemetry.analysis.summary import format_summary, summarize
-from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, build_timelines, read_timelines
+from telemetry.analysis.timeline import EngineTimeline, build_timelines, read_timelines
 from telemetry.lane.recording import RecordingReader
 
 WRAP_COLUMNS = 100
@@ -39,15 +39,6 @@ WRAP_COLUMNS = 100
 
 # --------------------------------------------------------------------------------------------
 # Text output
-
-
-def clock_text(tl: EngineTimeline, ts_ns: int, with_date: bool = False) -> str:
-    """Local wall time of a record time, or seconds from the start without a clock anchor."""
-    if not tl.has_clock_anchor():
-        return f"+{(ts_ns - tl.first_ns) / NS_PER_S:.3f} s"
-    wall = datetime.datetime.fromtimestamp(tl.to_wall_ns(ts_ns) / NS_PER_S)
-    text = wall.strftime("%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f")
-    return text[:-3]
 
 
 def engine_header(tl: EngineTimeline) -> str:
@@ -72,6 +63,7 @@ def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
         subsequent_indent=indent + " " * 10,
         max_lines=max_lines,
         placeholder=" [...]",
+        break_on_hyphens=False,  # flags (--max-num-seqs) stay whole, to be copied
     )
 
 

@@ -151,7 +151,7 @@ def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
     fixed_time = fit.base_time + fit.coefficients.get("ctx_reqs", 0.0)
     room_time = itl_target - fixed_time - ctx_time * min_chunk_tokens
     if room_time < gen_time:
-        fastest = fit.predict(gen_tokens=1) + ctx_time * min_chunk_tokens
+        fastest = fit.predict(gen_tokens=1, ctx_tokens=min_chunk_tokens, ctx_reqs=1)
         raise ValueError(
             f"an ITL target of {itl_target * 1000:.1f} ms is below the fastest iteration that "
             f"decodes one request beside a {min_chunk_tokens}-token prefill chunk "

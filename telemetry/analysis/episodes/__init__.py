@@ -34,11 +34,14 @@ from __future__ import annotations
 
 from telemetry.analysis.episodes.episode import (
     INFO,
+    KV_MEMORY_TEXT,
+    KV_PLAN_TEXT,
     PROBLEM,
+    TUNE_TEXT,
     Episode,
     Thresholds,
+    flag_text,
     group_by_time,
-    limit_text,
     pct,
     secs,
     true_runs,
@@ -57,11 +60,12 @@ from telemetry.analysis.timeline import (
 )
 
 __all__ = [
-    "DETECTORS", "FACT_FIELDS", "INFO", "NS_PER_S", "PROBLEM", "RECORD_FIELDS", "WAIT_REASONS",
+    "DETECTORS", "FACT_FIELDS", "INFO", "KV_MEMORY_TEXT", "KV_PLAN_TEXT", "NS_PER_S", "PROBLEM",
+    "RECORD_FIELDS", "TUNE_TEXT", "WAIT_REASONS",
     "EngineTimeline", "Episode", "Thresholds", "build_timelines", "detect_episodes",
     "detect_idle", "detect_kv_cliff", "detect_kv_leaks", "detect_kv_saturation",
     "detect_long_prefill", "detect_preemption_storms", "detect_stalls", "detect_telemetry_gaps",
-    "detect_waiting", "group_by_time", "limit_text", "pct", "secs", "true_runs",
+    "detect_waiting", "flag_text", "group_by_time", "pct", "secs", "true_runs",
 ]
 
 

@@ -89,7 +89,19 @@ def secs(time_ns: int | float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def limit_text(timeline: EngineTimeline, name: str) -> str:
-    """``name=value`` when the engine reported the limit, else just ``name``."""
+# How change lines name the KV cache's size and the command that plans it (engine flags:
+# engine/entrypoints/serve.py; on CUDA without --kv-cache-memory the cache gets what
+# --gpu-memory-utilization leaves after weights and activations).
+KV_MEMORY_TEXT = "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)"
+TUNE_TEXT = ("`iterscope tune RECORDING --itl-target T`, with T your inter-token latency "
+             "target,")
+KV_PLAN_TEXT = ("`iterscope kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how "
+                "many requests of that length a size holds")
+
+
+def flag_text(timeline: EngineTimeline, name: str) -> str:
+    """The engine's flag for a limit it reports, with the value it ran with when known:
+    ``--max-num-seqs (now 4)``, else just ``--max-num-seqs``."""
+    flag = "--" + name.replace("_", "-")
     value = timeline.facts.get(name)
-    return f"{name}={value}" if value else name
+    return f"{flag} (now {value})" if value else flag

@@ -6,7 +6,17 @@ import math
 
 import numpy as np
 
-from telemetry.analysis.episodes.episode import INFO, PROBLEM, Episode, Thresholds, pct, true_runs
+from telemetry.analysis.episodes.episode import (
+    INFO,
+    KV_MEMORY_TEXT,
+    KV_PLAN_TEXT,
+    PROBLEM,
+    Episode,
+    Thresholds,
+    flag_text,
+    pct,
+    true_runs,
+)
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.lane.record import UNKNOWN_KV_TOKENS
 
@@ -43,12 +53,12 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                 f"{num_preemptions} preemptions; running {int(tl.col('running')[first])} -> "
                 f"{int(tl.col('running')[last])}"
             ),
-            explanation=_saturation_explanation(num_blocked, num_preemptions),
+            explanation=_saturation_explanation(peak, num_blocked, num_preemptions,
+                                                tl.waiting_reasons_known),
             setting=(
-                "Give the KV cache more memory, lower max_model_len, or lower max_num_seqs / "
-                "client concurrency so peak usage stays below ~90% "
-                "(`iterscope kv-plan` shows how many requests fit; runbook: "
-                "IterscopeKVCacheSaturated)."
+                f"Raise {KV_MEMORY_TEXT}, lower --max-model-len, or lower "
+                f"{flag_text(tl, 'max_num_seqs')} or client concurrency so peak usage stays "
+                f"below ~90% ({KV_PLAN_TEXT}; runbook: IterscopeKVCacheSaturated)."
             ),
             severity=PROBLEM if num_blocked or num_preemptions else INFO,
             numbers={"peak_usage": peak, "num_iterations": last - first + 1,
@@ -64,20 +74,27 @@ def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
     return f"{int(tl.col('waiting_kv')[row])} for KV capacity"
 
 
-def _saturation_explanation(num_blocked: int, num_preemptions: int) -> str:
-    """Each clause only when the records show it: waiting and preemption are told apart."""
+def _saturation_explanation(peak: float, num_blocked: int, num_preemptions: int,
+                            reasons_known: bool) -> str:
+    """Each clause only when the records show it: waiting and preemption are told apart, a
+    full cache is claimed only at 100%, and waiting is blamed on KV only when the source says
+    why requests waited (``num_blocked`` is then those waiting for KV, else all waiting)."""
+    full = ("Every KV block was in use" if peak >= 1.0
+            else f"The KV cache was nearly full (peak {pct(peak)})")
     if not num_blocked and not num_preemptions:
-        return ("The cache was full but what was admitted still fit: no request waited for KV "
+        return (f"{full} but what was admitted still fit: no request waited for KV "
                 "and none was preempted. Any more load will wait or be preempted.")
     effects = []
-    if num_blocked:
+    if num_blocked and reasons_known:
         effects.append("new requests could not be admitted and waited")
+    elif num_blocked:
+        effects.append("requests waited (the source does not say whether for KV capacity)")
     if num_preemptions:
         effects.append(f"{num_preemptions} running request(s) that needed a new block were "
                        "preempted (recomputed later)")
     else:
         effects.append("no running request was preempted")
-    return f"Every KV block was in use: {'; '.join(effects)}."
+    return f"{full}: {'; '.join(effects)}."
 
 
 def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -115,19 +132,8 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     num_after = after_end - low - 1
     num_ctx_after = int(tl.col("ctx_tokens")[after].sum())
     num_gen_after = int(tl.col("gen_tokens")[after].sum())
-    if num_preemptions:
-        why = (
-            f"The scheduler preempted {num_preemptions} running request(s) (by recompute) and "
-            "freed their KV blocks: they went back to the waiting queue and must prefill their "
-            "whole prompt again, which with long prompts costs as much as the first time."
-        )
-    else:
-        why = (
-            "The running requests released all their KV blocks and returned to the waiting "
-            "queue, yet no preemption was counted: they were evicted by a path that does not "
-            "count as a preemption. The engine did not stop: it kept iterating, recomputing "
-            "the evicted prompts (context tokens) instead of generating."
-        )
+    num_evicted = (int(running[high] - running[low])
+                   - int(tl.col("finished")[high + 1 : low + 1].sum()))
     return Episode(
         kind="kv_cliff",
         engine_index=tl.engine_index,
@@ -143,16 +149,40 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"preemptions counted: {num_preemptions}; in the next 5 s {num_after} iterations ran "
             f"({num_ctx_after} context tokens, {num_gen_after} generation tokens)"
         ),
-        explanation=why,
+        explanation=_cliff_explanation(num_preemptions, num_evicted, num_after, num_ctx_after),
         setting=(
             f"Peak KV usage reached {pct(usage[high])} with {int(running[high])} requests: lower "
-            "client concurrency or max_num_seqs so the peak stays below ~90%, or give the KV "
-            "cache more memory (`iterscope kv-plan` shows how many requests of your length fit)."
+            f"{flag_text(tl, 'max_num_seqs')} or client concurrency so the peak stays below "
+            f"~90%, or raise {KV_MEMORY_TEXT} ({KV_PLAN_TEXT})."
         ),
         numbers={"usage_before": float(usage[high]), "usage_after": float(usage[low]),
                  "running_before": int(running[high]), "running_after": int(running[low]),
                  "num_preemptions": num_preemptions, "num_iterations_after": num_after},
     )
+
+
+def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
+                       num_ctx_after: int) -> str:
+    """Preemption is claimed only when counted, iterating only when iterations followed."""
+    if num_preemptions:
+        why = (
+            f"The scheduler preempted {num_preemptions} running request(s) (by recompute) and "
+            "freed their KV blocks: they went back to the waiting queue and must prefill their "
+            "whole prompt again, which with long prompts costs as much as the first time."
+        )
+    else:
+        why = (
+            f"{num_evicted} running request(s) released their KV blocks and returned to the "
+            "waiting queue, yet no preemption was counted: they were evicted by a path that "
+            "does not count as a preemption."
+        )
+    if not num_after:
+        return why + " No iteration followed in the next 5 s of the recording."
+    if num_preemptions:
+        return why
+    return (why + f" The engine did not stop: it kept iterating ({num_after} iterations in the "
+            f"next 5 s, {num_ctx_after} context tokens among them: the evicted prompts are "
+            "computed again).")
 
 
 def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -205,6 +235,9 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
         row = first + int(idle_rows[-1])
         idle_note = (f"; at iteration {int(tl.col('iteration')[row])} nothing ran yet "
                      f"{int(used[row])} blocks ({pct(usage[row])}) were in use")
+    excess_first, excess_last = int(excess[first]), int(excess[last])
+    trend = ("grew" if excess_last > excess_first
+             else "fell" if excess_last < excess_first else "stayed at")
     return Episode(
         kind="kv_leak",
         engine_index=tl.engine_index,
@@ -212,19 +245,26 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
         end_ns=int(tl.col("end_ns")[last]),
         title="KV blocks leaking",
         evidence=(
-            f"blocks held by no running request grew {int(excess[first])} -> {int(excess[last])} "
+            f"blocks held by no running request {trend} {excess_first} -> {excess_last} "
             f"over {last - first + 1} iterations; KV usage {pct(usage[first])} -> "
             f"{pct(usage[last])} while running was {int(running[first])} -> "
             f"{int(running[last])} (mean {running[first : last + 1].mean():.1f})" + idle_note
         ),
-        explanation=(
-            "KV blocks are not returned to the pool when requests finish: usage climbs while "
-            "few or no requests run, until new requests cannot be admitted and clients time out."
-        ),
+        explanation=_leak_explanation(excess_first, excess_last),
         setting=(
             "Not a tuning setting: a block-accounting bug. Restart the engine to recover and "
             "report it with this recording (alert and runbook: IterscopeKVBlocksLeaked)."
         ),
-        numbers={"excess_blocks_first": int(excess[first]), "excess_blocks_last": int(excess[last]),
+        numbers={"excess_blocks_first": excess_first, "excess_blocks_last": excess_last,
                  "nothing_running": nothing_running, "usage_last": float(usage[last])},
     )
+
+
+def _leak_explanation(excess_first: int, excess_last: int) -> str:
+    """Climbing usage is claimed only where the blocks held by no request grew."""
+    if excess_last > excess_first:
+        return ("KV blocks are not returned to the pool when requests finish: usage climbs while "
+                "few or no requests run, until new requests cannot be admitted and clients time "
+                "out.")
+    return (f"KV blocks were not returned to the pool: {excess_last} blocks stayed held by no "
+            "running request (they did not grow here), so fewer are left for new requests.")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from telemetry.analysis.episodes.episode import Episode, Thresholds, group_by_time, limit_text, secs
+from telemetry.analysis.episodes.episode import (
+    TUNE_TEXT,
+    Episode,
+    Thresholds,
+    flag_text,
+    group_by_time,
+    secs,
+)
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 
@@ -52,9 +59,8 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                 "spikes to the iteration time."
             ),
             setting=(
-                f"Lower {limit_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
-                "`iterscope tune RECORDING --itl-target 50ms` computes the largest budget that "
-                "keeps your target."
+                f"Lower {flag_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
+                f"{TUNE_TEXT} computes the largest budget that keeps it."
             ),
             numbers={"num_iterations": len(rows), "max_elapsed_s": elapsed[worst] / NS_PER_S,
                      "baseline_s": baseline_ns / NS_PER_S},

@@ -68,7 +68,8 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
             f"{max_running} running (at most; pid {group[0].pid or '?'})"
         ),
         explanation=(
-            f"Not idle (work was queued) and not dead (heartbeats kept coming): the loop was "
+            f"Not idle (requests were waiting or running) and not dead (heartbeats kept "
+            f"coming): the loop was "
             f"stuck {where}. Clients see no tokens and eventually time out."
         ),
         setting=(

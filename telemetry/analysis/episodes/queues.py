@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.episodes.episode import (
+    KV_MEMORY_TEXT,
+    KV_PLAN_TEXT,
+    TUNE_TEXT,
     Episode,
     Thresholds,
+    flag_text,
     group_by_time,
-    limit_text,
     pct,
     true_runs,
 )
@@ -43,9 +46,9 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
                 "some and will recompute them: work is thrown away and latency rises."
             ),
             setting=(
-                f"Lower {limit_text(tl, 'max_num_seqs')} or client concurrency, or give the KV "
-                "cache more memory, so the requests admitted together fit until they finish "
-                "(runbook: IterscopePreemptionStorm)."
+                f"Lower {flag_text(tl, 'max_num_seqs')} or client concurrency, or raise "
+                f"{KV_MEMORY_TEXT}, so the requests admitted together fit until they finish "
+                f"({KV_PLAN_TEXT}; runbook: IterscopePreemptionStorm)."
             ),
             numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
         ))
@@ -99,17 +102,17 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
 
 def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_kv":
-        return ("Give the KV cache more memory, lower max_model_len, or send fewer concurrent "
-                "requests (`iterscope kv-plan`).")
+        return (f"Raise {KV_MEMORY_TEXT}, lower --max-model-len, or send fewer concurrent "
+                f"requests ({KV_PLAN_TEXT}).")
     if reason == "waiting_seq_limit":
-        room = "KV had room" if peak_usage < 0.9 else "but KV was nearly full too"
-        return (f"Raise {limit_text(tl, 'max_num_seqs')} ({room}, peak {pct(peak_usage)}); "
-                "`iterscope tune --itl-target` picks a value that keeps your latency target.")
+        room = "KV had room" if peak_usage < 0.9 else "KV was nearly full too"
+        return (f"Raise {flag_text(tl, 'max_num_seqs')}: {room} (peak {pct(peak_usage)}); "
+                f"{TUNE_TEXT} picks a value that keeps it.")
     if reason == "waiting_budget":
-        return (f"Raise {limit_text(tl, 'max_num_batched_tokens')} for more throughput at the cost "
-                "of longer iterations; `iterscope tune --itl-target` picks a value.")
+        return (f"Raise {flag_text(tl, 'max_num_batched_tokens')} for more throughput at the "
+                f"cost of longer iterations; {TUNE_TEXT} picks a value that keeps it.")
     if not tl.waiting_reasons_known:
-        return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (give it "
-                "more memory, `iterscope kv-plan`); well below, the sequence limit or the token "
-                "budget is (`iterscope tune --itl-target`).")
+        return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
+                f"{KV_MEMORY_TEXT}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
+                f"--max-num-batched-tokens is ({TUNE_TEXT} picks both).")
     return "Check the engine's admission logic: requests waited with no limit reported."

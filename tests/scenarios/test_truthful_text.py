@@ -1,0 +1,213 @@
+"""Every sentence explain prints must be true of the recording: for each episode template, a
+run where its claim would be false, checking the claim is not made (and a run where it is
+true, checking it is, so the test can fail both ways)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from telemetry.analysis.episodes import (
+    Thresholds,
+    detect_episodes,
+    detect_kv_saturation,
+    detect_long_prefill,
+    detect_preemption_storms,
+)
+from telemetry.analysis.timeline import NS_PER_S, build_timelines
+from telemetry.lane.record import UNKNOWN_WAITING_REASONS, IterationRecord
+
+from . import synthetic
+from .synthetic import Cost, Simulator, arrivals
+
+
+def timeline_of(messages):
+    return build_timelines(messages)[0]
+
+
+def of_kind(episodes, kind):
+    return [e for e in episodes if e.kind == kind]
+
+
+def all_text(episodes) -> str:
+    return "\n".join(f"{e.title} {e.evidence} {e.explanation} {e.setting}" for e in episodes)
+
+
+def closed_loop(num_blocks: int, concurrency: int, num_prompt: int, num_output: int,
+                max_num_seqs: int = 64) -> Simulator:
+    sim = Simulator(num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=2048, cost=synthetic.STORY_COST)
+    sim.add_closed_loop(num_requests=40, concurrency=concurrency, num_prompt=num_prompt,
+                        num_output=num_output)
+    return sim.run(10)
+
+
+@pytest.fixture(scope="module")
+def story1():
+    return synthetic.story1_kv_cliff()
+
+
+# ---- KV cache saturated
+
+
+def test_saturation_says_every_block_was_in_use_only_at_100_percent():
+    # Requests of 8 blocks (120 + 8 tokens of 16) in a 100-block cache: 12 fit, 96 blocks.
+    nearly = detect_kv_saturation(timeline_of(closed_loop(100, 13, 120, 8).messages),
+                                  Thresholds())
+    (saturation,) = nearly
+    assert 0.95 <= saturation.numbers["peak_usage"] < 1.0
+    assert "Every KV block was in use" not in saturation.explanation
+    assert "nearly full (peak 96.0%)" in saturation.explanation
+    # 10 blocks each (150 + 10 tokens): 10 fit exactly, the cache is full.
+    (full,) = detect_kv_saturation(timeline_of(closed_loop(100, 14, 150, 10).messages),
+                                   Thresholds())
+    assert full.numbers["peak_usage"] == 1.0
+    assert full.explanation.startswith("Every KV block was in use")
+
+
+def test_saturation_blames_kv_for_waiting_only_when_the_source_says_why():
+    timeline = timeline_of(closed_loop(100, 14, 150, 10).messages)
+    (known,) = detect_kv_saturation(timeline, Thresholds())
+    assert "could not be admitted" in known.explanation
+    timeline.columns["unknown"] = np.full(timeline.num_iterations, UNKNOWN_WAITING_REASONS)
+    (unknown,) = detect_kv_saturation(timeline, Thresholds())
+    assert "could not be admitted" not in unknown.explanation
+    assert "for KV capacity" not in unknown.evidence
+    assert "does not say whether for KV capacity" in unknown.explanation
+
+
+# ---- KV cache cliff
+
+
+def test_cliff_claims_iterating_on_only_when_iterations_followed(story1):
+    (cliff,) = of_kind(detect_episodes(timeline_of(story1.messages)), "kv_cliff")
+    assert "it kept iterating" in cliff.explanation
+    cut = [m for m in story1.messages
+           if (m.start_ns + m.elapsed_ns if isinstance(m, IterationRecord) else m.ts_ns)
+           <= cliff.end_ns]
+    (cut_cliff,) = of_kind(detect_episodes(timeline_of(cut)), "kv_cliff")
+    assert cut_cliff.numbers["num_iterations_after"] == 0
+    assert "kept iterating" not in cut_cliff.explanation
+    assert "No iteration followed" in cut_cliff.explanation
+
+
+def test_requests_finishing_together_are_no_cliff_and_nothing_claims_preemption():
+    """Waves of 10 requests fill the cache and finish together: usage falls from 100% to
+    nearly nothing, yet no running request became waiting and none was preempted."""
+    sim = closed_loop(100, 10, 150, 10)
+    timeline = timeline_of(sim.messages)
+    usage = timeline.kv_usage
+    assert usage.max() == 1.0 and (np.diff(usage) <= -0.5).any()  # the fall is there
+    episodes = detect_episodes(timeline)
+    assert not of_kind(episodes, "kv_cliff") and not of_kind(episodes, "preemption_storm")
+    text = all_text(episodes)
+    assert "were preempted" not in text and "The scheduler preempted" not in text
+
+
+# ---- Preemption storm
+
+
+def test_preemption_storm_needs_three_preemptions_within_a_second():
+    timeline = timeline_of(synthetic.healthy().messages)
+    starts = timeline.col("start_ns")
+    spread = np.searchsorted(starts, starts[0] + np.arange(1, 9) * int(1.5 * NS_PER_S))
+    timeline.columns["preemptions"] = np.zeros(timeline.num_iterations, dtype=np.int64)
+    timeline.columns["preemptions"][spread] = 1
+    assert detect_preemption_storms(timeline, Thresholds()) == []  # 8 preemptions, 1.5 s apart
+    close = np.searchsorted(starts, starts[0] + int(20 * NS_PER_S)) + np.arange(3)
+    timeline.columns["preemptions"][close] = 1
+    (storm,) = detect_preemption_storms(timeline, Thresholds())
+    assert storm.numbers["num_preemptions"] == 3 and storm.evidence.startswith("3 preemptions")
+
+
+# ---- Requests waiting
+
+
+def test_waiting_at_the_sequence_limit_says_kv_had_room_only_when_it_had():
+    queued = of_kind(detect_episodes(timeline_of(synthetic.story3_bursty(4).messages)),
+                     "waiting")
+    assert "KV had room" in queued[0].setting
+    # 4 requests of 19 blocks (200 + 100 tokens) at the limit of 4 fill 76 of 80 blocks.
+    sim = Simulator(num_blocks=80, max_num_seqs=4, max_num_batched_tokens=2048,
+                    cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(6, 20, seed=3), num_prompt=200, num_output=100)
+    (wait,) = of_kind(detect_episodes(timeline_of(sim.run(22).messages)), "waiting")
+    assert wait.numbers["reason"] == "waiting_seq_limit" and wait.numbers["peak_usage"] >= 0.9
+    assert "KV had room" not in wait.setting and "KV was nearly full too" in wait.setting
+
+
+# ---- Stalls
+
+
+def test_requests_queued_while_iterations_progress_are_no_stall():
+    episodes = detect_episodes(timeline_of(synthetic.story3_bursty(4).messages))
+    assert of_kind(episodes, "waiting")  # long waiting, iterations progress all along
+    assert not of_kind(episodes, "stall")
+    assert "stalled" not in all_text(episodes) and "spinning" not in all_text(episodes)
+
+
+def test_a_stall_between_iterations_is_not_said_to_be_inside_one():
+    (stall,) = of_kind(detect_episodes(timeline_of(synthetic.stalled().messages)), "stall")
+    assert not stall.numbers["inside_iteration"]
+    assert "between iterations" in stall.explanation
+    assert "inside iteration" not in stall.explanation and "hung" not in stall.explanation
+
+
+# ---- Telemetry gaps and silences
+
+
+def test_a_frozen_process_is_not_called_a_restart():
+    messages = [m for m in synthetic.healthy().messages
+                if not synthetic.NS * 1010 <= getattr(m, "ts_ns", getattr(m, "start_ns", 0))
+                < synthetic.NS * 1014]
+    for seq, message in enumerate(messages, 1):  # nothing lost: the process sent nothing
+        message.seq = seq
+    (gap,) = of_kind(detect_episodes(timeline_of(messages)), "telemetry_gap")
+    assert not gap.numbers["restarted"] and gap.title == "Engine silent"
+    assert "restart" not in gap.explanation and "frozen" in gap.explanation
+    assert "lost" not in gap.title
+
+
+# ---- KV blocks leaking
+
+
+def test_a_leak_that_stopped_growing_is_not_said_to_climb():
+    sim = Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024,
+                    cost=synthetic.STORY_COST)
+    sim.leak_blocks_per_finish = 6
+    sim.add_requests([0.5], num_prompt=64, num_output=10)
+    sim.run(2)  # one finished request left 6 blocks behind
+    sim.leak_blocks_per_finish = 0
+    sim.add_requests(arrivals(3, 15, start_s=3), num_prompt=64, num_output=30)
+    (leak,) = of_kind(detect_episodes(timeline_of(sim.run(20).messages)), "kv_leak")
+    assert leak.numbers["excess_blocks_last"] <= leak.numbers["excess_blocks_first"]
+    assert " grew " not in leak.evidence and "climbs" not in leak.explanation
+    (growing,) = of_kind(detect_episodes(timeline_of(synthetic.story2_leak().messages)),
+                         "kv_leak")
+    assert " grew " in growing.evidence and "climbs" in growing.explanation
+
+
+# ---- Long prefill chunks
+
+
+def test_a_slow_iteration_its_chunk_does_not_explain_is_no_long_prefill():
+    timeline = timeline_of(synthetic.story3_bursty(64).messages)
+    assert detect_long_prefill(timeline, Thresholds()) == []
+    elapsed = timeline.col("elapsed_ns").copy()
+    ctx, gen = timeline.col("ctx_tokens"), timeline.col("gen_reqs")
+    baseline = np.median(elapsed[(ctx == 0) & (gen > 0)])
+    row = int(np.flatnonzero((ctx > 0) & (ctx <= 256) & (gen > 0))[0])
+    elapsed[row] = 10 * baseline  # a hiccup: 10x slower beside a small chunk
+    timeline.columns["elapsed_ns"] = elapsed
+    timeline.columns["end_ns"] = timeline.col("start_ns") + elapsed
+    assert detect_long_prefill(timeline, Thresholds()) == []
+
+
+def test_long_prefill_setting_quotes_no_made_up_latency_target():
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0], num_prompt=2000, num_output=10)
+    (episode,) = detect_long_prefill(timeline_of(sim.run(12).messages), Thresholds())
+    assert "--itl-target" in episode.setting
+    assert not re.search(r"--itl-target \d", episode.setting), episode.setting
