@@ -393,7 +393,7 @@ async def collect(outputs: AsyncIterator, n: int) -> list[WholeChoice]:
 
 
 def build_app(frontend: Frontend, limits: HttpLimits | None = None,
-              sidecar_metrics_url: str | None = None) -> FastAPI:
+              sidecar_metrics_url: api_metrics.SidecarUrl = None) -> FastAPI:
     """The FastAPI application; every error leaves as an OpenAI-style error body. GET /metrics
     serves the sidecar's series (read from ``sidecar_metrics_url``) and the HTTP series, which
     count the guard's refusals too (its middleware is the outer one)."""
