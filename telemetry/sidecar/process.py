@@ -8,7 +8,8 @@
 Each sidecar gets a fresh private directory holding its ipc socket, so two engines started
 side by side never share a lane by accident. The sidecar runs in a session of its own (a
 Ctrl-C meant for the engine does not cut its telemetry short); it is stopped with SIGTERM by
-``stop()`` and stops itself if the process that started it goes away.
+``stop()`` and stops itself if the process that started it goes away (removing the private
+directory then, since that process can no longer).
 
 A sidecar started by ``start_from_args`` is supervised: a thread notices when it exits
 without ``stop()``, logs it, and starts it again on the same address and arguments after a
@@ -193,7 +194,7 @@ def start_sidecar(
     address = f"ipc://{os.path.join(run_dir, 'telemetry.sock')}"
     command = [
         sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--bind",
-        "--parent-pid", str(os.getpid()),
+        "--parent-pid", str(os.getpid()), "--run-dir", run_dir,
         "--metrics-url-file", os.path.join(run_dir, METRICS_URL_FILE), *extra_args,
     ]
     try:
