@@ -121,9 +121,10 @@ def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
             (("handler", "/v1/models"), ("method", "GET"), ("status", "2xx")): 1}
         assert "vllm:num_requests_running" not in found
     # A sidecar that comes back is read again.
-    metrics = api_metrics.ApiMetrics(closed_url)
+    current = {"url": closed_url}
+    metrics = api_metrics.ApiMetrics(lambda: current["url"])
     assert asyncio.run(metrics.read_sidecar()) is None and metrics.sidecar_error
-    metrics.sidecar_url = sidecar
+    current["url"] = sidecar  # as a sidecar restarted on another port reports
     assert b"vllm:num_requests_running" in asyncio.run(metrics.read_sidecar())
     assert metrics.sidecar_error is None
 
@@ -162,7 +163,11 @@ def test_where_the_sidecar_metrics_come_from():
         api_metrics.add_arguments(parser)
         return parser.parse_args(argv)
 
-    assert api_metrics.sidecar_metrics_url(args(), StartedHere()) == StartedHere.metrics_url
+    started_here = StartedHere()
+    locate = api_metrics.sidecar_metrics_url(args(), started_here)
+    assert locate() == StartedHere.metrics_url
+    started_here.metrics_url = "http://127.0.0.1:9998/metrics"  # restarted on another port
+    assert locate() == started_here.metrics_url
     assert api_metrics.sidecar_metrics_url(args(), None) is None
     external = args("--telemetry-address", "tcp://10.0.0.2:5557",
                     "--sidecar-metrics-url", "http://10.0.0.2:9470/metrics")

@@ -3,7 +3,8 @@
 A SIGSTOPped engine process with a thousand requests waiting on it: /health answers
 throughout and turns to "stalled" (503) once nothing has come from the engine for
 --engine-stall-timeout; when the engine continues, every request completes (or was refused
-with 503 while the lane was full) and /health is 200 again.
+with 503 while the lane was full) and /health is 200 again. Multi-megabyte prompts leave the
+frontend's memory where it was; --request-timeout wraps streams only when it is set.
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ import time
 
 import httpx
 import pytest
-from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
+from test_serve import (
+    KV_CACHE_MEMORY,
+    PLAIN_TEMPLATE,
+    HangingClient,
+    ScriptedClient,
+    ServerProcess,
+    TemplateTokenizer,
+    tiny_server,
+)
 
-from engine.entrypoints.serve import TINY_MODEL
+from engine.entrypoints.serve import TINY_MODEL, Frontend, RequestTimeoutError
 
 NUM_QUEUED = 1000
 
@@ -147,3 +156,73 @@ def test_a_request_past_its_timeout_is_aborted_with_504(tmp_path):
         assert asyncio.run(health_until(server.base_url, "ok", 30))[-1]["engine"] == "idle"
         ok = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
         assert ok.status_code == 200  # in time once the engine runs
+
+
+LARGE_PROMPT_BYTES = 3 << 20  # under the 4 MiB body limit, far over the tiny model's 1024
+RSS_MARGIN_BYTES = 24 << 20  # without a fixed mmap threshold the frontend kept ~50 MiB more
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def rss_settles_under(pid: int, limit_bytes: int, timeout_s: float) -> int:
+    """The process's RSS once it is at most ``limit_bytes``, else the last seen after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (rss := rss_bytes(pid)) > limit_bytes and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rss
+
+
+def test_memory_returns_to_its_baseline_after_large_prompts(tmp_path):
+    with tiny_server(tmp_path, "--no-sidecar") as server:
+        pid, url = server.process.pid, server.base_url
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        with httpx.Client(timeout=120) as http:
+            for path, body in (("completions", {"prompt": "hi", "max_tokens": 2}),
+                               ("chat/completions", chat)):  # imports and caches warmed up
+                assert http.post(f"{url}/v1/{path}", json=body).status_code == 200
+            baseline = rss_bytes(pid)
+            huge = "x" * LARGE_PROMPT_BYTES
+            for _ in range(3):
+                too_long = http.post(f"{url}/v1/completions", json={"prompt": huge})
+                assert too_long.status_code == 400 and "max_model_len" in too_long.text
+                chat_body = {"messages": [{"role": "user", "content": huge}], "stream": True}
+                too_long = http.post(f"{url}/v1/chat/completions", json=chat_body)
+                assert too_long.status_code == 400 and "max_model_len" in too_long.text
+            long_prompt = {"prompt": "y" * 1000, "max_tokens": 4}  # fits 1024 tokens
+            assert http.post(f"{url}/v1/completions", json=long_prompt).status_code == 200
+        settled = rss_settles_under(pid, baseline + RSS_MARGIN_BYTES, timeout_s=15)
+    assert settled <= baseline + RSS_MARGIN_BYTES, (
+        f"RSS {settled >> 20} MiB after large prompts, baseline {baseline >> 20} MiB")
+
+
+def timed_frontend(client, request_timeout_s):
+    return Frontend(client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL,
+                    request_timeout_s=request_timeout_s)
+
+
+async def outputs_through_timeout(client, request_timeout_s):
+    """(whether the stream came back unwrapped, the token ids read through it)."""
+    stream = client.add_request([1], None, "r-1", "")
+    passed = timed_frontend(client, request_timeout_s)._within_timeout(stream)
+    return passed is stream, [output.new_token_ids async for output in passed]
+
+
+def test_without_a_request_timeout_streams_pass_through_unwrapped():
+    steps = [[ord("a")], [ord("b")], [ord("c")]]
+    unwrapped, token_ids = asyncio.run(outputs_through_timeout(ScriptedClient(steps), None))
+    assert unwrapped and token_ids == steps
+    unwrapped, token_ids = asyncio.run(outputs_through_timeout(ScriptedClient(steps), 30.0))
+    assert not unwrapped and token_ids == steps
+
+
+def test_with_a_request_timeout_a_stalled_stream_times_out():
+    client = HangingClient([[ord("a")], [ord("b")]])
+    with pytest.raises(RequestTimeoutError, match="--request-timeout 0.2 s"):
+        asyncio.run(outputs_through_timeout(client, 0.2))

@@ -17,7 +17,9 @@ vLLM's API server exposes (prometheus-fastapi-instrumentator's defaults):
   sidecar or it did not answer in time (the HTTP series come either way).
 
 Scrapes of /metrics and probes of /health are not counted (as in vLLM). The sidecar is read
-with non-blocking I/O, so a scrape never holds up the event loop that streams tokens.
+with non-blocking I/O, so a scrape never holds up the event loop that streams tokens. The
+sidecar started by `serve` is restarted when it dies: each scrape reads the URL of the one
+that runs now.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -39,6 +42,8 @@ TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"  # keeps the ':' of vll
 SIDECAR_TIMEOUT_S = 2.0
 NOT_COUNTED = ("/metrics", "/health")
 UNKNOWN_HANDLER = "none"
+# A fixed /metrics URL, a function giving the current one, or None (no sidecar).
+SidecarUrl = str | Callable[[], str | None] | None
 LATENCY_BUCKETS = (0.1, 0.5, 1.0)
 LATENCY_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                          3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
@@ -114,11 +119,16 @@ class CountRequests:
 
 class ApiMetrics:
     """What GET /metrics answers: the sidecar's exposition (when it can be read) and then
-    the HTTP series."""
+    the HTTP series.
 
-    def __init__(self, sidecar_url: str | None, timeout_s: float = SIDECAR_TIMEOUT_S) -> None:
+    ``sidecar_url`` is the sidecar's /metrics URL, or a function giving its current one,
+    asked at every scrape: a sidecar restarted on --metrics-port 0 serves on a new port.
+    """
+
+    def __init__(self, sidecar_url: SidecarUrl, timeout_s: float = SIDECAR_TIMEOUT_S) -> None:
         self.series = HttpSeries()
-        self.sidecar_url = sidecar_url
+        self.locate_sidecar = sidecar_url if callable(sidecar_url) else lambda: sidecar_url
+        self.sidecar_url: str | None = None  # the URL read last
         # One client for the process: its connection to the sidecar is kept alive between
         # scrapes. trust_env=False: a proxy from the environment must not carry a loopback call.
         self.client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
@@ -133,6 +143,7 @@ class ApiMetrics:
         return sidecar_text + (b"" if sidecar_text.endswith(b"\n") else b"\n") + own_text
 
     async def read_sidecar(self) -> bytes | None:
+        self.sidecar_url = self.locate_sidecar()
         if self.sidecar_url is None:
             return None
         try:
@@ -153,7 +164,7 @@ class ApiMetrics:
         self.sidecar_error = error
 
 
-def attach(app: FastAPI, sidecar_url: str | None,
+def attach(app: FastAPI, sidecar_url: SidecarUrl,
            timeout_s: float = SIDECAR_TIMEOUT_S) -> ApiMetrics:
     """Count the app's requests and answer GET /metrics on it."""
     metrics = ApiMetrics(sidecar_url, timeout_s)
@@ -174,9 +185,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this server's /metrics (default: the sidecar started here reports its own)")
 
 
-def sidecar_metrics_url(args: argparse.Namespace, sidecar: Any) -> str | None:
-    """The sidecar's /metrics URL: reported by the sidecar started here, given by
-    --sidecar-metrics-url for one started elsewhere, None without a sidecar."""
+def sidecar_metrics_url(args: argparse.Namespace, sidecar: Any) -> SidecarUrl:
+    """The sidecar's /metrics URL: given by --sidecar-metrics-url for one started elsewhere,
+    None without a sidecar; for the sidecar started here, a function giving the URL of the
+    one that runs now (each restart reports its own)."""
     url = args.sidecar_metrics_url
     if url is not None and not args.telemetry_address:
         raise ValueError("--sidecar-metrics-url names the /metrics of a sidecar started "
@@ -184,4 +196,6 @@ def sidecar_metrics_url(args: argparse.Namespace, sidecar: Any) -> str | None:
                          "its own")
     if url is not None and not url.startswith(("http://", "https://")):
         raise ValueError(f"--sidecar-metrics-url must be an http:// or https:// URL, got {url!r}")
-    return sidecar.metrics_url if sidecar is not None else url
+    if sidecar is not None:
+        return lambda: sidecar.metrics_url
+    return url

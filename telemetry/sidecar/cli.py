@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -104,6 +105,8 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
                              f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
                              f"{STALL_FLOOR_S:g} s)")
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    # The private directory that process made for this sidecar (telemetry/sidecar/process.py).
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     for module in sink_modules:
         module.add_arguments(parser)
     return parser
@@ -168,6 +171,7 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
         sidecar.run()
     finally:
         ingest.close()
+        remove_run_dir_if_orphaned(args.run_dir, args.parent_pid)
     stats = ingest.stats
     dropped = {index: state.num_dropped_total for index, state in sorted(ingest.engines.items())}
     logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
@@ -195,6 +199,13 @@ def stop_when_parent_exits(parent_pid: int, sidecar: Sidecar) -> None:
         sidecar.stop()
 
     threading.Thread(target=watch, name="iterscope-parent-watch", daemon=True).start()
+
+
+def remove_run_dir_if_orphaned(run_dir: str | None, parent_pid: int) -> None:
+    """A parent that was killed (SIGKILL) could not remove the private directory it made for
+    this sidecar; the sidecar, its last user, does. A live parent removes it itself."""
+    if run_dir and parent_pid and os.getppid() != parent_pid:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@
 Each sidecar gets a fresh private directory holding its ipc socket, so two engines started
 side by side never share a lane by accident. The sidecar runs in a session of its own (a
 Ctrl-C meant for the engine does not cut its telemetry short); it is stopped with SIGTERM by
-``stop()`` and stops itself if the process that started it goes away.
+``stop()`` and stops itself if the process that started it goes away (removing the private
+directory then, since that process can no longer).
 
 A sidecar started by ``start_from_args`` is supervised: a thread notices when it exits
 without ``stop()``, logs it, and starts it again on the same address and arguments after a
@@ -20,6 +21,7 @@ meanwhile are counted by the engine and reported by the new sidecar as dropped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -57,6 +59,8 @@ class SidecarProcess:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._metrics_url_path = os.path.join(run_dir, METRICS_URL_FILE)
+        self._metrics_url: str | None = None
         self.process = self._launch(ready_timeout_s)
 
     @property
@@ -65,10 +69,16 @@ class SidecarProcess:
 
     @property
     def metrics_url(self) -> str | None:
-        """Where this sidecar serves /metrics (the port it bound), None with --no-metrics.
-        The sidecar writes it before it listens on its lane, so before start_sidecar returns."""
+        """Where the current sidecar serves /metrics (the port it bound), None with
+        --no-metrics. Read once per launch, so asking costs no I/O; a sidecar restarted on
+        --metrics-port 0 has a new one."""
+        return self._metrics_url
+
+    def _read_metrics_url(self) -> str | None:
+        """The sidecar writes the file before it listens on its lane, so once its socket
+        exists the file is the current sidecar's."""
         try:
-            with open(os.path.join(self.run_dir, METRICS_URL_FILE)) as file:
+            with open(self._metrics_url_path) as file:
                 return file.read().strip()
         except FileNotFoundError:
             return None
@@ -80,8 +90,9 @@ class SidecarProcess:
     def _launch(self, ready_timeout_s: float = 30.0) -> subprocess.Popen:
         """Start the sidecar command; return once its socket exists. RuntimeError if it
         exits or does not listen within ``ready_timeout_s``."""
-        if os.path.exists(self.socket_path):  # left by a sidecar that was killed
-            os.unlink(self.socket_path)
+        for stale in (self.socket_path, self._metrics_url_path):  # left by a killed sidecar
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         process = subprocess.Popen(self._command, start_new_session=True, **self._popen_kwargs)
         deadline = time.monotonic() + ready_timeout_s
         while not os.path.exists(self.socket_path):
@@ -92,6 +103,7 @@ class SidecarProcess:
                     f"(exit status {process.returncode}); command: {' '.join(self._command)}"
                 )
             time.sleep(0.02)
+        self._metrics_url = self._read_metrics_url()
         return process
 
     def supervise(self) -> None:
@@ -182,7 +194,7 @@ def start_sidecar(
     address = f"ipc://{os.path.join(run_dir, 'telemetry.sock')}"
     command = [
         sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--bind",
-        "--parent-pid", str(os.getpid()),
+        "--parent-pid", str(os.getpid()), "--run-dir", run_dir,
         "--metrics-url-file", os.path.join(run_dir, METRICS_URL_FILE), *extra_args,
     ]
     try:
