@@ -126,7 +126,7 @@ def run_kernel(library, case) -> torch.Tensor:
 def test_kernel_builds_with_gcc_here(kernel):
     gcc()
     assert cpu_paged_decode.build_error() is None
-    assert kernel.vector_path() in (0, 1)
+    assert kernel.vector_path() in (0, 1, 2)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 33])
@@ -184,7 +184,7 @@ def test_build_key_follows_the_source(tmp_path, monkeypatch):
     assert cpu_paged_decode.build_key(compiler, (*cpu_paged_decode.FLAGS, "-DX")) != key
     library = cpu_paged_decode.build(compiler, tmp_path / "cache")
     assert library.name == f"paged_decode-{cpu_paged_decode.build_key(compiler)}.so"
-    assert cpu_paged_decode.open_library(library).vector_path() in (0, 1)
+    assert cpu_paged_decode.open_library(library).vector_path() in (0, 1, 2)
 
 
 FALLBACK_SCRIPT = """
