@@ -488,20 +488,20 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* Lane o: the unscaled score q . key[o] for rows o < count <= 8 (0 for later rows), float32
- * fma on widened keys; each row gives a vector of 8 partial sums that sum_rows8 adds up. */
+ * fma on widened keys; each row gives a vector of 8 partial sums that sum_rows8 adds up.
+ * Dims are the outer loop: each query vector is loaded once for all rows, and the rows' sums
+ * are 8 independent fma chains (row by row, one chain of head_dim / 8 fmas waited on each
+ * fma's latency). */
 static inline __attribute__((always_inline)) __m256 chunk_scores8(
     const void *keys, int64_t base, int64_t count, const float *query, const int dtype,
     const int64_t head_dim) {
     __m256 rows[CHUNK8];
-    for (int64_t o = 0; o < CHUNK8; ++o) {
-        __m256 sum = _mm256_setzero_ps();
-        if (o < count) {
-            const int64_t row = base + o * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 8)
-                sum = _mm256_fmadd_ps(load8(keys, row + d, dtype), _mm256_load_ps(query + d),
-                                      sum);
-        }
-        rows[o] = sum;
+    for (int64_t o = 0; o < CHUNK8; ++o) rows[o] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 q = _mm256_load_ps(query + d);
+        for (int64_t o = 0; o < CHUNK8; ++o)
+            if (o < count)
+                rows[o] = _mm256_fmadd_ps(load8(keys, base + o * head_dim + d, dtype), q, rows[o]);
     }
     return sum_rows8(rows);
 }
