@@ -21,8 +21,13 @@
  *   softmax online: the chunk's max updates the head's running max, the older sum and output
  *           are rescaled by exp(old_max - new_max);
  *   values  out[g] += p[g][o] * v[o] with the output kept in registers across the chunk.
- * Without AVX-512 (or for head_dim not a multiple of 16) a portable loop does the same one
- * position at a time.
+ * With AVX2 + FMA but no AVX-512 the same scheme runs in chunks of 8 positions on 8-lane
+ * vectors (head_dim a multiple of 8): scores by fma on float32 (bf16 rows widened by a 16-bit
+ * left shift), dims as the outer loop so the 8 positions' sums are independent fma chains,
+ * a transpose-add by hadd, an exp without scalef (2^n built in the exponent bits), and output
+ * passes narrow enough for AVX2's 16 registers. Otherwise (no vector path, head_dim not a
+ * multiple of the lane count, or built with -DPAGED_DECODE_PORTABLE) a portable loop does the
+ * same one position at a time.
  *
  * Built by engine/model/kernels/cpu_paged_decode.py with gcc -O3 -march=native -fopenmp; the
  * bounds below are checked there before any call.
