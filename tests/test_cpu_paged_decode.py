@@ -38,31 +38,52 @@ def kernel():
     return library
 
 
-# Builds of the paths this machine's default build may skip: the plain-C loop (CPUs without
-# AVX-512) and AVX-512 without the BF16 instructions (bf16 widened to float32 instead).
-OTHER_BUILDS = {"portable": ("-DPAGED_DECODE_PORTABLE",)}
+CPU_FLAGS = set(cpu_paged_decode._cpu_flags().split())
+HAS_AVX2 = {"avx2", "fma"} <= CPU_FLAGS
+
+# Builds of the paths this machine's default build may skip: the plain-C loop, AVX-512
+# without the BF16 instructions (bf16 widened to float32 instead), and the AVX2 path (which
+# an AVX-512 CPU's default build does not take). Each with the vector_path() it must report.
+OTHER_BUILDS = {"portable": (("-DPAGED_DECODE_PORTABLE",), 0)}
 if platform.machine() == "x86_64":
-    OTHER_BUILDS["no_bf16_pairs"] = ("-mno-avx512bf16",)
+    OTHER_BUILDS["no_bf16_pairs"] = (("-mno-avx512bf16",), None)
+    if HAS_AVX2:
+        OTHER_BUILDS["avx2"] = (("-mno-avx512f",), 2)
 
 
 @pytest.fixture(scope="module", params=sorted(OTHER_BUILDS))
 def other_build(request, tmp_path_factory):
+    flags, expected_path = OTHER_BUILDS[request.param]
     cache = tmp_path_factory.mktemp("kernel-cache")
-    path = cpu_paged_decode.build(gcc(), cache, OTHER_BUILDS[request.param])
-    library = cpu_paged_decode.open_library(path)
-    if request.param == "portable":
-        assert library.vector_path() == 0
+    library = cpu_paged_decode.open_library(cpu_paged_decode.build(gcc(), cache, flags))
+    if expected_path is not None:
+        assert library.vector_path() == expected_path
     return library
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("portable-cache")
+    path = cpu_paged_decode.build(gcc(), cache, ("-DPAGED_DECODE_PORTABLE",))
+    return cpu_paged_decode.open_library(path)
 
 
 def random_case(seed: int, dtype, group: int, head_dim: int, block_size: int, num_seqs: int):
     """Caches with random contents, block tables of distinct shuffled blocks, lengths not
     multiples of the block size, the first length 1."""
-    gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    num_kv_heads = 2
     lens = [1] + [rng.randrange(2, 5 * block_size) for _ in range(num_seqs - 1)]
     lens[-1] = 3 * block_size + 5 if num_seqs > 1 else 1
+    return case_of_lengths(seed, dtype, group, head_dim, block_size, lens)
+
+
+def case_of_lengths(seed: int, dtype, group: int, head_dim: int, block_size: int,
+                    lens: list[int], num_kv_heads: int = 2):
+    """Caches with random contents and block tables of distinct shuffled blocks for sequences
+    of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_seqs = len(lens)
     max_blocks = max((n + block_size - 1) // block_size for n in lens)
     num_blocks = num_seqs * max_blocks + 3
     blocks = list(range(num_blocks))
@@ -126,7 +147,14 @@ def run_kernel(library, case) -> torch.Tensor:
 def test_kernel_builds_with_gcc_here(kernel):
     gcc()
     assert cpu_paged_decode.build_error() is None
-    assert kernel.vector_path() in (0, 1)
+    assert kernel.vector_path() in (0, 1, 2)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 vector paths")
+def test_default_build_takes_this_cpus_vector_path(kernel):
+    """So the tests against the references below exercise the vector path this CPU runs."""
+    expected = 1 if "avx512f" in CPU_FLAGS else 2 if HAS_AVX2 else 0
+    assert kernel.vector_path() == expected
 
 
 @pytest.mark.parametrize("num_seqs", [1, 33])
@@ -157,15 +185,66 @@ def test_bfloat16_matches_torch_path(kernel, group, head_dim, block_size, num_se
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [24, 64, 128])
+@pytest.mark.parametrize("head_dim", [20, 24, 64, 128])
 def test_other_builds_and_odd_head_dims(kernel, other_build, dtype, head_dim):
-    """Every build agrees with the exact result; head_dim 24 takes the plain-C loop in all."""
+    """Every build agrees with the exact result. head_dim 20 takes the plain-C loop in all;
+    24 the AVX2 path (a multiple of 8, not of 16) or the plain-C loop on AVX-512."""
     case = random_case(11 + head_dim, dtype, 3, head_dim, 16, 9)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     reference = exact(*case)
     for library in (kernel, other_build):
         torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol,
                                    rtol=0)
+
+
+# Lengths around the 8- and 16-position chunks and the 16-position blocks: 1, a partial first
+# chunk, exactly one chunk, one past it, a block, one past a block, several blocks plus a tail.
+EDGE_LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 47, 64, 100, 161]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 16])
+def test_lengths_at_chunk_and_block_edges(kernel, portable, dtype, group):
+    """The vector path and the plain-C loop against the exact result, for every group size the
+    vector path specializes (1, 2, 3, 4, 8), one it does not (5), and the largest (16)."""
+    case = case_of_lengths(group, dtype, group, 64, 16, EDGE_LENGTHS, num_kv_heads=3)
+    reference = exact(*case)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for library in (kernel, portable):
+        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("num_seqs", [1, 5, 40])
+def test_sequences_fewer_and_more_than_threads(kernel, num_threads, num_seqs):
+    """Fewer than 4 sequences per thread split sequences into single kv heads; more keep them
+    whole. Each thread's run of items (and its prefetches into the next item) must add up to
+    every head of every sequence exactly once."""
+    rng = random.Random(num_seqs)
+    lens = [rng.randrange(1, 90) for _ in range(num_seqs)]
+    case = case_of_lengths(num_seqs, torch.float32, 3, 64, 16, lens, num_kv_heads=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = run_kernel(kernel, case)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), exact(*case), atol=1e-5, rtol=0)
+
+
+def test_large_score_gaps_underflow_to_zero(kernel, portable):
+    """Scores far below the running max (e^x under float32's range, where the vector exp
+    clamps) weigh nothing, and a later, larger max rescales what came before."""
+    case = case_of_lengths(3, torch.float32, 3, 64, 16, [40, 9, 1], num_kv_heads=3)
+    q, key_cache = case[0], case[1]
+    q.mul_(30.0)  # scores of several hundred: differences well past -88
+    key_cache[case[3][0, 2]] *= 3.0  # the first sequence's max arrives in its third block
+    reference = exact(*case)
+    for library in (kernel, portable):
+        out = run_kernel(library, case)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=0)
 
 
 def test_block_size_below_a_chunk(kernel):
@@ -184,7 +263,7 @@ def test_build_key_follows_the_source(tmp_path, monkeypatch):
     assert cpu_paged_decode.build_key(compiler, (*cpu_paged_decode.FLAGS, "-DX")) != key
     library = cpu_paged_decode.build(compiler, tmp_path / "cache")
     assert library.name == f"paged_decode-{cpu_paged_decode.build_key(compiler)}.so"
-    assert cpu_paged_decode.open_library(library).vector_path() in (0, 1)
+    assert cpu_paged_decode.open_library(library).vector_path() in (0, 1, 2)
 
 
 FALLBACK_SCRIPT = """

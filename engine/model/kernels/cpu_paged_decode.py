@@ -87,7 +87,8 @@ def _load_once() -> ctypes.CDLL | None:
 def build(compiler: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The library built from SOURCE in cache_dir (built now unless already there).
 
-    extra_flags: e.g. ("-DPAGED_DECODE_PORTABLE",) for the plain-C path (tests)."""
+    extra_flags: e.g. ("-DPAGED_DECODE_PORTABLE",) for the plain-C path, or ("-mno-avx512f",)
+    for the AVX2 path on an AVX-512 CPU (tests, bench/paged_decode_kernel.py)."""
     flags = (*FLAGS, *extra_flags)
     library = cache_dir / f"paged_decode-{build_key(compiler, flags)}.so"
     if library.exists():

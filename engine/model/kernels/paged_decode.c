@@ -21,8 +21,13 @@
  *   softmax online: the chunk's max updates the head's running max, the older sum and output
  *           are rescaled by exp(old_max - new_max);
  *   values  out[g] += p[g][o] * v[o] with the output kept in registers across the chunk.
- * Without AVX-512 (or for head_dim not a multiple of 16) a portable loop does the same one
- * position at a time.
+ * With AVX2 + FMA but no AVX-512 the same scheme runs in chunks of 8 positions on 8-lane
+ * vectors (head_dim a multiple of 8): scores by fma on float32 (bf16 rows widened by a 16-bit
+ * left shift), dims as the outer loop so the 8 positions' sums are independent fma chains,
+ * a transpose-add by hadd, an exp without scalef (2^n built in the exponent bits), and output
+ * passes narrow enough for AVX2's 16 registers. Otherwise (no vector path, head_dim not a
+ * multiple of the lane count, or built with -DPAGED_DECODE_PORTABLE) a portable loop does the
+ * same one position at a time.
  *
  * Built by engine/model/kernels/cpu_paged_decode.py with gcc -O3 -march=native -fopenmp; the
  * bounds below are checked there before any call.
@@ -32,8 +37,12 @@
 #include <stdint.h>
 #include <string.h>
 
+/* VECTOR_PATH: 1 the AVX-512 path, 2 the AVX2 + FMA path, 0 only the portable loop. */
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_PORTABLE)
 #define VECTOR_PATH 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(PAGED_DECODE_PORTABLE)
+#define VECTOR_PATH 2
 #include <immintrin.h>
 #else
 #define VECTOR_PATH 0
@@ -133,7 +142,7 @@ static inline void prefetch_rows(const Args *a, int64_t start, int64_t count) {
     }
 }
 
-#if VECTOR_PATH
+#if VECTOR_PATH == 1
 
 static inline __m512 load16(const void *base, int64_t index, const int dtype) {
     if (dtype == DTYPE_BF16) {
@@ -420,7 +429,219 @@ static void attend_vector(const Args *a, int64_t item, int64_t end_item) {
         attend_item(a, item, end_item, DTYPE_F32, group, a->head_dim);
 }
 
-#endif /* VECTOR_PATH */
+#endif /* VECTOR_PATH == 1 */
+
+#if VECTOR_PATH == 2
+/* The AVX2 + FMA path: the AVX-512 path's scheme on 8-lane vectors, without bf16 pair
+ * instructions (bf16 rows are widened to float32) and with 16 vector registers instead of 32,
+ * which bounds how many output accumulators stay in registers. */
+
+#define CHUNK8 8 /* positions scored together: one 8-lane vector per query head */
+
+/* 8 elements from base[index] on as float32 (bf16: the 16 bits are the float's top half). */
+static inline __m256 load8(const void *base, int64_t index, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* lane i of the result = sum of the 8 lanes of rows[i]. hadd works inside 128-bit lanes:
+ * after two rounds the low half of `low` holds rows 0-3's sums over lanes 0-3 and its high
+ * half their sums over lanes 4-7 (likewise `high` for rows 4-7); one cross-lane add ends it. */
+static inline __m256 sum_rows8(const __m256 rows[CHUNK8]) {
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(rows[0], rows[1]),
+                                      _mm256_hadd_ps(rows[2], rows[3]));
+    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(rows[4], rows[5]),
+                                       _mm256_hadd_ps(rows[6], rows[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+static inline float max8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float add8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* e^x for x <= 0 (or -inf) in float32, the same Cephes polynomial as exp16. AVX2 has no
+ * scalef: 2^n is built in the exponent bits, which needs n >= -127; x is clamped at -88,
+ * where n = -127 gives the bits of 0.0f, so e^x below about -87.3 is 0 (as is e^-inf). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+/* Lane o: the unscaled score q . key[o] for rows o < count <= 8 (0 for later rows), float32
+ * fma on widened keys; each row gives a vector of 8 partial sums that sum_rows8 adds up.
+ * Dims are the outer loop: each query vector is loaded once for all rows, and the rows' sums
+ * are 8 independent fma chains (row by row, one chain of head_dim / 8 fmas waited on each
+ * fma's latency). */
+static inline __attribute__((always_inline)) __m256 chunk_scores8(
+    const void *keys, int64_t base, int64_t count, const float *query, const int dtype,
+    const int64_t head_dim) {
+    __m256 rows[CHUNK8];
+    for (int64_t o = 0; o < CHUNK8; ++o) rows[o] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 q = _mm256_load_ps(query + d);
+        for (int64_t o = 0; o < CHUNK8; ++o)
+            if (o < count)
+                rows[o] = _mm256_fmadd_ps(load8(keys, base + o * head_dim + d, dtype), q, rows[o]);
+    }
+    return sum_rows8(rows);
+}
+
+/* Scores (lanes past the chunk's end already -inf) -> probabilities against the head's
+ * updated running max (those lanes 0); returns the factor by which the head's earlier output
+ * and sum must be scaled (1 when the max held). */
+static inline float softmax_step8(__m256 scores, float *running_max, float *running_sum,
+                                  __m256 *probs) {
+    const float chunk_max = max8(scores);
+    float correction = 1.0f;
+    if (chunk_max > *running_max) {
+        correction = expf(*running_max - chunk_max);
+        *running_max = chunk_max;
+    }
+    *probs = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(*running_max)));
+    *running_sum = *running_sum * correction + add8(*probs);
+    return correction;
+}
+
+/* out[g] += p[g][o] * value[o] for o < n, float32 fma on widened values. Passes of `width`
+ * 8-dim vectors keep group * width accumulators, plus the group's broadcast probabilities, in
+ * the 16 registers. Row o of `future` (an element index, or -1) is prefetched along the way. */
+static inline __attribute__((always_inline)) void accumulate_values8(
+    const Args *a, int64_t base, int64_t n, float probs[][CHUNK8], const float *correction,
+    float acc[][MAX_HEAD_DIM], int64_t future, const int dtype, const int64_t group,
+    const int64_t head_dim) {
+    const void *values = a->value_cache;
+    const int64_t width = group == 1 ? 8 : group <= 3 ? 4 : group <= 6 ? 2 : 1;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * width) {
+        const int64_t num_vectors = (head_dim - d0) / 8 < width ? (head_dim - d0) / 8 : width;
+        __m256 out[MAX_GROUP][8];
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < num_vectors; ++w)
+                out[g][w] = _mm256_mul_ps(_mm256_load_ps(&acc[g][d0 + 8 * w]),
+                                          _mm256_set1_ps(correction[g]));
+        for (int64_t o = 0; o < n; ++o) {
+            if (d0 == 0) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
+            for (int64_t w = 0; w < num_vectors; ++w) {
+                const __m256 v = load8(values, base + o * head_dim + d0 + 8 * w, dtype);
+                for (int64_t g = 0; g < group; ++g)
+                    out[g][w] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][o]), v, out[g][w]);
+            }
+        }
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t w = 0; w < num_vectors; ++w)
+                _mm256_store_ps(&acc[g][d0 + 8 * w], out[g][w]);
+    }
+}
+
+/* One item, as attend_item (AVX-512) does it: block by block, the item's kv heads inside a
+ * block, chunks of up to 8 positions. Inlined with constant dtype, group and head_dim for the
+ * common shapes so the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_item8(
+    const Args *a, int64_t index, int64_t end_index, const int dtype, const int64_t group,
+    const int64_t head_dim) {
+    const Item item = item_of(a, index);
+    const int64_t num_heads = item.num_kv_heads * group; /* query heads, local index h * G + g */
+    const int64_t seq_len = a->seq_lens[item.seq], block_size = a->block_size;
+    const int64_t *blocks = a->block_table + item.seq * a->max_blocks;
+    const int64_t q_base = item.seq * a->q_stride + item.first_kv_head * group * head_dim;
+    float query[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float probs[MAX_GROUP][CHUNK8] __attribute__((aligned(32)));
+    float running_max[MAX_ITEM_HEADS], running_sum[MAX_ITEM_HEADS], correction[MAX_GROUP];
+    for (int64_t i = 0; i < num_heads; ++i) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+            query[i][d] = load_float(a->q, q_base + i * head_dim + d, dtype);
+            acc[i][d] = 0.0f;
+        }
+        running_max[i] = -INFINITY;
+        running_sum[i] = 0.0f;
+    }
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < num_blocks; ++j) {
+        const int64_t in_block = seq_len - j * block_size < block_size ? seq_len - j * block_size
+                                                                       : block_size;
+        for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+            const int64_t future = future_block(a, index, end_index, j + PREFETCH_AHEAD, h);
+            const int64_t block_start = block_base(a, blocks[j], item.first_kv_head + h);
+            for (int64_t start = 0; start < in_block; start += CHUNK8) {
+                const int64_t n = in_block - start < CHUNK8 ? in_block - start : CHUNK8;
+                const int64_t base = block_start + start * head_dim;
+                /* lanes o >= n hold no position: their score is -inf, so their weight is 0 */
+                const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t i = h * group + g;
+                    const __m256 s = _mm256_mul_ps(
+                        n == CHUNK8
+                            ? chunk_scores8(a->key_cache, base, CHUNK8, query[i], dtype, head_dim)
+                            : chunk_scores8(a->key_cache, base, n, query[i], dtype, head_dim),
+                        scale);
+                    __m256 p;
+                    correction[g] = softmax_step8(
+                        _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid), &running_max[i],
+                        &running_sum[i], &p);
+                    _mm256_store_ps(probs[g], p);
+                }
+                const int64_t future_rows = future < 0 ? -1 : future + start * head_dim;
+                accumulate_values8(a, base, n, probs, correction, &acc[h * group], future_rows,
+                                   dtype, group, head_dim);
+            }
+        }
+    }
+    const int64_t out_base = item.seq * a->out_stride + item.first_kv_head * group * head_dim;
+    for (int64_t i = 0; i < num_heads; ++i) {
+        const float inverse_sum = 1.0f / running_sum[i];
+        for (int64_t d = 0; d < head_dim; ++d)
+            store_float(a->out, out_base + i * head_dim + d, dtype, acc[i][d] * inverse_sum);
+    }
+}
+
+#define SHAPE8(DTYPE, GROUP, DIM)                                              \
+    if (a->dtype == DTYPE && group == GROUP && a->head_dim == DIM) {           \
+        attend_item8(a, item, end_item, DTYPE, GROUP, DIM);                    \
+        return;                                                                \
+    }
+#define SHAPES8(DTYPE)                                                         \
+    SHAPE8(DTYPE, 1, 64) SHAPE8(DTYPE, 2, 64) SHAPE8(DTYPE, 3, 64) SHAPE8(DTYPE, 4, 64)  \
+    SHAPE8(DTYPE, 8, 64) SHAPE8(DTYPE, 1, 128) SHAPE8(DTYPE, 2, 128) SHAPE8(DTYPE, 4, 128) \
+    SHAPE8(DTYPE, 8, 128)
+
+static void attend_vector8(const Args *a, int64_t item, int64_t end_item) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    SHAPES8(DTYPE_F32)
+    SHAPES8(DTYPE_BF16)
+    if (a->dtype == DTYPE_BF16)
+        attend_item8(a, item, end_item, DTYPE_BF16, group, a->head_dim);
+    else
+        attend_item8(a, item, end_item, DTYPE_F32, group, a->head_dim);
+}
+
+#endif /* VECTOR_PATH == 2 */
 
 /* One kv head of a sequence one position at a time, in plain C (any CPU, any head_dim). */
 static void attend_portable_head(const Args *a, int64_t seq, int64_t kv_head) {
@@ -467,9 +688,14 @@ static void attend_portable_head(const Args *a, int64_t seq, int64_t kv_head) {
 }
 
 static void attend(const Args *a, int64_t index, int64_t end_index) {
-#if VECTOR_PATH
+#if VECTOR_PATH == 1
     if (a->head_dim % 16 == 0) {
         attend_vector(a, index, end_index);
+        return;
+    }
+#elif VECTOR_PATH == 2
+    if (a->head_dim % 8 == 0) {
+        attend_vector8(a, index, end_index);
         return;
     }
 #endif
@@ -478,7 +704,8 @@ static void attend(const Args *a, int64_t index, int64_t end_index) {
         attend_portable_head(a, item.seq, item.first_kv_head + h);
 }
 
-/* 1 when this build uses the AVX-512 path for head_dim multiples of 16, else 0. */
+/* Which vector path this build has: 1 AVX-512 (head_dim multiples of 16), 2 AVX2 + FMA
+ * (head_dim multiples of 8), 0 none (the portable loop only). */
 int vector_path(void) { return VECTOR_PATH; }
 
 /* q [num_seqs, num_heads, head_dim] with q_stride elements between sequences; out likewise
