@@ -3,7 +3,7 @@
     .venv/bin/python bench/throughput.py [--num-prompts 64 --input-len 256 --output-len 128]
         [--max-num-seqs 32] [--dtype bfloat16] [--hf-batch-size 16] [--threads N]
 
-Workload (issue 3): SmolLM2-135M (the embedded GGUF), N prompts of random token ids (fresh
+Workload: SmolLM2-135M (the embedded GGUF), N prompts of random token ids (fresh
 per prompt, so nothing is reused from the prefix cache), EOS ignored so every request emits
 exactly output-len tokens, greedy. iterscope runs them through EngineCore (continuous batching,
 chunked prefill, at most max-num-seqs at once); transformers runs `generate` on batches of

@@ -77,7 +77,7 @@ def run_engine_core(
             core, model = build_engine_core(config, load_model, runner_class)
             core.publisher = _make_publisher(
                 config, core, config.served_model_name or model.config.name)
-        except Exception as error:  # a start-up failure the client must see (e.g. story 5)
+        except Exception as error:  # e.g. the KV cache cannot hold one max-length request
             outputs.send(encoder.encode(EngineFailed(f"{type(error).__name__}: {error}")))
             return
         ready = EngineReady(

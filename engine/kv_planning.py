@@ -5,7 +5,8 @@
 A request of L tokens holds ceil(L / block_size) whole blocks, so the memory one request at
 ``max_model_len`` needs is counted in whole blocks too. When that does not fit, start-up fails
 with the needed and available GiB, the largest max_model_len that would fit (binary search),
-and the two settings that fix it (USER_STORIES story 5).
+and the flags that fix it (--max-model-len, and --kv-cache-memory or, on CUDA,
+--gpu-memory-utilization).
 """
 
 from __future__ import annotations
