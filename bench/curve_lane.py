@@ -24,20 +24,17 @@ import zmq
 
 from telemetry.lane import curve
 from telemetry.lane.publisher import ZmqPublisher
-from telemetry.lane.record import IterationRecord
+from telemetry.lane.record import IterationRecord, iteration_record
 
 MODES = ("tcp", "tcp+curve")
 BATCH = 50  # records sent back to back, then a sleep that keeps the mean rate
 
 
 def decode_record() -> IterationRecord:
-    return IterationRecord(
-        engine_index=0, seq=0, iteration=1, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
-        num_context_reqs=0, num_context_tokens=0, num_generation_reqs=50,
-        num_generation_tokens=50, num_running_reqs=50, num_waiting_reqs=0,
-        num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0,
-        num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
-        num_prefix_query_tokens=0, num_prefix_hit_tokens=0, num_preemptions=0,
+    return iteration_record(
+        0, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_generation_reqs=50,
+        num_generation_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459, num_kv_tokens=56000,
     )
 
 

@@ -58,16 +58,13 @@ def best_ns_per_call(body, num_calls: int) -> float:
 
 
 def decode_record(iteration: int = 1000, milestones=()):
-    from telemetry.lane.record import IterationRecord
+    from telemetry.lane.record import iteration_record
 
-    return IterationRecord(
-        engine_index=0, seq=iteration, iteration=iteration, start_ns=time.monotonic_ns(),
-        elapsed_ns=10_250_000, num_context_reqs=0, num_context_tokens=0,
+    return iteration_record(
+        0, iteration, iteration, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
         num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
-        num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0,
-        num_waiting_budget_reqs=0, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
-        num_kv_tokens=56000, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
-        num_preemptions=0, milestones=list(milestones),
+        num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
+        milestones=list(milestones),
     )
 
 
@@ -75,6 +72,7 @@ def measure_nvtx_in_this_process() -> dict:
     """Engine markers and the NVTX sink, with whatever NVTX tool this process has."""
     from engine.nvtx_markers import NullMarkers, make_markers
     from telemetry.lane.record import make_encoder
+    from telemetry.sidecar.engine_view import EngineView
     from telemetry.sidecar.sinks.nvtx_ranges import NvtxSink
 
     def markers_loop(markers):
@@ -102,10 +100,11 @@ def measure_nvtx_in_this_process() -> dict:
     sink = NvtxSink(delay_ms=3_600_000)  # the pacer sleeps through the timed loops
     if sink.enabled:
         records = [decode_record(i) for i in range(20_000)]
+        engine = EngineView(0)
 
         def queue_loop(num_calls):
             for i in range(num_calls):
-                sink.on_iteration(records[i])
+                sink.on_iteration(records[i], engine)
 
         def draw_loop(num_calls):  # what the pacer thread does per record: open, then close
             for i in range(num_calls):
@@ -121,7 +120,8 @@ def measure_nvtx_in_this_process() -> dict:
 def measure_otel_sink() -> dict:
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from telemetry.lane.record import EVENT_FINISHED, Heartbeat, RequestMilestone
+    from telemetry.lane.record import EVENT_FINISHED, RequestMilestone, heartbeat
+    from telemetry.sidecar.engine_view import EngineView
     from telemetry.sidecar.sinks.otel import OtelSink
 
     class DiscardingExporter:
@@ -133,8 +133,10 @@ def measure_otel_sink() -> dict:
 
     sink = OtelSink(DiscardingExporter(), max_queue_size=1_000_000)
     now_ns = time.monotonic_ns()
-    sink.on_heartbeat(Heartbeat(engine_index=0, seq=1, ts_ns=now_ns, wall_ns=time.time_ns(),
-                                last_iteration=0, num_waiting_reqs=0, num_running_reqs=0))
+    engine, first_heartbeat = EngineView(0), heartbeat(0, 1, now_ns, time.time_ns())
+    engine.take_anchor(first_heartbeat)  # as Ingest hands a heartbeat to its sinks
+    sink.on_heartbeat(first_heartbeat, engine)
+    engine.apply_heartbeat(first_heartbeat)
     plain = decode_record()
     finished = decode_record(milestones=[RequestMilestone(
         request_id="r", event=EVENT_FINISHED, arrival_ns=now_ns, first_scheduled_ns=now_ns + 1,
@@ -146,7 +148,7 @@ def measure_otel_sink() -> dict:
     def loop(record):
         def body(num_calls):
             for _ in range(num_calls):
-                sink.on_iteration(record)
+                sink.on_iteration(record, engine)
         return body
 
     figures = {

@@ -33,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # prom_helpers: the sidecar the live tests start
@@ -54,8 +56,10 @@ from telemetry.lane.record import (  # noqa: E402
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    iteration_record,
     make_encoder,
 )
+from telemetry.lane.record import heartbeat as lane_heartbeat  # noqa: E402
 from telemetry.sidecar.engine_view import EngineView  # noqa: E402
 from telemetry.sidecar.ingest import Ingest  # noqa: E402
 from telemetry.sidecar.sinks.prometheus import HISTOGRAMS, WAITING_REASONS, PrometheusSink  # noqa: E402
@@ -102,26 +106,22 @@ def make_records(num_records: int, seed: int = 3) -> list[IterationRecord]:
                 num_output_tokens=OUTPUT_TOKENS, num_preemptions=rng.choice((0, 0, 0, 1)),
                 finish_reason=rng.choice((0, 1)),
             ))
-        records.append(IterationRecord(
-            engine_index=0, seq=iteration + iteration // 100, iteration=iteration,
-            start_ns=start_ns, elapsed_ns=elapsed_ns,
+        records.append(iteration_record(
+            0, iteration + iteration // 100, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
             num_context_reqs=int(num_context_tokens > 0), num_context_tokens=num_context_tokens,
             num_generation_reqs=NUM_RUNNING, num_generation_tokens=NUM_RUNNING,
             num_running_reqs=NUM_RUNNING + 1, num_waiting_reqs=3, num_waiting_kv_reqs=3,
-            num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=3500,
-            num_kv_blocks_free=65459, num_kv_tokens=56000,
+            num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
             num_prefix_query_tokens=num_context_tokens + 128 * (num_context_tokens > 0),
-            num_prefix_hit_tokens=128 * (num_context_tokens > 0), num_preemptions=0,
-            milestones=milestones,
+            num_prefix_hit_tokens=128 * (num_context_tokens > 0), milestones=milestones,
         ))
         start_ns += 12 * MS
     return records
 
 
 def first_heartbeat() -> Heartbeat:
-    return Heartbeat(engine_index=0, seq=1, ts_ns=10**12 - MS, wall_ns=time.time_ns(),
-                     last_iteration=0, num_waiting_reqs=0, num_running_reqs=0,
-                     model_name="bench", num_kv_blocks_total=68959, pid=1)
+    return lane_heartbeat(0, 1, 10**12 - MS, time.time_ns(), model_name="bench",
+                          num_kv_blocks_total=68959, pid=1)
 
 
 class NothingSink:
@@ -361,9 +361,7 @@ def measure_visibility(num_probes: int, background_rate: float) -> dict:
         time.sleep(1.0)  # connected, first heartbeats in
         template = make_records(1)[0]
         for probe in range(1, num_probes + 1):
-            record = IterationRecord(**{**{f: getattr(template, f) for f in
-                                           template.__struct_fields__},
-                                        "engine_index": 1, "iteration": probe})
+            record = msgspec.structs.replace(template, engine_index=1, iteration=probe)
             start = time.perf_counter()
             publisher.publish(record)
             while True:

@@ -26,7 +26,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.lane.record import Heartbeat, IterationRecord, make_encoder  # noqa: E402
+from telemetry.lane.record import heartbeat, iteration_record, make_encoder  # noqa: E402
 from telemetry.sidecar.ingest import Ingest, Sidecar  # noqa: E402
 from telemetry.sidecar.sinks.jsonl import JsonlSink  # noqa: E402
 from telemetry.sidecar.sinks.log import LogSink  # noqa: E402
@@ -41,14 +41,15 @@ def make_frames(num_records: int) -> list[bytes]:
         start_ns += 10_000_000
         if iteration % 1000 == 1:
             seq += 1
-            frames.append(encoder.encode(Heartbeat(
-                0, seq, start_ns, start_ns + WALL_OFFSET_NS, iteration - 1, 0, 50,
-                device_name="CPU")))
+            frames.append(encoder.encode(heartbeat(
+                0, seq, start_ns, start_ns + WALL_OFFSET_NS, last_iteration=iteration - 1,
+                num_running_reqs=50, device_name="CPU")))
         seq += 1
         running = 48 + iteration % 5
-        frames.append(encoder.encode(IterationRecord(
-            0, seq, iteration, start_ns, 9_000_000, 0, 0, running, running, running, 0, 0, 0,
-            0, 3500, 65459, 56000, 0, 0, 0)))
+        frames.append(encoder.encode(iteration_record(
+            0, seq, iteration, start_ns=start_ns, elapsed_ns=9_000_000,
+            num_generation_reqs=running, num_generation_tokens=running, num_running_reqs=running,
+            num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000)))
     return frames
 
 

@@ -242,7 +242,7 @@ def test_kv_blocked_panel_threshold_is_the_alert_share():
 def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):
     """The runbook tells operators to look for the sidecar's ERROR lines: quote them as the
     sidecar and its log sink write them today (pids as in the runbook's example)."""
-    from telemetry.lane.record import Heartbeat
+    from telemetry.lane.record import heartbeat as lane_heartbeat
     from telemetry.sidecar.ingest import Ingest
     from telemetry.sidecar.sinks.log import LogSink
 
@@ -251,10 +251,7 @@ def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):
     ingest = Ingest([log_sink])
     with caplog.at_level(logging.ERROR, logger="iterscope.sidecar"):
         for seq, pid in ((1, 4123), (1, 4871), (2, 4123)):  # two live processes, one index
-            heartbeat = Heartbeat(
-                engine_index=0, seq=seq, ts_ns=seq, wall_ns=seq, last_iteration=0,
-                num_waiting_reqs=0, num_running_reqs=0, pid=pid,
-            )
+            heartbeat = lane_heartbeat(0, seq, seq, seq, pid=pid)
             ingest.on_message(heartbeat, now_ns=seq)
     log_sink.tick(20 * 10**9)
     sidecar_lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

@@ -14,7 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from telemetry.lane import curve
 from telemetry.lane.publisher import ZmqPublisher
-from telemetry.lane.record import IterationRecord, make_decoder
+from telemetry.lane.record import IterationRecord, iteration_record, make_decoder
 
 DEADLINE_S = 15.0
 HANDSHAKE_FAILED_EVENTS = (
@@ -25,14 +25,10 @@ HANDSHAKE_FAILED_EVENTS = (
 
 
 def record(engine_index: int) -> IterationRecord:
-    return IterationRecord(
-        engine_index=engine_index, seq=0, iteration=1, start_ns=time.monotonic_ns(),
-        elapsed_ns=1_000_000, num_context_reqs=0, num_context_tokens=0,
+    return iteration_record(
+        engine_index, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=1_000_000,
         num_generation_reqs=1, num_generation_tokens=1, num_running_reqs=1,
-        num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0,
-        num_waiting_budget_reqs=0, num_kv_blocks_used=1, num_kv_blocks_free=9,
-        num_kv_tokens=16, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
-        num_preemptions=0,
+        num_kv_blocks_used=1, num_kv_blocks_free=9, num_kv_tokens=16,
     )
 
 

@@ -13,7 +13,7 @@ from sink_feed import send
 from test_sidecar_engine import synthetic_record
 
 from telemetry.analysis.explain import read_timelines
-from telemetry.lane.record import Heartbeat, IterationRecord, Message, RequestMilestone
+from telemetry.lane.record import Heartbeat, IterationRecord, Message, RequestMilestone, heartbeat
 from telemetry.lane.recording import read_recording, recording_files
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.replay import replay
@@ -34,10 +34,9 @@ def run_messages(num_engines=2, seconds=25, seed=1):
             t_ns = SECOND + step * SECOND // 20 + engine_index * 7_000_000
             if step % 20 == 0:
                 seq += 1
-                messages.append(Heartbeat(
-                    engine_index=engine_index, seq=seq, ts_ns=t_ns, wall_ns=t_ns + OFFSET_NS,
-                    last_iteration=step, num_waiting_reqs=1, num_running_reqs=4,
-                    device_name="CPU",
+                messages.append(heartbeat(
+                    engine_index, seq, t_ns, t_ns + OFFSET_NS, last_iteration=step,
+                    num_waiting_reqs=1, num_running_reqs=4, device_name="CPU",
                 ))
             seq += 1
             message = synthetic_record(engine_index, step + 1, t_ns, 40_000_000)

@@ -6,6 +6,7 @@ from sink_feed import send
 from test_sidecar_engine import synthetic_record
 
 from telemetry.lane.record import Heartbeat
+from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
@@ -27,10 +28,9 @@ class Lines:
 
 def heartbeat(engine_index, wall_s, running=0, waiting=0, device="GPU", seq=1):
     wall_ns = int(wall_s * SECOND)
-    return Heartbeat(
-        engine_index=engine_index, seq=seq, ts_ns=wall_ns - CLOCK_OFFSET_NS, wall_ns=wall_ns,
-        last_iteration=0, num_waiting_reqs=waiting, num_running_reqs=running,
-        device_name=device,
+    return lane_heartbeat(
+        engine_index, seq, wall_ns - CLOCK_OFFSET_NS, wall_ns,
+        num_waiting_reqs=waiting, num_running_reqs=running, device_name=device,
     )
 
 

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from engine.nvtx_markers import NullMarkers, make_markers
-from telemetry.lane.record import IterationRecord
+from telemetry.lane.record import IterationRecord, iteration_record
 from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks import nvtx_ranges
@@ -95,15 +95,13 @@ def make_records(num_records: int, engine_index: int = 0,
     """Iterations every 20 ms, each ``elapsed_ns`` (+ 1 us per iteration) long."""
     records = []
     for i in range(1, num_records + 1):
-        records.append(IterationRecord(
-            engine_index=engine_index, seq=i, iteration=100 + i, start_ns=i * 20_000_000,
+        records.append(iteration_record(
+            engine_index, i, 100 + i, start_ns=i * 20_000_000,
             elapsed_ns=elapsed_ns + i * 1000, num_context_reqs=i % 2,
             num_context_tokens=(i % 2) * 512, num_generation_reqs=i, num_generation_tokens=i,
-            num_running_reqs=i + i % 2, num_waiting_reqs=7 - i % 7, num_waiting_kv_reqs=0,
-            num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0,
+            num_running_reqs=i + i % 2, num_waiting_reqs=7 - i % 7,
             num_kv_blocks_used=100 * i, num_kv_blocks_free=5000 - 100 * i,
-            num_kv_tokens=1600 * i, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
-            num_preemptions=0,
+            num_kv_tokens=1600 * i,
         ))
     return records
 

@@ -28,7 +28,9 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    iteration_record,
 )
+from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.sinks import otel
 from telemetry.sidecar.sinks.otel import IterationSampling, OtelSink, make_exporter
 
@@ -136,27 +138,20 @@ def receiver():
 
 # --- synthetic records --------------------------------------------------------------------
 def heartbeat(engine_index: int = 0) -> Heartbeat:
-    return Heartbeat(
-        engine_index=engine_index, seq=1, ts_ns=MONO_BASE_NS,
-        wall_ns=MONO_BASE_NS + WALL_OFFSET_NS, last_iteration=0, num_waiting_reqs=0,
-        num_running_reqs=0, model_name="SmolLM2-135M", device_name="CPU",
-        block_size=16, num_kv_blocks_total=1000,
+    return lane_heartbeat(
+        engine_index, 1, MONO_BASE_NS, MONO_BASE_NS + WALL_OFFSET_NS,
+        model_name="SmolLM2-135M", device_name="CPU", block_size=16, num_kv_blocks_total=1000,
     )
 
 
 def record(iteration: int, milestones=(), engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
-        engine_index=engine_index, seq=iteration, iteration=iteration,
         start_ns=MONO_BASE_NS + iteration * 10_000_000, elapsed_ns=9_000_000,
-        num_context_reqs=0, num_context_tokens=0, num_generation_reqs=2,
-        num_generation_tokens=2, num_running_reqs=2, num_waiting_reqs=0,
-        num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0,
+        num_generation_reqs=2, num_generation_tokens=2, num_running_reqs=2,
         num_kv_blocks_used=100, num_kv_blocks_free=900, num_kv_tokens=1600,
-        num_prefix_query_tokens=0, num_prefix_hit_tokens=0, num_preemptions=0,
         milestones=list(milestones),
     )
-    fields.update(overrides)
-    return IterationRecord(**fields)
+    return iteration_record(engine_index, iteration, iteration, **{**fields, **overrides})
 
 
 def finished(request_id: str, traceparent: str = "", base_ns: int = MONO_BASE_NS):

@@ -22,6 +22,8 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    heartbeat,
+    iteration_record,
 )
 from telemetry.sidecar.histogram import MAX_COUNT_INDEX, Histogram
 from telemetry.sidecar.metrics_http import metrics_url
@@ -63,26 +65,23 @@ ENGINE0 = {"engine": "0", "model_name": "tiny"}
 
 def make_record(iteration: int, engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
-        engine_index=engine_index, seq=iteration, iteration=iteration,
         start_ns=1_000 * MS + iteration * 10 * MS, elapsed_ns=8 * MS,
         num_context_reqs=1, num_context_tokens=100, num_generation_reqs=4,
         num_generation_tokens=4, num_running_reqs=5, num_waiting_reqs=3,
-        num_waiting_kv_reqs=2, num_waiting_seq_limit_reqs=1, num_waiting_budget_reqs=0,
+        num_waiting_kv_reqs=2, num_waiting_seq_limit_reqs=1,
         num_kv_blocks_used=25, num_kv_blocks_free=75, num_kv_tokens=390,
         num_prefix_query_tokens=100, num_prefix_hit_tokens=32, num_preemptions=1,
     )
-    fields.update(overrides)
-    return IterationRecord(**fields)
+    return iteration_record(engine_index, iteration, iteration, **{**fields, **overrides})
 
 
-def make_heartbeat(engine_index: int = 0, pid: int = 42, **overrides) -> Heartbeat:
+def make_heartbeat(
+    engine_index: int = 0, pid: int = 42, ts_ns: int = 500 * MS, **overrides
+) -> Heartbeat:
     fields = dict(
-        engine_index=engine_index, seq=0, ts_ns=500 * MS, wall_ns=1_700_000_000 * 10**9,
-        last_iteration=0, num_waiting_reqs=0, num_running_reqs=0, model_name="tiny",
-        device_name="CPU", block_size=16, num_kv_blocks_total=100, pid=pid,
+        model_name="tiny", device_name="CPU", block_size=16, num_kv_blocks_total=100, pid=pid,
     )
-    fields.update(overrides)
-    return Heartbeat(**fields)
+    return heartbeat(engine_index, 0, ts_ns, 1_700_000_000 * 10**9, **{**fields, **overrides})
 
 
 def make_milestone(event: int, **overrides) -> RequestMilestone:

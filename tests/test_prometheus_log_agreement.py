@@ -18,7 +18,13 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.lane.record import Heartbeat, IterationRecord, make_encoder
+from telemetry.lane.record import (
+    Heartbeat,
+    IterationRecord,
+    heartbeat,
+    iteration_record,
+    make_encoder,
+)
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
@@ -41,22 +47,19 @@ def synthetic_stream(duration_s: float, seed: int = 7) -> list[IterationRecord |
         now_ns = MONO_BASE_NS + step * 20_000_000
         seq += 1
         if step % 50 == 0:
-            messages.append(Heartbeat(
-                engine_index=0, seq=seq, ts_ns=now_ns,
-                wall_ns=now_ns - MONO_BASE_NS + WALL_BASE_NS,
+            messages.append(heartbeat(
+                0, seq, now_ns, now_ns - MONO_BASE_NS + WALL_BASE_NS,
                 last_iteration=iteration, num_waiting_reqs=1, num_running_reqs=8,
                 model_name="tiny", device_name="CPU", num_kv_blocks_total=1000, pid=1,
             ))
             seq += 1
         iteration += 1
-        messages.append(IterationRecord(
-            engine_index=0, seq=seq, iteration=iteration, start_ns=now_ns + 1_000_000,
+        messages.append(iteration_record(
+            0, seq, iteration, start_ns=now_ns + 1_000_000,
             elapsed_ns=15_000_000, num_context_reqs=1, num_context_tokens=rng.randint(0, 512),
             num_generation_reqs=8, num_generation_tokens=rng.randint(0, 64),
             num_running_reqs=8, num_waiting_reqs=1, num_waiting_kv_reqs=1,
-            num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=300,
-            num_kv_blocks_free=700, num_kv_tokens=4800, num_prefix_query_tokens=0,
-            num_prefix_hit_tokens=0, num_preemptions=0,
+            num_kv_blocks_used=300, num_kv_blocks_free=700, num_kv_tokens=4800,
         ))
     return messages
 

@@ -11,23 +11,21 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    heartbeat,
+    iteration_record,
     make_decoder,
     make_encoder,
 )
 
 
-def decode_record(**overrides) -> IterationRecord:
+def decode_record(seq: int = 0, iteration: int = 123_000, **overrides) -> IterationRecord:
+    """A steady-state decode iteration: 50 running requests, one token each."""
     fields = dict(
-        engine_index=0, seq=0, iteration=123_000, start_ns=time.monotonic_ns(),
-        elapsed_ns=10_250_000, num_context_reqs=0, num_context_tokens=0,
-        num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
-        num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0,
-        num_waiting_budget_reqs=0, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
-        num_kv_tokens=56000, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
-        num_preemptions=0,
+        start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_generation_reqs=50,
+        num_generation_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459, num_kv_tokens=56000,
     )
-    fields.update(overrides)
-    return IterationRecord(**fields)
+    return iteration_record(0, seq, iteration, **{**fields, **overrides})
 
 
 def test_steady_state_decode_record_fits_96_bytes():
@@ -49,6 +47,34 @@ def test_round_trip_with_milestone_and_tag_first():
 
 def test_other_schema_version_is_rejected():
     frame = msgspec.msgpack.encode([TAG_ITERATION + 16, 0, 1])
+    with pytest.raises(msgspec.ValidationError):
+        make_decoder().decode(frame)
+
+
+def test_factories_leave_every_unnamed_count_zero():
+    record = iteration_record(2, 7, 9, num_kv_tokens=16)
+    assert (record.engine_index, record.seq, record.iteration) == (2, 7, 9)
+    assert record.num_kv_tokens == 16
+    assert record.num_running_reqs == record.elapsed_ns == record.unknown == 0
+    assert record.milestones == []
+    beat = heartbeat(2, 7, 100, 200, num_running_reqs=4, model_name="m")
+    assert (beat.ts_ns, beat.wall_ns, beat.num_running_reqs, beat.model_name) == (100, 200, 4, "m")
+    assert beat.last_iteration == beat.num_waiting_reqs == beat.block_size == 0
+
+
+def test_factories_reject_a_misspelt_field():
+    with pytest.raises(TypeError):
+        iteration_record(0, 1, 1, num_kv_token=16)
+    with pytest.raises(TypeError):
+        heartbeat(0, 1, 1, 1, num_running=4)
+
+
+@pytest.mark.parametrize("message", [iteration_record(0, 1, 1), heartbeat(0, 1, 1, 1)])
+def test_a_frame_cut_short_is_rejected_not_filled_with_zeros(message):
+    """The factories' defaults must not become Struct defaults: msgspec would fill the
+    missing trailing elements of a short frame with them and accept it."""
+    elements = msgspec.msgpack.decode(make_encoder().encode(message))
+    frame = msgspec.msgpack.encode(elements[:5])
     with pytest.raises(msgspec.ValidationError):
         make_decoder().decode(frame)
 

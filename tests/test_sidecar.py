@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sidecar_engine import synthetic_record
 
-from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION, Heartbeat, make_encoder
+from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION, make_encoder
+from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.ingest import Ingest, Sidecar, check_address
 from telemetry.sidecar.sink import EngineStatus, Sink
 
@@ -65,8 +66,8 @@ def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
 
 def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0,
               pid=0):
-    return Heartbeat(
-        engine_index=engine_index, seq=seq, ts_ns=seq, wall_ns=seq, last_iteration=last_iteration,
+    return lane_heartbeat(
+        engine_index, seq, seq, seq, last_iteration=last_iteration,
         num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped, pid=pid,
     )
 

@@ -30,7 +30,11 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
-from telemetry.lane.record import IterationRecord, make_decoder  # noqa: E402
+from telemetry.lane.record import (  # noqa: E402
+    IterationRecord,
+    iteration_record,
+    make_decoder,
+)
 
 SCRIPT = Path(__file__).resolve()
 
@@ -38,15 +42,12 @@ SCRIPT = Path(__file__).resolve()
 def synthetic_record(engine_index: int, iteration: int, start_ns: int, elapsed_ns: int,
                      num_running_reqs: int = 8, num_waiting_reqs: int = 2) -> IterationRecord:
     """A steady decode iteration: one generation token per running request."""
-    return IterationRecord(
-        engine_index=engine_index, seq=0, iteration=iteration, start_ns=start_ns,
-        elapsed_ns=elapsed_ns, num_context_reqs=0, num_context_tokens=0,
+    return iteration_record(
+        engine_index, 0, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
         num_generation_reqs=num_running_reqs, num_generation_tokens=num_running_reqs,
         num_running_reqs=num_running_reqs, num_waiting_reqs=num_waiting_reqs,
-        num_waiting_kv_reqs=num_waiting_reqs, num_waiting_seq_limit_reqs=0,
-        num_waiting_budget_reqs=0, num_kv_blocks_used=100, num_kv_blocks_free=900,
-        num_kv_tokens=1600, num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
-        num_preemptions=0,
+        num_waiting_kv_reqs=num_waiting_reqs, num_kv_blocks_used=100, num_kv_blocks_free=900,
+        num_kv_tokens=1600,
     )
 
 

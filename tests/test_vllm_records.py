@@ -22,11 +22,11 @@ from telemetry.lane.record import (
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
     UNKNOWN_WAITING_REASONS,
-    Heartbeat,
     IterationRecord,
     make_decoder,
     make_encoder,
 )
+from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from telemetry.sources.vllm_records import RecordMaker, milestone, num_in_flight
@@ -133,9 +133,7 @@ def test_a_vllm_request_becomes_a_trace_with_its_phases():
     try:
         sink = http_sink(receiver.endpoint)
         maker = RecordMaker(0, 11)
-        send(sink, Heartbeat(engine_index=0, seq=1, ts_ns=time.monotonic_ns(),
-                             wall_ns=time.time_ns(), last_iteration=0, num_waiting_reqs=0,
-                             num_running_reqs=1))
+        send(sink, lane_heartbeat(0, 1, time.monotonic_ns(), time.time_ns(), num_running_reqs=1))
         send(sink, maker.make(scheduler_stats(), iteration_stats(finished=[finished()])))
         sink.close()
         spans = receiver.wait_for(4)
@@ -193,8 +191,7 @@ def test_prometheus_shows_unknown_fields_as_absent_or_unknown():
 
 def test_tune_refuses_untimed_records_and_names_the_vllm_flag():
     records = [unknown_record() for _ in range(20)]
-    heartbeat = Heartbeat(engine_index=0, seq=1, ts_ns=1, wall_ns=1, last_iteration=0,
-                          num_waiting_reqs=0, num_running_reqs=0)
+    heartbeat = lane_heartbeat(0, 1, 1, 1)
     with pytest.raises(ValueError, match="--enable-logging-iteration-details"):
         fit_iteration_time(EngineTimeline(0, records, [heartbeat]))
 
@@ -209,9 +206,8 @@ def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
         record = unknown_record(running=2, waiting=3, skipped=0, usage=0.9)
         record.iteration, record.start_ns = i + 1, i * 50_000_000
         records.append(record)
-    heartbeat = Heartbeat(engine_index=0, seq=1, ts_ns=0, wall_ns=10**18, last_iteration=0,
-                          num_waiting_reqs=3, num_running_reqs=2, block_size=16,
-                          num_kv_blocks_total=10)
+    heartbeat = lane_heartbeat(0, 1, 0, 10**18, num_waiting_reqs=3, num_running_reqs=2,
+                               block_size=16, num_kv_blocks_total=10)
     timeline = EngineTimeline(0, records, [heartbeat])
     episodes = detect_episodes(timeline, Thresholds())
     kinds = {episode.kind for episode in episodes}

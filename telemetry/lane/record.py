@@ -20,11 +20,19 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   The field is last, so frames without it (older senders) decode with ``unknown`` = 0.
+
+Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
+sets and make every other count 0. The defaults live in these factories, not on the Structs:
+msgspec fills the missing trailing elements of an array-like frame with the Struct's defaults,
+so a default on every count would let a frame cut short after its first elements decode as a
+valid message instead of being rejected as malformed. The counts stay required on the wire;
+only the trailing fields that were already optional there (``num_dropped``, ``milestones``,
+``unknown``, the Heartbeat's static facts) keep Struct defaults.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -140,6 +148,31 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
 
 
 Message = IterationRecord | Heartbeat
+
+
+def _required_zeros(struct_type: type[msgspec.Struct], named: int) -> dict[str, int]:
+    """0 for each required field after the first ``named`` (which the factory takes itself)."""
+    fields = [field.name for field in msgspec.structs.fields(struct_type) if field.required]
+    return dict.fromkeys(fields[named:], 0)
+
+
+_ITERATION_ZEROS = _required_zeros(IterationRecord, 3)
+_HEARTBEAT_ZEROS = _required_zeros(Heartbeat, 4)
+
+
+def iteration_record(engine_index: int, seq: int, iteration: int, **fields: Any) -> IterationRecord:
+    """An IterationRecord with ``fields`` set and every other count 0 (no milestones).
+
+    A misspelt field name raises TypeError, as the constructor does. The engine core (and the
+    publisher, for heartbeats) calls the constructor instead: it sets every field anyway, and
+    the dict merge here would cost it several times the constructor call.
+    """
+    return IterationRecord(engine_index, seq, iteration, **{**_ITERATION_ZEROS, **fields})
+
+
+def heartbeat(engine_index: int, seq: int, ts_ns: int, wall_ns: int, **fields: Any) -> Heartbeat:
+    """A Heartbeat with ``fields`` set and every other count 0 (facts empty)."""
+    return Heartbeat(engine_index, seq, ts_ns, wall_ns, **{**_HEARTBEAT_ZEROS, **fields})
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

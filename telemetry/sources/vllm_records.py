@@ -41,6 +41,7 @@ from telemetry.lane.record import (
     UNKNOWN_WAITING_REASONS,
     IterationRecord,
     RequestMilestone,
+    iteration_record,
 )
 
 NS_PER_S = 1_000_000_000
@@ -112,13 +113,8 @@ class RecordMaker:
 
 def _blank_record(engine_index: int, iteration: int, end_ns: int) -> IterationRecord:
     """A record of nothing, ending at ``end_ns``; every field vLLM never gives is unknown."""
-    return IterationRecord(
-        engine_index=engine_index, seq=0, iteration=iteration, start_ns=end_ns, elapsed_ns=0,
-        num_context_reqs=0, num_context_tokens=0, num_generation_reqs=0,
-        num_generation_tokens=0, num_running_reqs=0, num_waiting_reqs=0, num_waiting_kv_reqs=0,
-        num_waiting_seq_limit_reqs=0, num_waiting_budget_reqs=0, num_kv_blocks_used=0,
-        num_kv_blocks_free=0, num_kv_tokens=0, num_prefix_query_tokens=0,
-        num_prefix_hit_tokens=0, num_preemptions=0,
+    return iteration_record(
+        engine_index, 0, iteration, start_ns=end_ns,
         unknown=UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS,
     )
 
