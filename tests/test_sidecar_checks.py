@@ -12,6 +12,7 @@ from telemetry.lane.record import MAX_ENGINE_INDEX
 from telemetry.sidecar.engine_state import MAX_IN_TRANSIT
 from telemetry.sidecar.ingest import DEFAULT_MAX_ENGINES, GUARD_FRAME_BYTES, Ingest, Sidecar
 from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 SECOND = 1_000_000_000
@@ -41,11 +42,11 @@ def with_seq(message, seq, num_dropped):
     return message
 
 
-def prometheus_ingest(**kwargs):
+def prometheus_ingest(*more_sinks, **kwargs):
     registry = CollectorRegistry()
     sink = PrometheusSink(registry)
     recorder = RecordingSink()
-    return Ingest([sink, recorder], **kwargs), registry, recorder
+    return Ingest([sink, recorder, *more_sinks], **kwargs), registry, recorder
 
 
 def scrape_text(registry) -> str:
@@ -147,6 +148,97 @@ def test_max_engines_is_a_bound_and_must_be_positive():
     assert sorted(ingest.engines) == [0, 1] and ingest.stats.num_rejected["engine_limit"] == 3
     with pytest.raises(ValueError, match="max_engines"):
         Ingest([], max_engines=0)
+
+
+class Deployment:
+    """Engines on one sidecar, each heartbeating once a second while alive; ``now_ns`` is
+    the ingest clock, ticked ten times a second as the live sidecar does."""
+
+    def __init__(self, ingest):
+        self.ingest = ingest
+        self.seqs: dict[int, int] = {}
+        self.now_ns = 0
+
+    def beat(self, engine_index):
+        self.seqs[engine_index] = self.seqs.get(engine_index, 0) + 1
+        self.ingest.on_frame(encode(heartbeat(self.seqs[engine_index], engine_index)),
+                             self.now_ns)
+
+    def run_for(self, seconds, alive=()):
+        for step in range(10 * seconds):
+            self.now_ns += SECOND // 10
+            if step % 10 == 0:
+                for engine_index in alive:
+                    self.beat(engine_index)
+            self.ingest.tick(self.now_ns)
+
+
+def engines_in(text: str) -> set[str]:
+    return {line.split('engine="', 1)[1].split('"', 1)[0]
+            for line in text.splitlines() if line.startswith("iterscope_records_received")}
+
+
+def test_a_long_dead_engine_gives_its_place_to_a_new_one_and_its_series_go():
+    lines = []
+    ingest, registry, recorder = prometheus_ingest(
+        LogSink(emit=lambda level, text: lines.append(text)), max_engines=2)
+    deployment = Deployment(ingest)
+    deployment.run_for(3, alive=(0, 1))
+    deployment.run_for(200, alive=(0,))  # engine 1 killed: dead, but not for long
+    deployment.beat(2)
+    assert sorted(ingest.engines) == [0, 1] and ingest.stats.num_rejected["engine_limit"] == 1
+    assert engines_in(scrape_text(registry)) == {"0", "1"}
+    deployment.run_for(100, alive=(0,))  # its last beat 301 s ago: over --evict-after
+    deployment.beat(2)
+    assert sorted(ingest.engines) == [0, 2] and ingest.stats.num_rejected["engine_limit"] == 1
+    assert engines_in(scrape_text(registry)) == {"0", "2"}
+    removed = [line for line in lines if "no longer tracked" in line]
+    assert removed == ["Engine 001: no longer tracked (dead, no message for 301 s): its place "
+                       "went to a new engine (--max-engines)"]
+    # Engine 1 comes back: no place is free (0 and 2 live), so it is rejected, not admitted.
+    deployment.beat(1)
+    assert sorted(ingest.engines) == [0, 2] and ingest.stats.num_rejected["engine_limit"] == 2
+
+
+def test_the_iterations_of_a_removed_engine_still_get_their_log_line():
+    lines = []
+    ingest, _, _ = prometheus_ingest(
+        LogSink(interval_s=3600, emit=lambda level, text: lines.append(text)), max_engines=2)
+    deployment = Deployment(ingest)
+    deployment.beat(0)
+    ingest.on_frame(encode(record(2)), deployment.now_ns)
+    deployment.run_for(301, alive=(1,))  # engine 1 keeps the hour-long window open
+    deployment.beat(2)  # takes engine 0's place
+    assert sorted(ingest.engines) == [1, 2]
+    ingest.close()
+    assert [line for line in lines if line.startswith("Engine 000: Avg prompt")]
+
+
+def test_a_live_engine_is_never_evicted_however_long_it_runs():
+    ingest, registry, _ = prometheus_ingest(max_engines=2)
+    deployment = Deployment(ingest)
+    deployment.run_for(900, alive=(0, 1))
+    for new_index in range(2, 50):
+        deployment.beat(new_index)
+    assert sorted(ingest.engines) == [0, 1]
+    assert ingest.stats.num_rejected["engine_limit"] == 48
+    assert engines_in(scrape_text(registry)) == {"0", "1"}
+
+
+def test_an_evicted_engine_that_comes_back_is_met_anew_with_an_exact_gap():
+    ingest, _, recorder = prometheus_ingest(max_engines=1, evict_after_s=5)
+    deployment = Deployment(ingest)
+    deployment.run_for(2, alive=(0,))
+    deployment.run_for(10)  # engine 0 silent (frozen, say): dead, then evictable
+    deployment.beat(1)
+    assert sorted(ingest.engines) == [1]
+    deployment.run_for(10, alive=(1,))
+    deployment.run_for(10)
+    deployment.seqs[0] += 3  # three sends engine 0 could not make meanwhile
+    deployment.beat(0)
+    assert sorted(ingest.engines) == [0] and recorder.of("dropped") == [(0, 3)]
+    with pytest.raises(ValueError, match="evict_after_s"):
+        Ingest([], dead_after_s=2.5, evict_after_s=1)
 
 
 def test_the_socket_guard_cuts_an_oversize_sender_off_and_the_disconnect_is_counted(tmp_path):
