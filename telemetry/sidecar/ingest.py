@@ -161,7 +161,10 @@ class Ingest:
 
     def count_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender whose frame was over it (ZMQ tells the two apart to no one)."""
+        off a sender whose frame was over GUARD_FRAME_BYTES. libzmq's monitor reports both
+        with the same event and no reason (tests/test_sidecar_checks.py checks it), so a
+        guard's frame is counted here and not as undecodable 'oversized'; an engine's own
+        frame is also the seq gap its next message reports."""
         self.stats.num_lane_disconnects += 1
         self._call_sinks("on_lane_disconnect")
 
@@ -376,8 +379,9 @@ class Sidecar:
             configure_server(self._socket, curve_keys_dir)
         self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Memory guard: a peer sending frames far above the oversize limit is disconnected.
-        # ZMQ drops that frame without a word; the disconnect is what can be counted.
+        # Memory guard: a peer sending frames far above the oversize limit is disconnected
+        # as soon as the frame's size is read. ZMQ drops that frame without a word; the
+        # disconnect is what can be counted (see count_lane_disconnect).
         self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if bind:

@@ -101,7 +101,8 @@ class Sink:
 
     def on_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender of an over-size frame."""
+        off a sender of a frame over 16 MiB (ZMQ says nothing else of that frame: it is
+        neither passed to ``on_undecodable`` nor seen at all)."""
 
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""
