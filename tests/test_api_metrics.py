@@ -20,6 +20,7 @@ from test_serve import PLAIN_TEMPLATE, ScriptedClient, TemplateTokenizer
 from engine.entrypoints import api_metrics
 from engine.entrypoints.serve import TINY_MODEL, Frontend, build_app
 from telemetry.sidecar.metrics_http import serve_metrics
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 
 
 @pytest.fixture
@@ -102,7 +103,8 @@ def test_requests_are_counted_by_route_template_status_class_and_method(sidecar,
                   "http_request_duration_highr_seconds_count") == {(): sum(expected.values())}
     assert values(found["vllm:num_requests_running"], "vllm:num_requests_running") == {
         (("model_name", "tiny"),): 2}
-    assert values(found["iterscope_sidecar_up"], "iterscope_sidecar_up") == {(): 1}
+    assert values(found["iterscope_api_sidecar_reachable"],
+                  "iterscope_api_sidecar_reachable") == {(): 1}
 
 
 def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
@@ -116,7 +118,8 @@ def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
         http = TestClient(app)
         assert http.get("/v1/models").status_code == 200
         found = families(http.get("/metrics"))
-        assert values(found["iterscope_sidecar_up"], "iterscope_sidecar_up") == {(): 0}, url
+        assert values(found["iterscope_api_sidecar_reachable"],
+                      "iterscope_api_sidecar_reachable") == {(): 0}, url
         assert values(found["http_requests"], "http_requests_total") == {
             (("handler", "/v1/models"), ("method", "GET"), ("status", "2xx")): 1}
         assert "vllm:num_requests_running" not in found
@@ -178,3 +181,27 @@ def test_where_the_sidecar_metrics_come_from():
     with pytest.raises(ValueError, match="http:// or https://"):
         api_metrics.sidecar_metrics_url(
             args("--telemetry-address", "tcp://h:1", "--sidecar-metrics-url", "h:9470"), None)
+
+
+def test_no_metric_family_name_repeats_in_the_api_answer():
+    """A real sidecar's exposition (vLLM names too) forwarded with the frontend's series: a
+    name twice breaks strict parsers, and Prometheus rejects the scrape when two of them
+    end up as one series (the sidecar's labels are empty)."""
+    registry = CollectorRegistry()
+    PrometheusSink(registry, vllm_compatible_names=True)
+    server = serve_metrics(registry, "127.0.0.1", 0)
+    try:
+        frontend, _ = scripted_frontend()
+        http = TestClient(build_app(
+            frontend, sidecar_metrics_url=f"http://127.0.0.1:{server.server_port}/metrics"))
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).is_success
+        response = http.get("/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    names = Counter(family.name for family in text_string_to_metric_families(response.text))
+    assert "iterscope_sidecar_up" in names and "http_requests" in names
+    assert [name for name, count in names.items() if count > 1] == []
+    found = families(response)
+    assert values(found["iterscope_api_sidecar_reachable"],
+                  "iterscope_api_sidecar_reachable") == {(): 1}

@@ -142,7 +142,8 @@ def test_metrics_on_the_api_port(server):
     counts = http_requests(found) - http_requests(before)
     assert counts == {("POST", "2xx", "/v1/completions"): 3,
                       ("POST", "4xx", "/v1/completions"): 1}
-    assert samples(found["iterscope_sidecar_up"], "iterscope_sidecar_up") == {(): 1}
+    assert samples(found["iterscope_api_sidecar_reachable"],
+                   "iterscope_api_sidecar_reachable") == {(): 1}
     # The sidecar's series are the sidecar's own exposition, vLLM names included.
     sidecar = scrape(server.metrics_url)
     for name in ("iterscope_requests_finished", "vllm:request_success",
@@ -160,7 +161,8 @@ def test_metrics_on_the_api_port_without_a_sidecar(tmp_path):
     try:
         complete(server.base_url, 1)
         found = scrape(f"{server.base_url}/metrics")
-        assert samples(found["iterscope_sidecar_up"], "iterscope_sidecar_up") == {(): 0}
+        assert samples(found["iterscope_api_sidecar_reachable"],
+                   "iterscope_api_sidecar_reachable") == {(): 0}
         assert http_requests(found) == {("POST", "2xx", "/v1/completions"): 1}
         assert not [name for name in found if name.startswith(("vllm:", "iterscope_requests"))]
     finally:

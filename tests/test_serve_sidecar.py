@@ -34,11 +34,11 @@ def wait_until(predicate, timeout_s: float, what: str, server: ServerProcess):
 
 def sidecar_start_time(api_url: str) -> float | None:
     """iterscope_sidecar_start_time_seconds in the API port's /metrics, None while its answer
-    has no sidecar series (iterscope_sidecar_up 0)."""
+    has no sidecar series (iterscope_api_sidecar_reachable 0)."""
     text = httpx.get(f"{api_url}/metrics", timeout=10).text
     samples = [sample for family in text_string_to_metric_families(text)
                for sample in family.samples]
-    api_up = [s.value for s in samples if s.name == "iterscope_sidecar_up" and not s.labels]
+    api_up = [s.value for s in samples if s.name == "iterscope_api_sidecar_reachable"]
     if api_up != [1]:
         return None
     [start_time] = [s.value for s in samples

@@ -13,8 +13,11 @@ vLLM's API server exposes (prometheus-fastapi-instrumentator's defaults):
 - ``http_request_duration_seconds{method,handler}`` (few buckets) and
   ``http_request_duration_highr_seconds`` (no labels, many buckets): from the request's
   arrival to its last byte, streams included;
-- ``iterscope_sidecar_up``: 1 when the answer holds the sidecar's series, 0 when there is no
-  sidecar or it did not answer in time (the HTTP series come either way).
+- ``iterscope_api_sidecar_reachable``: 1 when the answer holds the sidecar's series, 0 when
+  there is no sidecar or it did not answer in time (the HTTP series come either way). Not
+  ``iterscope_sidecar_up``: that family comes with the sidecar's series, and a name twice in
+  one exposition breaks strict parsers (and Prometheus stores both as one series, since the
+  sidecar's labels are empty).
 
 Scrapes of /metrics and probes of /health are not counted (as in vLLM). The sidecar is read
 with non-blocking I/O, so a scrape never holds up the event loop that streams tokens. The
@@ -63,8 +66,9 @@ class HttpSeries:
         self.duration_highr = Histogram(
             "http_request_duration_highr_seconds", "HTTP request latency, all routes.",
             buckets=LATENCY_HIGHR_BUCKETS, registry=self.registry)
-        self.sidecar_up = Gauge(
-            "iterscope_sidecar_up", "1 when this answer holds the sidecar's series.",
+        self.sidecar_reachable = Gauge(
+            "iterscope_api_sidecar_reachable",
+            "1 when this answer holds the sidecar's series, 0 when it could not be read.",
             registry=self.registry)
 
     def observe(self, method: str, handler: str, status: int, seconds: float) -> None:
@@ -136,7 +140,7 @@ class ApiMetrics:
 
     async def exposition(self) -> bytes:
         sidecar_text = await self.read_sidecar()
-        self.series.sidecar_up.set(sidecar_text is not None)
+        self.series.sidecar_reachable.set(sidecar_text is not None)
         own_text = generate_latest(self.series.registry)
         if not sidecar_text:
             return own_text

@@ -29,6 +29,7 @@ from telemetry.sidecar.ingest import (
     DEAD_AFTER_S,
     DEFAULT_MAX_ENGINES,
     DEFAULT_RCVHWM,
+    EVICT_AFTER_S,
     Ingest,
     Sidecar,
     check_address,
@@ -89,7 +90,8 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
                       help="messages queued before the lane drops (default: %(default)s)")
     lane.add_argument("--max-engines", type=positive_int, default=DEFAULT_MAX_ENGINES,
                       metavar="N",
-                      help="engines tracked at most; heartbeats of more are counted and "
+                      help="engines tracked at most; a new engine takes the place of one "
+                           "dead for --evict-after, else its heartbeats are counted and "
                            "rejected (default: %(default)s)")
     lane.add_argument("--replay", metavar="FILE",
                       help="feed a JSONL recording through the sinks instead of listening "
@@ -104,6 +106,10 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
                              f"{STALL_FACTOR} x the engine's longest progress interval of the "
                              f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
                              f"{STALL_FLOOR_S:g} s)")
+    status.add_argument("--evict-after", type=float, default=EVICT_AFTER_S, metavar="S",
+                        help="a dead engine silent this long gives its place to a new engine "
+                             "when --max-engines are tracked; a live one never does (default: "
+                             "%(default)s)")
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     # The private directory that process made for this sidecar (telemetry/sidecar/process.py).
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
@@ -155,7 +161,8 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     if address.startswith("ipc://") and args.bind:
         check_private_directory(os.path.dirname(address[len("ipc://"):]) or ".")
     ingest = Ingest(sinks, args.dead_after, args.stall_after,
-                    known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines)
+                    known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines,
+                    evict_after_s=args.evict_after)
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
         logger.warning("the telemetry lane %s is neither authenticated nor encrypted; "
                        "consider --curve-keys-dir", address)

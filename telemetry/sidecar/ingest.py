@@ -12,7 +12,9 @@ Invariants:
   order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
 - An engine appears only with a heartbeat (the message that carries its facts: model,
   device, pid), and at most ``max_engines`` are tracked: the state garbage or a forger can
-  make the sidecar hold, and the size of a scrape, are bounded.
+  make the sidecar hold, and the size of a scrape, are bounded. When a new engine finds
+  them all taken, the one dead longest gives up its place if no message came from it for
+  ``evict_after_s`` (sinks hear ``on_engine_removed``); a live engine is never removed.
 - Every lost message is reported exactly once, through ``on_dropped``, before the next
   message of that engine reaches the sinks: lost = gap in ``seq``, checked against what the
   engine says it dropped (telemetry/sidecar/engine_state.py). When this sidecar meets an engine for
@@ -53,6 +55,10 @@ DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics gro
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
 GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
+# A dead engine silent this long may give its place to a new one (a data-parallel
+# deployment restarted with new engine indexes): long enough that the engine-down alert,
+# a minute of dead, has fired before the engine's series go.
+EVICT_AFTER_S = 300.0
 TICK_INTERVAL_S = 0.1
 DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
 RECV_BATCH = 4096
@@ -97,17 +103,23 @@ class Ingest:
         known_last_seqs: dict[int, int] | None = None,
         max_engines: int = DEFAULT_MAX_ENGINES,
         max_seq_jump: int = MAX_SEQ_JUMP,
+        evict_after_s: float = EVICT_AFTER_S,
     ) -> None:
         """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
-        progress intervals (telemetry/sidecar/engine_state.py)."""
+        progress intervals (telemetry/sidecar/engine_state.py). ``evict_after_s``: how long
+        a dead engine keeps its place among ``max_engines`` when a new one needs it."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
         if max_engines < 1:
             raise ValueError(f"max_engines must be at least 1, got {max_engines}")
+        if evict_after_s < dead_after_s:
+            raise ValueError(f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
+                             f"({dead_after_s}): only a dead engine gives up its place")
         self.sinks = list(sinks)
         self.engines: dict[int, EngineState] = {}
         self.stats = IngestStats()
         self._dead_after_ns = int(dead_after_s * 1e9)
+        self._evict_after_ns = int(evict_after_s * 1e9)
         self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._max_frame_bytes = max_frame_bytes
         self._max_engines = max_engines
@@ -149,7 +161,10 @@ class Ingest:
 
     def count_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender whose frame was over it (ZMQ tells the two apart to no one)."""
+        off a sender whose frame was over GUARD_FRAME_BYTES. libzmq's monitor reports both
+        with the same event and no reason (tests/test_sidecar_checks.py checks it), so a
+        guard's frame is counted here and not as undecodable 'oversized'; an engine's own
+        frame is also the seq gap its next message reports."""
         self.stats.num_lane_disconnects += 1
         self._call_sinks("on_lane_disconnect")
 
@@ -225,7 +240,7 @@ class Ingest:
             self._lost_before_met[index] = min(lost, self._max_seq_jump)
             self.count_rejected("unknown_engine")
             return None, 0
-        if len(self.engines) >= self._max_engines:
+        if len(self.engines) >= self._max_engines and not self._evict_dead_engine(now_ns):
             self.count_rejected("engine_limit")
             return None, 0
         state = self.engines[index] = EngineState(index)
@@ -237,6 +252,20 @@ class Ingest:
         # Joined mid-stream, or restarted while no sidecar listened: only the engine's own
         # count is known.
         return state, lost_before + message.num_dropped
+
+    def _evict_dead_engine(self, now_ns: int) -> bool:
+        """Make room for a new engine: the engine silent longest is removed if it is dead
+        and silent for longer than ``evict_after_s``; False if there is none. Its last seq
+        is kept (one int per engine index, so bounded), so if it comes back its gap is
+        exact."""
+        oldest = min(self.engines.values(), key=lambda state: state.last_message_ns)
+        silent_ns = now_ns - oldest.last_message_ns
+        if oldest.view.status is not EngineStatus.DEAD or silent_ns <= self._evict_after_ns:
+            return False
+        del self.engines[oldest.engine_index]
+        self._known_last_seqs[oldest.engine_index] = oldest.last_seq
+        self._call_sinks("on_engine_removed", oldest.engine_index, silent_ns)
+        return True
 
     def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
         """The view takes the record in; progress is judged against the queues before it."""
@@ -350,8 +379,9 @@ class Sidecar:
             configure_server(self._socket, curve_keys_dir)
         self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Memory guard: a peer sending frames far above the oversize limit is disconnected.
-        # ZMQ drops that frame without a word; the disconnect is what can be counted.
+        # Memory guard: a peer sending frames far above the oversize limit is disconnected
+        # as soon as the frame's size is read. ZMQ drops that frame without a word; the
+        # disconnect is what can be counted (see count_lane_disconnect).
         self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if bind:

@@ -84,6 +84,11 @@ class Sink:
         another --engine-index. Called each time the heartbeats switch back to a pid seen
         before (about once a second while both run)."""
 
+    def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
+        """The engine, dead and silent for ``silent_ns``, is no longer tracked: its place
+        went to a new engine beyond --max-engines. Drop what is kept of it (its series, its
+        log state); a message of this index later is an engine met anew."""
+
     def on_undecodable(self, reason: str) -> None:
         """A frame could not be decoded; reason is 'malformed', 'truncated', 'version' or
         'oversized' (telemetry.lane.frame_checks.UNDECODABLE_REASONS)."""
@@ -91,12 +96,13 @@ class Sink:
     def on_rejected(self, reason: str) -> None:
         """A decoded frame failed a check and was dropped; reason is 'unknown_engine' (a
         record before its engine's first heartbeat), 'engine_limit' (a new engine beyond
-        --max-engines) or 'seq_jump' (a seq its engine's counts do not explain)
-        (telemetry.sidecar.ingest.REJECTED_REASONS)."""
+        --max-engines, none of them dead for --evict-after) or 'seq_jump' (a seq its
+        engine's counts do not explain) (telemetry.sidecar.ingest.REJECTED_REASONS)."""
 
     def on_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender of an over-size frame."""
+        off a sender of a frame over 16 MiB (ZMQ says nothing else of that frame: it is
+        neither passed to ``on_undecodable`` nor seen at all)."""
 
     def tick(self, now_ns: int) -> None:
         """Called a few times a second, also when no record arrives."""

@@ -187,6 +187,9 @@ class LogSink(Sink):
         self._rejected_unreported: dict[str, int] = {}
         self._num_rejected_total = 0
         self._last_loss_report_ns: int | None = None
+        # Engines removed (on_engine_removed) whose open window still holds iterations: they
+        # get their line when the window closes, then are forgotten.
+        self._removed: list[EngineLog] = []
 
     def _log_of(self, engine_index: int) -> EngineLog:
         log = self.engines.get(engine_index)
@@ -243,8 +246,8 @@ class LogSink(Sink):
         start_ns = self._window_index * self.interval_ns
         end_ns = start_ns + self.interval_ns if end_ns is None else end_ns
         lines = []
-        for index in sorted(self.engines):
-            log = self.engines[index]
+        removed, self._removed = self._removed, []
+        for log in [*removed, *(self.engines[index] for index in sorted(self.engines))]:
             counts, log.counts = log.counts, WindowCounts()
             engine = log.engine
             quiet = counts.num_iterations == 0 and not engine.has_work
@@ -285,6 +288,19 @@ class LogSink(Sink):
             self.emit(logging.DEBUG, text)  # every request under light load: not news
         else:
             self.emit(logging.INFO, text)  # connected, or recovered from stalled / dead
+
+    def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
+        """Said once; what the engine's open window holds still gets its line."""
+        log = self.engines.pop(engine_index, None)
+        if log is None:
+            return
+        text = (f"Engine {engine_index:03d}: no longer tracked (dead, no message for "
+                f"{silent_ns / 1e9:.0f} s): its place went to a new engine (--max-engines)")
+        if log.num_dropped_unreported:
+            text += f"; {log.num_dropped_unreported} telemetry messages lost (sequence gaps)"
+        self.emit(logging.WARNING, text)
+        if log.counts.num_iterations:
+            self._removed.append(log)
 
     def on_dropped(self, engine_index: int, num_dropped: int) -> None:
         log = self._log_of(engine_index)

@@ -295,6 +295,11 @@ class PrometheusSink(Sink):
     def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
         self.metrics_of(engine_index).num_engine_conflicts += 1
 
+    def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
+        """Its series leave the next scrape; if the index comes back its counters start
+        from 0 again, a reset Prometheus' rate() already takes as a restart."""
+        self.engines.pop(engine_index, None)
+
     def on_undecodable(self, reason: str) -> None:
         self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
 
