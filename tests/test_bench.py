@@ -16,7 +16,7 @@ from test_serve import REPO, ServerProcess
 
 from engine.entrypoints import bench_client
 from engine.entrypoints.bench_client import BenchRequest, RequestResult
-from engine.entrypoints.serve import TINY_MODEL
+from engine.entrypoints.serve_args import TINY_MODEL
 
 
 def test_random_dataset_is_seeded_and_exact():

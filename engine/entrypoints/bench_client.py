@@ -332,7 +332,7 @@ def result_json(metrics: dict[str, Any], settings: dict[str, Any],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.entrypoints.serve import add_engine_arguments
+    from engine.entrypoints.serve_args import add_engine_arguments
     from telemetry.sidecar import process as sidecar_process
 
     parser = argparse.ArgumentParser(prog="iterscope bench", description=__doc__.split("\n")[0])
@@ -405,7 +405,8 @@ async def _bench_http(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_in_process(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.entrypoints.serve import engine_config, load_tokenizer, start_engine
+    from engine.entrypoints.serve import load_tokenizer, start_engine
+    from engine.entrypoints.serve_args import engine_config
     from telemetry.sidecar import process as sidecar_process
 
     sidecar = client = None
