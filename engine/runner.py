@@ -14,7 +14,7 @@ the sampled tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,24 @@ class StepInputs:
     token_starts: list[int]  # flat index of each laid-out request's first token
     sample_rows: list[int]  # laid-out request indices that get a token
     sample_token_indices: torch.Tensor  # flat index of their last token
+
+
+@dataclass(slots=True)
+class _FlatLayout:
+    """A step laid out flat as prepare builds it, before the lists become tensors: the token
+    ids, each laid-out request's first flat index, the rows that sample and the flat index of
+    their last token; positions and slot blocks in chunks (the decodes' first, then one per
+    prefill); the decodes' sequence lengths and block-table rows; the prefills' spans."""
+
+    input_ids: list[int]
+    token_starts: list[int]
+    sample_rows: list[int]
+    sample_indices: list[int]
+    position_chunks: list[torch.Tensor]
+    block_chunks: list[torch.Tensor]
+    decode_seq_lens: list[int]
+    decode_block_rows: list[list[int]]
+    prefill_spans: list[PrefillSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -95,6 +113,25 @@ class ModelRunner:
             self._check(request, num_new)
         decodes = [i for i, (_, n) in enumerate(scheduled) if n == 1]
         prefills = [i for i, (_, n) in enumerate(scheduled) if n > 1]
+        layout = self._lay_out_decodes(scheduled, decodes)
+        self._lay_out_prefills(scheduled, prefills, len(decodes), layout)
+        all_positions = torch.cat(layout.position_chunks)
+        meta = self._attention_metadata(layout, all_positions, len(decodes))
+        return StepInputs(
+            input_ids=torch.tensor(layout.input_ids, dtype=torch.long).to(self.device),
+            positions=all_positions.to(self.device),
+            meta=meta,
+            order=decodes + prefills,
+            token_starts=layout.token_starts,
+            sample_rows=layout.sample_rows,
+            sample_token_indices=torch.tensor(
+                layout.sample_indices, dtype=torch.long).to(self.device),
+        )
+
+    def _lay_out_decodes(self, scheduled: list[tuple[Request, int]],
+                         decodes: list[int]) -> _FlatLayout:
+        """The decodes, one token each and first in the step, so a decode's row is also its
+        flat index; their positions and slot blocks make the layout's first chunks."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -116,20 +153,31 @@ class ModelRunner:
             if pos + 1 == len(request.token_ids):
                 sample_rows.append(row)
                 sample_indices.append(row)
-        spans: list[PrefillSpan] = []
-        block_chunks = [torch.tensor(blocks, dtype=torch.long)]
-        position_chunks = [torch.tensor(positions, dtype=torch.long)]
-        for row, index in enumerate(prefills, start=len(decodes)):
+        return _FlatLayout(
+            input_ids, token_starts, sample_rows, sample_indices,
+            position_chunks=[torch.tensor(positions, dtype=torch.long)],
+            block_chunks=[torch.tensor(blocks, dtype=torch.long)],
+            decode_seq_lens=seq_lens, decode_block_rows=block_rows,
+        )
+
+    def _lay_out_prefills(self, scheduled: list[tuple[Request, int]], prefills: list[int],
+                          first_row: int, layout: _FlatLayout) -> None:
+        """Append each prefill chunk after the decodes: its tokens, a chunk of positions and
+        of slot blocks, and its attention span (merged with the previous one when they can
+        share one attention call)."""
+        bs = self.block_size
+        spans = layout.prefill_spans
+        for row, index in enumerate(prefills, start=first_row):
             request, num_new = scheduled[index]
             start = request.num_computed_tokens
             end = start + num_new
-            flat_start = len(input_ids)
-            input_ids.extend(request.token_ids[start:end])
-            token_starts.append(flat_start)
+            flat_start = len(layout.input_ids)
+            layout.input_ids.extend(request.token_ids[start:end])
+            layout.token_starts.append(flat_start)
             span_positions = torch.arange(start, end)
-            position_chunks.append(span_positions)
+            layout.position_chunks.append(span_positions)
             request_blocks = torch.tensor(request.block_ids[: (end + bs - 1) // bs])
-            block_chunks.append(request_blocks[span_positions // bs])
+            layout.block_chunks.append(request_blocks[span_positions // bs])
             span = self._prefill_span(flat_start, request_blocks, span_positions)
             if spans and _can_batch(spans[-1], span):
                 spans[-1].token_end = span.token_end
@@ -137,31 +185,28 @@ class ModelRunner:
             else:
                 spans.append(span)
             if end == len(request.token_ids):
-                sample_rows.append(row)
-                sample_indices.append(flat_start + num_new - 1)
-        all_positions = torch.cat(position_chunks)
+                layout.sample_rows.append(row)
+                layout.sample_indices.append(flat_start + num_new - 1)
+
+    def _attention_metadata(self, layout: _FlatLayout, all_positions: torch.Tensor,
+                            num_decodes: int) -> AttentionMetadata:
+        """Every new token's cache slot, and the decodes' padded block table and lengths."""
         meta = AttentionMetadata(
-            slot_blocks=torch.cat(block_chunks).to(self.device),
-            slot_offsets=(all_positions % bs).to(self.device),
-            num_decode_tokens=len(decodes),
+            slot_blocks=torch.cat(layout.block_chunks).to(self.device),
+            slot_offsets=(all_positions % self.block_size).to(self.device),
+            num_decode_tokens=num_decodes,
             decode_block_table=None,
             decode_seq_lens=None,
-            prefills=spans,
+            prefills=layout.prefill_spans,
         )
-        if decodes:
+        if num_decodes:
+            block_rows = layout.decode_block_rows
             max_blocks = max(len(row) for row in block_rows)
             padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
             meta.decode_block_table = torch.tensor(padded, dtype=torch.long).to(self.device)
-            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long).to(self.device)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
-            positions=all_positions.to(self.device),
-            meta=meta,
-            order=decodes + prefills,
-            token_starts=token_starts,
-            sample_rows=sample_rows,
-            sample_token_indices=torch.tensor(sample_indices, dtype=torch.long).to(self.device),
-        )
+            meta.decode_seq_lens = torch.tensor(layout.decode_seq_lens,
+                                                dtype=torch.long).to(self.device)
+        return meta
 
     def _prefill_span(
         self, flat_start: int, request_blocks: torch.Tensor, span_positions: torch.Tensor

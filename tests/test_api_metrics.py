@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_serve import PLAIN_TEMPLATE, ScriptedClient, TemplateTokenizer
 
 from engine.entrypoints import api_metrics
-from engine.entrypoints.serve import TINY_MODEL, Frontend, build_app
+from engine.entrypoints.frontend import Frontend
+from engine.entrypoints.routes import build_app
+from engine.entrypoints.serve_args import TINY_MODEL
 from telemetry.sidecar.metrics_http import serve_metrics
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 

@@ -14,28 +14,28 @@ import httpx
 import pytest
 from test_serve import REPO, ServerProcess
 
-from engine.entrypoints import bench_client
-from engine.entrypoints.bench_client import BenchRequest, RequestResult
-from engine.entrypoints.serve import TINY_MODEL
+from engine.entrypoints import bench_client, bench_load, bench_summary
+from engine.entrypoints.bench_backends import BenchRequest, RequestResult
+from engine.entrypoints.serve_args import TINY_MODEL
 
 
 def test_random_dataset_is_seeded_and_exact():
-    first = bench_client.random_dataset(20, 50, 7, vocab_size=300, seed=3)
-    assert first == bench_client.random_dataset(20, 50, 7, vocab_size=300, seed=3)
-    assert first != bench_client.random_dataset(20, 50, 7, vocab_size=300, seed=4)
+    first = bench_load.random_dataset(20, 50, 7, vocab_size=300, seed=3)
+    assert first == bench_load.random_dataset(20, 50, 7, vocab_size=300, seed=3)
+    assert first != bench_load.random_dataset(20, 50, 7, vocab_size=300, seed=4)
     assert all(len(r.prompt_token_ids) == 50 and r.max_tokens == 7 for r in first)
     assert all(0 <= t < 300 for r in first for t in r.prompt_token_ids)
 
 
 def test_random_dataset_range_ratio():
-    requests = bench_client.random_dataset(200, 100, 10, vocab_size=50, seed=0, range_ratio=0.5)
+    requests = bench_load.random_dataset(200, 100, 10, vocab_size=50, seed=0, range_ratio=0.5)
     input_lens = {len(r.prompt_token_ids) for r in requests}
     assert min(input_lens) >= 50 and max(input_lens) <= 150 and len(input_lens) > 20
     assert {r.max_tokens for r in requests} <= set(range(5, 16))
     with pytest.raises(ValueError, match="range_ratio"):
-        bench_client.random_dataset(2, 10, 10, vocab_size=50, range_ratio=1.0)
+        bench_load.random_dataset(2, 10, 10, vocab_size=50, range_ratio=1.0)
     with pytest.raises(ValueError, match="at least 1"):
-        bench_client.random_dataset(0, 10, 10, vocab_size=50)
+        bench_load.random_dataset(0, 10, 10, vocab_size=50)
 
 
 def test_summary_figures():
@@ -44,7 +44,7 @@ def test_summary_figures():
         RequestResult(True, "", 20, 1, ttft_time=0.3, itl_times=[], e2e_time=0.3),
         RequestResult(False, "boom", 5, 0),
     ]
-    metrics = bench_client.summarize(results, duration_time=2.0)
+    metrics = bench_summary.summarize(results, duration_time=2.0)
     assert (metrics["num_completed"], metrics["num_failed"]) == (2, 1)
     assert (metrics["total_input_tokens"], metrics["total_output_tokens"]) == (30, 4)
     assert metrics["request_throughput"] == pytest.approx(1.0)
@@ -55,7 +55,7 @@ def test_summary_figures():
     assert metrics["mean_itl_ms"] == pytest.approx(30.0)
     assert metrics["mean_tpot_ms"] == pytest.approx(30.0)  # (0.16 - 0.1) / 2; 1-token excluded
     assert metrics["mean_e2el_ms"] == pytest.approx(230.0)
-    table = bench_client.format_summary(metrics)
+    table = bench_summary.format_summary(metrics)
     assert "Successful requests:" in table and "P99 ITL (ms):" in table
 
 
@@ -77,8 +77,8 @@ class CountingBackend:
 
 def test_max_concurrency_is_respected():
     backend = CountingBackend()
-    requests = bench_client.random_dataset(30, 4, 2, vocab_size=10)
-    results, _ = asyncio.run(bench_client.run_benchmark(
+    requests = bench_load.random_dataset(30, 4, 2, vocab_size=10)
+    results, _ = asyncio.run(bench_load.run_benchmark(
         backend, requests, concurrency_at=lambda _: 3, progress=False))
     assert len(results) == 30 and all(r.success for r in results)
     assert backend.max_in_flight == 3
@@ -96,8 +96,8 @@ def test_queued_arrivals_are_sent_first_come_first_served_as_the_limit_rises():
         return await send(request)
 
     backend.send = recording_send
-    requests = bench_client.random_dataset(40, 4, 2, vocab_size=10, seed=3)
-    results, _ = asyncio.run(bench_client.run_benchmark(
+    requests = bench_load.random_dataset(40, 4, 2, vocab_size=10, seed=3)
+    results, _ = asyncio.run(bench_load.run_benchmark(
         backend, requests, concurrency_at=lambda elapsed: 1 if elapsed < 0.05 else 4,
         progress=False))
     assert len(results) == 40 and sent == requests
@@ -106,9 +106,9 @@ def test_queued_arrivals_are_sent_first_come_first_served_as_the_limit_rises():
 
 def test_poisson_rate_and_stop_sending_after():
     backend = CountingBackend()
-    requests = bench_client.random_dataset(1000, 4, 2, vocab_size=10)
-    results, _ = asyncio.run(bench_client.run_benchmark(backend, requests, request_rate=200.0,
-                                                 progress=False, stop_sending_after=0.2))
+    requests = bench_load.random_dataset(1000, 4, 2, vocab_size=10)
+    results, _ = asyncio.run(bench_load.run_benchmark(backend, requests, request_rate=200.0,
+                                               progress=False, stop_sending_after=0.2))
     assert 0 < len(results) < 1000
 
 

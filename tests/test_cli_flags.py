@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.entrypoints import demo, serve
+from engine.entrypoints import demo, serve_args
 
 
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -15,7 +15,7 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             if action.option_strings and not isinstance(action, argparse._HelpAction)]
 
 
-@pytest.mark.parametrize("parser", [serve.build_parser(), demo.build_parser()],
+@pytest.mark.parametrize("parser", [serve_args.build_parser(), demo.build_parser()],
                          ids=["serve", "demo"])
 def test_every_flag_help_states_its_default(parser):
     missing = [action.option_strings[-1] for action in options(parser)
@@ -44,7 +44,7 @@ def refusal(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
     ("--cpu-threads", "0", "a whole number >= 1"),
 ])
 def test_serve_bad_values_name_flag_value_and_form(flag, value, expected, capsys):
-    message = refusal(serve.build_parser(), [flag, value], capsys)
+    message = refusal(serve_args.build_parser(), [flag, value], capsys)
     assert message.startswith("iterscope serve: error: argument ")
     assert flag in message and repr(value) in message and expected in message
 
@@ -65,7 +65,7 @@ def test_demo_bad_values_name_flag_value_and_form(flag, value, expected, capsys)
 
 
 def test_good_values_are_converted():
-    args = serve.build_parser().parse_args(
+    args = serve_args.build_parser().parse_args(
         ["smollm2", "--kv-cache-memory", "4GiB", "--dtype", "bf16", "--block-size", "32",
          "--gpu-memory-utilization", "0.5", "--port", "0"])
     assert (args.kv_cache_memory, args.dtype, args.block_size) == (4 << 30, "bfloat16", 32)
@@ -75,7 +75,7 @@ def test_good_values_are_converted():
 
 def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
     monkeypatch.setenv("ITERSCOPE_API_KEY", "from-env")
-    assert serve.build_parser().parse_args([]).api_key == "from-env"
-    assert serve.build_parser().parse_args(["--api-key", "given"]).api_key == "given"
+    assert serve_args.build_parser().parse_args([]).api_key == "from-env"
+    assert serve_args.build_parser().parse_args(["--api-key", "given"]).api_key == "given"
     monkeypatch.delenv("ITERSCOPE_API_KEY")
-    assert serve.build_parser().parse_args([]).api_key is None
+    assert serve_args.build_parser().parse_args([]).api_key is None

@@ -28,13 +28,13 @@ from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
 from engine.core import RequestOutput
-from engine.entrypoints.serve import (
+from engine.entrypoints.frontend import Frontend
+from engine.entrypoints.routes import build_app
+from engine.entrypoints.serve import load_tiny_model
+from engine.entrypoints.serve_args import (
     TINY_MODEL,
-    Frontend,
-    build_app,
     build_parser,
     engine_config,
-    load_tiny_model,
     resolve_model_argument,
     sidecar_arguments,
 )

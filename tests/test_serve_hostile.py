@@ -27,7 +27,8 @@ from test_serve import (
     tiny_server,
 )
 
-from engine.entrypoints.serve import TINY_MODEL, Frontend, RequestTimeoutError
+from engine.entrypoints.frontend import Frontend, RequestTimeoutError
+from engine.entrypoints.serve_args import TINY_MODEL
 
 NUM_QUEUED = 1000
 

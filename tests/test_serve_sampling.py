@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
-from engine.entrypoints.serve import TINY_MODEL, load_tiny_model
+from engine.entrypoints.serve import load_tiny_model
+from engine.entrypoints.serve_args import TINY_MODEL
 from engine.request import Request, SamplingParams
 from engine.startup import build_engine_core
 from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits

@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
-from engine.entrypoints.serve import TINY_MODEL
+from engine.entrypoints.serve_args import TINY_MODEL
 
 SIDECAR_STARTED = re.compile(r"sidecar bound on ipc://(\S+)/telemetry\.sock \(pid (\d+)\)")
 

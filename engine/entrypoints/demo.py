@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from engine.entrypoints import arg_types, bench_client
+from engine.entrypoints import arg_types, bench_backends, bench_load, bench_summary
 from telemetry.sidecar.process import terminate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,21 +108,21 @@ def show_one_answer(base_url: str, model: str) -> None:
 
 
 async def drive_load(args: argparse.Namespace, base_url: str) -> dict:
-    backend = bench_client.HttpBackend(base_url)
+    backend = bench_backends.HttpBackend(base_url)
     try:
         card = await backend.model_card()
         backend.model = card["id"]
-        requests = bench_client.random_dataset(10_000, args.input_len, args.output_len,
-                                        card["vocab_size"], seed=0, range_ratio=0.25)
+        requests = bench_load.random_dataset(10_000, args.input_len, args.output_len,
+                                              card["vocab_size"], seed=0, range_ratio=0.25)
         send_time = args.duration * SEND_SHARE
         ramp = Ramp(args.ramp, send_time / len(args.ramp))
-        results, duration_time = await bench_client.run_benchmark(
+        results, duration_time = await bench_load.run_benchmark(
             backend, requests, concurrency_at=ramp, progress=False,
             stop_sending_after=send_time,
         )
     finally:
         await backend.close()
-    return bench_client.summarize(results, duration_time)
+    return bench_summary.summarize(results, duration_time)
 
 
 EPISODE_HEADLINE = re.compile(r"^\s+\d+\. ")
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(process)
         output.thread.join(timeout=5)
-    print("\n" + bench_client.format_summary(metrics), flush=True)
+    print("\n" + bench_summary.format_summary(metrics), flush=True)
     explain(record_path)
     print(f"\n>>> recording kept at {record_path}: replay it with `iterscope sidecar --replay "
           f"{record_path}`, analyse it with `iterscope explain` or `iterscope tune`", flush=True)
