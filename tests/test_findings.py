@@ -3,15 +3,16 @@
 import json
 import re
 
+import msgspec
 import numpy as np
 import pytest
 from scenarios import synthetic
-from scenarios.synthetic import Cost, Simulator, arrivals
+from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
-from telemetry.analysis.explain import MAX_FINDING_LINES, main
-from telemetry.analysis.findings import build_findings, episode_cost
+from telemetry.analysis.explain import MAX_FINDING_LINES, format_findings, main
+from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord
 
@@ -30,8 +31,66 @@ def findings_of(sim: Simulator):
 def test_story_top_finding_first(story, expected_top):
     _, findings = findings_of(story())
     assert findings[0].kind in expected_top, [(f.kind, f.cost) for f in findings]
-    costs = [f.cost for f in findings]
-    assert costs == sorted(costs, reverse=True)
+    assert_ranked(findings)
+
+
+def assert_ranked(findings):
+    """Faults first; then by cost, every finding that cost something above those that did not."""
+    faults = [f.is_fault for f in findings]
+    assert faults == sorted(faults, reverse=True), [(f.kind, f.cost) for f in findings]
+    for group in ([f for f in findings if f.is_fault], [f for f in findings if not f.is_fault]):
+        costs = [f.cost for f in group]
+        assert costs == sorted(costs, reverse=True), [(f.kind, f.cost) for f in findings]
+
+
+# A KV cliff scripted by hand, iterations of 10 ms back to back: 2 requests fill the cache; one
+# is preempted (iteration 5) and waits 6 iterations (60 ms); iteration 11 admits it again and
+# recomputes its 500-token prompt beside the other's decode in 40 ms (a long prefill: 30 ms
+# beyond the 10 ms decode-only median, for 1 decoding request); then 4 s of silence.
+CLIFF_ROWS = (
+    [Row(0.010, running=2, waiting=0, blocks_used=100, gen_reqs=2)] * 4
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1, preemptions=1)]
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1)] * 5
+    + [Row(0.040, running=2, waiting=0, blocks_used=100, gen_reqs=1, ctx_tokens=500)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1, pause_before_s=4.0)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1)] * 9
+)
+
+
+def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp_path, capsys):
+    timeline = build_timelines(scripted(CLIFF_ROWS))[0]
+    findings = build_findings(timeline, detect_episodes(timeline))
+    assert [f.kind for f in findings] == ["kv_cliff", "long_prefill", "telemetry_gap"]
+    cliff, prefill, gap = findings
+    assert cliff.cost == pytest.approx(6 * 0.010 + 0.040)  # waited, then recomputed
+    assert prefill.cost == pytest.approx(0.040 - 0.010)
+    # The silence costs nothing measurable and lasts longest: it still ranks last.
+    assert gap.cost == 0 and gap.total_time > cliff.total_time + prefill.total_time
+    path = tmp_path / "cliff.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in scripted(CLIFF_ROWS)))
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    headlines = [line for line in lines if re.match(r"  \d\. ", line)]
+    assert headlines[0].startswith("  1. KV cache cliff") and "0.10 request-s delayed" in (
+        headlines[0])
+    assert "0.03 request-s slowed" in headlines[1]
+    assert "  ... 1 more finding; --all lists every episode." in lines  # the gap, below
+
+
+def test_a_fault_ranks_first_even_before_it_costs_requests():
+    """Blocks held with nothing running cost no request time yet, but only a restart fixes it."""
+    leaking = [Row(0.010, running=0, waiting=0, blocks_used=20)] * 3
+    timeline = build_timelines(scripted(CLIFF_ROWS[:11] + leaking))[0]
+    findings = build_findings(timeline, detect_episodes(timeline))
+    assert [f.kind for f in findings] == ["kv_leak", "kv_cliff", "long_prefill"]
+    assert findings[0].cost == 0 < findings[2].cost < findings[1].cost
+    text = "\n".join(format_findings(timeline, findings, Thresholds()))
+    assert "faults first, then costliest first:" in text
+
+
+def test_cost_text_never_reads_as_zero_above_zero():
+    assert [cost_text(c) for c in (0, 0.004, 0.0734, 0.5, 2.25)] == [
+        "0", "< 0.01", "0.07", "0.50", "2.2"]
 
 
 def test_story3_batched_has_no_finding():

@@ -388,3 +388,45 @@ def story3_bursty(max_num_seqs: int) -> Simulator:
                     cost=STORY_COST)
     sim.add_requests(arrivals(6, 30, seed=3), num_prompt=200, num_output=100)
     return sim.run(33)
+
+
+# --------------------------------------------------------------------------------------------
+# Scripted recordings: every iteration given by hand, for costs that can be worked out on paper.
+
+
+@dataclass
+class Row:
+    """One scripted iteration: how long it took and the engine's counts after its scheduling.
+    Every waiting request waits for KV capacity; generation tokens equal ``gen_reqs``."""
+
+    elapsed_s: float
+    running: int
+    waiting: int
+    blocks_used: int
+    gen_reqs: int = 0
+    ctx_tokens: int = 0
+    preemptions: int = 0
+    pause_before_s: float = 0.0  # silence before the iteration starts (no message at all)
+
+
+def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
+             ) -> list[IterationRecord]:
+    """The records of ``rows``, back to back (each starts when the one before ends, after its
+    pause), numbered from iteration 1 and seq 1, without heartbeats."""
+    records, now_ns = [], int(start_s * NS)
+    for number, row in enumerate(rows, 1):
+        now_ns += int(row.pause_before_s * NS)
+        elapsed_ns = int(row.elapsed_s * NS)
+        records.append(IterationRecord(
+            engine_index=0, seq=number, iteration=number, start_ns=now_ns, elapsed_ns=elapsed_ns,
+            num_context_reqs=int(row.ctx_tokens > 0), num_context_tokens=row.ctx_tokens,
+            num_generation_reqs=row.gen_reqs, num_generation_tokens=row.gen_reqs,
+            num_running_reqs=row.running, num_waiting_reqs=row.waiting,
+            num_waiting_kv_reqs=row.waiting, num_waiting_seq_limit_reqs=0,
+            num_waiting_budget_reqs=0, num_kv_blocks_used=row.blocks_used,
+            num_kv_blocks_free=num_blocks - row.blocks_used, num_kv_tokens=0,
+            num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+            num_preemptions=row.preemptions,
+        ))
+        now_ns += elapsed_ns
+    return records
