@@ -3,7 +3,6 @@
 import json
 import re
 
-import msgspec
 import numpy as np
 import pytest
 from scenarios import synthetic
@@ -43,18 +42,7 @@ def assert_ranked(findings):
         assert costs == sorted(costs, reverse=True), [(f.kind, f.cost) for f in findings]
 
 
-# A KV cliff scripted by hand, iterations of 10 ms back to back: 2 requests fill the cache; one
-# is preempted (iteration 5) and waits 6 iterations (60 ms); iteration 11 admits it again and
-# recomputes its 500-token prompt beside the other's decode in 40 ms (a long prefill: 30 ms
-# beyond the 10 ms decode-only median, for 1 decoding request); then 4 s of silence.
-CLIFF_ROWS = (
-    [Row(0.010, running=2, waiting=0, blocks_used=100, gen_reqs=2)] * 4
-    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1, preemptions=1)]
-    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1)] * 5
-    + [Row(0.040, running=2, waiting=0, blocks_used=100, gen_reqs=1, ctx_tokens=500)]
-    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1, pause_before_s=4.0)]
-    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1)] * 9
-)
+CLIFF_ROWS = synthetic.SCRIPTED_CLIFF
 
 
 def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp_path, capsys):
@@ -66,8 +54,7 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
     assert prefill.cost == pytest.approx(0.040 - 0.010)
     # The silence costs nothing measurable and lasts longest: it still ranks last.
     assert gap.cost == 0 and gap.total_time > cliff.total_time + prefill.total_time
-    path = tmp_path / "cliff.jsonl"
-    path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in scripted(CLIFF_ROWS)))
+    path = synthetic.write_records(scripted(CLIFF_ROWS), tmp_path / "cliff.jsonl")
     assert main([str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     headlines = [line for line in lines if re.match(r"  \d\. ", line)]
@@ -227,3 +214,24 @@ def test_change_and_action_lines_name_real_flags_and_runnable_commands():
         for flag in re.findall(r"--[a-z][a-z-]*", outside):
             assert flag in engine_flags._option_string_actions, (flag, line)
     assert kinds_with_commands >= 5
+
+
+def test_titles_header_and_summary_name_limits_by_their_flags():
+    from telemetry.analysis.explain import engine_header
+    from telemetry.analysis.summary import format_summary, summarize
+
+    timeline, (finding,) = findings_of(synthetic.story3_bursty(4))
+    assert finding.title == "Requests waiting: --max-num-seqs"
+    summary = summarize(timeline)
+    assert "mostly for --max-num-seqs" in summary.verdict
+    assert set(summary.waiting_reason_shares) == {  # the JSON keys, unchanged
+        "KV capacity", "max_num_seqs", "max_num_batched_tokens"}
+    texts = [engine_header(timeline), *format_summary(summary)]
+    for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
+                long_prefill_sim()):
+        timeline, findings = findings_of(sim)
+        texts += [f.title for f in findings] + [e.evidence for e in detect_episodes(timeline)]
+        texts += [engine_header(timeline), *format_summary(summarize(timeline))]
+    for text in texts:
+        assert not CONFIG_NAMES.search(text), text
+    assert "--max-num-batched-tokens 0.0%" in "\n".join(texts)

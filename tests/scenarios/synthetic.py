@@ -430,3 +430,24 @@ def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
         ))
         now_ns += elapsed_ns
     return records
+
+
+# A KV cliff scripted by hand, iterations of 10 ms back to back: 2 requests fill the cache; one
+# is preempted (iteration 5) and waits 6 iterations (60 ms); iteration 11 admits it again and
+# recomputes its 500-token prompt beside the other's decode in 40 ms (a long prefill: 30 ms
+# beyond the 10 ms decode-only median, for 1 decoding request); then 4 s of silence.
+SCRIPTED_CLIFF = (
+    [Row(0.010, running=2, waiting=0, blocks_used=100, gen_reqs=2)] * 4
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1, preemptions=1)]
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1)] * 5
+    + [Row(0.040, running=2, waiting=0, blocks_used=100, gen_reqs=1, ctx_tokens=500)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1, pause_before_s=4.0)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1)] * 9
+)
+
+
+def write_records(records: list[IterationRecord], path: Path) -> Path:
+    """A recording file of ``records``, as the sidecar's JSONL sink writes it."""
+    encoder = msgspec.json.Encoder()
+    path.write_bytes(b"".join(encoder.encode(record) + b"\n" for record in records))
+    return path
