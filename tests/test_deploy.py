@@ -325,6 +325,9 @@ def test_podmonitor_and_service_reach_the_sidecar_metrics_port():
     monitor = k8s_object("PodMonitor", "iterscope")["spec"]
     assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
     assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
+    api_monitor = k8s_object("PodMonitor", "iterscope-api")["spec"]
+    assert api_monitor["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [e["port"] for e in api_monitor["podMetricsEndpoints"]] == ["http"]
     service = k8s_object("Service", "iterscope")["spec"]
     assert service["selector"].items() <= pod_labels.items()
     for port in service["ports"]:
@@ -337,15 +340,22 @@ def test_network_policy_admits_only_clients_to_the_api_and_prometheus_to_metrics
     assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert policy["policyTypes"] == ["Ingress"]
     container_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
-    admitted = {}
+    admitted = admitted_peers(policy)
+    assert set(admitted) == {"http", "metrics"} == container_ports
+    clients = {"podSelector": {"matchLabels": {"iterscope-client": "true"}}}
+    (prometheus,) = admitted["metrics"]
+    assert prometheus["namespaceSelector"] and prometheus["podSelector"]
+    assert sorted(admitted["http"], key=str) == sorted([clients, prometheus], key=str)
+
+
+def admitted_peers(policy: dict) -> dict[str, list[dict]]:
+    """Port name -> every peer an ingress rule admits to it."""
+    admitted: dict[str, list[dict]] = {}
     for rule in policy["ingress"]:
         assert rule["from"], "a rule without 'from' admits every peer"
         for port in rule["ports"]:
-            admitted[port["port"]] = rule["from"]
-    assert set(admitted) == {"http", "metrics"} == container_ports
-    assert admitted["http"] == [{"podSelector": {"matchLabels": {"iterscope-client": "true"}}}]
-    (metrics_peer,) = admitted["metrics"]
-    assert metrics_peer["namespaceSelector"] and metrics_peer["podSelector"]
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    return admitted
 
 
 def test_the_api_key_comes_from_an_optional_secret():
@@ -356,14 +366,112 @@ def test_the_api_key_comes_from_an_optional_secret():
     assert secret == {"name": "iterscope-api-key", "key": "key", "optional": True}
 
 
-def test_podmonitor_sets_instance_to_the_pod_name():
-    """Pages and legends read "<pod> engine 0" rather than a pod IP that changes on restart."""
-    (endpoint,) = k8s_object("PodMonitor", "iterscope")["spec"]["podMetricsEndpoints"]
+@pytest.mark.parametrize("name", ["iterscope", "iterscope-api"])
+def test_podmonitor_sets_instance_to_the_pod_name(name):
+    """Pages and legends read "<pod> engine 0" rather than a pod IP that changes on restart;
+    the API's job names the same pod, so IterscopeHTTPErrors names it too."""
+    (endpoint,) = k8s_object("PodMonitor", name)["spec"]["podMetricsEndpoints"]
     assert {
         "sourceLabels": ["__meta_kubernetes_pod_name"],
         "targetLabel": "instance",
         "action": "replace",
     } in endpoint["relabelings"]
+
+
+# --- every rule's series is scraped ----------------------------------------------------------
+
+# What a PromQL expression holds besides metric names: label matchers, range and subquery
+# windows, strings; label lists of by/without/on/ignoring/group_left/group_right; keywords.
+PROMQL_SKIPPED = re.compile(r'\{[^}]*\}|\[[^\]]*\]|"(?:[^"\\]|\\.)*"')
+PROMQL_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+                   "group_left", "group_right", "inf", "nan"}
+PROMQL_NAME = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(\s*\()?")
+
+
+def series_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (functions and aggregations left out)."""
+    text = PROMQL_LABEL_LIST.sub(" ", PROMQL_SKIPPED.sub(" ", expr))
+    return {m.group(1) for m in PROMQL_NAME.finditer(text)
+            if not m.group(2) and m.group(1).lower() not in PROMQL_KEYWORDS}
+
+
+def test_series_names_reads_metrics_only():
+    expr = ('sum by (instance) (rate(http_requests_total{status="5xx"}[5m])) / '
+            'sum by (instance) (rate(http_requests_total[5m])) > '
+            'scalar(iterscope:alert_threshold:http_5xx_ratio) and on (instance, job) '
+            'max_over_time(iterscope_sidecar_up[1d]) == 1 unless up offset 5m')
+    assert series_names(expr) == {"http_requests_total", "iterscope:alert_threshold:http_5xx_ratio",
+                                  "iterscope_sidecar_up", "up"}
+
+
+def sidecar_series() -> set[str]:
+    sys.path.insert(0, str(REPO))  # dashboards/ is not an installed package
+    from dashboards.metric_names import SERIES_NAMES
+
+    return set(SERIES_NAMES)
+
+
+def api_series(server_args: list[str]) -> set[str]:
+    """What the API server's /metrics serves: its HTTP series, and the sidecar's series only
+    when it is given the sidecar's URL."""
+    from engine.entrypoints.api_metrics import HttpSeries
+
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    names = {family.name + suffix for family in HttpSeries().registry.collect()
+             for suffix in suffixes[family.type]}
+    passes_sidecar = any(arg.startswith("--sidecar-metrics-url") for arg in server_args)
+    return names | (sidecar_series() if passes_sidecar else set())
+
+
+def rules_reading_unscraped_series(scraped: set[str]) -> list[str]:
+    """'Rule: names' for every rule of dashboards/alerts that reads a series no scrape brings
+    (up comes from every scrape, recorded names from the rules)."""
+    rules = [rule for group in shipped_rule_groups() for rule in group["rules"]]
+    available = scraped | {"up"} | {rule["record"] for rule in rules if "record" in rule}
+    missing = []
+    for rule in rules:
+        unscraped = series_names(str(rule["expr"])) - available
+        if unscraped:
+            missing.append(f"{rule.get('alert') or rule['record']}: {sorted(unscraped)}")
+    return missing
+
+
+def test_every_alert_reads_series_the_k8s_podmonitors_scrape():
+    """Each port a PodMonitor scrapes serves its series (the sidecar's port the engine series,
+    the API port the HTTP series); every rule must read only series some scrape brings, so
+    IterscopeHTTPErrors has data on Kubernetes. Prometheus must be let in on each such port,
+    and each port is its own job, so the series both serve (iterscope_sidecar_up) never mix."""
+    pod = k8s_object("Deployment", "iterscope")["spec"]["template"]
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    served = {"metrics": sidecar_series(), "http": api_series(engine["args"])}
+    pod_labels = pod["metadata"]["labels"].items()
+    monitors = [d for d in k8s_documents() if d["kind"] == "PodMonitor"
+                and d["spec"]["selector"]["matchLabels"].items() <= pod_labels]
+    jobs_by_port = {e["port"]: m["metadata"]["name"]
+                    for m in monitors for e in m["spec"]["podMetricsEndpoints"]}
+    assert len(set(jobs_by_port.values())) == len(jobs_by_port) == len(monitors)
+    assert not rules_reading_unscraped_series(
+        set().union(*(served[port] for port in jobs_by_port)))
+    assert rules_reading_unscraped_series(served["metrics"]), "the check cannot fail"
+    admitted = admitted_peers(k8s_object("NetworkPolicy", "iterscope")["spec"])
+    prometheus = admitted["metrics"]
+    for port in jobs_by_port:
+        assert all(peer in admitted[port] for peer in prometheus), port
+
+
+def test_every_alert_reads_series_the_compose_prometheus_scrapes():
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    services = compose()["services"]
+    server, sidecar = services["server"]["command"], services["sidecar"]["command"]
+    served = {f"server:{flag_value(server, '--port')}": api_series(server),
+              f"sidecar:{flag_value(sidecar, '--metrics-port')}": sidecar_series()}
+    jobs_by_target = {target: job["job_name"] for job in config["scrape_configs"]
+                      for static in job["static_configs"] for target in static["targets"]
+                      if target in served}
+    assert len(set(jobs_by_target.values())) == len(jobs_by_target) == len(served)
+    assert not rules_reading_unscraped_series(
+        set().union(*(served[target] for target in jobs_by_target)))
 
 
 # --- generated manifests ---------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_kv_saturation_with_preemptions_says_how_many(story2):
     (saturation,) = detect_kv_saturation(build_timelines(story2.messages)[0], Thresholds())
     num_preemptions = saturation.numbers["num_preemptions"]
     assert num_preemptions > 0
-    assert f"{num_preemptions} running request(s) that needed a new block were preempted" in (
+    assert f"{num_preemptions} running requests that needed a new block were preempted" in (
         saturation.explanation)
     assert "no running request was preempted" not in saturation.explanation
 
@@ -211,7 +211,8 @@ def test_story3_batched_versus_queued():
     assert batched.mean_batch_reqs > 10 and batched.waiting_share < 0.05
     assert batched.verdict.startswith("Batched") and "not queued" in batched.verdict
     assert queued.max_running_reqs == 4 and queued.waiting_share > 0.5
-    assert "and queued" in queued.verdict and "max_num_seqs" in queued.verdict
+    assert "and queued" in queued.verdict and "mostly for --max-num-seqs" in queued.verdict
+    assert queued.waiting_reason_shares["max_num_seqs"] == 1.0  # the JSON key, unchanged
     (wait,) = only(detect_episodes(queued_timeline), "waiting")
     assert wait.numbers["reason"] == "waiting_seq_limit"
     assert "Raise --max-num-seqs (now 4)" in wait.setting

@@ -6,12 +6,12 @@ import re
 import numpy as np
 import pytest
 from scenarios import synthetic
-from scenarios.synthetic import Cost, Simulator, arrivals
+from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
-from telemetry.analysis.explain import MAX_FINDING_LINES, main
-from telemetry.analysis.findings import build_findings, episode_cost
+from telemetry.analysis.explain import MAX_FINDING_LINES, format_findings, main
+from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord
 
@@ -30,8 +30,54 @@ def findings_of(sim: Simulator):
 def test_story_top_finding_first(story, expected_top):
     _, findings = findings_of(story())
     assert findings[0].kind in expected_top, [(f.kind, f.cost) for f in findings]
-    costs = [f.cost for f in findings]
-    assert costs == sorted(costs, reverse=True)
+    assert_ranked(findings)
+
+
+def assert_ranked(findings):
+    """Faults first; then by cost, every finding that cost something above those that did not."""
+    faults = [f.is_fault for f in findings]
+    assert faults == sorted(faults, reverse=True), [(f.kind, f.cost) for f in findings]
+    for group in ([f for f in findings if f.is_fault], [f for f in findings if not f.is_fault]):
+        costs = [f.cost for f in group]
+        assert costs == sorted(costs, reverse=True), [(f.kind, f.cost) for f in findings]
+
+
+CLIFF_ROWS = synthetic.SCRIPTED_CLIFF
+
+
+def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp_path, capsys):
+    timeline = build_timelines(scripted(CLIFF_ROWS))[0]
+    findings = build_findings(timeline, detect_episodes(timeline))
+    assert [f.kind for f in findings] == ["kv_cliff", "long_prefill", "telemetry_gap"]
+    cliff, prefill, gap = findings
+    assert cliff.cost == pytest.approx(6 * 0.010 + 0.040)  # waited, then recomputed
+    assert prefill.cost == pytest.approx(0.040 - 0.010)
+    # The silence costs nothing measurable and lasts longest: it still ranks last.
+    assert gap.cost == 0 and gap.total_time > cliff.total_time + prefill.total_time
+    path = synthetic.write_records(scripted(CLIFF_ROWS), tmp_path / "cliff.jsonl")
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    headlines = [line for line in lines if re.match(r"  \d\. ", line)]
+    assert headlines[0].startswith("  1. KV cache cliff") and "0.10 request-s delayed" in (
+        headlines[0])
+    assert "0.03 request-s slowed" in headlines[1]
+    assert "  ... 1 more finding; --all lists every episode." in lines  # the gap, below
+
+
+def test_a_fault_ranks_first_even_before_it_costs_requests():
+    """Blocks held with nothing running cost no request time yet, but only a restart fixes it."""
+    leaking = [Row(0.010, running=0, waiting=0, blocks_used=20)] * 3
+    timeline = build_timelines(scripted(CLIFF_ROWS[:11] + leaking))[0]
+    findings = build_findings(timeline, detect_episodes(timeline))
+    assert [f.kind for f in findings] == ["kv_leak", "kv_cliff", "long_prefill"]
+    assert findings[0].cost == 0 < findings[2].cost < findings[1].cost
+    text = "\n".join(format_findings(timeline, findings, Thresholds()))
+    assert "faults first, then costliest first:" in text
+
+
+def test_cost_text_never_reads_as_zero_above_zero():
+    assert [cost_text(c) for c in (0, 0.004, 0.0734, 0.5, 2.25)] == [
+        "0", "< 0.01", "0.07", "0.50", "2.2"]
 
 
 def test_story3_batched_has_no_finding():
@@ -168,3 +214,24 @@ def test_change_and_action_lines_name_real_flags_and_runnable_commands():
         for flag in re.findall(r"--[a-z][a-z-]*", outside):
             assert flag in engine_flags._option_string_actions, (flag, line)
     assert kinds_with_commands >= 5
+
+
+def test_titles_header_and_summary_name_limits_by_their_flags():
+    from telemetry.analysis.explain import engine_header
+    from telemetry.analysis.summary import format_summary, summarize
+
+    timeline, (finding,) = findings_of(synthetic.story3_bursty(4))
+    assert finding.title == "Requests waiting: --max-num-seqs"
+    summary = summarize(timeline)
+    assert "mostly for --max-num-seqs" in summary.verdict
+    assert set(summary.waiting_reason_shares) == {  # the JSON keys, unchanged
+        "KV capacity", "max_num_seqs", "max_num_batched_tokens"}
+    texts = [engine_header(timeline), *format_summary(summary)]
+    for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
+                long_prefill_sim()):
+        timeline, findings = findings_of(sim)
+        texts += [f.title for f in findings] + [e.evidence for e in detect_episodes(timeline)]
+        texts += [engine_header(timeline), *format_summary(summarize(timeline))]
+    for text in texts:
+        assert not CONFIG_NAMES.search(text), text
+    assert "--max-num-batched-tokens 0.0%" in "\n".join(texts)

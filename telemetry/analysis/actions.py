@@ -18,6 +18,7 @@ from telemetry.analysis.episodes import KV_MEMORY_TEXT, Episode, Thresholds
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_seqs, recommend
+from telemetry.analysis.words import plural
 
 KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
 KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
@@ -107,7 +108,8 @@ def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
     if demand <= fit:
         return _kv_peak_action(tl, rows)
     return (f"Raise --kv-cache-memory to {demand / fit:.1f}x the cache's size now (it holds "
-            f"{fit} requests of {mean_length:.0f} tokens, {demand} wanted in at once; `iterscope "
+            f"{plural(fit, 'request')} of {mean_length:.0f} tokens, {demand} wanted in at once; "
+            "`iterscope "
             f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
             f"such requests a SIZE holds), or set --max-num-seqs {fit}.")
 
@@ -118,10 +120,14 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
     peak = int(np.argmax(usage))
     running = int(tl.col("running")[rows][peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
-    return (f"Set --max-num-seqs {value}: {running} requests running together took KV usage to "
-            f"{100 * usage[peak]:.1f}%, and {value} keep it near {100 * KV_TARGET_USAGE:.0f}%; "
-            f"or raise {KV_MEMORY_TEXT} (`iterscope kv-plan --model DIR --memory SIZE` shows "
-            "how many requests a size holds).")
+    kv_plan = ("(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size "
+               "holds)")
+    if value >= running:  # fewer requests cannot help: one alone fills the cache
+        return (f"Raise {KV_MEMORY_TEXT} {kv_plan}: {plural(running, 'request')} running took "
+                f"KV usage to {100 * usage[peak]:.1f}%, fewer cannot run.")
+    return (f"Set --max-num-seqs {value}: {plural(running, 'request')} running together took KV "
+            f"usage to {100 * usage[peak]:.1f}%, and with {value} it stays near "
+            f"{100 * KV_TARGET_USAGE:.0f}%; or raise {KV_MEMORY_TEXT} {kv_plan}.")
 
 
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:

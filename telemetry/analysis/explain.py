@@ -29,9 +29,10 @@ from telemetry.analysis.actions import finding_action
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.clock import clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
-from telemetry.analysis.findings import Finding, build_findings
+from telemetry.analysis.findings import Finding, build_findings, cost_text
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import EngineTimeline, build_timelines, read_timelines
+from telemetry.analysis.words import plural
 from telemetry.lane.recording import RecordingReader
 
 WRAP_COLUMNS = 100
@@ -50,7 +51,7 @@ def engine_header(tl: EngineTimeline) -> str:
         parts.append(f"{tl.num_kv_blocks_total} KV blocks x {facts.get('block_size', '?')} tokens")
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if facts.get(name):
-            parts.append(f"{name} {facts[name]}")
+            parts.append(f"--{name.replace('_', '-')} {facts[name]}")
     return ", ".join(parts)
 
 
@@ -67,10 +68,6 @@ def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
     )
 
 
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[str]:
     until = "(ongoing)" if episode.ongoing else clock_text(tl, episode.end_ns)
     lines = [
@@ -84,30 +81,36 @@ def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[st
 
 
 MAX_FINDING_LINES = 15  # the ranked findings fit on one screen above the summary
+# A finding's block is its headline, 2 lines of its worst instance and its action: with the
+# list's first line and a "... more" line, the top finding always fits whole.
+MAX_ACTION_LINES = MAX_FINDING_LINES - 5
 
 
 def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
     """Headline, worst instance with its figures, and the action (wrapped)."""
     worst = finding.worst
     cost = ("cost not measurable (no records)" if finding.cost_label == "unknown"
-            else f"{finding.cost:.1f} request-s {finding.cost_label}")
-    lines = [f"  {number}. {finding.title}: {_plural(finding.count, 'time')}, "
+            else f"{cost_text(finding.cost)} request-s {finding.cost_label}")
+    lines = [f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
              f"{finding.total_time:.2f} s in all, {cost}"]
     lines += _wrapped("worst", f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} "
                       f"s): {worst.evidence}", max_lines=2)
-    lines += _wrapped("do", action)
+    lines += _wrapped("do", action, max_lines=MAX_ACTION_LINES)
     return lines
 
 
 def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
                     ) -> list[str]:
-    """The costliest findings first, in at most MAX_FINDING_LINES lines."""
+    """The findings in rank order (faults, then the costliest), in at most MAX_FINDING_LINES
+    lines; the first is always shown whole, so the top finding is never cut."""
     if not findings:
         return ["  No problem found: no saturation, preemption storm, sustained waiting, "
                 "stall, leak, telemetry gap or latency spike."]
     num_episodes = sum(f.count for f in findings)
-    lines = [f"  {_plural(len(findings), 'finding')} from {_plural(num_episodes, 'episode')}, "
-             "costliest first:"]
+    order = ("faults first, then costliest first" if any(f.is_fault for f in findings)
+             else "costliest first")
+    lines = [f"  {plural(len(findings), 'finding')} from {plural(num_episodes, 'episode')}, "
+             f"{order}:"]
     shown = 0
     for finding in findings:
         block = format_finding(tl, shown + 1, finding, finding_action(tl, finding, thresholds))
@@ -116,7 +119,8 @@ def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thr
         lines += block
         shown += 1
     if shown < len(findings):
-        lines.append(f"  ... {len(findings) - shown} more finding(s); --all lists every episode.")
+        lines.append(f"  ... {plural(len(findings) - shown, 'more finding')}; --all lists every "
+                     "episode.")
     return lines
 
 
@@ -291,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report_json(timelines, thresholds), indent=2))
     else:
-        print(f"iterscope explain: {len(args.recordings)} file(s), {num_messages} messages"
-              f" ({num_bad} unreadable lines), {len(timelines)} engine(s)\n")
+        print(f"iterscope explain: {plural(len(args.recordings), 'file')}, "
+              f"{plural(num_messages, 'message')} ({plural(num_bad, 'unreadable line')}), "
+              f"{plural(len(timelines), 'engine')}\n")
         for tl in timelines.values():
             episodes = detect_episodes(tl, thresholds)
             print("\n".join(format_engine(tl, episodes, thresholds, args.all)) + "\n")

@@ -1,5 +1,10 @@
 """Findings: episodes of the same kind merged, costed in request time, ranked by that cost.
 
+Faults come first whatever they have cost so far: leaked KV blocks and a stalled engine are
+bugs that grow until the engine is restarted (a leak costs requests nothing until the cache
+runs out, then it costs every request), and no setting fixes them. Then the costliest first; a
+finding whose cost is 0 or not measurable ranks below every finding that cost something.
+
 An operator reading `explain` wants the one thing that mattered most first, not 25 copies of
 the same episode in time order. A Finding gathers every problem episode of one kind (and, for
 ``waiting``, one reason), counts them, adds up their time and the time they cost requests,
@@ -9,6 +14,12 @@ What an episode costs requests (request-seconds), from the records inside its ti
 
     waiting-like kinds   requests waiting x time (each iteration's waiting count times the
                          time until the next iteration starts)
+    kv_cliff             the requests it turned back to waiting x the time until they run
+                         again: from the cliff, each iteration's waiting count above the count
+                         before it (at most the number evicted) times the time until the next
+                         iteration starts, until that count falls back to 0, plus the time of
+                         each iteration that admits them again (they recompute their prompt in
+                         it); to the end of the recording if they never run again
     long_prefill         decoding requests x the time their iteration took beyond the median
                          decode-only iteration (request-seconds slowed)
     stall                (waiting + running) x the stall's length, from the heartbeats
@@ -24,8 +35,11 @@ import numpy as np
 from telemetry.analysis.episodes import INFO, Episode
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
+FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
+
 # How each kind's cost is named in the text ("... request-s waiting").
-COST_LABELS = {"long_prefill": "slowed", "stall": "stalled", "telemetry_gap": "unknown"}
+COST_LABELS = {"long_prefill": "slowed", "stall": "stalled", "telemetry_gap": "unknown",
+               "kv_cliff": "delayed"}
 
 
 @dataclass
@@ -64,6 +78,10 @@ class Finding:
     def cost_label(self) -> str:
         return COST_LABELS.get(self.kind, "waiting")
 
+    @property
+    def is_fault(self) -> bool:
+        return self.kind in FAULT_KINDS
+
 
 def _span_rows(tl: EngineTimeline, episode: Episode) -> slice:
     starts = tl.col("start_ns")
@@ -72,14 +90,38 @@ def _span_rows(tl: EngineTimeline, episode: Episode) -> slice:
     return slice(first, last)
 
 
-def _waiting_request_seconds(tl: EngineTimeline, rows: slice) -> float:
+def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray) -> float:
+    """Each row's count (aligned with ``rows``) times the time until the next iteration starts:
+    a record's waiting count holds until then. The last row's holds until it ends."""
     starts, ends = tl.col("start_ns"), tl.col("end_ns")
     if rows.stop <= rows.start:
         return 0.0
-    # Each iteration's waiting count holds until the next iteration starts.
     next_starts = np.r_[starts[rows.start + 1 : rows.stop], ends[rows.stop - 1]]
     durations = np.maximum(next_starts - starts[rows], 0)
-    return float((tl.col("waiting")[rows] * durations).sum() / NS_PER_S)
+    return float((counts * durations).sum() / NS_PER_S)
+
+
+def _waiting_request_seconds(tl: EngineTimeline, rows: slice) -> float:
+    return _queued_request_seconds(tl, rows, tl.col("waiting")[rows])
+
+
+def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -> float:
+    """What a cliff starting at row ``first`` (before any eviction) cost the requests it sent
+    back to waiting (see the module's docstring)."""
+    waiting = tl.col("waiting")
+    evicted = np.clip(waiting[first:] - waiting[first], 0, max(num_evicted, 0))
+    raised = np.flatnonzero(evicted > 0)
+    if not raised.size:
+        return 0.0
+    back = np.flatnonzero(evicted[raised[0]:] == 0)
+    stop = first + raised[0] + int(back[0]) if back.size else tl.num_iterations
+    waited = _queued_request_seconds(tl, slice(first, stop), evicted[: stop - first])
+    # Up to the row that admits the last of them: a fall in the count is requests admitted
+    # again, each recomputing its prompt in that row's iteration.
+    span = evicted[: stop - first + 1]
+    admitted = np.maximum(span[:-1] - span[1:], 0)
+    recompute_ns = int((admitted * tl.col("elapsed_ns")[first + 1 : first + span.size]).sum())
+    return waited + recompute_ns / NS_PER_S
 
 
 def _slowed_request_seconds(tl: EngineTimeline, rows: slice, baseline_s: float) -> float:
@@ -93,6 +135,9 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     """Request-seconds the episode cost (see the module's docstring)."""
     if episode.kind == "telemetry_gap":
         return 0.0
+    if episode.kind == "kv_cliff":
+        first = int(np.searchsorted(tl.col("start_ns"), episode.start_ns, side="left"))
+        return _evicted_request_seconds(tl, first, episode.numbers["num_evicted"])
     if episode.kind == "stall" and "max_running_reqs" in episode.numbers:
         busy = episode.numbers["max_waiting_reqs"] + episode.numbers["max_running_reqs"]
         return busy * episode.duration_time
@@ -107,7 +152,7 @@ def _group_key(episode: Episode) -> tuple[str, str]:
 
 
 def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]:
-    """Problem episodes merged by kind, the costliest finding first (then the longest)."""
+    """Problem episodes merged by kind, ranked (see the module's docstring and _rank_key)."""
     groups: dict[tuple[str, str], Finding] = {}
     for episode in episodes:
         if episode.severity == INFO:
@@ -116,4 +161,19 @@ def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]
         finding = groups.setdefault(key, Finding(episode.kind, [], []))
         finding.episodes.append(episode)
         finding.costs.append(episode_cost(tl, episode))
-    return sorted(groups.values(), key=lambda f: (f.cost, f.total_time), reverse=True)
+    return sorted(groups.values(), key=_rank_key, reverse=True)
+
+
+def _rank_key(finding: Finding) -> tuple[bool, float, bool, float]:
+    """Faults first, then the costliest; among equal costs (0 above all) one whose cost was
+    measured before one whose cost is unknown, then the longest."""
+    return finding.is_fault, finding.cost, finding.cost_label != "unknown", finding.total_time
+
+
+def cost_text(request_seconds: float) -> str:
+    """A cost as the text prints it: never a cost above 0 that reads as 0."""
+    if request_seconds <= 0:
+        return "0"
+    if request_seconds < 0.01:
+        return "< 0.01"
+    return f"{request_seconds:.2f}" if request_seconds < 1 else f"{request_seconds:.1f}"

@@ -14,8 +14,14 @@ import numpy as np
 
 from telemetry.analysis.episodes import pct, secs
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
 
+# The keys of Summary.waiting_reason_shares, by WAIT_REASONS column: what `explain --json`
+# scripts read, kept as they were when the text began naming limits by their flags.
+SHARE_KEYS = {"waiting_kv": "KV capacity", "waiting_seq_limit": "max_num_seqs",
+              "waiting_budget": "max_num_batched_tokens"}
+SHARE_LABELS = {SHARE_KEYS[name]: label for name, (label, _) in WAIT_REASONS.items()}
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues
 
@@ -117,8 +123,8 @@ def summarize(tl: EngineTimeline) -> Summary:
         waiting_share=_share(waiting > 0),
         max_waiting_reqs=int(waiting.max()) if waiting.size else 0,
         waiting_reason_shares={  # empty: the source does not say why requests wait
-            label: int(tl.col(name).sum()) / num_waiting_total
-            for name, (label, _) in WAIT_REASONS.items()
+            SHARE_KEYS[name]: int(tl.col(name).sum()) / num_waiting_total
+            for name in WAIT_REASONS
         } if tl.waiting_reasons_known else {},
         mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
         peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
@@ -150,7 +156,7 @@ def batched_or_queued(s: Summary) -> str:
                   f"iterations (median queue time {secs(s.queue_time_p50 * NS_PER_S)})")
     else:
         shares = s.waiting_reason_shares
-        reason = (f"mostly for {max(shares, key=shares.get)}" if shares
+        reason = (f"mostly for {SHARE_LABELS[max(shares, key=shares.get)]}" if shares
                   else "for a reason the source does not report")
         queued = (f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
                   f"iterations (max {s.max_waiting_reqs}), {reason}; median queue time "
@@ -160,10 +166,10 @@ def batched_or_queued(s: Summary) -> str:
 
 def format_summary(s: Summary) -> list[str]:
     ms = 1000
-    reasons = (", ".join(f"{k} {pct(v)}" for k, v in s.waiting_reason_shares.items())
+    reasons = (", ".join(f"{SHARE_LABELS[k]} {pct(v)}" for k, v in s.waiting_reason_shares.items())
                or "reasons not reported by the source")
     return [
-        f"{s.num_iterations} iterations in {s.duration_time:.1f} s "
+        f"{plural(s.num_iterations, 'iteration')} in {s.duration_time:.1f} s "
         f"(busy {pct(s.busy_share)}); iteration time p50 {s.iteration_time_p50 * ms:.2f} ms, "
         f"p99 {s.iteration_time_p99 * ms:.2f} ms, max {s.iteration_time_max * ms:.2f} ms",
         f"batch: {s.mean_batch_reqs:.1f} requests and {s.mean_batch_tokens:.1f} tokens per "

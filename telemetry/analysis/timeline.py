@@ -184,11 +184,13 @@ def build_timelines(
     }
 
 
-# column -> (what limit made requests wait, why it keeps them waiting)
+# column -> (what limit made requests wait, why it keeps them waiting); limits are named by the
+# engine flag that sets them, as an operator would change them.
 WAIT_REASONS = {
     "waiting_kv": ("KV capacity", "no free KV blocks for the next request"),
-    "waiting_seq_limit": ("max_num_seqs", "the sequence limit was reached"),
-    "waiting_budget": ("max_num_batched_tokens", "the token budget of the iteration was used up"),
+    "waiting_seq_limit": ("--max-num-seqs", "the sequence limit (--max-num-seqs) was reached"),
+    "waiting_budget": ("--max-num-batched-tokens",
+                       "the iteration's token budget (--max-num-batched-tokens) was used up"),
 }
 
 

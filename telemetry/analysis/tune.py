@@ -30,6 +30,7 @@ import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
+from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_CONTEXT_REQS, UNKNOWN_ELAPSED
 
 FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")
@@ -84,7 +85,8 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
     """Least-squares fit of iteration time; raises ValueError when there is too little data."""
     busy = ((tl.col("ctx_tokens") + tl.col("gen_tokens")) > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
-        raise ValueError(f"engine {tl.engine_index}: {int(busy.sum())} iterations did work "
+        raise ValueError(f"engine {tl.engine_index}: {plural(int(busy.sum()), 'iteration')} "
+                         "did work "
                          "with a measured time and batch; at least 10 are needed to fit "
                          "iteration time" + _untimed_hint(tl))
     x = np.column_stack([tl.col(name)[busy] for name in FEATURES]).astype(float)
@@ -184,10 +186,12 @@ def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
 def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
     notes = []
     if budget > fit.max_tokens_seen:
-        notes.append(f"the recording has at most {fit.max_tokens_seen} tokens per iteration: "
+        notes.append(f"the recording has at most {plural(fit.max_tokens_seen, 'token')} per "
+                     "iteration: "
                      f"{budget} is extrapolated, re-record at the new settings to confirm")
     if max_num_seqs > fit.max_gen_reqs_seen:
-        notes.append(f"the recording has at most {fit.max_gen_reqs_seen} decoding requests per "
+        notes.append(f"the recording has at most "
+                     f"{plural(fit.max_gen_reqs_seen, 'decoding request')} per "
                      f"iteration: {max_num_seqs} is extrapolated")
     if "ctx_tokens" not in fit.coefficients:
         notes.append("no prefill cost could be fitted (no context tokens varied): the budget "
@@ -209,8 +213,8 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
         if name in fit.coefficients
     )
     lines = [
-        f"Engine {tl.engine_index}: fit over {fit.num_iterations} iterations "
-        f"({fit.num_outliers} outliers left out)",
+        f"Engine {tl.engine_index}: fit over {plural(fit.num_iterations, 'iteration')} "
+        f"({plural(fit.num_outliers, 'outlier')} left out)",
         f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
         f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
@@ -220,17 +224,19 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
     if current_seqs and current_budget:
         worst = fit.predict(gen_tokens=current_seqs, ctx_tokens=max(current_budget - current_seqs,
                                                                     0), ctx_reqs=1)
-        lines.append(f"  current: max_num_seqs {current_seqs}, max_num_batched_tokens "
+        lines.append(f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
                      f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted")
     if kv_seqs is not None and kv_length is not None:
-        lines.append(f"  KV cache: {tl.num_kv_blocks_total} blocks hold {kv_seqs} requests of "
-                     f"the mean recorded length ({kv_length:.0f} tokens) at once")
+        lines.append(f"  KV cache: {plural(tl.num_kv_blocks_total, 'block')}, room for "
+                     f"{plural(kv_seqs, 'request')} of the mean recorded length "
+                     f"({kv_length:.0f} tokens) at once")
     lines += [
         f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms: --max-num-seqs {rec.max_num_seqs} "
-        f"--max-num-batched-tokens {rec.max_num_batched_tokens} (max_num_seqs limited by "
+        f"--max-num-batched-tokens {rec.max_num_batched_tokens} (--max-num-seqs limited by "
         f"{rec.limited_by})",
         f"  predicted: decode-only iteration {rec.decode_iteration_time * ms:.1f} ms at "
-        f"{rec.max_num_seqs} requests -> {rec.generation_throughput:.0f} generation tokens/s; "
+        f"{plural(rec.max_num_seqs, 'request')} -> {rec.generation_throughput:.0f} generation "
+        "tokens/s; "
         f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms; prefill "
         f"{rec.prompt_throughput:.0f} tokens/s at a full budget",
     ]

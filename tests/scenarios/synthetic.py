@@ -388,3 +388,66 @@ def story3_bursty(max_num_seqs: int) -> Simulator:
                     cost=STORY_COST)
     sim.add_requests(arrivals(6, 30, seed=3), num_prompt=200, num_output=100)
     return sim.run(33)
+
+
+# --------------------------------------------------------------------------------------------
+# Scripted recordings: every iteration given by hand, for costs that can be worked out on paper.
+
+
+@dataclass
+class Row:
+    """One scripted iteration: how long it took and the engine's counts after its scheduling.
+    Every waiting request waits for KV capacity; generation tokens equal ``gen_reqs``."""
+
+    elapsed_s: float
+    running: int
+    waiting: int
+    blocks_used: int
+    gen_reqs: int = 0
+    ctx_tokens: int = 0
+    preemptions: int = 0
+    pause_before_s: float = 0.0  # silence before the iteration starts (no message at all)
+
+
+def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
+             ) -> list[IterationRecord]:
+    """The records of ``rows``, back to back (each starts when the one before ends, after its
+    pause), numbered from iteration 1 and seq 1, without heartbeats."""
+    records, now_ns = [], int(start_s * NS)
+    for number, row in enumerate(rows, 1):
+        now_ns += int(row.pause_before_s * NS)
+        elapsed_ns = int(row.elapsed_s * NS)
+        records.append(IterationRecord(
+            engine_index=0, seq=number, iteration=number, start_ns=now_ns, elapsed_ns=elapsed_ns,
+            num_context_reqs=int(row.ctx_tokens > 0), num_context_tokens=row.ctx_tokens,
+            num_generation_reqs=row.gen_reqs, num_generation_tokens=row.gen_reqs,
+            num_running_reqs=row.running, num_waiting_reqs=row.waiting,
+            num_waiting_kv_reqs=row.waiting, num_waiting_seq_limit_reqs=0,
+            num_waiting_budget_reqs=0, num_kv_blocks_used=row.blocks_used,
+            num_kv_blocks_free=num_blocks - row.blocks_used, num_kv_tokens=0,
+            num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+            num_preemptions=row.preemptions,
+        ))
+        now_ns += elapsed_ns
+    return records
+
+
+# A KV cliff scripted by hand, iterations of 10 ms back to back: 2 requests fill the cache; one
+# is preempted (iteration 5) and waits 6 iterations (60 ms); iteration 11 admits it again and
+# recomputes its 500-token prompt beside the other's decode in 40 ms (a long prefill: 30 ms
+# beyond the 10 ms decode-only median, for 1 decoding request); then 4 s of silence.
+SCRIPTED_CLIFF = (
+    [Row(0.010, running=2, waiting=0, blocks_used=100, gen_reqs=2)] * 4
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1, preemptions=1)]
+    + [Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1)] * 5
+    + [Row(0.040, running=2, waiting=0, blocks_used=100, gen_reqs=1, ctx_tokens=500)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1, pause_before_s=4.0)]
+    + [Row(0.010, running=1, waiting=0, blocks_used=30, gen_reqs=1)] * 9
+)
+
+
+def write_records(records: list[IterationRecord], path: Path) -> Path:
+    """A recording file of ``records``, as the sidecar's JSONL sink writes it."""
+    encoder = msgspec.json.Encoder()
+    path.write_bytes(b"".join(encoder.encode(record) + b"\n" for record in records))
+    return path

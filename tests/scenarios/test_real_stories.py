@@ -10,6 +10,7 @@ import pytest
 
 from telemetry.analysis.episodes import INFO, detect_episodes
 from telemetry.analysis.explain import main, read_timelines
+from telemetry.analysis.findings import build_findings
 from telemetry.analysis.summary import summarize
 
 from . import real_engine
@@ -24,6 +25,20 @@ def explained(recording):
 
 def kinds(episodes):
     return {e.kind for e in episodes}
+
+
+KV_WAIT_KINDS = {"kv_cliff", "kv_saturation", "preemption_storm"}
+
+
+def top_finding(timeline, episodes, capsys, recording):
+    """The first finding, checked to be the first the text prints."""
+    findings = build_findings(timeline, episodes)
+    assert findings
+    assert main([str(recording)]) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("  1. "))
+    assert first.startswith(f"  1. {findings[0].title}: "), first
+    return findings[0]
 
 
 def only(episodes, kind):
@@ -52,7 +67,7 @@ def test_story3_queued_by_max_num_seqs(tmp_path):
     timeline, episodes = explained(real_engine.story3_bursty(tmp_path, max_num_seqs=2))
     summary = summarize(timeline)
     assert summary.max_running_reqs == 2 and summary.num_finished_reqs == 18
-    assert "and queued" in summary.verdict and "mostly for max_num_seqs" in summary.verdict
+    assert "and queued" in summary.verdict and "mostly for --max-num-seqs" in summary.verdict
     assert summary.queue_time_p90 > 0
     assert not kinds(episodes) & {"stall", "kv_leak", "kv_cliff", "telemetry_gap"}
 
@@ -68,21 +83,29 @@ def test_story1_kv_cliff_with_counted_preemption(tmp_path, capsys):
     assert summary.num_preemptions >= 1 and summary.peak_kv_usage == 1.0
     assert summary.max_waiting_reqs >= 1 and summary.waiting_reason_shares["KV capacity"] == 1.0
     assert not kinds(episodes) & {"stall", "kv_leak", "telemetry_gap"}
-    assert main([str(recording)]) == 0
-    assert "KV cache cliff: running requests became waiting" in capsys.readouterr().out
+    top = top_finding(timeline, episodes, capsys, recording)
+    assert top.kind in KV_WAIT_KINDS or top.worst.numbers.get("reason") == "waiting_kv", top.kind
+    # The requests sent back to waiting cost their wait and their recompute: not nothing.
+    assert top.cost > 0 and top.cost >= max(f.cost for f in build_findings(timeline, episodes))
 
 
-def test_story2_leak_hook(tmp_path):
-    timeline, episodes = explained(real_engine.story2_leak(tmp_path))
+def test_story2_leak_hook(tmp_path, capsys):
+    recording = real_engine.story2_leak(tmp_path)
+    timeline, episodes = explained(recording)
     (leak,) = only(episodes, "kv_leak")
     assert leak.numbers["nothing_running"]
     assert leak.numbers["excess_blocks_last"] == timeline.col("blocks_used")[-1] > 0
     assert not kinds(episodes) & {"stall", "kv_cliff", "telemetry_gap"}
+    assert top_finding(timeline, episodes, capsys, recording).kind == "kv_leak"
 
 
-def test_stall_hook(tmp_path):
-    timeline, episodes = explained(real_engine.stalled(tmp_path))
+def test_stall_hook(tmp_path, capsys):
+    recording = real_engine.stalled(tmp_path)
+    timeline, episodes = explained(recording)
     (stall,) = only(episodes, "stall")
     assert stall.numbers["inside_iteration"] and stall.numbers["frozen_iteration"] == 39
     assert stall.numbers["stall_time_s"] >= 2.9
     assert not kinds(episodes) & {"kv_leak", "kv_cliff", "telemetry_gap", "idle"}
+    assert "most of the time went inside that iteration" in stall.explanation
+    assert "hung" not in stall.explanation
+    assert top_finding(timeline, episodes, capsys, recording).kind == "stall"

@@ -14,7 +14,10 @@ from telemetry.analysis.episodes import (
     detect_long_prefill,
     detect_preemption_storms,
 )
+from telemetry.analysis.explain import main
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
+from telemetry.analysis.tune import main as tune_main
+from telemetry.analysis.words import plural
 from telemetry.lane.record import UNKNOWN_WAITING_REASONS, IterationRecord
 
 from . import synthetic
@@ -150,7 +153,51 @@ def test_a_stall_between_iterations_is_not_said_to_be_inside_one():
     (stall,) = of_kind(detect_episodes(timeline_of(synthetic.stalled().messages)), "stall")
     assert not stall.numbers["inside_iteration"]
     assert "between iterations" in stall.explanation
-    assert "inside iteration" not in stall.explanation and "hung" not in stall.explanation
+    assert "inside" not in stall.explanation and "hung" not in stall.explanation
+
+
+def test_a_frozen_stall_claims_only_what_heartbeats_show():
+    """A frozen last_iteration cannot tell a hung step from a very long one: the text says no
+    iteration finished and the process was alive, never that it hung."""
+    (stall,) = of_kind(detect_episodes(timeline_of(synthetic.stalled().messages)), "stall")
+    numbers = stall.numbers
+    assert numbers["max_waiting_reqs"] == 0 and numbers["max_running_reqs"] > 1
+    assert stall.explanation.startswith(
+        f"No iteration finished for {numbers['stall_time_s']:.2f} s while up to "
+        f"{numbers['max_running_reqs']} requests ran; heartbeats continued, so the process was "
+        "alive: a forward pass or the loop was stuck or very slow")
+    assert not re.search(r"\bhung\b|\bhang|0 requests waited|time out", stall.explanation)
+
+
+# ---- Counts and their nouns
+
+SINGULAR_AS_PLURAL = re.compile(
+    r"(?<![\d.])1 (?:[a-z-]+ )?(?:iterations|requests|preemptions|heartbeats|messages|blocks|"
+    r"tokens|episodes|findings|times|files|engines|lines|outliers)\b")
+
+
+def test_plural_agrees_with_the_count():
+    assert [plural(n, "iteration") for n in (0, 1, 2)] == [
+        "0 iterations", "1 iteration", "2 iterations"]
+    assert plural(1, "request-s", "request-s") == "1 request-s"
+
+
+def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys):
+    """One of everything (an iteration, a preemption, a request, a finding, a file...): the
+    text says each in the singular, and writes no "(s)"."""
+    path = synthetic.write_records(synthetic.scripted(synthetic.SCRIPTED_CLIFF),
+                                   tmp_path / "cliff.jsonl")
+    stalled = synthetic.stalled().write(tmp_path / "stalled.jsonl")
+    texts = []
+    for argv in ([str(path), "--all"], [str(stalled), "--all"]):
+        assert main(argv) == 0
+        texts.append(capsys.readouterr().out)
+    assert tune_main([str(stalled), "--itl-target", "50ms"]) == 0
+    texts.append(capsys.readouterr().out)
+    text = "\n".join(texts)
+    assert "1 iteration " in text and "1 running request " in text and "1 more finding" in text
+    assert "(s)" not in text
+    assert not SINGULAR_AS_PLURAL.findall(text), SINGULAR_AS_PLURAL.findall(text)
 
 
 # ---- Telemetry gaps and silences

@@ -18,6 +18,7 @@ from telemetry.analysis.episodes.episode import (
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.analysis.words import plural, were
 from telemetry.lane.record import UNKNOWN_KV_TOKENS
 
 LEAK_MAX_GAP = 10  # iterations; the running requests' slack makes the excess dip a little
@@ -35,10 +36,11 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         max_waiting = int(tl.col("waiting")[span].max())
         peak = float(usage[span].max())
         if tl.waiting_reasons_known:
-            waited = f"{max_waiting_kv} requests at most waited for KV capacity"
+            waited = f"{plural(max_waiting_kv, 'request')} at most waited for KV capacity"
             num_blocked = max_waiting_kv
         else:  # the source does not say why requests wait: say what is known
-            waited = f"{max_waiting} requests at most waited (the source reports no reason)"
+            waited = (f"{plural(max_waiting, 'request')} at most waited (the source reports "
+                      "no reason)")
             num_blocked = max_waiting
         episodes.append(Episode(
             kind="kv_saturation",
@@ -47,10 +49,12 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             end_ns=int(tl.col("end_ns")[last]),
             title="KV cache saturated",
             evidence=(
-                f"KV usage >= {pct(th.kv_saturated_ratio)} for {last - first + 1} iterations "
-                f"(peak {pct(peak)} of {tl.num_kv_blocks_total} blocks); "
+                f"KV usage >= {pct(th.kv_saturated_ratio)} for "
+                f"{plural(last - first + 1, 'iteration')} "
+                f"(peak {pct(peak)} of {plural(tl.num_kv_blocks_total, 'block')}); "
                 f"{waited}; "
-                f"{num_preemptions} preemptions; running {int(tl.col('running')[first])} -> "
+                f"{plural(num_preemptions, 'preemption')}; "
+                f"running {int(tl.col('running')[first])} -> "
                 f"{int(tl.col('running')[last])}"
             ),
             explanation=_saturation_explanation(peak, num_blocked, num_preemptions,
@@ -90,8 +94,8 @@ def _saturation_explanation(peak: float, num_blocked: int, num_preemptions: int,
     elif num_blocked:
         effects.append("requests waited (the source does not say whether for KV capacity)")
     if num_preemptions:
-        effects.append(f"{num_preemptions} running request(s) that needed a new block were "
-                       "preempted (recomputed later)")
+        effects.append(f"{plural(num_preemptions, 'running request')} that needed a new block "
+                       f"{were(num_preemptions)} preempted (recomputed later)")
     else:
         effects.append("no running request was preempted")
     return f"{full}: {'; '.join(effects)}."
@@ -141,48 +145,56 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
         end_ns=int(tl.col("end_ns")[low]),
         title="KV cache cliff: running requests became waiting",
         evidence=(
-            f"KV usage {pct(usage[high])} -> {pct(usage[low])} in {low - high} iteration(s) "
+            f"KV usage {pct(usage[high])} -> {pct(usage[low])} in "
+            f"{plural(low - high, 'iteration')} "
             f"(iterations {int(tl.col('iteration')[high])}-{int(tl.col('iteration')[low])}); "
             f"running {int(running[high])} -> {int(running[low])}, waiting "
             f"{int(waiting[high])} -> {int(waiting[low])} "
             f"({_waiting_kv_text(tl, low)}); "
-            f"preemptions counted: {num_preemptions}; in the next 5 s {num_after} iterations ran "
+            f"preemptions counted: {num_preemptions}; in the next 5 s "
+            f"{plural(num_after, 'iteration')} ran "
             f"({num_ctx_after} context tokens, {num_gen_after} generation tokens)"
         ),
         explanation=_cliff_explanation(num_preemptions, num_evicted, num_after, num_ctx_after),
         setting=(
-            f"Peak KV usage reached {pct(usage[high])} with {int(running[high])} requests: lower "
+            f"Peak KV usage reached {pct(usage[high])} with "
+            f"{plural(int(running[high]), 'request')}: lower "
             f"{flag_text(tl, 'max_num_seqs')} or client concurrency so the peak stays below "
             f"~90%, or raise {KV_MEMORY_TEXT} ({KV_PLAN_TEXT})."
         ),
         numbers={"usage_before": float(usage[high]), "usage_after": float(usage[low]),
                  "running_before": int(running[high]), "running_after": int(running[low]),
-                 "num_preemptions": num_preemptions, "num_iterations_after": num_after},
+                 "num_preemptions": num_preemptions, "num_evicted": num_evicted,
+                 "num_iterations_after": num_after},
     )
 
 
 def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
                        num_ctx_after: int) -> str:
     """Preemption is claimed only when counted, iterating only when iterations followed."""
+    num_gone = num_preemptions or num_evicted
+    their, they = ("its", "it") if num_gone == 1 else ("their", "they")
     if num_preemptions:
         why = (
-            f"The scheduler preempted {num_preemptions} running request(s) (by recompute) and "
-            "freed their KV blocks: they went back to the waiting queue and must prefill their "
-            "whole prompt again, which with long prompts costs as much as the first time."
+            f"The scheduler preempted {plural(num_preemptions, 'running request')} (by "
+            f"recompute) and freed {their} KV blocks: {they} went back to the waiting queue and "
+            f"must prefill {their} whole prompt again, which with long prompts costs as much as "
+            "the first time."
         )
     else:
         why = (
-            f"{num_evicted} running request(s) released their KV blocks and returned to the "
-            "waiting queue, yet no preemption was counted: they were evicted by a path that "
-            "does not count as a preemption."
+            f"{plural(num_evicted, 'running request')} released {their} KV blocks and returned "
+            f"to the waiting queue, yet no preemption was counted: {they} {were(num_evicted)} "
+            "evicted by a path that does not count as a preemption."
         )
     if not num_after:
         return why + " No iteration followed in the next 5 s of the recording."
     if num_preemptions:
         return why
-    return (why + f" The engine did not stop: it kept iterating ({num_after} iterations in the "
-            f"next 5 s, {num_ctx_after} context tokens among them: the evicted prompts are "
-            "computed again).")
+    return (why + " The engine did not stop: it kept iterating "
+            f"({plural(num_after, 'iteration')} in the next 5 s, "
+            f"{plural(num_ctx_after, 'context token')} among them: the evicted "
+            f"{'prompt is' if num_evicted == 1 else 'prompts are'} computed again).")
 
 
 def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -234,7 +246,8 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
     if idle_rows.size:
         row = first + int(idle_rows[-1])
         idle_note = (f"; at iteration {int(tl.col('iteration')[row])} nothing ran yet "
-                     f"{int(used[row])} blocks ({pct(usage[row])}) were in use")
+                     f"{plural(int(used[row]), 'block')} ({pct(usage[row])}) "
+                     f"{were(int(used[row]))} in use")
     excess_first, excess_last = int(excess[first]), int(excess[last])
     trend = ("grew" if excess_last > excess_first
              else "fell" if excess_last < excess_first else "stayed at")
@@ -246,7 +259,7 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
         title="KV blocks leaking",
         evidence=(
             f"blocks held by no running request {trend} {excess_first} -> {excess_last} "
-            f"over {last - first + 1} iterations; KV usage {pct(usage[first])} -> "
+            f"over {plural(last - first + 1, 'iteration')}; KV usage {pct(usage[first])} -> "
             f"{pct(usage[last])} while running was {int(running[first])} -> "
             f"{int(running[last])} (mean {running[first : last + 1].mean():.1f})" + idle_note
         ),
@@ -266,5 +279,6 @@ def _leak_explanation(excess_first: int, excess_last: int) -> str:
         return ("KV blocks are not returned to the pool when requests finish: usage climbs while "
                 "few or no requests run, until new requests cannot be admitted and clients time "
                 "out.")
-    return (f"KV blocks were not returned to the pool: {excess_last} blocks stayed held by no "
-            "running request (they did not grow here), so fewer are left for new requests.")
+    return (f"KV blocks were not returned to the pool: {plural(excess_last, 'block')} stayed "
+            "held by no running request (they did not grow here), so fewer are left for new "
+            "requests.")

@@ -13,6 +13,7 @@ from telemetry.analysis.episodes.episode import (
     secs,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.analysis.words import plural
 
 
 def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -48,8 +49,9 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             end_ns=int(tl.col("end_ns")[rows[-1]]),
             title="Long prefill chunks stretch decode latency",
             evidence=(
-                f"{len(rows)} iterations mixing up to {int(ctx_tokens[rows].max())} context "
-                f"tokens with decoding requests took up to {secs(elapsed[worst])} (iteration "
+                f"{plural(len(rows), 'iteration')} mixing up to "
+                f"{plural(int(ctx_tokens[rows].max()), 'context token')} with decoding requests "
+                f"took up to {secs(elapsed[worst])} (iteration "
                 f"{int(tl.col('iteration')[worst])}, {int(gen_reqs[worst])} decoding) against a "
                 f"median decode-only iteration of {secs(baseline_ns)}"
             ),

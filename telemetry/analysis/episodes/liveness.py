@@ -17,6 +17,7 @@ from telemetry.analysis.episodes.episode import (
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+from telemetry.analysis.words import plural
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.recording import message_time_ns
 
@@ -46,16 +47,30 @@ def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode
     return episodes
 
 
-def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
+def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool) -> str:
+    """Where the time went, from the next record. A frozen last_iteration cannot tell a step
+    that hung from a legitimately long one: only that none finished."""
     if ongoing:
-        where = "inside the next iteration or between iterations: none has finished since"
-    elif inside:
-        where = (f"inside iteration {group[0].last_iteration + 1}, which took "
-                 f"{secs(until_ns - since_ns)} (a forward pass or a step that hung)")
-    else:
-        where = "between iterations (it did not start the next one)"
+        return "none had finished when the recording ended"
+    row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
+    gap_ns = int(tl.col("start_ns")[row]) - since_ns
+    spent = "inside that iteration" if inside else "between iterations"
+    return (f"the next iteration started {secs(gap_ns)} after the last one ended and took "
+            f"{secs(tl.col('elapsed_ns')[row])}: most of the time went {spent}")
+
+
+def _work_text(num_waiting: int, num_running: int) -> str:
+    """``2 requests waited and 1 ran``, leaving out a count of 0 (one is not 0 in a busy group)."""
+    parts = [f"{plural(num_waiting, 'request')} waited" if num_waiting else "",
+             (f"{num_running} ran" if num_waiting else f"{plural(num_running, 'request')} ran")
+             if num_running else ""]
+    return " and ".join(part for part in parts if part)
+
+
+def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
     max_waiting = max(h.num_waiting_reqs for h in group)
     max_running = max(h.num_running_reqs for h in group)
+    where = _stall_where(tl, since_ns, ongoing, inside)
     return Episode(
         kind="stall",
         engine_index=tl.engine_index,
@@ -64,13 +79,14 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
         title="Engine stalled" + (" (still stalled at the end)" if ongoing else ""),
         evidence=(
             f"last_iteration stayed at {group[0].last_iteration} for {secs(until_ns - since_ns)} "
-            f"across {len(group)} heartbeats with {max_waiting} requests waiting and "
-            f"{max_running} running (at most; pid {group[0].pid or '?'})"
+            f"across {plural(len(group), 'heartbeat')} with {plural(max_waiting, 'request')} "
+            f"waiting and {max_running} running (at most; pid {group[0].pid or '?'})"
         ),
         explanation=(
-            f"Not idle (requests were waiting or running) and not dead (heartbeats kept "
-            f"coming): the loop was "
-            f"stuck {where}. Clients see no tokens and eventually time out."
+            f"No iteration finished for {secs(until_ns - since_ns)} while up to "
+            f"{_work_text(max_waiting, max_running)}; "
+            "heartbeats continued, so the process was alive: a forward pass or the loop was "
+            f"stuck or very slow ({where}). Clients got no token meanwhile."
         ),
         setting=(
             "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
@@ -124,7 +140,7 @@ def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             end_ns=int(tl.col("end_ns")[last]),
             title="Engine spinning: iterations schedule nothing",
             evidence=(
-                f"{last - first + 1} iterations scheduled no request while up to "
+                f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "
                 f"{int(tl.col('waiting')[span].max())} waited and "
                 f"{int(tl.col('running')[span].max())} ran; waiting by reason at the end: "
                 f"{reasons}; KV usage {pct(tl.kv_usage[last])}"
@@ -154,8 +170,8 @@ def detect_idle(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             start_ns=since_ns,
             end_ns=until_ns,
             title="Idle",
-            evidence=(f"{len(group)} heartbeats with nothing waiting or running, no iteration "
-                      f"for {secs(until_ns - since_ns)}"),
+            evidence=(f"{plural(len(group), 'heartbeat')} with nothing waiting or running, "
+                      f"no iteration for {secs(until_ns - since_ns)}"),
             explanation="Nothing to do: no request was waiting or running.",
             setting="None needed.",
             severity=INFO,
@@ -213,7 +229,8 @@ def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Epis
             end_ns=end_ns,
             title="Telemetry gap: messages lost",
             evidence=(
-                f"{num_lost} messages missing (seq holes: {len(group)}); {num_dropped} of them "
+                f"{plural(num_lost, 'message')} missing (seq holes: {len(group)}); "
+                f"{num_dropped} of them "
                 f"dropped by the engine because its send queue was full or no sidecar was "
                 f"connected, {num_lost - num_dropped} lost after sending"
             ),

@@ -16,6 +16,7 @@ from telemetry.analysis.episodes.episode import (
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
+from telemetry.analysis.words import plural
 
 
 def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -36,8 +37,9 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             end_ns=int(tl.col("end_ns")[rows[-1]]),
             title="Preemption storm",
             evidence=(
-                f"{num_preemptions} preemptions in {len(rows)} iterations; KV usage peak "
-                f"{pct(tl.kv_usage[span].max())}; {num_ctx_tokens} context tokens computed "
+                f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
+                f"KV usage peak {pct(tl.kv_usage[span].max())}; "
+                f"{plural(num_ctx_tokens, 'context token')} computed "
                 f"meanwhile (recompute included); waiting up to "
                 f"{int(tl.col('waiting')[span].max())}"
             ),
@@ -88,7 +90,7 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         end_ns=int(tl.col("end_ns")[last]),
         title=f"Requests waiting: {label}",
         evidence=(
-            f"waiting > 0 in {last - first + 1} iterations (mean "
+            f"waiting > 0 in {plural(last - first + 1, 'iteration')} (mean "
             f"{tl.col('waiting')[span].mean():.1f}, max {int(tl.col('waiting')[span].max())}); "
             f"reasons: {split}; running mean {tl.col('running')[span].mean():.1f}; "
             f"KV usage peak {pct(peak_usage)}"
