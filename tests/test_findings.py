@@ -191,11 +191,11 @@ def quoted_commands(text: str) -> list[list[str]]:
 def test_change_and_action_lines_name_real_flags_and_runnable_commands():
     import argparse
 
-    from engine.entrypoints import kv_plan, serve
+    from engine.entrypoints import kv_plan, serve_args
     from telemetry.analysis import explain, tune
 
     engine_flags = argparse.ArgumentParser()
-    serve.add_engine_arguments(engine_flags)
+    serve_args.add_engine_arguments(engine_flags)
     parsers = {"tune": tune.build_parser(), "kv-plan": kv_plan.build_parser(),
                "explain": explain.build_parser()}
     lines = []

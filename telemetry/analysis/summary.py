@@ -1,4 +1,4 @@
-"""A one-screen summary of one engine's recording, answering "batched or queued?" (story 3).
+"""A one-screen summary of one engine's recording, answering "batched or queued?".
 
 Batch composition comes straight from the records: requests per iteration (context +
 generation), how many iterations mixed a prefill chunk with decoding, and how often requests

@@ -24,6 +24,8 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    heartbeat,
+    iteration_record,
 )
 
 NS = 1_000_000_000
@@ -118,7 +120,7 @@ class Simulator:
 
     def add_cliff(self, at_s: float, min_usage: float = 0.0) -> None:
         """From at_s, once KV usage >= min_usage: evict every running request to waiting,
-        freeing its blocks, without counting a preemption (story 1)."""
+        freeing its blocks, without counting a preemption."""
         self.cliffs.append((self.at(at_s), min_usage))
 
     def add_message_loss(self, from_s: float, to_s: float, by_engine: bool = True) -> None:
@@ -160,9 +162,9 @@ class Simulator:
     def _heartbeats_until(self, to_ns: int) -> None:
         while self.next_heartbeat_ns <= to_ns:
             ts_ns = self.next_heartbeat_ns
-            self._send(Heartbeat(
-                engine_index=self.engine_index, seq=0, ts_ns=ts_ns,
-                wall_ns=ts_ns + self.wall_offset_ns, last_iteration=self.iteration,
+            self._send(heartbeat(
+                self.engine_index, 0, ts_ns, ts_ns + self.wall_offset_ns,
+                last_iteration=self.iteration,
                 num_waiting_reqs=len(self.waiting), num_running_reqs=len(self.running),
                 model_name="sim", device_name="CPU", block_size=self.block_size,
                 num_kv_blocks_total=self.num_blocks, max_num_seqs=self.max_num_seqs,
@@ -270,8 +272,8 @@ class Simulator:
         self.iteration += 1
         milestones = [m for r, n in scheduled if (m := self._update(r, n, start_ns)) is not None]
         num_waiting = len(self.waiting)
-        record = IterationRecord(
-            engine_index=self.engine_index, seq=0, iteration=self.iteration, start_ns=start_ns,
+        record = iteration_record(
+            self.engine_index, 0, self.iteration, start_ns=start_ns,
             elapsed_ns=self.now_ns - start_ns,
             num_context_reqs=is_generation.count(False), num_context_tokens=num_ctx_tokens,
             num_generation_reqs=is_generation.count(True), num_generation_tokens=num_gen_tokens,
@@ -282,7 +284,6 @@ class Simulator:
             num_kv_blocks_used=self.num_blocks - self.num_free_blocks,
             num_kv_blocks_free=self.num_free_blocks,
             num_kv_tokens=sum(r.num_computed_tokens for r in self.running),
-            num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
             num_preemptions=num_preemptions, milestones=milestones,
         )
         self._heartbeats_until(start_ns + (self.now_ns - start_ns) // 2)
@@ -417,15 +418,13 @@ def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
     for number, row in enumerate(rows, 1):
         now_ns += int(row.pause_before_s * NS)
         elapsed_ns = int(row.elapsed_s * NS)
-        records.append(IterationRecord(
-            engine_index=0, seq=number, iteration=number, start_ns=now_ns, elapsed_ns=elapsed_ns,
+        records.append(iteration_record(
+            0, number, number, start_ns=now_ns, elapsed_ns=elapsed_ns,
             num_context_reqs=int(row.ctx_tokens > 0), num_context_tokens=row.ctx_tokens,
             num_generation_reqs=row.gen_reqs, num_generation_tokens=row.gen_reqs,
             num_running_reqs=row.running, num_waiting_reqs=row.waiting,
-            num_waiting_kv_reqs=row.waiting, num_waiting_seq_limit_reqs=0,
-            num_waiting_budget_reqs=0, num_kv_blocks_used=row.blocks_used,
-            num_kv_blocks_free=num_blocks - row.blocks_used, num_kv_tokens=0,
-            num_prefix_query_tokens=0, num_prefix_hit_tokens=0,
+            num_waiting_kv_reqs=row.waiting, num_kv_blocks_used=row.blocks_used,
+            num_kv_blocks_free=num_blocks - row.blocks_used,
             num_preemptions=row.preemptions,
         ))
         now_ns += elapsed_ns

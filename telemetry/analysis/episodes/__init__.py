@@ -8,7 +8,7 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
 
     kv_saturation     KV usage >= 95% for 10+ iterations
     kv_cliff          KV usage falls from >= 90% by 40+ points within 5 iterations while
-                      running requests (not finished ones) turn into waiting ones (story 1),
+                      running requests (not finished ones) turn into waiting ones,
                       preemptions counted or not
     preemption_storm  3+ preemptions with less than 1 s between them
     waiting           requests wait after scheduling for 1 s+, named by the dominant reason
@@ -17,7 +17,7 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
                       2 s+, or iterations run that schedule nothing while work waits
     kv_leak           KV blocks held beyond what the running requests' tokens need
                       (used > ceil(kv_tokens / block_size) + 2 * running), e.g. blocks used
-                      with nothing running (story 2)
+                      with nothing running
     idle              heartbeats, nothing waiting or running, no iteration, for 5 s+ (info)
     telemetry_gap     holes in ``seq`` (lost messages), or no message at all for 3 s+
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median

@@ -90,7 +90,7 @@ def secs(time_ns: int | float) -> str:
 
 
 # How change lines name the KV cache's size and the command that plans it (engine flags:
-# engine/entrypoints/serve.py; on CUDA without --kv-cache-memory the cache gets what
+# engine/entrypoints/serve_args.py; on CUDA without --kv-cache-memory the cache gets what
 # --gpu-memory-utilization leaves after weights and activations).
 KV_MEMORY_TEXT = "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)"
 TUNE_TEXT = ("`iterscope tune RECORDING --itl-target T`, with T your inter-token latency "
