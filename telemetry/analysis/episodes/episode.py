@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,12 @@ class Episode:
     @property
     def duration_time(self) -> float:
         return (self.end_ns - self.start_ns) / NS_PER_S
+
+
+def span_episode(tl: EngineTimeline, first: int, last: int, **fields: Any) -> Episode:
+    """An episode of ``tl`` from the start of record ``first`` to the end of record ``last``."""
+    return Episode(engine_index=tl.engine_index, start_ns=int(tl.col("start_ns")[first]),
+                   end_ns=int(tl.col("end_ns")[last]), **fields)
 
 
 def true_runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from telemetry.analysis.episodes.episode import (
     Thresholds,
     flag_text,
     pct,
+    span_episode,
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -42,11 +43,9 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             waited = (f"{plural(max_waiting, 'request')} at most waited (the source reports "
                       "no reason)")
             num_blocked = max_waiting
-        episodes.append(Episode(
+        episodes.append(span_episode(
+            tl, first, last,
             kind="kv_saturation",
-            engine_index=tl.engine_index,
-            start_ns=int(tl.col("start_ns")[first]),
-            end_ns=int(tl.col("end_ns")[last]),
             title="KV cache saturated",
             evidence=(
                 f"KV usage >= {pct(th.kv_saturated_ratio)} for "
@@ -138,11 +137,9 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     num_gen_after = int(tl.col("gen_tokens")[after].sum())
     num_evicted = (int(running[high] - running[low])
                    - int(tl.col("finished")[high + 1 : low + 1].sum()))
-    return Episode(
+    return span_episode(
+        tl, high, low,
         kind="kv_cliff",
-        engine_index=tl.engine_index,
-        start_ns=int(tl.col("start_ns")[high]),
-        end_ns=int(tl.col("end_ns")[low]),
         title="KV cache cliff: running requests became waiting",
         evidence=(
             f"KV usage {pct(usage[high])} -> {pct(usage[low])} in "
@@ -251,11 +248,9 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
     excess_first, excess_last = int(excess[first]), int(excess[last])
     trend = ("grew" if excess_last > excess_first
              else "fell" if excess_last < excess_first else "stayed at")
-    return Episode(
+    return span_episode(
+        tl, first, last,
         kind="kv_leak",
-        engine_index=tl.engine_index,
-        start_ns=int(tl.col("start_ns")[first]),
-        end_ns=int(tl.col("end_ns")[last]),
         title="KV blocks leaking",
         evidence=(
             f"blocks held by no running request {trend} {excess_first} -> {excess_last} "

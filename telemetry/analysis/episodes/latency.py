@@ -11,6 +11,7 @@ from telemetry.analysis.episodes.episode import (
     flag_text,
     group_by_time,
     secs,
+    span_episode,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import plural
@@ -42,11 +43,9 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
         rows = index[first : last + 1]
         worst = int(rows[np.argmax(elapsed[rows])])
-        episodes.append(Episode(
+        episodes.append(span_episode(
+            tl, rows[0], rows[-1],
             kind="long_prefill",
-            engine_index=tl.engine_index,
-            start_ns=int(tl.col("start_ns")[rows[0]]),
-            end_ns=int(tl.col("end_ns")[rows[-1]]),
             title="Long prefill chunks stretch decode latency",
             evidence=(
                 f"{plural(len(rows), 'iteration')} mixing up to "

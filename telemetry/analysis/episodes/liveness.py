@@ -14,6 +14,7 @@ from telemetry.analysis.episodes.episode import (
     group_by_time,
     pct,
     secs,
+    span_episode,
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
@@ -133,11 +134,9 @@ def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         span = slice(first, last + 1)
         reasons = ({WAIT_REASONS[n][0]: int(tl.col(n)[last]) for n in WAIT_REASONS}
                    if tl.waiting_reasons_known else "not reported by the source")
-        episodes.append(Episode(
+        episodes.append(span_episode(
+            tl, first, last,
             kind="stall",
-            engine_index=tl.engine_index,
-            start_ns=int(tl.col("start_ns")[first]),
-            end_ns=int(tl.col("end_ns")[last]),
             title="Engine spinning: iterations schedule nothing",
             evidence=(
                 f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "

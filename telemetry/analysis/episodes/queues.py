@@ -13,6 +13,7 @@ from telemetry.analysis.episodes.episode import (
     flag_text,
     group_by_time,
     pct,
+    span_episode,
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
@@ -30,11 +31,9 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             continue
         span = slice(int(rows[0]), int(rows[-1]) + 1)
         num_ctx_tokens = int(tl.col("ctx_tokens")[span].sum())
-        episodes.append(Episode(
+        episodes.append(span_episode(
+            tl, rows[0], rows[-1],
             kind="preemption_storm",
-            engine_index=tl.engine_index,
-            start_ns=int(tl.col("start_ns")[rows[0]]),
-            end_ns=int(tl.col("end_ns")[rows[-1]]),
             title="Preemption storm",
             evidence=(
                 f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
@@ -83,11 +82,9 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         label, cause = "reason not reported", "of a limit the source does not name"
         split = "not reported by the source (vLLM does not say why requests wait)"
     peak_usage = float(tl.kv_usage[span].max())
-    return Episode(
+    return span_episode(
+        tl, first, last,
         kind="waiting",
-        engine_index=tl.engine_index,
-        start_ns=int(tl.col("start_ns")[first]),
-        end_ns=int(tl.col("end_ns")[last]),
         title=f"Requests waiting: {label}",
         evidence=(
             f"waiting > 0 in {plural(last - first + 1, 'iteration')} (mean "
