@@ -62,7 +62,7 @@ class HttpBackend:
             "stream": True, "stream_options": {"include_usage": True},
         }
         result = RequestResult(num_prompt_tokens=len(request.prompt_token_ids))
-        start = last = time.perf_counter()
+        clock = TokenClock()
         try:
             async with self.http.stream("POST", f"{self.base_url}/v1/completions",
                                         json=payload) as response:
@@ -73,22 +73,18 @@ class HttpBackend:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[len("data: "):])
-                    now = time.perf_counter()
                     if "error" in chunk:
                         result.error = chunk["error"]["message"]
                         return result
                     if chunk.get("choices"):
-                        _note_token(result, start, last, now)
-                        last = now
+                        clock.note_token(result)
                     if chunk.get("usage"):
                         result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
                         result.num_output_tokens = chunk["usage"]["completion_tokens"]
         except Exception as exc:  # a benchmark reports failures, it does not stop on them
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        result.e2e_time = last - start
-        result.success = result.num_output_tokens > 0
-        return result
+        return clock.finish(result)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -103,27 +99,37 @@ class InProcessBackend:
     async def send(self, request: BenchRequest) -> RequestResult:
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         result = RequestResult(num_prompt_tokens=len(request.prompt_token_ids))
-        start = last = time.perf_counter()
+        clock = TokenClock()
         try:
             async for output in self.client.add_request(request.prompt_token_ids, params):
-                now = time.perf_counter()
                 if output.new_token_ids:
                     result.num_output_tokens += len(output.new_token_ids)
-                    _note_token(result, start, last, now)
-                    last = now
+                    clock.note_token(result)
         except Exception as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        result.e2e_time = last - start
-        result.success = result.num_output_tokens > 0
-        return result
+        return clock.finish(result)
 
     async def close(self) -> None:
         pass
 
 
-def _note_token(result: RequestResult, start: float, last: float, now: float) -> None:
-    if not result.ttft_time:
-        result.ttft_time = now - start
-    else:
-        result.itl_times.append(now - last)
+class TokenClock:
+    """When a request was sent and when its latest output arrived: TTFT, ITLs, end to end."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def note_token(self, result: RequestResult) -> None:
+        """Output arrived now: the first sets TTFT, each later one adds an inter-token time."""
+        now = time.perf_counter()
+        if not result.ttft_time:
+            result.ttft_time = now - self.start
+        else:
+            result.itl_times.append(now - self.last)
+        self.last = now
+
+    def finish(self, result: RequestResult) -> RequestResult:
+        result.e2e_time = self.last - self.start
+        result.success = result.num_output_tokens > 0
+        return result
