@@ -55,6 +55,7 @@ class Summary:
     num_preemptions: int
     prefix_hit_rate: float
     num_finished_reqs: int
+    num_timed_reqs: int  # requests whose first token is recorded: the quantiles below are theirs
     queue_time_p50: float
     queue_time_p90: float
     ttft_p50: float
@@ -131,6 +132,7 @@ def summarize(tl: EngineTimeline) -> Summary:
         num_preemptions=int(tl.col("preemptions").sum()),
         prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else 0.0,
         num_finished_reqs=num_finished,
+        num_timed_reqs=len(queue_times),
         queue_time_p50=_quantile(queue_times, 0.5),
         queue_time_p90=_quantile(queue_times, 0.9),
         ttft_p50=_quantile(ttfts, 0.5),
@@ -139,6 +141,15 @@ def summarize(tl: EngineTimeline) -> Summary:
     )
     summary.verdict = batched_or_queued(summary)
     return summary
+
+
+def _request_times_line(s: Summary) -> str:
+    if not s.num_timed_reqs:
+        return "no first token recorded, so no queue time or TTFT"
+    ms = 1000
+    return (f"queue time p50 {s.queue_time_p50 * ms:.1f} ms, p90 {s.queue_time_p90 * ms:.1f} ms; "
+            f"TTFT p50 {s.ttft_p50 * ms:.1f} ms, p90 {s.ttft_p90 * ms:.1f} ms "
+            f"({plural(s.num_timed_reqs, 'request')})")
 
 
 def batched_or_queued(s: Summary) -> str:
@@ -152,15 +163,19 @@ def batched_or_queued(s: Summary) -> str:
         batched = (f"Mostly one at a time: {s.mean_batch_reqs:.1f} requests per iteration "
                    f"(max {s.max_batch_reqs}), too few arrived together to batch")
     if s.waiting_share < QUEUED_MIN_SHARE:
+        median = (f" (median queue time {secs(s.queue_time_p50 * NS_PER_S)})"
+                  if s.num_timed_reqs else "")
         queued = (f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
-                  f"iterations (median queue time {secs(s.queue_time_p50 * NS_PER_S)})")
+                  f"iterations{median}")
     else:
         shares = s.waiting_reason_shares
         reason = (f"mostly for {SHARE_LABELS[max(shares, key=shares.get)]}" if shares
                   else "for a reason the source does not report")
         queued = (f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
-                  f"iterations (max {s.max_waiting_reqs}), {reason}; median queue time "
-                  f"{secs(s.queue_time_p50 * NS_PER_S)}, p90 {secs(s.queue_time_p90 * NS_PER_S)}")
+                  f"iterations (max {s.max_waiting_reqs}), {reason}")
+        if s.num_timed_reqs:
+            queued += (f"; median queue time {secs(s.queue_time_p50 * NS_PER_S)}, p90 "
+                       f"{secs(s.queue_time_p90 * NS_PER_S)}")
     return f"{batched}; {queued}."
 
 
@@ -181,8 +196,6 @@ def format_summary(s: Summary) -> list[str]:
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}; preemptions "
         f"{s.num_preemptions}; prefix cache hit rate {pct(s.prefix_hit_rate)}",
-        f"requests: {s.num_finished_reqs} finished; queue time p50 {s.queue_time_p50 * ms:.1f} ms"
-        f", p90 {s.queue_time_p90 * ms:.1f} ms; TTFT p50 {s.ttft_p50 * ms:.1f} ms, p90 "
-        f"{s.ttft_p90 * ms:.1f} ms",
+        f"requests: {s.num_finished_reqs} finished; {_request_times_line(s)}",
         f"batched or queued? {s.verdict}",
     ]

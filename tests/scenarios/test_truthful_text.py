@@ -258,3 +258,22 @@ def test_long_prefill_setting_quotes_no_made_up_latency_target():
     (episode,) = detect_long_prefill(timeline_of(sim.run(12).messages), Thresholds())
     assert "--itl-target" in episode.setting
     assert not re.search(r"--itl-target \d", episode.setting), episode.setting
+
+
+# ---- the summary
+
+
+def test_the_summary_quotes_queue_time_and_ttft_only_when_first_tokens_were_recorded():
+    from telemetry.analysis.summary import format_summary, summarize
+
+    rows = [synthetic.Row(0.010, running=2, waiting=1, blocks_used=10, gen_reqs=2)] * 20
+    untimed = summarize(timeline_of(synthetic.scripted(rows)))
+    text = "\n".join(format_summary(untimed)) + untimed.verdict
+    assert untimed.num_timed_reqs == 0
+    assert "no first token recorded, so no queue time or TTFT" in text
+    assert "queue time p50" not in text and "median queue time" not in text
+
+    timed = summarize(timeline_of(synthetic.story1_kv_cliff().messages))
+    text = "\n".join(format_summary(timed))
+    assert timed.num_timed_reqs > 0
+    assert f"({plural(timed.num_timed_reqs, 'request')})" in text and "queue time p50" in text
