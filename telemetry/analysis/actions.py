@@ -65,17 +65,22 @@ def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, s
     return None, why_not
 
 
+def _now(current: int | None) -> str:
+    """`` (now N)`` after a flag when the engine reported the value it ran with, else nothing."""
+    return f" (now {current})" if current else ""
+
+
 def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
     rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
-        return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens (now {current or '?'});"
+        return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens{_now(current)};"
                 f" no value could be computed here: {tuned}.")
     value = rec.max_num_batched_tokens
     if current and (value >= current if lower else value <= current):
         return (f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
                 f"{value}, so a latency target that loose does not call for a change.")
-    return (f"Set --max-num-batched-tokens {value} (now {current or '?'}), from "
+    return (f"Set --max-num-batched-tokens {value}{_now(current)}, from "
             f"{tuned}.")
 
 
@@ -83,13 +88,13 @@ def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
     rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_seqs")
     if rec is None:
-        return (f"Raise --max-num-seqs (now {current or '?'}); no value could be computed here: "
+        return (f"Raise --max-num-seqs{_now(current)}; no value could be computed here: "
                 f"{tuned}.")
     if current and rec.max_num_seqs <= current:
         return (f"Keep --max-num-seqs at {current}: {tuned} allows "
                 f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
                 "engine.")
-    return (f"Set --max-num-seqs {rec.max_num_seqs} (now {current or '?'}), from "
+    return (f"Set --max-num-seqs {rec.max_num_seqs}{_now(current)}, from "
             f"{tuned}.")
 
 

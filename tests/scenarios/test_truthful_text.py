@@ -277,3 +277,13 @@ def test_the_summary_quotes_queue_time_and_ttft_only_when_first_tokens_were_reco
     text = "\n".join(format_summary(timed))
     assert timed.num_timed_reqs > 0
     assert f"({plural(timed.num_timed_reqs, 'request')})" in text and "queue time p50" in text
+
+
+def test_actions_quote_a_current_value_only_when_the_engine_reported_one(tmp_path, capsys):
+    """Records without heartbeats carry no limits: the action names the flag and no '(now ?)'."""
+    recording = synthetic.write_records(synthetic.scripted(synthetic.SCRIPTED_CLIFF),
+                                        tmp_path / "untold.jsonl")
+    main([str(recording), "--all"])
+    text = capsys.readouterr().out
+    assert "--max-num-batched-tokens" in text
+    assert "(now ?" not in text and "(now None" not in text
