@@ -8,7 +8,9 @@ vLLM at its fastest CPU configuration here (bench/vllm_server.py BEST_CPU_FLAGS,
 KV space the CPU backend requires and no stat-logger plugin), then `iterscope serve` at its
 defaults (plus any --iterscope-arg). Each gets one short warm-up run, then ``--rounds``
 measured runs of `vllm bench serve --backend openai-chat`, random 256 in / 128 out,
-64 prompts, max concurrency 16, ignore_eos. Printed per server: output tok/s, TTFT and TPOT
+64 prompts, max concurrency 16, ignore_eos; every run has prompts of its own (warm-up
+included), the same ones for both servers, so no run is served from an earlier one's prefix
+cache. Printed per server: output tok/s, TTFT and TPOT
 (mean, p99), each the mean over the rounds; then iterscope / vLLM ratios (throughput: higher
 is better; latencies: lower is better). The last line is one JSON object with the figures.
 """
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.vllm_server import (  # noqa: E402
+    BENCH_LOAD,
     BEST_CPU_FLAGS,
     bench_serve,
     free_port,
@@ -37,7 +40,8 @@ from bench.vllm_server import (  # noqa: E402
 
 FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 WARMUP_LOAD = ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
-               "32", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos")
+               "32", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
+               "--seed", "1000")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_PLUGINS": "none"}
 
 
@@ -55,6 +59,15 @@ def start_iterscope(port: int, extra_args: list[str], log_path: Path) -> subproc
     return server
 
 
+def round_load(round_index: int) -> tuple[str, ...]:
+    """The measured load with prompts of its own for each round (the random dataset's seed):
+    a round that repeated the last one's prompts would be served partly from the prefix
+    cache, and a server whose KV cache holds more (vLLM's 4 GiB against iterscope's default
+    512 MiB) would gain from that, not from serving faster."""
+    seed_at = BENCH_LOAD.index("--seed") + 1
+    return (*BENCH_LOAD[:seed_at], str(round_index), *BENCH_LOAD[seed_at + 1:])
+
+
 def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
     """Warm up once, then ``rounds`` measured runs; the mean of each figure."""
     port = free_port()
@@ -63,7 +76,7 @@ def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
         bench_serve(port, tmp, f"{name}-warmup", WARMUP_LOAD)
         runs = []
         for round_index in range(rounds):
-            result = bench_serve(port, tmp, f"{name}-{round_index}")
+            result = bench_serve(port, tmp, f"{name}-{round_index}", round_load(round_index))
             if result["failed"]:
                 raise RuntimeError(f"{name}: {result['failed']} requests failed")
             runs.append({figure: result[figure] for figure in FIGURES})
