@@ -46,11 +46,8 @@ from telemetry.lane.record import (
     make_decoder,
 )
 from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState, drops_are_plausible
-from telemetry.sidecar.sink import EngineStatus, Sink, sink_name
+from telemetry.sidecar.sink import REJECTED_REASONS, EngineStatus, Sink, sink_name
 
-# Decoded frames that fail a check: a record of an engine no heartbeat introduced, a new
-# engine beyond --max-engines, a seq the engine's own counts do not explain.
-REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")
 DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
 GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)

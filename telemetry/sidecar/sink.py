@@ -31,6 +31,11 @@ if TYPE_CHECKING:  # engine_view imports EngineStatus from here
     from telemetry.sidecar.engine_view import EngineView
 
 
+# Why Ingest drops a decoded frame (Sink.on_rejected): a record of an engine no heartbeat
+# introduced, a new engine beyond --max-engines, a seq the engine's own counts do not explain.
+REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")
+
+
 class EngineStatus(str, enum.Enum):
     """What the sidecar believes an engine is doing.
 
@@ -97,7 +102,7 @@ class Sink:
         """A decoded frame failed a check and was dropped; reason is 'unknown_engine' (a
         record before its engine's first heartbeat), 'engine_limit' (a new engine beyond
         --max-engines, none of them dead for --evict-after) or 'seq_jump' (a seq its
-        engine's counts do not explain) (telemetry.sidecar.ingest.REJECTED_REASONS)."""
+        engine's counts do not explain) (REJECTED_REASONS)."""
 
     def on_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut

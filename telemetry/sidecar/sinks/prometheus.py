@@ -48,12 +48,11 @@ from telemetry.lane.record import (
 from telemetry.sidecar.engine_view import EngineView, kv_usage_ratio
 from telemetry.sidecar.histogram import Histogram, check_bounds
 from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
-from telemetry.sidecar.sink import EngineStatus, Sink, sink_name
+from telemetry.sidecar.sink import REJECTED_REASONS, EngineStatus, Sink, sink_name
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
 PREFIX = "iterscope_"
-REJECTED_REASONS = ("unknown_engine", "engine_limit", "seq_jump")  # telemetry/sidecar/ingest.py
 WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
