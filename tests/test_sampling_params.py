@@ -9,19 +9,16 @@ from collections import defaultdict
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.entrypoints.serve import TINY_MODEL, load_tiny_model
 from engine.request import Request, SamplingParams
-from engine.startup import build_engine_core
 from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
+from tests.test_serve import tiny_engine_core
 
 PROMPT = [*b"The penalty for repeating is", 239, 128, 243, 47]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
-    return build_engine_core(config, load_model=load_tiny_model)
+    return tiny_engine_core()
 
 
 def run(core, params: list[SamplingParams], prompt: list[int] = PROMPT) -> list[list]:

@@ -141,11 +141,17 @@ def server(tmp_path_factory):
         yield server
 
 
+def tiny_engine_core():
+    """(core, model): the engine core a tiny_server runs (same model, same KV memory), built
+    in this process for reference outputs."""
+    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
+    return build_engine_core(config, load_model=load_tiny_model)
+
+
 @pytest.fixture(scope="module")
 def reference():
     """Greedy text of the engine core run here, one request at a time (same model, same KV)."""
-    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
-    core, model = build_engine_core(config, load_model=load_tiny_model)
+    core, model = tiny_engine_core()
     cache: dict[tuple, tuple[str, int, str]] = {}
 
     def generate(prompt_ids: list[int], max_tokens: int) -> tuple[str, int, str]:

@@ -13,13 +13,10 @@ import httpx
 import msgspec
 import pytest
 
-from engine.config import EngineConfig
-from engine.entrypoints.serve import load_tiny_model
 from engine.entrypoints.serve_args import TINY_MODEL
 from engine.request import Request, SamplingParams
-from engine.startup import build_engine_core
 from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
-from tests.test_serve import finish_milestones, scripted_app, tiny_server
+from tests.test_serve import finish_milestones, scripted_app, tiny_engine_core, tiny_server
 
 PROMPT = "Sampling, as vLLM's clients ask for it:"
 OUTPUT_LEN = 8
@@ -34,8 +31,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine():
     """The engine core and model the server runs, in this process."""
-    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
-    return build_engine_core(config, load_model=load_tiny_model)
+    return tiny_engine_core()
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
