@@ -32,8 +32,8 @@ BATCH = 50  # records sent back to back, then a sleep that keeps the mean rate
 
 def decode_record() -> IterationRecord:
     return iteration_record(
-        0, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_generation_reqs=50,
-        num_generation_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
+        0, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_decode_reqs=50,
+        num_decode_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
         num_kv_blocks_free=65459, num_kv_tokens=56000,
     )
 

@@ -62,7 +62,7 @@ def decode_record(iteration: int = 1000, milestones=()):
 
     return iteration_record(
         0, iteration, iteration, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
-        num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
+        num_decode_reqs=50, num_decode_tokens=50, num_running_reqs=50,
         num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
         milestones=list(milestones),
     )

@@ -86,9 +86,9 @@ def make_records(num_records: int, seed: int = 3) -> list[IterationRecord]:
         elapsed_ns = rng.randint(9, 12) * MS
         end_ns = start_ns + elapsed_ns
         milestones = []
-        num_context_tokens = 0
+        num_prefill_tokens = 0
         if iteration % REQUEST_PERIOD == 1:  # admitted, prefilled, first token
-            num_context_tokens = 512
+            num_prefill_tokens = 512
             arrival_ns = start_ns - rng.randint(5, 500) * MS
             milestones.append(RequestMilestone(
                 request_id=f"r{iteration}", event=EVENT_FIRST_TOKEN, arrival_ns=arrival_ns,
@@ -108,12 +108,12 @@ def make_records(num_records: int, seed: int = 3) -> list[IterationRecord]:
             ))
         records.append(iteration_record(
             0, iteration + iteration // 100, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-            num_context_reqs=int(num_context_tokens > 0), num_context_tokens=num_context_tokens,
-            num_generation_reqs=NUM_RUNNING, num_generation_tokens=NUM_RUNNING,
+            num_prefill_reqs=int(num_prefill_tokens > 0), num_prefill_tokens=num_prefill_tokens,
+            num_decode_reqs=NUM_RUNNING, num_decode_tokens=NUM_RUNNING,
             num_running_reqs=NUM_RUNNING + 1, num_waiting_reqs=3, num_waiting_kv_reqs=3,
             num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
-            num_prefix_query_tokens=num_context_tokens + 128 * (num_context_tokens > 0),
-            num_prefix_hit_tokens=128 * (num_context_tokens > 0), milestones=milestones,
+            num_prefix_query_tokens=num_prefill_tokens + 128 * (num_prefill_tokens > 0),
+            num_prefix_hit_tokens=128 * (num_prefill_tokens > 0), milestones=milestones,
         ))
         start_ns += 12 * MS
     return records
@@ -198,8 +198,8 @@ class InstrumentSink(NothingSink):
     def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
         self.received.inc()
         self.iterations.inc()
-        self.prompt_tokens.inc(record.num_context_tokens)
-        self.generation_tokens.inc(record.num_generation_tokens)
+        self.prompt_tokens.inc(record.num_prefill_tokens)
+        self.generation_tokens.inc(record.num_decode_tokens)
         self.preemptions.inc(record.num_preemptions)
         self.queries.inc(record.num_prefix_query_tokens)
         self.hits.inc(record.num_prefix_hit_tokens)
@@ -217,12 +217,12 @@ class InstrumentSink(NothingSink):
         end_ns = record.start_ns + record.elapsed_ns
         histograms["iteration_duration_seconds"].observe(record.elapsed_ns / 1e9)
         histograms["iteration_tokens"].observe(
-            record.num_context_tokens + record.num_generation_tokens)
-        histograms["iteration_context_tokens"].observe(record.num_context_tokens)
-        histograms["iteration_generation_requests"].observe(record.num_generation_reqs)
-        if record.num_generation_reqs and record.iteration == self.last_iteration + 1:
+            record.num_prefill_tokens + record.num_decode_tokens)
+        histograms["iteration_context_tokens"].observe(record.num_prefill_tokens)
+        histograms["iteration_generation_requests"].observe(record.num_decode_reqs)
+        if record.num_decode_reqs and record.iteration == self.last_iteration + 1:
             interval = (end_ns - self.last_end_ns) / 1e9
-            for _ in range(self.itl_repeats or record.num_generation_reqs):
+            for _ in range(self.itl_repeats or record.num_decode_reqs):
                 histograms["inter_token_latency_seconds"].observe(interval)
         self.last_iteration, self.last_end_ns = record.iteration, end_ns
         for milestone in record.milestones:

@@ -48,7 +48,7 @@ def make_frames(num_records: int) -> list[bytes]:
         running = 48 + iteration % 5
         frames.append(encoder.encode(iteration_record(
             0, seq, iteration, start_ns=start_ns, elapsed_ns=9_000_000,
-            num_generation_reqs=running, num_generation_tokens=running, num_running_reqs=running,
+            num_decode_reqs=running, num_decode_tokens=running, num_running_reqs=running,
             num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000)))
     return frames
 

@@ -96,7 +96,7 @@ def record_sizes() -> dict[str, int]:
     encoder = make_encoder()
     steady = iteration_record(
         0, 2**31, 123_456_789, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
-        num_generation_reqs=50, num_generation_tokens=50, num_running_reqs=50,
+        num_decode_reqs=50, num_decode_tokens=50, num_running_reqs=50,
         num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
     )
     milestone = RequestMilestone("cmpl-0123456789abcdef", 2, 1, 2, 3, 4, 512, 0, 128, 0, 0)

@@ -44,10 +44,10 @@ class SchedulerOutput:
     """What one iteration computes: (request, num_new_tokens) pairs and the counts about them."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    num_context_reqs: int = 0
-    num_context_tokens: int = 0
-    num_generation_reqs: int = 0
-    num_generation_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_reqs: int = 0
+    num_decode_tokens: int = 0
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
@@ -56,11 +56,11 @@ class SchedulerOutput:
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.scheduled.append((request, num_new_tokens))
         if is_decode(request, num_new_tokens):
-            self.num_generation_reqs += 1
-            self.num_generation_tokens += num_new_tokens
+            self.num_decode_reqs += 1
+            self.num_decode_tokens += num_new_tokens
         else:
-            self.num_context_reqs += 1
-            self.num_context_tokens += num_new_tokens
+            self.num_prefill_reqs += 1
+            self.num_prefill_tokens += num_new_tokens
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:

@@ -256,7 +256,7 @@ def test_engine_process_publishes_records_and_heartbeats(tmp_path):
         sink.close(linger=0)
         context.term()
     assert all(record.engine_index == 3 for record in records)
-    assert sum(record.num_generation_tokens for record in records) == 4
+    assert sum(record.num_decode_tokens for record in records) == 4
     finished = [m for record in records for m in record.milestones if m.request_id == "traced"]
     assert finished[-1].num_output_tokens == 5
     heartbeat = heartbeats[0]

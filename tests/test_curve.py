@@ -27,7 +27,7 @@ HANDSHAKE_FAILED_EVENTS = (
 def record(engine_index: int) -> IterationRecord:
     return iteration_record(
         engine_index, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=1_000_000,
-        num_generation_reqs=1, num_generation_tokens=1, num_running_reqs=1,
+        num_decode_reqs=1, num_decode_tokens=1, num_running_reqs=1,
         num_kv_blocks_used=1, num_kv_blocks_free=9, num_kv_tokens=16,
     )
 

@@ -106,7 +106,7 @@ def test_prefix_cache_queries_and_hits_in_tokens():
     outputs = core.step()
     record = core.publisher.records[-1]
     assert (record.num_prefix_query_tokens, record.num_prefix_hit_tokens) == (10, 8)
-    assert record.num_context_tokens == 2  # only the uncached tail was computed
+    assert record.num_prefill_tokens == 2  # only the uncached tail was computed
     drain(core)
     assert outputs[0].num_cached_tokens == 8
 
@@ -116,7 +116,7 @@ def test_record_encodes_small_and_round_trips():
     core.add_request(make_request("a", [1, 2, 3], 4))
     drain(core)
     decode_record = core.publisher.records[1]
-    assert decode_record.num_generation_tokens == 1 and not decode_record.milestones
+    assert decode_record.num_decode_tokens == 1 and not decode_record.milestones
     frame = make_encoder().encode(decode_record)
     assert len(frame) < 96
     assert make_decoder().decode(frame) == decode_record

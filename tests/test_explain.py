@@ -133,7 +133,7 @@ def test_spinning_loop_is_a_stall():
     sim.run(5)
     timeline, episodes = episodes_of(sim)
     records = [m for m in sim.messages if isinstance(m, IterationRecord)]
-    spinning = [r for r in records if r.num_context_reqs + r.num_generation_reqs == 0]
+    spinning = [r for r in records if r.num_prefill_reqs + r.num_decode_reqs == 0]
     assert len(spinning) >= 10 and records[-len(spinning):] == spinning  # all at the end
     (stall,) = only(episodes, "stall")
     assert stall.title == "Engine spinning: iterations schedule nothing"

@@ -165,7 +165,7 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     sim = long_prefill_sim()
     timeline, (finding,) = findings_of(sim)
     action = finding_action(timeline, finding, Thresholds())
-    decode_only = (timeline.col("ctx_tokens") == 0) & (timeline.col("gen_reqs") > 0)
+    decode_only = (timeline.col("num_prefill_tokens") == 0) & (timeline.col("num_decode_reqs") > 0)
     baseline_ms = float(np.median(timeline.col("elapsed_ns")[decode_only])) / 1e6
     (command,) = quoted_commands(action)
     assert command[:2] == ["tune", PLACEHOLDERS["RECORDING"]]

@@ -41,9 +41,9 @@ def run_messages(num_engines=2, seconds=25, seed=1):
             seq += 1
             message = synthetic_record(engine_index, step + 1, t_ns, 40_000_000)
             message.seq = seq
-            message.num_context_tokens = rng.randrange(0, 300)
-            message.num_prefix_query_tokens = message.num_context_tokens
-            message.num_prefix_hit_tokens = message.num_context_tokens // 2
+            message.num_prefill_tokens = rng.randrange(0, 300)
+            message.num_prefix_query_tokens = message.num_prefill_tokens
+            message.num_prefix_hit_tokens = message.num_prefill_tokens // 2
             if step % 97 == 5:
                 message.milestones = [RequestMilestone(
                     request_id=f"r{step}", event=3, arrival_ns=t_ns - 5, first_scheduled_ns=t_ns,

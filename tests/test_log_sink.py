@@ -49,7 +49,7 @@ def design_messages(engine_index=0, start_s=100.0, device="GPU", preemptions=0):
     for step in range(10):
         messages.append(record(
             engine_index, start_s + step + 0.5, iteration=step + 1,
-            num_context_tokens=600, num_generation_tokens=77 if step < 8 else 78,
+            num_prefill_tokens=600, num_decode_tokens=77 if step < 8 else 78,
             num_prefix_query_tokens=125, num_prefix_hit_tokens=124,
             num_running_reqs=5, num_waiting_reqs=0, num_kv_blocks_used=117,
             num_kv_blocks_free=883, num_preemptions=preemptions if step == 0 else 0,
@@ -122,7 +122,7 @@ def test_first_window_is_measured_from_when_the_engine_was_first_seen():
     lines = Lines()
     sink = LogSink(emit=lines)
     send(sink, heartbeat(0, 105.0, running=1))
-    send(sink, record(0, 106.0, num_generation_tokens=50))
+    send(sink, record(0, 106.0, num_decode_tokens=50))
     send(sink, heartbeat(0, 110.5, running=1))
     assert "Avg generation throughput: 10.0 tokens/s" in lines.texts()[0]  # 50 tokens / 5 s
 
@@ -130,8 +130,8 @@ def test_first_window_is_measured_from_when_the_engine_was_first_seen():
 def test_per_iteration_lines_in_the_design_format():
     lines = Lines()
     sink = LogSink(emit=lines, log_iterations=True)
-    fields = dict(num_context_reqs=0, num_context_tokens=0, num_generation_reqs=50,
-                  num_generation_tokens=50, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
+    fields = dict(num_prefill_reqs=0, num_prefill_tokens=0, num_decode_reqs=50,
+                  num_decode_tokens=50, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
                   num_kv_tokens=56000)
     message = record(0, 100, iteration=188, **fields)
     message.elapsed_ns = 10_250_000
@@ -178,9 +178,9 @@ def test_a_stall_names_the_last_iteration_that_scheduled_work():
     sink = LogSink(emit=lines)
     feed(sink, [heartbeat(0, 100, running=2), record(0, 100.5, iteration=7)])
     for iteration in range(8, 60):  # schedules nothing
-        feed(sink, [record(0, 101 + iteration / 100, iteration=iteration, num_context_reqs=0,
-                           num_generation_reqs=0, num_context_tokens=0,
-                           num_generation_tokens=0)])
+        feed(sink, [record(0, 101 + iteration / 100, iteration=iteration, num_prefill_reqs=0,
+                           num_decode_reqs=0, num_prefill_tokens=0,
+                           num_decode_tokens=0)])
     sink.on_status(0, EngineStatus.STALLED, 0)
     assert "last iteration 7)" in lines.texts(logging.WARNING)[0]
 
@@ -229,7 +229,7 @@ def test_close_prints_the_open_window_so_every_record_is_in_a_line():
     lines = Lines()
     sink = LogSink(emit=lines)
     design_window(sink)
-    feed(sink, [record(0, 110.5 + step, iteration=11 + step, num_generation_tokens=40)
+    feed(sink, [record(0, 110.5 + step, iteration=11 + step, num_decode_tokens=40)
                 for step in range(3)])
     assert len(lines.texts()) == 1  # the second window is still open
     sink.close()
@@ -261,7 +261,7 @@ def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
     lines = Lines()
     sink = LogSink(emit=lines)
     design_window(sink)
-    feed(sink, [record(0, 110.5, iteration=11, num_generation_tokens=40)])
+    feed(sink, [record(0, 110.5, iteration=11, num_decode_tokens=40)])
     sink.on_status(0, EngineStatus.DEAD, 0)
     feed(sink, [heartbeat(1, 121.0)])  # another engine's clock closes the window
     assert any("Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
@@ -273,7 +273,7 @@ def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
     dead, not when the sidecar exits."""
     lines = Lines()
     sink = LogSink(emit=lines)
-    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_generation_tokens=40,
+    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_decode_tokens=40,
                                            num_running_reqs=2)])
     assert lines.texts(logging.INFO) == []
     sink.on_status(0, EngineStatus.DEAD, 0)
@@ -290,11 +290,11 @@ def test_a_wall_clock_stepped_back_keeps_the_lines_coming():
     sink = LogSink(emit=lines)
     feed(sink, [heartbeat(0, 99.0)])
     for second in range(100, 130):
-        feed(sink, [record(0, second + 0.5, num_generation_tokens=80)])
+        feed(sink, [record(0, second + 0.5, num_decode_tokens=80)])
     assert len(lines.texts()) == 2  # the windows ending at 110 and 120
     feed(sink, [heartbeat(0, 2.0**62 / SECOND)])  # a bogus time
     for second in range(70, 100):  # then the clock is 60 s behind the highest time seen
-        feed(sink, [heartbeat(0, second + 0.1), record(0, second + 0.5, num_generation_tokens=80)])
+        feed(sink, [heartbeat(0, second + 0.1), record(0, second + 0.5, num_decode_tokens=80)])
     throughput = [text for text in lines.texts() if "throughput" in text]
     assert len(throughput) >= 5
     assert all("Avg generation throughput: 80.0 tokens/s" in text

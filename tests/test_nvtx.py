@@ -97,8 +97,8 @@ def make_records(num_records: int, engine_index: int = 0,
     for i in range(1, num_records + 1):
         records.append(iteration_record(
             engine_index, i, 100 + i, start_ns=i * 20_000_000,
-            elapsed_ns=elapsed_ns + i * 1000, num_context_reqs=i % 2,
-            num_context_tokens=(i % 2) * 512, num_generation_reqs=i, num_generation_tokens=i,
+            elapsed_ns=elapsed_ns + i * 1000, num_prefill_reqs=i % 2,
+            num_prefill_tokens=(i % 2) * 512, num_decode_reqs=i, num_decode_tokens=i,
             num_running_reqs=i + i % 2, num_waiting_reqs=7 - i % 7,
             num_kv_blocks_used=100 * i, num_kv_blocks_free=5000 - 100 * i,
             num_kv_tokens=1600 * i,
@@ -253,8 +253,8 @@ def test_engine_markers_off_or_without_a_tool_are_null():
 
 def test_iteration_line_matches_the_design_example():
     record = make_records(1)[0]
-    for name, value in dict(iteration=188, num_context_reqs=0, num_context_tokens=0,
-                            num_generation_reqs=50, num_generation_tokens=50,
+    for name, value in dict(iteration=188, num_prefill_reqs=0, num_prefill_tokens=0,
+                            num_decode_reqs=50, num_decode_tokens=50,
                             elapsed_ns=10_250_000, num_kv_blocks_used=3500,
                             num_kv_blocks_free=65459, num_kv_tokens=56000).items():
         setattr(record, name, value)

@@ -147,7 +147,7 @@ def heartbeat(engine_index: int = 0) -> Heartbeat:
 def record(iteration: int, milestones=(), engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
         start_ns=MONO_BASE_NS + iteration * 10_000_000, elapsed_ns=9_000_000,
-        num_generation_reqs=2, num_generation_tokens=2, num_running_reqs=2,
+        num_decode_reqs=2, num_decode_tokens=2, num_running_reqs=2,
         num_kv_blocks_used=100, num_kv_blocks_free=900, num_kv_tokens=1600,
         milestones=list(milestones),
     )

@@ -98,7 +98,7 @@ def test_mixed_batches_have_their_own_colour_and_legend_entry(close_figures):
     timelines, _, figure = drawn(sim)
     kinds = batch_kinds(timelines[0])
     records = [m for m in sim.messages if isinstance(m, IterationRecord)]
-    mixed = [r.num_context_tokens > 0 and r.num_generation_tokens > 0 for r in records]
+    mixed = [r.num_prefill_tokens > 0 and r.num_decode_tokens > 0 for r in records]
     assert (kinds == "mixed").tolist() == mixed and any(mixed)
     time_ax = figure.axes[3]
     by_label = dict(zip(*reversed(time_ax.get_legend_handles_labels()), strict=True))

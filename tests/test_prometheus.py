@@ -66,8 +66,8 @@ ENGINE0 = {"engine": "0", "model_name": "tiny"}
 def make_record(iteration: int, engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
         start_ns=1_000 * MS + iteration * 10 * MS, elapsed_ns=8 * MS,
-        num_context_reqs=1, num_context_tokens=100, num_generation_reqs=4,
-        num_generation_tokens=4, num_running_reqs=5, num_waiting_reqs=3,
+        num_prefill_reqs=1, num_prefill_tokens=100, num_decode_reqs=4,
+        num_decode_tokens=4, num_running_reqs=5, num_waiting_reqs=3,
         num_waiting_kv_reqs=2, num_waiting_seq_limit_reqs=1,
         num_kv_blocks_used=25, num_kv_blocks_free=75, num_kv_tokens=390,
         num_prefix_query_tokens=100, num_prefix_hit_tokens=32, num_preemptions=1,
@@ -272,9 +272,9 @@ def test_request_aborted_while_waiting_has_no_phase_times():
 def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
     sink, registry = new_sink()
     send(sink, make_record(1))  # no previous iteration: no interval
-    send(sink, make_record(2, num_generation_reqs=4))  # 10 ms after iteration 1, x4
-    send(sink, make_record(5, num_generation_reqs=3))  # gap: iterations 3, 4 lost
-    send(sink, make_record(6, num_generation_reqs=0))  # nothing decoded
+    send(sink, make_record(2, num_decode_reqs=4))  # 10 ms after iteration 1, x4
+    send(sink, make_record(5, num_decode_reqs=3))  # gap: iterations 3, 4 lost
+    send(sink, make_record(6, num_decode_reqs=0))  # nothing decoded
     samples = scrape(registry)
     labels = {"model_name": ""}
     assert value(samples, "iterscope_inter_token_latency_seconds_count", **labels) == 4
@@ -296,7 +296,7 @@ def test_counters_monotonic_across_engine_restart_and_replay():
     ]
     # The engine restarts: new pid, seq and iteration from 1, clocks from elsewhere.
     second_life = [make_heartbeat(pid=2, ts_ns=5 * MS)] + [
-        make_record(i, start_ns=i * MS, num_context_tokens=7) for i in range(1, 5)
+        make_record(i, start_ns=i * MS, num_prefill_tokens=7) for i in range(1, 5)
     ]
     # Then the sidecar is fed a recording of the first life again (replay).
     previous = {}
@@ -519,7 +519,7 @@ def test_counters_never_decrease_whatever_the_message_order(events):
             iterations[engine] += 1 + amount % 3  # sometimes skips iterations (lost records)
             milestones = [make_milestone(event, finish_reason=amount % 4 - 1)] if event else []
             send(sink, make_record(iterations[engine], engine_index=engine,
-                                          num_context_tokens=amount, milestones=milestones))
+                                          num_prefill_tokens=amount, milestones=milestones))
         elif kind == "restart":
             iterations[engine] = 0
             pids[engine] += 1
@@ -564,9 +564,9 @@ def test_iteration_histograms_edge_buckets():
     for iteration, (context_tokens, generation_reqs, elapsed_ns) in enumerate(cases, start=1):
         start_ns = end_ns + 2 * MS
         send(sink, make_record(iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-                                      num_context_tokens=context_tokens,
-                                      num_generation_reqs=generation_reqs,
-                                      num_generation_tokens=generation_reqs))
+                                      num_prefill_tokens=context_tokens,
+                                      num_decode_reqs=generation_reqs,
+                                      num_decode_tokens=generation_reqs))
         reference["iteration_duration_seconds"].observe(elapsed_ns / 1e9)
         reference["iteration_tokens"].observe(context_tokens + generation_reqs)
         reference["iteration_context_tokens"].observe(context_tokens)

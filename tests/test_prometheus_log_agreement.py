@@ -56,8 +56,8 @@ def synthetic_stream(duration_s: float, seed: int = 7) -> list[IterationRecord |
         iteration += 1
         messages.append(iteration_record(
             0, seq, iteration, start_ns=now_ns + 1_000_000,
-            elapsed_ns=15_000_000, num_context_reqs=1, num_context_tokens=rng.randint(0, 512),
-            num_generation_reqs=8, num_generation_tokens=rng.randint(0, 64),
+            elapsed_ns=15_000_000, num_prefill_reqs=1, num_prefill_tokens=rng.randint(0, 512),
+            num_decode_reqs=8, num_decode_tokens=rng.randint(0, 64),
             num_running_reqs=8, num_waiting_reqs=1, num_waiting_kv_reqs=1,
             num_kv_blocks_used=300, num_kv_blocks_free=700, num_kv_tokens=4800,
         ))

@@ -21,8 +21,8 @@ from telemetry.lane.record import (
 def decode_record(seq: int = 0, iteration: int = 123_000, **overrides) -> IterationRecord:
     """A steady-state decode iteration: 50 running requests, one token each."""
     fields = dict(
-        start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_generation_reqs=50,
-        num_generation_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
+        start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_decode_reqs=50,
+        num_decode_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
         num_kv_blocks_free=65459, num_kv_tokens=56000,
     )
     return iteration_record(0, seq, iteration, **{**fields, **overrides})
@@ -189,7 +189,7 @@ def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
         publisher.publish(decode_record(iteration=5))
         for iteration in range(6, 9):
             publisher.publish(decode_record(
-                iteration=iteration, num_generation_reqs=0, num_generation_tokens=0,
+                iteration=iteration, num_decode_reqs=0, num_decode_tokens=0,
                 num_running_reqs=0, num_waiting_reqs=3,
             ))
         assert publisher.flush()

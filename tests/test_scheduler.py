@@ -25,10 +25,10 @@ def make_request(request_id, prompt, max_tokens, ignore_eos=True) -> Request:
 def check_step(core: EngineCore) -> None:
     record = core.publisher.records[-1]
     config = core.config
-    assert record.num_context_tokens + record.num_generation_tokens <= (
+    assert record.num_prefill_tokens + record.num_decode_tokens <= (
         config.max_num_batched_tokens
     )
-    assert record.num_context_reqs + record.num_generation_reqs <= config.max_num_seqs
+    assert record.num_prefill_reqs + record.num_decode_reqs <= config.max_num_seqs
     assert record.num_running_reqs == len(core.scheduler.running) <= config.max_num_seqs
     split = (
         record.num_waiting_kv_reqs,
@@ -149,12 +149,12 @@ def test_waiting_attributed_to_token_budget_and_chunked_prefill():
     core.add_request(make_request("b", [1, 2], 2))
     core.step()
     record = core.publisher.records[-1]
-    assert (record.num_context_reqs, record.num_context_tokens) == (1, 8)
+    assert (record.num_prefill_reqs, record.num_prefill_tokens) == (1, 8)
     assert record.num_waiting_budget_reqs == 1
     chunks = []
     while core.has_work:
         core.step()
-        chunks.append(core.publisher.records[-1].num_context_tokens)
+        chunks.append(core.publisher.records[-1].num_prefill_tokens)
     assert chunks[:2] == [8, 4 + 2]  # the rest of a's prompt, then b's prompt in the same pass
 
 
@@ -175,8 +175,8 @@ def test_generation_and_context_counts():
     core.add_request(make_request("b", [3, 2, 1], 3))
     core.step()
     record = core.publisher.records[-1]
-    assert (record.num_context_reqs, record.num_context_tokens) == (1, 3)
-    assert (record.num_generation_reqs, record.num_generation_tokens) == (1, 1)
+    assert (record.num_prefill_reqs, record.num_prefill_tokens) == (1, 3)
+    assert (record.num_decode_reqs, record.num_decode_tokens) == (1, 1)
 
 
 def test_impossible_requests_are_rejected_at_submission():

@@ -44,7 +44,7 @@ def synthetic_record(engine_index: int, iteration: int, start_ns: int, elapsed_n
     """A steady decode iteration: one generation token per running request."""
     return iteration_record(
         engine_index, 0, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-        num_generation_reqs=num_running_reqs, num_generation_tokens=num_running_reqs,
+        num_decode_reqs=num_running_reqs, num_decode_tokens=num_running_reqs,
         num_running_reqs=num_running_reqs, num_waiting_reqs=num_waiting_reqs,
         num_waiting_kv_reqs=num_waiting_reqs, num_kv_blocks_used=100, num_kv_blocks_free=900,
         num_kv_tokens=1600,
@@ -141,7 +141,7 @@ def test_synthetic_engine_sends_consecutive_seqs(tmp_path):
     assert seqs == sorted(seqs) and seqs[-1] <= report["last_seq"]
     # Every seq is delivered or counted as dropped by the engine.
     assert len(set(seqs)) + report["num_dropped_total"] == report["last_seq"]
-    assert msgspec.structs.asdict(records[0])["num_generation_tokens"] == 8
+    assert msgspec.structs.asdict(records[0])["num_decode_tokens"] == 8
 
 
 if __name__ == "__main__":

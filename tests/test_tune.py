@@ -81,7 +81,7 @@ def test_cli(bursty, tmp_path, capsys):
     assert main([str(path), "--itl-target", "50ms"]) == 0
     text = capsys.readouterr().out
     assert "Recommended for ITL <= 50.0 ms: --max-num-seqs" in text
-    assert "fit error: RMSE" in text and "generation tokens/s" in text
+    assert "fit error: RMSE" in text and "decode tokens/s" in text
     assert main([str(path), "--itl-target", "0.05", "--json"]) == 0
     (engine,) = json.loads(capsys.readouterr().out)["engines"]
     assert engine["recommendation"]["worst_iteration_time"] <= 0.05

@@ -18,9 +18,9 @@ from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
-    UNKNOWN_CONTEXT_REQS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
+    UNKNOWN_PREFILL_REQS,
     UNKNOWN_WAITING_REASONS,
     IterationRecord,
     make_decoder,
@@ -70,8 +70,8 @@ def test_a_step_with_iteration_details_maps_every_count():
     maker = RecordMaker(engine_index=3, num_gpu_blocks=101)  # 100 usable + the null block
     record = maker.make(scheduler_stats(details=details()), iteration_stats(preempted=1))
     assert (record.engine_index, record.iteration) == (3, 1)
-    assert (record.num_context_reqs, record.num_context_tokens) == (1, 100)
-    assert (record.num_generation_reqs, record.num_generation_tokens) == (2, 3)
+    assert (record.num_prefill_reqs, record.num_prefill_tokens) == (1, 100)
+    assert (record.num_decode_reqs, record.num_decode_tokens) == (2, 3)
     assert record.elapsed_ns == 12_500_000
     assert (record.num_running_reqs, record.num_waiting_reqs) == (2, 2)  # deferred ones too
     assert (record.num_kv_blocks_used, record.num_kv_blocks_free) == (50, 50)
@@ -83,9 +83,9 @@ def test_a_step_with_iteration_details_maps_every_count():
 
 def test_without_details_the_batch_split_and_time_are_unknown():
     record = RecordMaker(0, 11).make(scheduler_stats(), iteration_stats(computed=64))
-    assert record.unknown & UNKNOWN_CONTEXT_REQS and record.unknown & UNKNOWN_ELAPSED
-    assert (record.num_context_tokens, record.num_generation_tokens) == (64, 3)
-    assert record.num_generation_reqs == 2  # requests that produced a non-first token
+    assert record.unknown & UNKNOWN_PREFILL_REQS and record.unknown & UNKNOWN_ELAPSED
+    assert (record.num_prefill_tokens, record.num_decode_tokens) == (64, 3)
+    assert record.num_decode_reqs == 2  # requests that produced a non-first token
     assert record.elapsed_ns == 0
 
 

@@ -26,7 +26,7 @@ MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default fi
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
-    decode_only = (tl.col("ctx_tokens") == 0) & (tl.col("gen_reqs") > 0) & tl.timed
+    decode_only = (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
     if not decode_only.any():
         return None
     return float(np.median(tl.col("elapsed_ns")[decode_only])) / NS_PER_S
@@ -102,7 +102,7 @@ def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
     starts = tl.col("start_ns")
     rows = slice(int(np.searchsorted(starts, episode.start_ns)),
                  int(np.searchsorted(starts, episode.end_ns, side="right")))
-    wanted = tl.col("running")[rows] + tl.col("waiting")[rows]
+    wanted = tl.col("num_running_reqs")[rows] + tl.col("num_waiting_reqs")[rows]
     demand = int(wanted.max()) if wanted.size else 0
     fit, mean_length = kv_max_seqs(tl)
     if fit is None or mean_length is None or demand <= 0:
@@ -123,7 +123,7 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
     """Fewer requests together, so that their peak stays near KV_TARGET_USAGE."""
     usage = tl.kv_usage[rows]
     peak = int(np.argmax(usage))
-    running = int(tl.col("running")[rows][peak])
+    running = int(tl.col("num_running_reqs")[rows][peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
     kv_plan = ("(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size "
                "holds)")

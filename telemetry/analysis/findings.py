@@ -102,13 +102,13 @@ def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray)
 
 
 def _waiting_request_seconds(tl: EngineTimeline, rows: slice) -> float:
-    return _queued_request_seconds(tl, rows, tl.col("waiting")[rows])
+    return _queued_request_seconds(tl, rows, tl.col("num_waiting_reqs")[rows])
 
 
 def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -> float:
     """What a cliff starting at row ``first`` (before any eviction) cost the requests it sent
     back to waiting (see the module's docstring)."""
-    waiting = tl.col("waiting")
+    waiting = tl.col("num_waiting_reqs")
     evicted = np.clip(waiting[first:] - waiting[first], 0, max(num_evicted, 0))
     raised = np.flatnonzero(evicted > 0)
     if not raised.size:
@@ -126,9 +126,10 @@ def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -
 
 def _slowed_request_seconds(tl: EngineTimeline, rows: slice, baseline_s: float) -> float:
     elapsed_s = tl.col("elapsed_ns")[rows] / NS_PER_S
-    mixed = (tl.col("ctx_tokens")[rows] > 0) & (tl.col("gen_reqs")[rows] > 0) & tl.timed[rows]
+    num_decode_reqs = tl.col("num_decode_reqs")[rows]
+    mixed = (tl.col("num_prefill_tokens")[rows] > 0) & (num_decode_reqs > 0) & tl.timed[rows]
     extra = np.where(mixed, np.maximum(elapsed_s - baseline_s, 0.0), 0.0)
-    return float((tl.col("gen_reqs")[rows] * extra).sum())
+    return float((num_decode_reqs * extra).sum())
 
 
 def episode_cost(tl: EngineTimeline, episode: Episode) -> float:

@@ -71,8 +71,8 @@ def draw_timelines(
         t = axis.x(tl, tl.col("end_ns"))
         for ax, values, label in (
             (kv_ax, 100 * tl.kv_usage, "KV usage"),
-            (queue_ax, tl.col("running"), "running"),
-            (queue_ax, tl.col("waiting"), "waiting"),
+            (queue_ax, tl.col("num_running_reqs"), "running"),
+            (queue_ax, tl.col("num_waiting_reqs"), "waiting"),
         ):
             ax.plot(*_broken_at_gaps(t, values), label=label + suffix, lw=1,
                     drawstyle="steps-post")
@@ -97,14 +97,14 @@ def plot_timelines(
 
 def batch_kinds(tl: EngineTimeline) -> np.ndarray:
     """Per iteration: 'decode', 'prefill', 'mixed' or 'empty' (BATCH_STYLES' keys)."""
-    has_ctx, has_gen = tl.col("ctx_tokens") > 0, tl.col("gen_tokens") > 0
+    has_ctx, has_gen = tl.col("num_prefill_tokens") > 0, tl.col("num_decode_tokens") > 0
     return np.select([has_ctx & has_gen, has_ctx, has_gen], ["mixed", "prefill", "decode"],
                      default="empty")
 
 
 def _plot_tokens(ax, t: np.ndarray, tl: EngineTimeline, marker: str, suffix: str) -> None:
-    for column, batch, label in (("ctx_tokens", "prefill", "context tokens"),
-                                 ("gen_tokens", "decode", "generation tokens")):
+    for column, batch, label in (("num_prefill_tokens", "prefill", "prefill tokens"),
+                                 ("num_decode_tokens", "decode", "decode tokens")):
         ax.plot(t, tl.col(column), marker, ms=2, ls="none", color=BATCH_STYLES[batch][0],
                 label=label + suffix)
 

@@ -17,11 +17,11 @@ from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
 
-# The keys of Summary.waiting_reason_shares, by WAIT_REASONS column: what `explain --json`
+# The keys of Summary.waiting_reason_shares, by WAIT_REASONS name: what `explain --json`
 # scripts read, kept as they were when the text began naming limits by their flags.
 SHARE_KEYS = {"waiting_kv": "KV capacity", "waiting_seq_limit": "max_num_seqs",
               "waiting_budget": "max_num_batched_tokens"}
-SHARE_LABELS = {SHARE_KEYS[name]: label for name, (label, _) in WAIT_REASONS.items()}
+SHARE_LABELS = {SHARE_KEYS[name]: reason.limit for name, reason in WAIT_REASONS.items()}
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues
 
@@ -90,9 +90,10 @@ def _request_times(tl: EngineTimeline) -> tuple[list[float], list[float], int]:
 def summarize(tl: EngineTimeline) -> Summary:
     """Summary of a timeline; every figure is 0 when the timeline has no iteration."""
     elapsed = tl.col("elapsed_ns")[tl.timed] / NS_PER_S
-    ctx_tokens, gen_tokens = tl.col("ctx_tokens"), tl.col("gen_tokens")
-    batch_reqs = tl.col("ctx_reqs") + tl.col("gen_reqs")
-    waiting = tl.col("waiting")
+    prefill_tokens, decode_tokens = tl.col("num_prefill_tokens"), tl.col("num_decode_tokens")
+    batch_reqs = tl.col("num_prefill_reqs") + tl.col("num_decode_reqs")
+    batch_tokens = prefill_tokens + decode_tokens
+    waiting = tl.col("num_waiting_reqs")
     span_time = (tl.last_ns - tl.first_ns) / NS_PER_S
     active_time = (
         (tl.col("end_ns")[-1] - tl.col("start_ns")[0]) / NS_PER_S if tl.num_iterations else 0.0
@@ -111,25 +112,25 @@ def summarize(tl: EngineTimeline) -> Summary:
         iteration_time_max=float(elapsed.max()) if elapsed.size else 0.0,
         mean_batch_reqs=float(batch_reqs.mean()) if batch_reqs.size else 0.0,
         max_batch_reqs=int(batch_reqs.max()) if batch_reqs.size else 0,
-        mean_batch_tokens=float((ctx_tokens + gen_tokens).mean()) if ctx_tokens.size else 0.0,
-        decode_only_share=_share((ctx_tokens == 0) & (gen_tokens > 0)),
-        prefill_only_share=_share((ctx_tokens > 0) & (gen_tokens == 0)),
-        mixed_share=_share((ctx_tokens > 0) & (gen_tokens > 0)),
-        num_context_tokens=int(ctx_tokens.sum()),
-        num_generation_tokens=int(gen_tokens.sum()),
-        prompt_throughput=float(ctx_tokens.sum() / active_time) if active_time else 0.0,
-        generation_throughput=float(gen_tokens.sum() / active_time) if active_time else 0.0,
-        mean_running_reqs=float(tl.col("running").mean()) if tl.num_iterations else 0.0,
-        max_running_reqs=int(tl.col("running").max()) if tl.num_iterations else 0,
+        mean_batch_tokens=float(batch_tokens.mean()) if batch_tokens.size else 0.0,
+        decode_only_share=_share((prefill_tokens == 0) & (decode_tokens > 0)),
+        prefill_only_share=_share((prefill_tokens > 0) & (decode_tokens == 0)),
+        mixed_share=_share((prefill_tokens > 0) & (decode_tokens > 0)),
+        num_context_tokens=int(prefill_tokens.sum()),
+        num_generation_tokens=int(decode_tokens.sum()),
+        prompt_throughput=float(prefill_tokens.sum() / active_time) if active_time else 0.0,
+        generation_throughput=float(decode_tokens.sum() / active_time) if active_time else 0.0,
+        mean_running_reqs=float(tl.col("num_running_reqs").mean()) if tl.num_iterations else 0.0,
+        max_running_reqs=int(tl.col("num_running_reqs").max()) if tl.num_iterations else 0,
         waiting_share=_share(waiting > 0),
         max_waiting_reqs=int(waiting.max()) if waiting.size else 0,
         waiting_reason_shares={  # empty: the source does not say why requests wait
-            SHARE_KEYS[name]: int(tl.col(name).sum()) / num_waiting_total
-            for name in WAIT_REASONS
+            SHARE_KEYS[name]: int(tl.col(reason.field).sum()) / num_waiting_total
+            for name, reason in WAIT_REASONS.items()
         } if tl.waiting_reasons_known else {},
         mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
         peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
-        num_preemptions=int(tl.col("preemptions").sum()),
+        num_preemptions=int(tl.col("num_preemptions").sum()),
         prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else 0.0,
         num_finished_reqs=num_finished,
         num_timed_reqs=len(queue_times),
@@ -190,8 +191,8 @@ def format_summary(s: Summary) -> list[str]:
         f"batch: {s.mean_batch_reqs:.1f} requests and {s.mean_batch_tokens:.1f} tokens per "
         f"iteration on average; decode-only {pct(s.decode_only_share)}, prefill-only "
         f"{pct(s.prefill_only_share)}, mixed {pct(s.mixed_share)} of iterations",
-        f"tokens: {s.num_context_tokens} context ({s.prompt_throughput:.1f} tokens/s), "
-        f"{s.num_generation_tokens} generation ({s.generation_throughput:.1f} tokens/s)",
+        f"tokens: {s.num_context_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
+        f"{s.num_generation_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}; preemptions "

@@ -1,9 +1,9 @@
 """The timeline of one engine: its records and heartbeats from a recording, as numpy columns.
 
 Everything ``explain``, ``tune`` and the episode detectors read goes through EngineTimeline:
-record columns by short name (RECORD_FIELDS), static facts from heartbeats (FACT_FIELDS),
-record time to wall time through heartbeat anchors, and the reasons requests wait
-(WAIT_REASONS). ``build_timelines`` splits a recording's messages by engine;
+record columns under the record's own field names (RECORD_FIELDS), static facts from
+heartbeats (FACT_FIELDS), record time to wall time through heartbeat anchors, and the reasons
+requests wait (WAIT_REASONS). ``build_timelines`` splits a recording's messages by engine;
 ``read_timelines`` reads a recording's files into them.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,13 +71,13 @@ class EngineTimeline:
 
     @property
     def kv_usage(self) -> np.ndarray:
-        total = self.col("blocks_used") + self.col("blocks_free")
-        return np.where(total > 0, self.col("blocks_used") / np.maximum(total, 1), 0.0)
+        total = self.col("num_kv_blocks_used") + self.col("num_kv_blocks_free")
+        return np.where(total > 0, self.col("num_kv_blocks_used") / np.maximum(total, 1), 0.0)
 
     @property
     def num_kv_blocks_total(self) -> int:
         if self.records:
-            return int((self.col("blocks_used") + self.col("blocks_free")).max())
+            return int((self.col("num_kv_blocks_used") + self.col("num_kv_blocks_free")).max())
         return int(self.facts.get("num_kv_blocks_total", 0))
 
     @property
@@ -112,34 +113,25 @@ class EngineTimeline:
         return ts_ns + self._anchor_offset_ns[nearest]
 
 
-RECORD_FIELDS = {
-    "iteration": "iteration",
-    "start_ns": "start_ns",
-    "elapsed_ns": "elapsed_ns",
-    "ctx_reqs": "num_context_reqs",
-    "ctx_tokens": "num_context_tokens",
-    "gen_reqs": "num_generation_reqs",
-    "gen_tokens": "num_generation_tokens",
-    "running": "num_running_reqs",
-    "waiting": "num_waiting_reqs",
-    "waiting_kv": "num_waiting_kv_reqs",
-    "waiting_seq_limit": "num_waiting_seq_limit_reqs",
-    "waiting_budget": "num_waiting_budget_reqs",
-    "blocks_used": "num_kv_blocks_used",
-    "blocks_free": "num_kv_blocks_free",
-    "kv_tokens": "num_kv_tokens",
-    "preemptions": "num_preemptions",
-    "unknown": "unknown",  # UNKNOWN_* bits: fields the source did not give
-}
+# The record fields kept as columns, under the record's own names. Two more are derived:
+# ``end_ns`` (start_ns + elapsed_ns) and ``num_finished_reqs`` (finish milestones).
+RECORD_FIELDS = (
+    "iteration", "start_ns", "elapsed_ns",
+    "num_prefill_reqs", "num_prefill_tokens", "num_decode_reqs", "num_decode_tokens",
+    "num_running_reqs", "num_waiting_reqs",
+    "num_waiting_kv_reqs", "num_waiting_seq_limit_reqs", "num_waiting_budget_reqs",
+    "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_tokens", "num_preemptions",
+    "unknown",  # UNKNOWN_* bits: fields the source did not give
+)
 
 
 def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
     columns = {
-        name: np.fromiter((getattr(r, attr) for r in records), dtype=np.int64, count=len(records))
-        for name, attr in RECORD_FIELDS.items()
+        name: np.fromiter((getattr(r, name) for r in records), dtype=np.int64, count=len(records))
+        for name in RECORD_FIELDS
     }
     columns["end_ns"] = columns["start_ns"] + columns["elapsed_ns"]
-    columns["finished"] = np.fromiter(
+    columns["num_finished_reqs"] = np.fromiter(
         (sum(1 for m in r.milestones if m.event & EVENT_FINISHED) for r in records),
         dtype=np.int64, count=len(records),
     )
@@ -184,13 +176,25 @@ def build_timelines(
     }
 
 
-# column -> (what limit made requests wait, why it keeps them waiting); limits are named by the
-# engine flag that sets them, as an operator would change them.
+class WaitReason(NamedTuple):
+    """Why requests wait: the record field that counts them, the limit that held them (named
+    by the engine flag that sets it, as an operator would change it) and why it holds them."""
+
+    field: str
+    limit: str
+    cause: str
+
+
+# Keyed by the reason's name in `explain --json` (``numbers.reason``), which scripts read.
 WAIT_REASONS = {
-    "waiting_kv": ("KV capacity", "no free KV blocks for the next request"),
-    "waiting_seq_limit": ("--max-num-seqs", "the sequence limit (--max-num-seqs) was reached"),
-    "waiting_budget": ("--max-num-batched-tokens",
-                       "the iteration's token budget (--max-num-batched-tokens) was used up"),
+    "waiting_kv": WaitReason("num_waiting_kv_reqs", "KV capacity",
+                             "no free KV blocks for the next request"),
+    "waiting_seq_limit": WaitReason("num_waiting_seq_limit_reqs", "--max-num-seqs",
+                                    "the sequence limit (--max-num-seqs) was reached"),
+    "waiting_budget": WaitReason(
+        "num_waiting_budget_reqs", "--max-num-batched-tokens",
+        "the iteration's token budget (--max-num-batched-tokens) was used up",
+    ),
 }
 
 

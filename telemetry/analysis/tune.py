@@ -31,10 +31,13 @@ import numpy as np
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
 from telemetry.analysis.words import plural
-from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_CONTEXT_REQS, UNKNOWN_ELAPSED
+from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
 
-FEATURES = ("ctx_tokens", "gen_tokens", "ctx_reqs")
-UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_CONTEXT_REQS  # rows the fit cannot use
+# Fit coefficient (its name in `tune --json`, which scripts read) -> the record field it weighs.
+FEATURES = {"ctx_tokens": "num_prefill_tokens", "gen_tokens": "num_decode_tokens",
+            "ctx_reqs": "num_prefill_reqs"}
+FEATURE_NAMES = list(FEATURES)
+UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
 BUDGET_MULTIPLE = 16
 MAX_SEQS_CAP = 4096
@@ -64,7 +67,7 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
     feature that never varies) are dropped and the rest refitted, so costs are never < 0."""
     names = [n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0]
     while True:
-        columns = [FEATURES.index(n) for n in names]
+        columns = [FEATURE_NAMES.index(n) for n in names]
         design = np.column_stack([np.ones(len(y)), x[:, columns]])
         solution, *_ = np.linalg.lstsq(design, y, rcond=None)
         negative = [n for n, c in zip(names, solution[1:], strict=True) if c < 0]
@@ -83,19 +86,20 @@ def _untimed_hint(tl: EngineTimeline) -> str:
 
 def fit_iteration_time(tl: EngineTimeline) -> Fit:
     """Least-squares fit of iteration time; raises ValueError when there is too little data."""
-    busy = ((tl.col("ctx_tokens") + tl.col("gen_tokens")) > 0) & tl.known(UNTIMED_OR_UNSPLIT)
+    num_tokens = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
+    busy = (num_tokens > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
         raise ValueError(f"engine {tl.engine_index}: {plural(int(busy.sum()), 'iteration')} "
                          "did work "
                          "with a measured time and batch; at least 10 are needed to fit "
                          "iteration time" + _untimed_hint(tl))
-    x = np.column_stack([tl.col(name)[busy] for name in FEATURES]).astype(float)
+    x = np.column_stack([tl.col(field)[busy] for field in FEATURES.values()]).astype(float)
     y = tl.col("elapsed_ns")[busy] / NS_PER_S
-    solution = _least_squares(x, y, list(FEATURES))
+    solution = _least_squares(x, y, FEATURE_NAMES)
     residuals = y - _predict(solution, x)
     sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
     keep = residuals <= OUTLIER_SIGMAS * max(sigma, 1e-6)
-    solution = _least_squares(x[keep], y[keep], list(FEATURES))
+    solution = _least_squares(x[keep], y[keep], FEATURE_NAMES)
     residuals = y[keep] - _predict(solution, x[keep])
     total_variance = float(((y[keep] - y[keep].mean()) ** 2).sum())
     return Fit(
@@ -107,7 +111,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         num_iterations=int(keep.sum()),
         num_outliers=int((~keep).sum()),
         max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
-        max_gen_reqs_seen=int(tl.col("gen_reqs").max()),
+        max_gen_reqs_seen=int(tl.col("num_decode_reqs").max()),
     )
 
 
@@ -115,7 +119,7 @@ def _predict(solution: dict[str, float], x: np.ndarray) -> np.ndarray:
     y = np.full(len(x), solution["base"])
     for name, coefficient in solution.items():
         if name != "base":
-            y += coefficient * x[:, FEATURES.index(name)]
+            y += coefficient * x[:, FEATURE_NAMES.index(name)]
     return y
 
 
@@ -194,7 +198,7 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
                      f"{plural(fit.max_gen_reqs_seen, 'decoding request')} per "
                      f"iteration: {max_num_seqs} is extrapolated")
     if "ctx_tokens" not in fit.coefficients:
-        notes.append("no prefill cost could be fitted (no context tokens varied): the budget "
+        notes.append("no prefill cost could be fitted (no prefill tokens varied): the budget "
                      "is a guess")
     return notes
 
@@ -208,8 +212,8 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
     ms, us = 1000, 1e6
     coefficient_text = ", ".join(
         f"{us * fit.coefficients[name]:.2f} us per {label}"
-        for name, label in (("ctx_tokens", "context token"), ("gen_tokens", "generation token"),
-                            ("ctx_reqs", "context request"))
+        for name, label in (("ctx_tokens", "prefill token"), ("gen_tokens", "decode token"),
+                            ("ctx_reqs", "prefill request"))
         if name in fit.coefficients
     )
     lines = [
@@ -235,7 +239,7 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
         f"--max-num-batched-tokens {rec.max_num_batched_tokens} (--max-num-seqs limited by "
         f"{rec.limited_by})",
         f"  predicted: decode-only iteration {rec.decode_iteration_time * ms:.1f} ms at "
-        f"{plural(rec.max_num_seqs, 'request')} -> {rec.generation_throughput:.0f} generation "
+        f"{plural(rec.max_num_seqs, 'request')} -> {rec.generation_throughput:.0f} decode "
         "tokens/s; "
         f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms; prefill "
         f"{rec.prompt_throughput:.0f} tokens/s at a full budget",

@@ -117,7 +117,7 @@ class ZmqPublisher:
         """Queue the record for the sender thread; O(1), never blocks. The sender stamps
         ``seq`` and ``num_dropped``. Heartbeats report the last iteration that scheduled
         work, so a loop that spins without scheduling anything reads as stalled."""
-        if record.num_context_tokens or record.num_generation_tokens:
+        if record.num_prefill_tokens or record.num_decode_tokens:
             self.last_iteration = record.iteration
         self._num_waiting = record.num_waiting_reqs
         self._num_running = record.num_running_reqs

@@ -56,7 +56,7 @@ EVENT_FINISHED = 2
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # IterationRecord.unknown bits: fields the source does not give (sent as 0, shown as unknown)
-UNKNOWN_CONTEXT_REQS = 1  # num_context_reqs
+UNKNOWN_PREFILL_REQS = 1  # num_prefill_reqs
 UNKNOWN_ELAPSED = 2  # elapsed_ns (start_ns is then when the source saw the iteration end)
 UNKNOWN_WAITING_REASONS = 4  # num_waiting_kv_reqs, num_waiting_seq_limit_reqs, ..._budget_reqs
 UNKNOWN_KV_TOKENS = 8  # num_kv_tokens
@@ -96,11 +96,12 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     iteration: Count
     start_ns: Count
     elapsed_ns: Count
-    # What was scheduled: context = prefill (incl. chunks), generation = decode.
-    num_context_reqs: Count
-    num_context_tokens: Count
-    num_generation_reqs: Count
-    num_generation_tokens: Count
+    # What was scheduled, by phase: prefill (prompt tokens computed, chunks included) and
+    # decode (one token per request).
+    num_prefill_reqs: Count
+    num_prefill_tokens: Count
+    num_decode_reqs: Count
+    num_decode_tokens: Count
     # Queues after scheduling. Waiting is split by why admission stopped.
     num_running_reqs: Count
     num_waiting_reqs: Count

@@ -96,7 +96,7 @@ class EngineView:
         self.num_waiting_reqs = record.num_waiting_reqs
         self.num_running_reqs = record.num_running_reqs
         self.last_record = record
-        if record.num_context_tokens + record.num_generation_tokens > 0:
+        if record.num_prefill_tokens + record.num_decode_tokens > 0:
             self.last_iteration = record.iteration
             return True
         return False

@@ -12,9 +12,9 @@ used and used + free of the same record), so the line never mixes numbers from t
 from __future__ import annotations
 
 from telemetry.lane.record import (
-    UNKNOWN_CONTEXT_REQS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
+    UNKNOWN_PREFILL_REQS,
     IterationRecord,
     is_known,
 )
@@ -24,15 +24,15 @@ from telemetry.sidecar.engine_view import kv_blocks_total, record_kv_usage_ratio
 def format_iteration_line(record: IterationRecord) -> str:
     """The line; a field the source marked unknown reads "unknown" (e.g. "unknown context
     requests"), never a 0 it did not measure."""
-    context_reqs = _known(record, UNKNOWN_CONTEXT_REQS, record.num_context_reqs)
+    context_reqs = _known(record, UNKNOWN_PREFILL_REQS, record.num_prefill_reqs)
     elapsed = _known(record, UNKNOWN_ELAPSED, f"{record.elapsed_ns / 1e6:.2f} ms")
     kv_tokens = _known(record, UNKNOWN_KV_TOKENS, record.num_kv_tokens)
     return (
         f"Iteration({record.iteration}): "
         f"{context_reqs} context requests, "
-        f"{record.num_context_tokens} context tokens, "
-        f"{record.num_generation_reqs} generation requests, "
-        f"{record.num_generation_tokens} generation tokens, "
+        f"{record.num_prefill_tokens} context tokens, "
+        f"{record.num_decode_reqs} generation requests, "
+        f"{record.num_decode_tokens} generation tokens, "
         f"iteration elapsed time: {elapsed}, "
         f"kv cache: {100 * record_kv_usage_ratio(record):.1f}% "
         f"({record.num_kv_blocks_used}/{kv_blocks_total(record)} blocks, "

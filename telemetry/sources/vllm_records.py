@@ -7,12 +7,12 @@ None when the call reports no step (then only the queue lengths changed). docs/v
 the field-by-field table; in short:
 
     record field                      vLLM source
-    num_context_reqs / _tokens        iteration_details (--enable-logging-iteration-details);
+    num_prefill_reqs / _tokens        iteration_details (--enable-logging-iteration-details);
                                       without it: tokens = prompt tokens computed for the
                                       prefills that finished this step, requests unknown
-    num_generation_reqs               iteration_details; without it: requests that produced
+    num_decode_reqs                   iteration_details; without it: requests that produced
                                       a token after their first (len(inter_token_latencies))
-    num_generation_tokens             tokens produced this step (vLLM's generation counter)
+    num_decode_tokens                 tokens produced this step (vLLM's generation counter)
     elapsed_ns                        iteration_details.elapsed_ms (forward + sample); else
                                       unknown
     num_running_reqs, num_waiting_reqs  scheduler stats (waiting = not deferred + deferred);
@@ -35,9 +35,9 @@ from typing import Any
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
-    UNKNOWN_CONTEXT_REQS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
+    UNKNOWN_PREFILL_REQS,
     UNKNOWN_WAITING_REASONS,
     IterationRecord,
     RequestMilestone,
@@ -80,7 +80,7 @@ class RecordMaker:
         self.iteration += 1
         end_ns = time.monotonic_ns()
         record = _blank_record(self.engine_index, self.iteration, end_ns)
-        record.num_generation_tokens = _int(iteration_stats, "num_generation_tokens")
+        record.num_decode_tokens = _int(iteration_stats, "num_generation_tokens")
         record.num_preemptions = _int(iteration_stats, "num_preempted_reqs")
         _fill_batch(record, details, iteration_stats)
         if scheduler_stats is not None:
@@ -122,16 +122,16 @@ def _blank_record(engine_index: int, iteration: int, end_ns: int) -> IterationRe
 def _fill_batch(record: IterationRecord, details: Any, iteration_stats: Any) -> None:
     """What the step computed: vLLM's iteration details, else what its outputs tell."""
     if details is not None:
-        record.num_context_reqs = _int(details, "num_ctx_requests")
-        record.num_context_tokens = _int(details, "num_ctx_tokens")
-        record.num_generation_reqs = _int(details, "num_generation_requests")
+        record.num_prefill_reqs = _int(details, "num_ctx_requests")
+        record.num_prefill_tokens = _int(details, "num_ctx_tokens")
+        record.num_decode_reqs = _int(details, "num_generation_requests")
         record.elapsed_ns = max(0, int(getattr(details, "elapsed_ms", 0.0) * 1e6))
         record.start_ns -= record.elapsed_ns
         return
-    record.unknown |= UNKNOWN_CONTEXT_REQS | UNKNOWN_ELAPSED
+    record.unknown |= UNKNOWN_PREFILL_REQS | UNKNOWN_ELAPSED
     prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
-    record.num_context_tokens = _int(prompt_stats, "computed")
-    record.num_generation_reqs = len(
+    record.num_prefill_tokens = _int(prompt_stats, "computed")
+    record.num_decode_reqs = len(
         getattr(iteration_stats, "inter_token_latencies_iter", None) or ()
     )
 

@@ -275,8 +275,8 @@ class Simulator:
         record = iteration_record(
             self.engine_index, 0, self.iteration, start_ns=start_ns,
             elapsed_ns=self.now_ns - start_ns,
-            num_context_reqs=is_generation.count(False), num_context_tokens=num_ctx_tokens,
-            num_generation_reqs=is_generation.count(True), num_generation_tokens=num_gen_tokens,
+            num_prefill_reqs=is_generation.count(False), num_prefill_tokens=num_ctx_tokens,
+            num_decode_reqs=is_generation.count(True), num_decode_tokens=num_gen_tokens,
             num_running_reqs=len(self.running), num_waiting_reqs=num_waiting,
             num_waiting_kv_reqs=num_waiting if reason == "kv" else 0,
             num_waiting_seq_limit_reqs=num_waiting if reason == "seq_limit" else 0,
@@ -420,8 +420,8 @@ def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
         elapsed_ns = int(row.elapsed_s * NS)
         records.append(iteration_record(
             0, number, number, start_ns=now_ns, elapsed_ns=elapsed_ns,
-            num_context_reqs=int(row.ctx_tokens > 0), num_context_tokens=row.ctx_tokens,
-            num_generation_reqs=row.gen_reqs, num_generation_tokens=row.gen_reqs,
+            num_prefill_reqs=int(row.ctx_tokens > 0), num_prefill_tokens=row.ctx_tokens,
+            num_decode_reqs=row.gen_reqs, num_decode_tokens=row.gen_reqs,
             num_running_reqs=row.running, num_waiting_reqs=row.waiting,
             num_waiting_kv_reqs=row.waiting, num_kv_blocks_used=row.blocks_used,
             num_kv_blocks_free=num_blocks - row.blocks_used,

@@ -60,7 +60,7 @@ def test_healthy_batched_run_has_no_problem(batched):
     assert summary.mean_batch_reqs > 2 and summary.max_batch_reqs >= 6
     assert summary.verdict.startswith("Batched") and "not queued" in summary.verdict
     # The last iteration returned every block: nothing held with nothing running.
-    assert timeline.col("blocks_used")[-1] == 0 and timeline.col("running")[-1] == 0
+    assert timeline.col("num_kv_blocks_used")[-1] == 0 and timeline.col("num_running_reqs")[-1] == 0
 
 
 def test_story3_queued_by_max_num_seqs(tmp_path):
@@ -94,7 +94,7 @@ def test_story2_leak_hook(tmp_path, capsys):
     timeline, episodes = explained(recording)
     (leak,) = only(episodes, "kv_leak")
     assert leak.numbers["nothing_running"]
-    assert leak.numbers["excess_blocks_last"] == timeline.col("blocks_used")[-1] > 0
+    assert leak.numbers["excess_blocks_last"] == timeline.col("num_kv_blocks_used")[-1] > 0
     assert not kinds(episodes) & {"stall", "kv_cliff", "telemetry_gap"}
     assert top_finding(timeline, episodes, capsys, recording).kind == "kv_leak"
 

@@ -114,11 +114,11 @@ def test_preemption_storm_needs_three_preemptions_within_a_second():
     timeline = timeline_of(synthetic.healthy().messages)
     starts = timeline.col("start_ns")
     spread = np.searchsorted(starts, starts[0] + np.arange(1, 9) * int(1.5 * NS_PER_S))
-    timeline.columns["preemptions"] = np.zeros(timeline.num_iterations, dtype=np.int64)
-    timeline.columns["preemptions"][spread] = 1
+    timeline.columns["num_preemptions"] = np.zeros(timeline.num_iterations, dtype=np.int64)
+    timeline.columns["num_preemptions"][spread] = 1
     assert detect_preemption_storms(timeline, Thresholds()) == []  # 8 preemptions, 1.5 s apart
     close = np.searchsorted(starts, starts[0] + int(20 * NS_PER_S)) + np.arange(3)
-    timeline.columns["preemptions"][close] = 1
+    timeline.columns["num_preemptions"][close] = 1
     (storm,) = detect_preemption_storms(timeline, Thresholds())
     assert storm.numbers["num_preemptions"] == 3 and storm.evidence.startswith("3 preemptions")
 
@@ -241,7 +241,7 @@ def test_a_slow_iteration_its_chunk_does_not_explain_is_no_long_prefill():
     timeline = timeline_of(synthetic.story3_bursty(64).messages)
     assert detect_long_prefill(timeline, Thresholds()) == []
     elapsed = timeline.col("elapsed_ns").copy()
-    ctx, gen = timeline.col("ctx_tokens"), timeline.col("gen_reqs")
+    ctx, gen = timeline.col("num_prefill_tokens"), timeline.col("num_decode_reqs")
     baseline = np.median(elapsed[(ctx == 0) & (gen > 0)])
     row = int(np.flatnonzero((ctx > 0) & (ctx <= 256) & (gen > 0))[0])
     elapsed[row] = 10 * baseline  # a hiccup: 10x slower beside a small chunk

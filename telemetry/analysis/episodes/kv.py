@@ -32,9 +32,9 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         if last - first + 1 < th.kv_saturated_min_iterations:
             continue
         span = slice(first, last + 1)
-        num_preemptions = int(tl.col("preemptions")[span].sum())
-        max_waiting_kv = int(tl.col("waiting_kv")[span].max())
-        max_waiting = int(tl.col("waiting")[span].max())
+        num_preemptions = int(tl.col("num_preemptions")[span].sum())
+        max_waiting_kv = int(tl.col("num_waiting_kv_reqs")[span].max())
+        max_waiting = int(tl.col("num_waiting_reqs")[span].max())
         peak = float(usage[span].max())
         if tl.waiting_reasons_known:
             waited = f"{plural(max_waiting_kv, 'request')} at most waited for KV capacity"
@@ -53,8 +53,8 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                 f"(peak {pct(peak)} of {plural(tl.num_kv_blocks_total, 'block')}); "
                 f"{waited}; "
                 f"{plural(num_preemptions, 'preemption')}; "
-                f"running {int(tl.col('running')[first])} -> "
-                f"{int(tl.col('running')[last])}"
+                f"running {int(tl.col('num_running_reqs')[first])} -> "
+                f"{int(tl.col('num_running_reqs')[last])}"
             ),
             explanation=_saturation_explanation(peak, num_blocked, num_preemptions,
                                                 tl.waiting_reasons_known),
@@ -74,7 +74,7 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
     if not tl.waiting_reasons_known:
         return "reason not reported by the source"
-    return f"{int(tl.col('waiting_kv')[row])} for KV capacity"
+    return f"{int(tl.col('num_waiting_kv_reqs')[row])} for KV capacity"
 
 
 def _saturation_explanation(peak: float, num_blocked: int, num_preemptions: int,
@@ -103,7 +103,7 @@ def _saturation_explanation(peak: float, num_blocked: int, num_preemptions: int,
 def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Usage collapses from high to low in a few iterations while running turns to waiting."""
     usage = tl.kv_usage
-    running, waiting = tl.col("running"), tl.col("waiting")
+    running, waiting = tl.col("num_running_reqs"), tl.col("num_waiting_reqs")
     window = th.kv_cliff_max_iterations
     candidates = []
     for i in range(1, tl.num_iterations):
@@ -111,7 +111,7 @@ def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         high = max(0, i - window) + int(np.argmax(usage[lookback]))
         if usage[high] < th.kv_cliff_high_ratio or usage[high] - usage[i] < th.kv_cliff_min_drop:
             continue
-        num_finished = int(tl.col("finished")[high + 1 : i + 1].sum())
+        num_finished = int(tl.col("num_finished_reqs")[high + 1 : i + 1].sum())
         num_evicted = int(running[high] - running[i]) - num_finished  # finishes are no cliff
         num_waiting_gained = int(waiting[i] - waiting[high])
         if num_evicted >= 1 and num_waiting_gained >= max(1, num_evicted // 2):
@@ -128,15 +128,15 @@ def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 
 def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     usage = tl.kv_usage
-    running, waiting = tl.col("running"), tl.col("waiting")
-    num_preemptions = int(tl.col("preemptions")[high : low + 1].sum())
+    running, waiting = tl.col("num_running_reqs"), tl.col("num_waiting_reqs")
+    num_preemptions = int(tl.col("num_preemptions")[high : low + 1].sum())
     after_end = int(np.searchsorted(tl.col("start_ns"), tl.col("end_ns")[low] + 5 * NS_PER_S))
     after = slice(low + 1, after_end)
     num_after = after_end - low - 1
-    num_ctx_after = int(tl.col("ctx_tokens")[after].sum())
-    num_gen_after = int(tl.col("gen_tokens")[after].sum())
+    num_prefill_after = int(tl.col("num_prefill_tokens")[after].sum())
+    num_decode_after = int(tl.col("num_decode_tokens")[after].sum())
     num_evicted = (int(running[high] - running[low])
-                   - int(tl.col("finished")[high + 1 : low + 1].sum()))
+                   - int(tl.col("num_finished_reqs")[high + 1 : low + 1].sum()))
     return span_episode(
         tl, high, low,
         kind="kv_cliff",
@@ -150,9 +150,9 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"({_waiting_kv_text(tl, low)}); "
             f"preemptions counted: {num_preemptions}; in the next 5 s "
             f"{plural(num_after, 'iteration')} ran "
-            f"({num_ctx_after} context tokens, {num_gen_after} generation tokens)"
+            f"({num_prefill_after} prefill tokens, {num_decode_after} decode tokens)"
         ),
-        explanation=_cliff_explanation(num_preemptions, num_evicted, num_after, num_ctx_after),
+        explanation=_cliff_explanation(num_preemptions, num_evicted, num_after, num_prefill_after),
         setting=(
             f"Peak KV usage reached {pct(usage[high])} with "
             f"{plural(int(running[high]), 'request')}: lower "
@@ -167,7 +167,7 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
 
 
 def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
-                       num_ctx_after: int) -> str:
+                       num_prefill_after: int) -> str:
     """Preemption is claimed only when counted, iterating only when iterations followed."""
     num_gone = num_preemptions or num_evicted
     their, they = ("its", "it") if num_gone == 1 else ("their", "they")
@@ -190,7 +190,7 @@ def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
         return why
     return (why + " The engine did not stop: it kept iterating "
             f"({plural(num_after, 'iteration')} in the next 5 s, "
-            f"{plural(num_ctx_after, 'context token')} among them: the evicted "
+            f"{plural(num_prefill_after, 'prefill token')} among them: the evicted "
             f"{'prompt is' if num_evicted == 1 else 'prompts are'} computed again).")
 
 
@@ -204,10 +204,10 @@ def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     blocks used while nothing runs.
     """
     block_size = int(tl.facts.get("block_size", 0))
-    used, running = tl.col("blocks_used"), tl.col("running")
+    used, running = tl.col("num_kv_blocks_used"), tl.col("num_running_reqs")
     idle_case = np.where(running > 0, used, 0)
     if block_size:
-        by_tokens = -(-tl.col("kv_tokens") // block_size) + 2 * running
+        by_tokens = -(-tl.col("num_kv_tokens") // block_size) + 2 * running
         needed = np.where(tl.known(UNKNOWN_KV_TOKENS), by_tokens, idle_case)
     else:
         needed = idle_case
@@ -237,7 +237,7 @@ def _growing_runs(excess: np.ndarray, min_blocks: int) -> list[tuple[int, int]]:
 
 def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
     usage = tl.kv_usage
-    used, running = tl.col("blocks_used"), tl.col("running")
+    used, running = tl.col("num_kv_blocks_used"), tl.col("num_running_reqs")
     idle_rows = np.flatnonzero(running[first : last + 1] == 0)
     idle_note = ""
     if idle_rows.size:

@@ -20,22 +20,22 @@ from telemetry.analysis.words import plural
 def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
     elapsed = tl.col("elapsed_ns")
-    ctx_tokens, gen_reqs = tl.col("ctx_tokens"), tl.col("gen_reqs")
-    decode_only = (ctx_tokens == 0) & (gen_reqs > 0) & tl.timed
+    prefill_tokens, decode_reqs = tl.col("num_prefill_tokens"), tl.col("num_decode_reqs")
+    decode_only = (prefill_tokens == 0) & (decode_reqs > 0) & tl.timed
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     baseline_ns = float(np.median(elapsed[decode_only]))
-    with_context = (ctx_tokens > 0) & tl.timed
-    # What a context token costs, robustly (a median), so that a slow iteration counts only when
+    with_prefill = (prefill_tokens > 0) & tl.timed
+    # What a prefill token costs, robustly (a median), so that a slow iteration counts only when
     # its chunk explains the slowness, not a hiccup of the machine (or warm-up).
-    extra_per_token_ns = (elapsed[with_context] - baseline_ns) / ctx_tokens[with_context]
-    ctx_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
+    extra_per_token_ns = (elapsed[with_prefill] - baseline_ns) / prefill_tokens[with_prefill]
+    prefill_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
     extra_ns = th.long_prefill_ratio * baseline_ns - baseline_ns
     stretched = (
-        with_context & (gen_reqs > 0)
+        with_prefill & (decode_reqs > 0)
         & (elapsed >= th.long_prefill_ratio * baseline_ns)
         & (elapsed - baseline_ns >= th.long_prefill_min_extra_time * NS_PER_S)
-        & (ctx_tokens * ctx_token_ns >= extra_ns)
+        & (prefill_tokens * prefill_token_ns >= extra_ns)
     )
     index = np.flatnonzero(stretched)
     times = tl.col("start_ns")[index].tolist()
@@ -49,9 +49,9 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             title="Long prefill chunks stretch decode latency",
             evidence=(
                 f"{plural(len(rows), 'iteration')} mixing up to "
-                f"{plural(int(ctx_tokens[rows].max()), 'context token')} with decoding requests "
-                f"took up to {secs(elapsed[worst])} (iteration "
-                f"{int(tl.col('iteration')[worst])}, {int(gen_reqs[worst])} decoding) against a "
+                f"{plural(int(prefill_tokens[rows].max()), 'prefill token')} with decoding "
+                f"requests took up to {secs(elapsed[worst])} (iteration "
+                f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) against a "
                 f"median decode-only iteration of {secs(baseline_ns)}"
             ),
             explanation=(

@@ -125,14 +125,14 @@ def _iteration_end_ns(tl: EngineTimeline, iteration: int, before_ns: int) -> int
 
 
 def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    scheduled = tl.col("ctx_tokens") + tl.col("gen_tokens")
-    mask = (scheduled == 0) & (tl.col("waiting") + tl.col("running") > 0)
+    scheduled = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
+    mask = (scheduled == 0) & (tl.col("num_waiting_reqs") + tl.col("num_running_reqs") > 0)
     episodes = []
     for first, last in true_runs(mask):
         if last - first + 1 < th.spin_min_iterations:
             continue
         span = slice(first, last + 1)
-        reasons = ({WAIT_REASONS[n][0]: int(tl.col(n)[last]) for n in WAIT_REASONS}
+        reasons = ({r.limit: int(tl.col(r.field)[last]) for r in WAIT_REASONS.values()}
                    if tl.waiting_reasons_known else "not reported by the source")
         episodes.append(span_episode(
             tl, first, last,
@@ -140,8 +140,8 @@ def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             title="Engine spinning: iterations schedule nothing",
             evidence=(
                 f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "
-                f"{int(tl.col('waiting')[span].max())} waited and "
-                f"{int(tl.col('running')[span].max())} ran; waiting by reason at the end: "
+                f"{int(tl.col('num_waiting_reqs')[span].max())} waited and "
+                f"{int(tl.col('num_running_reqs')[span].max())} ran; waiting by reason at the end: "
                 f"{reasons}; KV usage {pct(tl.kv_usage[last])}"
             ),
             explanation=(

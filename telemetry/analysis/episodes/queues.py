@@ -21,16 +21,16 @@ from telemetry.analysis.words import plural
 
 
 def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    index = np.flatnonzero(tl.col("preemptions") > 0)
+    index = np.flatnonzero(tl.col("num_preemptions") > 0)
     times = tl.col("start_ns")[index].tolist()
     episodes = []
     for first, last in group_by_time(times, int(th.storm_window_time * NS_PER_S)):
         rows = index[first : last + 1]
-        num_preemptions = int(tl.col("preemptions")[rows].sum())
+        num_preemptions = int(tl.col("num_preemptions")[rows].sum())
         if num_preemptions < th.storm_min_preemptions:
             continue
         span = slice(int(rows[0]), int(rows[-1]) + 1)
-        num_ctx_tokens = int(tl.col("ctx_tokens")[span].sum())
+        num_prefill_tokens = int(tl.col("num_prefill_tokens")[span].sum())
         episodes.append(span_episode(
             tl, rows[0], rows[-1],
             kind="preemption_storm",
@@ -38,9 +38,9 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             evidence=(
                 f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
                 f"KV usage peak {pct(tl.kv_usage[span].max())}; "
-                f"{plural(num_ctx_tokens, 'context token')} computed "
+                f"{plural(num_prefill_tokens, 'prefill token')} computed "
                 f"meanwhile (recompute included); waiting up to "
-                f"{int(tl.col('waiting')[span].max())}"
+                f"{int(tl.col('num_waiting_reqs')[span].max())}"
             ),
             explanation=(
                 "Running requests ran out of KV blocks as they grew, so the scheduler evicted "
@@ -57,7 +57,7 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
 
 
 def detect_waiting(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    waiting = tl.col("waiting")
+    waiting = tl.col("num_waiting_reqs")
     episodes = []
     for first, last in true_runs(waiting > 0, max_gap=2):
         start_ns, end_ns = int(tl.col("start_ns")[first]), int(tl.col("end_ns")[last])
@@ -70,12 +70,14 @@ def detect_waiting(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 
 def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     span = slice(first, last + 1)
-    totals = {name: int(tl.col(name)[span].sum()) for name in WAIT_REASONS}
-    num_waiting_sum = int(tl.col("waiting")[span].sum())
+    totals = {name: int(tl.col(r.field)[span].sum()) for name, r in WAIT_REASONS.items()}
+    num_waiting = tl.col("num_waiting_reqs")[span]
+    num_waiting_sum = int(num_waiting.sum())
     reason = max(totals, key=totals.get) if any(totals.values()) else ""
-    label, cause = WAIT_REASONS.get(reason, ("unattributed", "no admission limit was reported"))
+    label, cause = ((WAIT_REASONS[reason].limit, WAIT_REASONS[reason].cause) if reason
+                    else ("unattributed", "no admission limit was reported"))
     split = ", ".join(
-        f"{WAIT_REASONS[name][0]} {pct(total / max(num_waiting_sum, 1))}"
+        f"{WAIT_REASONS[name].limit} {pct(total / max(num_waiting_sum, 1))}"
         for name, total in totals.items()
     )
     if not tl.waiting_reasons_known:
@@ -88,13 +90,13 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         title=f"Requests waiting: {label}",
         evidence=(
             f"waiting > 0 in {plural(last - first + 1, 'iteration')} (mean "
-            f"{tl.col('waiting')[span].mean():.1f}, max {int(tl.col('waiting')[span].max())}); "
-            f"reasons: {split}; running mean {tl.col('running')[span].mean():.1f}; "
+            f"{num_waiting.mean():.1f}, max {int(num_waiting.max())}); "
+            f"reasons: {split}; running mean {tl.col('num_running_reqs')[span].mean():.1f}; "
             f"KV usage peak {pct(peak_usage)}"
         ),
         explanation=f"Requests queued because {cause}; their time to first token grows.",
         setting=_waiting_setting(tl, reason, peak_usage),
-        numbers={"reason": reason, "max_waiting_reqs": int(tl.col("waiting")[span].max()),
+        numbers={"reason": reason, "max_waiting_reqs": int(num_waiting.max()),
                  "num_iterations": last - first + 1, "peak_usage": peak_usage},
     )
 

@@ -51,16 +51,16 @@ class WindowCounts:
     """Sums over one log window for one engine (or over all engines, for the aggregate)."""
 
     num_iterations: int = 0
-    num_context_tokens: int = 0
-    num_generation_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
 
     def add_record(self, record: IterationRecord) -> None:
         self.num_iterations += 1
-        self.num_context_tokens += record.num_context_tokens
-        self.num_generation_tokens += record.num_generation_tokens
+        self.num_prefill_tokens += record.num_prefill_tokens
+        self.num_decode_tokens += record.num_decode_tokens
         self.num_preemptions += record.num_preemptions
         self.num_prefix_query_tokens += record.num_prefix_query_tokens
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
@@ -129,8 +129,8 @@ def engine_figures(engine: EngineView, counts: WindowCounts, window_time: float)
     num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
     return LineFigures(
         label=f"Engine {engine.engine_index:03d}",
-        prompt_throughput=counts.num_context_tokens / window_time,
-        generation_throughput=counts.num_generation_tokens / window_time,
+        prompt_throughput=counts.num_prefill_tokens / window_time,
+        generation_throughput=counts.num_decode_tokens / window_time,
         num_running_reqs=engine.num_running_reqs,
         num_waiting_reqs=engine.num_waiting_reqs,
         num_kv_blocks_used=num_kv_blocks_used,

@@ -43,7 +43,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from telemetry.lane.record import (
     EVENT_FINISHED,
     FINISH_REASONS,
-    UNKNOWN_CONTEXT_REQS,
+    UNKNOWN_PREFILL_REQS,
     UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
@@ -229,10 +229,10 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
         "iterscope.engine_index": record.engine_index,
         "iterscope.iteration": record.iteration,
         "iterscope.sample_reason": reason,
-        "iterscope.num_context_reqs": record.num_context_reqs,
-        "iterscope.num_context_tokens": record.num_context_tokens,
-        "iterscope.num_generation_reqs": record.num_generation_reqs,
-        "iterscope.num_generation_tokens": record.num_generation_tokens,
+        "iterscope.num_context_reqs": record.num_prefill_reqs,
+        "iterscope.num_context_tokens": record.num_prefill_tokens,
+        "iterscope.num_generation_reqs": record.num_decode_reqs,
+        "iterscope.num_generation_tokens": record.num_decode_tokens,
         "iterscope.num_running_reqs": record.num_running_reqs,
         "iterscope.num_waiting_reqs": record.num_waiting_reqs,
         "iterscope.num_waiting_kv_reqs": record.num_waiting_kv_reqs,
@@ -243,7 +243,7 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
         "iterscope.kv_usage_ratio": record_kv_usage_ratio(record),
         "iterscope.num_preemptions": record.num_preemptions,
     }
-    if record.unknown & UNKNOWN_CONTEXT_REQS:
+    if record.unknown & UNKNOWN_PREFILL_REQS:
         del attributes["iterscope.num_context_reqs"]
     if record.unknown & UNKNOWN_WAITING_REASONS:
         for reason_field in ("kv", "seq_limit", "budget"):

@@ -70,10 +70,10 @@ _REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 
 # Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
-    "iteration_tokens": ("Context + generation tokens per iteration.", _BATCH_TOKEN_BUCKETS),
-    "iteration_context_tokens": ("Context (prefill) tokens per iteration.",
+    "iteration_tokens": ("Prefill + decode tokens per iteration.", _BATCH_TOKEN_BUCKETS),
+    "iteration_context_tokens": ("Prefill tokens per iteration.",
                                  (0, *_BATCH_TOKEN_BUCKETS)),
-    "iteration_generation_requests": ("Generation (decode) requests per iteration.",
+    "iteration_generation_requests": ("Decode requests per iteration.",
                                       (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
     "time_to_first_token_seconds": ("Arrival to first token.",
                                     (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -95,10 +95,10 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 # Counters: name (after the prefix, without _total) -> (help, EngineMetrics attribute).
 COUNTERS: dict[str, tuple[str, str]] = {
     "iterations": ("Iteration records received.", "num_iterations"),
-    "prompt_tokens": ("Context (prompt) tokens computed.", "num_prompt_tokens"),
+    "prompt_tokens": ("Prefill tokens computed (prefix-cache hits are not).", "num_prefill_tokens"),
     "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
                              "num_prompt_tokens_cached"),
-    "generation_tokens": ("Generation (decode) tokens computed.", "num_generation_tokens"),
+    "generation_tokens": ("Decode tokens computed.", "num_decode_tokens"),
     "preemptions": ("Requests preempted.", "num_preemptions"),
     "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
                               "num_kv_blocked_iterations"),
@@ -155,7 +155,7 @@ class EngineMetrics:
         self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
         # Bound once: the per-record path then does no lookups by name.
-        self._duration, self._tokens, self._context_tokens, self._generation_reqs = (
+        self._duration, self._tokens, self._prefill_tokens, self._decode_reqs = (
             self.histograms[name] for name in (
                 "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
                 "iteration_generation_requests",
@@ -170,8 +170,8 @@ class EngineMetrics:
         self.engine = engine
         self.num_received += 1
         self.num_iterations += 1
-        self.num_prompt_tokens += record.num_context_tokens
-        self.num_generation_tokens += record.num_generation_tokens
+        self.num_prefill_tokens += record.num_prefill_tokens
+        self.num_decode_tokens += record.num_decode_tokens
         self.num_preemptions += record.num_preemptions
         self.num_prefix_query_tokens += record.num_prefix_query_tokens
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
@@ -190,17 +190,17 @@ class EngineMetrics:
         observation per generated token."""
         if not record.unknown & UNKNOWN_ELAPSED:  # a source without iteration times
             self._duration.observe(record.elapsed_ns / 1e9)
-        num_context_tokens = record.num_context_tokens
-        num_generation_reqs = record.num_generation_reqs
-        self._tokens.observe_count(num_context_tokens + record.num_generation_tokens)
-        self._context_tokens.observe_count(num_context_tokens)
-        self._generation_reqs.observe_count(num_generation_reqs)
-        if (num_generation_reqs and previous is not None
+        num_prefill_tokens = record.num_prefill_tokens
+        num_decode_reqs = record.num_decode_reqs
+        self._tokens.observe_count(num_prefill_tokens + record.num_decode_tokens)
+        self._prefill_tokens.observe_count(num_prefill_tokens)
+        self._decode_reqs.observe_count(num_decode_reqs)
+        if (num_decode_reqs and previous is not None
                 and record.iteration == previous.iteration + 1):
             end_ns = record.start_ns + record.elapsed_ns
             previous_end_ns = previous.start_ns + previous.elapsed_ns
             if previous_end_ns and end_ns > previous_end_ns:
-                self._inter_token.observe((end_ns - previous_end_ns) / 1e9, num_generation_reqs)
+                self._inter_token.observe((end_ns - previous_end_ns) / 1e9, num_decode_reqs)
 
     def apply_milestone(self, milestone: RequestMilestone) -> None:
         """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
