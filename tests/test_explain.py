@@ -18,7 +18,8 @@ from telemetry.analysis.episodes import (
     detect_episodes,
     detect_kv_saturation,
 )
-from telemetry.analysis.explain import follow, format_engine, main, read_timelines
+from telemetry.analysis.explain import follow, main, read_timelines
+from telemetry.analysis.explain_report import format_engine
 from telemetry.analysis.summary import summarize
 from telemetry.analysis.timeline import build_timelines
 from telemetry.lane.record import IterationRecord
@@ -400,7 +401,7 @@ def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
 
 
 def test_wrapped_lines_never_split_a_flag():
-    from telemetry.analysis.explain import _wrapped
+    from telemetry.analysis.explain_report import _wrapped
 
     text = "Raise " + " ".join(["--gpu-memory-utilization"] * 12)
     lines = _wrapped("do", text)

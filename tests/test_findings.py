@@ -10,7 +10,8 @@ from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
-from telemetry.analysis.explain import MAX_FINDING_LINES, format_findings, main
+from telemetry.analysis.explain import main
+from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_findings
 from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord
@@ -217,7 +218,7 @@ def test_change_and_action_lines_name_real_flags_and_runnable_commands():
 
 
 def test_titles_header_and_summary_name_limits_by_their_flags():
-    from telemetry.analysis.explain import engine_header
+    from telemetry.analysis.explain_report import engine_header
     from telemetry.analysis.summary import format_summary, summarize
 
     timeline, (finding,) = findings_of(synthetic.story3_bursty(4))

@@ -1,0 +1,156 @@
+"""What `iterscope explain` prints for one engine: its text (header, ranked findings within one
+screen, summary, every episode with --all) and the same as JSON for scripts.
+
+The top finding is always shown whole within the first MAX_FINDING_LINES lines. The JSON keys
+are what scripts read; they do not change with the text's wording.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import asdict
+
+from telemetry.analysis.actions import finding_action
+from telemetry.analysis.clock import clock_text
+from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
+from telemetry.analysis.findings import Finding, build_findings, cost_text
+from telemetry.analysis.summary import format_summary, summarize
+from telemetry.analysis.timeline import EngineTimeline
+from telemetry.analysis.words import plural
+
+WRAP_COLUMNS = 100
+
+
+def engine_header(tl: EngineTimeline) -> str:
+    facts = tl.facts
+    parts = [f"Engine {tl.engine_index}"]
+    if facts.get("model_name"):
+        parts.append(f"model {facts['model_name']} on {facts.get('device_name') or '?'}")
+    if tl.num_kv_blocks_total:
+        parts.append(f"{tl.num_kv_blocks_total} KV blocks x {facts.get('block_size', '?')} tokens")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if facts.get(name):
+            parts.append(f"--{name.replace('_', '-')} {facts[name]}")
+    return ", ".join(parts)
+
+
+def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
+    indent = " " * 6
+    return textwrap.wrap(
+        text,
+        WRAP_COLUMNS,
+        initial_indent=f"{indent}{label:<10}",
+        subsequent_indent=indent + " " * 10,
+        max_lines=max_lines,
+        placeholder=" [...]",
+        break_on_hyphens=False,  # flags (--max-num-seqs) stay whole, to be copied
+    )
+
+
+def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[str]:
+    until = "(ongoing)" if episode.ongoing else clock_text(tl, episode.end_ns)
+    lines = [
+        f"  {number}. {clock_text(tl, episode.start_ns)} -> {until} "
+        f"({episode.duration_time:.2f} s)  {episode.title}"
+    ]
+    lines += _wrapped("evidence", episode.evidence)
+    lines += _wrapped("why", episode.explanation)
+    lines += _wrapped("change", episode.setting)
+    return lines
+
+
+MAX_FINDING_LINES = 15  # the ranked findings fit on one screen above the summary
+# A finding's block is its headline, 2 lines of its worst instance and its action: with the
+# list's first line and a "... more" line, the top finding always fits whole.
+MAX_ACTION_LINES = MAX_FINDING_LINES - 5
+
+
+def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
+    """Headline, worst instance with its figures, and the action (wrapped)."""
+    worst = finding.worst
+    cost = ("cost not measurable (no records)" if finding.cost_label == "unknown"
+            else f"{cost_text(finding.cost)} request-s {finding.cost_label}")
+    lines = [f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
+             f"{finding.total_time:.2f} s in all, {cost}"]
+    lines += _wrapped("worst", f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} "
+                      f"s): {worst.evidence}", max_lines=2)
+    lines += _wrapped("do", action, max_lines=MAX_ACTION_LINES)
+    return lines
+
+
+def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
+                    ) -> list[str]:
+    """The findings in rank order (faults, then the costliest), in at most MAX_FINDING_LINES
+    lines; the first is always shown whole, so the top finding is never cut."""
+    if not findings:
+        return ["  No problem found: no saturation, preemption storm, sustained waiting, "
+                "stall, leak, telemetry gap or latency spike."]
+    num_episodes = sum(f.count for f in findings)
+    order = ("faults first, then costliest first" if any(f.is_fault for f in findings)
+             else "costliest first")
+    lines = [f"  {plural(len(findings), 'finding')} from {plural(num_episodes, 'episode')}, "
+             f"{order}:"]
+    shown = 0
+    for finding in findings:
+        block = format_finding(tl, shown + 1, finding, finding_action(tl, finding, thresholds))
+        if len(lines) + len(block) > MAX_FINDING_LINES - 1 and shown:
+            break
+        lines += block
+        shown += 1
+    if shown < len(findings):
+        lines.append(f"  ... {plural(len(findings) - shown, 'more finding')}; --all lists every "
+                     "episode.")
+    return lines
+
+
+def format_engine(tl: EngineTimeline, episodes: list[Episode], thresholds: Thresholds,
+                  show_all: bool = False) -> list[str]:
+    """Header, ranked findings, summary; with show_all every episode in time order after."""
+    lines = [engine_header(tl)]
+    if tl.records or tl.heartbeats:
+        lines.append(f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
+                     f"{clock_text(tl, tl.last_ns)}")
+    lines += format_findings(tl, build_findings(tl, episodes), thresholds)
+    lines.append("")
+    lines += [f"  {line}" for line in format_summary(summarize(tl))]
+    if show_all:
+        lines.append("")
+        lines.append(f"  Episodes ({len(episodes)}):" if episodes else "  Episodes: none")
+        for number, episode in enumerate(episodes, 1):
+            lines += format_episode(tl, number, episode)
+    return lines
+
+
+def episode_json(tl: EngineTimeline, episode: Episode) -> dict:
+    data = asdict(episode)
+    if tl.has_clock_anchor():
+        data["start_wall_ns"] = tl.to_wall_ns(episode.start_ns)
+        data["end_wall_ns"] = tl.to_wall_ns(episode.end_ns)
+    return data
+
+
+def finding_json(tl: EngineTimeline, finding: Finding, thresholds: Thresholds) -> dict:
+    return {
+        "kind": finding.kind,
+        "title": finding.title,
+        "count": finding.count,
+        "total_time_s": finding.total_time,
+        "cost_request_s": finding.cost,
+        "cost_label": finding.cost_label,
+        "action": finding_action(tl, finding, thresholds),
+        "worst": episode_json(tl, finding.worst),
+    }
+
+
+def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) -> dict:
+    engines = []
+    for tl in timelines.values():
+        episodes = detect_episodes(tl, thresholds)
+        engines.append({
+            "engine_index": tl.engine_index,
+            "facts": tl.facts,
+            "summary": summarize(tl).to_dict(),
+            "findings": [finding_json(tl, f, thresholds) for f in build_findings(tl, episodes)],
+            "episodes": [episode_json(tl, e) for e in episodes],
+        })
+    return {"engines": engines}
