@@ -62,7 +62,8 @@ from telemetry.lane.record import (  # noqa: E402
 from telemetry.lane.record import heartbeat as lane_heartbeat  # noqa: E402
 from telemetry.sidecar.engine_view import EngineView  # noqa: E402
 from telemetry.sidecar.ingest import Ingest  # noqa: E402
-from telemetry.sidecar.sinks.prometheus import HISTOGRAMS, WAITING_REASONS, PrometheusSink  # noqa: E402
+from telemetry.sidecar.sinks.prometheus import PrometheusSink  # noqa: E402
+from telemetry.sidecar.sinks.prometheus_families import HISTOGRAMS, WAITING_REASONS  # noqa: E402
 
 LABELS = ("engine", "model_name")
 MS = 1_000_000

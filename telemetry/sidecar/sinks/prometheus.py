@@ -11,26 +11,19 @@ every value is a single int/float/reference read under the GIL). Counters only e
 non-negative counts a record carries, so they stay monotonic when an engine reconnects
 (seq and iteration restart at 1) and when a recording is replayed into the sidecar.
 
-Every series carries the labels ``engine`` (engine index) and ``model_name`` (from the
-engine's heartbeats, "" until the first one); sidecar-level series use ``engine=""``.
-docs/metrics.md lists every series with the record fields it comes from.
+This module holds the state and the sink plug-in (add_arguments, build); the families it
+keeps are listed in prometheus_families.py, and MetricsCollector, which renders them, is in
+prometheus_exposition.py. docs/metrics.md lists every series with the record fields it
+comes from.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import time
-from collections.abc import Iterator, Sequence
 
-from prometheus_client.core import (
-    CollectorRegistry,
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CollectorRegistry
 
 from telemetry.lane.frame_checks import UNDECODABLE_REASONS
 from telemetry.lane.record import (
@@ -38,108 +31,19 @@ from telemetry.lane.record import (
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
-    UNKNOWN_KV_TOKENS,
-    UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
-    is_known,
 )
-from telemetry.sidecar.engine_view import EngineView, kv_usage_ratio
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.histogram import Histogram, check_bounds
 from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
-from telemetry.sidecar.sink import REJECTED_REASONS, EngineStatus, Sink, sink_name
+from telemetry.sidecar.sink import REJECTED_REASONS, Sink
+from telemetry.sidecar.sinks.prometheus_exposition import MetricsCollector
+from telemetry.sidecar.sinks.prometheus_families import COUNTERS, HISTOGRAMS, PREFIX
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
-PREFIX = "iterscope_"
-WAITING_REASONS = (  # (reason label, IterationRecord field)
-    ("kv_capacity", "num_waiting_kv_reqs"),
-    ("seq_limit", "num_waiting_seq_limit_reqs"),
-    ("token_budget", "num_waiting_budget_reqs"),
-)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
-                         5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                         960.0, 1920.0, 7680.0)
-_BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                        65536)
-_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
-                          50000, 100000, 200000, 500000, 1000000)
-# Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
-HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
-    "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
-    "iteration_tokens": ("Prefill + decode tokens per iteration.", _BATCH_TOKEN_BUCKETS),
-    "iteration_context_tokens": ("Prefill tokens per iteration.",
-                                 (0, *_BATCH_TOKEN_BUCKETS)),
-    "iteration_generation_requests": ("Decode requests per iteration.",
-                                      (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
-    "time_to_first_token_seconds": ("Arrival to first token.",
-                                    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
-                                     640.0, 2560.0)),
-    "inter_token_latency_seconds": ("Time between the ends of consecutive iterations, once per "
-                                    "generated token.", _ITL_BUCKETS),
-    "time_per_output_token_seconds": ("Decode time / (output tokens - 1), per request.",
-                                      _ITL_BUCKETS),
-    "e2e_request_latency_seconds": ("Arrival to finish.", _REQUEST_TIME_BUCKETS),
-    "request_queue_time_seconds": ("Arrival to first scheduled.", _REQUEST_TIME_BUCKETS),
-    "request_prefill_time_seconds": ("First scheduled to first token.", _REQUEST_TIME_BUCKETS),
-    "request_decode_time_seconds": ("First token to finish.", _REQUEST_TIME_BUCKETS),
-    "request_prompt_tokens": ("Prompt length of finished requests.", _REQUEST_TOKEN_BUCKETS),
-    "request_generation_tokens": ("Output length of finished requests.",
-                                  _REQUEST_TOKEN_BUCKETS),
-    "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
-}
-# Counters: name (after the prefix, without _total) -> (help, EngineMetrics attribute).
-COUNTERS: dict[str, tuple[str, str]] = {
-    "iterations": ("Iteration records received.", "num_iterations"),
-    "prompt_tokens": ("Prefill tokens computed (prefix-cache hits are not).", "num_prefill_tokens"),
-    "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
-                             "num_prompt_tokens_cached"),
-    "generation_tokens": ("Decode tokens computed.", "num_decode_tokens"),
-    "preemptions": ("Requests preempted.", "num_preemptions"),
-    "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
-                              "num_kv_blocked_iterations"),
-    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.", "num_prefix_query_tokens"),
-    "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "num_prefix_hit_tokens"),
-    "records_received": ("Telemetry messages received (iterations + heartbeats).",
-                         "num_received"),
-    "records_dropped": ("Telemetry messages lost (sequence gaps).", "num_dropped"),
-    "engine_index_conflicts": (
-        "Times two live engine processes were seen publishing under this engine index.",
-        "num_engine_conflicts",
-    ),
-}
-# --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
-VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
-    "vllm:num_requests_running": ("iterscope_requests_running", {}),
-    "vllm:num_requests_waiting": ("iterscope_requests_waiting", {}),
-    "vllm:kv_cache_usage_perc": ("iterscope_kv_cache_usage_ratio", {}),
-    "vllm:num_preemptions": ("iterscope_preemptions", {}),
-    "vllm:prompt_tokens": ("iterscope_prompt_tokens", {}),
-    "vllm:generation_tokens": ("iterscope_generation_tokens", {}),
-    "vllm:prefix_cache_queries": ("iterscope_prefix_cache_queries", {}),
-    "vllm:prefix_cache_hits": ("iterscope_prefix_cache_hits", {}),
-    "vllm:request_success": ("iterscope_requests_finished", {"finish_reason": "finished_reason"}),
-    "vllm:time_to_first_token_seconds": ("iterscope_time_to_first_token_seconds", {}),
-    "vllm:inter_token_latency_seconds": ("iterscope_inter_token_latency_seconds", {}),
-    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds",
-                                                   {}),
-    "vllm:e2e_request_latency_seconds": ("iterscope_e2e_request_latency_seconds", {}),
-    "vllm:request_queue_time_seconds": ("iterscope_request_queue_time_seconds", {}),
-    "vllm:request_prefill_time_seconds": ("iterscope_request_prefill_time_seconds", {}),
-    "vllm:request_decode_time_seconds": ("iterscope_request_decode_time_seconds", {}),
-    "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
-    "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
-    # vLLM's is the most tokens any of a request's n samples generated; a request here is
-    # one sample (serve takes n=1 only), so it is the request's own output length.
-    "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
-    "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
-}
-LABELS = ("engine", "model_name")
-_METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 log = logging.getLogger(__name__)
 
 
@@ -243,6 +147,7 @@ class EngineMetrics:
         self.heartbeat_received_ns = time.monotonic_ns()
         self.lag_ns = time.time_ns() - heartbeat.wall_ns
 
+
 class PrometheusSink(Sink):
     """A Sink (telemetry/sidecar/sink.py) that exposes its engines' state as Prometheus series."""
 
@@ -329,166 +234,6 @@ class PrometheusSink(Sink):
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-class MetricsCollector:
-    """client_python's custom-Collector pattern: fresh metric families on every scrape."""
-
-    def __init__(self, sink: PrometheusSink, vllm_compatible_names: bool) -> None:
-        self.sink = sink
-        self.vllm_compatible_names = vllm_compatible_names
-
-    def collect(self) -> Iterator[Metric]:
-        engines = [(metrics, [str(index), metrics.engine.model_name])
-                   for index, metrics in list(self.sink.engines.items())]
-        families = [*self.gauges(engines), *self.counters(engines),
-                    *self.histograms(engines), *self.sidecar_counters(),
-                    *self.sidecar_health()]
-        yield from families
-        if self.vllm_compatible_names:
-            yield from vllm_aliases(families)
-
-    def gauges(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
-        """From each engine's view (its status None, not judged yet, reads as idle)."""
-        now_ns = time.monotonic_ns()
-        running = gauge("requests_running", "Requests running (after the last iteration).")
-        waiting = gauge("requests_waiting", "Requests waiting (after the last iteration).")
-        by_reason = gauge("requests_waiting_by_reason",
-                          "Waiting requests by what blocked admission.", ["reason"])
-        usage = gauge("kv_cache_usage_ratio", "KV blocks used / total (0..1).")
-        used = gauge("kv_blocks_used", "KV-cache blocks in use.")
-        free = gauge("kv_blocks_free", "KV-cache blocks free.")
-        total = gauge("kv_blocks_capacity", "KV-cache blocks in the pool.")
-        kv_tokens = gauge("kv_tokens", "Tokens held in the KV cache.")
-        state = gauge("engine_state", "1 for the engine's current state, 0 for the others.",
-                      ["state"])
-        age = gauge("heartbeat_age_seconds", "Time since the last heartbeat was received.")
-        lag = gauge("sidecar_lag_seconds",
-                    "Wall time at ingest - wall time the last message was sent.")
-        for metrics, labels in engines:
-            engine = metrics.engine
-            running.add_metric(labels, engine.num_running_reqs)
-            waiting.add_metric(labels, engine.num_waiting_reqs)
-            record = engine.last_record
-            if record is not None and not is_known(record, UNKNOWN_WAITING_REASONS):
-                by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
-            else:
-                for reason, field in WAITING_REASONS:
-                    by_reason.add_metric([*labels, reason],
-                                         getattr(record, field) if record else 0)
-            blocks_used, blocks_total = engine.kv_blocks()
-            usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
-            used.add_metric(labels, blocks_used)
-            free.add_metric(labels, blocks_total - blocks_used)
-            total.add_metric(labels, blocks_total)
-            if record is None or is_known(record, UNKNOWN_KV_TOKENS):
-                kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
-            current = engine.status or EngineStatus.IDLE
-            for status in EngineStatus:
-                state.add_metric([*labels, status.value], float(current == status))
-            if metrics.heartbeat_received_ns:
-                age.add_metric(labels, (now_ns - metrics.heartbeat_received_ns) / 1e9)
-            if metrics.lag_ns is not None:
-                lag.add_metric(labels, metrics.lag_ns / 1e9)
-        return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
-                lag]
-
-    def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
-        for name, (documentation, attribute) in COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
-            for engine, labels in engines:
-                family.add_metric(labels, getattr(engine, attribute))
-            yield family
-        finished = CounterMetricFamily(PREFIX + "requests_finished", "Requests finished.",
-                                       labels=[*LABELS, "finish_reason"])
-        for engine, labels in engines:
-            for reason, count in list(engine.num_finished_by_reason.items()):
-                finished.add_metric([*labels, reason], count)
-        yield finished
-        undecodable = CounterMetricFamily(PREFIX + "frames_undecodable",
-                                          "Frames that could not be decoded (unknown sender).",
-                                          labels=[*LABELS, "reason"])
-        for reason, count in list(self.sink.num_undecodable.items()):
-            undecodable.add_metric(["", "", reason], count)
-        yield undecodable
-        rejected = CounterMetricFamily(
-            PREFIX + "frames_rejected",
-            "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
-            labels=[*LABELS, "reason"])
-        for reason, count in list(self.sink.num_rejected.items()):
-            rejected.add_metric(["", "", reason], count)
-        yield rejected
-        disconnects = CounterMetricFamily(
-            PREFIX + "lane_disconnects",
-            "Lane connections that ended: engines exiting, senders cut off by the size guard.",
-            labels=LABELS)
-        disconnects.add_metric(["", ""], self.sink.num_lane_disconnects)
-        yield disconnects
-
-    def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
-        for name, (documentation, _) in HISTOGRAMS.items():
-            family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
-            for engine, labels in engines:
-                buckets, total_sum = engine.histograms[name].cumulative_buckets()
-                family.add_metric(labels, buckets, total_sum)
-            yield family
-
-    def sidecar_counters(self) -> Iterator[Metric]:
-        """Counters of the sidecar itself, from peer sinks (e.g. OTel spans dropped)."""
-        values = {"otel_spans_dropped": 0.0}
-        for peer in self.sink.peers:
-            if not hasattr(peer, "sidecar_counters"):
-                continue
-            for key, value in peer.sidecar_counters().items():
-                name = key.removeprefix(PREFIX).removesuffix("_total")
-                if _METRIC_NAME.match(name):
-                    values[name] = values.get(name, 0.0) + value
-        for name, value in values.items():
-            family = CounterMetricFamily(PREFIX + name, f"Sidecar counter {name}.",
-                                         labels=LABELS)
-            family.add_metric(["", ""], value)
-            yield family
-
-
-    def sidecar_health(self) -> list[Metric]:
-        """The sidecar's own up and start time, and each sink's failures and last write."""
-        up = gauge("sidecar_up", "1 while the sidecar serves this; absent when it is down.")
-        up.add_metric(["", ""], 1.0)
-        started = gauge("sidecar_start_time_seconds", "When the sidecar started (unix time).")
-        started.add_metric(["", ""], self.sink.start_time)
-        errors = CounterMetricFamily(PREFIX + "sink_errors",
-                                     "Calls on the sink that raised (ingest went on).",
-                                     labels=[*LABELS, "sink"])
-        lost = CounterMetricFamily(PREFIX + "sink_lines_lost",
-                                   "Messages the sink accepted but gave up writing.",
-                                   labels=[*LABELS, "sink"])
-        last_write = gauge("sink_last_write_timestamp_seconds",
-                           "When the sink last wrote its output successfully (unix time).",
-                           ["sink"])
-        for peer in self.sink.peers or [self.sink]:
-            labels = ["", "", sink_name(peer)]
-            errors.add_metric(labels, getattr(peer, "num_errors", 0))
-            lost.add_metric(labels, getattr(peer, "num_lines_lost", 0))
-            if getattr(peer, "last_write_time", 0.0):
-                last_write.add_metric(labels, peer.last_write_time)
-        return [up, started, errors, lost, last_write]
-
-
-def gauge(name: str, documentation: str, extra_labels: Sequence[str] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, documentation, labels=[*LABELS, *extra_labels])
-
-
-def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
-    """The same samples again under vLLM's names, so vLLM dashboards and alerts work."""
-    by_name = {family.name: family for family in families}
-    for vllm_name, (our_name, label_renames) in VLLM_ALIASES.items():
-        family = by_name[our_name]
-        alias = Metric(vllm_name, family.documentation, family.type)
-        for sample in family.samples:
-            labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
-            suffix = sample.name[len(our_name):]
-            alias.samples.append(sample._replace(name=vllm_name + suffix, labels=labels))
-        yield alias
 
 
 def parse_buckets(text: str) -> tuple[str, tuple[float, ...]]:
