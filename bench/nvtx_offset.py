@@ -11,7 +11,7 @@ with CLOCK_MONOTONIC, the clock of the engine's ``time.monotonic_ns()``. Per ite
     .venv/bin/python bench/nvtx_offset.py [--num-iterations 2000] [--iteration-ms 5]
         [--nvtx-delay-ms 50]
 
-The sidecar paces its ranges (telemetry/sidecar/sinks/nvtx_ranges.py): the offset should be one
+The sidecar paces its ranges (telemetry/sidecar/sinks/nvtx_pacer.py): the offset should be one
 constant lag (least lane latency + the delay) and the length error near zero. Prints p50 /
 p99 of each, in microseconds, and the share of ranges shorter than half their iteration;
 the last line is JSON.

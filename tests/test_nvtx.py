@@ -24,7 +24,7 @@ from telemetry.lane.record import IterationRecord, iteration_record
 from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks import nvtx_ranges
-from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
+from telemetry.sidecar.sinks.nvtx_pacer import END, START, RangePacer
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURE_SOURCE = REPO / "tests" / "nvtx_capture" / "nvtx_capture.c"
@@ -300,7 +300,7 @@ import msgspec
 from telemetry.lane.record import IterationRecord
 from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sinks import nvtx_ranges
-from telemetry.sidecar.sinks.nvtx_ranges import END, START, RangePacer
+from telemetry.sidecar.sinks.nvtx_pacer import END, START, RangePacer
 
 backend, config, records_path = sys.argv[1:]
 parser = argparse.ArgumentParser()

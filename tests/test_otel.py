@@ -31,8 +31,10 @@ from telemetry.lane.record import (
     iteration_record,
 )
 from telemetry.lane.record import heartbeat as lane_heartbeat
-from telemetry.sidecar.sinks import otel
-from telemetry.sidecar.sinks.otel import IterationSampling, OtelSink, make_exporter
+from telemetry.sidecar.sinks import otel, otel_export
+from telemetry.sidecar.sinks.otel import OtelSink
+from telemetry.sidecar.sinks.otel_export import make_exporter
+from telemetry.sidecar.sinks.otel_spans import IterationSampling
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -366,11 +368,11 @@ def test_build_reads_cli_and_standard_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert otel.build(parser.parse_args([])) is None
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    assert otel.traces_protocol(None) == "grpc"
-    assert otel.traces_protocol("http/protobuf") == "http/protobuf"
+    assert otel_export.traces_protocol(None) == "grpc"
+    assert otel_export.traces_protocol("http/protobuf") == "http/protobuf"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="unsupported OTLP protocol"):
-        otel.traces_protocol(None)
+        otel_export.traces_protocol(None)
     args = parser.parse_args(["--otlp-traces-endpoint", "http://127.0.0.1:1/v1/traces",
                               "--otlp-traces-protocol", "http/protobuf",
                               "--otel-iteration-sample-every", "10"])

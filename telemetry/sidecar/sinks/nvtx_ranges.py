@@ -9,7 +9,8 @@ Two modes:
 
 - live (``--nvtx``, the sidecar runs under ``nsys profile``): records reach the sidecar in
   batches (the engine's publisher sends every 20 ms), so drawing each range as its record
-  arrives would squeeze most ranges into microseconds. A pacer thread replays them instead:
+  arrives would squeeze most ranges into microseconds. A pacer thread replays them instead
+  (when each range opens and closes is RangePacer's, telemetry/sidecar/sinks/nvtx_pacer.py):
   the range of iteration N opens at N's start and closes at N's end, both shifted by one
   constant lag (the smallest lane latency seen for that engine, plus ``--nvtx-delay-ms``,
   50 ms by default, which must exceed the publisher's send period). Ranges keep their true
@@ -22,13 +23,15 @@ Two modes:
 
 Event attributes are built once and reused; only message and payload change per iteration.
 Each line becomes a registered string (nvtx._lib.lib.RegisteredString, created directly
-because ``Domain.get_registered_string`` caches every string forever).
+because ``Domain.get_registered_string`` caches every string forever). Both modes draw the
+same ranges and counters under the same names (the domain, categories, counter names and
+range text are what users filter on in Nsight Systems). The sidecar flags of both modes
+(``add_arguments``, ``build``) are here too.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import threading
 import time
@@ -40,13 +43,17 @@ from telemetry.lane.record import IterationRecord
 from telemetry.sidecar.engine_view import EngineView, record_kv_usage_ratio
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sink import Sink
+from telemetry.sidecar.sinks.nvtx_pacer import START, RangePacer
 
 DOMAIN = "iterscope"
 RANGE_COLOR = 0xFF76B900  # ARGB
+DEFAULT_DELAY_MS = 50.0
 KV_USAGE = "KV cache usage (%)"
 RUNNING = "running requests"
 WAITING = "waiting requests"
 KV_USAGE_SEMANTICS = nvtx.CounterSemantics(unit="%", min=0.0, max=100.0)
+# Every engine's counters as (name, dtype, semantics), in the order counter_values samples them.
+COUNTERS = ((KV_USAGE, float, KV_USAGE_SEMANTICS), (RUNNING, int, None), (WAITING, int, None))
 
 
 def engine_category(engine_index: int) -> str:
@@ -57,58 +64,11 @@ def counter_name(engine_index: int, what: str) -> str:
     return f"{engine_category(engine_index)}: {what}"
 
 
-DEFAULT_DELAY_MS = 50.0
-START, END = 0, 1  # event kinds
-
-
-class RangePacer:
-    """When to open and close each live range, in the sidecar's clock (no NVTX calls here).
-
-    Each engine's events wait in a queue in its own clock, in record order. Engine time maps
-    to sidecar time by the smallest lane latency seen so far (arrival - record end; not the
-    heartbeat's wall-clock anchor, which says nothing of the sidecar's clock), applied
-    when an event falls due, so a batch whose last record lowers the estimate moves its
-    earlier records with it; the mapping also holds for an engine on another host. ``delay``
-    is added on top so that a whole batch of records has arrived before its first range opens.
-    """
-
-    def __init__(self, delay_ns: int) -> None:
-        self.delay_ns = delay_ns
-        self._queues: dict[int, collections.deque] = {}  # engine -> (engine ns, kind, record)
-        self._offsets: dict[int, int] = {}  # engine index -> sidecar time - engine time
-
-    def add(self, record: IterationRecord, arrival_ns: int) -> None:
-        engine_index = record.engine_index
-        end_ns = record.start_ns + record.elapsed_ns
-        offset = self._offsets.get(engine_index)
-        if offset is None or arrival_ns - end_ns < offset:
-            self._offsets[engine_index] = arrival_ns - end_ns
-        queue = self._queues.setdefault(engine_index, collections.deque())
-        queue.append((record.start_ns, START, record))
-        queue.append((end_ns, END, record))
-
-    def next_due_ns(self) -> int | None:
-        """Sidecar time of the earliest queued event; None when nothing is queued."""
-        earliest = self._earliest()
-        return None if earliest is None else earliest[0]
-
-    def pop_due(self, now_ns: int) -> list[tuple[int, IterationRecord]]:
-        """(kind, record) of every event due by ``now_ns``, in time order."""
-        due = []
-        while (earliest := self._earliest()) is not None and earliest[0] <= now_ns:
-            _, kind, record = earliest[1].popleft()
-            due.append((kind, record))
-        return due
-
-    def _earliest(self) -> tuple[int, collections.deque] | None:
-        """(sidecar time, queue) of the earliest queued event over all engines."""
-        earliest = None
-        for engine_index, queue in self._queues.items():
-            if queue:
-                due_ns = queue[0][0] + self._offsets[engine_index] + self.delay_ns
-                if earliest is None or due_ns < earliest[0]:
-                    earliest = (due_ns, queue)
-        return earliest
+def counter_values(record: IterationRecord) -> tuple[float, int, int]:
+    """The record's sample of each of COUNTERS, in that order."""
+    return (
+        100.0 * record_kv_usage_ratio(record), record.num_running_reqs, record.num_waiting_reqs
+    )
 
 
 class _EngineRanges:
@@ -118,11 +78,10 @@ class _EngineRanges:
         self.attributes = domain.get_event_attributes(
             color=RANGE_COLOR, category=engine_category(engine_index)
         )
-        self.kv_usage = domain.get_counter(
-            counter_name(engine_index, KV_USAGE), float, semantics=KV_USAGE_SEMANTICS
-        )
-        self.running = domain.get_counter(counter_name(engine_index, RUNNING), int)
-        self.waiting = domain.get_counter(counter_name(engine_index, WAITING), int)
+        self.counters = [
+            domain.get_counter(counter_name(engine_index, what), dtype, semantics=semantics)
+            for what, dtype, semantics in COUNTERS
+        ]
         self.open_range_id: int | None = None
         self.open_iteration = 0  # the iteration whose range is open
 
@@ -199,9 +158,8 @@ class NvtxSink(Sink):
         attributes.payload = record.iteration
         engine.open_range_id = self.domain.start_range(attributes)
         engine.open_iteration = record.iteration
-        engine.kv_usage.sample(100.0 * record_kv_usage_ratio(record))
-        engine.running.sample(record.num_running_reqs)
-        engine.waiting.sample(record.num_waiting_reqs)
+        for counter, value in zip(engine.counters, counter_values(record), strict=True):
+            counter.sample(value)
 
     def _close_range(self, record: IterationRecord) -> None:
         engine = self._engine(record.engine_index)
@@ -252,11 +210,11 @@ class NvtxWriterSink(Sink):
             self._streams[engine_index] = stream
         return stream
 
-    def _counter(self, engine_index: int, what: str, dtype: type):
+    def _counter(self, engine_index: int, what: str, dtype: type,
+                 semantics: nvtx.CounterSemantics | None):
         key = (engine_index, what)
         counter = self._counters.get(key)
         if counter is None:
-            semantics = KV_USAGE_SEMANTICS if what == KV_USAGE else None
             counter = self._domain.get_counter(
                 counter_name(engine_index, what), dtype, semantics=semantics
             )
@@ -270,14 +228,9 @@ class NvtxWriterSink(Sink):
             record.start_ns, end_ns, message=format_iteration_line(record),
             color=RANGE_COLOR, category=engine_category(record.engine_index),
         )
-        samples = (
-            (KV_USAGE, float, 100.0 * record_kv_usage_ratio(record)),
-            (RUNNING, int, record.num_running_reqs),
-            (WAITING, int, record.num_waiting_reqs),
-        )
-        for what, dtype, value in samples:
-            stream.write_counter_sample(self._counter(record.engine_index, what, dtype),
-                                        end_ns, value)
+        for (what, dtype, semantics), value in zip(COUNTERS, counter_values(record), strict=True):
+            counter = self._counter(record.engine_index, what, dtype, semantics)
+            stream.write_counter_sample(counter, end_ns, value)
 
     def close(self) -> None:
         self._session.end()
