@@ -1,10 +1,9 @@
 """The client of the engine-core process: starts it, sends it requests, routes its outputs.
 
-The client never waits on the engine: a request that finds the input lane full (ZMQ's
-high-water marks: the engine has stopped reading) is refused with EngineBusyError, a control
-message (abort, shutdown) is kept and sent by the reader thread once the engine reads again.
-The client binds both sockets before the engine connects. Every frame it sends is first
-decoded with the engine's own decoder (engine/core_messages.py).
+The client never waits on the engine: a request that finds the input lane full (the engine
+has stopped reading) is refused with EngineBusyError, a control message (abort, shutdown) is
+kept and sent by the reader thread once the engine reads again (engine/core_input_lane.py).
+The client binds both sockets before the engine connects.
 
 The reader thread routes outputs to one RequestStream per request (engine/request_stream.py)
 and watches the process: when the engine dies, every waiter gets EngineDeadError within about
@@ -13,7 +12,6 @@ and watches the process: when the engine dies, every waiter gets EngineDeadError
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import multiprocessing
@@ -29,11 +27,11 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.core_input_lane import InputLane
 from engine.core_messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
-    EngineInput,
     EngineMessage,
     EngineOutputs,
     EngineReady,
@@ -79,15 +77,10 @@ class EngineCoreClient:
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
         self._context = zmq.Context()
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.bind(input_address)
+        self._input_lane = InputLane(self._context, input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._input_decoder = msgspec.msgpack.Decoder(EngineInput)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
-        self._input_lock = threading.Lock()
-        self._pending_frames: collections.deque[bytes] = collections.deque()
         self.last_message_s = time.monotonic()  # when the engine was last heard from
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
@@ -158,10 +151,9 @@ class EngineCoreClient:
         message = AddRequest(
             request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
         )
-        frame = self._encoder.encode(message)  # fails here, before any state, if unencodable
         try:
-            self._input_decoder.decode(frame)  # the engine's own check, before it gets there
-        except msgspec.ValidationError as error:  # e.g. SamplingParams(seed="7")
+            frame = self._input_lane.encode_request(message)
+        except msgspec.ValidationError as error:
             raise RequestRejectedError(f"request {request_id!r}: {error}") from None
         stream = RequestStream(request_id)
         with self._streams_lock:
@@ -215,14 +207,9 @@ class EngineCoreClient:
         return len(self._streams)
 
     def _send(self, message: Any) -> None:
-        """A control message (abort, probe, shutdown): sent now, or, while the engine is not
-        reading its lane, kept and sent by the reader thread once it reads again. Never
-        blocks the caller (the frontend's event loop)."""
-        frame = self._encoder.encode(message)
-        with self._input_lock:
-            if not self._pending_frames and self._try_send(frame):
-                return
-            self._pending_frames.append(frame)
+        """A control message (abort, probe, shutdown): sent now or kept for the reader thread
+        to send; never blocks the caller (the frontend's event loop)."""
+        self._input_lane.send_control(message)
 
     def _send_frame(self, frame: bytes) -> None:
         """A request: sent now or refused with EngineBusyError; never waits (a PUSH socket
@@ -230,26 +217,12 @@ class EngineCoreClient:
         self._raise_if_dead()
         if not self.process.is_alive():
             raise EngineDeadError(f"the engine process died (exit code {self.process.exitcode})")
-        with self._input_lock:
-            if self._try_send(frame):
-                return
+        if self._input_lane.try_send(frame):
+            return
         raise EngineBusyError(
             f"the engine is not taking requests: {len(self._streams)} are in flight and its "
             f"input lane is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
             "s ago)")
-
-    def _try_send(self, frame: bytes) -> bool:
-        try:
-            self._input.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
-
-    def _flush_pending(self) -> None:
-        """Reader thread: send the control messages the full lane held back, in order."""
-        with self._input_lock:
-            while self._pending_frames and self._try_send(self._pending_frames[0]):
-                self._pending_frames.popleft()
 
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:
@@ -259,8 +232,7 @@ class EngineCoreClient:
 
     def _read_outputs(self) -> None:
         while not self._closing.is_set():
-            if self._pending_frames:
-                self._flush_pending()
+            self._input_lane.flush_pending()  # the control messages a full lane held back
             if self._output.poll(POLL_INTERVAL_MS):
                 self.last_message_s = time.monotonic()
                 self._dispatch(self._decoder.decode(self._output.recv()))
@@ -330,7 +302,7 @@ class EngineCoreClient:
             self.process.join(timeout_s)
 
     def _close_sockets(self) -> None:
-        self._input.close(linger=0)
+        self._input_lane.close()
         self._output.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.attention import AttentionMetadata, PrefillSpan, gather_rows
+from engine.model.attention_metadata import AttentionMetadata, PrefillSpan, gather_rows
 from engine.model.loader import LoadedModel
 from engine.request import Request
 from engine.sampler import Sampler

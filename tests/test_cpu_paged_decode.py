@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.attention import PagedAttention
+from engine.model.attention_metadata import AttentionMetadata
 from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.request import Request, SamplingParams

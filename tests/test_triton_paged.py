@@ -339,12 +339,13 @@ def _check_sm90_compiles() -> int:
     """Every dtype, split and no split, GQA 1 and 3, head_dim 64 and 128, both index dtypes."""
     import triton.language as tl
 
-    from engine.model.kernels import triton_paged as kernels
+    from engine.model.kernels import triton_paged_kernels as kernels
+    from engine.model.kernels.triton_paged import _dot_dtype
 
     num_compiles = 0
     for dtype in TRITON_TYPES:
         data = f"*{TRITON_TYPES[dtype]}"
-        dot_dtype = kernels._dot_dtype(dtype)
+        dot_dtype = _dot_dtype(dtype)
         for num_splits, group, head_dim, index in ((1, 3, 128, "*i64"), (4, 1, 64, "*i32")):
             pointers = {
                 "q_ptr": data, "key_cache_ptr": data, "value_cache_ptr": data, "out_ptr": data,
@@ -357,19 +358,19 @@ def _check_sm90_compiles() -> int:
                 "DOT_DTYPE": dot_dtype,
                 "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32",
             }
-            ptx = _compile_sm90(kernels._paged_decode_kernel, pointers, constexprs)
+            ptx = _compile_sm90(kernels.paged_decode_kernel, pointers, constexprs)
             on_tensor_cores = "mma.sync" in ptx or "wgmma" in ptx
             if on_tensor_cores != (dtype != torch.float32):  # float32: IEEE, never TF32
                 raise AssertionError(f"{dtype} decode: tensor-core dots {on_tensor_cores}")
             num_compiles += 1
         _compile_sm90(
-            kernels._merge_splits_kernel,
+            kernels.merge_splits_kernel,
             {"split_out_ptr": "*fp32", "split_lse_ptr": "*fp32", "out_ptr": data},
             {"HEAD_DIM": 128, "DIM_PAD": 128, "NUM_SPLITS": 5, "SPLIT_PAD": 8},
         )
         pointers = {name: data for name in ("k_ptr", "v_ptr", "key_cache_ptr", "value_cache_ptr")}
         pointers.update(slot_blocks_ptr="*i64", slot_offsets_ptr="*i64")
-        _compile_sm90(kernels._store_kv_kernel, pointers, {"HEAD_DIM": 96, "DIM_PAD": 128})
+        _compile_sm90(kernels.store_kv_kernel, pointers, {"HEAD_DIM": 96, "DIM_PAD": 128})
         num_compiles += 2
     return num_compiles
 

@@ -3,7 +3,7 @@
 They share one request path (engine/entrypoints/routes.py); an Endpoint holds what differs:
 how the prompt is built, where max_tokens comes from and its default, the id prefix, and
 the shapes of the response, its streamed chunks and their choices (engine/entrypoints/
-openai_protocol.py). Below, how a request's TextDeltas become either the SSE events of a
+openai_responses.py). Below, how a request's TextDeltas become either the SSE events of a
 streamed response or one whole response body.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 from engine.core_client import EngineDeadError
 from engine.entrypoints.frontend import Frontend, RequestTimeoutError
-from engine.entrypoints.openai_protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
+from engine.entrypoints.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS
+from engine.entrypoints.openai_responses import (
     chat_body,
     chat_choice,
     chat_chunk,

@@ -34,7 +34,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.entrypoints.openai_protocol import error_body
+from engine.entrypoints.openai_responses import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0

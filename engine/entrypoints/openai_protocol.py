@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies for /v1/completions and /v1/chat/completions.
+"""OpenAI-compatible request bodies for /v1/completions and /v1/chat/completions.
 
 Requests are pydantic models (FastAPI validates them); fields we cannot honour, known or
 not, are rejected with a clear message instead of being silently ignored. Besides OpenAI's
@@ -6,14 +6,11 @@ fields, the sampling extensions of vLLM's server, with its bounds: ``top_k``, ``
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids``. ``stop``
 strings (one, or a list of up to 4, none empty) are applied by the frontend to the
 detokenized text. ``n`` > 1 asks for that many choices (not with greedy sampling, as in
-vLLM). Responses are plain dicts in the shapes the official `openai` client parses;
-streaming sends the same objects as ``chat.completion.chunk`` / ``text_completion`` chunks,
-one SSE ``data:`` line each, then ``data: [DONE]``.
+vLLM). The response bodies: engine/entrypoints/openai_responses.py.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -222,79 +219,3 @@ class ChatCompletionRequest(_SamplingFields):
         """max_completion_tokens, OpenAI's current name, else the older max_tokens."""
         return self.max_completion_tokens or self.max_tokens
 
-
-# Responses -----------------------------------------------------------------------------------
-
-
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-    }
-
-
-def completion_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
-) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_body(
-    request_id: str, model: str, choices: list[dict[str, Any]],
-    usage_counts: dict[str, int] | None, chunk: bool = False,
-) -> dict[str, Any]:
-    """A text_completion object: a whole response, or one streamed chunk (no choices makes
-    the usage-only last chunk)."""
-    body: dict[str, Any] = {
-        "id": request_id, "object": "text_completion", "created": int(time.time()),
-        "model": model, "choices": choices,
-    }
-    if usage_counts is not None or not chunk:
-        body["usage"] = usage_counts
-    return body
-
-
-def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
-) -> dict[str, Any]:
-    """A choice of a whole chat.completion response."""
-    message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason}
-
-
-def chat_body(
-    request_id: str, model: str, choices: list[dict[str, Any]],
-    usage_counts: dict[str, int] | None,
-) -> dict[str, Any]:
-    """A whole chat.completion response."""
-    return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()),
-        "model": model, "usage": usage_counts, "choices": choices,
-    }
-
-
-def chat_chunk_choice(
-    index: int, delta: dict[str, str], finish_reason: str | None, logprobs: dict | None = None
-) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_chunk(
-    request_id: str, model: str, choices: list[dict[str, Any]],
-    usage_counts: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """One chat.completion.chunk; no choices makes the usage-only last chunk."""
-    body: dict[str, Any] = {
-        "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-        "model": model, "choices": choices,
-    }
-    if usage_counts is not None:
-        body["usage"] = usage_counts
-    return body
-
-
-def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -41,8 +41,8 @@ from engine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
-    error_body,
 )
+from engine.entrypoints.openai_responses import error_body
 from engine.scheduler import RequestRejectedError
 
 logger = logging.getLogger("iterscope.serve")

@@ -11,10 +11,7 @@ Head-major blocks let a gather of rows (block_id * num_kv_heads + kv_head) of th
 as [num_blocks * num_kv_heads, block_size * head_dim] produce a request's keys already laid
 out as [kv_heads, positions, head_dim], the shape attention multiplies, with no transpose copy.
 
-A step's tokens are laid out flat, decode tokens first:
-
-    tokens  [d0 d1 ... dB-1 | prefill request a (q_len_a) | prefill request b | ...]
-
+A step's tokens are laid out flat, decode tokens first (engine/model/attention_metadata.py).
 Decode tokens (one new token per request) are attended together, by one of three backends
 (`PagedAttention.decode_backend`, chosen per step):
   "cpu_kernel"  on CPU in float32 / bfloat16: engine/model/kernels/paged_decode.c reads the
@@ -32,12 +29,17 @@ query sees its own key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention_metadata import (
+    AttentionMetadata,
+    PrefillSpan,
+    check_decode_tables,
+    gather_rows,
+)
 from engine.model.kernels import cpu_paged_decode
 from engine.model.linear import cpu_has_bf16_matmul
 
@@ -48,44 +50,6 @@ PLAIN_PREFILL_MAX_LEN = 512
 # Query positions per matmul in that path: a chunk skips the keys after its last position
 # (8 x 256 tokens, bf16: 4.7-6.0 ms per layer against 6.7-9.3 in one piece, 2 threads).
 QUERY_CHUNK = 64
-
-
-@dataclass
-class PrefillSpan:
-    """One request's chunk of q_len > 1 tokens at flat indices [token_start, token_end).
-
-    kv_rows is None when the chunk starts at position 0: its keys are exactly the chunk's own
-    fresh K/V, so plain causal attention applies; then num_seqs > 1 means the span holds that
-    many such chunks of equal length back to back, attended in one batched call. Otherwise
-    kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
-    block) of the request's blocks, kv_len = the chunk's end position, and mask[i, j] says
-    query i may see position j.
-    """
-
-    token_start: int
-    token_end: int
-    num_seqs: int = 1
-    kv_rows: torch.Tensor | None = None
-    kv_len: int = 0
-    mask: torch.Tensor | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one step; built once, shared by all layers."""
-
-    slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's position
-    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
-    num_decode_tokens: int  # tokens [0, num_decode_tokens) are single-token decodes
-    decode_block_table: torch.Tensor | None  # int64 [B, max_blocks], rows padded with block 0
-    decode_seq_lens: torch.Tensor | None  # int64 [B]: positions to attend, the new one included
-    prefills: list[PrefillSpan]
-
-
-def gather_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., kv_heads, num_blocks] rows of the head-major cache."""
-    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None]
-    return block_ids.unsqueeze(-2) * num_kv_heads + heads
 
 
 class PagedAttention:
@@ -132,7 +96,7 @@ class PagedAttention:
         if meta.decode_block_table is None:
             return
         if self.cpu_kernel is not None:
-            _check_decode_tables(meta, key_cache.shape[0], key_cache.shape[2])
+            check_decode_tables(meta, key_cache.shape[0], key_cache.shape[2])
             self.decode_backend = "cpu_kernel"
             return
         if self.triton is not None:
@@ -320,23 +284,3 @@ def _triton_kernels(device: torch.device) -> ModuleType | None:
     except ImportError:  # not written yet, or triton missing: the torch path
         return None
     return triton_paged if triton_paged.available(device) else None
-
-
-def _check_decode_tables(meta: AttentionMetadata, num_blocks: int, block_size: int) -> None:
-    """The C kernel trusts its tables (a bad one reads out of bounds): check them per step."""
-    table, seq_lens = meta.decode_block_table, meta.decode_seq_lens
-    num_decodes = meta.num_decode_tokens
-    if (
-        table.dtype != torch.long or seq_lens.dtype != torch.long
-        or table.shape[0] != num_decodes or seq_lens.shape != (num_decodes,)
-        or not table.is_contiguous() or not seq_lens.is_contiguous()
-    ):
-        raise ValueError(
-            f"decode tables must be contiguous int64 [{num_decodes}, max_blocks] and "
-            f"[{num_decodes}], got {table.dtype} {tuple(table.shape)} and {seq_lens.dtype} "
-            f"{tuple(seq_lens.shape)}"
-        )
-    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > table.shape[1] * block_size:
-        raise ValueError(f"decode seq_lens {seq_lens.tolist()} outside [1, table capacity]")
-    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
-        raise ValueError(f"decode block table holds ids outside [0, {num_blocks})")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.attention import PagedAttention
+from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
 from engine.model.linear import Linear
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin

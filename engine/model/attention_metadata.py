@@ -1,0 +1,80 @@
+"""What attention needs for one step, built by the runner once and shared by all layers.
+
+A step's tokens are laid out flat, decode tokens first:
+
+    tokens  [d0 d1 ... dB-1 | prefill request a (q_len_a) | prefill request b | ...]
+
+Every token has a slot in the paged KV cache (engine/model/attention.py): the block and the
+offset its position's K/V go to. Decode tokens (one new token per request) are attended
+together through one block table; each prefill span is attended on its own.
+
+gather_rows turns block ids into rows of the head-major cache, block_id * num_kv_heads +
+kv_head (why head-major: engine/model/attention.py).
+
+The C decode kernel reads through the decode tables without bounds checks, so
+check_decode_tables verifies them every step before it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One request's chunk of q_len > 1 tokens at flat indices [token_start, token_end).
+
+    kv_rows is None when the chunk starts at position 0: its keys are exactly the chunk's own
+    fresh K/V, so plain causal attention applies; then num_seqs > 1 means the span holds that
+    many such chunks of equal length back to back, attended in one batched call. Otherwise
+    kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
+    block) of the request's blocks, kv_len = the chunk's end position, and mask[i, j] says
+    query i may see position j.
+    """
+
+    token_start: int
+    token_end: int
+    num_seqs: int = 1
+    kv_rows: torch.Tensor | None = None
+    kv_len: int = 0
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, shared by all layers."""
+
+    slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's position
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
+    num_decode_tokens: int  # tokens [0, num_decode_tokens) are single-token decodes
+    decode_block_table: torch.Tensor | None  # int64 [B, max_blocks], rows padded with block 0
+    decode_seq_lens: torch.Tensor | None  # int64 [B]: positions to attend, the new one included
+    prefills: list[PrefillSpan]
+
+
+def gather_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., kv_heads, num_blocks] rows of the head-major cache."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None]
+    return block_ids.unsqueeze(-2) * num_kv_heads + heads
+
+
+def check_decode_tables(meta: AttentionMetadata, num_blocks: int, block_size: int) -> None:
+    """The C kernel trusts its tables (a bad one reads out of bounds): check them per step."""
+    table, seq_lens = meta.decode_block_table, meta.decode_seq_lens
+    num_decodes = meta.num_decode_tokens
+    if (
+        table.dtype != torch.long or seq_lens.dtype != torch.long
+        or table.shape[0] != num_decodes or seq_lens.shape != (num_decodes,)
+        or not table.is_contiguous() or not seq_lens.is_contiguous()
+    ):
+        raise ValueError(
+            f"decode tables must be contiguous int64 [{num_decodes}, max_blocks] and "
+            f"[{num_decodes}], got {table.dtype} {tuple(table.shape)} and {seq_lens.dtype} "
+            f"{tuple(seq_lens.shape)}"
+        )
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > table.shape[1] * block_size:
+        raise ValueError(f"decode seq_lens {seq_lens.tolist()} outside [1, table capacity]")
+    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+        raise ValueError(f"decode block table holds ids outside [0, {num_blocks})")
