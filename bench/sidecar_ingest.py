@@ -27,7 +27,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from telemetry.lane.record import heartbeat, iteration_record, make_encoder  # noqa: E402
-from telemetry.sidecar.ingest import Ingest, Sidecar  # noqa: E402
+from telemetry.sidecar.ingest import Ingest  # noqa: E402
+from telemetry.sidecar.lane_socket import Sidecar  # noqa: E402
 from telemetry.sidecar.sinks.jsonl import JsonlSink  # noqa: E402
 from telemetry.sidecar.sinks.log import LogSink  # noqa: E402
 

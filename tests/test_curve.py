@@ -293,7 +293,8 @@ def free_tcp_address() -> str:
 
 
 def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
-    from telemetry.sidecar.ingest import Ingest, Sidecar
+    from telemetry.sidecar.ingest import Ingest
+    from telemetry.sidecar.lane_socket import Sidecar
 
     sink = RecordingSink()
     context = zmq.Context()

@@ -16,7 +16,8 @@ from test_sidecar_engine import start_engine, stop_engine
 from engine.request import Request, SamplingParams
 from telemetry.lane.publisher import ZmqPublisher
 from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S
-from telemetry.sidecar.ingest import Ingest, Sidecar
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.sink import EngineStatus
 
 SECOND = 1_000_000_000

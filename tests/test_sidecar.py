@@ -13,7 +13,8 @@ from test_sidecar_engine import synthetic_record
 
 from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION, make_encoder
 from telemetry.lane.record import heartbeat as lane_heartbeat
-from telemetry.sidecar.ingest import Ingest, Sidecar, check_address
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.lane_socket import Sidecar, check_address
 from telemetry.sidecar.sink import EngineStatus, Sink
 
 SECOND = 1_000_000_000

@@ -10,8 +10,10 @@ from test_sidecar import RecordingSink, encode, heartbeat, record
 from zmq.utils.monitor import recv_monitor_message
 
 from telemetry.lane.record import MAX_ENGINE_INDEX
+from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.engine_state import MAX_IN_TRANSIT
-from telemetry.sidecar.ingest import DEFAULT_MAX_ENGINES, GUARD_FRAME_BYTES, Ingest, Sidecar
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.lane_socket import GUARD_FRAME_BYTES, Sidecar
 from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink

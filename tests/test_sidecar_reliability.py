@@ -21,7 +21,8 @@ from test_sidecar import RecordingSink
 from test_sidecar_engine import rss_bytes, start_engine, stop_engine
 
 from telemetry.lane.record import IterationRecord
-from telemetry.sidecar.ingest import Ingest, Sidecar
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.process import start_from_args, start_sidecar
 from telemetry.sidecar.replay import read_recording
 from telemetry.sidecar.sink import EngineStatus

@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 
-from telemetry.sidecar import process
-from telemetry.sidecar.process import PIDS_FILE, start_sidecar, sweep_orphaned_run_dirs
+from telemetry.sidecar import run_dirs
+from telemetry.sidecar.process import start_sidecar
+from telemetry.sidecar.run_dirs import PIDS_FILE, sweep_orphaned_run_dirs
 
 
 def dead_pid() -> int:
@@ -47,7 +48,7 @@ def test_only_directories_whose_processes_are_all_gone_are_swept(tmp_path):
 
 def test_a_started_sidecar_names_both_processes_and_a_new_start_sweeps_orphans(
         tmp_path, monkeypatch):
-    monkeypatch.setattr(process.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(run_dirs.tempfile, "tempdir", str(tmp_path))
     orphan = run_dir(tmp_path, "iterscope-orphan", f"{dead_pid()}\n")
     sidecar = start_sidecar(["--no-metrics", "--no-log"])
     try:

@@ -24,16 +24,10 @@ from types import ModuleType
 import zmq
 
 from telemetry.lane.publisher import default_address
+from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
 from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
-from telemetry.sidecar.ingest import (
-    DEAD_AFTER_S,
-    DEFAULT_MAX_ENGINES,
-    DEFAULT_RCVHWM,
-    EVICT_AFTER_S,
-    Ingest,
-    Sidecar,
-    check_address,
-)
+from telemetry.sidecar.ingest import DEAD_AFTER_S, Ingest
+from telemetry.sidecar.lane_socket import DEFAULT_RCVHWM, Sidecar, check_address
 from telemetry.sidecar.sink import Sink
 
 SINK_MODULES = (
@@ -111,7 +105,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
                              "when --max-engines are tracked; a live one never does (default: "
                              "%(default)s)")
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    # The private directory that process made for this sidecar (telemetry/sidecar/process.py).
+    # The private directory that process made for this sidecar (telemetry/sidecar/run_dirs.py).
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     for module in sink_modules:
         module.add_arguments(parser)

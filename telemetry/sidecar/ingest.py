@@ -4,38 +4,33 @@ Two layers, so that a live socket and a replayed recording go through the same c
 
     Ingest   frames/messages -> typed decode -> checks (engine admission, seq) -> status -> sinks
              (no socket and no clock of its own: every call is given ``now_ns``)
-    Sidecar  a ZMQ PULL socket (bound by default; ipc:// unless told otherwise) feeding an
-             Ingest from one thread, and ticking it about ten times a second
+    Sidecar  a ZMQ PULL socket feeding an Ingest from one thread, and ticking it about ten
+             times a second (telemetry/sidecar/lane_socket.py); replay feeds one from a
+             recording instead (telemetry/sidecar/replay.py)
+
+Which engines are tracked, and what a newly met one lost, is decided by the engine roster
+(telemetry/sidecar/engine_roster.py); the checks of one engine's ``seq`` and the evidence its
+status is judged on are its EngineState's (telemetry/sidecar/engine_state.py).
 
 Invariants:
 - Sinks are called from one thread, in arrival order. For one engine, arrival order is send
   order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
-- An engine appears only with a heartbeat (the message that carries its facts: model,
-  device, pid), and at most ``max_engines`` are tracked: the state garbage or a forger can
-  make the sidecar hold, and the size of a scrape, are bounded. When a new engine finds
-  them all taken, the one dead longest gives up its place if no message came from it for
-  ``evict_after_s`` (sinks hear ``on_engine_removed``); a live engine is never removed.
 - Every lost message is reported exactly once, through ``on_dropped``, before the next
   message of that engine reaches the sinks: lost = gap in ``seq``, checked against what the
-  engine says it dropped (telemetry/sidecar/engine_state.py). When this sidecar meets an engine for
-  the first time, the gap is counted from the last ``seq`` a sink remembers
-  (``known_last_seqs``, the JSONL recording does) and otherwise from the engine's own
-  ``num_dropped`` (exact for the time no sidecar was connected, thanks to ZMQ_IMMEDIATE),
-  plus the records that came before its first heartbeat.
+  engine says it dropped (telemetry/sidecar/engine_state.py).
 - A frame that cannot be decoded is counted by reason, a decoded one that fails a check is
   counted by reason; neither stops ingest nor reaches the sinks.
+- A sink that raises is counted (in total and on the sink) and logged; the other sinks and
+  ingest go on.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from telemetry.lane.frame_checks import UNDECODABLE_REASONS, classify_undecodable
 from telemetry.lane.record import (
@@ -45,21 +40,15 @@ from telemetry.lane.record import (
     Message,
     make_decoder,
 )
+from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S, EngineRoster
 from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState, drops_are_plausible
 from telemetry.sidecar.sink import REJECTED_REASONS, EngineStatus, Sink, sink_name
 
-DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
-GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
-# A dead engine silent this long may give its place to a new one (a data-parallel
-# deployment restarted with new engine indexes): long enough that the engine-down alert,
-# a minute of dead, has fired before the engine's series go.
-EVICT_AFTER_S = 300.0
+# How often a driver (the Sidecar, a replay) calls ``tick``: stall and death show up only
+# there, so this adds to how late they are reported.
 TICK_INTERVAL_S = 0.1
-DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
-RECV_BATCH = 4096
-DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
 
 logger = logging.getLogger("iterscope.sidecar")
@@ -67,6 +56,8 @@ logger = logging.getLogger("iterscope.sidecar")
 
 @dataclass
 class IngestStats:
+    """What Ingest counted itself (the sinks count their own); cli.py logs them at exit."""
+
     num_frames: int = 0
     num_messages: int = 0
     num_engine_conflicts: int = 0
@@ -107,24 +98,19 @@ class Ingest:
         a dead engine keeps its place among ``max_engines`` when a new one needs it."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
-        if max_engines < 1:
-            raise ValueError(f"max_engines must be at least 1, got {max_engines}")
+        self._roster = EngineRoster(max_engines, int(evict_after_s * 1e9), max_seq_jump,
+                                    known_last_seqs)  # raises on max_engines < 1
         if evict_after_s < dead_after_s:
             raise ValueError(f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
                              f"({dead_after_s}): only a dead engine gives up its place")
         self.sinks = list(sinks)
-        self.engines: dict[int, EngineState] = {}
+        # The roster's own dict, never replaced: read here once per message, without a hop.
+        self.engines: dict[int, EngineState] = self._roster.engines
         self.stats = IngestStats()
         self._dead_after_ns = int(dead_after_s * 1e9)
-        self._evict_after_ns = int(evict_after_s * 1e9)
         self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._max_frame_bytes = max_frame_bytes
-        self._max_engines = max_engines
         self._max_seq_jump = max_seq_jump
-        self._known_last_seqs = dict(known_last_seqs or {})
-        # engine index -> messages lost before its first heartbeat (records that came first,
-        # and the drops they reported); at most MAX_ENGINE_INDEX + 1 entries.
-        self._lost_before_met: dict[int, int] = {}
         self._decoder = make_decoder()
         self._decode = self._decoder.decode
         self._on_iteration = [sink.on_iteration for sink in self.sinks]
@@ -158,10 +144,10 @@ class Ingest:
 
     def count_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender whose frame was over GUARD_FRAME_BYTES. libzmq's monitor reports both
-        with the same event and no reason (tests/test_sidecar_checks.py checks it), so a
-        guard's frame is counted here and not as undecodable 'oversized'; an engine's own
-        frame is also the seq gap its next message reports."""
+        off a sender whose frame was over GUARD_FRAME_BYTES (lane_socket.py). libzmq's
+        monitor reports both with the same event and no reason (tests/test_sidecar_checks.py
+        checks it), so a guard's frame is counted here and not as undecodable 'oversized'; an
+        engine's own frame is also the seq gap its next message reports."""
         self.stats.num_lane_disconnects += 1
         self._call_sinks("on_lane_disconnect")
 
@@ -231,38 +217,18 @@ class Ingest:
     ) -> tuple[EngineState | None, int]:
         """A message of an engine not tracked yet: its heartbeat makes it appear, within
         ``max_engines``; a record before that is rejected and counted as lost when it does."""
-        index = message.engine_index
+        roster = self._roster
         if not is_heartbeat:
-            lost = self._lost_before_met.get(index, 0) + 1 + message.num_dropped
-            self._lost_before_met[index] = min(lost, self._max_seq_jump)
+            roster.note_record_before_met(message)
             self.count_rejected("unknown_engine")
             return None, 0
-        if len(self.engines) >= self._max_engines and not self._evict_dead_engine(now_ns):
-            self.count_rejected("engine_limit")
-            return None, 0
-        state = self.engines[index] = EngineState(index)
-        state.last_progress_ns = now_ns
-        lost_before = self._lost_before_met.pop(index, 0)
-        known_seq = self._known_last_seqs.pop(index, None)
-        if known_seq is not None and 0 <= message.seq - known_seq - 1 <= self._max_seq_jump:
-            return state, message.seq - known_seq - 1  # exact: the recording's last seq
-        # Joined mid-stream, or restarted while no sidecar listened: only the engine's own
-        # count is known.
-        return state, lost_before + message.num_dropped
-
-    def _evict_dead_engine(self, now_ns: int) -> bool:
-        """Make room for a new engine: the engine silent longest is removed if it is dead
-        and silent for longer than ``evict_after_s``; False if there is none. Its last seq
-        is kept (one int per engine index, so bounded), so if it comes back its gap is
-        exact."""
-        oldest = min(self.engines.values(), key=lambda state: state.last_message_ns)
-        silent_ns = now_ns - oldest.last_message_ns
-        if oldest.view.status is not EngineStatus.DEAD or silent_ns <= self._evict_after_ns:
-            return False
-        del self.engines[oldest.engine_index]
-        self._known_last_seqs[oldest.engine_index] = oldest.last_seq
-        self._call_sinks("on_engine_removed", oldest.engine_index, silent_ns)
-        return True
+        if roster.is_full():
+            removed = roster.evict_dead_engine(now_ns)
+            if removed is None:
+                self.count_rejected("engine_limit")
+                return None, 0
+            self._call_sinks("on_engine_removed", *removed)
+        return roster.meet(message, now_ns)
 
     def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
         """The view takes the record in; progress is judged against the queues before it."""
@@ -330,119 +296,3 @@ class Ingest:
 
     def close(self) -> None:
         self._call_sinks("close")
-
-
-def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
-    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``."""
-    scheme, sep, rest = address.partition("://")
-    if not sep or scheme not in ("ipc", "tcp"):
-        raise ValueError(
-            f"telemetry address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
-        )
-    if scheme == "tcp" and bind and not allow_remote:
-        host = rest.rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError(
-                f"binding {address!r} makes the telemetry lane reachable from other hosts; "
-                "use 127.0.0.1, or pass --allow-remote to mean it"
-            )
-
-
-class Sidecar:
-    """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
-
-    def __init__(
-        self,
-        address: str,
-        ingest: Ingest,
-        bind: bool = True,
-        rcvhwm: int = DEFAULT_RCVHWM,
-        tick_interval_s: float = TICK_INTERVAL_S,
-        context: zmq.Context | None = None,
-        curve_keys_dir: str | None = None,
-    ) -> None:
-        """``curve_keys_dir``: accept only engines holding CURVE keys listed there (tcp lanes
-        across hosts; see telemetry/lane/curve.py)."""
-        self.address = address
-        self.ingest = ingest
-        self._tick_interval_ns = int(tick_interval_s * 1e9)
-        self._stopped = threading.Event()
-        self._context = context or zmq.Context.instance()
-        self._curve = bool(curve_keys_dir)
-        self._socket = self._context.socket(zmq.PULL)
-        if curve_keys_dir:
-            from telemetry.lane.curve import configure_server
-
-            configure_server(self._socket, curve_keys_dir)
-        self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # Memory guard: a peer sending frames far above the oversize limit is disconnected
-        # as soon as the frame's size is read. ZMQ drops that frame without a word; the
-        # disconnect is what can be counted (see count_lane_disconnect).
-        self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        if bind:
-            self._socket.bind(address)
-        else:
-            self._socket.connect(address)
-
-    def run(self) -> None:
-        """Receive, decode and dispatch until stopped; the socket is closed on return."""
-        socket, monitor = self._socket, self._monitor
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poll_ms = max(1, self._tick_interval_ns // 1_000_000)
-        next_tick_ns = time.monotonic_ns()
-        try:
-            while not self._stopped.is_set():
-                ready = dict(poller.poll(poll_ms))
-                if socket in ready:
-                    self._receive_batch(time.monotonic_ns())
-                if monitor in ready:
-                    self._count_disconnects()
-                now_ns = time.monotonic_ns()
-                if now_ns >= next_tick_ns:
-                    self.ingest.tick(now_ns)
-                    next_tick_ns = now_ns + self._tick_interval_ns
-            self._drain()
-            self._count_disconnects()
-        finally:
-            socket.disable_monitor()
-            monitor.close(linger=0)
-            socket.close(linger=0)
-            if self._curve:
-                from telemetry.lane.curve import stop_server_auth
-
-                stop_server_auth(self._context)
-
-    def _receive_batch(self, now_ns: int) -> int:
-        """Ingest up to RECV_BATCH frames already received, stamped ``now_ns``; how many."""
-        recv, on_frame = self._socket.recv, self.ingest.on_frame
-        for num_received in range(RECV_BATCH):
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return num_received
-            on_frame(frame, now_ns)
-        return RECV_BATCH
-
-    def _count_disconnects(self) -> None:
-        while True:
-            try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: one event
-            except zmq.Again:
-                return
-            self.ingest.count_lane_disconnect()
-
-    def _drain(self) -> None:
-        """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
-        socket would drop it, and no later message could report that gap."""
-        deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
-        while (now_ns := time.monotonic_ns()) < deadline_ns:
-            if self._receive_batch(now_ns) < RECV_BATCH:
-                return
-
-    def stop(self) -> None:
-        """Ask ``run()`` to return (safe from a signal handler or another thread)."""
-        self._stopped.set()

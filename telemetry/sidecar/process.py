@@ -6,13 +6,11 @@
     if sidecar: sidecar.stop()
 
 Each sidecar gets a fresh private directory holding its ipc socket, so two engines started
-side by side never share a lane by accident. The sidecar runs in a session of its own (a
-Ctrl-C meant for the engine does not cut its telemetry short); it is stopped with SIGTERM by
-``stop()`` and stops itself if the process that started it goes away (removing the private
-directory then, since that process can no longer). When both are killed (SIGKILL) nobody
-can: the directory's ``pids`` file names the processes that use it (the starting process
-and its current sidecar), and the next start of a sidecar removes such directories once
-none of those processes lives.
+side by side never share a lane by accident (telemetry/sidecar/run_dirs.py: making it, its
+``pids`` file, and sweeping those left by killed runs). The sidecar runs in a session of its
+own (a Ctrl-C meant for the engine does not cut its telemetry short); it is stopped with
+SIGTERM by ``stop()``, which removes the directory, and stops itself if the process that
+started it goes away (removing the directory then, since that process can no longer).
 
 A sidecar started by ``start_from_args`` is supervised: a thread notices when it exits
 without ``stop()``, logs it, and starts it again on the same address and arguments after a
@@ -29,20 +27,15 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-MAX_IPC_PATH = 100  # sockaddr_un holds 107 bytes
+from telemetry.sidecar.run_dirs import SOCKET_FILE, make_private_run_dir, write_pids
+
 METRICS_URL_FILE = "metrics_url"  # in the run directory: where the sidecar serves /metrics
-RUN_DIR_PREFIX = "iterscope-"
-# In the run directory: the pids of the processes using it, one a line. The standalone
-# sidecar's default lane directory shares the prefix but has no such file: never swept.
-PIDS_FILE = "pids"
 WATCH_INTERVAL_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
@@ -182,75 +175,6 @@ def terminate(process: subprocess.Popen, timeout_s: float) -> int:
     return process.returncode
 
 
-def _private_run_dir() -> str:
-    """A fresh 0700 directory for the ipc socket, its ``pids`` file naming this process;
-    orphaned ones left by killed runs are swept first."""
-    sweep_orphaned_run_dirs()
-    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-    if len(run_dir) + len("/telemetry.sock") > MAX_IPC_PATH:  # a long TMPDIR
-        os.rmdir(run_dir)
-        run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir="/tmp")
-    write_pids(run_dir, [os.getpid()])
-    return run_dir
-
-
-def write_pids(run_dir: str, pids: Iterable[int]) -> None:
-    """Replace the run directory's ``pids`` file at once: a sweep never reads half of it."""
-    path = os.path.join(run_dir, PIDS_FILE)
-    with open(path + ".new", "w") as file:
-        file.write("".join(f"{pid}\n" for pid in pids))
-    os.replace(path + ".new", path)
-
-
-def sweep_orphaned_run_dirs(parents: Iterable[str] | None = None) -> list[str]:
-    """Remove the private run directories in ``parents`` (default: where
-    ``_private_run_dir`` makes them) that no living process uses; the paths removed."""
-    if parents is None:
-        parents = dict.fromkeys([tempfile.gettempdir(), "/tmp"])
-    removed = []
-    for parent in parents:
-        try:
-            names = os.listdir(parent)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(parent, name)
-            if name.startswith(RUN_DIR_PREFIX) and is_orphaned_run_dir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    if removed:
-        logger.info("removed %d sidecar run directories left by killed processes: %s",
-                    len(removed), ", ".join(removed))
-    return removed
-
-
-def is_orphaned_run_dir(path: str) -> bool:
-    """True only when the directory is surely one of ours and unused: a real directory of
-    this uid whose ``pids`` file names at least one pid and no process that may live.
-    Anything unreadable or unexpected counts as in use: leaking a directory is harmless,
-    removing a live sidecar's socket is not."""
-    try:
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            return False
-        with open(os.path.join(path, PIDS_FILE)) as file:
-            pids = [int(line) for line in file.read().split()]
-    except (OSError, ValueError):
-        return False
-    return bool(pids) and all(pid > 0 and not _may_be_alive(pid) for pid in pids)
-
-
-def _may_be_alive(pid: int) -> bool:
-    """A process with this pid exists (another user's, a zombie, or a reused pid count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def start_sidecar(
     extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0, **popen_kwargs: object
 ) -> SidecarProcess:
@@ -260,8 +184,8 @@ def start_sidecar(
     ``popen_kwargs`` to subprocess.Popen (e.g. ``stderr=...``). Raises RuntimeError if the
     sidecar exits or does not listen within ``ready_timeout_s``.
     """
-    run_dir = _private_run_dir()
-    address = f"ipc://{os.path.join(run_dir, 'telemetry.sock')}"
+    run_dir = make_private_run_dir()
+    address = f"ipc://{os.path.join(run_dir, SOCKET_FILE)}"
     command = [
         sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--bind",
         "--parent-pid", str(os.getpid()), "--run-dir", run_dir,

@@ -14,12 +14,8 @@ import os
 from collections.abc import Iterable
 
 from telemetry.lane.recording import message_time_ns, read_recording  # also imported from here
-from telemetry.sidecar.ingest import (
-    DEAD_AFTER_S,
-    DEFAULT_MAX_ENGINES,
-    TICK_INTERVAL_S,
-    Ingest,
-)
+from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
+from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
 from telemetry.sidecar.sink import Sink
 
 MAX_TICKS_PER_GAP = 100

@@ -12,14 +12,7 @@ same lines as the live run did:
   counted in the open one, so every record is counted exactly once (the lines add up to the
   Prometheus counters).
 
-What a line reports, per engine and window:
-    prompt throughput       context (prefill) tokens computed / window length
-    generation throughput   generation tokens / window length
-    Running, Waiting        the engine view's queues (its latest record or heartbeat)
-    KV cache usage          the engine view's KV blocks: used / (used + free) of the latest
-                            record, 0 of the heartbeat's total before one
-    Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
-    Preemptions             sum over the window, shown only when non-zero
+What a line reports, and its text, is telemetry/sidecar/sinks/throughput_line.py's.
 The window length is shortened to the time since the engine was first seen, so the first
 window after a (re)start does not under-report. An engine prints nothing for a window in
 which it ran no iteration and had nothing running or waiting, and nothing once dead. When
@@ -34,9 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.sidecar.engine_view import EngineView, kv_usage_percent
+from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sink import EngineStatus, Sink
+from telemetry.sidecar.sinks.throughput_line import (
+    WindowCounts,
+    aggregate_figures,
+    engine_figures,
+    format_engine_line,
+)
 
 logger = logging.getLogger("iterscope.sidecar")
 
@@ -44,43 +43,6 @@ DEFAULT_INTERVAL_S = 10.0
 CLOCK_STEP_INTERVALS = 2  # a wall time further back than this many intervals: a clock step
 
 Emit = Callable[[int, str], None]  # (logging level, text)
-
-
-@dataclass
-class WindowCounts:
-    """Sums over one log window for one engine (or over all engines, for the aggregate)."""
-
-    num_iterations: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_preemptions: int = 0
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-
-    def add_record(self, record: IterationRecord) -> None:
-        self.num_iterations += 1
-        self.num_prefill_tokens += record.num_prefill_tokens
-        self.num_decode_tokens += record.num_decode_tokens
-        self.num_preemptions += record.num_preemptions
-        self.num_prefix_query_tokens += record.num_prefix_query_tokens
-        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
-
-
-@dataclass
-class LineFigures:
-    """Everything one 10-second line shows."""
-
-    label: str
-    prompt_throughput: float  # tokens/s
-    generation_throughput: float  # tokens/s
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_preemptions: int
-    device_name: str
 
 
 @dataclass
@@ -102,61 +64,10 @@ class EngineLog:
         self.engine = EngineView(self.engine_index)  # nothing known: only losses seen so far
 
 
-def format_engine_line(figures: LineFigures) -> str:
-    kv_usage = kv_usage_percent(figures.num_kv_blocks_used, figures.num_kv_blocks_total)
-    queries = figures.num_prefix_query_tokens
-    hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
-    line = (
-        f"{figures.label}: "
-        f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
-        f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
-        f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
-        f"{figures.device_name or 'GPU'} KV cache usage: {kv_usage:.1f}%, "
-        f"Prefix cache hit rate: {hit_rate:.1f}%"
-    )
-    if figures.num_preemptions:
-        line += f", Preemptions: {figures.num_preemptions}"
-    return line
-
-
 def format_engine_iteration_line(record: IterationRecord) -> str:
     """The shared per-iteration line; prefixed with the engine for engines other than 000."""
     line = format_iteration_line(record)
     return f"Engine {record.engine_index:03d}: {line}" if record.engine_index else line
-
-
-def engine_figures(engine: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
-    num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
-    return LineFigures(
-        label=f"Engine {engine.engine_index:03d}",
-        prompt_throughput=counts.num_prefill_tokens / window_time,
-        generation_throughput=counts.num_decode_tokens / window_time,
-        num_running_reqs=engine.num_running_reqs,
-        num_waiting_reqs=engine.num_waiting_reqs,
-        num_kv_blocks_used=num_kv_blocks_used,
-        num_kv_blocks_total=num_kv_blocks_total,
-        num_prefix_query_tokens=counts.num_prefix_query_tokens,
-        num_prefix_hit_tokens=counts.num_prefix_hit_tokens,
-        num_preemptions=counts.num_preemptions,
-        device_name=engine.device_name,
-    )
-
-
-def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
-    """Several engines as one: rates and queues add up; ratios are of the summed parts."""
-    return LineFigures(
-        label=f"{len(lines)} Engines Aggregated",
-        prompt_throughput=sum(f.prompt_throughput for f in lines),
-        generation_throughput=sum(f.generation_throughput for f in lines),
-        num_running_reqs=sum(f.num_running_reqs for f in lines),
-        num_waiting_reqs=sum(f.num_waiting_reqs for f in lines),
-        num_kv_blocks_used=sum(f.num_kv_blocks_used for f in lines),
-        num_kv_blocks_total=sum(f.num_kv_blocks_total for f in lines),
-        num_prefix_query_tokens=sum(f.num_prefix_query_tokens for f in lines),
-        num_prefix_hit_tokens=sum(f.num_prefix_hit_tokens for f in lines),
-        num_preemptions=sum(f.num_preemptions for f in lines),
-        device_name=lines[0].device_name,
-    )
 
 
 def _log_to_logger(level: int, text: str) -> None:

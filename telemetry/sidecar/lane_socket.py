@@ -1,0 +1,147 @@
+"""The sidecar's end of the lane: a ZMQ PULL socket feeding an Ingest from one thread.
+
+    Sidecar  receives frames in batches, stamps each batch with one ``time.monotonic_ns()``
+             and hands the frames to ``Ingest.on_frame`` (telemetry/sidecar/ingest.py); ticks
+             the Ingest about every TICK_INTERVAL_S; counts the lane's disconnects (from the
+             socket's monitor) through ``Ingest.count_lane_disconnect``
+
+Invariants:
+- One thread runs ``run()``: every Ingest call, and so every sink call, comes from it, in
+  arrival order. ``stop()`` is the only call safe from another thread or a signal handler.
+- ``check_address`` (cli.py calls it first) takes ipc:// always, and a tcp:// bind only on
+  a loopback address unless the caller means it (``allow_remote``).
+- Memory is bounded before decoding: at most ``rcvhwm`` messages queue in ZMQ, and a peer
+  sending a frame over GUARD_FRAME_BYTES is cut off as soon as the frame's size is read.
+- On stop, what ZMQ already received is ingested (for up to DRAIN_LIMIT_S) before the
+  socket closes: no later message could report that gap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from telemetry.sidecar.ingest import MAX_FRAME_BYTES, TICK_INTERVAL_S, Ingest
+
+GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off (memory guard)
+DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
+RECV_BATCH = 4096
+DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
+
+
+def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
+    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ValueError(
+            f"telemetry address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
+        )
+    if scheme == "tcp" and bind and not allow_remote:
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"binding {address!r} makes the telemetry lane reachable from other hosts; "
+                "use 127.0.0.1, or pass --allow-remote to mean it"
+            )
+
+
+class Sidecar:
+    """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
+
+    def __init__(
+        self,
+        address: str,
+        ingest: Ingest,
+        bind: bool = True,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        tick_interval_s: float = TICK_INTERVAL_S,
+        context: zmq.Context | None = None,
+        curve_keys_dir: str | None = None,
+    ) -> None:
+        """``curve_keys_dir``: accept only engines holding CURVE keys listed there (tcp lanes
+        across hosts; see telemetry/lane/curve.py)."""
+        self.address = address
+        self.ingest = ingest
+        self._tick_interval_ns = int(tick_interval_s * 1e9)
+        self._stopped = threading.Event()
+        self._context = context or zmq.Context.instance()
+        self._curve = bool(curve_keys_dir)
+        self._socket = self._context.socket(zmq.PULL)
+        if curve_keys_dir:
+            from telemetry.lane.curve import configure_server
+
+            configure_server(self._socket, curve_keys_dir)
+        self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Memory guard: a peer sending frames far above the oversize limit is disconnected
+        # as soon as the frame's size is read. ZMQ drops that frame without a word; the
+        # disconnect is what can be counted (see count_lane_disconnect).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if bind:
+            self._socket.bind(address)
+        else:
+            self._socket.connect(address)
+
+    def run(self) -> None:
+        """Receive, decode and dispatch until stopped; the socket is closed on return."""
+        socket, monitor = self._socket, self._monitor
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poll_ms = max(1, self._tick_interval_ns // 1_000_000)
+        next_tick_ns = time.monotonic_ns()
+        try:
+            while not self._stopped.is_set():
+                ready = dict(poller.poll(poll_ms))
+                if socket in ready:
+                    self._receive_batch(time.monotonic_ns())
+                if monitor in ready:
+                    self._count_disconnects()
+                now_ns = time.monotonic_ns()
+                if now_ns >= next_tick_ns:
+                    self.ingest.tick(now_ns)
+                    next_tick_ns = now_ns + self._tick_interval_ns
+            self._drain()
+            self._count_disconnects()
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
+            socket.close(linger=0)
+            if self._curve:
+                from telemetry.lane.curve import stop_server_auth
+
+                stop_server_auth(self._context)
+
+    def _receive_batch(self, now_ns: int) -> int:
+        """Ingest up to RECV_BATCH frames already received, stamped ``now_ns``; how many."""
+        recv, on_frame = self._socket.recv, self.ingest.on_frame
+        for num_received in range(RECV_BATCH):
+            try:
+                frame = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return num_received
+            on_frame(frame, now_ns)
+        return RECV_BATCH
+
+    def _count_disconnects(self) -> None:
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: one event
+            except zmq.Again:
+                return
+            self.ingest.count_lane_disconnect()
+
+    def _drain(self) -> None:
+        """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
+        socket would drop it, and no later message could report that gap."""
+        deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
+        while (now_ns := time.monotonic_ns()) < deadline_ns:
+            if self._receive_batch(now_ns) < RECV_BATCH:
+                return
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return (safe from a signal handler or another thread)."""
+        self._stopped.set()

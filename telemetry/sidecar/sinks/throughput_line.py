@@ -1,0 +1,117 @@
+"""The log sink's throughput line (telemetry/sidecar/sinks/log.py): what it reports for one
+engine and one window, the aggregate of several engines, and its text, vLLM's own:
+
+    Engine 000: Avg prompt throughput: 1234.5 tokens/s, Avg generation throughput: 56.7
+    tokens/s, Running: 8 reqs, Waiting: 2 reqs, GPU KV cache usage: 12.3%, Prefix cache hit
+    rate: 45.6%
+
+(one line; wrapped here). What a line reports, per engine and window:
+    prompt throughput       context (prefill) tokens computed / window length
+    generation throughput   generation tokens / window length
+    Running, Waiting        the engine view's queues (its latest record or heartbeat)
+    KV cache usage          the engine view's KV blocks: used / (used + free) of the latest
+                            record, 0 of the heartbeat's total before one
+    Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
+    Preemptions             sum over the window, shown only when non-zero
+The aggregated line ("N Engines Aggregated") adds rates and queues up; its ratios are of the
+summed parts, not averages of the engines' ratios. Which engines print, and the window's
+length, are the sink's to decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.engine_view import EngineView, kv_usage_percent
+
+
+@dataclass
+class WindowCounts:
+    """Sums over one log window for one engine (or over all engines, for the aggregate)."""
+
+    num_iterations: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    def add_record(self, record: IterationRecord) -> None:
+        self.num_iterations += 1
+        self.num_prefill_tokens += record.num_prefill_tokens
+        self.num_decode_tokens += record.num_decode_tokens
+        self.num_preemptions += record.num_preemptions
+        self.num_prefix_query_tokens += record.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+
+
+@dataclass
+class LineFigures:
+    """Everything one 10-second line shows."""
+
+    label: str
+    prompt_throughput: float  # tokens/s
+    generation_throughput: float  # tokens/s
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    device_name: str
+
+
+def engine_figures(engine: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
+    """One engine's line: rates over ``window_time`` seconds from the window's sums, the
+    rest from its view as it is now."""
+    num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
+    return LineFigures(
+        label=f"Engine {engine.engine_index:03d}",
+        prompt_throughput=counts.num_prefill_tokens / window_time,
+        generation_throughput=counts.num_decode_tokens / window_time,
+        num_running_reqs=engine.num_running_reqs,
+        num_waiting_reqs=engine.num_waiting_reqs,
+        num_kv_blocks_used=num_kv_blocks_used,
+        num_kv_blocks_total=num_kv_blocks_total,
+        num_prefix_query_tokens=counts.num_prefix_query_tokens,
+        num_prefix_hit_tokens=counts.num_prefix_hit_tokens,
+        num_preemptions=counts.num_preemptions,
+        device_name=engine.device_name,
+    )
+
+
+def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
+    """Several engines as one: rates and queues add up; ratios are of the summed parts."""
+    return LineFigures(
+        label=f"{len(lines)} Engines Aggregated",
+        prompt_throughput=sum(f.prompt_throughput for f in lines),
+        generation_throughput=sum(f.generation_throughput for f in lines),
+        num_running_reqs=sum(f.num_running_reqs for f in lines),
+        num_waiting_reqs=sum(f.num_waiting_reqs for f in lines),
+        num_kv_blocks_used=sum(f.num_kv_blocks_used for f in lines),
+        num_kv_blocks_total=sum(f.num_kv_blocks_total for f in lines),
+        num_prefix_query_tokens=sum(f.num_prefix_query_tokens for f in lines),
+        num_prefix_hit_tokens=sum(f.num_prefix_hit_tokens for f in lines),
+        num_preemptions=sum(f.num_preemptions for f in lines),
+        device_name=lines[0].device_name,
+    )
+
+
+def format_engine_line(figures: LineFigures) -> str:
+    """The line's text, word for word vLLM's (the log sink is vLLM-compatible)."""
+    kv_usage = kv_usage_percent(figures.num_kv_blocks_used, figures.num_kv_blocks_total)
+    queries = figures.num_prefix_query_tokens
+    hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
+    line = (
+        f"{figures.label}: "
+        f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
+        f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
+        f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
+        f"{figures.device_name or 'GPU'} KV cache usage: {kv_usage:.1f}%, "
+        f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
+    if figures.num_preemptions:
+        line += f", Preemptions: {figures.num_preemptions}"
+    return line
