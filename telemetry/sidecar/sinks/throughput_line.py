@@ -28,7 +28,7 @@ from telemetry.sidecar.engine_view import EngineView, kv_usage_percent
 
 @dataclass
 class WindowCounts:
-    """Sums over one log window for one engine (or over all engines, for the aggregate)."""
+    """Sums over one log window for one engine (the aggregate line adds LineFigures instead)."""
 
     num_iterations: int = 0
     num_prefill_tokens: int = 0
