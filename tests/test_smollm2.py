@@ -15,7 +15,6 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.model.loader import load_model
 from engine.request import Request, SamplingParams
 from engine.startup import build_engine_core
 
@@ -31,9 +30,8 @@ PLAIN_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2", dtype="float32")
+# `smollm2`, our float32 load of the GGUF, is conftest.py's: one per session, shared with
+# test_hf_export.py.
 
 
 @pytest.fixture(scope="module")
