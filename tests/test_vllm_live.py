@@ -200,12 +200,20 @@ def engine_state(stack) -> str | None:
     return states[0] if states else None
 
 
+# Output tokens of each request the stall test stops and continues: the core is stopped
+# within a poll (0.2 s) of the first iteration, a few tokens in, and recovery shows at the
+# first iteration after SIGCONT, so the requests run long before and after either moment
+# (vLLM makes about 10 tokens/s per request on 2 cores; 400 tokens took 40 s of CI's time).
+STALL_TEST_OUTPUT_LEN = 128
+
+
 def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
     core_pid = engine_core_pid(stack["server"].pid)
     api = client(stack["api_port"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pending = [pool.submit(api.completions.create, model="smollm2", prompt="Tell a story.",
-                               max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+                               max_tokens=STALL_TEST_OUTPUT_LEN, temperature=0,
+                               extra_body={"ignore_eos": True})
                    for _ in range(2)]
         wait_for(lambda: engine_state(stack) == "running", 30, "the engine to run")
         os.kill(core_pid, signal.SIGSTOP)
@@ -218,7 +226,8 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
             os.kill(core_pid, signal.SIGCONT)
         wait_for(lambda: engine_state(stack) == "running", 10, "recovery after SIGCONT")
         for future in pending:
-            assert future.result(timeout=120).usage.completion_tokens == 400
+            assert future.result(timeout=120).usage.completion_tokens == (
+                STALL_TEST_OUTPUT_LEN)
     log = (stack["tmp"] / "sidecar.log").read_text()
     assert "-> stalled" in log and "stalled -> running" in log
 
