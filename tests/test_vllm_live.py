@@ -100,7 +100,8 @@ def client(api_port: int) -> openai.OpenAI:
 
 
 def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
-    """Completions and chat, four at a time, distinct prompts."""
+    """Completions and chat, eight at a time (a step of vLLM on CPU costs little more for 8
+    sequences than for 4: 49 against 31 tokens/s on 2 cores), distinct prompts."""
     api = client(api_port)
 
     def one(i: int):
@@ -111,7 +112,7 @@ def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
             model="smollm2", max_tokens=max_tokens, temperature=0,
             messages=[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}])
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(num_requests)))
 
 
