@@ -40,9 +40,7 @@ def stream(tokenizer, token_ids: list[int], step: int = 1) -> list[str]:
     return pieces
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    return load_tokenizer("smollm2")
+# `smollm2_tokenizer` is conftest.py's: one per session, shared with test_chat_special_tokens.py.
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,9 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    return load_model("smollm2", dtype="float32")
+def gguf(smollm2):
+    """The embedded GGUF as our loader reads it, float32 (conftest.py: one copy per session)."""
+    return smollm2
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 
 The engine core runs the five checked prompts (at least four run 32 tokens before EOS)
 batched with three sampled requests, with a small token budget so prompts are prefilled in
-chunks next to running decodes. transformers loads the same GGUF (gguf_file=) and generates
-each prompt on its own, in float32 like us.
+chunks next to running decodes. transformers loads the same GGUF (gguf_file=) and, for each
+prompt on its own, in float32 like us, checks our tokens the way its greedy generate would make
+them: each is its argmax after the prompt and our tokens before it, and we stop where generate
+stops (its EOS, or 32 tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.model.loader import load_model
 from engine.request import Request, SamplingParams
 from engine.startup import build_engine_core
 
@@ -31,9 +32,8 @@ PLAIN_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2", dtype="float32")
+# `smollm2`, our float32 load of the GGUF, is conftest.py's: one per session, shared with
+# test_hf_export.py.
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +80,29 @@ def engine_outputs(smollm2) -> dict[str, list[int]]:
     return run_engine(smollm2, prompt_ids(smollm2.tokenizer))
 
 
+def greedy_choices(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The model's greedy choice after ``prompt`` + tokens[:k], for every k, from one forward
+    pass over both (teacher forcing). Step k of greedy generate picks that same argmax once its
+    steps before made tokens[:k]: it makes exactly ``tokens`` if tokens[k] == choices[k] for
+    every k and it stops where they end."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
+    return logits.argmax(-1).tolist()
+
+
 def test_greedy_tokens_match_transformers_while_batched(smollm2, reference, engine_outputs):
+    eos = reference.generation_config.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, list) else {eos}
     num_full_length = 0
     for i, ids in enumerate(prompt_ids(smollm2.tokenizer)):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NUM_CHECKED_TOKENS,
-            )[0, len(ids) :].tolist()
-        assert engine_outputs[f"checked-{i}"] == expected, f"prompt {i} diverged"
-        num_full_length += len(expected) == NUM_CHECKED_TOKENS
+        ours = engine_outputs[f"checked-{i}"]
+        choices = greedy_choices(reference, ids, ours)
+        assert ours == choices[: len(ours)], f"prompt {i} diverged"
+        # generate stops at its EOS or at max_new_tokens, and nowhere else.
+        assert not eos_ids & set(ours[:-1]), f"prompt {i} ran past an EOS"
+        assert len(ours) == NUM_CHECKED_TOKENS or ours[-1] in eos_ids, (
+            f"prompt {i} stopped early")
+        num_full_length += len(ours) == NUM_CHECKED_TOKENS
     assert num_full_length >= 4, "fewer than 4 prompts ran 32 tokens before EOS"
     for i in range(3):
         assert len(engine_outputs[f"sampled-{i}"]) >= 1
