@@ -20,6 +20,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from engine.model.gguf_reader import GGUFFile
+
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -40,27 +42,28 @@ GGUF_GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader (memory-mapped); pass it to the functions below."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file (tensors memory-mapped); pass it to the functions below."""
     try:
-        import gguf
+        from engine.model.gguf_reader import read_gguf
     except ImportError as exc:  # a runtime dependency, but say what is missing
         raise ImportError("reading GGUF files needs the `gguf` package") from exc
-    return gguf.GGUFReader(str(path))
+    return read_gguf(path)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key, default)
+    # a fresh list per call, as GGUFReader's contents() gave: a caller's edit stays its own
+    return list(value) if isinstance(value, list) else value
 
 
-def read_gguf_metadata(reader) -> dict[str, Any]:
+def read_gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """The scalar and string fields (token lists excluded) as a plain dict."""
     skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
-    return {k: reader.fields[k].contents() for k in reader.fields if k not in skip}
+    return {k: _field(reader, k) for k in reader.fields if k not in skip}
 
 
-def gguf_hf_config(reader) -> dict[str, Any]:
+def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
     """An HF config.json-style dict built from the file's metadata."""
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -83,7 +86,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
         "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
         "vocab_size": meta.get(f"{arch}.vocab_size")
-        or len(reader.fields["tokenizer.ggml.tokens"].data),
+        or len(reader.fields["tokenizer.ggml.tokens"]),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -112,7 +115,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return shaped.swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf_state_dict(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_gguf_state_dict(reader: GGUFFile, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 and name it as transformers would."""
     import torch  # here, not at the top: the frontend reads GGUF tokenizers without torch
     from gguf.quants import dequantize
@@ -148,7 +151,7 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
-def gguf_tokenizer_fields(reader) -> dict[str, Any]:
+def gguf_tokenizer_fields(reader: GGUFFile) -> dict[str, Any]:
     """tokens, token types, merges, special ids and chat template, as stored."""
     return {
         "model": _field(reader, "tokenizer.ggml.model"),
