@@ -251,7 +251,6 @@ def test_gguf_of_another_architecture_is_refused_clearly():
 
     from engine.model.gguf_file import gguf_hf_config
 
-    field = SimpleNamespace(contents=lambda: "gemma")
-    reader = SimpleNamespace(fields={"general.architecture": field})
+    reader = SimpleNamespace(fields={"general.architecture": "gemma"})  # a parsed GGUFFile
     with pytest.raises(ValueError, match="GGUF architecture 'gemma' is not supported"):
         gguf_hf_config(reader)
