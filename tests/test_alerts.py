@@ -41,7 +41,7 @@ EXPECTED_ALERTS = {
 # deploy/alerting.yml replaces the base in the rules deploy/ ships (tests/test_deploy.py).
 RUNBOOK_BASE_URL = "https://github.com/iterscope/iterscope/blob/main/docs/runbooks"
 # Series the alerts may read that are not the sidecar's: the API server's own HTTP series.
-API_SERIES = {"http_requests_total"}
+API_SERIES = {"http_requests_total", "iterscope_api_sidecar_reachable"}  # the API port's own
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm on the dashboards", "## What to change")
 # by/without clauses of aggregations and on/ignoring clauses of binary operators.
 LABEL_CLAUSE = re.compile(r"\b(by|without|on|ignoring)\s*\(([^)]*)\)")
