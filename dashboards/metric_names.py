@@ -17,6 +17,7 @@ GAUGES = {
     "iterscope_kv_tokens",
     "iterscope_engine_state",
     "iterscope_heartbeat_age_seconds",
+    "iterscope_engine_info",
     "iterscope_sidecar_lag_seconds",
     "iterscope_sidecar_up",
     "iterscope_sidecar_start_time_seconds",

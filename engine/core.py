@@ -24,6 +24,7 @@ from telemetry.lane.publisher import NullPublisher
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
+    SOURCE_ITERSCOPE,
     IterationRecord,
     RequestMilestone,
 )
@@ -198,6 +199,7 @@ class EngineCore:
             "num_kv_blocks_total": self.kv_plan.num_blocks,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "source": SOURCE_ITERSCOPE,
         }
 
 

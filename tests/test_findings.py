@@ -225,8 +225,8 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
     assert finding.title == "Requests waiting: --max-num-seqs"
     summary = summarize(timeline)
     assert "mostly for --max-num-seqs" in summary.verdict
-    assert set(summary.waiting_reason_shares) == {  # the JSON keys, unchanged
-        "KV capacity", "max_num_seqs", "max_num_batched_tokens"}
+    assert set(summary.waiting_reason_shares) == {  # the JSON keys, unchanged (+ other)
+        "KV capacity", "max_num_seqs", "max_num_batched_tokens", "other"}
     texts = [engine_header(timeline), *format_summary(summary)]
     for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
                 long_prefill_sim()):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
-from telemetry.analysis.episodes import KV_MEMORY_TEXT, Episode, Thresholds
+from telemetry.analysis.episodes import Episode, Thresholds
+from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_seqs, recommend
@@ -106,13 +107,13 @@ def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
     demand = int(wanted.max()) if wanted.size else 0
     fit, mean_length = kv_max_seqs(tl)
     if fit is None or mean_length is None or demand <= 0:
-        return (f"Raise {KV_MEMORY_TEXT} or lower --max-num-seqs; no value could be computed "
+        return (f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
                 "here (the recording has no finished request or no block size): `iterscope "
                 "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
                 "of your length a size holds.")
     if demand <= fit:
         return _kv_peak_action(tl, rows)
-    return (f"Raise --kv-cache-memory to {demand / fit:.1f}x the cache's size now (it holds "
+    return (f"Raise {kv_memory_flag(tl)} to {demand / fit:.1f}x the cache's size now (it holds "
             f"{plural(fit, 'request')} of {mean_length:.0f} tokens, {demand} wanted in at once; "
             "`iterscope "
             f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
@@ -128,11 +129,11 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
     kv_plan = ("(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size "
                "holds)")
     if value >= running:  # fewer requests cannot help: one alone fills the cache
-        return (f"Raise {KV_MEMORY_TEXT} {kv_plan}: {plural(running, 'request')} running took "
+        return (f"Raise {kv_memory_text(tl)} {kv_plan}: {plural(running, 'request')} running took "
                 f"KV usage to {100 * usage[peak]:.1f}%, fewer cannot run.")
     return (f"Set --max-num-seqs {value}: {plural(running, 'request')} running together took KV "
             f"usage to {100 * usage[peak]:.1f}%, and with {value} it stays near "
-            f"{100 * KV_TARGET_USAGE:.0f}%; or raise {KV_MEMORY_TEXT} {kv_plan}.")
+            f"{100 * KV_TARGET_USAGE:.0f}%; or raise {kv_memory_text(tl)} {kv_plan}.")
 
 
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:

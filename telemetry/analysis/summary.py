@@ -20,7 +20,7 @@ from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
 # The keys of Summary.waiting_reason_shares, by WAIT_REASONS name: what `explain --json`
 # scripts read, kept as they were when the text began naming limits by their flags.
 SHARE_KEYS = {"waiting_kv": "KV capacity", "waiting_seq_limit": "max_num_seqs",
-              "waiting_budget": "max_num_batched_tokens"}
+              "waiting_budget": "max_num_batched_tokens", "waiting_other": "other"}
 SHARE_LABELS = {SHARE_KEYS[name]: reason.limit for name, reason in WAIT_REASONS.items()}
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues

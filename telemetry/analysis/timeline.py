@@ -120,7 +120,8 @@ RECORD_FIELDS = (
     "num_prefill_reqs", "num_prefill_tokens", "num_decode_reqs", "num_decode_tokens",
     "num_running_reqs", "num_waiting_reqs",
     "num_waiting_kv_reqs", "num_waiting_seq_limit_reqs", "num_waiting_budget_reqs",
-    "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_tokens", "num_preemptions",
+    "num_waiting_other_reqs", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_tokens",
+    "num_preemptions",
     "unknown",  # UNKNOWN_* bits: fields the source did not give
 )
 
@@ -140,7 +141,7 @@ def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
 
 FACT_FIELDS = (
     "model_name", "device_name", "block_size", "num_kv_blocks_total", "max_num_seqs",
-    "max_num_batched_tokens", "pid",
+    "max_num_batched_tokens", "pid", "source",
 )
 
 
@@ -194,6 +195,11 @@ WAIT_REASONS = {
     "waiting_budget": WaitReason(
         "num_waiting_budget_reqs", "--max-num-batched-tokens",
         "the iteration's token budget (--max-num-batched-tokens) was used up",
+    ),
+    "waiting_other": WaitReason(
+        "num_waiting_other_reqs", "held back by the engine",
+        "the engine held them back for a reason of their own (a structured-output grammar "
+        "still compiling, a remote KV transfer, a streaming input waiting for more)",
     ),
 }
 

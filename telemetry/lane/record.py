@@ -16,10 +16,15 @@ Invariants the sidecar relies on:
   ``wall_ns`` (``time.time_ns()``) read back to back, the clock anchor that converts the first
   into the second.
 - A steady-state decode record (no milestones) encodes to well under 96 bytes.
+- Waiting requests are split by what held them: KV capacity, the sequence limit, the token
+  budget, or ``num_waiting_other_reqs``: requests a source holds back for a reason of their
+  own (a vLLM request blocked on a structured-output grammar, a remote KV transfer or
+  streaming input). Our own engine has none of the last kind.
 - ``unknown`` holds UNKNOWN_* bits for the fields a source cannot fill (a vLLM server
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
-  The field is last, so frames without it (older senders) decode with ``unknown`` = 0.
+  Fields added since the first release (``unknown``, ``num_waiting_other_reqs``, the
+  Heartbeat's ``source``) come last with a default, so frames of older senders still decode.
 
 Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
 sets and make every other count 0. The defaults live in these factories, not on the Structs:
@@ -55,10 +60,17 @@ EVENT_FINISHED = 2
 # vLLM's FinishReason, whose error and repetition our engine never sends), -1 = not finished
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
+# Heartbeat.source: who fills the messages (our engine, vLLM's engine core through our
+# scheduler subclass, vLLM's API server through our stat-logger plugin)
+SOURCE_ITERSCOPE = "iterscope"
+SOURCE_VLLM_SCHEDULER = "vllm-scheduler"
+SOURCE_VLLM_STAT_LOGGER = "vllm-stat-logger"
+SOURCES = (SOURCE_ITERSCOPE, SOURCE_VLLM_SCHEDULER, SOURCE_VLLM_STAT_LOGGER)
+
 # IterationRecord.unknown bits: fields the source does not give (sent as 0, shown as unknown)
 UNKNOWN_PREFILL_REQS = 1  # num_prefill_reqs
 UNKNOWN_ELAPSED = 2  # elapsed_ns (start_ns is then when the source saw the iteration end)
-UNKNOWN_WAITING_REASONS = 4  # num_waiting_kv_reqs, num_waiting_seq_limit_reqs, ..._budget_reqs
+UNKNOWN_WAITING_REASONS = 4  # num_waiting_{kv,seq_limit,budget,other}_reqs
 UNKNOWN_KV_TOKENS = 8  # num_kv_tokens
 
 
@@ -119,6 +131,7 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     num_dropped: Count = 0  # messages the engine failed to send since the last one it sent
     milestones: list[RequestMilestone] = []
     unknown: Count = 0  # UNKNOWN_* bits: fields this source does not give
+    num_waiting_other_reqs: Count = 0  # held back by the source itself (see the module doc)
 
 
 def is_known(record: IterationRecord, unknown_bit: int) -> bool:
@@ -146,6 +159,7 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     max_num_batched_tokens: Count = 0
     pid: Count = 0
     schema_version: Count = SCHEMA_VERSION
+    source: str = ""  # who filled the messages: SOURCES; "" = an older sender
 
 
 Message = IterationRecord | Heartbeat

@@ -18,8 +18,8 @@ below is defined here once, so that every sink says the same:
                   Queues: the latest record's or heartbeat's.
     KV blocks     used and used + free of the latest record, so the two never mix moments;
                   before a record of this process, 0 used of the heartbeat's total.
-    facts         from heartbeats: the latest device ("" = not said); the latest non-empty
-                  model and KV total (a metric label must not flap). A new pid (0 = not
+    facts         from heartbeats: the latest device and source ("" = not said); the latest
+                  non-empty model and KV total (a metric label must not flap). A new pid (0 = not
                   said) is a new process: no record of it yet.
     status        written by Ingest only, right before it calls the sinks' ``on_status``.
 
@@ -62,6 +62,7 @@ class EngineView:
         self.pid = 0  # 0 = no heartbeat named one yet
         self.model_name = ""
         self.device_name = ""
+        self.source = ""  # who fills the messages (telemetry.lane.record.SOURCES); "" = not said
         self.clock_offset_ns: int | None = None  # wall - monotonic, of the latest heartbeat
         self.last_iteration = 0
         self.num_waiting_reqs = 0
@@ -114,6 +115,7 @@ class EngineView:
         if heartbeat.model_name:
             self.model_name = heartbeat.model_name
         self.device_name = heartbeat.device_name
+        self.source = heartbeat.source
         if heartbeat.num_kv_blocks_total:
             self.heartbeat_kv_blocks_total = heartbeat.num_kv_blocks_total
         if heartbeat.last_iteration > self.last_iteration:

@@ -58,12 +58,12 @@ class RecordMaker:
         """``iteration_details``: vLLM runs with --enable-logging-iteration-details, so every
         step that scheduled tokens carries its details and a call without them is no step."""
         self.engine_index = engine_index
-        self.num_usable_blocks = max(0, num_gpu_blocks - NUM_NULL_BLOCKS)
+        self.num_usable_blocks = num_usable_blocks(num_gpu_blocks)
         self.iteration_details = iteration_details
         self.iteration = 0
 
     def set_num_gpu_blocks(self, num_gpu_blocks: int) -> None:
-        self.num_usable_blocks = max(0, num_gpu_blocks - NUM_NULL_BLOCKS)
+        self.num_usable_blocks = num_usable_blocks(num_gpu_blocks)
 
     def make(self, scheduler_stats: Any, iteration_stats: Any) -> IterationRecord | None:
         """The record of one ``record()`` call, or None when it reports no engine step.
@@ -198,3 +198,36 @@ def _int(obj: Any, name: str) -> int:
 
 def _ns(seconds: float) -> int:
     return int((seconds or 0.0) * NS_PER_S)
+
+
+def engine_facts(vllm_config: Any, num_usable_blocks: int, source: str) -> dict[str, Any]:
+    """Static Heartbeat fields from vLLM's config; a missing attribute leaves its default."""
+    facts: dict[str, Any] = {"source": source}
+    model = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
+    if isinstance(model, (list, tuple)):
+        model = model[0] if model else None
+    if model:
+        facts["model_name"] = str(model)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device:
+        facts["device_name"] = "GPU" if device == "cuda" else str(device).upper()
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "block_size", None):
+        facts["block_size"] = int(cache.block_size)
+    if num_usable_blocks:
+        facts["num_kv_blocks_total"] = num_usable_blocks
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(scheduler, name, None):
+            facts[name] = int(getattr(scheduler, name))
+    return facts
+
+
+def num_gpu_blocks(vllm_config: Any) -> int:
+    """The KV pool's size in blocks as vLLM's cache config says (0 before it is known)."""
+    return int(getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", 0) or 0)
+
+
+def num_usable_blocks(num_gpu_blocks: int) -> int:
+    """The blocks requests can hold: vLLM's pool less its null block."""
+    return max(0, num_gpu_blocks - NUM_NULL_BLOCKS)

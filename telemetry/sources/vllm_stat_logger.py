@@ -2,13 +2,12 @@
 
 Installed with this package under the entry-point group ``vllm.stat_logger_plugins``; vLLM's
 ``vllm serve`` (AsyncLLM) builds one ``IterscopeStatLogger`` per engine index (data-parallel
-rank) in its API-server process. Turned on by one environment variable:
-
-    ITERSCOPE_TELEMETRY_ADDRESS=ipc:///tmp/iterscope-1000/telemetry.sock  (or "default":
-    the address ``iterscope sidecar`` binds by default)
-
-Without it the plugin does nothing and says so once. It imports the lane (record,
-publisher) and the mapping (telemetry/sources/vllm_records.py), nothing else of iterscope.
+rank) in its API-server process. Turned on by ITERSCOPE_TELEMETRY_ADDRESS
+(telemetry/sources/vllm_lane.py); without it the plugin does nothing and says so once. When
+vLLM runs with iterscope's scheduler (``--scheduler-cls telemetry.sources.vllm_scheduler...``)
+that source reports every step from the engine core itself, so the plugin sends nothing (one
+source per engine, no double counting) and says so once. It imports the lane, the mapping
+(telemetry/sources/vllm_records.py) and vllm_lane.py, nothing else of iterscope.
 
     vLLM event loop                                publisher thread (owns socket, encoder)
     record(scheduler_stats, iteration_stats)       every 100 ms: stamp, encode, send(NOBLOCK)
@@ -24,24 +23,23 @@ raises into vLLM: an exception is caught, counted and logged (the first, then ev
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from telemetry.lane.publisher import ZmqPublisher, default_address
-from telemetry.sources.vllm_records import RecordMaker, num_in_flight
+from telemetry.lane.publisher import ZmqPublisher
+from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER
+from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
+from telemetry.sources.vllm_records import (
+    RecordMaker,
+    engine_facts,
+    num_gpu_blocks,
+    num_in_flight,
+)
 
-ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
-TESTED_VLLM_VERSIONS = ("0.32.0",)
-# The publisher thread wakes this often. vLLM's engine core spreads its OpenMP threads over
-# every core, so each wake-up of another thread can hold up a whole parallel region; vLLM
-# steps take tens of ms, so 100 ms still sends each record well within a heartbeat.
-SEND_INTERVAL_S = 0.1
+SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
-_said_unconfigured = False
 
 
 class IterscopeStatLogger(StatLoggerBase):
@@ -54,25 +52,16 @@ class IterscopeStatLogger(StatLoggerBase):
         self._publisher: ZmqPublisher | None = None
         observability = getattr(vllm_config, "observability_config", None)
         self._maker = RecordMaker(
-            engine_index, _num_gpu_blocks(vllm_config),
+            engine_index, num_gpu_blocks(vllm_config),
             bool(getattr(observability, "enable_logging_iteration_details", False)),
         )
-        address = os.environ.get(ADDRESS_ENV, "").strip()
-        if not address:
-            _say_unconfigured_once()
+        if scheduler_source_selected(vllm_config):
+            if engine_index == 0:
+                logger.info("iterscope: vLLM runs iterscope's scheduler, which reports every "
+                            "step from the engine core; the stat-logger plugin sends nothing")
             return
-        if address == "default":
-            address = default_address()
-        try:
-            self._publisher = ZmqPublisher(address, engine_index, facts=self._facts(),
-                                           send_interval_s=SEND_INTERVAL_S)
-        except Exception:  # a bad address must not stop vLLM from serving
-            logger.exception("iterscope: cannot publish to %s; telemetry is off", address)
-            return
-        atexit.register(self._publisher.close)
-        logger.info("iterscope: engine %d publishes per-step records to %s",
-                    engine_index, address)
-        if engine_index == 0:
+        self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
+        if self._publisher is not None and engine_index == 0:
             _warn_if_untested_version()
 
     def log_engine_initialized(self) -> None:
@@ -80,7 +69,7 @@ class IterscopeStatLogger(StatLoggerBase):
         if self._publisher is None:
             return
         try:
-            self._maker.set_num_gpu_blocks(_num_gpu_blocks(self._vllm_config))
+            self._maker.set_num_gpu_blocks(num_gpu_blocks(self._vllm_config))
             self._publisher.update_facts(**self._facts())
         except Exception:
             self._failed()
@@ -111,46 +100,22 @@ class IterscopeStatLogger(StatLoggerBase):
                              "vLLM goes on)", self.engine_index, self.num_errors)
 
     def _facts(self) -> dict[str, Any]:
-        """Static Heartbeat fields from vLLM's config; a missing attribute leaves its default."""
-        config = self._vllm_config
-        facts: dict[str, Any] = {}
-        model = getattr(getattr(config, "model_config", None), "served_model_name", None)
-        if isinstance(model, (list, tuple)):
-            model = model[0] if model else None
-        if model:
-            facts["model_name"] = str(model)
-        device = getattr(getattr(config, "device_config", None), "device_type", None)
-        if device:
-            facts["device_name"] = "GPU" if device == "cuda" else str(device).upper()
-        cache = getattr(config, "cache_config", None)
-        if getattr(cache, "block_size", None):
-            facts["block_size"] = int(cache.block_size)
-        if self._maker.num_usable_blocks:
-            facts["num_kv_blocks_total"] = self._maker.num_usable_blocks
-        scheduler = getattr(config, "scheduler_config", None)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(scheduler, name, None):
-                facts[name] = int(getattr(scheduler, name))
-        return facts
+        return engine_facts(self._vllm_config, self._maker.num_usable_blocks,
+                            SOURCE_VLLM_STAT_LOGGER)
 
 
-def _num_gpu_blocks(vllm_config: Any) -> int:
-    return int(getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", 0) or 0)
+def scheduler_source_selected(vllm_config: Any) -> bool:
+    """Whether vLLM was started with one of iterscope's scheduler classes."""
+    scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    name = scheduler_cls if isinstance(scheduler_cls, str) else getattr(
+        scheduler_cls, "__module__", "")
+    return str(name or "").startswith(SCHEDULER_MODULE)
 
 
 def _warn_if_untested_version() -> None:
     """vLLM's stats classes are no stable interface: say when this vLLM is not one tested."""
     from vllm import __version__
 
-    if __version__.split("+")[0] not in TESTED_VLLM_VERSIONS:
+    if not is_tested_version(__version__):
         logger.warning("iterscope: tested with vLLM %s, this is %s; a stats field vLLM renamed "
                        "reads as 0 (docs/vllm.md)", ", ".join(TESTED_VLLM_VERSIONS), __version__)
-
-
-def _say_unconfigured_once() -> None:
-    global _said_unconfigured
-    if not _said_unconfigured:
-        _said_unconfigured = True
-        logger.info("iterscope: the stat-logger plugin is installed but %s is not set, so it "
-                    "sends nothing (set it to the sidecar's address, or to 'default')",
-                    ADDRESS_ENV)

@@ -33,7 +33,9 @@ from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 from tests.faults import leak_blocks_per_finish, stalling  # noqa: E402
 
-TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x 16 x fp32
+# K and V x 2 layers x 2 KV heads x 16 x fp32: the scenarios run in float32 whatever the CPU
+# (--dtype auto picks bfloat16 where the CPU has it, which would double every KV size here)
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 BLOCK_SIZE = 16
 
 
@@ -87,7 +89,7 @@ def run_scenario(
         engine_config = EngineConfig(
             model="tiny-llama", block_size=BLOCK_SIZE,
             kv_cache_memory_bytes=num_kv_blocks * BLOCK_SIZE * TINY_KV_BYTES_PER_TOKEN,
-            max_model_len=1024, **config,
+            max_model_len=1024, **{"dtype": "float32", **config},
         )
         torch.set_num_threads(1)  # 2 shared cores: threads only fight over them
         runner_class = stalling(ModelRunner, stall_at_call, stall_s) if stall_at_call else None

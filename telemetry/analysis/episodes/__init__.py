@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from telemetry.analysis.episodes.episode import (
     INFO,
-    KV_MEMORY_TEXT,
     KV_PLAN_TEXT,
     PROBLEM,
     TUNE_TEXT,
@@ -60,7 +59,7 @@ from telemetry.analysis.timeline import (
 )
 
 __all__ = [
-    "DETECTORS", "FACT_FIELDS", "INFO", "KV_MEMORY_TEXT", "KV_PLAN_TEXT", "NS_PER_S", "PROBLEM",
+    "DETECTORS", "FACT_FIELDS", "INFO", "KV_PLAN_TEXT", "NS_PER_S", "PROBLEM",
     "RECORD_FIELDS", "TUNE_TEXT", "WAIT_REASONS",
     "EngineTimeline", "Episode", "Thresholds", "build_timelines", "detect_episodes",
     "detect_idle", "detect_kv_cliff", "detect_kv_leaks", "detect_kv_saturation",

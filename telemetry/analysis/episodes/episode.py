@@ -96,14 +96,40 @@ def secs(time_ns: int | float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-# How change lines name the KV cache's size and the command that plans it (engine flags:
-# engine/entrypoints/serve_args.py; on CUDA without --kv-cache-memory the cache gets what
-# --gpu-memory-utilization leaves after weights and activations).
-KV_MEMORY_TEXT = "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)"
+# How change lines name the KV cache's size, in the flags of the engine that was recorded
+# (ours: engine/entrypoints/serve_args.py, where on CUDA without --kv-cache-memory the cache
+# gets what --gpu-memory-utilization leaves; vLLM's `vllm serve` flags and its CPU build's
+# environment variable), and the command that plans it.
+KV_MEMORY_FLAGS = {"iterscope": "--kv-cache-memory", "vllm": "--kv-cache-memory-bytes"}
+KV_MEMORY_TEXTS = {
+    "iterscope": "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)",
+    "vllm": ("--kv-cache-memory-bytes (without it: a higher --gpu-memory-utilization; on "
+             "vLLM's CPU build VLLM_CPU_KVCACHE_SPACE; or a higher --num-gpu-blocks-override "
+             "where one is set)"),
+}
 TUNE_TEXT = ("`iterscope tune RECORDING --itl-target T`, with T your inter-token latency "
              "target,")
 KV_PLAN_TEXT = ("`iterscope kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how "
                 "many requests of that length a size holds")
+
+
+def engine_kind(timeline: EngineTimeline) -> str:
+    """Whose flags an action names: "vllm" for a recording of vLLM (its heartbeats say so;
+    older vLLM recordings say nothing but give no waiting reasons), else "iterscope"."""
+    source = str(timeline.facts.get("source", ""))
+    if source.startswith("vllm") or (not source and not timeline.waiting_reasons_known):
+        return "vllm"
+    return "iterscope"
+
+
+def kv_memory_flag(timeline: EngineTimeline) -> str:
+    """The flag that sizes the KV cache, in the recorded engine's words."""
+    return KV_MEMORY_FLAGS[engine_kind(timeline)]
+
+
+def kv_memory_text(timeline: EngineTimeline) -> str:
+    """How to give the KV cache more memory, in the recorded engine's flags."""
+    return KV_MEMORY_TEXTS[engine_kind(timeline)]
 
 
 def flag_text(timeline: EngineTimeline, name: str) -> str:

@@ -8,12 +8,12 @@ import numpy as np
 
 from telemetry.analysis.episodes.episode import (
     INFO,
-    KV_MEMORY_TEXT,
     KV_PLAN_TEXT,
     PROBLEM,
     Episode,
     Thresholds,
     flag_text,
+    kv_memory_text,
     pct,
     span_episode,
     true_runs,
@@ -59,7 +59,7 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             explanation=_saturation_explanation(peak, num_blocked, num_preemptions,
                                                 tl.waiting_reasons_known),
             setting=(
-                f"Raise {KV_MEMORY_TEXT}, lower --max-model-len, or lower "
+                f"Raise {kv_memory_text(tl)}, lower --max-model-len, or lower "
                 f"{flag_text(tl, 'max_num_seqs')} or client concurrency so peak usage stays "
                 f"below ~90% ({KV_PLAN_TEXT}; runbook: IterscopeKVCacheSaturated)."
             ),
@@ -157,7 +157,7 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"Peak KV usage reached {pct(usage[high])} with "
             f"{plural(int(running[high]), 'request')}: lower "
             f"{flag_text(tl, 'max_num_seqs')} or client concurrency so the peak stays below "
-            f"~90%, or raise {KV_MEMORY_TEXT} ({KV_PLAN_TEXT})."
+            f"~90%, or raise {kv_memory_text(tl)} ({KV_PLAN_TEXT})."
         ),
         numbers={"usage_before": float(usage[high]), "usage_after": float(usage[low]),
                  "running_before": int(running[high]), "running_after": int(running[low]),

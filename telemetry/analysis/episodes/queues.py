@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.episodes.episode import (
-    KV_MEMORY_TEXT,
     KV_PLAN_TEXT,
     TUNE_TEXT,
     Episode,
     Thresholds,
     flag_text,
     group_by_time,
+    kv_memory_text,
     pct,
     span_episode,
     true_runs,
@@ -48,7 +48,7 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             ),
             setting=(
                 f"Lower {flag_text(tl, 'max_num_seqs')} or client concurrency, or raise "
-                f"{KV_MEMORY_TEXT}, so the requests admitted together fit until they finish "
+                f"{kv_memory_text(tl)}, so the requests admitted together fit until they finish "
                 f"({KV_PLAN_TEXT}; runbook: IterscopePreemptionStorm)."
             ),
             numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
@@ -103,7 +103,7 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
 
 def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_kv":
-        return (f"Raise {KV_MEMORY_TEXT}, lower --max-model-len, or send fewer concurrent "
+        return (f"Raise {kv_memory_text(tl)}, lower --max-model-len, or send fewer concurrent "
                 f"requests ({KV_PLAN_TEXT}).")
     if reason == "waiting_seq_limit":
         room = "KV had room" if peak_usage < 0.9 else "KV was nearly full too"
@@ -112,8 +112,12 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_budget":
         return (f"Raise {flag_text(tl, 'max_num_batched_tokens')} for more throughput at the "
                 f"cost of longer iterations; {TUNE_TEXT} picks a value that keeps it.")
+    if reason == "waiting_other":
+        return ("Not an admission limit: find what holds the requests back (vLLM: "
+                "structured-output grammars still compiling, KV transfers from a remote "
+                "instance, streaming inputs waiting for their next part).")
     if not tl.waiting_reasons_known:
         return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
-                f"{KV_MEMORY_TEXT}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
+                f"{kv_memory_text(tl)}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
                 f"--max-num-batched-tokens is ({TUNE_TEXT} picks both).")
     return "Check the engine's admission logic: requests waited with no limit reported."

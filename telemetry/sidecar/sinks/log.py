@@ -70,6 +70,14 @@ def format_engine_iteration_line(record: IterationRecord) -> str:
     return f"Engine {record.engine_index:03d}: {line}" if record.engine_index else line
 
 
+def _facts_text(engine: EngineView) -> str:
+    """`` (source vllm-scheduler, pid 4242)`` once a heartbeat has said them, else nothing."""
+    facts = [f"source {engine.source}" if engine.source else "",
+             f"pid {engine.pid}" if engine.pid else ""]
+    said = ", ".join(fact for fact in facts if fact)
+    return f" ({said})" if said else ""
+
+
 def _log_to_logger(level: int, text: str) -> None:
     logger.log(level, text)
 
@@ -190,7 +198,7 @@ class LogSink(Sink):
             f"last iteration {engine.last_iteration}"
         )
         if previous is None:
-            text = f"Engine {engine_index:03d}: connected, {status.value}"
+            text = f"Engine {engine_index:03d}: connected, {status.value}{_facts_text(engine)}"
         else:
             text = f"Engine {engine_index:03d}: {previous.value} -> {status.value}"
         if status in (EngineStatus.STALLED, EngineStatus.DEAD):

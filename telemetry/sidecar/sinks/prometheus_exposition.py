@@ -76,6 +76,9 @@ class MetricsCollector:
         state = gauge("engine_state", "1 for the engine's current state, 0 for the others.",
                       ["state"])
         age = gauge("heartbeat_age_seconds", "Time since the last heartbeat was received.")
+        info = gauge("engine_info", "1, with the engine's facts from its heartbeats as labels "
+                     "(source: iterscope, vllm-scheduler or vllm-stat-logger).",
+                     ["source", "device", "pid"])
         lag = gauge("sidecar_lag_seconds",
                     "Wall time at ingest - wall time the last message was sent.")
         for metrics, labels in engines:
@@ -96,6 +99,8 @@ class MetricsCollector:
             total.add_metric(labels, blocks_total)
             if record is None or is_known(record, UNKNOWN_KV_TOKENS):
                 kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            if engine.pid:
+                info.add_metric([*labels, engine.source, engine.device_name, str(engine.pid)], 1)
             current = engine.status or EngineStatus.IDLE
             for status in EngineStatus:
                 state.add_metric([*labels, status.value], float(current == status))
@@ -104,7 +109,7 @@ class MetricsCollector:
             if metrics.lag_ns is not None:
                 lag.add_metric(labels, metrics.lag_ns / 1e9)
         return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
-                lag]
+                info, lag]
 
     def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, attribute) in COUNTERS.items():

@@ -18,6 +18,7 @@ WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
     ("token_budget", "num_waiting_budget_reqs"),
+    ("other", "num_waiting_other_reqs"),  # held back by the source (a vLLM grammar, remote KV)
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

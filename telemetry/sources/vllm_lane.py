@@ -1,0 +1,60 @@
+"""How a vLLM process reaches the sidecar: one environment variable, one publisher per engine.
+
+Both vLLM sources use this: the scheduler subclass in vLLM's EngineCore process
+(telemetry/sources/vllm_scheduler.py) and the stat-logger plugin in its API-server process
+(telemetry/sources/vllm_stat_logger.py). Turned on by
+
+    ITERSCOPE_TELEMETRY_ADDRESS=ipc:///tmp/iterscope-1000/telemetry.sock  (or "default":
+    the address ``iterscope sidecar`` binds by default)
+
+which vLLM's processes inherit from ``vllm serve``. Without it nothing is sent and the reason
+is said once, in vLLM's log. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any
+
+from telemetry.lane.publisher import ZmqPublisher, default_address
+
+ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+# The publisher thread wakes this often. vLLM's engine core spreads its OpenMP threads over
+# every core, so each wake-up of another thread can hold up a whole parallel region; vLLM
+# steps take tens of ms, so 100 ms still sends each record well within a heartbeat.
+SEND_INTERVAL_S = 0.1
+logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
+_said_unconfigured: set[str] = set()
+
+
+def start_publisher(engine_index: int, facts: dict[str, Any], what: str) -> ZmqPublisher | None:
+    """A publisher to the address in ADDRESS_ENV, closed at exit; None (said once per
+    ``what``, e.g. "the scheduler source") when the variable is unset or the address bad."""
+    address = os.environ.get(ADDRESS_ENV, "").strip()
+    if not address:
+        if what not in _said_unconfigured:
+            _said_unconfigured.add(what)
+            logger.info("iterscope: %s is installed but %s is not set, so it sends nothing "
+                        "(set it to the sidecar's address, or to 'default')", what, ADDRESS_ENV)
+        return None
+    if address == "default":
+        address = default_address()
+    try:
+        publisher = ZmqPublisher(address, engine_index, facts=facts,
+                                 send_interval_s=SEND_INTERVAL_S)
+    except Exception:  # a bad address must not stop vLLM from serving
+        logger.exception("iterscope: cannot publish to %s; telemetry is off", address)
+        return None
+    atexit.register(publisher.close)
+    logger.info("iterscope: %s of engine %d publishes per-step records to %s (pid %d)",
+                what, engine_index, address, os.getpid())
+    return publisher
+
+
+def is_tested_version(version: str) -> bool:
+    """Whether this vLLM version (``vllm.__version__``, a local part such as +cpu aside) is
+    one the sources were checked against."""
+    return version.split("+")[0] in TESTED_VLLM_VERSIONS

@@ -1,0 +1,162 @@
+"""vLLM's scheduler, reporting: one IterationRecord per step from inside vLLM's engine core.
+
+    ITERSCOPE_TELEMETRY_ADDRESS=default vllm serve MODEL \\
+        --scheduler-cls telemetry.sources.vllm_scheduler.IterscopeScheduler
+
+(``IterscopeAsyncScheduler`` where ``--async-scheduling`` is on: vLLM takes the class as
+given, and a subclass of the synchronous scheduler would turn async scheduling off.) vLLM
+builds the scheduler in each EngineCore process (one per data-parallel rank); the subclass
+schedules exactly as vLLM does and, around ``schedule()`` and ``update_from_output()``,
+hands what it saw to a StepReporter (telemetry/sources/vllm_steps.py), which fills the record
+and queues it to the lane publisher: an O(1) hand-off, no encoding or I/O on vLLM's step
+path. The publisher's own thread sends the records and a heartbeat every second carrying
+this process's pid, so a hung forward pass reads as stalled, and a stopped or killed engine
+core (no heartbeats) as dead, whatever the API server does.
+
+Version guard: vLLM's scheduler internals are not a stable interface. At start-up the
+subclass checks vLLM's version (TESTED_VLLM_VERSIONS) and every attribute the reporter reads;
+on a mismatch it says so in vLLM's log and schedules as plain vLLM with nothing sent
+(ITERSCOPE_VLLM_UNTESTED=1 tries an untested version whose attributes all exist). A failure
+while reporting is caught, counted and logged (the first, then every 1,000th), and the
+reporter turns itself off after MAX_ERRORS: serving never breaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from telemetry.lane.record import SOURCE_VLLM_SCHEDULER
+from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
+from telemetry.sources.vllm_records import engine_facts, num_usable_blocks
+from telemetry.sources.vllm_steps import StepReporter
+
+UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"
+MAX_ERRORS = 1000
+# What StepReporter reads of the scheduler (and of its KV manager's block pool).
+SCHEDULER_ATTRIBUTES = (
+    "running", "waiting", "kv_holding_waiting", "deferred_waiting", "finished_req_ids",
+    "max_num_active_reqs", "max_num_scheduled_tokens", "num_waiting_for_streaming_input",
+    "pause_state", "kv_cache_manager", "vllm_config",
+)
+logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
+
+
+class ReportingScheduler:
+    """The reporting half of both scheduler classes below (a mixin: vLLM's class follows it
+    in the bases, so ``super()`` is vLLM's scheduler)."""
+
+    _iterscope: StepReporter | None = None
+    _iterscope_errors = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._iterscope = make_reporter(self)
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        reporter = self._iterscope
+        if reporter is not None:
+            try:
+                reporter.added(self, request)
+            except Exception:
+                self._iterscope_failed()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        reporter = self._iterscope
+        if reporter is None:
+            return super().schedule(*args, **kwargs)
+        start_ns = time.monotonic_ns()
+        output = super().schedule(*args, **kwargs)
+        try:
+            reporter.scheduled(self, output, start_ns)
+        except Exception:
+            self._iterscope_failed()
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        reporter = self._iterscope
+        if reporter is not None:
+            try:
+                reporter.updated(self, scheduler_output, outputs)
+            except Exception:
+                self._iterscope_failed()
+        return outputs
+
+    def shutdown(self) -> None:
+        self.shutdown_reporter()
+        super().shutdown()
+
+    def _iterscope_failed(self) -> None:
+        self._iterscope_errors += 1
+        if self._iterscope_errors == 1 or self._iterscope_errors % 1000 == 0:
+            logger.exception("iterscope: a vLLM step was not reported (%d errors so far; vLLM "
+                             "goes on)", self._iterscope_errors)
+        if self._iterscope_errors >= MAX_ERRORS:
+            logger.error("iterscope: %d errors, the scheduler source stops reporting",
+                         MAX_ERRORS)
+            self.shutdown_reporter()
+
+    def shutdown_reporter(self) -> None:
+        """Stop reporting: send what is queued and close the lane; vLLM schedules on."""
+        reporter, self._iterscope = self._iterscope, None
+        if reporter is not None:
+            reporter.publisher.close()
+
+
+class IterscopeScheduler(ReportingScheduler, Scheduler):
+    """vLLM's scheduler (synchronous scheduling), reporting every step."""
+
+
+class IterscopeAsyncScheduler(ReportingScheduler, AsyncScheduler):
+    """vLLM's async scheduler (``--async-scheduling``), reporting every step."""
+
+
+def make_reporter(scheduler: Any) -> StepReporter | None:
+    """A reporter for this scheduler, or None (plain vLLM, the reason said in vLLM's log):
+    an untested vLLM version, a scheduler attribute missing, no lane address."""
+    version = vllm.__version__
+    if not is_tested_version(version) and os.environ.get(UNTESTED_ENV) != "1":
+        logger.warning(
+            "iterscope: the scheduler source was checked against vLLM %s, this is %s; it "
+            "schedules as plain vLLM and sends nothing (set %s=1 to try it anyway; the "
+            "stat-logger plugin works without it, docs/vllm.md)",
+            ", ".join(TESTED_VLLM_VERSIONS), version, UNTESTED_ENV)
+        return None
+    missing = missing_attributes(scheduler)
+    if missing:
+        logger.warning("iterscope: vLLM %s's scheduler has no %s; the scheduler source "
+                       "schedules as plain vLLM and sends nothing", version, ", ".join(missing))
+        return None
+    config = scheduler.vllm_config
+    num_gpu_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    engine_index = _engine_index(config)
+    facts = engine_facts(config, num_usable_blocks(num_gpu_blocks), SOURCE_VLLM_SCHEDULER)
+    publisher = start_publisher(engine_index, facts, "the scheduler source")
+    if publisher is None:
+        return None
+    return StepReporter(engine_index, num_gpu_blocks, publisher)
+
+
+def missing_attributes(scheduler: Any) -> list[str]:
+    """The attributes StepReporter needs that this vLLM's scheduler lacks."""
+    missing = [name for name in SCHEDULER_ATTRIBUTES if not hasattr(scheduler, name)]
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    for name in ("num_gpu_blocks", "get_num_free_blocks"):
+        if not hasattr(pool, name):
+            missing.append(f"kv_cache_manager.block_pool.{name}")
+    return missing
+
+
+def _engine_index(vllm_config: Any) -> int:
+    """This engine core's data-parallel rank: the engine index vLLM's stat loggers get."""
+    parallel = vllm_config.parallel_config
+    return int(getattr(parallel, "data_parallel_index", None)
+               or getattr(parallel, "data_parallel_rank", 0) or 0)
