@@ -11,7 +11,7 @@ VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
 
-.PHONY: demo test lint dashboards bench prometheus alertmanager vllm clean
+.PHONY: demo test test-fast lint dashboards bench prometheus alertmanager vllm clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -82,6 +82,12 @@ demo: $(STAMP)
 test: $(STAMP) prometheus alertmanager vllm
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The fast tier: no process started, no real model loaded (the tests marked `live` left out;
+# tests/conftest.py). About a minute on 2 cores; `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not live"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,4 +1,11 @@
-"""Fixtures shared by several test files.
+"""Fixtures shared by several test files, and the `live` tier.
+
+`live` (registered in pyproject.toml) marks the tests that start processes or load the real
+SmolLM2 model; `make test-fast` runs the rest (`-m "not live"`). Each module marks its own
+(`pytestmark = pytest.mark.live`, or per test). Two rules below make sure of the obvious
+ones: a module named test_*_live.py is live as a whole (the vLLM ones, which start
+`vllm serve`, included), and so is every test that uses the smollm2 or smollm2_tokenizer
+fixture.
 
 Reading the embedded SmolLM2 GGUF costs seconds each time (most of it parsing the 49k-token
 vocabulary), so what several files read from it is read once per session here. Each object
@@ -8,7 +15,19 @@ from one test into another.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+REAL_MODEL_FIXTURES = {"smollm2", "smollm2_tokenizer"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if (Path(str(item.path)).stem.endswith("_live")
+                or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.live)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.live
+
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))

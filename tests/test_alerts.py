@@ -74,11 +74,13 @@ def load_rules() -> dict[str, dict]:
 RULES = load_rules()
 
 
+@pytest.mark.live
 def test_rule_files_pass_promtool_check():
     result = run_promtool("check", "rules", *map(str, RULE_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.live
 def test_promtool_unit_tests_pass():
     result = run_promtool("test", "rules", *[p.name for p in TEST_FILES], cwd=TEST_FILES[0].parent)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -166,12 +168,14 @@ def promtool_test_with_expr(tmp_path: Path, name: str, expr: str) -> str:
     return result.stdout + result.stderr
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_unit_tests_fail_when_the_alert_never_fires(name, tmp_path):
     """Replace one alert's expression with one that never fires: promtool must notice."""
     assert name in promtool_test_with_expr(tmp_path, name, "vector(1) < 0")
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_unit_tests_fail_when_the_alert_merges_replicas(name, tmp_path):
     """Aggregate the instance label away (pods that each run engine 0 merged into one alert):

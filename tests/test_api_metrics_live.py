@@ -22,6 +22,8 @@ from test_serve import KV_CACHE_MEMORY, ServerProcess
 
 from engine.entrypoints.serve import TINY_MODEL
 
+pytestmark = pytest.mark.live
+
 MODEL = f'model_name="{TINY_MODEL}"'
 WINDOW = "1m"  # stands in for Grafana's $__rate_interval and the rules' [5m]
 PROMPT = "A prompt long enough to fill two KV blocks, so the prefix cache is looked up. " * 2

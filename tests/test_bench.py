@@ -119,6 +119,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
+@pytest.mark.live
 def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
     # 32 blocks of 16 tokens: about five of the 24 requests (2 to 9 blocks each) fit at once.
     server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory", "256KiB",
@@ -155,6 +156,7 @@ def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.live
 def test_in_process_bench_writes_a_result(tmp_path, capsys):
     result_path = tmp_path / "result.json"
     status = bench_client.main(["--in-process", "--model", TINY_MODEL, "--kv-cache-memory", "1MiB",

@@ -4,8 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Simulator, arrivals
+
+pytestmark = pytest.mark.live
 
 NUM_ENGINES = 40  # enough text (well over a pipe's 64 KiB buffer) that printing outlives head
 

@@ -24,6 +24,8 @@ from engine.request import SamplingParams
 from engine.request_stream import RequestStream
 from engine.scheduler import RequestRejectedError
 
+pytestmark = pytest.mark.live
+
 MAX_MODEL_LEN = 256
 
 

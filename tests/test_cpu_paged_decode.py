@@ -185,6 +185,7 @@ def test_bfloat16_matches_torch_path(kernel, group, head_dim, block_size, num_se
     assert ours < 2e-2
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [20, 24, 64, 128])
 def test_other_builds_and_odd_head_dims(kernel, other_build, dtype, head_dim):
@@ -203,6 +204,7 @@ def test_other_builds_and_odd_head_dims(kernel, other_build, dtype, head_dim):
 EDGE_LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 47, 64, 100, 161]
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 16])
 def test_lengths_at_chunk_and_block_edges(kernel, portable, dtype, group):
@@ -234,6 +236,7 @@ def test_sequences_fewer_and_more_than_threads(kernel, num_threads, num_seqs):
     torch.testing.assert_close(out.double(), exact(*case), atol=1e-5, rtol=0)
 
 
+@pytest.mark.live
 def test_large_score_gaps_underflow_to_zero(kernel, portable):
     """Scores far below the running max (e^x under float32's range, where the vector exp
     clamps) weigh nothing, and a later, larger max rescales what came before."""
@@ -253,6 +256,7 @@ def test_block_size_below_a_chunk(kernel):
     torch.testing.assert_close(run_kernel(kernel, case), torch_path(*case), atol=1e-5, rtol=0)
 
 
+@pytest.mark.live
 def test_build_key_follows_the_source(tmp_path, monkeypatch):
     compiler = gcc()
     key = cpu_paged_decode.build_key(compiler)
@@ -288,12 +292,14 @@ def run_fallback(tmp_path: Path, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.live
 def test_missing_compiler_falls_back_and_says_why(tmp_path):
     result = run_fallback(tmp_path, CC="/nonexistent/cc")
     assert result == {"loaded": False, "error": result["error"], "kernel": False}
     assert "no C compiler" in result["error"]
 
 
+@pytest.mark.live
 def test_failing_build_falls_back_and_says_why(tmp_path):
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1; exit 0; fi\n"

@@ -186,6 +186,7 @@ def test_user_stories_are_on_the_dashboards():
     assert heatmaps and heatmaps[0]["targets"][0]["format"] == "heatmap"
 
 
+@pytest.mark.live
 def test_every_query_is_valid_promql(tmp_path):
     """promtool parses each substituted panel query as a recording rule expression."""
     promtool = shutil.which("promtool") or "/usr/bin/promtool"

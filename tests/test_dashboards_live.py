@@ -25,7 +25,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.live
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent

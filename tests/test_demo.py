@@ -11,9 +11,12 @@ import time
 
 import httpx
 import msgspec
+import pytest
 from test_serve import REPO
 
 from telemetry.lane.record import IterationRecord, Message
+
+pytestmark = pytest.mark.live
 
 # Seconds of load. The demo sends for 80% of it, 4 s at each step of --ramp 2,6; the 12 MiB
 # cache holds about 3 of these requests, so it fills and requests wait within a second of the

@@ -81,6 +81,7 @@ def rule_file_patterns(config_path: Path) -> list[str]:
     return [str(config_path.parent / pattern) for pattern in config["rule_files"]]
 
 
+@pytest.mark.live
 def test_promtool_accepts_the_prometheus_config():
     result = subprocess.run(
         [promtool(), "check", "config", str(PROMETHEUS_CONFIG)],
@@ -524,6 +525,7 @@ def test_generator_sets_runbook_base_and_thresholds_of_the_config():
     }
 
 
+@pytest.mark.live
 def test_alerts_fire_on_the_threshold_the_generator_writes(tmp_path):
     """With the 5xx threshold raised from 5% to 20%, the promtool tests of latency.yml (pods
     answering 10% errors fire at the default) fail for IterscopeHTTPErrors alone: the alert
@@ -617,6 +619,7 @@ def subcommand_help(subcommand: str) -> str:
     return result.stdout
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("subcommand", ["serve", "sidecar"])
 def test_every_flag_the_deployment_passes_exists(subcommand):
     uses = [(where, argv) for where, argv in iterscope_commands() if argv[0] == subcommand]

@@ -177,6 +177,7 @@ def test_a_stuck_engine_loop_is_stalled_never_dead(tmp_path, spin):
     assert seen[seen.index(RUNNING):] == [RUNNING, STALLED, RUNNING]
 
 
+@pytest.mark.live
 def test_a_stopped_engine_process_is_dead_then_back_without_restart_or_loss(tmp_path):
     """SIGSTOP stops every thread, the publisher's too: no heartbeat, so the truthful status
     is dead (the lane cannot tell frozen from gone); SIGCONT brings the same process back."""

@@ -62,11 +62,13 @@ def assert_same_file(ours, reference: GGUFReader) -> None:
         assert np.array_equal(mine.data, theirs.data), mine.name
 
 
+@pytest.mark.live
 def test_smollm2_reads_as_gguf_reads_it(ours, reference):
     assert_same_file(ours, reference)
     assert len(ours.fields[TOKENS]) == len(reference.fields[TOKENS].data) == 49152
 
 
+@pytest.mark.live
 def test_config_tokenizer_and_weights_match_the_gguf_reader_path(ours, reference):
     old = as_old_reader(reference)
     config, old_config = gguf_hf_config(ours), gguf_hf_config(old)
@@ -80,6 +82,7 @@ def test_config_tokenizer_and_weights_match_the_gguf_reader_path(ours, reference
         assert tensor.dtype == old_weights[name].dtype and torch.equal(tensor, old_weights[name])
 
 
+@pytest.mark.live
 def test_returned_lists_are_the_callers_own(ours):
     fields = gguf_tokenizer_fields(ours)
     fields["tokens"].append("extra")
@@ -126,6 +129,7 @@ def write_prefix(source, target, nbytes: int, patch: bytes = b""):
 CUTS = ["empty", "header", "metadata", "vocabulary", "tensor infos", "tensor data"]
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("cut", CUTS)
 def test_a_truncated_file_is_refused_by_name(path, reference, tmp_path, cut):
     nbytes = {"empty": 0, "header": 10, "metadata": 1000,

@@ -31,6 +31,8 @@ from tests.test_model_parity import (
     shuffled_blocks,
 )
 
+pytestmark = pytest.mark.live
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

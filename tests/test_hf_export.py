@@ -15,6 +15,8 @@ from engine.model.loader import LoadedModel, load_model
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 
+pytestmark = pytest.mark.live
+
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Explain how a bicycle works."}]
 

@@ -161,6 +161,7 @@ def test_jsonl_sink_rejects_nonsense_limits(tmp_path):
         JsonlSink(tmp_path / "r.jsonl", max_files=0)
 
 
+@pytest.mark.live
 def test_cli_replay_prints_the_same_lines(tmp_path):
     messages = run_messages(seconds=12)
     live_lines, _ = live(messages, tmp_path / "rec.jsonl")
@@ -177,6 +178,7 @@ def test_cli_replay_prints_the_same_lines(tmp_path):
     assert printed == expected and len(expected) >= 4
 
 
+@pytest.mark.live
 def test_cli_replay_leaves_metrics_off_so_it_never_collides_with_a_live_sidecar(tmp_path):
     messages = run_messages(seconds=3)
     live(messages, tmp_path / "rec.jsonl")

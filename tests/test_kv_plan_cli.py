@@ -68,6 +68,7 @@ def test_fp32_doubles_bytes_per_token(story5_dir, capsys):
     assert "KV bytes per token: 294,912" in capsys.readouterr().out
 
 
+@pytest.mark.live
 def test_embedded_model_is_read_from_its_gguf(capsys):
     assert main(["--model", "smollm2", "--memory", "512MiB", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
@@ -110,6 +111,7 @@ def test_gpu_budget_subtracts_weights_and_activation_peak_like_the_engine(story5
     assert "--gpu-memory needs --activation-peak" in capsys.readouterr().err
 
 
+@pytest.mark.live
 def test_console_command_dispatches(story5_dir):
     result = subprocess.run(
         [
@@ -131,6 +133,7 @@ def test_console_command_dispatches(story5_dir):
     assert "Maximum concurrency for 40,960 tokens per request:" in result.stdout
 
 
+@pytest.mark.live
 def test_console_command_does_not_fit_exits_1_with_the_error_on_stderr(story5_dir):
     command = [sys.executable, "-m", "engine.entrypoints.cli", "kv-plan",
                "--model", str(story5_dir), "--memory", "1GiB"]

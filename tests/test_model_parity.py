@@ -22,6 +22,8 @@ from engine.model.tokenizer import ByteTokenizer
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 
+pytestmark = pytest.mark.live
+
 ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -125,6 +125,7 @@ def capture(library: Path, records: list[IterationRecord], tmp_path: Path,
     return run_with_capture(library, FEED_SINK, [str(records_path), str(batch)], tmp_path)
 
 
+@pytest.mark.live
 def test_one_range_per_iteration_with_the_iteration_line(capture_library, tmp_path):
     records = make_records(20)
     events = capture(capture_library, records, tmp_path)
@@ -144,6 +145,7 @@ def test_one_range_per_iteration_with_the_iteration_line(capture_library, tmp_pa
     assert "Iteration(101): 1 context requests, 512 context tokens" in starts[0][5]
 
 
+@pytest.mark.live
 def test_counters_for_kv_usage_running_and_waiting(capture_library, tmp_path):
     records = make_records(10, engine_index=2)
     events = capture(capture_library, records, tmp_path)
@@ -159,6 +161,7 @@ def test_counters_for_kv_usage_running_and_waiting(capture_library, tmp_path):
     }
 
 
+@pytest.mark.live
 def test_ranges_keep_their_iterations_lengths_although_records_arrive_in_batches(
         capture_library, tmp_path):
     """Records come 5 at a time (the publisher's send period); ranges drawn on arrival would
@@ -238,6 +241,7 @@ def test_without_a_tool_the_sink_is_off(capsys):
     sink.close()
 
 
+@pytest.mark.live
 def test_engine_markers_one_range_per_iteration_with_iteration_payload(capture_library, tmp_path):
     events = run_with_capture(capture_library, RUN_MARKERS, [], tmp_path)
     assert [e[0] for e in events] == ["push", "pop"] * 5
@@ -472,6 +476,7 @@ def run_writer_sink(backend: Path, config: str, records: list[IterationRecord],
     return read_nvtxw_capture(capture_path)
 
 
+@pytest.mark.live
 def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_backend,
                                                                          tmp_path):
     engine_records = {0: make_records(5, engine_index=0), 3: make_records(4, engine_index=3)}
@@ -532,6 +537,7 @@ def test_writer_mode_with_a_missing_backend_is_a_clear_error(tmp_path):
         nvtx_ranges.NvtxWriterSink(str(tmp_path / "missing.so"))
 
 
+@pytest.mark.live
 def test_writer_mode_with_a_library_that_is_no_nvtxw_backend_is_a_clear_error(tmp_path):
     source = tmp_path / "not_a_backend.c"
     source.write_text("int iterscope_unrelated(void) { return 0; }\n")
@@ -540,6 +546,7 @@ def test_writer_mode_with_a_library_that_is_no_nvtxw_backend_is_a_clear_error(tm
         nvtx_ranges.NvtxWriterSink(str(library))
 
 
+@pytest.mark.live
 def test_writer_mode_with_a_refused_session_is_a_clear_error(nvtxw_backend, tmp_path,
                                                              monkeypatch):
     monkeypatch.setenv("ITERSCOPE_NVTXW_CAPTURE", str(tmp_path / "capture.txt"))

@@ -414,6 +414,7 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 15.0)
     raise RuntimeError(f"rotel did not listen on port {port}")
 
 
+@pytest.mark.live
 def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
     grpc_port, http_port = free_port(), free_port()
     command = [
@@ -447,6 +448,7 @@ def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
     assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
 
 
+@pytest.mark.live
 def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
     """Engine publisher -> ZMQ lane -> `iterscope sidecar --otlp-traces-endpoint` -> OTLP."""
     import signal

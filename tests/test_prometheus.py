@@ -365,16 +365,19 @@ def lint_problems(text: str) -> set[str]:
     return {line.strip() for line in output.splitlines() if line.strip()}
 
 
+@pytest.mark.live
 def test_exposition_passes_promtool_check_metrics():
     assert lint_problems(busy_exposition()) == set()
 
 
+@pytest.mark.live
 def test_promtool_reports_a_broken_exposition():
     """The check above would catch a real problem (guards against promtool never failing)."""
     broken = busy_exposition() + "# TYPE iterscope_bad_total gauge\niterscope_bad_total 1\n"
     assert any("iterscope_bad_total" in line for line in lint_problems(broken))
 
 
+@pytest.mark.live
 def test_vllm_compatible_names():
     text = busy_exposition(vllm_compatible_names=True)
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +29,8 @@ from telemetry.lane.record import (
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+
+pytestmark = pytest.mark.live
 
 INTERVAL_S = 10
 WALL_BASE_NS = 1_700_000_000 * 10**9  # a window boundary

@@ -18,7 +18,11 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from bench.vllm_server import free_port, wait_healthy
+
+pytestmark = pytest.mark.live
 
 REPO = Path(__file__).resolve().parents[1]
 README_PORT = "8000"

@@ -171,6 +171,7 @@ def reference():
     return generate
 
 
+@pytest.mark.live
 def test_completions_with_the_openai_client(server, reference):
     client = server.openai_client()
     prompt = "The quick brown fox"
@@ -191,6 +192,7 @@ def test_completions_with_the_openai_client(server, reference):
     assert chunks[-1].usage.completion_tokens == num_tokens
 
 
+@pytest.mark.live
 def test_token_id_prompt(server, reference):
     prompt_ids = [72, 105, 33, 300, 12]
     text, num_tokens, _ = reference(prompt_ids, 6)
@@ -199,6 +201,7 @@ def test_token_id_prompt(server, reference):
     assert (response.choices[0].text, response.usage.completion_tokens) == (text, num_tokens)
 
 
+@pytest.mark.live
 def test_chat_completions_with_the_openai_client(server, reference):
     client = server.openai_client()
     messages = [{"role": "system", "content": "Be brief."},
@@ -259,6 +262,7 @@ def test_the_model_as_first_argument_and_the_served_name_as_vllm_serve_takes_the
     assert "the model is given twice" in capsys.readouterr().err
 
 
+@pytest.mark.live
 def test_served_model_name_labels_the_telemetry_series(tmp_path):
     server = ServerProcess(tmp_path, TINY_MODEL, "--served-model-name", "my-llm",
                            "--vllm-compatible-names", "--kv-cache-memory", KV_CACHE_MEMORY,
@@ -276,12 +280,14 @@ def test_served_model_name_labels_the_telemetry_series(tmp_path):
         server.stop()
 
 
+@pytest.mark.live
 def test_models_and_health(server):
     models = server.openai_client().models.list()
     assert [model.id for model in models.data] == [TINY_MODEL]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
+@pytest.mark.live
 @pytest.mark.parametrize(
     ("payload", "status", "message"),
     [
@@ -348,6 +354,7 @@ def stop_string_in(text: str, start: int) -> str:
     raise AssertionError(f"no stop string candidate in {text!r}")
 
 
+@pytest.mark.live
 def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, reference):
     prompt = "The quick brown fox"
     text, _, _ = reference(reference.tokenizer.encode(prompt), 60)  # the first 60 tokens
@@ -371,6 +378,7 @@ def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, referen
         assert milestone.num_output_tokens < 1000
 
 
+@pytest.mark.live
 def test_bad_json_and_bad_chat_messages(server):
     response = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{not json",
                           headers={"content-type": "application/json"})
@@ -379,6 +387,7 @@ def test_bad_json_and_bad_chat_messages(server):
         server.openai_client().chat.completions.create(model=TINY_MODEL, messages=[])
 
 
+@pytest.mark.live
 def test_client_disconnect_mid_stream_frees_the_kv_blocks(server):
     payload = {"prompt": "tell me everything", "max_tokens": 1000, "ignore_eos": True,
                "stream": True}
@@ -399,6 +408,7 @@ def test_client_disconnect_mid_stream_frees_the_kv_blocks(server):
     assert records[finished_at].num_running_reqs == 0
 
 
+@pytest.mark.live
 def test_client_disconnect_before_a_whole_response_aborts_it(server):
     payload = {"prompt": "a long answer please", "max_tokens": 1000, "ignore_eos": True}
     before = {m.request_id for r in server.records() for m in r.milestones}
@@ -416,6 +426,7 @@ def test_client_disconnect_before_a_whole_response_aborts_it(server):
     assert milestone.finish_reason == 2 and milestone.num_output_tokens < 1000
 
 
+@pytest.mark.live
 def test_traceparent_reaches_the_engine_request(server):
     response = httpx.post(f"{server.base_url}/v1/completions",
                           json={"prompt": "trace me", "max_tokens": 2},
@@ -425,6 +436,7 @@ def test_traceparent_reaches_the_engine_request(server):
     assert finish_milestones(records, request_id)[-1].traceparent == TRACEPARENT
 
 
+@pytest.mark.live
 def test_dead_engine_gets_503(server):
     """Runs last in this file: it kills the shared server's engine process."""
     engine_pid = int(httpx.get(f"{server.base_url}/health").json()["engine_pid"])
@@ -574,6 +586,7 @@ def test_a_chat_template_that_does_not_compile_is_a_server_error(template):
     assert "chat template does not compile" in response.json()["error"]["message"]
 
 
+@pytest.mark.live
 def test_the_frontend_reads_tokenizers_without_importing_torch():
     """The frontend never runs the model: loading its tokenizer must not cost torch's import
     (about 1.5 s and 180 MiB)."""

@@ -72,6 +72,7 @@ async def stop_queue_and_continue(base_url: str, engine_pid: int) -> tuple[list,
     return stalled, responses, recovered
 
 
+@pytest.mark.live
 def test_a_stopped_engine_reads_as_stalled_and_requests_complete_when_it_continues(server):
     engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
     stalled, responses, recovered = asyncio.run(
@@ -102,6 +103,7 @@ def quick_timeouts_server(tmp_path):
         yield server
 
 
+@pytest.mark.live
 def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_server):
     host, port = quick_timeouts_server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as silent:
@@ -118,6 +120,7 @@ def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_serve
     assert health.status_code == 200  # a prompt client after all that is served
 
 
+@pytest.mark.live
 def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
     server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
                            KV_CACHE_MEMORY, "--no-sidecar")
@@ -138,6 +141,7 @@ def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
     assert all(not os.path.exists(directory) for directory in engine_dirs)
 
 
+@pytest.mark.live
 def test_a_request_past_its_timeout_is_aborted_with_504(tmp_path):
     with tiny_server(tmp_path, "--no-sidecar", "--request-timeout", "2") as server:
         engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
@@ -180,6 +184,7 @@ def rss_settles_under(pid: int, limit_bytes: int, timeout_s: float) -> int:
     return rss
 
 
+@pytest.mark.live
 def test_memory_returns_to_its_baseline_after_large_prompts(tmp_path):
     with tiny_server(tmp_path, "--no-sidecar") as server:
         pid, url = server.process.pid, server.base_url

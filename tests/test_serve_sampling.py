@@ -94,6 +94,7 @@ EXTRA_BODIES = {
 }
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("extra", list(EXTRA_BODIES))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
@@ -130,6 +131,7 @@ def reference_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> list[
             for i in range(len(tokens))]
 
 
+@pytest.mark.live
 def test_completion_logprobs_are_the_models_log_softmax(server, engine):
     _, model = engine
     tokenizer = model.tokenizer
@@ -160,6 +162,7 @@ def test_completion_logprobs_are_the_models_log_softmax(server, engine):
     assert dict(streamed) == logprobs
 
 
+@pytest.mark.live
 def test_chat_logprobs_are_the_models_log_softmax(server, engine):
     _, model = engine
     messages = [{"role": "user", "content": PROMPT}]
@@ -186,6 +189,7 @@ def test_chat_logprobs_are_the_models_log_softmax(server, engine):
     assert without.json()["choices"][0]["logprobs"] is None
 
 
+@pytest.mark.live
 @pytest.mark.parametrize(("body", "message"), [
     ({"top_logprobs": 2}, "top_logprobs needs logprobs set to true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
@@ -225,6 +229,7 @@ def distinct(choices: list[dict]) -> bool:
     return len(set(keys)) == len(keys)
 
 
+@pytest.mark.live
 def test_n_choices_are_distinct_reproducible_and_seeded_as_vllm_does(server, engine):
     core, model = engine
     prompt_ids = model.tokenizer.encode(PROMPT)
@@ -260,6 +265,7 @@ def test_n_choices_are_distinct_reproducible_and_seeded_as_vllm_does(server, eng
     assert distinct(unseeded)
 
 
+@pytest.mark.live
 def test_chat_n_choices_streamed(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 5,
             "ignore_eos": True, "stream": True, "seed": 1}
@@ -276,6 +282,7 @@ def test_chat_n_choices_streamed(server):
         assert streamed == choice["message"]["content"]
 
 
+@pytest.mark.live
 def test_a_disconnect_aborts_every_choice(server):
     body = {"prompt": "tell me everything", "max_tokens": 1000, "ignore_eos": True, "n": 2,
             "stream": True}
@@ -293,6 +300,7 @@ def test_a_disconnect_aborts_every_choice(server):
         assert milestone.finish_reason == 2 and milestone.num_output_tokens < 1000
 
 
+@pytest.mark.live
 def test_the_same_seed_gives_the_same_text_and_another_seed_another(server):
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "logprobs": 0}
     choices = [post(server, "/v1/completions", {**body, "seed": seed}).json()["choices"][0]
@@ -303,6 +311,7 @@ def test_the_same_seed_gives_the_same_text_and_another_seed_another(server):
 
 # Penalties, filters and min_tokens reach the engine ------------------------------------------
 
+@pytest.mark.live
 @pytest.mark.parametrize("fields", [
     {"temperature": 0, "repetition_penalty": 0.6},
     {"temperature": 0, "presence_penalty": -2.0, "frequency_penalty": 0.5},
@@ -319,6 +328,7 @@ def test_greedy_with_penalties_and_min_tokens_equals_its_definition(server, engi
                      prompt_ids, expected)
 
 
+@pytest.mark.live
 def test_a_stop_token_ends_the_output_and_is_left_out_of_its_text(server, engine):
     _, model = engine
     prompt_ids = [*model.tokenizer.encode("The penalty for repeating is"), 239, 128, 243, 47]
@@ -333,6 +343,7 @@ def test_a_stop_token_ends_the_output_and_is_left_out_of_its_text(server, engine
     assert_choice_is(choice, model, prompt_ids, tokens)
 
 
+@pytest.mark.live
 def test_sampling_filters_reach_the_engine(server, engine):
     """Seeded draws depend only on the seed and the tokens so far: the server's equal the
     engine core's here for the same parameters, and differ once one of them changes."""
@@ -348,6 +359,7 @@ def test_sampling_filters_reach_the_engine(server, engine):
     assert distinct([served.json()["choices"][0], tighter.json()["choices"][0]])
 
 
+@pytest.mark.live
 def test_chat_max_completion_tokens_wins_over_max_tokens(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "max_completion_tokens": 5, "ignore_eos": True}
@@ -366,6 +378,7 @@ def test_a_stop_string_must_end_after_the_first_min_tokens():
     assert (late["choices"][0]["text"], late["choices"][0]["finish_reason"]) == ("Hel", "stop")
 
 
+@pytest.mark.live
 def test_the_openai_client_reads_choices_and_logprobs(server):
     client = server.openai_client()
     chat = client.chat.completions.create(

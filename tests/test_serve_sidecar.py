@@ -10,10 +10,13 @@ import signal
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
 from engine.entrypoints.serve_args import TINY_MODEL
+
+pytestmark = pytest.mark.live
 
 SIDECAR_STARTED = re.compile(r"sidecar bound on ipc://(\S+)/telemetry\.sock \(pid (\d+)\)")
 

@@ -9,6 +9,8 @@ import time
 import pytest
 from test_serve import ServerProcess
 
+pytestmark = pytest.mark.live
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -62,6 +62,7 @@ def test_engine_options_start_a_sidecar_by_default():
     assert sidecar_process.telemetry_address(args, None) == "ipc:///tmp/elsewhere.sock"
 
 
+@pytest.mark.live
 def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     handles = [open(path, "wb") for path in logs]
@@ -82,6 +83,7 @@ def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
     assert "Iteration(1): 0 context requests" in logs[1].read_text()
 
 
+@pytest.mark.live
 def test_sidecar_stops_when_the_process_that_started_it_dies(tmp_path):
     script = textwrap.dedent("""
         import sys, time
@@ -135,6 +137,7 @@ def test_the_lane_directory_is_made_private_and_a_foreign_one_is_refused(tmp_pat
         sidecar_cli.check_private_directory(str(fresh))
 
 
+@pytest.mark.live
 def test_a_sidecar_refuses_to_bind_in_a_directory_others_can_write(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()

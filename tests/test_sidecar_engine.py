@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +36,8 @@ from telemetry.lane.record import (  # noqa: E402
     iteration_record,
     make_decoder,
 )
+
+pytestmark = pytest.mark.live
 
 SCRIPT = Path(__file__).resolve()
 

@@ -7,6 +7,7 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 from prom_helpers import free_port
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,6 +18,8 @@ from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+
+pytestmark = pytest.mark.live
 
 RECORDING_LIMIT_BYTES = 64 << 10
 

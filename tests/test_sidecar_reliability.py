@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 
+import pytest
 from prom_helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_sidecar import RecordingSink
@@ -26,6 +27,8 @@ from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.process import start_from_args, start_sidecar
 from telemetry.sidecar.replay import read_recording
 from telemetry.sidecar.sink import EngineStatus
+
+pytestmark = pytest.mark.live
 
 MIB = 1 << 20
 

@@ -6,9 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from telemetry.sidecar import run_dirs
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sidecar.run_dirs import PIDS_FILE, sweep_orphaned_run_dirs
+
+pytestmark = pytest.mark.live
 
 
 def dead_pid() -> int:

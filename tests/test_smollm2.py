@@ -20,6 +20,8 @@ from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
 from engine.startup import build_engine_core
 
+pytestmark = pytest.mark.live
+
 NUM_CHECKED_TOKENS = 32
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",

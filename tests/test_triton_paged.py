@@ -138,11 +138,13 @@ def _run_group(group: str, device: str, interpret: bool) -> None:
     assert f"checked {GROUPS[group]} cases" in done.stdout, output
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_interpreted_on_cpu(group):
     _run_group(group, "cpu", interpret=True)
 
 
+@pytest.mark.live
 def test_compiles_for_sm90_without_a_gpu(tmp_path):
     """Triton lowers every kernel variant to a cubin for sm_90 (H100/H200) with its bundled
     ptxas; no GPU is needed to compile, only to run."""
@@ -158,6 +160,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     assert f"compiled {NUM_SM90_COMPILES} variants for sm_90" in done.stdout, output
 
 
+@pytest.mark.live
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI: interpreted)")
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_compiled_on_cuda(group):

@@ -15,6 +15,8 @@ from telemetry.analysis.summary import summarize
 
 from . import real_engine
 
+pytestmark = pytest.mark.live
+
 
 def explained(recording):
     timelines, _, num_bad = read_timelines([recording])
