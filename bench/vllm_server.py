@@ -93,6 +93,23 @@ def bench_serve(port: int, result_dir: Path, name: str,
     return json.loads((result_dir / f"{name}.json").read_text())
 
 
+def engine_core_pid(api_pid: int) -> int:
+    """The child of `vllm serve` (pid ``api_pid``) that runs vLLM's engine core loop (named
+    VLLM::EngineCore); RuntimeError if there is none."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == api_pid and b"EngineCore" in cmdline + stat.encode():
+            return int(entry.name)
+    raise RuntimeError(f"no engine-core child of vllm serve (pid {api_pid})")
+
+
 def stop_server(server: subprocess.Popen) -> None:
     """SIGTERM to the whole process group (API server, engine core, sidecar), SIGKILL after
     30 s; a stopped (SIGSTOP) engine core is continued first so it can exit. For vLLM and

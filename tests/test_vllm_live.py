@@ -13,14 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_server import ROOT, start_vllm, stop_server
+from bench.vllm_server import ROOT, engine_core_pid, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
 
 pytestmark = pytest.mark.timeout(900)
@@ -52,22 +51,6 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def engine_core_pid(api_pid: int) -> int:
-    """The child of `vllm serve` that runs the engine core loop (named VLLM::EngineCore)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == api_pid and b"EngineCore" in cmdline + stat.encode():
-            return int(entry.name)
-    raise AssertionError(f"no engine-core child of vllm serve (pid {api_pid})")
 
 
 @pytest.fixture(scope="module")

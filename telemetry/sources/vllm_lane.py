@@ -26,6 +26,7 @@ TESTED_VLLM_VERSIONS = ("0.32.0",)
 # every core, so each wake-up of another thread can hold up a whole parallel region; vLLM
 # steps take tens of ms, so 100 ms still sends each record well within a heartbeat.
 SEND_INTERVAL_S = 0.1
+SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 _said_unconfigured: set[str] = set()
 
@@ -58,3 +59,11 @@ def is_tested_version(version: str) -> bool:
     """Whether this vLLM version (``vllm.__version__``, a local part such as +cpu aside) is
     one the sources were checked against."""
     return version.split("+")[0] in TESTED_VLLM_VERSIONS
+
+
+def scheduler_source_selected(vllm_config: Any) -> bool:
+    """Whether vLLM was started with one of iterscope's scheduler classes."""
+    scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    name = scheduler_cls if isinstance(scheduler_cls, str) else getattr(
+        scheduler_cls, "__module__", "")
+    return str(name or "").startswith(SCHEDULER_MODULE)

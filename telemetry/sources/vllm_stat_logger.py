@@ -30,7 +30,12 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from telemetry.lane.publisher import ZmqPublisher
 from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER
-from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
+from telemetry.sources.vllm_lane import (
+    TESTED_VLLM_VERSIONS,
+    is_tested_version,
+    scheduler_source_selected,
+    start_publisher,
+)
 from telemetry.sources.vllm_records import (
     RecordMaker,
     engine_facts,
@@ -38,7 +43,6 @@ from telemetry.sources.vllm_records import (
     num_in_flight,
 )
 
-SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 
 
@@ -102,14 +106,6 @@ class IterscopeStatLogger(StatLoggerBase):
     def _facts(self) -> dict[str, Any]:
         return engine_facts(self._vllm_config, self._maker.num_usable_blocks,
                             SOURCE_VLLM_STAT_LOGGER)
-
-
-def scheduler_source_selected(vllm_config: Any) -> bool:
-    """Whether vLLM was started with one of iterscope's scheduler classes."""
-    scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
-    name = scheduler_cls if isinstance(scheduler_cls, str) else getattr(
-        scheduler_cls, "__module__", "")
-    return str(name or "").startswith(SCHEDULER_MODULE)
 
 
 def _warn_if_untested_version() -> None:
