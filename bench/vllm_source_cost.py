@@ -1,9 +1,11 @@
-"""What the vLLM plugin costs vLLM: time per record() call, and throughput with and without it.
+"""What iterscope's vLLM sources cost vLLM: time per step, and throughput with and without.
 
 Runs with the vLLM environment's python (`make test` builds .vllm-venv and the model):
 
-    .vllm-venv/bin/python bench/vllm_source_cost.py [--calls 20000] [--rounds 2]
+    .vllm-venv/bin/python bench/vllm_source_cost.py [--source plugin|scheduler]
+                                                     [--calls 20000] [--rounds 2]
 
+--source plugin (the stat-logger plugin, in vLLM's API server):
 1. Per call: IterscopeStatLogger.record() on vLLM's own SchedulerStats / IterationStats
    objects shaped like a 16-request decode step (one finished request every 8 steps),
    publishing to a real sidecar process; each call timed alone with perf_counter_ns.
@@ -12,6 +14,15 @@ Runs with the vLLM environment's python (`make test` builds .vllm-venv and the m
    naming no plugin), alternating, each round driven by the same `vllm bench serve` load
    (random 256 in / 128 out, 64 prompts, max concurrency 16). Output tokens/s per run and the
    ratio of the means.
+
+--source scheduler (the scheduler subclass, in vLLM's engine core):
+1. Per step: what the subclass adds to one vLLM step (its StepReporter's ``scheduled`` and
+   ``updated``, plus a request's ``added``, each timed with perf_counter_ns) inside vLLM's
+   real scheduler without a model (bench/vllm_scheduler_harness.py): 16 requests decoding,
+   each replaced by a new one when it finishes (one finish and one 256-token prefill about
+   every 8 steps), publishing to a real sidecar process.
+2. Throughput: the same `vllm serve` load with `--scheduler-cls ...IterscopeScheduler`
+   publishing to a sidecar, and plain vLLM (no scheduler class, no plugin), alternating.
 
 The last line is one JSON object with the figures.
 """
@@ -32,10 +43,18 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_server import bench_serve, free_port, start_vllm, stop_server  # noqa: E402
+from bench.vllm_server import (  # noqa: E402
+    BEST_CPU_FLAGS,
+    PLUGIN_FLAGS,
+    bench_serve,
+    free_port,
+    start_vllm,
+    stop_server,
+)
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 NUM_RUNNING = 16
+SCHEDULER_CLASS = "telemetry.sources.vllm_scheduler.IterscopeScheduler"
 
 
 def fake_config(num_gpu_blocks: int = 4096) -> SimpleNamespace:
@@ -99,21 +118,66 @@ def time_calls(num_calls: int) -> dict:
             "plugin_errors": plugin.num_errors}
 
 
-def serve(port: int, plugin_address: str | None, log_path: Path) -> subprocess.Popen:
-    """vLLM with the plugin publishing to ``plugin_address``, or without the plugin loaded."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "ITERSCOPE_TELEMETRY_ADDRESS": plugin_address or ""}
-    if not plugin_address:
+def time_steps(num_steps: int) -> dict:
+    """What the scheduler subclass adds to each of ``num_steps`` steps of vLLM's scheduler."""
+    from bench.vllm_scheduler_harness import add_requests, make_scheduler, run_step
+
+    with start_sidecar(["--no-metrics", "--no-log"]) as sidecar:
+        os.environ["ITERSCOPE_TELEMETRY_ADDRESS"] = sidecar.address
+        scheduler = make_scheduler(num_blocks=4096, max_num_seqs=256,
+                                   max_num_batched_tokens=4096)
+        reporter = scheduler._iterscope
+        step_ns = [0]
+        for name in ("added", "scheduled", "updated"):
+            setattr(reporter, name, timed(getattr(reporter, name), step_ns))
+        add_requests(scheduler, NUM_RUNNING, prompt_len=256, max_tokens=128)
+        times_ns = []
+        for _ in range(num_steps):
+            step_ns[0] = 0
+            run_step(scheduler)
+            add_requests(scheduler, NUM_RUNNING - len(scheduler.running)
+                         - len(scheduler.waiting), prompt_len=256, max_tokens=128)
+            times_ns.append(step_ns[0])
+        errors = scheduler._iterscope_errors
+        scheduler.shutdown_reporter()
+        del os.environ["ITERSCOPE_TELEMETRY_ADDRESS"]
+    times_ns.sort()
+    return {"step_cost_p50_us": times_ns[len(times_ns) // 2] / 1e3,
+            "step_cost_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
+            "scheduler_source_errors": errors}
+
+
+def timed(method, total_ns: list[int]):
+    """``method``, adding the time each call takes to ``total_ns[0]``."""
+    def call(*args):
+        start = time.perf_counter_ns()
+        method(*args)
+        total_ns[0] += time.perf_counter_ns() - start
+    return call
+
+
+def serve(port: int, source: str, address: str | None, log_path: Path) -> subprocess.Popen:
+    """vLLM with ``source`` publishing to ``address``, or (None) plain vLLM: no plugin loaded,
+    vLLM's own scheduler."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "ITERSCOPE_TELEMETRY_ADDRESS": address or ""}
+    flags = BEST_CPU_FLAGS + PLUGIN_FLAGS
+    if not address:
         env["VLLM_PLUGINS"] = "none"  # names no installed plugin: the plugin is not loaded
-    return start_vllm(port, env, log_path)
+    elif source == "scheduler":
+        env["VLLM_PLUGINS"] = "none"  # the plugin would stay quiet anyway
+        flags = BEST_CPU_FLAGS + ("--scheduler-cls", SCHEDULER_CLASS)
+    return start_vllm(port, env, log_path, flags=flags)
 
 
-def compare_throughput(num_rounds: int) -> dict:
-    runs: dict[str, list[float]] = {"with_plugin": [], "without_plugin": []}
+def compare_throughput(source: str, num_rounds: int) -> dict:
+    """Output tok/s with ``source`` on and off, alternating ``num_rounds`` times."""
+    on, off = f"with_{source}", f"without_{source}"
+    runs: dict[str, list[float]] = {on: [], off: []}
     with tempfile.TemporaryDirectory() as tmp, start_sidecar(["--no-metrics", "--no-log"]) as sc:
         for round_index in range(num_rounds):
-            for name, address in (("with_plugin", sc.address), ("without_plugin", None)):
+            for name, address in ((on, sc.address), (off, None)):
                 port = free_port()
-                server = serve(port, address, Path(tmp) / f"{name}.log")
+                server = serve(port, source, address, Path(tmp) / f"{name}.log")
                 try:
                     result = bench_serve(port, Path(tmp), f"{name}-{round_index}")
                     value = result["output_throughput"]
@@ -121,24 +185,29 @@ def compare_throughput(num_rounds: int) -> dict:
                     stop_server(server)
                 runs[name].append(value)
                 print(f"round {round_index} {name}: {value:.1f} output tok/s", flush=True)
-    with_mean = statistics.mean(runs["with_plugin"])
-    without_mean = statistics.mean(runs["without_plugin"])
-    return {"output_tok_s_with_plugin": runs["with_plugin"],
-            "output_tok_s_without_plugin": runs["without_plugin"],
-            "throughput_ratio_with_over_without": with_mean / without_mean}
+    return {f"output_tok_s_{on}": runs[on], f"output_tok_s_{off}": runs[off],
+            "throughput_ratio_with_over_without":
+                statistics.mean(runs[on]) / statistics.mean(runs[off])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=20_000)
-    parser.add_argument("--rounds", type=int, default=2, help="plugin on/off pairs (0: none)")
+    parser.add_argument("--source", choices=("plugin", "scheduler"), default="plugin")
+    parser.add_argument("--calls", type=int, default=20_000, help="record() calls or steps")
+    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs (0: none)")
     args = parser.parse_args()
-    figures = time_calls(args.calls)
-    print(f"record() per call: p50 {figures['record_call_p50_us']:.1f} us, "
-          f"p99 {figures['record_call_p99_us']:.1f} us", flush=True)
+    if args.source == "plugin":
+        figures = time_calls(args.calls)
+        print(f"record() per call: p50 {figures['record_call_p50_us']:.1f} us, "
+              f"p99 {figures['record_call_p99_us']:.1f} us", flush=True)
+    else:
+        figures = time_steps(args.calls)
+        print(f"scheduler source per vLLM step: p50 {figures['step_cost_p50_us']:.1f} us, "
+              f"p99 {figures['step_cost_p99_us']:.1f} us", flush=True)
+    figures["source"] = args.source
     if args.rounds:
-        figures.update(compare_throughput(args.rounds))
-        print(f"throughput with / without the plugin: "
+        figures.update(compare_throughput(args.source, args.rounds))
+        print(f"throughput with / without the {args.source} source: "
               f"{figures['throughput_ratio_with_over_without']:.3f}", flush=True)
     print(json.dumps(figures))
 

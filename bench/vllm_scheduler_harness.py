@@ -1,0 +1,76 @@
+"""vLLM's real scheduler without a model, for the checks and the benchmark of the scheduler
+source: run with the vLLM environment's python (`.vllm-venv`, built by `make vllm`).
+
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=512)
+    add_requests(scheduler, 6, prompt_len=16, max_tokens=8)
+    while scheduler.has_requests():
+        run_step(scheduler)
+
+The scheduler is telemetry.sources.vllm_scheduler.IterscopeScheduler (or vLLM's own class) on
+a VllmConfig for the exported SmolLM2 (.models/smollm2-hf) and a KV pool of the given size,
+prefix caching off; a step's model output is made up (one token for each request whose prompt
+is done), so every scheduling decision is vLLM's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from telemetry.sources.vllm_scheduler import IterscopeScheduler
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / ".models" / "smollm2-hf"
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+_request_ids = itertools.count()
+
+
+def make_scheduler(num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   scheduler_class: type = IterscopeScheduler) -> Scheduler:
+    model = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                        skip_tokenizer_init=True)
+    config = VllmConfig(
+        model_config=model, device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
+            enable_chunked_prefill=True),
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16,
+                             dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return scheduler_class(vllm_config=config, kv_cache_config=kv_cache,
+                           structured_output_manager=StructuredOutputManager(config),
+                           block_size=BLOCK_SIZE, log_stats=True)
+
+
+def add_requests(scheduler: Scheduler, num_requests: int, prompt_len: int,
+                 max_tokens: int) -> None:
+    for _ in range(num_requests):
+        scheduler.add_request(Request(
+            f"r{next(_request_ids)}", list(range(1, prompt_len + 1)),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True), None))
+
+
+def run_step(scheduler: Scheduler) -> None:
+    """One schedule() + update_from_output(), a made-up token for each request whose prompt
+    is done."""
+    output = scheduler.schedule()
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in req_ids]
+    runner_output = ModelRunnerOutput(req_ids=req_ids,
+                                      req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                      sampled_token_ids=sampled)
+    scheduler.update_from_output(output, runner_output)
