@@ -4,7 +4,7 @@ source: run with the vLLM environment's python (`.vllm-venv`, built by `make vll
     scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=512)
     add_requests(scheduler, 6, prompt_len=16, max_tokens=8)
     while scheduler.has_requests():
-        run_step(scheduler)
+        run_step(scheduler)         # or run_pipelined(scheduler, ...) as async scheduling does
 
 The scheduler is telemetry.sources.vllm_scheduler.IterscopeScheduler (or vLLM's own class) on
 a VllmConfig for the exported SmolLM2 (.models/smollm2-hf) and a KV pool of the given size,
@@ -68,9 +68,30 @@ def run_step(scheduler: Scheduler) -> None:
     """One schedule() + update_from_output(), a made-up token for each request whose prompt
     is done."""
     output = scheduler.schedule()
+    scheduler.update_from_output(output, made_up_output(scheduler, output))
+
+
+def run_pipelined(scheduler: Scheduler, max_steps: int) -> int:
+    """Steps as vLLM's engine core runs them with async scheduling: each step is scheduled
+    before the previous one's output comes back. Returns the number of steps."""
+    pending = None
+    for step in range(max_steps):
+        if not scheduler.has_requests():
+            if pending is not None:
+                scheduler.update_from_output(*pending)
+            return step
+        output = scheduler.schedule()
+        if pending is not None:
+            scheduler.update_from_output(*pending)
+        pending = (output, made_up_output(scheduler, output))
+    return max_steps
+
+
+def made_up_output(scheduler: Scheduler, output) -> ModelRunnerOutput:
+    """What a model would return for ``output``: a token for each request whose prompt is
+    done (read right after schedule(), which marks the chunks still prefilling)."""
     req_ids = list(output.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in req_ids]
-    runner_output = ModelRunnerOutput(req_ids=req_ids,
-                                      req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                      sampled_token_ids=sampled)
-    scheduler.update_from_output(output, runner_output)
+    return ModelRunnerOutput(req_ids=req_ids,
+                             req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled)

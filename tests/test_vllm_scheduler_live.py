@@ -85,6 +85,16 @@ def test_vllms_own_scheduler_names_each_admission_limit():
     assert result["kv"]["max_blocks_used"] == result["kv"]["num_kv_blocks_total"] == 8
 
 
+def test_the_async_scheduler_pairs_each_step_with_its_own_output():
+    """With --async-scheduling vLLM schedules a step before the last one's output is back."""
+    (case,) = run_check("async").values()
+    assert case["num_steps"] < 400 and case["all_timed"]
+    assert case["iterations"] == list(range(1, len(case["iterations"]) + 1))
+    assert case["num_finished"] == case["num_first_tokens"] == 6
+    assert case["num_output_tokens"] == 6 * 40 and case["num_preemptions"] > 0
+    assert case["waiting"]["kv"] == case["num_waiting"] > 0
+
+
 def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so():
     result = run_check("guard")
     assert result["untested_reporter"] is False and result["untested_finished"] is True

@@ -8,6 +8,8 @@ publisher is swapped for a list, so the records are those the lane would carry.
 
 Cases:
     reasons     one scheduler per admission limit: which reason each step's waiting got
+    async       the KV case with vLLM's async scheduler, each step scheduled before the last
+                one's output is back (as the engine core runs it with --async-scheduling)
     guard       an untested vLLM version, and a missing scheduler attribute: plain vLLM
                 scheduling, nothing reported, a warning in vLLM's log
 """
@@ -22,8 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_scheduler_harness import add_requests, make_scheduler, run_step  # noqa: E402
+from bench.vllm_scheduler_harness import (  # noqa: E402
+    add_requests,
+    make_scheduler,
+    run_pipelined,
+    run_step,
+)
 from telemetry.sources import vllm_scheduler  # noqa: E402
+from telemetry.sources.vllm_scheduler import (  # noqa: E402
+    IterscopeAsyncScheduler,
+    IterscopeScheduler,
+)
 
 REASON_FIELDS = {"kv": "num_waiting_kv_reqs", "seq_limit": "num_waiting_seq_limit_reqs",
                  "budget": "num_waiting_budget_reqs", "other": "num_waiting_other_reqs"}
@@ -43,35 +54,52 @@ class ListPublisher:
         pass
 
 
+CASES = {  # limit -> (num_blocks, max_num_seqs, max_num_batched_tokens, prompt, output)
+    "seq_limit": (64, 2, 512, 16, 8),  # 6 requests, 2 run at a time
+    "budget": (64, 8, 64, 48, 8),      # 64 tokens a step: one 48-token prompt at a time
+    "kv": (9, 8, 512, 40, 40),         # 8 usable blocks, 5 per request at their peak
+}
+
+
 def reasons_case() -> dict:
     """Per limit: the waiting counts by reason of the steps, summed, and the preemptions."""
-    cases = {  # limit -> (num_blocks, max_num_seqs, max_num_batched_tokens, prompt, output)
-        "seq_limit": (64, 2, 512, 16, 8),  # 6 requests, 2 run at a time
-        "budget": (64, 8, 64, 48, 8),      # 64 tokens a step: one 48-token prompt at a time
-        "kv": (9, 8, 512, 40, 40),         # 8 usable blocks, 5 per request at their peak
+    return {limit: run_case(limit, IterscopeScheduler, run_until_done) for limit in CASES}
+
+
+def async_case() -> dict:
+    return {"kv": run_case("kv", IterscopeAsyncScheduler, run_pipelined)}
+
+
+def run_until_done(scheduler, max_steps: int) -> int:
+    for step in range(max_steps):
+        if not scheduler.has_requests():
+            return step
+        run_step(scheduler)
+    return max_steps
+
+
+def run_case(limit: str, scheduler_class: type, run) -> dict:
+    num_blocks, max_num_seqs, budget, prompt, output_len = CASES[limit]
+    scheduler = make_scheduler(num_blocks, max_num_seqs, budget, scheduler_class)
+    publisher = ListPublisher()
+    scheduler._iterscope.publisher = publisher
+    add_requests(scheduler, 6, prompt, output_len)
+    num_steps = run(scheduler, 400)
+    records = publisher.records
+    return {
+        "num_steps": num_steps,
+        "iterations": [r.iteration for r in records],
+        "all_timed": all(r.elapsed_ns > 0 for r in records),
+        "waiting": {name: sum(getattr(r, field) for r in records)
+                    for name, field in REASON_FIELDS.items()},
+        "num_waiting": sum(r.num_waiting_reqs for r in records),
+        "num_preemptions": sum(r.num_preemptions for r in records),
+        "num_finished": sum(1 for r in records for m in r.milestones if m.event & 2),
+        "num_first_tokens": sum(1 for r in records for m in r.milestones if m.event & 1),
+        "num_output_tokens": sum(r.num_decode_tokens for r in records),
+        "max_blocks_used": max(r.num_kv_blocks_used for r in records),
+        "num_kv_blocks_total": records[0].num_kv_blocks_used + records[0].num_kv_blocks_free,
     }
-    result = {}
-    for limit, (num_blocks, max_num_seqs, budget, prompt, output_len) in cases.items():
-        scheduler = make_scheduler(num_blocks, max_num_seqs, budget)
-        publisher = ListPublisher()
-        scheduler._iterscope.publisher = publisher
-        add_requests(scheduler, 6, prompt, output_len)
-        for _ in range(400):
-            if not scheduler.has_requests():
-                break
-            run_step(scheduler)
-        records = publisher.records
-        result[limit] = {
-            "waiting": {name: sum(getattr(r, field) for r in records)
-                        for name, field in REASON_FIELDS.items()},
-            "num_waiting": sum(r.num_waiting_reqs for r in records),
-            "num_preemptions": sum(r.num_preemptions for r in records),
-            "num_finished": sum(1 for r in records for m in r.milestones if m.event & 2),
-            "num_output_tokens": sum(r.num_decode_tokens for r in records),
-            "max_blocks_used": max(r.num_kv_blocks_used for r in records),
-            "num_kv_blocks_total": records[0].num_kv_blocks_used + records[0].num_kv_blocks_free,
-        }
-    return result
 
 
 def guard_case() -> dict:
@@ -99,4 +127,4 @@ def guard_case() -> dict:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    print(json.dumps({"reasons": reasons_case, "guard": guard_case}[case]()))
+    print(json.dumps({"reasons": reasons_case, "async": async_case, "guard": guard_case}[case]()))
