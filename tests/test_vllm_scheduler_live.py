@@ -89,7 +89,8 @@ def test_the_async_scheduler_pairs_each_step_with_its_own_output():
     """With --async-scheduling vLLM schedules a step before the last one's output is back."""
     (case,) = run_check("async").values()
     assert case["num_steps"] < 400 and case["all_timed"]
-    assert case["iterations"] == list(range(1, len(case["iterations"]) + 1))
+    iterations = case["iterations"]  # a step that scheduled nothing makes no record
+    assert iterations == sorted(set(iterations)) and iterations[0] == 1
     assert case["num_finished"] == case["num_first_tokens"] == 6
     assert case["num_output_tokens"] == 6 * 40 and case["num_preemptions"] > 0
     assert case["waiting"]["kv"] == case["num_waiting"] > 0
