@@ -120,11 +120,13 @@ class EngineCore:
         self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
         self.num_scheduled_reqs = len(scheduled.scheduled)
+        model_start_ns = time.monotonic_ns()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()
         updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
         outputs, milestones = self._outputs(updated, end_ns)
-        self.publisher.publish(self._record(scheduled, start_ns, milestones))
+        self.publisher.publish(
+            self._record(scheduled, start_ns, end_ns - model_start_ns, milestones))
         self.markers.end()
         return outputs
 
@@ -156,7 +158,11 @@ class EngineCore:
         return outputs, milestones
 
     def _record(
-        self, scheduled: SchedulerOutput, start_ns: int, milestones: list[RequestMilestone]
+        self,
+        scheduled: SchedulerOutput,
+        start_ns: int,
+        model_elapsed_ns: int,
+        milestones: list[RequestMilestone],
     ) -> IterationRecord:
         num_waiting = len(self.scheduler.waiting)
         reason = scheduled.wait_reason if num_waiting else WaitReason.NONE
@@ -184,6 +190,7 @@ class EngineCore:
             num_prefix_hit_tokens=scheduled.num_prefix_hit_tokens,
             num_preemptions=scheduled.num_preemptions,
             milestones=milestones,
+            model_elapsed_ns=model_elapsed_ns,
         )
 
     def startup_lines(self) -> list[str]:

@@ -148,6 +148,8 @@ def test_a_forward_pass_that_hangs_is_inside_its_iteration_time():
     drain(core)
     stalled = core.publisher.records[1]
     assert stalled.iteration == 2 and stalled.elapsed_ns >= 200_000_000
+    # the model's part of it is the forward pass: all of the hang, within the iteration
+    assert 200_000_000 <= stalled.model_elapsed_ns <= stalled.elapsed_ns
 
 
 def test_build_engine_core_plans_and_logs_startup_lines(caplog):

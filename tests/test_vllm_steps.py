@@ -116,7 +116,8 @@ def test_a_prefill_then_decode_step_fills_every_field(setup):
     reporter.scheduled(scheduler, out, time.monotonic_ns())
     a.num_output_tokens = 1
     scheduler.num_free = 7
-    reporter.updated(scheduler, out, core_outputs((a, 1)))
+    time.sleep(0.002)  # the forward pass
+    reporter.updated(scheduler, out, core_outputs((a, 1)), time.monotonic_ns())
     (record,) = publisher.records
     assert (record.engine_index, record.iteration) == (3, 1)
     assert (record.num_prefill_reqs, record.num_prefill_tokens) == (1, 84)
@@ -124,7 +125,8 @@ def test_a_prefill_then_decode_step_fills_every_field(setup):
     assert (record.num_prefix_query_tokens, record.num_prefix_hit_tokens) == (100, 16)
     assert (record.num_running_reqs, record.num_waiting_reqs) == (1, 1)
     assert (record.num_kv_blocks_used, record.num_kv_blocks_free) == (3, 7)  # 10 usable
-    assert record.num_kv_tokens == 100 and record.elapsed_ns > 0 and record.unknown == 0
+    assert record.num_kv_tokens == 100 and record.unknown == 0
+    assert 2_000_000 <= record.model_elapsed_ns <= record.elapsed_ns
     (first,) = record.milestones
     assert first.event == EVENT_FIRST_TOKEN and first.request_id == "a"
     assert first.first_scheduled_ns == record.start_ns
@@ -134,7 +136,7 @@ def test_a_prefill_then_decode_step_fills_every_field(setup):
     # next step: a decodes, b's prompt is chunked (no output yet: still prefill)
     out = output(new=[run_new(scheduler, reporter, b, 30)], cached=[(a, 1)])
     reporter.scheduled(scheduler, out, time.monotonic_ns())
-    reporter.updated(scheduler, out, core_outputs((a, 1)))
+    reporter.updated(scheduler, out, core_outputs((a, 1)), time.monotonic_ns())
     record = publisher.records[-1]
     assert (record.num_prefill_reqs, record.num_prefill_tokens) == (1, 30)
     assert (record.num_decode_reqs, record.num_decode_tokens) == (1, 1)
@@ -150,7 +152,7 @@ def test_a_finish_carries_the_whole_lifecycle_once(setup):
     a.num_output_tokens, a.finish_reason = 1, 1  # max_tokens=1: first token and finish
     scheduler.running.remove(a)
     scheduler.finished_req_ids = {"a"}
-    reporter.updated(scheduler, out, core_outputs((a, 1)))
+    reporter.updated(scheduler, out, core_outputs((a, 1)), time.monotonic_ns())
     (record,) = publisher.records
     (done,) = record.milestones
     assert done.event == EVENT_FIRST_TOKEN | EVENT_FINISHED
@@ -160,7 +162,7 @@ def test_a_finish_carries_the_whole_lifecycle_once(setup):
     # vLLM passes the finished ids on to the next schedule(): not reported twice
     out = output(finished={"a"})
     reporter.scheduled(scheduler, out, time.monotonic_ns())
-    reporter.updated(scheduler, out, {})
+    reporter.updated(scheduler, out, {}, time.monotonic_ns())
     assert len(publisher.records) == 1  # an empty step is no record
     assert publisher.queues[-1] == (0, 0)
 
@@ -173,7 +175,7 @@ def test_an_abort_before_scheduling_is_a_finish_without_a_first_token(setup):
     b.finish_reason = 2  # aborted between steps: vLLM lists it in the next output
     out = output(new=[run_new(scheduler, reporter, a, 100)], finished={"b"})
     reporter.scheduled(scheduler, out, time.monotonic_ns())
-    reporter.updated(scheduler, out, core_outputs())
+    reporter.updated(scheduler, out, core_outputs(), time.monotonic_ns())
     (aborted,) = publisher.records[-1].milestones
     assert aborted.request_id == "b" and aborted.event == EVENT_FINISHED
     assert FINISH_REASONS[aborted.finish_reason] == "abort"
@@ -202,7 +204,7 @@ def test_why_requests_wait_follows_the_documented_rule(case, reason):
     preempted = {"x"} if case == "preempted" else set()
     out = output(new=new, preempted=preempted)
     reporter.scheduled(scheduler, out, time.monotonic_ns())
-    reporter.updated(scheduler, out, core_outputs())
+    reporter.updated(scheduler, out, core_outputs(), time.monotonic_ns())
     (record,) = publisher.records
     num_waiting = 5 - admitted
     counts = {name: getattr(record, name) for name in (
@@ -223,11 +225,12 @@ def test_steps_pair_by_their_output_under_async_scheduling(setup):
     reporter.scheduled(scheduler, first, time.monotonic_ns())
     second = output(new=[run_new(scheduler, reporter, b, 100)])
     reporter.scheduled(scheduler, second, time.monotonic_ns())  # before the first's update
-    reporter.updated(scheduler, first, core_outputs())
-    reporter.updated(scheduler, second, core_outputs())
+    reporter.updated(scheduler, first, core_outputs(), time.monotonic_ns())
+    reporter.updated(scheduler, second, core_outputs(), time.monotonic_ns())
     assert [r.iteration for r in publisher.records] == [1, 2]
     assert publisher.records[0].start_ns < publisher.records[1].start_ns
-    reporter.updated(scheduler, output(), {})  # unknown output: ignored, no error
+    # an output this reporter never saw scheduled: ignored, no error
+    reporter.updated(scheduler, output(), {}, time.monotonic_ns())
     assert len(publisher.records) == 2
 
 
@@ -237,12 +240,12 @@ def test_preemptions_are_counted_and_timed_on_the_request(setup):
     admit(scheduler, reporter, a)
     out = output(new=[run_new(scheduler, reporter, a, 100)])
     reporter.scheduled(scheduler, out, time.monotonic_ns())
-    reporter.updated(scheduler, out, core_outputs((a, 1)))
+    reporter.updated(scheduler, out, core_outputs((a, 1)), time.monotonic_ns())
     a.num_output_tokens = 1
     preempt_at = time.monotonic_ns()
     out = output(preempted={"a"})
     reporter.scheduled(scheduler, out, preempt_at)
-    reporter.updated(scheduler, out, core_outputs())
+    reporter.updated(scheduler, out, core_outputs(), time.monotonic_ns())
     assert publisher.records[-1].num_preemptions == 1
     assert reporter.requests["a"].preempted_ns == [preempt_at]
 

@@ -23,8 +23,9 @@ Invariants the sidecar relies on:
 - ``unknown`` holds UNKNOWN_* bits for the fields a source cannot fill (a vLLM server
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
-  Fields added since the first release (``unknown``, ``num_waiting_other_reqs``, the
-  Heartbeat's ``source``) come last with a default, so frames of older senders still decode.
+  Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
+  ``model_elapsed_ns``, the Heartbeat's ``source``) come last with a default, so frames of
+  older senders still decode.
 
 Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
 sets and make every other count 0. The defaults live in these factories, not on the Structs:
@@ -132,6 +133,10 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     milestones: list[RequestMilestone] = []
     unknown: Count = 0  # UNKNOWN_* bits: fields this source does not give
     num_waiting_other_reqs: Count = 0  # held back by the source itself (see the module doc)
+    # The model's part of elapsed_ns (forward pass and sampling); 0 = not measured (older
+    # senders). Ours: the runner's execute; vLLM's scheduler source: schedule() returned ->
+    # update_from_output() called.
+    model_elapsed_ns: Count = 0
 
 
 def is_known(record: IterationRecord, unknown_bit: int) -> bool:

@@ -81,11 +81,12 @@ class ReportingScheduler:
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        update_start_ns = time.monotonic_ns()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         reporter = self._iterscope
         if reporter is not None:
             try:
-                reporter.updated(self, scheduler_output, outputs)
+                reporter.updated(self, scheduler_output, outputs, update_start_ns)
             except Exception:
                 self._iterscope_failed()
         return outputs

@@ -10,8 +10,9 @@ that every attribute read here exists), so it can be tested with plain stand-ins
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
                               queues and why requests wait (decided now, see below),
                               preemptions, prefix-cache queries / hits, first-scheduled times
-    update_from_output()      record finished: elapsed (schedule start -> update end), tokens
-    returns                   the step produced, running requests, KV blocks and tokens,
+    update_from_output()      record finished: elapsed (schedule start -> update end), the
+    returns                   model's part (schedule end -> update start), tokens the step
+                              produced, running requests, KV blocks and tokens,
                               milestones (first token, finish), then handed to the publisher
 
 Steps are paired by their SchedulerOutput (with async scheduling vLLM schedules the next step
@@ -92,7 +93,8 @@ class StepReporter:
         self.iteration = 0
         self.requests: dict[str, TrackedRequest] = {}
         self._awaiting_first_token: dict[str, TrackedRequest] = {}
-        self._pending: collections.deque[tuple[Any, IterationRecord, list[TrackedRequest]]] = (
+        # (SchedulerOutput, its record, its prefill requests, when schedule() returned)
+        self._pending: collections.deque[tuple[Any, IterationRecord, list, int]] = (
             collections.deque(maxlen=MAX_PENDING_STEPS))
         self._finished_early: list[RequestMilestone] = []  # aborted between steps
 
@@ -119,16 +121,19 @@ class StepReporter:
             tracked = self.requests.get(request_id)
             if tracked is not None:
                 tracked.preempted_ns.append(start_ns)
-        self._pending.append((output, record, prefilling))
+        self._pending.append((output, record, prefilling, time.monotonic_ns()))
 
-    def updated(self, scheduler: Any, output: Any, engine_core_outputs: dict) -> None:
-        """``update_from_output(output, ...)`` returned: finish that step's record, send it."""
+    def updated(self, scheduler: Any, output: Any, engine_core_outputs: dict,
+                update_start_ns: int) -> None:
+        """``update_from_output(output, ...)``, called at ``update_start_ns``, returned:
+        finish that step's record and send it."""
         end_ns = time.monotonic_ns()
         step = self._take_pending(output)
         if step is None:  # scheduled before this reporter existed, or beyond the bound
             return
-        _, record, prefilling = step
+        _, record, prefilling, scheduled_ns = step
         record.elapsed_ns = end_ns - record.start_ns
+        record.model_elapsed_ns = max(0, update_start_ns - scheduled_ns)
         for tracked in prefilling:
             start_ns, _, num_tokens = tracked.prefill_chunks[-1]
             tracked.prefill_chunks[-1] = (start_ns, end_ns, num_tokens)

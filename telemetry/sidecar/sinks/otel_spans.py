@@ -126,6 +126,7 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
         "iterscope.num_waiting_kv_reqs": record.num_waiting_kv_reqs,
         "iterscope.num_waiting_seq_limit_reqs": record.num_waiting_seq_limit_reqs,
         "iterscope.num_waiting_budget_reqs": record.num_waiting_budget_reqs,
+        "iterscope.num_waiting_other_reqs": record.num_waiting_other_reqs,
         "iterscope.num_kv_blocks_used": record.num_kv_blocks_used,
         "iterscope.num_kv_blocks_free": record.num_kv_blocks_free,
         "iterscope.kv_usage_ratio": record_kv_usage_ratio(record),
@@ -134,8 +135,10 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
     if record.unknown & UNKNOWN_PREFILL_REQS:
         del attributes["iterscope.num_context_reqs"]
     if record.unknown & UNKNOWN_WAITING_REASONS:
-        for reason_field in ("kv", "seq_limit", "budget"):
+        for reason_field in ("kv", "seq_limit", "budget", "other"):
             del attributes[f"iterscope.num_waiting_{reason_field}_reqs"]
+    if record.model_elapsed_ns:
+        attributes["iterscope.model_elapsed_ms"] = record.model_elapsed_ns / 1e6
     return attributes
 
 
