@@ -16,7 +16,7 @@ from engine.kv_planning import kv_bytes_per_token
 from engine.model.loader import build_tiny_model
 from engine.runner import ModelRunner
 from engine.startup import build_engine_core
-from tests.fake_runner import FakeRunner, load_fake_model
+from tests.helpers.fake_runner import FakeRunner, load_fake_model
 
 GIB = 2**30
 

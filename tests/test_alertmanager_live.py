@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,13 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import REPO
+from tests.helpers.prom import ReadyServer, start_server
+
 pytestmark = pytest.mark.live
-
-TESTS_DIR = Path(__file__).resolve().parent
-REPO = TESTS_DIR.parent
-sys.path.insert(0, str(TESTS_DIR))
-
-from prom_helpers import ServerProcess, start_server  # noqa: E402
 
 CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 RULE_FILES = sorted((REPO / "dashboards" / "alerts").glob("*.yml"))
@@ -90,8 +86,10 @@ def key_of(labels: dict[str, str]) -> AlertKey:
     return (labels["alertname"], labels["instance"], labels["engine"], labels["model_name"])
 
 
-class Alertmanager(ServerProcess):
+class Alertmanager(ReadyServer):
     """A running Alertmanager: post alerts, read back who inhibits whom."""
+
+    name = "Alertmanager"
 
     def post(self, keys: list[AlertKey]) -> None:
         """Fire one alert per key, as Prometheus would (ending in an hour)."""

@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import PLAIN_TEMPLATE, ScriptedClient, TemplateTokenizer
 
 from engine.entrypoints import api_metrics
 from engine.entrypoints.frontend import Frontend
@@ -23,6 +22,8 @@ from engine.entrypoints.routes import build_app
 from engine.entrypoints.serve_args import TINY_MODEL
 from telemetry.sidecar.metrics_http import serve_metrics
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+from tests.helpers.net import free_port
+from tests.helpers.serve import PLAIN_TEMPLATE, ScriptedClient, TemplateTokenizer
 
 
 @pytest.fixture
@@ -110,9 +111,7 @@ def test_requests_are_counted_by_route_template_status_class_and_method(sidecar,
 
 
 def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        closed_url = f"http://127.0.0.1:{probe.getsockname()[1]}/metrics"
+    closed_url = f"http://127.0.0.1:{free_port()}/metrics"  # a port nobody listens on
     for url in (None, closed_url, f"http://127.0.0.1:{silent_port}/metrics"):
         app = FastAPI()
         api_metrics.attach(app, url, timeout_s=0.2)

@@ -16,11 +16,12 @@ from collections import Counter
 
 import httpx
 import pytest
-from prom_helpers import start_prometheus
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import KV_CACHE_MEMORY, ServerProcess
 
 from engine.entrypoints.serve import TINY_MODEL
+from tests.helpers.prom import start_prometheus
+from tests.helpers.serve import KV_CACHE_MEMORY, ServerProcess
+from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.live
 
@@ -97,7 +98,9 @@ def server(tmp_path_factory):
     assert "Traceback" not in server.log(), server.log()
 
 
-def scrape(url: str) -> dict:
+def families(url: str) -> dict:
+    """The families of the /metrics page at ``url`` by name, after checking that it is the
+    Prometheus text format."""
     response = httpx.get(url, timeout=10)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -132,22 +135,24 @@ def finished_in_sidecar(found: dict) -> float:
 
 def test_metrics_on_the_api_port(server):
     api_metrics_url = f"{server.base_url}/metrics"
-    before = scrape(api_metrics_url)
+    before = families(api_metrics_url)
     finished_before = finished_in_sidecar(before)
     complete(server.base_url, 3)
     assert httpx.post(f"{server.base_url}/v1/completions", json={"max_tokens": -1},
                       timeout=10).status_code == 400
-    deadline = time.monotonic() + 20
-    while finished_in_sidecar(found := scrape(api_metrics_url)) < finished_before + 3:
-        assert time.monotonic() < deadline, "the sidecar's series never counted the requests"
-        time.sleep(0.2)
+
+    def counted() -> dict | None:
+        page = families(api_metrics_url)
+        return page if finished_in_sidecar(page) >= finished_before + 3 else None
+
+    found = wait_until(counted, 20, "the sidecar's series to count the requests", 0.2)
     counts = http_requests(found) - http_requests(before)
     assert counts == {("POST", "2xx", "/v1/completions"): 3,
                       ("POST", "4xx", "/v1/completions"): 1}
     assert samples(found["iterscope_api_sidecar_reachable"],
                    "iterscope_api_sidecar_reachable") == {(): 1}
     # The sidecar's series are the sidecar's own exposition, vLLM names included.
-    sidecar = scrape(server.metrics_url)
+    sidecar = families(server.metrics_url)
     for name in ("iterscope_requests_finished", "vllm:request_success",
                  "vllm:e2e_request_latency_seconds", "iterscope_iterations"):
         assert found[name].samples == sidecar[name].samples, name
@@ -162,7 +167,7 @@ def test_metrics_on_the_api_port_without_a_sidecar(tmp_path):
                            KV_CACHE_MEMORY, "--cpu-threads", "1", "--no-sidecar")
     try:
         complete(server.base_url, 1)
-        found = scrape(f"{server.base_url}/metrics")
+        found = families(f"{server.base_url}/metrics")
         assert samples(found["iterscope_api_sidecar_reachable"],
                    "iterscope_api_sidecar_reachable") == {(): 0}
         assert http_requests(found) == {("POST", "2xx", "/v1/completions"): 1}
@@ -180,11 +185,14 @@ def test_vllm_dashboard_and_alert_queries_over_the_api_port(server, tmp_path):
             complete(server.base_url, 2)
             time.sleep(0.5)
         pending = set(dashboard_queries() + alert_rule_queries())
-        deadline = time.monotonic() + 30
-        while pending and time.monotonic() < deadline:
-            pending = {expr for expr in pending if not has_number(prometheus.query(expr))}
-            time.sleep(0.5)
-        assert not pending, f"queries without data: {sorted(pending)}"
+
+        def all_have_data() -> bool:
+            pending.difference_update(
+                [expr for expr in pending if has_number(prometheus.query(expr))])
+            return not pending
+
+        wait_until(all_have_data, 30, lambda: f"data in every query; without: {sorted(pending)}",
+                   interval_s=0.5)
 
         reasons = prometheus.query(f"sum by (finished_reason) "
                                    f"(vllm:request_success_total{{{MODEL}}})")

@@ -8,15 +8,16 @@ import json
 import re
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
-from test_serve import REPO, ServerProcess
 
 from engine.entrypoints import bench_client, bench_load, bench_summary
 from engine.entrypoints.bench_backends import BenchRequest, RequestResult
 from engine.entrypoints.serve_args import TINY_MODEL
+from tests.helpers import REPO
+from tests.helpers.prom import scrape, total
+from tests.helpers.serve import ServerProcess
+from tests.helpers.wait import wait_until
 
 
 def test_random_dataset_is_seeded_and_exact():
@@ -112,13 +113,6 @@ def test_poisson_rate_and_stop_sending_after():
     assert 0 < len(results) < 1000
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {labels} not in /metrics")
-
-
 @pytest.mark.live
 def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
     # 32 blocks of 16 tokens: about five of the 24 requests (2 to 9 blocks each) fit at once.
@@ -138,16 +132,18 @@ def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
         assert re.search(rf"Successful requests:\s+{num_prompts}\n", run.stdout)
         result = json.loads(result_path.read_text())
         assert result["num_completed"] == num_prompts and len(result["requests"]) == num_prompts
-        deadline = time.monotonic() + 20
-        while True:
-            text = httpx.get(server.metrics_url).text
-            finished = metric(text, "iterscope_requests_finished_total", finish_reason="length")
-            if finished == num_prompts or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert finished == num_prompts
-        assert metric(text, "iterscope_request_prompt_tokens_sum") == result["total_input_tokens"]
-        assert (metric(text, "iterscope_request_generation_tokens_sum")
+        page = {}
+
+        def all_finished() -> bool:
+            page.clear()
+            page.update(scrape(server.metrics_url))
+            finished = total(page, "iterscope_requests_finished_total", finish_reason="length")
+            return finished == num_prompts
+
+        wait_until(all_finished, 20, lambda: f"{num_prompts} requests finished in /metrics",
+                   interval_s=0.2)
+        assert total(page, "iterscope_request_prompt_tokens_sum") == result["total_input_tokens"]
+        assert (total(page, "iterscope_request_generation_tokens_sum")
                 == result["total_output_tokens"])
         # 24 requests sent at once into room for about five: some had to wait for KV blocks.
         records = server.records()

@@ -14,8 +14,6 @@ import signal
 import time
 
 import pytest
-from fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
-from faults import stalling
 
 from engine import core_client, core_messages
 from engine.config import EngineConfig
@@ -23,6 +21,8 @@ from engine.core_client import EngineBusyError, EngineCoreClient, EngineDeadErro
 from engine.request import SamplingParams
 from engine.request_stream import RequestStream
 from engine.scheduler import RequestRejectedError
+from tests.helpers.fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
+from tests.helpers.faults import stalling
 
 pytestmark = pytest.mark.live
 

@@ -1,7 +1,6 @@
 """CURVE on the telemetry lane: engines publish over loopback tcp to a PULL socket set up by
 telemetry.lane.curve; only engines holding listed keys get through."""
 
-import socket
 import stat
 import threading
 import time
@@ -15,6 +14,9 @@ from zmq.utils.monitor import recv_monitor_message
 from telemetry.lane import curve
 from telemetry.lane.publisher import ZmqPublisher
 from telemetry.lane.record import IterationRecord, iteration_record, make_decoder
+from tests.helpers.lane import RecordingSink
+from tests.helpers.net import free_port
+from tests.helpers.wait import wait_until
 
 DEADLINE_S = 15.0
 HANDSHAKE_FAILED_EVENTS = (
@@ -132,14 +134,19 @@ def num_handshakes_failed(events: Counter) -> int:
 def publish_until(server: Server, publishers: list, done) -> Counter:
     """Publish one record per engine every 20 ms until ``done(received, events)``."""
     received: Counter = Counter()
-    deadline = time.monotonic() + DEADLINE_S
-    while not done(received, server.events):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out: received {dict(received)}, events {dict(server.events)}")
+
+    def published_until_done() -> bool:
+        if done(received, server.events):
+            return True
         for publisher in publishers:
             publisher.publish(record(publisher.engine_index))
-        for frame in server.drain(wait_s=0.02):
+        for frame in server.drain(wait_s=0.02):  # the pause between rounds
             received[frame.engine_index] += 1
+        return False
+
+    wait_until(published_until_done, DEADLINE_S,
+               lambda: f"done: received {dict(received)}, events {dict(server.events)}",
+               interval_s=0)
     return received
 
 
@@ -258,47 +265,13 @@ def test_command_line_creates_keys(tmp_path, capsys):
     assert curve.main([str(tmp_path / "k"), "--engines", "server"]) == 2
 
 
-class RecordingSink:
-    """Keeps the engine index of every iteration record the sidecar delivers."""
-
-    def __init__(self) -> None:
-        self.engine_indexes: Counter = Counter()
-
-    def on_iteration(self, record, engine) -> None:
-        self.engine_indexes[record.engine_index] += 1
-
-    def on_heartbeat(self, heartbeat, engine) -> None:
-        pass
-
-    def on_status(self, engine_index, status, now_ns) -> None:
-        pass
-
-    def on_dropped(self, engine_index, num_dropped) -> None:
-        pass
-
-    def on_undecodable(self, reason) -> None:
-        pass
-
-    def tick(self, now_ns) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def free_tcp_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
 def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
     from telemetry.sidecar.ingest import Ingest
     from telemetry.sidecar.lane_socket import Sidecar
 
     sink = RecordingSink()
     context = zmq.Context()
-    address = free_tcp_address()
+    address = f"tcp://127.0.0.1:{free_port()}"
     sidecar = Sidecar(address, Ingest([sink]), context=context, curve_keys_dir=str(keys_dir))
     thread = threading.Thread(target=sidecar.run, daemon=True)
     thread.start()
@@ -307,13 +280,21 @@ def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir
         engine_a = engines(address, 1, curve_keys_dir=keys, curve_engine_name="engine-a")
         engine_b = engines(address, 2, curve_keys_dir=keys, curve_engine_name="engine-b")
         plain = engines(address, 3)
-        deadline = time.monotonic() + DEADLINE_S
-        while sink.engine_indexes[1] < 5 or sink.engine_indexes[2] < 5:
-            assert time.monotonic() < deadline, f"timed out: {dict(sink.engine_indexes)}"
+
+        def engine_indexes() -> Counter:
+            return Counter(engine_index for engine_index, _ in sink.of("iteration"))
+
+        def published_until_both_through() -> bool:
+            if engine_indexes()[1] >= 5 and engine_indexes()[2] >= 5:
+                return True
             for publisher in (engine_a, engine_b, plain):
                 publisher.publish(record(publisher.engine_index))
-            time.sleep(0.02)
-        assert sink.engine_indexes[3] == 0
+            return False
+
+        wait_until(published_until_both_through, DEADLINE_S,
+                   lambda: f"5 records of engines 1 and 2: {dict(engine_indexes())}",
+                   interval_s=0.02)
+        assert engine_indexes()[3] == 0
         assert plain.num_sent_total == 0 and plain.num_dropped_total > 0
     finally:
         sidecar.stop()

@@ -30,23 +30,17 @@ import yaml
 
 pytestmark = pytest.mark.live
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
-sys.path.insert(0, str(TESTS_DIR))
+REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # dashboards/ is not an installed package
-
-from fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
-from prom_helpers import (  # noqa: E402
-    PrometheusHandle,
-    start_metrics_sidecar,
-    start_prometheus,
-    stop_process,
-)
 
 from dashboards.panel_queries import panel_queries, substitute  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core_client import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from tests.helpers.fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
+from tests.helpers.processes import start_metrics_sidecar, stop_process  # noqa: E402
+from tests.helpers.prom import PrometheusHandle, start_prometheus  # noqa: E402
+from tests.helpers.wait import wait_until  # noqa: E402
 
 ALERTS_DIR = REPO_ROOT / "dashboards" / "alerts"
 FAKE_FORWARD_S = 0.004  # what one fake forward pass takes
@@ -174,13 +168,15 @@ def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout
     assert values["instance"] == instance
     pending = {(q.dashboard, q.panel, q.ref_id): substitute(q.expr, values)
                for q in panel_queries()}
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
+
+    def all_have_data() -> bool:
         for key, expr in list(pending.items()):
             if has_number(prometheus.query(expr)):
                 del pending[key]
-        time.sleep(0.5)
-    assert not pending, f"panel queries without data: {pending}"
+        return not pending
+
+    wait_until(all_have_data, timeout_s, lambda: f"data in every panel query; without: {pending}",
+               interval_s=0.5)
 
 
 def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
@@ -209,9 +205,9 @@ def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
         try:
             feeder.halt.set()
             feeder.join(timeout=5)
-            time.sleep(2)  # a scrape after the pause
-            waiting = prometheus.query('iterscope_requests_waiting{engine="0"}')
-            assert float(waiting[0]["value"][1]) > 0, "the stall needs work waiting"
+            # The stall needs work waiting (Prometheus scrapes every second).
+            prometheus.wait_for_value('iterscope_requests_waiting{engine="0"}',
+                                      lambda waiting: waiting > 0, timeout_s=10)
             stalled = wait_for_alert(prometheus, "IterscopeEngineStalled", timeout_s=30)
             assert float(stalled["value"]) > 0  # requests waiting or running
             wait_for_alert(prometheus, "IterscopeEngineDown", timeout_s=20)

@@ -12,9 +12,9 @@ import time
 import httpx
 import msgspec
 import pytest
-from test_serve import REPO
 
 from telemetry.lane.record import IterationRecord, Message
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.live
 

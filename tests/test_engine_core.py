@@ -6,8 +6,6 @@ import logging
 
 import msgspec
 import pytest
-from fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_core
-from faults import StallingRunner, leak_blocks_per_finish
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -22,6 +20,8 @@ from telemetry.lane.record import (
     make_decoder,
     make_encoder,
 )
+from tests.helpers.fake_runner import FakeRunner, RecordingPublisher, load_fake_model, make_core
+from tests.helpers.faults import StallingRunner, leak_blocks_per_finish
 
 
 def make_request(request_id, prompt, max_tokens, traceparent=""):

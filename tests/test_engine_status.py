@@ -9,9 +9,6 @@ import threading
 import time
 
 import pytest
-from fake_runner import FakeRunner, make_core
-from test_sidecar import RecordingSink, heartbeat, record
-from test_sidecar_engine import start_engine, stop_engine
 
 from engine.request import Request, SamplingParams
 from telemetry.lane.publisher import ZmqPublisher
@@ -19,6 +16,10 @@ from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.sink import EngineStatus
+from tests.helpers.fake_engine import start_engine, stop_engine
+from tests.helpers.fake_runner import FakeRunner, make_core
+from tests.helpers.lane import RecordingSink, heartbeat, record
+from tests.helpers.wait import wait_until
 
 SECOND = 1_000_000_000
 IDLE, RUNNING, STALLED, DEAD = (EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED,
@@ -124,17 +125,16 @@ class StuckRunner(FakeRunner):
         return super().execute(scheduled)
 
 
+def last_seq_seen(sink: RecordingSink) -> int:
+    """The highest seq of the messages ``sink`` has been given."""
+    return max((call[2] for call in sink.calls if call[0] in ("iteration", "heartbeat")),
+               default=0)
+
+
 class StatusSink(RecordingSink):
     def on_status(self, engine_index, status, now_ns):
         super().on_status(engine_index, status, now_ns)
         self.last_status = status
-
-
-def wait_for(condition, timeout_s=20):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("spin", [False, True], ids=["waiting", "spinning-in-python"])
@@ -160,12 +160,13 @@ def test_a_stuck_engine_loop_is_stalled_never_dead(tmp_path, spin):
     engine_thread = threading.Thread(target=loop)
     engine_thread.start()
     try:
-        wait_for(lambda: getattr(sink, "last_status", None) is RUNNING)
+        wait_until(lambda: getattr(sink, "last_status", None) is RUNNING, 20, "running")
         runner.hold.set()
         time.sleep(4.0)  # longer than dead-after (2.5 s) plus a heartbeat interval
         runner.release.set()
-        wait_for(lambda: [s for _, s, _ in sink.of("status")][-1] is RUNNING
-                 and STALLED in [s for _, s, _ in sink.of("status")])
+        wait_until(lambda: [s for _, s, _ in sink.of("status")][-1] is RUNNING
+                   and STALLED in [s for _, s, _ in sink.of("status")], 20,
+                   lambda: f"stalled, then running again: {sink.of('status')}")
     finally:
         runner.release.set()
         stop.set()
@@ -188,15 +189,16 @@ def test_a_stopped_engine_process_is_dead_then_back_without_restart_or_loss(tmp_
     sidecar_thread.start()
     engine = start_engine(address, tmp_path / "engine.json", "--iteration-time", "0.005")
     try:
-        wait_for(lambda: getattr(sink, "last_status", None) is RUNNING)
+        wait_until(lambda: getattr(sink, "last_status", None) is RUNNING, 20, "running")
         os.kill(engine.pid, signal.SIGSTOP)
         stopped_ns = time.monotonic_ns()
-        wait_for(lambda: sink.last_status is DEAD)
+        wait_until(lambda: sink.last_status is DEAD, 20, "dead while stopped")
         dead_after_stop_ns = time.monotonic_ns() - stopped_ns
         os.kill(engine.pid, signal.SIGCONT)
-        wait_for(lambda: sink.last_status is RUNNING)
+        wait_until(lambda: sink.last_status is RUNNING, 20, "running again")
         report = stop_engine(engine, tmp_path / "engine.json")
-        time.sleep(0.5)
+        wait_until(lambda: last_seq_seen(sink) >= report["last_seq"], 10,
+                   lambda: f"seq {report['last_seq']}, the engine's last, at the sidecar")
     finally:
         if engine.poll() is None:
             os.kill(engine.pid, signal.SIGCONT)

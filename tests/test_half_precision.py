@@ -20,7 +20,7 @@ from engine.model.decoder import Decoder
 from engine.model.loader import LoadedModel, tiny_hf_config, tiny_state_dict
 from engine.model.tokenizer import ByteTokenizer
 from engine.runner import ModelRunner
-from tests.test_model_parity import (
+from tests.helpers.parity import (
     BLOCK_SIZE,
     NUM_BLOCKS,
     SEQ_LEN,

@@ -15,8 +15,6 @@ from engine.model.loader import LoadedModel, load_model
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 
-pytestmark = pytest.mark.live
-
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Explain how a bicycle works."}]
 
@@ -53,6 +51,7 @@ def assert_close_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual - expected).abs().max() < 0.5  # logits here span about 40
 
 
+@pytest.mark.live
 def test_the_directory_holds_what_vllm_reads(hf_dir):
     names = {path.name for path in hf_dir.iterdir()}
     assert all(path.stat().st_mode & 0o777 == 0o644 for path in hf_dir.iterdir())  # any user
@@ -72,6 +71,7 @@ def test_the_directory_holds_what_vllm_reads(hf_dir):
                        "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
 
 
+@pytest.mark.live
 def test_both_loaders_tokenize_like_the_gguf(hf_dir, gguf, exported):
     ours = exported.tokenizer
     theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -84,6 +84,7 @@ def test_both_loaders_tokenize_like_the_gguf(hf_dir, gguf, exported):
     assert theirs.eos_token == "<|im_end|>"
 
 
+@pytest.mark.live
 def test_exported_weights_give_the_ggufs_logits(hf_dir, gguf, exported):
     ids = gguf.tokenizer.encode(PROMPT)
     expected = last_logits(gguf, ids)
@@ -93,6 +94,7 @@ def test_exported_weights_give_the_ggufs_logits(hf_dir, gguf, exported):
         assert_close_logits(model(torch.tensor([ids])).logits[0, -1], expected)
 
 
+@pytest.mark.live
 def test_no_staging_directory_is_left_behind(hf_dir):
     assert [p.name for p in hf_dir.parent.iterdir()] == [hf_dir.name]
 

@@ -9,8 +9,6 @@ import sys
 
 import msgspec
 import pytest
-from sink_feed import send
-from test_sidecar_engine import synthetic_record
 
 from telemetry.analysis.explain import read_timelines
 from telemetry.lane.record import Heartbeat, IterationRecord, Message, RequestMilestone, heartbeat
@@ -19,6 +17,8 @@ from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks.jsonl import JsonlSink
 from telemetry.sidecar.sinks.log import LogSink
+from tests.helpers.lane import synthetic_record
+from tests.helpers.sink_feed import send
 
 SECOND = 1_000_000_000
 OFFSET_NS = 1_700_000_000 * SECOND

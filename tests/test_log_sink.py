@@ -2,14 +2,13 @@
 
 import logging
 
-from sink_feed import send
-from test_sidecar_engine import synthetic_record
-
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
+from tests.helpers.lane import synthetic_record
+from tests.helpers.sink_feed import send
 
 SECOND = 1_000_000_000
 CLOCK_OFFSET_NS = 1_700_000_000 * SECOND  # wall - monotonic, as a heartbeat reports it

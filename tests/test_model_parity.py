@@ -7,11 +7,8 @@ batch holding all three at once.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import transformers
 
 from engine.model import attention as attention_module
 from engine.model.config import ModelConfig
@@ -19,15 +16,21 @@ from engine.model.decoder import Decoder
 from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import LoadedModel, tiny_hf_config, tiny_state_dict
 from engine.model.tokenizer import ByteTokenizer
-from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
+from tests.helpers.parity import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    SEQ_LEN,
+    hf_model,
+    make_request,
+    random_tokens,
+    run_in_chunks,
+    shuffled_blocks,
+)
 
 pytestmark = pytest.mark.live
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
-NUM_BLOCKS = 96
-SEQ_LEN = 37
 
 CASES = {
     "llama": tiny_hf_config("llama"),
@@ -46,19 +49,6 @@ CASES = {
 }
 
 
-def hf_model(hf_config: dict, state_dict: dict) -> torch.nn.Module:
-    kwargs = dict(hf_config)
-    kwargs.pop("model_type")
-    if hf_config["model_type"] == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    assert not unexpected
-    assert all(name == "lm_head.weight" for name in missing)  # tied to the embeddings
-    return model.float().eval()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request):
     hf_config = CASES[request.param]
@@ -71,33 +61,6 @@ def pair(request):
 def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
-
-
-def make_request(name: str, token_ids: list[int], free_blocks: list[int]) -> Request:
-    num_blocks = (len(token_ids) + BLOCK_SIZE - 1) // BLOCK_SIZE
-    request = Request(name, token_ids, SamplingParams(temperature=0, max_tokens=1))
-    request.block_ids = [free_blocks.pop() for _ in range(num_blocks)]
-    return request
-
-
-def random_tokens(seed: int, n: int = SEQ_LEN) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 320) for _ in range(n)]
-
-
-def shuffled_blocks(seed: int) -> list[int]:
-    blocks = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(blocks)
-    return blocks
-
-
-def run_in_chunks(runner: ModelRunner, request: Request, chunks: list[int]) -> torch.Tensor:
-    outputs = []
-    for n in chunks:
-        (logits,) = runner.compute_logits([(request, n)])
-        outputs.append(logits)
-        request.num_computed_tokens += n
-    return torch.cat(outputs)
 
 
 @pytest.fixture(params=["plain", "plain_in_chunks", "sdpa"])

@@ -3,24 +3,16 @@ through the rotel collector), with the right names, parentage, attributes and ti
 
 from __future__ import annotations
 
-import gzip
-import http.server
 import importlib.util
 import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.sdk.trace.export import SpanExportResult
-from sink_feed import send
 
 from telemetry.lane.record import (
     EVENT_FINISHED,
@@ -35,100 +27,20 @@ from telemetry.sidecar.sinks import otel, otel_export
 from telemetry.sidecar.sinks.otel import OtelSink
 from telemetry.sidecar.sinks.otel_export import make_exporter
 from telemetry.sidecar.sinks.otel_spans import IterationSampling
+from tests.helpers.net import free_port
+from tests.helpers.otel import (  # test_vllm_records.py imports these three from here
+    OtlpHttpReceiver,
+    by_name,
+    http_sink,
+)
+from tests.helpers.sink_feed import send
+from tests.helpers.wait import wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 MONO_BASE_NS = 5_000_000_000
 WALL_OFFSET_NS = 1_700_000_000_000_000_000 - MONO_BASE_NS
-
-
-# --- a receiver that decodes the OTLP protobuf wire format --------------------------------
-@dataclass
-class ReceivedSpan:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    kind: int
-    start_ns: int
-    end_ns: int
-    attributes: dict
-    events: list[tuple[str, int]]
-    resource: dict
-
-
-def any_value(value):
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return tuple(any_value(item) for item in value.array_value.values)
-    return getattr(value, kind) if kind else None
-
-
-def key_values(pairs) -> dict:
-    return {kv.key: any_value(kv.value) for kv in pairs}
-
-
-def decode_spans(body: bytes) -> list[ReceivedSpan]:
-    spans = []
-    for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
-        resource = key_values(resource_spans.resource.attributes)
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                spans.append(ReceivedSpan(
-                    name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                    parent_span_id=span.parent_span_id.hex(), kind=span.kind,
-                    start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-                    attributes=key_values(span.attributes),
-                    events=[(event.name, event.time_unix_nano) for event in span.events],
-                    resource=resource,
-                ))
-    return spans
-
-
-class OtlpHttpReceiver:
-    """POST /v1/traces on 127.0.0.1, a free port; keeps every span it decodes."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
-        lock = self._lock = threading.Lock()
-        spans = self.spans
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                decoded = decode_spans(body)
-                with lock:
-                    spans.extend(decoded)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self._server.server_address[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def wait_for(self, num_spans: int, timeout_s: float = 20.0) -> list[ReceivedSpan]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if len(self.spans) >= num_spans:
-                    return list(self.spans)
-            time.sleep(0.05)
-        raise AssertionError(f"received {len(self.spans)} spans, expected {num_spans}")
 
 
 @pytest.fixture
@@ -171,14 +83,6 @@ def finished(request_id: str, traceparent: str = "", base_ns: int = MONO_BASE_NS
 
 def wall(monotonic_ns: int) -> int:
     return monotonic_ns + WALL_OFFSET_NS
-
-
-def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
-    return [span for span in spans if span.name == name]
-
-
-def http_sink(endpoint: str, **kwargs) -> OtelSink:
-    return OtelSink(make_exporter("http/protobuf", endpoint), schedule_delay_s=0.05, **kwargs)
 
 
 # --- tests ----------------------------------------------------------------------------------
@@ -396,22 +300,14 @@ def rotel_binary() -> Path:
     return binary
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"rotel exited with {process.returncode}")
         with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"rotel did not listen on port {port}")
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(listening, timeout_s, f"rotel to listen on port {port}")
 
 
 @pytest.mark.live
@@ -465,19 +361,24 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
     )
     publisher = None
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "lane.sock").exists():
-            if sidecar.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"sidecar did not start: {sidecar.stderr.read()}")
-            time.sleep(0.05)
+
+        def bound() -> bool:
+            if sidecar.poll() is not None:
+                raise AssertionError(f"sidecar exited: {sidecar.stderr.read()}")
+            return (tmp_path / "lane.sock").exists()
+
+        wait_until(bound, 30, "the sidecar to bind its lane")
         publisher = ZmqPublisher(address, engine_index=0, facts={"model_name": "m"},
                                  heartbeat_interval_s=0.05)
         now_ns = time.monotonic_ns()
         milestone = finished("e2e", TRACEPARENT, base_ns=now_ns)
-        # Keep publishing until the sidecar is connected (lossy lane: early sends drop).
-        while not receiver.spans and time.monotonic() < deadline:
+
+        def published_and_received() -> bool:
+            # Keep publishing until the sidecar is connected (lossy lane: early sends drop).
             publisher.publish(record(1, [milestone], start_ns=now_ns))
-            time.sleep(0.2)
+            return bool(receiver.spans)
+
+        wait_until(published_and_received, 30, "spans from the sidecar", interval_s=0.2)
         spans = receiver.wait_for(5)
     finally:
         if publisher is not None:

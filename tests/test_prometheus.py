@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sink_feed import send, set_status
 
 from telemetry.lane.record import (
     EVENT_FINISHED,
@@ -30,6 +29,7 @@ from telemetry.sidecar.metrics_http import metrics_url
 from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks import prometheus
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+from tests.helpers.sink_feed import send, set_status
 
 MS = 1_000_000
 CONTRACT = {

@@ -9,30 +9,19 @@ has seen every request finish, Prometheus' counts must equal what the client saw
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
+from engine.request import SamplingParams
+from tests.helpers.fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model
+from tests.helpers.processes import start_metrics_sidecar, stop_process
+from tests.helpers.prom import PrometheusHandle, start_prometheus
+
 pytestmark = pytest.mark.live
-
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
-sys.path.insert(0, str(TESTS_DIR))
-
-from fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
-from prom_helpers import (  # noqa: E402
-    PrometheusHandle,
-    start_metrics_sidecar,
-    start_prometheus,
-    stop_process,
-)
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.core_client import EngineCoreClient  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 
 NUM_KV_BLOCKS = 64
 FAKE_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # K+V x layers x kv heads x head dim x fp32
@@ -86,10 +75,7 @@ def wait_for_equal(prometheus: PrometheusHandle, expr: str, expected: float) -> 
         last[0] = float(result[0]["value"][1]) if result else None
         return True if last[0] == expected else None
 
-    try:
-        prometheus.wait_until(equal, 20, f"{expr} == {expected}")
-    except TimeoutError:
-        raise AssertionError(f"{expr} is {last[0]}, expected {expected}") from None
+    prometheus.wait_until(equal, 20, lambda: f"{expr} == {expected} (it is {last[0]})")
 
 
 def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.vllm_server import free_port, wait_healthy
+from bench.vllm_server import wait_healthy
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.live
 

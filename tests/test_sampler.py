@@ -10,7 +10,7 @@ import torch
 from engine.logits_processing import process_logits
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler, draw, sample_row
-from tests.sampling_reference import reference_log_softmax, reference_penalized
+from tests.helpers.sampling_reference import reference_log_softmax, reference_penalized
 
 VOCAB = 50
 EOS = 7

@@ -10,8 +10,12 @@ from collections import defaultdict
 import pytest
 
 from engine.request import Request, SamplingParams
-from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
-from tests.test_serve import tiny_engine_core
+from tests.helpers.sampling_reference import (
+    reference_greedy,
+    reference_log_softmax,
+    sequence_logits,
+)
+from tests.helpers.serve import tiny_engine_core
 
 PROMPT = [*b"The penalty for repeating is", 239, 128, 243, 47]
 

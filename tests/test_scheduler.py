@@ -8,13 +8,13 @@ recompute changed nothing.
 
 from __future__ import annotations
 
-from fake_runner import BLOCK_SIZE, make_core, reference_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams
 from engine.scheduler import RequestRejectedError
+from tests.helpers.fake_runner import BLOCK_SIZE, make_core, reference_output
 
 
 def make_request(request_id, prompt, max_tokens, ignore_eos=True) -> Request:

@@ -8,17 +8,11 @@ traceparents are checked in the records themselves.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -26,11 +20,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import EngineConfig
-from engine.core import RequestOutput
 from engine.entrypoints.frontend import Frontend
 from engine.entrypoints.routes import build_app
-from engine.entrypoints.serve import load_tiny_model
 from engine.entrypoints.serve_args import (
     TINY_MODEL,
     build_parser,
@@ -38,114 +29,29 @@ from engine.entrypoints.serve_args import (
     resolve_model_argument,
     sidecar_arguments,
 )
-from engine.model.chat_template import render_chat_template
-from engine.model.tokenizer import ByteTokenizer
 from engine.request import FinishReason, Request, SamplingParams
-from engine.request_stream import RequestStream
-from engine.startup import build_engine_core
-from telemetry.lane.record import EVENT_FINISHED, IterationRecord, Message
+from telemetry.lane.record import EVENT_FINISHED
+from tests.helpers.serve import (
+    KV_CACHE_MEMORY,  # noqa: F401  (tests/test_vllm_bench_live.py imports it from here)
+    PLAIN_TEMPLATE,
+    SCRIPTED_TEXT,
+    HangingClient,
+    ServerProcess,
+    TemplateTokenizer,
+    finish_milestones,
+    scripted_app,
+    tiny_engine_core,
+    tiny_server,
+)
+from tests.helpers.wait import wait_until
 
-REPO = Path(__file__).resolve().parents[1]
-KV_CACHE_MEMORY = "4MiB"  # 512 blocks of 16 tokens for the tiny model
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-class ServerProcess:
-    """`iterscope serve --port 0` in a subprocess, with a sidecar recording to a JSONL file."""
-
-    def __init__(self, tmp_path: Path, *extra_args: str, startup_timeout_s: float = 120) -> None:
-        self.log_path = tmp_path / "serve.log"
-        self.record_path = tmp_path / "recording.jsonl"
-        command = [
-            sys.executable, "-m", "engine.entrypoints.cli", "serve",
-            "--port", "0", "--metrics-port", "0",
-            "--record", str(self.record_path), *extra_args,
-        ]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            cwd=REPO)
-        try:
-            self.base_url = self._wait_for(r"on (http://\S+)/v1\n", startup_timeout_s)
-            if "--no-sidecar" not in extra_args:
-                self.metrics_url = self._wait_for(r"metrics on (http://\S+/metrics)", 10)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_for(self, pattern: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.log())
-            if match:
-                return match.group(1)
-            if self.process.poll() is not None:
-                raise RuntimeError(f"serve exited ({self.process.returncode}):\n{self.log()}")
-            time.sleep(0.1)
-        raise TimeoutError(f"no {pattern!r} in the server's output:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def openai_client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
-
-    def records(self) -> list[IterationRecord]:
-        decoder = msgspec.json.Decoder(Message)
-        lines = self.record_path.read_bytes().splitlines() if self.record_path.exists() else []
-        messages = [decoder.decode(line) for line in lines if line.strip()]
-        return [message for message in messages if isinstance(message, IterationRecord)]
-
-    def wait_for_records(self, predicate, timeout_s: float = 20) -> list[IterationRecord]:
-        """Records once ``predicate(records)`` holds (the sidecar writes about every 0.1 s)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            records = self.records()
-            if predicate(records):
-                return records
-            time.sleep(0.1)
-        raise AssertionError(f"the recording never showed it; server output:\n{self.log()}")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def finish_milestones(records: list[IterationRecord], request_id: str) -> list:
-    return [m for record in records for m in record.milestones
-            if m.request_id == request_id and m.event & EVENT_FINISHED]
-
-
-@contextlib.contextmanager
-def tiny_server(directory: Path, *extra_args: str) -> Iterator[ServerProcess]:
-    """`serve` on the tiny model with a recording sidecar; it must stop cleanly, with no
-    traceback in its output."""
-    server = ServerProcess(directory, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1", *extra_args)
-    try:
-        yield server
-    finally:
-        status = server.stop()
-    assert status == 0, server.log()
-    assert "Traceback" not in server.log(), server.log()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with tiny_server(tmp_path_factory.mktemp("serve")) as server:
         yield server
-
-
-def tiny_engine_core():
-    """(core, model): the engine core a tiny_server runs (same model, same KV memory), built
-    in this process for reference outputs."""
-    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
-    return build_engine_core(config, load_model=load_tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -270,12 +176,15 @@ def test_served_model_name_labels_the_telemetry_series(tmp_path):
     try:
         server.openai_client().completions.create(model="my-llm", prompt="hi", max_tokens=2)
         server.wait_for_records(lambda records: len(records) > 0)
-        deadline = time.monotonic() + 20
-        while 'vllm:num_requests_running{engine="0",model_name="my-llm"}' not in (
-                text := httpx.get(server.metrics_url, timeout=5).text):
-            assert time.monotonic() < deadline, text[-2000:]
-            time.sleep(0.2)
-        assert 'model_name="tiny-llama"' not in text
+        series = 'vllm:num_requests_running{engine="0",model_name="my-llm"}'
+        page = [""]
+
+        def labelled() -> bool:
+            page[0] = httpx.get(server.metrics_url, timeout=5).text
+            return series in page[0]
+
+        wait_until(labelled, 20, lambda: f"{series} in /metrics:\n{page[0][-2000:]}", 0.2)
+        assert 'model_name="tiny-llama"' not in page[0]
     finally:
         server.stop()
 
@@ -441,10 +350,8 @@ def test_dead_engine_gets_503(server):
     """Runs last in this file: it kills the shared server's engine process."""
     engine_pid = int(httpx.get(f"{server.base_url}/health").json()["engine_pid"])
     os.kill(engine_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{server.base_url}/health").status_code != 503:
-        assert time.monotonic() < deadline, "health never turned 503"
-        time.sleep(0.05)
+    wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10,
+               "/health to turn 503")
     response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 503
     assert "engine" in response.json()["error"]["message"]
@@ -454,52 +361,6 @@ def test_dead_engine_gets_503(server):
 
 
 # The frontend in this process, over a scripted engine client ---------------------------------
-
-
-class ScriptedClient:
-    """The part of EngineCoreClient the frontend uses; every request gets the same outputs,
-    one per entry of `steps`, the last finished with "length". Aborts are recorded."""
-
-    def __init__(self, steps: list[list[int]]) -> None:
-        self.steps = steps
-        self.ready = SimpleNamespace(max_model_len=1024, pid=os.getpid())
-        self.is_alive = True
-        self.aborted: list[str] = []
-        self.abort_reasons: list[FinishReason] = []
-
-    def add_request(self, prompt_ids, params, request_id, traceparent) -> RequestStream:
-        stream = RequestStream(request_id)
-        for index, token_ids in enumerate(self.steps):
-            finished = index == len(self.steps) - 1
-            stream.put(RequestOutput(request_id, token_ids, finished,
-                                     "length" if finished else None))
-        return stream
-
-    def abort(self, request_id: str, finish_reason: FinishReason = FinishReason.ABORT) -> None:
-        self.aborted.append(request_id)
-        self.abort_reasons.append(finish_reason)
-
-
-class TemplateTokenizer(ByteTokenizer):
-    """Bytes, with a real Jinja chat template rendered by the engine's renderer."""
-
-    def __init__(self, chat_template: str) -> None:
-        super().__init__(320)
-        self.chat_template = chat_template
-
-    def apply_chat_template(self, messages):
-        return self.encode(render_chat_template(self.chat_template, messages))
-
-
-PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-SCRIPTED_TEXT = "Hello, wörld! 😀 STOP and more"
-
-
-def scripted_app(text: str = SCRIPTED_TEXT, template: str = PLAIN_TEMPLATE):
-    """(TestClient, ScriptedClient): the engine answers `text`, one byte per output."""
-    client = ScriptedClient([[byte] for byte in text.encode()])
-    frontend = Frontend(client, TemplateTokenizer(template), TINY_MODEL)
-    return TestClient(build_app(frontend)), client
 
 
 def sse_bodies(response) -> list[dict]:
@@ -637,15 +498,6 @@ def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies
     response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 500
     assert response.json()["error"]["message"].startswith("internal error: ZeroDivisionError")
-
-
-class HangingClient(ScriptedClient):
-    """Sends the first output of every request, then nothing more."""
-
-    def add_request(self, prompt_ids, params, request_id, traceparent) -> RequestStream:
-        stream = RequestStream(request_id)
-        stream.put(RequestOutput(request_id, self.steps[0], False, None))
-        return stream
 
 
 def test_a_stream_past_its_request_timeout_ends_with_an_error_event_and_an_abort():

@@ -17,7 +17,11 @@ import time
 
 import httpx
 import pytest
-from test_serve import (
+
+from engine.entrypoints.frontend import Frontend, RequestTimeoutError
+from engine.entrypoints.serve_args import TINY_MODEL
+from tests.helpers.processes import rss_bytes
+from tests.helpers.serve import (
     KV_CACHE_MEMORY,
     PLAIN_TEMPLATE,
     HangingClient,
@@ -26,9 +30,7 @@ from test_serve import (
     TemplateTokenizer,
     tiny_server,
 )
-
-from engine.entrypoints.frontend import Frontend, RequestTimeoutError
-from engine.entrypoints.serve_args import TINY_MODEL
+from tests.helpers.wait import wait_until
 
 NUM_QUEUED = 1000
 
@@ -132,10 +134,8 @@ def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
                        for link in lanes}
         server.process.kill()
         server.process.wait()
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{engine_pid}") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not os.path.exists(f"/proc/{engine_pid}"), "the engine outlived its client"
+        wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}"), 30,
+                   "the engine to exit (it outlived its client)", 0.1)
     finally:
         server.stop()
     assert all(not os.path.exists(directory) for directory in engine_dirs)
@@ -165,14 +165,6 @@ def test_a_request_past_its_timeout_is_aborted_with_504(tmp_path):
 
 LARGE_PROMPT_BYTES = 3 << 20  # under the 4 MiB body limit, far over the tiny model's 1024
 RSS_MARGIN_BYTES = 24 << 20  # without a fixed mmap threshold the frontend kept ~50 MiB more
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def rss_settles_under(pid: int, limit_bytes: int, timeout_s: float) -> int:

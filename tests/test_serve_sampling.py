@@ -15,8 +15,12 @@ import pytest
 
 from engine.entrypoints.serve_args import TINY_MODEL
 from engine.request import Request, SamplingParams
-from tests.sampling_reference import reference_greedy, reference_log_softmax, sequence_logits
-from tests.test_serve import finish_milestones, scripted_app, tiny_engine_core, tiny_server
+from tests.helpers.sampling_reference import (
+    reference_greedy,
+    reference_log_softmax,
+    sequence_logits,
+)
+from tests.helpers.serve import finish_milestones, scripted_app, tiny_engine_core, tiny_server
 
 PROMPT = "Sampling, as vLLM's clients ask for it:"
 OUTPUT_LEN = 8

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from test_serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
 from engine.entrypoints.serve_args import TINY_MODEL
+from tests.helpers.prom import scrape
+from tests.helpers.serve import KV_CACHE_MEMORY, ServerProcess, tiny_server
 
 pytestmark = pytest.mark.live
 
@@ -27,38 +26,29 @@ def sidecars_started(server: ServerProcess) -> list[tuple[str, int]]:
             for match in SIDECAR_STARTED.finditer(server.log())]
 
 
-def wait_until(predicate, timeout_s: float, what: str, server: ServerProcess):
-    deadline = time.monotonic() + timeout_s
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"{what} never happened:\n{server.log()}"
-        time.sleep(0.1)
-    return result
-
-
 def sidecar_start_time(api_url: str) -> float | None:
     """iterscope_sidecar_start_time_seconds in the API port's /metrics, None while its answer
     has no sidecar series (iterscope_api_sidecar_reachable 0)."""
-    text = httpx.get(f"{api_url}/metrics", timeout=10).text
-    samples = [sample for family in text_string_to_metric_families(text)
-               for sample in family.samples]
-    api_up = [s.value for s in samples if s.name == "iterscope_api_sidecar_reachable"]
+    samples = scrape(f"{api_url}/metrics")
+    api_up = [value for (name, _), value in samples.items()
+              if name == "iterscope_api_sidecar_reachable"]
     if api_up != [1]:
         return None
-    [start_time] = [s.value for s in samples
-                    if s.name == "iterscope_sidecar_start_time_seconds"]
+    [start_time] = [value for (name, _), value in samples.items()
+                    if name == "iterscope_sidecar_start_time_seconds"]
     return start_time
 
 
 def test_the_api_metrics_follow_a_restarted_sidecar_to_its_new_port(tmp_path):
     with tiny_server(tmp_path) as server:
-        first_start = wait_until(lambda: sidecar_start_time(server.base_url), 10,
-                                 "the sidecar's series on the API port", server)
+        first_start = server.wait_until(lambda: sidecar_start_time(server.base_url), 10,
+                                        "the sidecar's series on the API port")
         [(_, first_pid)] = sidecars_started(server)
         os.kill(first_pid, signal.SIGKILL)
-        wait_until(lambda: len(sidecars_started(server)) == 2, 30, "the sidecar's restart",
-                   server)
-        later_start = wait_until(lambda: sidecar_start_time(server.base_url), 10,
-                                 "the restarted sidecar's series on the API port", server)
+        server.wait_until(lambda: len(sidecars_started(server)) == 2, 30,
+                          "the sidecar's restart")
+        later_start = server.wait_until(lambda: sidecar_start_time(server.base_url), 10,
+                                        "the restarted sidecar's series on the API port")
         assert later_start > first_start  # the new sidecar's series, not the old port's
         completion = {"model": TINY_MODEL, "prompt": "hello", "max_tokens": 2}
         assert httpx.post(f"{server.base_url}/v1/completions", json=completion,
@@ -82,9 +72,8 @@ def test_a_killed_frontends_sidecar_exits_and_removes_its_run_directory(tmp_path
         assert os.path.isdir(run_dir)
         server.process.kill()
         server.process.wait()
-        wait_until(lambda: has_exited(sidecar_pid), 30, "the orphaned sidecar's exit", server)
-        wait_until(lambda: not os.path.exists(run_dir), 10, "the run directory's removal",
-                   server)
+        server.wait_until(lambda: has_exited(sidecar_pid), 30, "the orphaned sidecar's exit")
+        server.wait_until(lambda: not os.path.exists(run_dir), 10, "the run directory's removal")
     finally:
         server.stop()
         if not has_exited(sidecar_pid):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_serve import ServerProcess
+
+from tests.helpers.serve import ServerProcess
 
 pytestmark = pytest.mark.live
 

@@ -9,72 +9,15 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sidecar_engine import synthetic_record
 
-from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION, make_encoder
-from telemetry.lane.record import heartbeat as lane_heartbeat
+from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import Sidecar, check_address
-from telemetry.sidecar.sink import EngineStatus, Sink
+from telemetry.sidecar.sink import EngineStatus
+from tests.helpers.lane import RecordingSink, encode, heartbeat, record
+from tests.helpers.wait import wait_until
 
 SECOND = 1_000_000_000
-
-
-class RecordingSink(Sink):
-    """Remembers every call, in order."""
-
-    def __init__(self):
-        self.calls = []
-        self.closed = False
-
-    def on_iteration(self, record, engine):
-        self.calls.append(("iteration", record.engine_index, record.seq))
-
-    def on_heartbeat(self, heartbeat, engine):
-        self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.seq))
-
-    def on_status(self, engine_index, status, now_ns):
-        self.calls.append(("status", engine_index, status, now_ns))
-
-    def on_dropped(self, engine_index, num_dropped):
-        self.calls.append(("dropped", engine_index, num_dropped))
-
-    def on_undecodable(self, reason):
-        self.calls.append(("undecodable", reason))
-
-    def on_rejected(self, reason):
-        self.calls.append(("rejected", reason))
-
-    def on_engine_conflict(self, engine_index, pids):
-        self.calls.append(("conflict", engine_index, pids))
-
-    def tick(self, now_ns):
-        pass
-
-    def close(self):
-        self.closed = True
-
-    def of(self, kind):
-        return [call[1:] for call in self.calls if call[0] == kind]
-
-
-def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
-    message = synthetic_record(engine_index, iteration or seq, 1000 * seq, 100, **overrides)
-    message.seq = seq
-    message.num_dropped = num_dropped
-    return message
-
-
-def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0,
-              pid=0):
-    return lane_heartbeat(
-        engine_index, seq, seq, seq, last_iteration=last_iteration,
-        num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped, pid=pid,
-    )
-
-
-def encode(message):
-    return make_encoder().encode(message)
 
 
 def test_seq_gaps_become_exact_dropped_counts_before_the_next_message():
@@ -270,9 +213,8 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
         for frame in frames:
             push.send(frame)  # blocking: every frame arrives
         push.send(encode(heartbeat(5)))
-        deadline = time.monotonic() + 60
-        while sidecar.ingest.stats.num_messages == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: sidecar.ingest.stats.num_messages > 0, 60,
+                   "the heartbeat after the bad frames to be ingested")
     finally:
         sidecar.stop()
         thread.join(timeout=10)

@@ -1,12 +1,10 @@
 """A lane that trusts nothing it cannot check: forged seqs, fake engines, over-size frames."""
 
 import threading
-import time
 
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
-from test_sidecar import RecordingSink, encode, heartbeat, record
 from zmq.utils.monitor import recv_monitor_message
 
 from telemetry.lane.record import MAX_ENGINE_INDEX
@@ -17,6 +15,8 @@ from telemetry.sidecar.lane_socket import GUARD_FRAME_BYTES, Sidecar
 from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+from tests.helpers.lane import RecordingSink, encode, heartbeat, record
+from tests.helpers.wait import wait_until
 
 SECOND = 1_000_000_000
 
@@ -282,13 +282,14 @@ def test_the_socket_guard_cuts_an_oversize_sender_off_and_the_disconnect_is_coun
         honest, hostile = lane.sender(), lane.sender()
         honest.send(encode(heartbeat(1)))
         hostile.send(GUARDED_FRAME)
-        wait_until(lambda: stats.num_lane_disconnects == 1)
+        wait_until(lambda: stats.num_lane_disconnects == 1, 10, "the hostile sender cut off")
         honest.send(encode(record(2)))
-        wait_until(lambda: stats.num_messages == 2)  # the honest engine was not cut off
+        # The honest engine was not cut off.
+        wait_until(lambda: stats.num_messages == 2, 10, "the honest engine's second message")
         hostile.send(b"\x00" * (2 << 20))  # within the guard: decoded, found over 1 MiB
-        wait_until(lambda: stats.num_undecodable["oversized"] == 1)
+        wait_until(lambda: stats.num_undecodable["oversized"] == 1, 10, "an oversized frame")
         honest.close(linger=1000)  # an engine that exits: one more disconnect
-        wait_until(lambda: stats.num_lane_disconnects == 2)
+        wait_until(lambda: stats.num_lane_disconnects == 2, 10, "the second disconnect")
     finally:
         lane.stop()
     assert stats.num_frames == 3  # the guard's frame never reached the decoder
@@ -303,8 +304,8 @@ def test_an_engine_frame_cut_by_the_guard_is_a_gap_of_that_engine(tmp_path):
         engine.send(encode(heartbeat(1)))
         engine.send(GUARDED_FRAME)  # stands for seq 2
         engine.send(encode(record(3)))
-        wait_until(lambda: lane.stats.num_messages == 2)
-        wait_until(lambda: lane.stats.num_lane_disconnects == 1)
+        wait_until(lambda: lane.stats.num_messages == 2, 10, "the two frames around the cut")
+        wait_until(lambda: lane.stats.num_lane_disconnects == 1, 10, "the cut's disconnect")
     finally:
         lane.stop()
     assert lane.recorder.of("dropped") == [(0, 1)]
@@ -348,10 +349,3 @@ def test_libzmq_reports_a_guard_cut_exactly_as_a_peer_that_closed():
     # The cut sender reconnects by itself: its disconnect, then the new connection.
     assert on_cut[0] == "DISCONNECTED"
     assert set(on_cut) <= {"DISCONNECTED", "ACCEPTED", "HANDSHAKE_SUCCEEDED"}, on_cut
-
-
-def wait_until(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)

@@ -6,14 +6,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-from test_sidecar_engine import start_engine, stop_engine
 
 from telemetry.sidecar import cli as sidecar_cli
 from telemetry.sidecar import process as sidecar_process
 from telemetry.sidecar.process import start_sidecar
+from tests.helpers.fake_engine import start_engine, stop_engine
+from tests.helpers.processes import wait_for_log
+from tests.helpers.wait import wait_until
 
 
 def test_missing_sink_modules_are_skipped_but_broken_ones_are_not(tmp_path, monkeypatch):
@@ -73,7 +74,7 @@ def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
     try:
         assert sidecars[0].address != sidecars[1].address
         engine = start_engine(sidecars[1].address, tmp_path / "engine.json", "--duration", "30")
-        time.sleep(1.0)
+        wait_for_log(logs[1], r"Iteration\(1\): ", engine, timeout_s=30)
         stop_engine(engine, tmp_path / "engine.json")
     finally:
         statuses = [sidecar.stop() for sidecar in sidecars]
@@ -99,12 +100,9 @@ def test_sidecar_stops_when_the_process_that_started_it_dies(tmp_path):
         sidecar_pid = int(parent.stdout.readline())
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 15
-        while os.path.exists(f"/proc/{sidecar_pid}") and time.monotonic() < deadline:
-            time.sleep(0.1)
         # Reaped by init; a zombie still has /proc/PID until then, so read its state.
-        alive = os.path.exists(f"/proc/{sidecar_pid}") and " Z" not in _proc_state(sidecar_pid)
-        assert not alive
+        wait_until(lambda: " Z" in _proc_state(sidecar_pid), 15,
+                   "the orphaned sidecar to exit", interval_s=0.1)
         assert "sidecar stopped" in (tmp_path / "s.log").read_text()
     finally:
         parent.kill()

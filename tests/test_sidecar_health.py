@@ -5,21 +5,20 @@ import resource
 import signal
 import subprocess
 import time
-import urllib.request
 
 import pytest
-from prom_helpers import free_port
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_sidecar import heartbeat, record
-from test_sidecar_engine import start_engine, stop_engine
 
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
-
-pytestmark = pytest.mark.live
+from tests.helpers.fake_engine import start_engine, stop_engine
+from tests.helpers.lane import heartbeat, record
+from tests.helpers.net import free_port
+from tests.helpers.prom import metrics_text
+from tests.helpers.wait import wait_until
 
 RECORDING_LIMIT_BYTES = 64 << 10
 
@@ -73,11 +72,12 @@ def limit_file_size() -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def scrape(port: int) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return parse(response.read().decode())
+def sidecar_series(port: int) -> dict[tuple[str, str], float]:
+    """The sidecar-level series of the /metrics page on ``port`` (see parse)."""
+    return parse(metrics_text(port))
 
 
+@pytest.mark.live
 def test_a_recording_on_a_full_disk_shows_in_metrics(tmp_path):
     recording = tmp_path / "rec.jsonl"
     port = free_port()
@@ -85,19 +85,17 @@ def test_a_recording_on_a_full_disk_shows_in_metrics(tmp_path):
                             preexec_fn=limit_file_size, stderr=subprocess.DEVNULL)
     engine = start_engine(sidecar.address, tmp_path / "engine.json", "--iteration-time", "0.002")
     try:
-        deadline = time.monotonic() + 30
-        while scrape(port).get(("iterscope_sink_errors_total", "jsonl"), 0) == 0:
-            assert time.monotonic() < deadline, "the full disk never showed"
-            time.sleep(0.1)
-        full = scrape(port)
-        time.sleep(1.0)
-        later = scrape(port)
+        errors = ("iterscope_sink_errors_total", "jsonl")
+        wait_until(lambda: sidecar_series(port).get(errors, 0) > 0, 30,
+                   "the full disk to show in /metrics", interval_s=0.1)
+        full = sidecar_series(port)
+        time.sleep(1.0)  # the time under test: a second of failing flushes, no write
+        later = sidecar_series(port)
         stop_engine(engine, tmp_path / "engine.json")
     finally:
         engine.kill()
         sidecar.stop()
     assert recording.stat().st_size <= RECORDING_LIMIT_BYTES
-    errors = ("iterscope_sink_errors_total", "jsonl")
     last_write = ("iterscope_sink_last_write_timestamp_seconds", "jsonl")
     assert later[errors] > full[errors] > 0  # every flush fails while the disk stays full
     assert later[last_write] == full[last_write] < time.time() - 1

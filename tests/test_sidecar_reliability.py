@@ -1,4 +1,4 @@
-"""The issue's reliability tests, with the synthetic engine (tests/test_sidecar_engine.py) as
+"""The issue's reliability tests, with the synthetic engine (tests/helpers/fake_engine.py) as
 a process of its own: a killed and restarted sidecar (by hand, and by the supervision of the
 engine commands), a stopped sidecar, a killed engine."""
 
@@ -13,13 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
-from prom_helpers import free_port
-from prometheus_client.parser import text_string_to_metric_families
-from test_sidecar import RecordingSink
-from test_sidecar_engine import rss_bytes, start_engine, stop_engine
 
 from telemetry.lane.record import IterationRecord
 from telemetry.sidecar.ingest import Ingest
@@ -27,6 +22,12 @@ from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.process import start_from_args, start_sidecar
 from telemetry.sidecar.replay import read_recording
 from telemetry.sidecar.sink import EngineStatus
+from tests.helpers.fake_engine import start_engine, stop_engine
+from tests.helpers.lane import RecordingSink
+from tests.helpers.net import free_port
+from tests.helpers.processes import rss_bytes, wait_for_log
+from tests.helpers.prom import scrape, total
+from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.live
 
@@ -41,19 +42,8 @@ def start_cli_sidecar(address, log_path, *extra):
         stderr=log, env={**os.environ, "PYTHONPATH": "."},
     )
     log.close()
-    wait_for_text(log_path, "sidecar bound", process)
+    wait_for_log(log_path, "sidecar bound", process, timeout_s=30)
     return process
-
-
-def wait_for_text(path, text, process, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if text in path.read_text(errors="replace"):
-            return
-        if process.poll() is not None:
-            raise AssertionError(f"sidecar exited: {path.read_text()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {text!r} in {path.read_text()}")
 
 
 def reported_dropped(log_text):
@@ -158,16 +148,13 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
     thread.start()
     engine = start_engine(address, tmp_path / "engine.json")
     try:
-        deadline = time.monotonic() + 30
-        while EngineStatus.RUNNING not in [s for s, _ in statuses]:
-            assert time.monotonic() < deadline, statuses
-            time.sleep(0.05)
+        wait_until(lambda: EngineStatus.RUNNING in [s for s, _ in statuses], 30,
+                   lambda: f"the engine to run: {statuses}")
         engine.send_signal(signal.SIGKILL)
         killed_ns = time.monotonic_ns()
         engine.wait()
-        while statuses[-1][0] is not EngineStatus.DEAD:
-            assert time.monotonic_ns() - killed_ns < 10e9, statuses
-            time.sleep(0.05)
+        wait_until(lambda: statuses[-1][0] is EngineStatus.DEAD, 10,
+                   lambda: f"the killed engine to be dead: {statuses}")
     finally:
         engine.kill()
         sidecar.stop()
@@ -178,13 +165,9 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
 
 def scrape_dropped(port: int) -> tuple[float, float]:
     """(records dropped of engine 0, sidecar start time) from a sidecar's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {sample.name: sample.value
-               for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.labels.get("engine") in ("0", "")}
-    return (samples["iterscope_records_dropped_total"],
-            samples["iterscope_sidecar_start_time_seconds"])
+    samples = scrape(port)
+    return (total(samples, "iterscope_records_dropped_total", engine="0"),
+            total(samples, "iterscope_sidecar_start_time_seconds", engine=""))
 
 
 def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counted(
@@ -204,10 +187,7 @@ def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counte
         with caplog.at_level(logging.WARNING, logger="iterscope.telemetry"):
             os.kill(first_pid, signal.SIGKILL)
             num_first_lines = recording.read_bytes().count(b"\n")  # final: it is dead
-            deadline = time.monotonic() + 30
-            while sidecar.num_restarts == 0:
-                assert time.monotonic() < deadline, "the sidecar was not restarted"
-                time.sleep(0.05)
+            wait_until(lambda: sidecar.num_restarts > 0, 30, "the sidecar to be restarted")
         time.sleep(1.5)
         stop_engine(engine, tmp_path / "engine.json")
         time.sleep(0.5)

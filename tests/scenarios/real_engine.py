@@ -31,7 +31,7 @@ from engine.runner import ModelRunner  # noqa: E402
 from engine.startup import build_engine_core  # noqa: E402
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
-from tests.faults import leak_blocks_per_finish, stalling  # noqa: E402
+from tests.helpers.faults import leak_blocks_per_finish, stalling  # noqa: E402
 
 # K and V x 2 layers x 2 KV heads x 16 x fp32: the scenarios run in float32 whatever the CPU
 # (--dtype auto picks bfloat16 where the CPU has it, which would double every KV size here)
