@@ -11,7 +11,8 @@ saturated.
 The rules Prometheus loads are a test copy of dashboards/alerts/*.yml with every ``for:`` cut
 to 2 s and every range window to 5 s; the shipped files are not changed. The engine runs the
 real scheduler, block pool, engine loop and telemetry publisher on the deterministic fake
-model of tests/fake_runner.py (a few ms per forward pass), so the test fits in CI's time.
+model of tests/helpers/fake_runner.py (a few ms per forward pass), so the test fits in CI's
+time.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A real Prometheus scrapes a real sidecar (`iterscope sidecar`) fed by a live engine.
 
 The engine is the real engine-core process (engine/core_process.py: scheduler, block pool,
-core loop, ZmqPublisher) on the deterministic fake model of tests/fake_runner.py, paced to a
-few ms per forward pass so the test fits in CI's time. While a client keeps it busy,
+core loop, ZmqPublisher) on the deterministic fake model of tests/helpers/fake_runner.py,
+paced to a few ms per forward pass so the test fits in CI's time. While a client keeps it busy,
 /api/v1/query must return KV usage, the iteration rate and a TTFT quantile; once the client
 has seen every request finish, Prometheus' counts must equal what the client saw.
 """

@@ -4,7 +4,8 @@ The engine core (engine.core.EngineCore with the real scheduler, block pool and 
 on a tiny random-weight Llama) runs in this process, driven by a list of arrivals; it
 publishes through the real ZmqPublisher to an `iterscope sidecar --record FILE` subprocess, so
 the recording is exactly what a user would get. Faults are injected from outside the engine
-(tests/faults.py): a runner that hangs in one forward pass, a scheduler that leaks blocks.
+(tests/helpers/faults.py): a runner that hangs in one forward pass, a scheduler that leaks
+blocks.
 
     recording = run_scenario(tmp_path, arrivals, max_num_seqs=8, num_kv_blocks=64)
 
