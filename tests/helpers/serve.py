@@ -119,10 +119,11 @@ def tiny_server(directory: Path, *extra_args: str) -> Iterator[ServerProcess]:
     assert "Traceback" not in server.log(), server.log()
 
 
-def tiny_engine_core():
+def tiny_engine_core(dtype: str = "auto"):
     """(core, model): the engine core a tiny_server runs (same model, same KV memory), built
-    in this process for reference outputs."""
-    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20)
+    in this process for reference outputs. ``dtype`` as --dtype (auto, as `serve`'s default,
+    is bfloat16 on a CPU with native bfloat16 and float32 elsewhere)."""
+    config = EngineConfig(model=TINY_MODEL, kv_cache_memory_bytes=4 << 20, dtype=dtype)
     return build_engine_core(config, load_model=load_tiny_model)
 
 
