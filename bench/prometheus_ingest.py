@@ -63,8 +63,12 @@ from telemetry.lane.record import (  # noqa: E402
 from telemetry.lane.record import heartbeat as lane_heartbeat  # noqa: E402
 from telemetry.sidecar.engine_view import EngineView  # noqa: E402
 from telemetry.sidecar.ingest import Ingest  # noqa: E402
-from telemetry.sidecar.sinks.prometheus import PrometheusSink  # noqa: E402
-from telemetry.sidecar.sinks.prometheus_families import HISTOGRAMS, WAITING_REASONS  # noqa: E402
+from telemetry.sidecar.sink import Sink  # noqa: E402
+from telemetry.sidecar.sinks.prometheus import (  # noqa: E402
+    HISTOGRAMS,
+    WAITING_REASONS,
+    PrometheusSink,
+)
 
 LABELS = ("engine", "model_name")
 MS = 1_000_000
@@ -126,29 +130,8 @@ def first_heartbeat() -> Heartbeat:
                           num_kv_blocks_total=68959, pid=1)
 
 
-class NothingSink:
-    """The Sink protocol doing nothing: Ingest's own cost (decode + sequence checks)."""
-
-    def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
-        pass
-
-    def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
-        pass
-
-    def on_status(self, *args) -> None:
-        pass
-
-    def on_dropped(self, *args) -> None:
-        pass
-
-    def on_undecodable(self, reason: str) -> None:
-        pass
-
-    def tick(self, now_ns: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+class NothingSink(Sink):
+    """A Sink doing nothing: Ingest's own cost (decode, sequence checks, the engine view)."""
 
 
 class InstrumentSink(NothingSink):

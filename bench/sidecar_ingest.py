@@ -90,10 +90,10 @@ def over_ipc_rate(num_records: int, num_frames: int, directory: str) -> float:
     times: dict[str, float] = {}
 
     def watch() -> None:
-        while ingest.stats.num_frames == 0:
+        while ingest.health.num_frames == 0:
             time.sleep(0.0005)
         times["first"] = time.perf_counter()
-        while ingest.stats.num_frames < num_frames:
+        while ingest.health.num_frames < num_frames:
             time.sleep(0.001)
         times["last"] = time.perf_counter()
         sidecar.stop()

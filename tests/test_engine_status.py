@@ -13,9 +13,9 @@ import pytest
 from engine.request import Request, SamplingParams
 from telemetry.lane.publisher import ZmqPublisher
 from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import Sidecar
-from telemetry.sidecar.sink import EngineStatus
 from tests.helpers.fake_engine import start_engine, stop_engine
 from tests.helpers.fake_runner import FakeRunner, make_core
 from tests.helpers.lane import RecordingSink, heartbeat, record

@@ -96,10 +96,10 @@ def test_replay_prints_the_lines_the_live_run_printed(tmp_path):
     throughput = [text for level, text in live_lines if "throughput" in text]
     assert len(throughput) >= 8 and any("2 Engines Aggregated" in t for t in throughput)
     assert [text for _, text in replayed if "throughput" in text] == throughput
-    assert {i: e.num_dropped_total for i, e in ingest.engines.items()} == {
-        i: e.num_dropped_total for i, e in live_ingest.engines.items()
+    assert {i: e.view.num_dropped_total for i, e in ingest.engines.items()} == {
+        i: e.view.num_dropped_total for i, e in live_ingest.engines.items()
     }
-    assert sum(e.num_dropped_total for e in ingest.engines.values()) > 0
+    assert sum(e.view.num_dropped_total for e in ingest.engines.values()) > 0
 
 
 def test_rotation_keeps_a_bounded_number_of_bounded_files(tmp_path):
@@ -135,10 +135,10 @@ def test_undecodable_lines_are_counted_not_fatal(tmp_path):
     path.write_bytes(b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n'
                      + b"[17," + b"[" * 3000 + b"0" + b"]" * 3001 + b"\n")  # nested too deep
     ingest = replay(path, [])
-    assert ingest.stats.num_undecodable == {
+    assert ingest.health.num_undecodable == {
         "malformed": 3, "truncated": 0, "oversized": 0, "version": 1,
     }
-    assert ingest.stats.num_messages == 1
+    assert ingest.health.num_messages == 1
 
 
 def test_explain_counts_bad_lines_as_replay_does(tmp_path):
@@ -150,10 +150,10 @@ def test_explain_counts_bad_lines_as_replay_does(tmp_path):
     path.write_bytes(b"".join(encoder.encode(m) + b"\n" for m in [*good, implausible])
                      + b'not json\n[33,0,1,2]\n[17,0,5')
     ingest = replay(path, [])
-    num_bad_replayed = sum(ingest.stats.num_undecodable.values())
+    num_bad_replayed = sum(ingest.health.num_undecodable.values())
     _, num_messages, num_bad_explained = read_timelines([path])
     assert num_bad_replayed == num_bad_explained == 4
-    assert num_messages == ingest.stats.num_messages == len(good)
+    assert num_messages == ingest.health.num_messages == len(good)
 
 
 def test_jsonl_sink_rejects_nonsense_limits(tmp_path):

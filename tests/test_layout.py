@@ -7,7 +7,9 @@
     telemetry.analysis             -> the lane and analysis (never the sidecar)
     telemetry.sources              -> the lane and sources
 
-Every import counts, also one inside a function (the commands import lazily).
+Every import counts, also one inside a function (the commands import lazily). And no module
+imports itself through others: an import circle (even one behind TYPE_CHECKING) is a seam cut
+in the wrong place.
 """
 
 from __future__ import annotations
@@ -108,3 +110,60 @@ def test_no_module_falls_outside_the_layers():
             module = module_name(path, ROOT)
             if module not in PACKAGES:
                 layer_of(module)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``from a import b`` is ``a.b`` when that is
+    a module, else ``a``)."""
+    paths = {module_name(path, root): path
+             for package in PACKAGES for path in (root / package).rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for name in imported_modules(path):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module and name not in PACKAGES:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Each import circle once, as the modules along it (depth-first search)."""
+    graph, cycles, done = import_graph(root), [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module):]
+            start = cycle.index(min(cycle))
+            rotated = cycle[start:] + cycle[:start]
+            if rotated not in cycles:
+                cycles.append(rotated)
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_finds_a_circle_behind_type_checking(tmp_path):
+    (tmp_path / "telemetry" / "sidecar").mkdir(parents=True)
+    (tmp_path / "telemetry" / "sidecar" / "sink.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from telemetry.sidecar.engine_view import EngineView\n")
+    (tmp_path / "telemetry" / "sidecar" / "engine_view.py").write_text(
+        "from telemetry.sidecar.sink import EngineStatus\n")
+    (tmp_path / "telemetry" / "sidecar" / "ingest.py").write_text(
+        "from telemetry.sidecar import sink\n")
+    assert import_cycles(tmp_path) == [
+        ["telemetry.sidecar.engine_view", "telemetry.sidecar.sink"]]

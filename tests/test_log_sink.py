@@ -4,11 +4,11 @@ import logging
 
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.record import heartbeat as lane_heartbeat
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
-from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
 from tests.helpers.lane import synthetic_record
-from tests.helpers.sink_feed import send
+from tests.helpers.sink_feed import conflict, health_of, lose, send
 
 SECOND = 1_000_000_000
 CLOCK_OFFSET_NS = 1_700_000_000 * SECOND  # wall - monotonic, as a heartbeat reports it
@@ -185,14 +185,17 @@ def test_a_stall_names_the_last_iteration_that_scheduled_work():
 
 
 def test_losses_are_reported_at_most_once_per_interval():
+    """Ingest counts them (the engine's view, the pipeline's health); the sink reports what
+    is new since it last did."""
     lines = Lines()
     sink = LogSink(emit=lines, interval_s=10)
-    sink.on_dropped(3, 5)
-    sink.on_undecodable("version")
-    sink.on_undecodable("malformed")
-    sink.on_undecodable("version")
+    health = health_of(sink)
+    lose(sink, 3, 5)
+    send(sink, heartbeat(3, 100.0))
+    for reason in ("version", "malformed", "version"):
+        health.num_undecodable[reason] += 1
     sink.tick(1 * SECOND)
-    sink.on_dropped(3, 2)
+    lose(sink, 3, 2)
     sink.tick(2 * SECOND)
     assert lines.texts(logging.WARNING) == [
         "Engine 003: 5 telemetry messages lost (sequence gaps), 5 in total",
@@ -207,9 +210,10 @@ def test_losses_are_reported_at_most_once_per_interval():
 def test_an_engine_index_conflict_is_an_error_line_at_most_once_per_interval():
     lines = Lines()
     sink = LogSink(emit=lines, interval_s=10)
-    sink.on_engine_conflict(0, (100, 200))
+    send(sink, heartbeat(0, 100.0))
+    conflict(sink, 0, (100, 200))
     sink.tick(1 * SECOND)
-    sink.on_engine_conflict(0, (100, 200))
+    conflict(sink, 0, (100, 200))
     sink.tick(2 * SECOND)  # within the interval: not repeated yet
     expected = (
         "Engine 000: two engine processes (pids 100 and 200) publish as engine 0; its "

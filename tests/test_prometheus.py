@@ -24,12 +24,13 @@ from telemetry.lane.record import (
     heartbeat,
     iteration_record,
 )
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.histogram import MAX_COUNT_INDEX, Histogram
 from telemetry.sidecar.metrics_http import metrics_url
-from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks import prometheus
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
-from tests.helpers.sink_feed import send, set_status
+from tests.helpers.sink_feed import conflict, health_of, lose, send, set_status
 
 MS = 1_000_000
 CONTRACT = {
@@ -138,8 +139,8 @@ def test_gauges_and_counters_follow_records():
     send(sink, make_record(1))
     send(sink, make_record(2, num_kv_blocks_used=40, num_kv_blocks_free=60))
     set_status(sink, 0, EngineStatus.RUNNING, 0)
-    sink.on_dropped(0, 3)
-    sink.on_engine_conflict(0, (100, 200))
+    lose(sink, 0, 3)
+    conflict(sink, 0, (100, 200))
     samples = scrape(registry)
     assert value(samples, "iterscope_engine_index_conflicts_total") == 1
     assert value(samples, "iterscope_requests_running") == 5
@@ -316,13 +317,12 @@ def test_counters_monotonic_across_engine_restart_and_replay():
 def test_sidecar_level_series_use_empty_engine_labels():
     sink, registry = new_sink()
 
-    class FakeOtelSink:
+    class FakeOtelSink(Sink):
         def sidecar_counters(self) -> dict[str, float]:
             return {"otel_spans_dropped": 5.0}
 
-    sink.set_peers([sink, FakeOtelSink()])
-    sink.on_undecodable("malformed")
-    sink.on_undecodable("malformed")
+    health = health_of(sink, [sink, FakeOtelSink()])
+    health.num_undecodable["malformed"] += 2
     samples = scrape(registry)
     empty = {"engine": "", "model_name": ""}
     assert samples[("iterscope_frames_undecodable_total",
@@ -356,7 +356,7 @@ def busy_exposition(**kwargs) -> str:
     send(sink, make_heartbeat())
     send(sink, make_record(1, milestones=[make_milestone(3)]))
     send(sink, make_record(2))
-    sink.on_undecodable("version")
+    health_of(sink).num_undecodable["version"] += 1
     return generate_latest(registry).decode()
 
 
@@ -530,7 +530,7 @@ def test_counters_never_decrease_whatever_the_message_order(events):
         elif kind == "heartbeat":
             send(sink, make_heartbeat(engine, pid=pids[engine]))
         elif kind == "dropped":
-            sink.on_dropped(engine, amount)
+            lose(sink, engine, amount)
         else:
             set_status(sink, engine, list(EngineStatus)[event], 0)
         current = {(name, frozenset((k, v) for k, v in labels if k != "model_name")): val

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import Sidecar, check_address
-from telemetry.sidecar.sink import EngineStatus
 from tests.helpers.lane import RecordingSink, encode, heartbeat, record
 from tests.helpers.wait import wait_until
 
@@ -29,7 +29,7 @@ def test_seq_gaps_become_exact_dropped_counts_before_the_next_message():
     assert sink.of("dropped") == [(0, 2), (0, 3)]
     dropped_at = sink.calls.index(("dropped", 0, 2))
     assert sink.calls[dropped_at + 1] == ("iteration", 0, 5)
-    assert ingest.engines[0].num_dropped_total == 5
+    assert ingest.engines[0].view.num_dropped_total == 5
 
 
 def test_engines_are_tracked_apart_and_a_restart_counts_from_seq_1():
@@ -48,7 +48,7 @@ def test_a_restart_changes_the_pid_once_and_is_no_conflict():
     ingest = Ingest([sink])
     for seq, pid in ((1, 100), (2, 100), (1, 200), (2, 200), (3, 200)):
         ingest.on_message(heartbeat(seq, pid=pid), now_ns=seq)
-    assert sink.of("conflict") == [] and ingest.stats.num_engine_conflicts == 0
+    assert sink.of("conflict") == [] and ingest.health.num_engine_conflicts == 0
 
 
 def test_two_live_processes_on_one_engine_index_are_reported_as_a_conflict():
@@ -58,8 +58,12 @@ def test_two_live_processes_on_one_engine_index_are_reported_as_a_conflict():
     for seq, pid in ((1, 100), (1, 200), (2, 100), (2, 200), (3, 100)):
         ingest.on_message(heartbeat(seq, pid=pid), now_ns=seq)
         ingest.on_message(heartbeat(1, engine_index=3, pid=300), now_ns=seq)  # alone: fine
-    assert sink.of("conflict") == [(0, (100, 200))] * 3
-    assert ingest.stats.num_engine_conflicts == 3
+    view = ingest.engines[0].view
+    assert (view.num_engine_conflicts, view.conflicting_pids) == (3, (100, 200))
+    assert ingest.engines[3].view.num_engine_conflicts == 0
+    assert ingest.health.num_engine_conflicts == 3
+    # sinks learn it with the engine's next message, from its view
+    assert sink.of("conflict") == [(0, (100, 200))] * 2
 
 
 def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
@@ -91,8 +95,9 @@ def test_undecodable_frames_are_counted_by_reason(frame, reason):
     sink = RecordingSink()
     ingest = Ingest([sink], max_frame_bytes=8192)
     ingest.on_frame(frame, now_ns=1)
-    assert sink.of("undecodable") == [(reason,)]
-    assert ingest.stats.num_undecodable[reason] == 1 and ingest.stats.num_messages == 0
+    health = ingest.health
+    assert {r: n for r, n in health.num_undecodable.items() if n} == {reason: 1}
+    assert health.num_messages == 0 and sink.calls == []  # no sink hears of it
 
 
 @settings(max_examples=300, deadline=None)
@@ -100,7 +105,7 @@ def test_undecodable_frames_are_counted_by_reason(frame, reason):
 def test_any_bytes_are_either_a_message_or_counted(frame):
     ingest = Ingest([RecordingSink()], max_frame_bytes=150)
     ingest.on_frame(frame, now_ns=1)
-    stats = ingest.stats
+    stats = ingest.health
     assert stats.num_messages + stats.num_undecodable_total + stats.num_rejected_total == 1
 
 
@@ -153,7 +158,7 @@ def test_heartbeat_progress_counts_when_the_records_were_lost():
                           now_ns=second * SECOND)
         ingest.tick(second * SECOND + 1)
     assert [status for _, status, _ in sink.of("status")] == [EngineStatus.RUNNING]
-    assert ingest.engines[0].num_dropped_total == 8  # seqs 3, 5, ..., 17: lost records
+    assert ingest.engines[0].view.num_dropped_total == 8  # seqs 3, 5, ..., 17: lost records
 
 
 def test_a_failing_sink_is_counted_and_ingest_goes_on():
@@ -165,7 +170,7 @@ def test_a_failing_sink_is_counted_and_ingest_goes_on():
     ingest = Ingest([Failing(), good])
     for message in (heartbeat(1), record(2), record(3)):
         ingest.on_message(message, now_ns=message.seq)
-    assert ingest.stats.num_sink_errors == 2
+    assert ingest.health.num_sink_errors == 2
     assert good.of("iteration") == [(0, 2), (0, 3)] and good.of("status")
 
 
@@ -213,14 +218,14 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
         for frame in frames:
             push.send(frame)  # blocking: every frame arrives
         push.send(encode(heartbeat(5)))
-        wait_until(lambda: sidecar.ingest.stats.num_messages > 0, 60,
+        wait_until(lambda: sidecar.ingest.health.num_messages > 0, 60,
                    "the heartbeat after the bad frames to be ingested")
     finally:
         sidecar.stop()
         thread.join(timeout=10)
         push.close(linger=0)
     assert not thread.is_alive()
-    stats = sidecar.ingest.stats
+    stats = sidecar.ingest.health
     assert stats.num_frames == 100_001
     assert stats.num_undecodable == expected
     assert sink.of("heartbeat") == [(0, 5)] and sink.of("dropped") == []
@@ -243,5 +248,5 @@ def test_a_stopping_sidecar_ingests_what_it_already_received(tmp_path):
         sidecar.run()
     finally:
         push.close(linger=0)
-    assert sidecar.ingest.stats.num_messages == 200
+    assert sidecar.ingest.health.num_messages == 200
     assert sink.of("dropped") == []

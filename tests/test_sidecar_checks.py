@@ -10,9 +10,9 @@ from zmq.utils.monitor import recv_monitor_message
 from telemetry.lane.record import MAX_ENGINE_INDEX
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.engine_state import MAX_IN_TRANSIT
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import GUARD_FRAME_BYTES, Sidecar
-from telemetry.sidecar.sink import EngineStatus
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.lane import RecordingSink, encode, heartbeat, record
@@ -95,13 +95,13 @@ def test_no_frame_accounts_for_more_drops_than_the_bound():
     engine.send(num_dropped_before=1001)  # beyond it: suspect, whatever the frame says
     text = scrape_text(registry)
     assert dropped_of_engine_0(text) == 1000
-    assert ingest.stats.num_rejected["seq_jump"] == 1
+    assert ingest.health.num_rejected["seq_jump"] == 1
 
 
 def test_a_message_claiming_more_drops_than_messages_before_it_is_suspect():
     ingest, _, _ = prometheus_ingest()
     ingest.on_frame(encode(heartbeat(5, num_dropped=5)), now_ns=1)
-    assert ingest.engines == {} and ingest.stats.num_rejected["seq_jump"] == 1
+    assert ingest.engines == {} and ingest.health.num_rejected["seq_jump"] == 1
 
 
 def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_lost():
@@ -112,7 +112,7 @@ def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_los
                 heartbeat(7, engine_index=3), record(8, engine_index=3)]
     for message in messages:
         ingest.on_frame(encode(message), now_ns=1)
-    assert ingest.stats.num_rejected["unknown_engine"] == 2
+    assert ingest.health.num_rejected["unknown_engine"] == 2
     assert recorder.of("heartbeat") == [(3, 7)] and recorder.of("iteration") == [(3, 8)]
     # Every seq before the first delivered one was lost to the sinks.
     assert recorder.of("dropped") == [(3, 7 - 1)]
@@ -148,7 +148,7 @@ def test_max_engines_is_a_bound_and_must_be_positive():
     ingest, _, _ = prometheus_ingest(max_engines=2)
     for index in range(5):
         ingest.on_frame(encode(heartbeat(1, engine_index=index)), now_ns=1)
-    assert sorted(ingest.engines) == [0, 1] and ingest.stats.num_rejected["engine_limit"] == 3
+    assert sorted(ingest.engines) == [0, 1] and ingest.health.num_rejected["engine_limit"] == 3
     with pytest.raises(ValueError, match="max_engines"):
         Ingest([], max_engines=0)
 
@@ -189,18 +189,18 @@ def test_a_long_dead_engine_gives_its_place_to_a_new_one_and_its_series_go():
     deployment.run_for(3, alive=(0, 1))
     deployment.run_for(200, alive=(0,))  # engine 1 killed: dead, but not for long
     deployment.beat(2)
-    assert sorted(ingest.engines) == [0, 1] and ingest.stats.num_rejected["engine_limit"] == 1
+    assert sorted(ingest.engines) == [0, 1] and ingest.health.num_rejected["engine_limit"] == 1
     assert engines_in(scrape_text(registry)) == {"0", "1"}
     deployment.run_for(100, alive=(0,))  # its last beat 301 s ago: over --evict-after
     deployment.beat(2)
-    assert sorted(ingest.engines) == [0, 2] and ingest.stats.num_rejected["engine_limit"] == 1
+    assert sorted(ingest.engines) == [0, 2] and ingest.health.num_rejected["engine_limit"] == 1
     assert engines_in(scrape_text(registry)) == {"0", "2"}
     removed = [line for line in lines if "no longer tracked" in line]
     assert removed == ["Engine 001: no longer tracked (dead, no message for 301 s): its place "
                        "went to a new engine (--max-engines)"]
     # Engine 1 comes back: no place is free (0 and 2 live), so it is rejected, not admitted.
     deployment.beat(1)
-    assert sorted(ingest.engines) == [0, 2] and ingest.stats.num_rejected["engine_limit"] == 2
+    assert sorted(ingest.engines) == [0, 2] and ingest.health.num_rejected["engine_limit"] == 2
 
 
 def test_the_iterations_of_a_removed_engine_still_get_their_log_line():
@@ -224,7 +224,7 @@ def test_a_live_engine_is_never_evicted_however_long_it_runs():
     for new_index in range(2, 50):
         deployment.beat(new_index)
     assert sorted(ingest.engines) == [0, 1]
-    assert ingest.stats.num_rejected["engine_limit"] == 48
+    assert ingest.health.num_rejected["engine_limit"] == 48
     assert engines_in(scrape_text(registry)) == {"0", "1"}
 
 
@@ -251,7 +251,7 @@ class RunningSidecar:
         self.address = f"ipc://{tmp_path}/lane.sock"
         self.recorder = RecordingSink()
         self.sidecar = Sidecar(self.address, Ingest([self.recorder]))
-        self.stats = self.sidecar.ingest.stats
+        self.stats = self.sidecar.ingest.health
         self.thread = threading.Thread(target=self.sidecar.run)
         self.thread.start()
         self.senders = []

@@ -11,7 +11,9 @@ import pytest
 
 from telemetry.sidecar import cli as sidecar_cli
 from telemetry.sidecar import process as sidecar_process
+from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.process import start_sidecar
+from telemetry.sidecar.sink import Sink
 from tests.helpers.fake_engine import start_engine, stop_engine
 from tests.helpers.processes import wait_for_log
 from tests.helpers.wait import wait_until
@@ -27,10 +29,10 @@ def test_missing_sink_modules_are_skipped_but_broken_ones_are_not(tmp_path, monk
         sidecar_cli.load_sink_modules(("broken_sink",))
 
 
-def test_sinks_are_built_from_their_modules_and_peers_are_introduced(tmp_path):
-    class Peer:
-        def set_peers(self, sinks):
-            self.peers = sinks
+def test_sinks_are_built_from_their_modules_and_attached_by_ingest(tmp_path):
+    class Peer(Sink):
+        def attach(self, health, sinks):
+            self.health, self.peers = health, sinks
 
     peer = Peer()
     fake = argparse.Namespace(add_arguments=lambda parser: None, build=lambda args: peer)
@@ -40,7 +42,9 @@ def test_sinks_are_built_from_their_modules_and_peers_are_introduced(tmp_path):
         ["--record", str(tmp_path / "r.jsonl"), "--log-interval", "2"])
     sinks = sidecar_cli.build_sinks(modules, args)
     assert [type(s).__name__ for s in sinks] == ["LogSink", "JsonlSink", "Peer"]
-    assert peer.peers == sinks and sinks[0].interval_ns == 2_000_000_000
+    assert sinks[0].interval_ns == 2_000_000_000
+    ingest = Ingest(sinks)
+    assert peer.peers == sinks and peer.health is ingest.health
     sinks[1].close()
     args = sidecar_cli.build_parser(modules).parse_args(["--no-log"])
     assert sidecar_cli.build_sinks(modules, args) == [peer]

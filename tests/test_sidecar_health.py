@@ -49,14 +49,12 @@ class BrokenDisk(Sink):
 def test_sink_failures_are_series_per_sink():
     registry = CollectorRegistry()
     prometheus, broken = PrometheusSink(registry), BrokenDisk()
-    sinks = [prometheus, broken]
-    prometheus.set_peers(sinks)
-    ingest = Ingest(sinks)
+    ingest = Ingest([prometheus, broken])  # attaches every sink to the others
     ingest.on_message(heartbeat(1), now_ns=1)
     for seq in range(2, 12):  # ten records: the last eight fail in the broken sink
         ingest.on_message(record(seq), now_ns=seq)
     samples = parse(generate_latest(registry).decode())
-    assert samples[("iterscope_sink_errors_total", "broken")] == 8 == ingest.stats.num_sink_errors
+    assert samples[("iterscope_sink_errors_total", "broken")] == 8 == ingest.health.num_sink_errors
     assert samples[("iterscope_sink_errors_total", "prometheus")] == 0
     assert samples[("iterscope_sink_lines_lost_total", "broken")] == 8
     assert samples[("iterscope_sink_last_write_timestamp_seconds", "broken")] == 1_700_000_002.0

@@ -187,7 +187,7 @@ def test_prometheus_shows_unknown_fields_as_absent_or_unknown():
     durations = [s for s in families["iterscope_iteration_duration_seconds"].samples
                  if s.name.endswith("_count")]
     assert durations[0].value == 0  # no time was measured, none is invented
-    assert sink.engines[0].num_kv_blocked_iterations == 0
+    assert sink.engines[0].engine.totals.num_kv_blocked_iterations == 0
 
 
 def test_tune_refuses_untimed_records_and_names_the_vllm_flag():

@@ -3,8 +3,8 @@
 Sinks are plug-ins by convention: each module in SINK_MODULES offers
 ``add_arguments(parser)`` and ``build(args) -> Sink | None`` (None = that sink is off). A
 module that does not exist is skipped, so the sidecar runs with whatever sinks are present.
-After building, a sink with ``set_peers(sinks)`` is handed the list of all built sinks (the
-Prometheus sink reads the others' ``sidecar_counters()`` through it).
+Ingest then attaches every sink (``Sink.attach``: its PipelineHealth and the list of sinks,
+through which the Prometheus sink reads the others' health and ``sidecar_counters()``).
 """
 
 from __future__ import annotations
@@ -113,21 +113,14 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
 
 
 def build_sinks(sink_modules: list[ModuleType], args: argparse.Namespace) -> list[Sink]:
-    sinks = [sink for module in sink_modules if (sink := module.build(args)) is not None]
-    for sink in sinks:
-        set_peers = getattr(sink, "set_peers", None)
-        if set_peers is not None:
-            set_peers(sinks)
-    return sinks
+    return [sink for module in sink_modules if (sink := module.build(args)) is not None]
 
 
 def known_last_seqs(sinks: list[Sink]) -> dict[int, int]:
     last_seqs: dict[int, int] = {}
     for sink in sinks:
-        read = getattr(sink, "known_last_seqs", None)
-        if read is not None:
-            for engine_index, seq in read().items():
-                last_seqs[engine_index] = max(seq, last_seqs.get(engine_index, 0))
+        for engine_index, seq in sink.known_last_seqs().items():
+            last_seqs[engine_index] = max(seq, last_seqs.get(engine_index, 0))
     return last_seqs
 
 
@@ -173,8 +166,9 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     finally:
         ingest.close()
         remove_run_dir_if_orphaned(args.run_dir, args.parent_pid)
-    stats = ingest.stats
-    dropped = {index: state.num_dropped_total for index, state in sorted(ingest.engines.items())}
+    stats = ingest.health
+    dropped = {index: state.view.num_dropped_total
+               for index, state in sorted(ingest.engines.items())}
     logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
                 "dropped per engine %s", stats.num_frames, stats.num_messages,
                 stats.num_undecodable_total, stats.num_rejected_total, dropped)
@@ -222,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
             ingest = replay(args.replay, sinks, args.dead_after, args.stall_after,
                             max_engines=args.max_engines)
-            stats = ingest.stats
+            stats = ingest.health
             logger.info("replayed %d messages, %d undecodable lines",
                         stats.num_messages, stats.num_undecodable_total)
             if args.serve_after_replay:

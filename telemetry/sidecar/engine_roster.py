@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState
-from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.engine_view import EngineStatus
 
 DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
 # A dead engine silent this long may give its place to a new one (a data-parallel

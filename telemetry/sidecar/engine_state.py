@@ -31,8 +31,7 @@ import collections
 from dataclasses import dataclass, field
 
 from telemetry.lane.record import Message
-from telemetry.sidecar.engine_view import EngineView
-from telemetry.sidecar.sink import EngineStatus
+from telemetry.sidecar.engine_view import EngineStatus, EngineView
 
 # A single message may account for at most this many lost messages: about 4.6 hours of an
 # engine iterating a thousand times a second with no sidecar listening.
@@ -89,7 +88,6 @@ class EngineState:
     last_seq: int = 0
     last_message_ns: int = 0
     last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
-    num_dropped_total: int = 0
     previous_pid: int = 0  # the pid before the latest change
     progress_intervals: RecentMax = field(
         default_factory=lambda: RecentMax(int(STALL_WINDOW_S * 1e9)))

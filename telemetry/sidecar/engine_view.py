@@ -22,6 +22,13 @@ below is defined here once, so that every sink says the same:
                   non-empty model and KV total (a metric label must not flap). A new pid (0 = not
                   said) is a new process: no record of it yet.
     status        written by Ingest only, right before it calls the sinks' ``on_status``.
+    totals        RecordTotals: the sums of record fields over every record of the engine
+                  since it was met, that more than one sink reports (the log line's window
+                  is the difference of two totals, Prometheus shows them as counters), so
+                  those sinks cannot disagree.
+    losses        messages received and lost (seq gaps), and the times two processes were
+                  seen publishing as this engine (the latest pair of pids): Ingest counts
+                  them (telemetry/sidecar/pipeline_health.py has the lane-wide ones).
 
 Invariant: only Ingest's thread writes a view; another thread (a /metrics scrape) may read
 one, a single attribute at a time.
@@ -29,8 +36,29 @@ one, a single attribute at a time.
 
 from __future__ import annotations
 
+import enum
+
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.sidecar.sink import EngineStatus
+
+
+class EngineStatus(str, enum.Enum):
+    """What the sidecar believes an engine is doing.
+
+    IDLE:    heartbeats arrive, nothing waits or runs.
+    RUNNING: iterations arrive.
+    STALLED: heartbeats arrive and work waits or runs, but no iteration finished for longer
+             than the stall threshold (adapted to the engine's iteration times, at least
+             5 s; telemetry/sidecar/engine_state.py).
+    DEAD:    no message for the dead-after interval (2.5 s by default, so a killed engine is
+             reported within 3 s). Heartbeats come from the publisher's thread, which runs
+             while the engine loop is stuck; only a process that is gone, frozen whole
+             (SIGSTOP) or cut off from the lane sends none.
+    """
+
+    IDLE = "idle"
+    RUNNING = "running"
+    STALLED = "stalled"
+    DEAD = "dead"
 
 
 def kv_blocks_total(record: IterationRecord) -> int:
@@ -54,6 +82,42 @@ def record_kv_usage_ratio(record: IterationRecord) -> float:
     return kv_usage_ratio(record.num_kv_blocks_used, kv_blocks_total(record))
 
 
+class RecordTotals:
+    """Sums of record fields over an engine's records. ``add`` runs once per record, on the
+    ingest thread; a reader on another thread (a scrape) reads one int at a time."""
+
+    __slots__ = ("num_iterations", "num_prefill_tokens", "num_decode_tokens",
+                 "num_preemptions", "num_prefix_query_tokens", "num_prefix_hit_tokens",
+                 "num_kv_blocked_iterations")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def add(self, record: IterationRecord) -> None:
+        self.num_iterations += 1
+        self.num_prefill_tokens += record.num_prefill_tokens
+        self.num_decode_tokens += record.num_decode_tokens
+        self.num_preemptions += record.num_preemptions
+        self.num_prefix_query_tokens += record.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+        if record.num_waiting_kv_reqs:
+            self.num_kv_blocked_iterations += 1
+
+    def copy(self) -> RecordTotals:
+        totals = RecordTotals()
+        for name in self.__slots__:
+            setattr(totals, name, getattr(self, name))
+        return totals
+
+    def since(self, earlier: RecordTotals) -> RecordTotals:
+        """What was added after ``earlier`` (a copy of these totals taken then)."""
+        totals = RecordTotals()
+        for name in self.__slots__:
+            setattr(totals, name, getattr(self, name) - getattr(earlier, name))
+        return totals
+
+
 class EngineView:
     """One engine as every sink sees it (see the module docstring)."""
 
@@ -70,6 +134,11 @@ class EngineView:
         self.last_record: IterationRecord | None = None  # of this process
         self.heartbeat_kv_blocks_total = 0
         self.status: EngineStatus | None = None  # None: not judged yet
+        self.totals = RecordTotals()
+        self.num_messages = 0  # received, checked and passed to the sinks
+        self.num_dropped_total = 0  # lost in seq gaps
+        self.num_engine_conflicts = 0  # times two live processes were seen as this engine
+        self.conflicting_pids: tuple[int, int] | None = None  # the latest such pair
 
     @property
     def has_work(self) -> bool:
@@ -97,6 +166,7 @@ class EngineView:
         self.num_waiting_reqs = record.num_waiting_reqs
         self.num_running_reqs = record.num_running_reqs
         self.last_record = record
+        self.totals.add(record)
         if record.num_prefill_tokens + record.num_decode_tokens > 0:
             self.last_iteration = record.iteration
             return True

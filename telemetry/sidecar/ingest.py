@@ -15,11 +15,13 @@ status is judged on are its EngineState's (telemetry/sidecar/engine_state.py).
 Invariants:
 - Sinks are called from one thread, in arrival order. For one engine, arrival order is send
   order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
-- Every lost message is reported exactly once, through ``on_dropped``, before the next
-  message of that engine reaches the sinks: lost = gap in ``seq``, checked against what the
-  engine says it dropped (telemetry/sidecar/engine_state.py).
+- Every lost message is counted exactly once, on the engine's view (``num_dropped_total``),
+  before the next message of that engine reaches the sinks: lost = gap in ``seq``, checked
+  against what the engine says it dropped (telemetry/sidecar/engine_state.py).
 - A frame that cannot be decoded is counted by reason, a decoded one that fails a check is
-  counted by reason; neither stops ingest nor reaches the sinks.
+  counted by reason; neither stops ingest nor reaches the sinks. Ingest is the one owner of
+  these counts and of each engine's losses (PipelineHealth, the engine views): sinks read
+  them, none counts them again.
 - A sink that raises is counted (in total and on the sink) and logged; the other sinks and
   ingest go on.
 """
@@ -28,11 +30,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import msgspec
 
-from telemetry.lane.frame_checks import UNDECODABLE_REASONS, classify_undecodable
+from telemetry.lane.frame_checks import classify_undecodable
 from telemetry.lane.record import (
     MAX_ENGINE_INDEX,
     Heartbeat,
@@ -42,7 +43,9 @@ from telemetry.lane.record import (
 )
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S, EngineRoster
 from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState, drops_are_plausible
-from telemetry.sidecar.sink import REJECTED_REASONS, EngineStatus, Sink, sink_name
+from telemetry.sidecar.engine_view import EngineStatus
+from telemetry.sidecar.pipeline_health import PipelineHealth
+from telemetry.sidecar.sink import Sink, sink_name
 
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
@@ -52,31 +55,6 @@ TICK_INTERVAL_S = 0.1
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
 
 logger = logging.getLogger("iterscope.sidecar")
-
-
-@dataclass
-class IngestStats:
-    """What Ingest counted itself (the sinks count their own); cli.py logs them at exit."""
-
-    num_frames: int = 0
-    num_messages: int = 0
-    num_engine_conflicts: int = 0
-    num_sink_errors: int = 0
-    num_undecodable: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0)
-    )
-    num_rejected: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(REJECTED_REASONS, 0)
-    )
-    num_lane_disconnects: int = 0
-
-    @property
-    def num_undecodable_total(self) -> int:
-        return sum(self.num_undecodable.values())
-
-    @property
-    def num_rejected_total(self) -> int:
-        return sum(self.num_rejected.values())
 
 
 class Ingest:
@@ -106,7 +84,7 @@ class Ingest:
         self.sinks = list(sinks)
         # The roster's own dict, never replaced: read here once per message, without a hop.
         self.engines: dict[int, EngineState] = self._roster.engines
-        self.stats = IngestStats()
+        self.health = PipelineHealth()
         self._dead_after_ns = int(dead_after_s * 1e9)
         self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._max_frame_bytes = max_frame_bytes
@@ -115,10 +93,16 @@ class Ingest:
         self._decode = self._decoder.decode
         self._on_iteration = [sink.on_iteration for sink in self.sinks]
         self._on_heartbeat = [sink.on_heartbeat for sink in self.sinks]
+        self._on_status = [sink.on_status for sink in self.sinks]
+        self._on_engine_removed = [sink.on_engine_removed for sink in self.sinks]
+        self._tick = [sink.tick for sink in self.sinks]
+        self._close = [sink.close for sink in self.sinks]
+        for sink in self.sinks:
+            sink.attach(self.health, self.sinks)
 
     def on_frame(self, frame: bytes, now_ns: int) -> None:
         """One lane frame: decode it, or count it as undecodable and carry on."""
-        self.stats.num_frames += 1
+        self.health.num_frames += 1
         if len(frame) > self._max_frame_bytes:
             self.count_undecodable("oversized")
             return
@@ -134,13 +118,11 @@ class Ingest:
         self.on_message(message, now_ns)
 
     def count_undecodable(self, reason: str) -> None:
-        self.stats.num_undecodable[reason] += 1
-        self._call_sinks("on_undecodable", reason)
+        self.health.num_undecodable[reason] += 1
 
     def count_rejected(self, reason: str) -> None:
         """A decoded frame failed a check (REJECTED_REASONS): counted, never passed on."""
-        self.stats.num_rejected[reason] += 1
-        self._call_sinks("on_rejected", reason)
+        self.health.num_rejected[reason] += 1
 
     def count_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
@@ -148,22 +130,22 @@ class Ingest:
         monitor reports both with the same event and no reason (tests/test_sidecar_checks.py
         checks it), so a guard's frame is counted here and not as undecodable 'oversized'; an
         engine's own frame is also the seq gap its next message reports."""
-        self.stats.num_lane_disconnects += 1
-        self._call_sinks("on_lane_disconnect")
+        self.health.num_lane_disconnects += 1
 
-    def _call_sinks(self, method: str, *args: object) -> None:
-        """Call ``method`` on every sink; one that raises is counted and the rest still run."""
-        for sink in self.sinks:
+    def _call(self, methods: list, *args: object) -> None:
+        """Call one sink method on every sink (``methods``: that method, bound to each);
+        one that raises is counted and the rest still run."""
+        for method in methods:
             try:
-                getattr(sink, method)(*args)
+                method(*args)
             except Exception:
-                self._sink_failed(sink)
+                self._sink_failed(method.__self__)
 
     def _sink_failed(self, sink: Sink) -> None:
         """Counted in total and on the sink itself (``num_errors``, its /metrics series)."""
-        sink.num_errors = getattr(sink, "num_errors", 0) + 1
-        self.stats.num_sink_errors += 1
-        num = self.stats.num_sink_errors
+        sink.num_errors += 1
+        self.health.num_sink_errors += 1
+        num = self.health.num_sink_errors
         if num <= 10 or num % 10_000 == 0:
             logger.exception("the %s sink failed (%d sink failures so far); ingest goes on",
                              sink_name(sink), num)
@@ -189,27 +171,19 @@ class Ingest:
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
-        self.stats.num_messages += 1
+        self.health.num_messages += 1
         state.last_seq = message.seq
         state.last_message_ns = now_ns
-        if num_lost > 0:
-            state.num_dropped_total += num_lost
-            self._call_sinks("on_dropped", message.engine_index, num_lost)
         view = state.view  # applied after the sinks: they see the engine before the message
+        view.num_messages += 1
+        if num_lost > 0:
+            view.num_dropped_total += num_lost
         if is_heartbeat:
             view.take_anchor(message)
-            for on_heartbeat in self._on_heartbeat:
-                try:
-                    on_heartbeat(message, view)
-                except Exception:
-                    self._sink_failed(on_heartbeat.__self__)
+            self._call(self._on_heartbeat, message, view)
             self._note_heartbeat(state, message, now_ns)
         else:
-            for on_iteration in self._on_iteration:
-                try:
-                    on_iteration(message, view)
-                except Exception:
-                    self._sink_failed(on_iteration.__self__)
+            self._call(self._on_iteration, message, view)
             self._note_iteration(state, message, now_ns)
 
     def _meet(
@@ -227,7 +201,7 @@ class Ingest:
             if removed is None:
                 self.count_rejected("engine_limit")
                 return None, 0
-            self._call_sinks("on_engine_removed", *removed)
+            self._call(self._on_engine_removed, *removed)
         return roster.meet(message, now_ns)
 
     def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
@@ -259,15 +233,16 @@ class Ingest:
         mean two live processes share this engine index."""
         pid = state.view.pid
         if pid == state.previous_pid and pid_before:
-            self.stats.num_engine_conflicts += 1
+            self.health.num_engine_conflicts += 1
             pids = (min(pid, pid_before), max(pid, pid_before))
-            if self.stats.num_engine_conflicts <= 3 or self.stats.num_engine_conflicts % 100 == 0:
+            if self.health.num_engine_conflicts <= 3 or self.health.num_engine_conflicts % 100 == 0:
                 logger.error(
                     "engine %d: two engine processes (pids %d and %d) publish as engine %d; "
                     "their records mix. Give each its own --engine-index.",
                     state.engine_index, *pids, state.engine_index,
                 )
-            self._call_sinks("on_engine_conflict", state.engine_index, pids)
+            state.view.num_engine_conflicts += 1
+            state.view.conflicting_pids = pids
         state.previous_pid = pid_before
 
     def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
@@ -286,13 +261,13 @@ class Ingest:
         status = self.status_of(state, now_ns)
         if status is not state.view.status:
             state.view.status = status
-            self._call_sinks("on_status", state.engine_index, status, now_ns)
+            self._call(self._on_status, state.engine_index, status, now_ns)
 
     def tick(self, now_ns: int) -> None:
         """Re-evaluate every engine's status (stall and death show up only here), tick sinks."""
         for state in self.engines.values():
             self._update_status(state, now_ns)
-        self._call_sinks("tick", now_ns)
+        self._call(self._tick, now_ns)
 
     def close(self) -> None:
-        self._call_sinks("close")
+        self._call(self._close)

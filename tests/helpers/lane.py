@@ -21,32 +21,35 @@ def synthetic_record(engine_index: int, iteration: int, start_ns: int, elapsed_n
 
 
 class RecordingSink(Sink):
-    """Remembers every call, in order."""
+    """Remembers every call, in order, and the losses each message's engine view newly holds
+    (what Ingest counted before handing the message over): ("dropped", engine, num) and
+    ("conflict", engine, pids) just before that message."""
 
     def __init__(self):
         self.calls = []
         self.closed = False
+        self._seen: dict[int, tuple[int, int]] = {}  # engine -> (dropped, conflicts) seen
+
+    def _note_losses(self, engine):
+        dropped, conflicts = self._seen.get(engine.engine_index, (0, 0))
+        if engine.num_dropped_total > dropped:
+            self.calls.append(("dropped", engine.engine_index,
+                               engine.num_dropped_total - dropped))
+        if engine.num_engine_conflicts > conflicts:
+            self.calls.append(("conflict", engine.engine_index, engine.conflicting_pids))
+        self._seen[engine.engine_index] = (engine.num_dropped_total,
+                                           engine.num_engine_conflicts)
 
     def on_iteration(self, record, engine):
+        self._note_losses(engine)
         self.calls.append(("iteration", record.engine_index, record.seq))
 
     def on_heartbeat(self, heartbeat, engine):
+        self._note_losses(engine)
         self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.seq))
 
     def on_status(self, engine_index, status, now_ns):
         self.calls.append(("status", engine_index, status, now_ns))
-
-    def on_dropped(self, engine_index, num_dropped):
-        self.calls.append(("dropped", engine_index, num_dropped))
-
-    def on_undecodable(self, reason):
-        self.calls.append(("undecodable", reason))
-
-    def on_rejected(self, reason):
-        self.calls.append(("rejected", reason))
-
-    def on_engine_conflict(self, engine_index, pids):
-        self.calls.append(("conflict", engine_index, pids))
 
     def tick(self, now_ns):
         pass

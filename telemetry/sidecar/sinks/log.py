@@ -8,9 +8,14 @@ same lines as the live run did:
   window without moving it.
 - The log clock is the latest wall time seen from any engine. Windows are
   [k * interval, (k + 1) * interval) of wall time; when the log clock enters a later window,
-  the open one is closed and printed. A record that arrives after its window closed is
-  counted in the open one, so every record is counted exactly once (the lines add up to the
-  Prometheus counters).
+  the open one is closed and printed. A window's counts are the difference of the engine's
+  record totals (its view's, which Prometheus' counters show too) between the window's start
+  and its close, so a record that arrives after its window closed is counted in the open one,
+  every record is counted exactly once, and the lines add up to the Prometheus counters.
+
+Losses (messages lost in seq gaps, two processes under one engine index, frames undecodable
+or rejected) are Ingest's counts (the engine views, PipelineHealth); this sink reports them by
+difference with what it last reported, at most once per interval.
 
 What a line reports, and its text, is telemetry/sidecar/sinks/throughput_line.py's.
 The window length is shortened to the time since the engine was first seen, so the first
@@ -27,11 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.sidecar.engine_view import EngineView
+from telemetry.sidecar.engine_view import EngineStatus, EngineView, RecordTotals
 from telemetry.sidecar.iteration_line import format_iteration_line
-from telemetry.sidecar.sink import EngineStatus, Sink
+from telemetry.sidecar.pipeline_health import PipelineHealth
+from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.throughput_line import (
-    WindowCounts,
     aggregate_figures,
     engine_figures,
     format_engine_line,
@@ -47,21 +52,28 @@ Emit = Callable[[int, str], None]  # (logging level, text)
 
 @dataclass
 class EngineLog:
-    """What the log sink keeps of one engine besides its view: the open window's counts,
-    when the engine was first seen, the status it last logged, losses not yet reported."""
+    """What the log sink keeps of one engine besides its view: where the open window began,
+    when the engine was first seen, the status it last logged, the losses it reported."""
 
     engine_index: int
     engine: EngineView = field(init=False)  # Ingest's, from the engine's first message on
     first_ts_ns: int | None = None  # engine clock: start of the first record or heartbeat seen
     first_wall_ns: int | None = None  # the same on the wall clock, once an anchor is known
     status: EngineStatus | None = None  # the last one logged
-    num_dropped_unreported: int = 0
-    num_dropped_total: int = 0
-    conflicting_pids: tuple[int, int] | None = None  # unreported: two processes, one index
-    counts: WindowCounts = field(default_factory=WindowCounts)
+    window_start: RecordTotals = field(default_factory=RecordTotals)  # totals then
+    num_dropped_reported: int = 0
+    num_conflicts_reported: int = 0
 
     def __post_init__(self) -> None:
-        self.engine = EngineView(self.engine_index)  # nothing known: only losses seen so far
+        self.engine = EngineView(self.engine_index)  # nothing known yet
+
+    def window_counts(self) -> RecordTotals:
+        """The records of the open window (the engine's view holds all before the message
+        being handled)."""
+        return self.engine.totals.since(self.window_start)
+
+    def start_window(self) -> None:
+        self.window_start = self.engine.totals.copy()
 
 
 def format_engine_iteration_line(record: IterationRecord) -> str:
@@ -101,14 +113,16 @@ class LogSink(Sink):
         self.engines: dict[int, EngineLog] = {}
         self._clock_ns: int | None = None  # latest wall time seen from any engine
         self._window_index = 0
-        self._undecodable_unreported: dict[str, int] = {}
-        self._num_undecodable_total = 0
-        self._rejected_unreported: dict[str, int] = {}
-        self._num_rejected_total = 0
+        self._health = PipelineHealth()  # Ingest's, once attached
+        self._undecodable_reported: dict[str, int] = {}
+        self._rejected_reported: dict[str, int] = {}
         self._last_loss_report_ns: int | None = None
         # Engines removed (on_engine_removed) whose open window still holds iterations: they
         # get their line when the window closes, then are forgotten.
         self._removed: list[EngineLog] = []
+
+    def attach(self, health: PipelineHealth, sinks: list[Sink]) -> None:
+        self._health = health
 
     def _log_of(self, engine_index: int) -> EngineLog:
         log = self.engines.get(engine_index)
@@ -123,7 +137,6 @@ class LogSink(Sink):
             self._advance(record.start_ns + record.elapsed_ns + engine.clock_offset_ns)
         if log.first_ts_ns is None:
             log.first_ts_ns = record.start_ns
-        log.counts.add_record(record)
         if self.log_iterations:
             self.emit(logging.INFO, format_engine_iteration_line(record))
 
@@ -167,7 +180,8 @@ class LogSink(Sink):
         lines = []
         removed, self._removed = self._removed, []
         for log in [*removed, *(self.engines[index] for index in sorted(self.engines))]:
-            counts, log.counts = log.counts, WindowCounts()
+            counts = log.window_counts()
+            log.start_window()
             engine = log.engine
             quiet = counts.num_iterations == 0 and not engine.has_work
             if quiet or (log.status is EngineStatus.DEAD and counts.num_iterations == 0):
@@ -215,27 +229,12 @@ class LogSink(Sink):
             return
         text = (f"Engine {engine_index:03d}: no longer tracked (dead, no message for "
                 f"{silent_ns / 1e9:.0f} s): its place went to a new engine (--max-engines)")
-        if log.num_dropped_unreported:
-            text += f"; {log.num_dropped_unreported} telemetry messages lost (sequence gaps)"
+        num_unreported = log.engine.num_dropped_total - log.num_dropped_reported
+        if num_unreported:
+            text += f"; {num_unreported} telemetry messages lost (sequence gaps)"
         self.emit(logging.WARNING, text)
-        if log.counts.num_iterations:
+        if log.window_counts().num_iterations:
             self._removed.append(log)
-
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        log = self._log_of(engine_index)
-        log.num_dropped_unreported += num_dropped
-        log.num_dropped_total += num_dropped
-
-    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
-        self._log_of(engine_index).conflicting_pids = pids
-
-    def on_undecodable(self, reason: str) -> None:
-        self._undecodable_unreported[reason] = self._undecodable_unreported.get(reason, 0) + 1
-        self._num_undecodable_total += 1
-
-    def on_rejected(self, reason: str) -> None:
-        self._rejected_unreported[reason] = self._rejected_unreported.get(reason, 0) + 1
-        self._num_rejected_total += 1
 
     def tick(self, now_ns: int) -> None:
         """Report losses at most once per interval (of the ingest clock)."""
@@ -249,35 +248,42 @@ class LogSink(Sink):
         reported = False
         for index in sorted(self.engines):
             log = self.engines[index]
-            if log.num_dropped_unreported:
+            engine = log.engine
+            num_unreported = engine.num_dropped_total - log.num_dropped_reported
+            if num_unreported:
                 self.emit(logging.WARNING, (
-                    f"Engine {index:03d}: {log.num_dropped_unreported} telemetry messages "
-                    f"lost (sequence gaps), {log.num_dropped_total} in total"
+                    f"Engine {index:03d}: {num_unreported} telemetry messages lost (sequence "
+                    f"gaps), {engine.num_dropped_total} in total"
                 ))
-                log.num_dropped_unreported = 0
+                log.num_dropped_reported = engine.num_dropped_total
                 reported = True
-            if log.conflicting_pids:
-                first, second = log.conflicting_pids
+            if engine.num_engine_conflicts > log.num_conflicts_reported and engine.conflicting_pids:
+                first, second = engine.conflicting_pids
                 self.emit(logging.ERROR, (
                     f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
                     f"publish as engine {index}; its numbers mix both. Give each its own "
                     "--engine-index"
                 ))
-                log.conflicting_pids = None
+                log.num_conflicts_reported = engine.num_engine_conflicts
                 reported = True
-        reported |= self._report_frames("undecodable frames", self._undecodable_unreported,
-                                        self._num_undecodable_total)
-        reported |= self._report_frames("frames rejected", self._rejected_unreported,
-                                        self._num_rejected_total)
+        health = self._health
+        reported |= self._report_frames("undecodable frames", health.num_undecodable,
+                                        self._undecodable_reported)
+        reported |= self._report_frames("frames rejected", health.num_rejected,
+                                        self._rejected_reported)
         return reported
 
-    def _report_frames(self, what: str, unreported: dict[str, int], total: int) -> bool:
-        if not unreported:
+    def _report_frames(self, what: str, counts: dict[str, int],
+                       reported: dict[str, int]) -> bool:
+        """The frames counted (by reason) since the last report of them, if any."""
+        new = {reason: num - reported.get(reason, 0) for reason, num in counts.items()
+               if num > reported.get(reason, 0)}
+        if not new:
             return False
-        by_reason = ", ".join(f"{reason}: {num}" for reason, num in sorted(unreported.items()))
-        self.emit(logging.WARNING,
-                  f"Sidecar: {sum(unreported.values())} {what} ({by_reason}), {total} in total")
-        unreported.clear()
+        by_reason = ", ".join(f"{reason}: {num}" for reason, num in sorted(new.items()))
+        self.emit(logging.WARNING, f"Sidecar: {sum(new.values())} {what} ({by_reason}), "
+                                   f"{sum(counts.values())} in total")
+        reported.update(counts)
         return True
 
     def close(self) -> None:

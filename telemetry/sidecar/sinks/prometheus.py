@@ -1,61 +1,219 @@
 """The Prometheus sink: per-engine state updated from records, rendered at scrape time.
 
     ingest thread                                   HTTP thread (per scrape)
-    on_iteration / on_heartbeat / on_dropped ...    MetricsCollector.collect()
-      -> EngineMetrics: plain ints, Histogram         -> Gauge/Counter/HistogramMetricFamily
-         lists, and the engine's view (gauges)           built fresh from EngineMetrics
+    on_iteration / on_heartbeat                     MetricsCollector.collect()
+      -> EngineMetrics: Histogram lists,              -> Gauge/Counter/HistogramMetricFamily
+         milestone counters, the engine's view           built fresh from the views, the
+                                                          EngineMetrics and PipelineHealth
+
+What every sink reports of an engine is read from its view (telemetry/sidecar/engine_view.py):
+the gauges, and the counters of record sums (``RecordTotals``, the same numbers the log line's
+windows are differences of) and of losses, which Ingest counts. What the lane as a whole lost
+is Ingest's PipelineHealth, given by ``attach``. This sink keeps only what is its own: the
+histograms and the counters of request milestones.
 
 Ingest takes no lock and touches no prometheus_client object; a scrape reads the state while
 ingest may be writing it, so one scrape can mix two consecutive records (never a torn number:
-every value is a single int/float/reference read under the GIL). Counters only ever add the
-non-negative counts a record carries, so they stay monotonic when an engine reconnects
-(seq and iteration restart at 1) and when a recording is replayed into the sidecar.
+every value is a single int/float/reference read under the GIL; the dicts a scrape walks are
+copied first, since ingest may add an engine meanwhile). Counters only ever add the
+non-negative counts a record carries, so they stay monotonic when an engine reconnects (seq
+and iteration restart at 1) and when a recording is replayed into the sidecar.
 
-This module holds the state and the sink plug-in (add_arguments, build); the families it
-keeps are listed in prometheus_families.py, and MetricsCollector, which renders them, is in
-prometheus_exposition.py. docs/metrics.md lists every series with the record fields it
-comes from.
+The tables below (GAUGES, COUNTERS, HISTOGRAMS, SIDECAR_COUNTERS) name every series this sink
+serves, in exposition order; ``series_names()`` lists them as PromQL sees them, which the
+dashboards and alert rules are checked against (dashboards/metric_names.py), and
+docs/metrics.md lists every series with the record fields it comes from.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client.core import CollectorRegistry
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
-from telemetry.lane.frame_checks import UNDECODABLE_REASONS
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    is_known,
 )
-from telemetry.sidecar.engine_view import EngineView
+from telemetry.sidecar.engine_view import EngineStatus, EngineView, kv_usage_ratio
 from telemetry.sidecar.histogram import Histogram, check_bounds
 from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
-from telemetry.sidecar.sink import REJECTED_REASONS, Sink
-from telemetry.sidecar.sinks.prometheus_exposition import MetricsCollector
-from telemetry.sidecar.sinks.prometheus_families import COUNTERS, HISTOGRAMS, PREFIX
+from telemetry.sidecar.pipeline_health import PipelineHealth
+from telemetry.sidecar.sink import Sink, sink_name
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9470
+PREFIX = "iterscope_"
+# Every series carries ``engine`` (engine index) and ``model_name`` (from the engine's
+# heartbeats, "" until the first one); sidecar-level series have both empty.
+LABELS = ("engine", "model_name")
+WAITING_REASONS = (  # (reason label, IterationRecord field)
+    ("kv_capacity", "num_waiting_kv_reqs"),
+    ("seq_limit", "num_waiting_seq_limit_reqs"),
+    ("token_budget", "num_waiting_budget_reqs"),
+    ("other", "num_waiting_other_reqs"),  # held back by the source (a vLLM grammar, remote KV)
+)
+# Gauges: name (after the prefix) -> (help, extra labels). Per engine, from its view, but
+# the last three, which are the sidecar's own.
+GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "requests_running": ("Requests running (after the last iteration).", ()),
+    "requests_waiting": ("Requests waiting (after the last iteration).", ()),
+    "requests_waiting_by_reason": ("Waiting requests by what blocked admission.", ("reason",)),
+    "kv_cache_usage_ratio": ("KV blocks used / total (0..1).", ()),
+    "kv_blocks_used": ("KV-cache blocks in use.", ()),
+    "kv_blocks_free": ("KV-cache blocks free.", ()),
+    "kv_blocks_capacity": ("KV-cache blocks in the pool.", ()),
+    "kv_tokens": ("Tokens held in the KV cache.", ()),
+    "engine_state": ("1 for the engine's current state, 0 for the others.", ("state",)),
+    "heartbeat_age_seconds": ("Time since the last heartbeat was received.", ()),
+    "engine_info": ("1, with the engine's facts from its heartbeats as labels (source: "
+                    "iterscope, vllm-scheduler or vllm-stat-logger).",
+                    ("source", "device", "pid")),
+    "sidecar_lag_seconds": ("Wall time at ingest - wall time the last message was sent.", ()),
+    "sidecar_up": ("1 while the sidecar serves this; absent when it is down.", ()),
+    "sidecar_start_time_seconds": ("When the sidecar started (unix time).", ()),
+    "sink_last_write_timestamp_seconds": (
+        "When the sink last wrote its output successfully (unix time).", ("sink",)),
+}
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
+                         5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                         960.0, 1920.0, 7680.0)
+_BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                        65536)
+_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                          50000, 100000, 200000, 500000, 1000000)
+# Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
+    "iteration_tokens": ("Prefill + decode tokens per iteration.", _BATCH_TOKEN_BUCKETS),
+    "iteration_context_tokens": ("Prefill tokens per iteration.",
+                                 (0, *_BATCH_TOKEN_BUCKETS)),
+    "iteration_generation_requests": ("Decode requests per iteration.",
+                                      (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+    "time_to_first_token_seconds": ("Arrival to first token.",
+                                    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                                     640.0, 2560.0)),
+    "inter_token_latency_seconds": ("Time between the ends of consecutive iterations, once per "
+                                    "generated token.", _ITL_BUCKETS),
+    "time_per_output_token_seconds": ("Decode time / (output tokens - 1), per request.",
+                                      _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to finish.", _REQUEST_TIME_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to first scheduled.", _REQUEST_TIME_BUCKETS),
+    "request_prefill_time_seconds": ("First scheduled to first token.", _REQUEST_TIME_BUCKETS),
+    "request_decode_time_seconds": ("First token to finish.", _REQUEST_TIME_BUCKETS),
+    "request_prompt_tokens": ("Prompt length of finished requests.", _REQUEST_TOKEN_BUCKETS),
+    "request_generation_tokens": ("Output length of finished requests.",
+                                  _REQUEST_TOKEN_BUCKETS),
+    "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
+}
+# Counters of an engine: name (after the prefix, without _total) -> (help, its value). The
+# values are read at scrape time: record sums and losses from the engine's view (Ingest's),
+# the milestone counts from this sink's EngineMetrics.
+CounterValue = Callable[["EngineMetrics"], int]
+COUNTERS: dict[str, tuple[str, CounterValue]] = {
+    "iterations": ("Iteration records received.", lambda m: m.engine.totals.num_iterations),
+    "prompt_tokens": ("Prefill tokens computed (prefix-cache hits are not).",
+                      lambda m: m.engine.totals.num_prefill_tokens),
+    "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
+                             lambda m: m.num_prompt_tokens_cached),
+    "generation_tokens": ("Decode tokens computed (vLLM sources: tokens produced).",
+                          lambda m: m.engine.totals.num_decode_tokens),
+    "preemptions": ("Requests preempted.", lambda m: m.engine.totals.num_preemptions),
+    "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
+                              lambda m: m.engine.totals.num_kv_blocked_iterations),
+    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.",
+                             lambda m: m.engine.totals.num_prefix_query_tokens),
+    "prefix_cache_hits": ("Prefix-cache hits, in tokens.",
+                          lambda m: m.engine.totals.num_prefix_hit_tokens),
+    "records_received": ("Telemetry messages received (iterations + heartbeats).",
+                         lambda m: m.engine.num_messages),
+    "records_dropped": ("Telemetry messages lost (sequence gaps).",
+                        lambda m: m.engine.num_dropped_total),
+    "engine_index_conflicts": (
+        "Times two live engine processes were seen publishing under this engine index.",
+        lambda m: m.engine.num_engine_conflicts),
+}
+# Counters with a label of their own: requests by finish reason per engine; the sidecar's.
+FINISHED_COUNTER = "requests_finished"
+SIDECAR_COUNTERS = {
+    "frames_undecodable": "Frames that could not be decoded (unknown sender).",
+    "frames_rejected": "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
+    "lane_disconnects": "Lane connections that ended: engines exiting, senders cut off by the "
+                        "size guard.",
+    "sink_errors": "Calls on the sink that raised (ingest went on).",
+    "sink_lines_lost": "Messages the sink accepted but gave up writing.",
+    "otel_spans_dropped": "Sidecar counter otel_spans_dropped.",
+}
+# --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
+VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "vllm:num_requests_running": ("iterscope_requests_running", {}),
+    "vllm:num_requests_waiting": ("iterscope_requests_waiting", {}),
+    "vllm:kv_cache_usage_perc": ("iterscope_kv_cache_usage_ratio", {}),
+    "vllm:num_preemptions": ("iterscope_preemptions", {}),
+    "vllm:prompt_tokens": ("iterscope_prompt_tokens", {}),
+    "vllm:generation_tokens": ("iterscope_generation_tokens", {}),
+    "vllm:prefix_cache_queries": ("iterscope_prefix_cache_queries", {}),
+    "vllm:prefix_cache_hits": ("iterscope_prefix_cache_hits", {}),
+    "vllm:request_success": ("iterscope_requests_finished", {"finish_reason": "finished_reason"}),
+    "vllm:time_to_first_token_seconds": ("iterscope_time_to_first_token_seconds", {}),
+    "vllm:inter_token_latency_seconds": ("iterscope_inter_token_latency_seconds", {}),
+    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds",
+                                                   {}),
+    "vllm:e2e_request_latency_seconds": ("iterscope_e2e_request_latency_seconds", {}),
+    "vllm:request_queue_time_seconds": ("iterscope_request_queue_time_seconds", {}),
+    "vllm:request_prefill_time_seconds": ("iterscope_request_prefill_time_seconds", {}),
+    "vllm:request_decode_time_seconds": ("iterscope_request_decode_time_seconds", {}),
+    "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
+    "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    # vLLM's is the most tokens any of a request's n samples generated; a request here is
+    # one sample (serve takes n=1 only), so it is the request's own output length.
+    "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
+    "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
+}
 log = logging.getLogger(__name__)
+_METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def series_names() -> set[str]:
+    """Every series this sink can serve, as PromQL names it (histograms as their _bucket,
+    _sum and _count series, counters with _total), without the vLLM aliases."""
+    counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS}
+    return ({PREFIX + name for name in GAUGES}
+            | {f"{PREFIX}{name}_total" for name in counters}
+            | {f"{PREFIX}{name}_{suffix}" for name in HISTOGRAMS
+               for suffix in ("bucket", "sum", "count")})
 
 
 class EngineMetrics:
     """What the sink keeps of one engine besides its view (telemetry/sidecar/engine_view.py,
-    which the gauges and labels are read from): counters and histograms. Written only by the
-    ingest thread."""
+    which the gauges, the labels, the record sums and the losses are read from): histograms
+    and the counters of request milestones. Written only by the ingest thread."""
 
     def __init__(self, engine: EngineView, buckets: dict[str, tuple[float, ...]]) -> None:
         self.engine = engine
-        for _, attribute in COUNTERS.values():
-            setattr(self, attribute, 0)
+        self.num_prompt_tokens_cached = 0
         self.num_finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
         # Bound once: the per-record path then does no lookups by name.
@@ -70,17 +228,9 @@ class EngineMetrics:
         self.lag_ns: int | None = None
 
     def apply_iteration(self, record: IterationRecord, engine: EngineView) -> None:
-        """Counters and histograms of one record; ``engine`` is its view, before the record."""
+        """Histograms and milestone counters of one record; ``engine`` is its view, before
+        the record (which the view's totals take in after the sinks)."""
         self.engine = engine
-        self.num_received += 1
-        self.num_iterations += 1
-        self.num_prefill_tokens += record.num_prefill_tokens
-        self.num_decode_tokens += record.num_decode_tokens
-        self.num_preemptions += record.num_preemptions
-        self.num_prefix_query_tokens += record.num_prefix_query_tokens
-        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
-        if record.num_waiting_kv_reqs:
-            self.num_kv_blocked_iterations += 1
         self.observe_iteration(record, engine.last_record)
         if record.milestones:
             for milestone in record.milestones:
@@ -141,9 +291,8 @@ class EngineMetrics:
                 )
 
     def apply_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
-        """Received and lag: the sidecar's own clocks at receipt (not the ingest clock)."""
+        """Receipt and lag: the sidecar's own clocks at receipt (not the ingest clock)."""
         self.engine = engine
-        self.num_received += 1
         self.heartbeat_received_ns = time.monotonic_ns()
         self.lag_ns = time.time_ns() - heartbeat.wall_ns
 
@@ -166,10 +315,8 @@ class PrometheusSink(Sink):
                 raise ValueError(f"unknown histogram {name!r}; known: {', '.join(HISTOGRAMS)}")
             self.buckets[name] = check_bounds(bounds)
         self.engines: dict[int, EngineMetrics] = {}
-        self.num_undecodable = dict.fromkeys(UNDECODABLE_REASONS, 0)
-        self.num_rejected = dict.fromkeys(REJECTED_REASONS, 0)
-        self.num_lane_disconnects = 0
-        self.peers: list = []
+        self.health = PipelineHealth()  # Ingest's, once attached
+        self.peers: list[Sink] = [self]  # every sink of the sidecar, once attached
         self.collector = MetricsCollector(self, vllm_compatible_names)
         self.registry = registry
         registry.register(self.collector)
@@ -177,49 +324,30 @@ class PrometheusSink(Sink):
         self.start_time = time.time()
         self._server = None
 
-    def metrics_of(self, engine_index: int) -> EngineMetrics:
-        """The engine's metrics; one first met through a loss holds a blank view until its
-        first message brings Ingest's."""
+    def attach(self, health: PipelineHealth, sinks: list[Sink]) -> None:
+        """Read at scrape time: the lane's losses (Ingest's), every sink's health and the
+        counters they keep of their own (``sidecar_counters``)."""
+        self.health = health
+        self.peers = list(sinks)
+
+    def metrics_of(self, engine_index: int, engine: EngineView) -> EngineMetrics:
         metrics = self.engines.get(engine_index)
         if metrics is None:
-            metrics = EngineMetrics(EngineView(engine_index), self.buckets)
-            self.engines[engine_index] = metrics
+            metrics = self.engines[engine_index] = EngineMetrics(engine, self.buckets)
         return metrics
 
     def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
-        metrics = self.engines.get(record.engine_index) or self.metrics_of(record.engine_index)
+        metrics = (self.engines.get(record.engine_index)
+                   or self.metrics_of(record.engine_index, engine))
         metrics.apply_iteration(record, engine)
 
     def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
-        self.metrics_of(heartbeat.engine_index).apply_heartbeat(heartbeat, engine)
-
-    def on_dropped(self, engine_index: int, num_dropped: int) -> None:
-        self.metrics_of(engine_index).num_dropped += num_dropped
-
-    def on_engine_conflict(self, engine_index: int, pids: tuple[int, int]) -> None:
-        self.metrics_of(engine_index).num_engine_conflicts += 1
+        self.metrics_of(heartbeat.engine_index, engine).apply_heartbeat(heartbeat, engine)
 
     def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
         """Its series leave the next scrape; if the index comes back its counters start
         from 0 again, a reset Prometheus' rate() already takes as a restart."""
         self.engines.pop(engine_index, None)
-
-    def on_undecodable(self, reason: str) -> None:
-        self.num_undecodable[reason] = self.num_undecodable.get(reason, 0) + 1
-
-    def on_rejected(self, reason: str) -> None:
-        self.num_rejected[reason] = self.num_rejected.get(reason, 0) + 1
-
-    def on_lane_disconnect(self) -> None:
-        self.num_lane_disconnects += 1
-
-    def tick(self, now_ns: int) -> None:
-        """Nothing to do: every series is rendered at scrape time."""
-
-    def set_peers(self, sinks: list) -> None:
-        """The sidecar's sinks (itself included), read at scrape time: their health
-        (telemetry/sidecar/sink.py) and, from those that have it, ``sidecar_counters()``."""
-        self.peers = list(sinks)
 
     def serve(self, host: str, port: int) -> int:
         """Serve the registry on http://host:port/metrics in the text format; returns the bound
@@ -234,6 +362,149 @@ class PrometheusSink(Sink):
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class MetricsCollector(Collector):
+    """client_python's custom-Collector pattern: fresh metric families on every scrape."""
+
+    def __init__(self, sink: PrometheusSink, vllm_compatible_names: bool) -> None:
+        self.sink = sink
+        self.vllm_compatible_names = vllm_compatible_names
+
+    def collect(self) -> Iterator[Metric]:
+        engines = [(metrics, [str(index), metrics.engine.model_name])
+                   for index, metrics in list(self.sink.engines.items())]
+        families = [*self.gauges(engines), *self.counters(engines),
+                    *self.histograms(engines), *self.sidecar_counters(),
+                    *self.sidecar_health()]
+        yield from families
+        if self.vllm_compatible_names:
+            yield from vllm_aliases(families)
+
+    def gauges(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
+        """From each engine's view (its status None, not judged yet, reads as idle)."""
+        now_ns = time.monotonic_ns()
+        running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age, info, \
+            lag = (gauge(name) for name in (
+                "requests_running", "requests_waiting", "requests_waiting_by_reason",
+                "kv_cache_usage_ratio", "kv_blocks_used", "kv_blocks_free", "kv_blocks_capacity",
+                "kv_tokens", "engine_state", "heartbeat_age_seconds", "engine_info",
+                "sidecar_lag_seconds"))
+        for metrics, labels in engines:
+            engine = metrics.engine
+            running.add_metric(labels, engine.num_running_reqs)
+            waiting.add_metric(labels, engine.num_waiting_reqs)
+            record = engine.last_record
+            if record is not None and not is_known(record, UNKNOWN_WAITING_REASONS):
+                by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
+            else:
+                for reason, field in WAITING_REASONS:
+                    by_reason.add_metric([*labels, reason],
+                                         getattr(record, field) if record else 0)
+            blocks_used, blocks_total = engine.kv_blocks()
+            usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
+            used.add_metric(labels, blocks_used)
+            free.add_metric(labels, blocks_total - blocks_used)
+            total.add_metric(labels, blocks_total)
+            if record is None or is_known(record, UNKNOWN_KV_TOKENS):
+                kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+            if engine.pid:
+                info.add_metric([*labels, engine.source, engine.device_name, str(engine.pid)], 1)
+            current = engine.status or EngineStatus.IDLE
+            for status in EngineStatus:
+                state.add_metric([*labels, status.value], float(current == status))
+            if metrics.heartbeat_received_ns:
+                age.add_metric(labels, (now_ns - metrics.heartbeat_received_ns) / 1e9)
+            if metrics.lag_ns is not None:
+                lag.add_metric(labels, metrics.lag_ns / 1e9)
+        return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
+                info, lag]
+
+    def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, value_of) in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for metrics, labels in engines:
+                family.add_metric(labels, value_of(metrics))
+            yield family
+        finished = CounterMetricFamily(PREFIX + FINISHED_COUNTER, "Requests finished.",
+                                       labels=[*LABELS, "finish_reason"])
+        for metrics, labels in engines:
+            for reason, count in list(metrics.num_finished_by_reason.items()):
+                finished.add_metric([*labels, reason], count)
+        yield finished
+        health = self.sink.health
+        for name, counts in (("frames_undecodable", health.num_undecodable),
+                             ("frames_rejected", health.num_rejected)):
+            family = sidecar_counter(name, ["reason"])
+            for reason, count in list(counts.items()):
+                family.add_metric(["", "", reason], count)
+            yield family
+        disconnects = sidecar_counter("lane_disconnects")
+        disconnects.add_metric(["", ""], health.num_lane_disconnects)
+        yield disconnects
+
+    def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
+        for name, (documentation, _) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            for engine, labels in engines:
+                buckets, total_sum = engine.histograms[name].cumulative_buckets()
+                family.add_metric(labels, buckets, total_sum)
+            yield family
+
+    def sidecar_counters(self) -> Iterator[Metric]:
+        """Counters the sinks keep of their own (e.g. OTel spans dropped), summed by name."""
+        values = {"otel_spans_dropped": 0.0}
+        for peer in self.sink.peers:
+            for key, value in peer.sidecar_counters().items():
+                name = key.removeprefix(PREFIX).removesuffix("_total")
+                if _METRIC_NAME.match(name):
+                    values[name] = values.get(name, 0.0) + value
+        for name, value in values.items():
+            family = CounterMetricFamily(PREFIX + name, SIDECAR_COUNTERS.get(
+                name, f"Sidecar counter {name}."), labels=LABELS)
+            family.add_metric(["", ""], value)
+            yield family
+
+    def sidecar_health(self) -> list[Metric]:
+        """The sidecar's own up and start time, and each sink's failures and last write."""
+        up, started, last_write = (gauge(name) for name in (
+            "sidecar_up", "sidecar_start_time_seconds", "sink_last_write_timestamp_seconds"))
+        up.add_metric(["", ""], 1.0)
+        started.add_metric(["", ""], self.sink.start_time)
+        errors = sidecar_counter("sink_errors", ["sink"])
+        lost = sidecar_counter("sink_lines_lost", ["sink"])
+        for peer in self.sink.peers:
+            labels = ["", "", sink_name(peer)]
+            errors.add_metric(labels, peer.num_errors)
+            lost.add_metric(labels, peer.num_lines_lost)
+            if peer.last_write_time:
+                last_write.add_metric(labels, peer.last_write_time)
+        return [up, started, errors, lost, last_write]
+
+
+def gauge(name: str) -> GaugeMetricFamily:
+    """A family of GAUGES, empty."""
+    documentation, extra_labels = GAUGES[name]
+    return GaugeMetricFamily(PREFIX + name, documentation, labels=[*LABELS, *extra_labels])
+
+
+def sidecar_counter(name: str, extra_labels: Sequence[str] = ()) -> CounterMetricFamily:
+    """A family of SIDECAR_COUNTERS, empty (its samples have empty engine labels)."""
+    return CounterMetricFamily(PREFIX + name, SIDECAR_COUNTERS[name],
+                               labels=[*LABELS, *extra_labels])
+
+
+def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
+    """The same samples again under vLLM's names, so vLLM dashboards and alerts work."""
+    by_name = {family.name: family for family in families}
+    for vllm_name, (our_name, label_renames) in VLLM_ALIASES.items():
+        family = by_name[our_name]
+        alias = Metric(vllm_name, family.documentation, family.type)
+        for sample in family.samples:
+            labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
+            suffix = sample.name[len(our_name):]
+            alias.samples.append(sample._replace(name=vllm_name + suffix, labels=labels))
+        yield alias
 
 
 def parse_buckets(text: str) -> tuple[str, tuple[float, ...]]:

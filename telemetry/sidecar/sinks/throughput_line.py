@@ -22,28 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from telemetry.lane.record import IterationRecord
-from telemetry.sidecar.engine_view import EngineView, kv_usage_percent
-
-
-@dataclass
-class WindowCounts:
-    """Sums over one log window for one engine (the aggregate line adds LineFigures instead)."""
-
-    num_iterations: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_preemptions: int = 0
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-
-    def add_record(self, record: IterationRecord) -> None:
-        self.num_iterations += 1
-        self.num_prefill_tokens += record.num_prefill_tokens
-        self.num_decode_tokens += record.num_decode_tokens
-        self.num_preemptions += record.num_preemptions
-        self.num_prefix_query_tokens += record.num_prefix_query_tokens
-        self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
+from telemetry.sidecar.engine_view import EngineView, RecordTotals, kv_usage_percent
 
 
 @dataclass
@@ -63,9 +42,10 @@ class LineFigures:
     device_name: str
 
 
-def engine_figures(engine: EngineView, counts: WindowCounts, window_time: float) -> LineFigures:
-    """One engine's line: rates over ``window_time`` seconds from the window's sums, the
-    rest from its view as it is now."""
+def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float) -> LineFigures:
+    """One engine's line: rates over ``window_time`` seconds from the window's sums
+    (``counts``: the engine's record totals over the window), the rest from its view as it
+    is now."""
     num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
     return LineFigures(
         label=f"Engine {engine.engine_index:03d}",
