@@ -17,11 +17,11 @@ import time
 import pytest
 
 from telemetry.lane.record import IterationRecord
+from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_socket import Sidecar
 from telemetry.sidecar.process import start_from_args, start_sidecar
 from telemetry.sidecar.replay import read_recording
-from telemetry.sidecar.sink import EngineStatus
 from tests.helpers.fake_engine import start_engine, stop_engine
 from tests.helpers.lane import RecordingSink
 from tests.helpers.net import free_port
