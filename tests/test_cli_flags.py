@@ -68,7 +68,7 @@ def test_good_values_are_converted():
     args = serve_args.build_parser().parse_args(
         ["smollm2", "--kv-cache-memory", "4GiB", "--dtype", "bf16", "--block-size", "32",
          "--gpu-memory-utilization", "0.5", "--port", "0"])
-    assert (args.kv_cache_memory, args.dtype, args.block_size) == (4 << 30, "bfloat16", 32)
+    assert (args.kv_cache_memory_bytes, args.dtype, args.block_size) == (4 << 30, "bfloat16", 32)
     assert (args.gpu_memory_utilization, args.port, args.model_positional) == (0.5, 0, "smollm2")
     assert demo.build_parser().parse_args([]).kv_cache_memory == 24 << 20
 
@@ -79,3 +79,38 @@ def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
     assert serve_args.build_parser().parse_args(["--api-key", "given"]).api_key == "given"
     monkeypatch.delenv("ITERSCOPE_API_KEY")
     assert serve_args.build_parser().parse_args([]).api_key is None
+
+
+def test_the_engine_flags_are_the_configs_fields_with_its_defaults():
+    """One statement of the engine's settings: every flag `serve` gives the engine is an
+    EngineConfig field's (engine/config.py), its default is the field's, and parsing no flag
+    at all gives the config's defaults."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig, flag_of
+
+    parser = serve_args.build_parser()
+    by_flag = {action.option_strings[0]: action for action in options(parser)}
+    flagged = [f for f in fields(EngineConfig) if flag_of(f.name)]
+    assert len(flagged) >= 15
+    for setting in flagged:
+        action = by_flag[flag_of(setting.name)]
+        assert action.dest == setting.name
+        assert action.default == setting.default, setting.name
+    args = parser.parse_args([])
+    assert serve_args.engine_config(args, None) == EngineConfig()
+
+
+def test_a_flag_and_the_config_refuse_a_value_with_the_same_words(capsys):
+    """The CLI reads a flag with the kind the config checks the field with."""
+    from engine.config import EngineConfig
+
+    for flag, field, text, value in (("--max-num-seqs", "max_num_seqs", "0", 0),
+                                     ("--block-size", "block_size", "24", 24),
+                                     ("--gpu-memory-utilization", "gpu_memory_utilization",
+                                      "1.5", 1.5)):
+        message = refusal(serve_args.build_parser(), [flag, text], capsys)
+        with pytest.raises(ValueError) as error:
+            EngineConfig(**{field: value})
+        expected = message.split("expected ", 1)[1].rsplit(", got", 1)[0]
+        assert f"must be {expected}, got" in str(error.value), (message, error.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, field_and_flag, parse_memory_size
+from engine.config import EngineConfig, field_and_flag
 from engine.kv_planning import (
     GIB,
     cuda_kv_budget_bytes,
@@ -13,6 +13,7 @@ from engine.kv_planning import (
     kv_bytes_per_token,
     plan_kv_cache,
 )
+from engine.settings import parse_memory_size
 
 # USER_STORIES story 5: an 8B model, 36 layers x 8 KV heads x head_dim 128, bf16.
 STORY5_BYTES_PER_TOKEN = kv_bytes_per_token(36, 8, 128, 2)
@@ -97,28 +98,28 @@ def test_parse_memory_size_rejects_garbage(text):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"block_size": 0}, r"block_size \(--block-size\) must be at least 1"),
+        ({"block_size": 0}, r"block_size \(--block-size\) must be a power of two up to 256"),
         ({"block_size": 12}, "power of two"),
-        ({"max_num_seqs": 0}, r"max_num_seqs \(--max-num-seqs\) must be at least 1"),
+        ({"max_num_seqs": 0}, r"max_num_seqs \(--max-num-seqs\) must be a whole number >= 1"),
         (
             {"max_num_seqs": 64, "max_num_batched_tokens": 32},
             r"raise max_num_batched_tokens \(--max-num-batched-tokens\)",
         ),
-        ({"max_model_len": 0}, r"max_model_len \(--max-model-len\) must be at least 1"),
+        ({"max_model_len": 0}, r"max_model_len \(--max-model-len\) must be a whole number >= 1"),
         (
             {"enable_chunked_prefill": False, "max_model_len": 4096},
             "enable chunked prefill, raise max_num_batched_tokens",
         ),
         (
             {"gpu_memory_utilization": 1.5},
-            r"gpu_memory_utilization \(--gpu-memory-utilization\) must be in",
+            r"gpu_memory_utilization \(--gpu-memory-utilization\) must be a fraction in",
         ),
         (
             {"kv_cache_memory_bytes": 0},
-            r"kv_cache_memory_bytes \(--kv-cache-memory\) must be at least 1",
+            r"kv_cache_memory_bytes \(--kv-cache-memory\) must be a size with its unit",
         ),
-        ({"dtype": "int3"}, r"dtype \(--dtype\) 'int3' is not supported"),
-        ({"device": "tpu"}, r"device \(--device\) must be one of"),
+        ({"dtype": "int3"}, r"dtype \(--dtype\) must be auto, float32, bfloat16 or float16"),
+        ({"device": "tpu"}, r"device \(--device\) must be cpu or cuda, got 'tpu'"),
         ({"max_num_seqs": 2.5}, r"max_num_seqs \(--max-num-seqs\) must be int, got 2.5 \(float\)"),
         ({"block_size": 16.0}, r"block_size \(--block-size\) must be int, got 16.0 \(float\)"),
         (

@@ -11,39 +11,31 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from engine.config import DTYPE_ALIASES, parse_memory_size
+from engine.settings import DTYPE, Fraction, Kind, MemorySize, PowerOfTwo, WholeNumber
+
+
+def of_kind(kind: Kind) -> Callable[[str], object]:
+    """The argparse type of an engine setting's kind (engine/settings.py): the same rule the
+    config checks values with, its error turned into argparse's."""
+
+    def parse(text: str) -> object:
+        try:
+            return kind.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = type(kind).__name__
+    return parse
 
 
 def int_in_range(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """A whole number >= ``minimum`` (and <= ``maximum`` unless None)."""
-    expected = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"expected a whole number {expected}, got {text!r}")
-        return value
-
-    return parse
+    return of_kind(WholeNumber(minimum, maximum))
 
 
 def power_of_two(maximum: int) -> Callable[[str], int]:
     """1, 2, 4, ... up to ``maximum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if not 0 < value <= maximum or value & (value - 1):
-            raise argparse.ArgumentTypeError(
-                f"expected a power of two up to {maximum} (e.g. 16), got {text!r}")
-        return value
-
-    return parse
+    return of_kind(PowerOfTwo(maximum))
 
 
 def port(text: str) -> int:
@@ -69,32 +61,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.9, got {text!r}")
-    return value
-
-
-def memory_size(text: str) -> int:
-    """Bytes from a size with its unit: 512MiB, 4GiB, 4.5GB."""
-    try:
-        return parse_memory_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a size with its unit, e.g. 512MiB, 4GiB or 4.5GB, got {text!r}"
-        ) from None
-
-
-def dtype(text: str) -> str:
-    """One of DTYPE_ALIASES, in its canonical spelling."""
-    canonical = DTYPE_ALIASES.get(text.lower())
-    if canonical is None:
-        raise argparse.ArgumentTypeError(
-            f"expected auto, float32, bfloat16 or float16 (or fp32, bf16, fp16, half), "
-            f"got {text!r}")
-    return canonical
+fraction = of_kind(Fraction())  # a number in (0, 1]
+memory_size = of_kind(MemorySize())  # bytes from a size with its unit: 512MiB, 4GiB, 4.5GB
+dtype = of_kind(DTYPE)  # one of DTYPE's names, in its canonical spelling

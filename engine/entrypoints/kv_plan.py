@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import DTYPE_ALIASES, parse_memory_size
 from engine.kv_planning import (
     GIB,
     KvPlan,
@@ -31,6 +30,7 @@ from engine.kv_planning import (
     kv_bytes_per_token,
     plan_kv_cache,
 )
+from engine.settings import DTYPE_ALIASES, parse_memory_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
