@@ -1,8 +1,8 @@
 """The `iterscope` command: one console script, one module per subcommand.
 
 Each subcommand lives in its own module as ``main(argv: list[str]) -> int``; it is imported
-only when asked for, so `iterscope sidecar` never imports torch and `iterscope serve` never
-imports prometheus_client.
+only when asked for, so `iterscope sidecar` never imports torch (`iterscope serve` does import
+prometheus_client: its API port serves /metrics of its own, engine/entrypoints/api_metrics.py).
 """
 
 from __future__ import annotations
