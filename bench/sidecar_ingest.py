@@ -3,7 +3,7 @@
 Two figures from one run, on the same pre-encoded frames (steady decode records of one
 engine, a heartbeat every 1,000 records, consecutive seqs):
   in_process  Ingest.on_frame alone: typed decode, seq check, status, log + JSONL sinks
-  over_ipc    a sender process pushes the frames over ipc:// to a Sidecar.run() loop in this
+  over_ipc    a sender process pushes the frames over ipc:// to a LaneLoop.run() loop in this
               process (ZMQ receive included; the sender uses another core)
 
     .venv/bin/python bench/sidecar_ingest.py [--records 300000]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from telemetry.lane.record import heartbeat, iteration_record, make_encoder  # noqa: E402
 from telemetry.sidecar.ingest import Ingest  # noqa: E402
-from telemetry.sidecar.lane_socket import Sidecar  # noqa: E402
+from telemetry.sidecar.lane_loop import LaneLoop  # noqa: E402
 from telemetry.sidecar.sinks.jsonl import JsonlSink  # noqa: E402
 from telemetry.sidecar.sinks.log import LogSink  # noqa: E402
 
@@ -83,7 +83,7 @@ def send_frames(address: str, num_records: int) -> None:
 def over_ipc_rate(num_records: int, num_frames: int, directory: str) -> float:
     address = f"ipc://{directory}/lane.sock"
     ingest = make_ingest(directory + "/ipc")
-    sidecar = Sidecar(address, ingest, rcvhwm=1_000_000)
+    sidecar = LaneLoop(address, ingest, rcvhwm=1_000_000)
     sender = multiprocessing.get_context("spawn").Process(
         target=send_frames, args=(address, num_records))
     sender.start()

@@ -190,7 +190,7 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self._dead_error is None and self.process.is_alive()
 
-    def engine_state(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
+    def engine_status(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
         """"dead" (the process is gone), "stalled" (requests in flight and no message from
         the engine for ``stall_after_s``; it beats every PROGRESS_BEAT_S while it works),
         "running" (requests in flight) or "idle". Cheap: no message to the engine."""

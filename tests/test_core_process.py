@@ -274,16 +274,16 @@ def test_engine_state_tells_stalled_from_running_and_idle():
     come for the threshold, and the engine is running again when outputs resume."""
     client = start_client(stalling(FakeRunner, at_call=3, seconds=3.0))
     try:
-        assert client.engine_state(0.5) == "idle"
+        assert client.engine_status(0.5) == "idle"
         stream = client.add_request([1, 2, 3], greedy(10))
         states = set()
         deadline = time.monotonic() + 30
         while not stream.finished and time.monotonic() < deadline:
-            states.add(client.engine_state(0.5))
+            states.add(client.engine_status(0.5))
             with contextlib.suppress(queue.Empty):
                 stream.get(timeout=0.1)
         assert stream.finished and {"running", "stalled"} <= states
-        assert client.engine_state(0.5) == "idle"
+        assert client.engine_status(0.5) == "idle"
     finally:
         client.shutdown()
-    assert client.engine_state() == "dead"
+    assert client.engine_status() == "dead"

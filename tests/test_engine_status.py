@@ -12,10 +12,10 @@ import pytest
 
 from engine.request import Request, SamplingParams
 from telemetry.lane.publisher import ZmqPublisher
-from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S
+from telemetry.sidecar.engine_tracker import STALL_FACTOR, STALL_FLOOR_S
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
-from telemetry.sidecar.lane_socket import Sidecar
+from telemetry.sidecar.lane_loop import LaneLoop
 from tests.helpers.fake_engine import start_engine, stop_engine
 from tests.helpers.fake_runner import FakeRunner, make_core
 from tests.helpers.lane import RecordingSink, heartbeat, record
@@ -143,7 +143,7 @@ def test_a_stuck_engine_loop_is_stalled_never_dead(tmp_path, spin):
     its publisher's thread keeps sending heartbeats, so the sidecar says stalled."""
     address = f"ipc://{tmp_path}/lane.sock"
     sink = StatusSink()
-    sidecar = Sidecar(address, Ingest([sink], stall_after_s=1.0))
+    sidecar = LaneLoop(address, Ingest([sink], stall_after_s=1.0))
     sidecar_thread = threading.Thread(target=sidecar.run)
     sidecar_thread.start()
     core = make_core(num_blocks=512)
@@ -184,7 +184,7 @@ def test_a_stopped_engine_process_is_dead_then_back_without_restart_or_loss(tmp_
     is dead (the lane cannot tell frozen from gone); SIGCONT brings the same process back."""
     address = f"ipc://{tmp_path}/lane.sock"
     sink = StatusSink()
-    sidecar = Sidecar(address, Ingest([sink]))
+    sidecar = LaneLoop(address, Ingest([sink]))
     sidecar_thread = threading.Thread(target=sidecar.run)
     sidecar_thread.start()
     engine = start_engine(address, tmp_path / "engine.json", "--iteration-time", "0.005")

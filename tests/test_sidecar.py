@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from telemetry.lane.record import TAG_HEARTBEAT, TAG_ITERATION
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
-from telemetry.sidecar.lane_socket import Sidecar, check_address
+from telemetry.sidecar.lane_loop import LaneLoop, check_address
 from tests.helpers.lane import RecordingSink, encode, heartbeat, record
 from tests.helpers.wait import wait_until
 
@@ -209,7 +209,7 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
         expected[kind] += 1
     address = f"ipc://{tmp_path}/lane.sock"
     sink = RecordingSink()
-    sidecar = Sidecar(address, Ingest([sink], max_frame_bytes=512))
+    sidecar = LaneLoop(address, Ingest([sink], max_frame_bytes=512))
     thread = threading.Thread(target=sidecar.run)
     thread.start()
     push = zmq.Context.instance().socket(zmq.PUSH)
@@ -236,7 +236,7 @@ def test_a_stopping_sidecar_ingests_what_it_already_received(tmp_path):
     message could report them lost."""
     address = f"ipc://{tmp_path}/lane.sock"
     sink = RecordingSink()
-    sidecar = Sidecar(address, Ingest([sink]))
+    sidecar = LaneLoop(address, Ingest([sink]))
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(address)
     try:

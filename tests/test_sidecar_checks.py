@@ -9,10 +9,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from telemetry.lane.record import MAX_ENGINE_INDEX
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
-from telemetry.sidecar.engine_state import MAX_IN_TRANSIT
+from telemetry.sidecar.engine_tracker import MAX_IN_TRANSIT
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
-from telemetry.sidecar.lane_socket import GUARD_FRAME_BYTES, Sidecar
+from telemetry.sidecar.lane_loop import GUARD_FRAME_BYTES, LaneLoop
 from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.lane import RecordingSink, encode, heartbeat, record
@@ -245,12 +245,12 @@ def test_an_evicted_engine_that_comes_back_is_met_anew_with_an_exact_gap():
 
 
 class RunningSidecar:
-    """A live Sidecar on an ipc lane in a thread, with PUSH sockets of senders."""
+    """A live LaneLoop on an ipc lane in a thread, with PUSH sockets of senders."""
 
     def __init__(self, tmp_path):
         self.address = f"ipc://{tmp_path}/lane.sock"
         self.recorder = RecordingSink()
-        self.sidecar = Sidecar(self.address, Ingest([self.recorder]))
+        self.sidecar = LaneLoop(self.address, Ingest([self.recorder]))
         self.stats = self.sidecar.ingest.health
         self.thread = threading.Thread(target=self.sidecar.run)
         self.thread.start()

@@ -19,7 +19,7 @@ import pytest
 from telemetry.lane.record import IterationRecord
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
-from telemetry.sidecar.lane_socket import Sidecar
+from telemetry.sidecar.lane_loop import LaneLoop
 from telemetry.sidecar.process import start_from_args, start_sidecar
 from telemetry.sidecar.replay import read_recording
 from tests.helpers.fake_engine import start_engine, stop_engine
@@ -143,7 +143,7 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
         def on_status(self, engine_index, status, now_ns):
             statuses.append((status, time.monotonic_ns()))
 
-    sidecar = Sidecar(address, Ingest([StatusSink()]))
+    sidecar = LaneLoop(address, Ingest([StatusSink()]))
     thread = threading.Thread(target=sidecar.run)
     thread.start()
     engine = start_engine(address, tmp_path / "engine.json")

@@ -180,7 +180,7 @@ def health_response(frontend: Frontend) -> JSONResponse:
     """200 while the engine works or idles; 503 once it is dead, or stalled: requests in
     flight and nothing heard from it for --engine-stall-timeout."""
     client = frontend.client
-    state = client.engine_state(frontend.stall_after_s)
+    state = client.engine_status(frontend.stall_after_s)
     body = {"status": "ok" if state in ("idle", "running") else state,
             "engine": state, "engine_pid": client.ready.pid,
             "num_requests_in_flight": client.num_in_flight}

@@ -25,9 +25,9 @@ import zmq
 
 from telemetry.lane.publisher import default_address
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
-from telemetry.sidecar.engine_state import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
+from telemetry.sidecar.engine_tracker import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.sidecar.ingest import DEAD_AFTER_S, Ingest
-from telemetry.sidecar.lane_socket import DEFAULT_RCVHWM, Sidecar, check_address
+from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, LaneLoop, check_address
 from telemetry.sidecar.sink import Sink
 
 SINK_MODULES = (
@@ -153,7 +153,7 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
         logger.warning("the telemetry lane %s is neither authenticated nor encrypted; "
                        "consider --curve-keys-dir", address)
-    sidecar = Sidecar(address, ingest, bind=args.bind, rcvhwm=args.rcvhwm,
+    sidecar = LaneLoop(address, ingest, bind=args.bind, rcvhwm=args.rcvhwm,
                       curve_keys_dir=args.curve_keys_dir)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sidecar.stop())
@@ -185,7 +185,7 @@ def wait_for_stop_signal() -> None:
         pass
 
 
-def stop_when_parent_exits(parent_pid: int, sidecar: Sidecar) -> None:
+def stop_when_parent_exits(parent_pid: int, sidecar: LaneLoop) -> None:
     """Stop the sidecar once the process that started it is gone (checked twice a second)."""
 
     def watch() -> None:

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState
+from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP, EngineTracker
 from telemetry.sidecar.engine_view import EngineStatus
 
 DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
@@ -48,7 +48,7 @@ class EngineRoster:
     ) -> None:
         if max_engines < 1:
             raise ValueError(f"max_engines must be at least 1, got {max_engines}")
-        self.engines: dict[int, EngineState] = {}
+        self.engines: dict[int, EngineTracker] = {}
         self._max_engines = max_engines
         self._evict_after_ns = evict_after_ns
         self._max_seq_jump = max_seq_jump
@@ -79,11 +79,11 @@ class EngineRoster:
         self._known_last_seqs[oldest.engine_index] = oldest.last_seq
         return oldest.engine_index, silent_ns
 
-    def meet(self, heartbeat: Heartbeat, now_ns: int) -> tuple[EngineState, int]:
+    def meet(self, heartbeat: Heartbeat, now_ns: int) -> tuple[EngineTracker, int]:
         """Track the heartbeat's engine (the caller made room); its new state and the
         messages it lost before this heartbeat."""
         index = heartbeat.engine_index
-        state = self.engines[index] = EngineState(index)
+        state = self.engines[index] = EngineTracker(index)
         state.last_progress_ns = now_ns
         lost_before = self._lost_before_met.pop(index, 0)
         known_seq = self._known_last_seqs.pop(index, None)

@@ -48,7 +48,7 @@ class EngineStatus(str, enum.Enum):
     RUNNING: iterations arrive.
     STALLED: heartbeats arrive and work waits or runs, but no iteration finished for longer
              than the stall threshold (adapted to the engine's iteration times, at least
-             5 s; telemetry/sidecar/engine_state.py).
+             5 s; telemetry/sidecar/engine_tracker.py).
     DEAD:    no message for the dead-after interval (2.5 s by default, so a killed engine is
              reported within 3 s). Heartbeats come from the publisher's thread, which runs
              while the engine loop is stuck; only a process that is gone, frozen whole

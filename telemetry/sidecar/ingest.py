@@ -4,20 +4,20 @@ Two layers, so that a live socket and a replayed recording go through the same c
 
     Ingest   frames/messages -> typed decode -> checks (engine admission, seq) -> status -> sinks
              (no socket and no clock of its own: every call is given ``now_ns``)
-    Sidecar  a ZMQ PULL socket feeding an Ingest from one thread, and ticking it about ten
-             times a second (telemetry/sidecar/lane_socket.py); replay feeds one from a
+    LaneLoop a ZMQ PULL socket feeding an Ingest from one thread, and ticking it about ten
+             times a second (telemetry/sidecar/lane_loop.py); replay feeds one from a
              recording instead (telemetry/sidecar/replay.py)
 
 Which engines are tracked, and what a newly met one lost, is decided by the engine roster
 (telemetry/sidecar/engine_roster.py); the checks of one engine's ``seq`` and the evidence its
-status is judged on are its EngineState's (telemetry/sidecar/engine_state.py).
+status is judged on are its EngineTracker's (telemetry/sidecar/engine_tracker.py).
 
 Invariants:
 - Sinks are called from one thread, in arrival order. For one engine, arrival order is send
   order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
 - Every lost message is counted exactly once, on the engine's view (``num_dropped_total``),
   before the next message of that engine reaches the sinks: lost = gap in ``seq``, checked
-  against what the engine says it dropped (telemetry/sidecar/engine_state.py).
+  against what the engine says it dropped (telemetry/sidecar/engine_tracker.py).
 - A frame that cannot be decoded is counted by reason, a decoded one that fails a check is
   counted by reason; neither stops ingest nor reaches the sinks. Ingest is the one owner of
   these counts and of each engine's losses (PipelineHealth, the engine views): sinks read
@@ -42,14 +42,14 @@ from telemetry.lane.record import (
     make_decoder,
 )
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S, EngineRoster
-from telemetry.sidecar.engine_state import MAX_SEQ_JUMP, EngineState, drops_are_plausible
+from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP, EngineTracker, drops_are_plausible
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.pipeline_health import PipelineHealth
 from telemetry.sidecar.sink import Sink, sink_name
 
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
 DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
-# How often a driver (the Sidecar, a replay) calls ``tick``: stall and death show up only
+# How often a driver (the LaneLoop, a replay) calls ``tick``: stall and death show up only
 # there, so this adds to how late they are reported.
 TICK_INTERVAL_S = 0.1
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
@@ -72,7 +72,7 @@ class Ingest:
         evict_after_s: float = EVICT_AFTER_S,
     ) -> None:
         """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
-        progress intervals (telemetry/sidecar/engine_state.py). ``evict_after_s``: how long
+        progress intervals (telemetry/sidecar/engine_tracker.py). ``evict_after_s``: how long
         a dead engine keeps its place among ``max_engines`` when a new one needs it."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
@@ -83,7 +83,7 @@ class Ingest:
                              f"({dead_after_s}): only a dead engine gives up its place")
         self.sinks = list(sinks)
         # The roster's own dict, never replaced: read here once per message, without a hop.
-        self.engines: dict[int, EngineState] = self._roster.engines
+        self.engines: dict[int, EngineTracker] = self._roster.engines
         self.health = PipelineHealth()
         self._dead_after_ns = int(dead_after_s * 1e9)
         self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
@@ -126,7 +126,7 @@ class Ingest:
 
     def count_lane_disconnect(self) -> None:
         """A connection to the lane ended: an engine exited, or the socket's size guard cut
-        off a sender whose frame was over GUARD_FRAME_BYTES (lane_socket.py). libzmq's
+        off a sender whose frame was over GUARD_FRAME_BYTES (lane_loop.py). libzmq's
         monitor reports both with the same event and no reason (tests/test_sidecar_checks.py
         checks it), so a guard's frame is counted here and not as undecodable 'oversized'; an
         engine's own frame is also the seq gap its next message reports."""
@@ -188,7 +188,7 @@ class Ingest:
 
     def _meet(
         self, message: Message, is_heartbeat: bool, now_ns: int
-    ) -> tuple[EngineState | None, int]:
+    ) -> tuple[EngineTracker | None, int]:
         """A message of an engine not tracked yet: its heartbeat makes it appear, within
         ``max_engines``; a record before that is rejected and counted as lost when it does."""
         roster = self._roster
@@ -204,7 +204,7 @@ class Ingest:
             self._call(self._on_engine_removed, *removed)
         return roster.meet(message, now_ns)
 
-    def _note_iteration(self, state: EngineState, record: IterationRecord, now_ns: int) -> None:
+    def _note_iteration(self, state: EngineTracker, record: IterationRecord, now_ns: int) -> None:
         """The view takes the record in; progress is judged against the queues before it."""
         view = state.view
         had_work = view.num_waiting_reqs + view.num_running_reqs > 0
@@ -215,7 +215,7 @@ class Ingest:
         if view.status is not _RUNNING:
             self._update_status(state, now_ns)
 
-    def _note_heartbeat(self, state: EngineState, heartbeat: Heartbeat, now_ns: int) -> None:
+    def _note_heartbeat(self, state: EngineTracker, heartbeat: Heartbeat, now_ns: int) -> None:
         view = state.view
         pid_before, had_work, last_iteration = view.pid, view.has_work, view.last_iteration
         view.apply_heartbeat(heartbeat)
@@ -228,7 +228,7 @@ class Ingest:
             state.last_progress_ns = now_ns
         self._update_status(state, now_ns)
 
-    def _note_pid_change(self, state: EngineState, pid_before: int) -> None:
+    def _note_pid_change(self, state: EngineTracker, pid_before: int) -> None:
         """A restart changes the pid once; heartbeats switching back to the pid before it
         mean two live processes share this engine index."""
         pid = state.view.pid
@@ -245,7 +245,7 @@ class Ingest:
             state.view.conflicting_pids = pids
         state.previous_pid = pid_before
 
-    def status_of(self, state: EngineState, now_ns: int) -> EngineStatus:
+    def status_of(self, state: EngineTracker, now_ns: int) -> EngineStatus:
         """Dead: no message (the publisher's thread sends them, heartbeats included, whether
         or not the engine loop moves). Stalled: messages, work in flight, no progress."""
         if now_ns - state.last_message_ns > self._dead_after_ns:
@@ -257,7 +257,7 @@ class Ingest:
             return EngineStatus.STALLED
         return EngineStatus.RUNNING
 
-    def _update_status(self, state: EngineState, now_ns: int) -> None:
+    def _update_status(self, state: EngineTracker, now_ns: int) -> None:
         status = self.status_of(state, now_ns)
         if status is not state.view.status:
             state.view.status = status

@@ -80,7 +80,7 @@ def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> b
 
 
 @dataclass
-class EngineState:
+class EngineTracker:
     """What the sidecar knows of one engine: ``view``, what sinks read (engine_view.py), and
     the checks and status evidence that are Ingest's alone. Times are the ingest clock."""
 

@@ -1,6 +1,6 @@
 """The sidecar's end of the lane: a ZMQ PULL socket feeding an Ingest from one thread.
 
-    Sidecar  receives frames in batches, stamps each batch with one ``time.monotonic_ns()``
+    LaneLoop receives frames in batches, stamps each batch with one ``time.monotonic_ns()``
              and hands the frames to ``Ingest.on_frame`` (telemetry/sidecar/ingest.py); ticks
              the Ingest about every TICK_INTERVAL_S; counts the lane's disconnects (from the
              socket's monitor) through ``Ingest.count_lane_disconnect``
@@ -47,7 +47,7 @@ def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
             )
 
 
-class Sidecar:
+class LaneLoop:
     """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
 
     def __init__(
