@@ -267,12 +267,12 @@ def test_command_line_creates_keys(tmp_path, capsys):
 
 def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
     from telemetry.sidecar.ingest import Ingest
-    from telemetry.sidecar.lane_socket import Sidecar
+    from telemetry.sidecar.lane_loop import LaneLoop
 
     sink = RecordingSink()
     context = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
-    sidecar = Sidecar(address, Ingest([sink]), context=context, curve_keys_dir=str(keys_dir))
+    sidecar = LaneLoop(address, Ingest([sink]), context=context, curve_keys_dir=str(keys_dir))
     thread = threading.Thread(target=sidecar.run, daemon=True)
     thread.start()
     try:
