@@ -300,6 +300,9 @@ def test_cli_text_json_and_plot(story1, tmp_path, capsys):
     cliff = next(e for e in engine["episodes"] if e["kind"] == "kv_cliff")
     assert cliff["start_wall_ns"] - cliff["start_ns"] == story1.wall_offset_ns
     assert engine["summary"]["num_finished_reqs"] == 60
+    # the keys scripts read, kept from before the code's words became prefill/decode
+    assert engine["summary"]["num_context_tokens"] > 0
+    assert "num_generation_tokens" in engine["summary"]
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -24,8 +24,8 @@ def bursty_timeline(bursty):
 def test_fit_recovers_the_simulated_cost(bursty_timeline):
     fit = fit_iteration_time(bursty_timeline)
     assert fit.base_time == pytest.approx(TRUTH.base_time, rel=0.05)
-    assert fit.coefficients["ctx_tokens"] == pytest.approx(TRUTH.context_token_time, rel=0.05)
-    assert fit.coefficients["gen_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
+    assert fit.coefficients["prefill_tokens"] == pytest.approx(TRUTH.context_token_time, rel=0.05)
+    assert fit.coefficients["decode_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
     assert fit.r_squared > 0.95 and fit.mean_abs_error_ratio < 0.05
     assert fit.num_iterations == bursty_timeline.num_iterations
 
@@ -36,7 +36,7 @@ def test_a_stalled_iteration_is_left_out_of_the_fit(bursty):
     timeline.columns["elapsed_ns"][100] = 5_000_000_000
     fit = fit_iteration_time(timeline)
     assert fit.num_outliers >= 1
-    assert fit.coefficients["gen_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
+    assert fit.coefficients["decode_tokens"] == pytest.approx(TRUTH.generation_token_time, rel=0.05)
 
 
 @pytest.mark.parametrize("itl_target", [0.040, 0.050, 0.100])
@@ -46,10 +46,12 @@ def test_recommendation_is_the_largest_that_keeps_the_target(bursty_timeline, it
     assert rec.worst_iteration_time <= itl_target
     assert rec.decode_iteration_time <= itl_target
     # One more decoding request would not leave room for a 512-token chunk.
-    assert fit.predict(gen_tokens=rec.max_num_seqs + 1, ctx_tokens=512, ctx_reqs=1) > itl_target
+    assert fit.predict(decode_tokens=rec.max_num_seqs + 1, prefill_tokens=512,
+                       prefill_reqs=1) > itl_target
     # A budget one multiple larger would break the target.
     bigger = rec.max_num_batched_tokens + 16 - rec.max_num_seqs
-    assert fit.predict(gen_tokens=rec.max_num_seqs, ctx_tokens=bigger, ctx_reqs=1) > itl_target
+    assert fit.predict(decode_tokens=rec.max_num_seqs, prefill_tokens=bigger,
+                       prefill_reqs=1) > itl_target
     assert rec.max_num_batched_tokens % 16 == 0
     assert rec.max_num_batched_tokens >= rec.max_num_seqs
     assert rec.generation_throughput == pytest.approx(
@@ -85,6 +87,10 @@ def test_cli(bursty, tmp_path, capsys):
     assert main([str(path), "--itl-target", "0.05", "--json"]) == 0
     (engine,) = json.loads(capsys.readouterr().out)["engines"]
     assert engine["recommendation"]["worst_iteration_time"] <= 0.05
+    # the JSON keys scripts read, as before the code's words became prefill/decode
+    assert set(engine["fit"]["coefficients"]) <= {"ctx_tokens", "gen_tokens", "ctx_reqs"}
+    assert "gen_tokens" in engine["fit"]["coefficients"]
+    assert engine["fit"]["max_gen_reqs_seen"] > 0
     assert main([str(path), "--itl-target", "5ms"]) == 1
     assert "below the fastest iteration" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl"), "--itl-target", "50ms"]) == 2
@@ -100,11 +106,11 @@ def test_too_few_iterations_is_a_clear_error(tmp_path, capsys):
 def test_unreachable_target_error_names_a_fastest_iteration_above_the_target(bursty_timeline):
     """The fastest iteration quoted counts every fixed cost, a context request's included."""
     fit = fit_iteration_time(bursty_timeline)
-    fit.coefficients["ctx_reqs"] = 0.030  # a context request costs 30 ms
-    target = fit.predict(gen_tokens=1, ctx_tokens=512) + 0.010  # met, but for that cost
+    fit.coefficients["prefill_reqs"] = 0.030  # a prefill request costs 30 ms
+    target = fit.predict(decode_tokens=1, prefill_tokens=512) + 0.010  # met, but for that cost
     with pytest.raises(ValueError, match="below the fastest iteration") as error:
         recommend(fit, target, min_chunk_tokens=512)
     fastest_ms = float(str(error.value).split("(")[1].split(" ms")[0])
     assert fastest_ms > target * 1000
     assert fastest_ms == pytest.approx(
-        1000 * fit.predict(gen_tokens=1, ctx_tokens=512, ctx_reqs=1), abs=0.1)
+        1000 * fit.predict(decode_tokens=1, prefill_tokens=512, prefill_reqs=1), abs=0.1)

@@ -97,9 +97,9 @@ def plot_timelines(
 
 def batch_kinds(tl: EngineTimeline) -> np.ndarray:
     """Per iteration: 'decode', 'prefill', 'mixed' or 'empty' (BATCH_STYLES' keys)."""
-    has_ctx, has_gen = tl.col("num_prefill_tokens") > 0, tl.col("num_decode_tokens") > 0
-    return np.select([has_ctx & has_gen, has_ctx, has_gen], ["mixed", "prefill", "decode"],
-                     default="empty")
+    has_prefill, has_decode = tl.col("num_prefill_tokens") > 0, tl.col("num_decode_tokens") > 0
+    return np.select([has_prefill & has_decode, has_prefill, has_decode],
+                     ["mixed", "prefill", "decode"], default="empty")
 
 
 def _plot_tokens(ax, t: np.ndarray, tl: EngineTimeline, marker: str, suffix: str) -> None:

@@ -21,6 +21,8 @@ from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
 # scripts read, kept as they were when the text began naming limits by their flags.
 SHARE_KEYS = {"waiting_kv": "KV capacity", "waiting_seq_limit": "max_num_seqs",
               "waiting_budget": "max_num_batched_tokens", "waiting_other": "other"}
+JSON_NAMES = {"num_prefill_tokens": "num_context_tokens",
+              "num_decode_tokens": "num_generation_tokens"}
 SHARE_LABELS = {SHARE_KEYS[name]: reason.limit for name, reason in WAIT_REASONS.items()}
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues
@@ -41,8 +43,8 @@ class Summary:
     decode_only_share: float
     prefill_only_share: float
     mixed_share: float
-    num_context_tokens: int
-    num_generation_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
     prompt_throughput: float
     generation_throughput: float
     mean_running_reqs: float
@@ -63,7 +65,9 @@ class Summary:
     verdict: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As `explain --json` prints it: the keys scripts read, two of them from before the
+        vocabulary was prefill/decode (JSON_NAMES)."""
+        return {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
 
 
 def _share(mask: np.ndarray) -> float:
@@ -116,8 +120,8 @@ def summarize(tl: EngineTimeline) -> Summary:
         decode_only_share=_share((prefill_tokens == 0) & (decode_tokens > 0)),
         prefill_only_share=_share((prefill_tokens > 0) & (decode_tokens == 0)),
         mixed_share=_share((prefill_tokens > 0) & (decode_tokens > 0)),
-        num_context_tokens=int(prefill_tokens.sum()),
-        num_generation_tokens=int(decode_tokens.sum()),
+        num_prefill_tokens=int(prefill_tokens.sum()),
+        num_decode_tokens=int(decode_tokens.sum()),
         prompt_throughput=float(prefill_tokens.sum() / active_time) if active_time else 0.0,
         generation_throughput=float(decode_tokens.sum() / active_time) if active_time else 0.0,
         mean_running_reqs=float(tl.col("num_running_reqs").mean()) if tl.num_iterations else 0.0,
@@ -191,8 +195,8 @@ def format_summary(s: Summary) -> list[str]:
         f"batch: {s.mean_batch_reqs:.1f} requests and {s.mean_batch_tokens:.1f} tokens per "
         f"iteration on average; decode-only {pct(s.decode_only_share)}, prefill-only "
         f"{pct(s.prefill_only_share)}, mixed {pct(s.mixed_share)} of iterations",
-        f"tokens: {s.num_context_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
-        f"{s.num_generation_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
+        f"tokens: {s.num_prefill_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
+        f"{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}; preemptions "

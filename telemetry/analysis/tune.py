@@ -3,10 +3,10 @@
 A decoding request gets one token per iteration, so its inter-token latency (ITL) is the time of
 the iterations it is part of. We fit, by least squares over the recorded iterations,
 
-    iteration_time = base + ctx_token_time * context_tokens + gen_token_time * generation_tokens
-                     + ctx_req_time * context_requests
+    iteration_time = base + prefill_token_time * prefill_tokens
+                     + decode_token_time * decode_tokens + prefill_req_time * prefill_requests
 
-(generation requests equal generation tokens, one each, so they share one term), then choose:
+(decode requests equal decode tokens, one each, so they share one term), then choose:
 
 - max_num_seqs: the most decoding requests whose decode-only iteration, plus a prefill chunk of
   ``--min-chunk`` tokens, stays within the target; never more than fit in the KV cache at the
@@ -33,9 +33,13 @@ from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
 
-# Fit coefficient (its name in `tune --json`, which scripts read) -> the record field it weighs.
-FEATURES = {"ctx_tokens": "num_prefill_tokens", "gen_tokens": "num_decode_tokens",
-            "ctx_reqs": "num_prefill_reqs"}
+# Fit coefficient -> the record field it weighs.
+FEATURES = {"prefill_tokens": "num_prefill_tokens", "decode_tokens": "num_decode_tokens",
+            "prefill_reqs": "num_prefill_reqs"}
+# What `tune --json` calls them, which scripts read (the names from before the vocabulary
+# was prefill/decode, kept at this boundary): coefficients, and the Fit fields renamed since.
+JSON_NAMES = {"prefill_tokens": "ctx_tokens", "decode_tokens": "gen_tokens",
+              "prefill_reqs": "ctx_reqs", "max_decode_reqs_seen": "max_gen_reqs_seen"}
 FEATURE_NAMES = list(FEATURES)
 UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
@@ -55,11 +59,20 @@ class Fit:
     num_iterations: int
     num_outliers: int
     max_tokens_seen: int
-    max_gen_reqs_seen: int
+    max_decode_reqs_seen: int
 
-    def predict(self, ctx_tokens: float = 0, gen_tokens: float = 0, ctx_reqs: float = 0) -> float:
-        values = {"ctx_tokens": ctx_tokens, "gen_tokens": gen_tokens, "ctx_reqs": ctx_reqs}
+    def predict(self, prefill_tokens: float = 0, decode_tokens: float = 0,
+                prefill_reqs: float = 0) -> float:
+        values = {"prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
+                  "prefill_reqs": prefill_reqs}
         return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
+
+    def to_json(self) -> dict:
+        """As `tune --json` prints it (JSON_NAMES)."""
+        data = {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
+        data["coefficients"] = {JSON_NAMES[name]: value
+                                for name, value in self.coefficients.items()}
+        return data
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, float]:
@@ -111,7 +124,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         num_iterations=int(keep.sum()),
         num_outliers=int((~keep).sum()),
         max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
-        max_gen_reqs_seen=int(tl.col("num_decode_reqs").max()),
+        max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
     )
 
 
@@ -152,34 +165,36 @@ class Recommendation:
 def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
               kv_seqs: int | None = None) -> Recommendation:
     """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds)."""
-    gen_time = fit.coefficients.get("gen_tokens", 0.0)
-    ctx_time = fit.coefficients.get("ctx_tokens", 0.0)
-    fixed_time = fit.base_time + fit.coefficients.get("ctx_reqs", 0.0)
-    room_time = itl_target - fixed_time - ctx_time * min_chunk_tokens
-    if room_time < gen_time:
-        fastest = fit.predict(gen_tokens=1, ctx_tokens=min_chunk_tokens, ctx_reqs=1)
+    decode_token_time = fit.coefficients.get("decode_tokens", 0.0)
+    prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
+    fixed_time = fit.base_time + fit.coefficients.get("prefill_reqs", 0.0)
+    room_time = itl_target - fixed_time - prefill_token_time * min_chunk_tokens
+    if room_time < decode_token_time:
+        fastest = fit.predict(decode_tokens=1, prefill_tokens=min_chunk_tokens, prefill_reqs=1)
         raise ValueError(
             f"an ITL target of {itl_target * 1000:.1f} ms is below the fastest iteration that "
             f"decodes one request beside a {min_chunk_tokens}-token prefill chunk "
             f"({fastest * 1000:.1f} ms by the fit); raise the target or lower --min-chunk"
         )
-    latency_seqs = int(room_time // gen_time) if gen_time > 0 else MAX_SEQS_CAP
+    latency_seqs = (int(room_time // decode_token_time) if decode_token_time > 0
+                    else MAX_SEQS_CAP)
     max_num_seqs = min(latency_seqs, MAX_SEQS_CAP)
     limited_by = "latency target"
     if kv_seqs is not None and kv_seqs < max_num_seqs:
         max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
-    chunk_time = itl_target - fixed_time - gen_time * max_num_seqs
-    chunk_tokens = int(chunk_time // ctx_time) if ctx_time > 0 else 16 * min_chunk_tokens
+    chunk_time = itl_target - fixed_time - decode_token_time * max_num_seqs
+    chunk_tokens = (int(chunk_time // prefill_token_time) if prefill_token_time > 0
+                    else 16 * min_chunk_tokens)
     budget = max(max_num_seqs, (max_num_seqs + chunk_tokens) // BUDGET_MULTIPLE * BUDGET_MULTIPLE)
-    decode_time = fit.predict(gen_tokens=max_num_seqs)
-    chunk_only_time = fit.predict(ctx_tokens=budget, ctx_reqs=1)
+    decode_time = fit.predict(decode_tokens=max_num_seqs)
+    chunk_only_time = fit.predict(prefill_tokens=budget, prefill_reqs=1)
     return Recommendation(
         itl_target=itl_target,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         decode_iteration_time=decode_time,
         worst_iteration_time=fit.predict(
-            gen_tokens=max_num_seqs, ctx_tokens=budget - max_num_seqs, ctx_reqs=1),
+            decode_tokens=max_num_seqs, prefill_tokens=budget - max_num_seqs, prefill_reqs=1),
         generation_throughput=max_num_seqs / decode_time,
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
@@ -193,11 +208,11 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
         notes.append(f"the recording has at most {plural(fit.max_tokens_seen, 'token')} per "
                      "iteration: "
                      f"{budget} is extrapolated, re-record at the new settings to confirm")
-    if max_num_seqs > fit.max_gen_reqs_seen:
+    if max_num_seqs > fit.max_decode_reqs_seen:
         notes.append(f"the recording has at most "
-                     f"{plural(fit.max_gen_reqs_seen, 'decoding request')} per "
+                     f"{plural(fit.max_decode_reqs_seen, 'decoding request')} per "
                      f"iteration: {max_num_seqs} is extrapolated")
-    if "ctx_tokens" not in fit.coefficients:
+    if "prefill_tokens" not in fit.coefficients:
         notes.append("no prefill cost could be fitted (no prefill tokens varied): the budget "
                      "is a guess")
     return notes
@@ -212,8 +227,8 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
     ms, us = 1000, 1e6
     coefficient_text = ", ".join(
         f"{us * fit.coefficients[name]:.2f} us per {label}"
-        for name, label in (("ctx_tokens", "prefill token"), ("gen_tokens", "decode token"),
-                            ("ctx_reqs", "prefill request"))
+        for name, label in (("prefill_tokens", "prefill token"),
+                            ("decode_tokens", "decode token"), ("prefill_reqs", "prefill request"))
         if name in fit.coefficients
     )
     lines = [
@@ -226,8 +241,8 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
     if current_seqs and current_budget:
-        worst = fit.predict(gen_tokens=current_seqs, ctx_tokens=max(current_budget - current_seqs,
-                                                                    0), ctx_reqs=1)
+        worst = fit.predict(decode_tokens=current_seqs,
+                            prefill_tokens=max(current_budget - current_seqs, 0), prefill_reqs=1)
         lines.append(f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
                      f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted")
     if kv_seqs is not None and kv_length is not None:
@@ -287,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"iterscope tune: engine {tl.engine_index}: {error}", file=sys.stderr)
             status = 1
             continue
-        results.append({"engine_index": tl.engine_index, "fit": asdict(fit),
+        results.append({"engine_index": tl.engine_index, "fit": fit.to_json(),
                         "recommendation": asdict(rec)})
         if not args.json:
             print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))
