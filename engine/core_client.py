@@ -1,8 +1,8 @@
 """The client of the engine-core process: starts it, sends it requests, routes its outputs.
 
-The client never waits on the engine: a request that finds the input lane full (the engine
+The client never waits on the engine: a request that finds the input channel full (the engine
 has stopped reading) is refused with EngineBusyError, a control message (abort, shutdown) is
-kept and sent by the reader thread once the engine reads again (engine/core_input_lane.py).
+kept and sent by the reader thread once the engine reads again (engine/core_input_channel.py).
 The client binds both sockets before the engine connects.
 
 The reader thread routes outputs to one RequestStream per request (engine/request_stream.py)
@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core_input_lane import InputLane
+from engine.core_input_channel import InputChannel
 from engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -55,7 +55,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineBusyError(RuntimeError):
-    """The engine is not reading its input lane (it is stuck or stopped): a new request is
+    """The engine is not reading its input channel (it is stuck or stopped): a new request is
     refused at once rather than queued without bound."""
 
 
@@ -77,7 +77,7 @@ class EngineCoreClient:
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
         self._context = zmq.Context()
-        self._input_lane = InputLane(self._context, input_address)
+        self._input_channel = InputChannel(self._context, input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
@@ -152,7 +152,7 @@ class EngineCoreClient:
             request_id, list(prompt_token_ids), sampling_params, time.monotonic_ns(), traceparent
         )
         try:
-            frame = self._input_lane.encode_request(message)
+            frame = self._input_channel.encode_request(message)
         except msgspec.ValidationError as error:
             raise RequestRejectedError(f"request {request_id!r}: {error}") from None
         stream = RequestStream(request_id)
@@ -209,7 +209,7 @@ class EngineCoreClient:
     def _send(self, message: Any) -> None:
         """A control message (abort, probe, shutdown): sent now or kept for the reader thread
         to send; never blocks the caller (the frontend's event loop)."""
-        self._input_lane.send_control(message)
+        self._input_channel.send_control(message)
 
     def _send_frame(self, frame: bytes) -> None:
         """A request: sent now or refused with EngineBusyError; never waits (a PUSH socket
@@ -217,11 +217,11 @@ class EngineCoreClient:
         self._raise_if_dead()
         if not self.process.is_alive():
             raise EngineDeadError(f"the engine process died (exit code {self.process.exitcode})")
-        if self._input_lane.try_send(frame):
+        if self._input_channel.try_send(frame):
             return
         raise EngineBusyError(
             f"the engine is not taking requests: {len(self._streams)} are in flight and its "
-            f"input lane is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
+            f"input channel is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
             "s ago)")
 
     def _raise_if_dead(self) -> None:
@@ -232,7 +232,7 @@ class EngineCoreClient:
 
     def _read_outputs(self) -> None:
         while not self._closing.is_set():
-            self._input_lane.flush_pending()  # the control messages a full lane held back
+            self._input_channel.flush_pending()  # the control messages a full channel held back
             if self._output.poll(POLL_INTERVAL_MS):
                 self.last_message_s = time.monotonic()
                 self._dispatch(self._decoder.decode(self._output.recv()))
@@ -302,7 +302,7 @@ class EngineCoreClient:
             self.process.join(timeout_s)
 
     def _close_sockets(self) -> None:
-        self._input_lane.close()
+        self._input_channel.close()
         self._output.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The messages between the engine-core process and its client, on two lossless ZMQ lanes.
+"""The messages between the engine-core process and its client, on two lossless ZMQ channels.
 
     client (frontend)                              engine-core process (spawned)
     PUSH  ipc://DIR/input  --AddRequest/Abort/Shutdown/Probe-->  PULL

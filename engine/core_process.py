@@ -1,9 +1,9 @@
 """The engine core in a process of its own (spawned by engine/core_client.py).
 
-The engine loop drains its input lane without blocking while it has work and waits for input
+The engine loop drains its input channel without blocking while it has work and waits for input
 when idle; it sends one EngineOutputs per iteration that produced tokens, and an empty one at
 least every PROGRESS_BEAT_S while it has work, so the client can tell stalled from running.
-It waits on a full output lane (lossless), exits on Shutdown (aborting what is left) or when
+It waits on a full output channel (lossless), exits on Shutdown (aborting what is left) or when
 its parent dies. A frame it cannot read rejects its request (or is dropped) and never ends
 the engine.
 
@@ -97,12 +97,12 @@ def run_engine_core(
         inputs.close(linger=0)
         outputs.close(linger=1000)
         context.term()
-        _remove_lanes_if_orphaned(input_address)
+        _remove_channels_if_orphaned(input_address)
 
 
-def _remove_lanes_if_orphaned(input_address: str) -> None:
+def _remove_channels_if_orphaned(input_address: str) -> None:
     """A client that was killed (SIGKILL) could not remove the private directory of the
-    lanes' sockets; its engine, the last one using them, does."""
+    channels' sockets; its engine, the last one using them, does."""
     parent = multiprocessing.parent_process()
     if parent is not None and not parent.is_alive() and input_address.startswith("ipc://"):
         shutil.rmtree(os.path.dirname(input_address[len("ipc://"):]), ignore_errors=True)
@@ -220,7 +220,7 @@ class _EngineLoop:
         self.running = False
 
     def _send(self, message: Any) -> None:
-        """Lossless while the client lives; if the parent dies while the lane is full, stop
+        """Lossless while the client lives; if the parent dies while the channel is full, stop
         instead of blocking forever."""
         frame = self.encoder.encode(message)
         self.last_sent_s = time.monotonic()

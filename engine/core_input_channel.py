@@ -1,13 +1,13 @@
-"""The client's end of the engine's input lane: a PUSH socket that never blocks its caller.
+"""The client's end of the engine's input channel: a PUSH socket that never blocks its caller.
 
-ZMQ's high-water marks bound the lane: once the engine stops reading, a plain send on a PUSH
+ZMQ's high-water marks bound the channel: once the engine stops reading, a plain send on a PUSH
 socket would wait forever. Nothing here waits. A request frame goes now or not at all
 (try_send returns False and the client refuses the request). A control message (abort,
-probe, shutdown) that finds the lane full is kept; flush_pending, called by the client's
+probe, shutdown) that finds the channel full is kept; flush_pending, called by the client's
 reader thread, sends the kept ones in order once the engine reads again. While any control
 message is kept, a new one queues behind it, so they never overtake each other.
 
-The lane binds its socket before the engine connects. A request frame is first decoded with
+The channel binds its socket before the engine connects. A request frame is first decoded with
 the engine's own decoder (engine/core_messages.py), so a value the engine would refuse is
 refused before it is sent.
 """
@@ -23,7 +23,7 @@ import zmq
 from engine.core_messages import AbortRequests, AddRequest, EngineInput, Probe, Shutdown
 
 
-class InputLane:
+class InputChannel:
     """Sends frames to the engine without blocking; thread-safe."""
 
     def __init__(self, context: zmq.Context, address: str) -> None:
@@ -42,12 +42,12 @@ class InputLane:
         return frame
 
     def try_send(self, frame: bytes) -> bool:
-        """Send a request frame now; False, and nothing sent, while the lane is full."""
+        """Send a request frame now; False, and nothing sent, while the channel is full."""
         with self._lock:
             return self._send_now(frame)
 
     def send_control(self, message: AbortRequests | Probe | Shutdown) -> None:
-        """Send a control message now, or keep it for flush_pending while the lane is full."""
+        """Send a control message now, or keep it for flush_pending while the channel is full."""
         frame = self._encoder.encode(message)
         with self._lock:
             if not self._pending_frames and self._send_now(frame):
@@ -56,11 +56,11 @@ class InputLane:
 
     @property
     def num_pending(self) -> int:
-        """Control messages kept back by a full lane."""
+        """Control messages kept back by a full channel."""
         return len(self._pending_frames)
 
     def flush_pending(self) -> None:
-        """Send the kept control messages, in order, as far as the lane takes them."""
+        """Send the kept control messages, in order, as far as the channel takes them."""
         if not self._pending_frames:
             return
         with self._lock:
