@@ -212,7 +212,7 @@ def test_sending_to_a_just_killed_engine_is_refused_instead_of_hanging():
             for index in range(10_000):  # more than the lane's queue holds
                 client.add_request([1, 2, index % 100], greedy(2))
         client.abort("a")  # a control message is kept for later, not a hang either
-        assert client._input_lane.num_pending == 1
+        assert client._input_channel.num_pending == 1
         client.process.is_alive = lambda: False
         with pytest.raises(EngineDeadError, match="died"):
             client.add_request([1, 2, 3], greedy(2))
