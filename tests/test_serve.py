@@ -48,16 +48,24 @@ from tests.helpers.wait import wait_until
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
+# The server and the reference engine core in float32 on every CPU, so that exact greedy text
+# is compared where rounding is the same whatever the CPU: bfloat16 (what --dtype auto picks on
+# a CPU with native bfloat16) rounds each result to 8 bits, and a near tie between two tokens
+# may then go either way with a different batch shape or thread count.
+DTYPE = "float32"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tiny_server(tmp_path_factory.mktemp("serve")) as server:
+    with tiny_server(tmp_path_factory.mktemp("serve"), dtype=DTYPE) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """Greedy text of the engine core run here, one request at a time (same model, same KV)."""
-    core, model = tiny_engine_core()
+    """Greedy text of the engine core run here, one request at a time (same model, same KV,
+    same dtype)."""
+    core, model = tiny_engine_core(dtype=DTYPE)
     cache: dict[tuple, tuple[str, int, str]] = {}
 
     def generate(prompt_ids: list[int], max_tokens: int) -> tuple[str, int, str]:

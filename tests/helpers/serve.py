@@ -106,11 +106,14 @@ def finish_milestones(records: list[IterationRecord], request_id: str) -> list:
 
 
 @contextlib.contextmanager
-def tiny_server(directory: Path, *extra_args: str) -> Iterator[ServerProcess]:
+def tiny_server(directory: Path, *extra_args: str,
+                dtype: str | None = None) -> Iterator[ServerProcess]:
     """`serve` on the tiny model with a recording sidecar; it must stop cleanly, with no
-    traceback in its output."""
+    traceback in its output. ``dtype`` is passed as --dtype (None: serve's default, auto);
+    tests comparing outputs with a reference computed here pin "float32" on both sides."""
+    dtype_args = ("--dtype", dtype) if dtype is not None else ()
     server = ServerProcess(directory, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1", *extra_args)
+                           KV_CACHE_MEMORY, "--cpu-threads", "1", *dtype_args, *extra_args)
     try:
         yield server
     finally:
