@@ -11,8 +11,8 @@ import time
 import pytest
 
 from engine.request import Request, SamplingParams
+from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S
 from telemetry.lane.publisher import ZmqPublisher
-from telemetry.sidecar.engine_tracker import STALL_FACTOR, STALL_FLOOR_S
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_loop import LaneLoop
@@ -103,7 +103,7 @@ def test_a_silent_pause_is_no_iteration_to_learn_from():
     engine.message(record, iteration=engine.iteration, num_running_reqs=1, num_waiting_reqs=1)
     assert [status for status, _ in statuses(sink)] == [RUNNING, DEAD, RUNNING]
     state = ingest.engines[0]
-    assert state.adaptive_stall_after_ns(engine.now_ns) == STALL_FLOOR_S * SECOND
+    assert state.stall.threshold_ns(engine.now_ns) == STALL_FLOOR_S * SECOND
 
 
 class StuckRunner(FakeRunner):

@@ -3,7 +3,8 @@
     commands (engine.entrypoints)  -> anything
     engine                         -> engine, telemetry's record and publisher
     telemetry.lane                 -> the lane only
-    telemetry.sidecar              -> the lane and the sidecar
+    telemetry.sidecar              -> the lane, the sidecar and analysis (the rules it shares
+                                      with `explain`, so live and offline findings agree)
     telemetry.analysis             -> the lane and analysis (never the sidecar)
     telemetry.sources              -> the lane and sources
 
@@ -26,7 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {  # layer -> the layers it may import
     "engine.entrypoints": set(LAYERS),
     "engine": {"engine"},
     "telemetry.lane": {"telemetry.lane"},
-    "telemetry.sidecar": {"telemetry.lane", "telemetry.sidecar"},
+    "telemetry.sidecar": {"telemetry.lane", "telemetry.sidecar", "telemetry.analysis"},
     "telemetry.analysis": {"telemetry.lane", "telemetry.analysis"},
     "telemetry.sources": {"telemetry.lane", "telemetry.sources"},
 }

@@ -23,9 +23,9 @@ from types import ModuleType
 
 import zmq
 
+from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.lane.publisher import default_address
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
-from telemetry.sidecar.engine_tracker import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.sidecar.ingest import DEAD_AFTER_S, Ingest
 from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, LaneLoop, check_address
 from telemetry.sidecar.sink import Sink

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+from telemetry.analysis.stall_rule import StallRule
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP, EngineTracker
 from telemetry.sidecar.engine_view import EngineStatus
@@ -45,7 +46,10 @@ class EngineRoster:
         evict_after_ns: int = int(EVICT_AFTER_S * 1e9),
         max_seq_jump: int = MAX_SEQ_JUMP,
         known_last_seqs: dict[int, int] | None = None,
+        stall_after_ns: int = 0,
     ) -> None:
+        """``stall_after_ns``: every engine's fixed stall threshold; 0 adapts it
+        (telemetry/analysis/stall_rule.py)."""
         if max_engines < 1:
             raise ValueError(f"max_engines must be at least 1, got {max_engines}")
         self.engines: dict[int, EngineTracker] = {}
@@ -53,6 +57,7 @@ class EngineRoster:
         self._evict_after_ns = evict_after_ns
         self._max_seq_jump = max_seq_jump
         self._known_last_seqs = dict(known_last_seqs or {})
+        self._stall_after_ns = stall_after_ns
         # engine index -> messages lost before its first heartbeat (records that came first,
         # and the drops they reported); at most MAX_ENGINE_INDEX + 1 entries.
         self._lost_before_met: dict[int, int] = {}
@@ -83,8 +88,8 @@ class EngineRoster:
         """Track the heartbeat's engine (the caller made room); its new state and the
         messages it lost before this heartbeat."""
         index = heartbeat.engine_index
-        state = self.engines[index] = EngineTracker(index)
-        state.last_progress_ns = now_ns
+        state = self.engines[index] = EngineTracker(index, stall=StallRule(self._stall_after_ns))
+        state.stall.restart(now_ns)
         lost_before = self._lost_before_met.pop(index, 0)
         known_seq = self._known_last_seqs.pop(index, None)
         if known_seq is not None and 0 <= heartbeat.seq - known_seq - 1 <= self._max_seq_jump:

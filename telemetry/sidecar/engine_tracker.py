@@ -18,18 +18,15 @@ stays as it was. One forged frame therefore moves no counter by more than MAX_SE
 cannot make the real engine's next messages look like billions of drops.
 
 Stalled is judged on progress (an iteration that scheduled work, seen in a record or in a
-heartbeat's ``last_iteration``) while work is in flight. How long is too long adapts to the
-engine: the threshold is STALL_FACTOR times the longest progress interval of the last
-STALL_WINDOW_S, at least STALL_FLOOR_S, so an engine whose prefill chunks take 10 s is not
-called stalled at every chunk. A hang that recovers raises the threshold too, for
-STALL_WINDOW_S at most; a fixed ``--stall-after`` turns the adaptation off.
+heartbeat's ``last_iteration``) while work is in flight, by the rule `explain` applies to a
+recording too (telemetry/analysis/stall_rule.py): each tracker holds its engine's StallRule.
 """
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
+from telemetry.analysis.stall_rule import StallRule
 from telemetry.lane.record import Message
 from telemetry.sidecar.engine_view import EngineStatus, EngineView
 
@@ -40,40 +37,6 @@ MAX_SEQ_JUMP = 1 << 24
 # breaks, at most what the lane buffers (the engine's 8192-frame send queue, the kernel's
 # socket buffers) at default high-water marks.
 MAX_IN_TRANSIT = 1 << 17
-STALL_FLOOR_S = 5.0
-STALL_FACTOR = 2
-STALL_WINDOW_S = 600.0
-_STALL_FLOOR_NS = int(STALL_FLOOR_S * 1e9)
-# Shorter progress intervals cannot raise the threshold above the floor: not worth keeping.
-_SHORTEST_LEARNT_NS = _STALL_FLOOR_NS // STALL_FACTOR
-
-
-class RecentMax:
-    """The largest value added within the last ``window_ns`` of the ingest clock.
-
-    A deque of (time, value) whose values decrease from front to back: a new value removes
-    the smaller ones before it (they can never be the maximum again), and the front expires
-    with time, so each call is O(1) amortized.
-    """
-
-    def __init__(self, window_ns: int) -> None:
-        self.window_ns = window_ns
-        self._entries: collections.deque[tuple[int, int]] = collections.deque()
-
-    def add(self, now_ns: int, value: int) -> None:
-        entries = self._entries
-        while entries and entries[-1][1] <= value:
-            entries.pop()
-        entries.append((now_ns, value))
-
-    def max(self, now_ns: int) -> int:
-        """The largest value added since ``now_ns - window_ns``; 0 if none."""
-        entries = self._entries
-        while entries and entries[0][0] < now_ns - self.window_ns:
-            entries.popleft()
-        return entries[0][1] if entries else 0
-
-
 def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> bool:
     """No message reports more drops than were numbered before it, or than MAX_SEQ_JUMP."""
     return message.num_dropped < message.seq and message.num_dropped <= max_seq_jump
@@ -87,33 +50,22 @@ class EngineTracker:
     engine_index: int
     last_seq: int = 0
     last_message_ns: int = 0
-    last_progress_ns: int = 0  # last iteration that scheduled work, or work appearing
+    stall: StallRule = field(default_factory=StallRule)  # progress, the stall threshold
     previous_pid: int = 0  # the pid before the latest change
-    progress_intervals: RecentMax = field(
-        default_factory=lambda: RecentMax(int(STALL_WINDOW_S * 1e9)))
     view: EngineView = field(init=False)
 
     def __post_init__(self) -> None:
         self.view = EngineView(self.engine_index)
 
     def note_progress(self, now_ns: int, had_work: bool) -> None:
-        """The loop moved on; if work was in flight (``had_work``, before the message), the
-        wait is a progress interval (not when the engine was silent meanwhile: a frozen
-        process's pause is no iteration)."""
-        interval_ns = now_ns - self.last_progress_ns
-        if (interval_ns > _SHORTEST_LEARNT_NS and had_work
-                and self.view.status is not EngineStatus.DEAD):
-            self.progress_intervals.add(now_ns, interval_ns)
-        self.last_progress_ns = now_ns
+        """The loop moved on; ``had_work``: work was in flight before the message."""
+        self.stall.note_progress(now_ns, had_work,
+                                 was_silent=self.view.status is EngineStatus.DEAD)
 
     def note_restart(self, now_ns: int) -> None:
         """A new process: its progress is counted from now."""
         self.view.last_iteration = 0
-        self.last_progress_ns = now_ns
-
-    def adaptive_stall_after_ns(self, now_ns: int) -> int:
-        """STALL_FACTOR x the longest recent progress interval, at least STALL_FLOOR_S."""
-        return max(_STALL_FLOOR_NS, STALL_FACTOR * self.progress_intervals.max(now_ns))
+        self.stall.restart(now_ns)
 
     def gap_before(self, message: Message, is_heartbeat: bool) -> int | None:
         """Messages of this engine lost right before ``message``; None: its seq is suspect.

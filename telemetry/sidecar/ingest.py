@@ -76,8 +76,9 @@ class Ingest:
         a dead engine keeps its place among ``max_engines`` when a new one needs it."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
+        stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._roster = EngineRoster(max_engines, int(evict_after_s * 1e9), max_seq_jump,
-                                    known_last_seqs)  # raises on max_engines < 1
+                                    known_last_seqs, stall_after_ns)  # raises on max_engines < 1
         if evict_after_s < dead_after_s:
             raise ValueError(f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
                              f"({dead_after_s}): only a dead engine gives up its place")
@@ -86,7 +87,6 @@ class Ingest:
         self.engines: dict[int, EngineTracker] = self._roster.engines
         self.health = PipelineHealth()
         self._dead_after_ns = int(dead_after_s * 1e9)
-        self._stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._max_frame_bytes = max_frame_bytes
         self._max_seq_jump = max_seq_jump
         self._decoder = make_decoder()
@@ -211,7 +211,7 @@ class Ingest:
         if view.apply_iteration(record):
             state.note_progress(now_ns, had_work)
         elif not had_work:  # nothing waited or ran: idle, not stuck
-            state.last_progress_ns = now_ns
+            state.stall.restart(now_ns)
         if view.status is not _RUNNING:
             self._update_status(state, now_ns)
 
@@ -225,7 +225,7 @@ class Ingest:
         if view.last_iteration > last_iteration:
             state.note_progress(now_ns, had_work)
         elif not had_work:  # idle: the stall clock starts now
-            state.last_progress_ns = now_ns
+            state.stall.restart(now_ns)
         self._update_status(state, now_ns)
 
     def _note_pid_change(self, state: EngineTracker, pid_before: int) -> None:
@@ -252,8 +252,7 @@ class Ingest:
             return EngineStatus.DEAD
         if not state.view.has_work:
             return EngineStatus.IDLE
-        stall_after_ns = self._stall_after_ns or state.adaptive_stall_after_ns(now_ns)
-        if now_ns - state.last_progress_ns > stall_after_ns:
+        if state.stall.is_stalled(now_ns):
             return EngineStatus.STALLED
         return EngineStatus.RUNNING
 

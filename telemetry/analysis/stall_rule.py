@@ -1,0 +1,82 @@
+"""When an engine that has work and makes no progress is stalled: one rule, for the live
+sidecar (telemetry/sidecar/engine_tracker.py) and for `explain` on a recording
+(telemetry/analysis/episodes/liveness.py), so the two cannot disagree.
+
+Progress is an iteration that scheduled work (seen in a record, or in a heartbeat's
+``last_iteration``). While work is in flight, the engine is stalled once no progress came for
+longer than the threshold: STALL_FACTOR times the longest progress interval of the last
+STALL_WINDOW_S, at least STALL_FLOOR_S. So an engine whose prefill chunks take 10 s is not
+called stalled at every chunk, and a hang that recovers raises the threshold too, for
+STALL_WINDOW_S at most. A fixed threshold (``--stall-after``) turns the adaptation off.
+An interval counts only when work was in flight during it and the engine was not silent
+(a frozen process's pause is no iteration).
+"""
+
+from __future__ import annotations
+
+import collections
+
+STALL_FLOOR_S = 5.0
+STALL_FACTOR = 2
+STALL_WINDOW_S = 600.0
+_STALL_FLOOR_NS = int(STALL_FLOOR_S * 1e9)
+# Shorter progress intervals cannot raise the threshold above the floor: not worth keeping.
+_SHORTEST_LEARNT_NS = _STALL_FLOOR_NS // STALL_FACTOR
+
+
+class RecentMax:
+    """The largest value added within the last ``window_ns`` of a clock.
+
+    A deque of (time, value) whose values decrease from front to back: a new value removes
+    the smaller ones before it (they can never be the maximum again), and the front expires
+    with time, so each call is O(1) amortized.
+    """
+
+    def __init__(self, window_ns: int) -> None:
+        self.window_ns = window_ns
+        self._entries: collections.deque[tuple[int, int]] = collections.deque()
+
+    def add(self, now_ns: int, value: int) -> None:
+        entries = self._entries
+        while entries and entries[-1][1] <= value:
+            entries.pop()
+        entries.append((now_ns, value))
+
+    def max(self, now_ns: int) -> int:
+        """The largest value added since ``now_ns - window_ns``; 0 if none."""
+        entries = self._entries
+        while entries and entries[0][0] < now_ns - self.window_ns:
+            entries.popleft()
+        return entries[0][1] if entries else 0
+
+
+class StallRule:
+    """One engine's progress and the stall threshold it has earned (times on one clock: the
+    sidecar's ingest clock, or record time in a replay and in `explain`)."""
+
+    def __init__(self, stall_after_ns: int = 0) -> None:
+        """``stall_after_ns``: a fixed threshold; 0 adapts it (the module docstring)."""
+        self.stall_after_ns = stall_after_ns
+        self.last_progress_ns = 0
+        self._intervals = RecentMax(int(STALL_WINDOW_S * 1e9))
+
+    def note_progress(self, now_ns: int, had_work: bool, was_silent: bool = False) -> None:
+        """An iteration scheduled work at ``now_ns``; ``had_work``: work was in flight before
+        it, ``was_silent``: the engine sent nothing for a while before (dead meanwhile)."""
+        interval_ns = now_ns - self.last_progress_ns
+        if interval_ns > _SHORTEST_LEARNT_NS and had_work and not was_silent:
+            self._intervals.add(now_ns, interval_ns)
+        self.last_progress_ns = now_ns
+
+    def restart(self, now_ns: int) -> None:
+        """No work in flight, or a new process: the wait for progress starts now."""
+        self.last_progress_ns = now_ns
+
+    def threshold_ns(self, now_ns: int) -> int:
+        if self.stall_after_ns:
+            return self.stall_after_ns
+        return max(_STALL_FLOOR_NS, STALL_FACTOR * self._intervals.max(now_ns))
+
+    def is_stalled(self, now_ns: int) -> bool:
+        """No progress for longer than the threshold (the caller knows work is in flight)."""
+        return now_ns - self.last_progress_ns > self.threshold_ns(now_ns)
