@@ -125,14 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how often --follow reads the files (default 1s)")
     parser.add_argument("--max-time", type=parse_time, default=None,
                         help="stop --follow after this long (default: until Ctrl-C)")
-    parser.add_argument("--stall-after", type=parse_time, default=Thresholds.stall_min_time,
-                        help="frozen loop with work queued for this long is a stall (default 2s)")
+    parser.add_argument("--stall-after", type=parse_time, default=None,
+                        help="a fixed stall threshold: a frozen loop with work queued for this "
+                        "long is a stall (default: the live sidecar's adaptive threshold, twice "
+                        "the engine's longest recent progress interval, at least 5s)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    thresholds = Thresholds(stall_min_time=args.stall_after)
+    thresholds = Thresholds(stall_after=args.stall_after)
     if args.follow:
         return follow(args.recordings, thresholds, args.interval, args.max_time,
                       engine_index=args.engine)

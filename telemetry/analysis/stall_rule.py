@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import collections
 
+# No message for this long is dead (heartbeats come every second: dead is reported within 3 s
+# of a kill); a pause that long is the process's, not an interval between iterations.
+DEAD_AFTER_S = 2.5
 STALL_FLOOR_S = 5.0
 STALL_FACTOR = 2
 STALL_WINDOW_S = 600.0

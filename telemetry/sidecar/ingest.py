@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from telemetry.analysis.stall_rule import DEAD_AFTER_S
 from telemetry.lane.frame_checks import classify_undecodable
 from telemetry.lane.record import (
     MAX_ENGINE_INDEX,
@@ -48,7 +49,6 @@ from telemetry.sidecar.pipeline_health import PipelineHealth
 from telemetry.sidecar.sink import Sink, sink_name
 
 MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far below this
-DEAD_AFTER_S = 2.5  # heartbeats come every second: dead is reported within 3 s of a kill
 # How often a driver (the LaneLoop, a replay) calls ``tick``: stall and death show up only
 # there, so this adds to how late they are reported.
 TICK_INTERVAL_S = 0.1

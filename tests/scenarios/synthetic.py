@@ -375,11 +375,12 @@ def story2_leak() -> Simulator:
 
 
 def stalled() -> Simulator:
-    """Healthy load, then the loop hangs for 6 s with work queued (heartbeats go on)."""
+    """Healthy load, then the loop hangs for 8 s with work queued (heartbeats go on): past the
+    5 s floor of the stall threshold the live sidecar and `explain` share, mid-stall too."""
     sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024,
                     cost=STORY_COST)
     sim.add_requests(arrivals(6, 30), num_prompt=96, num_output=60)
-    sim.add_stall(at_s=10.0, duration_s=6.0)
+    sim.add_stall(at_s=10.0, duration_s=8.0)
     return sim.run(33)
 
 

@@ -14,7 +14,9 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
     waiting           requests wait after scheduling for 1 s+, named by the dominant reason
                       (KV capacity, max_num_seqs, max_num_batched_tokens)
     stall             heartbeats say work waits or runs but last_iteration stays frozen for
-                      2 s+, or iterations run that schedule nothing while work waits
+                      longer than the live sidecar's stall threshold (the same StallRule:
+                      twice the longest recent progress interval, at least 5 s), or
+                      iterations run that schedule nothing while work waits
     kv_leak           KV blocks held beyond what the running requests' tokens need
                       (used > ceil(kv_tokens / block_size) + 2 * running), e.g. blocks used
                       with nothing running

@@ -26,7 +26,9 @@ class Thresholds:
     storm_window_time: float = 1.0
     waiting_min_time: float = 1.0
     waiting_min_iterations: int = 10
-    stall_min_time: float = 2.0
+    # A fixed stall threshold in seconds; None adapts it to the engine's own progress, as
+    # the live sidecar does (telemetry/analysis/stall_rule.py).
+    stall_after: float | None = None
     spin_min_iterations: int = 10
     leak_min_blocks: int = 2
     leak_min_iterations: int = 5

@@ -17,11 +17,13 @@ from telemetry.analysis.episodes.episode import (
     span_episode,
     true_runs,
 )
+from telemetry.analysis.stall_rule import DEAD_AFTER_S, StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import plural
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.recording import message_time_ns
 
+DEAD_AFTER_NS = int(DEAD_AFTER_S * NS_PER_S)
 SEQ_RESTART_SLACK = 64  # a seq this far below the highest seen means the engine restarted
 
 
@@ -30,7 +32,9 @@ def detect_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 
 
 def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    episodes = []
+    """Busy heartbeats whose last_iteration stayed frozen for longer than the stall threshold
+    the live sidecar held at that moment (StallRule, fed the recording in time order)."""
+    candidates = []
     for group in _heartbeat_groups(tl, busy=True):
         if len(group) < 2:
             continue
@@ -41,11 +45,56 @@ def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode
         next_row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
         ongoing = next_row >= tl.num_iterations
         until_ns = group[-1].ts_ns if ongoing else int(tl.col("end_ns")[next_row])
-        if until_ns - since_ns < th.stall_min_time * NS_PER_S:
+        candidates.append((group, since_ns, until_ns, ongoing, next_row))
+    stall_after_ns = int(th.stall_after * NS_PER_S) if th.stall_after else 0
+    thresholds = stall_thresholds(tl, [c[2] for c in candidates], stall_after_ns)
+    episodes = []
+    for (group, since_ns, until_ns, ongoing, next_row), threshold_ns in zip(
+            candidates, thresholds, strict=True):
+        if until_ns - since_ns <= threshold_ns:
             continue
         inside = not ongoing and tl.col("start_ns")[next_row] - since_ns < (until_ns - since_ns) / 2
-        episodes.append(_stall_episode(tl, group, since_ns, until_ns, ongoing, inside))
+        episodes.append(_stall_episode(tl, group, since_ns, until_ns, ongoing, inside,
+                                       threshold_ns))
     return episodes
+
+
+def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: int = 0
+                     ) -> list[int]:
+    """The stall threshold the live sidecar held just before each of ``times_ns``: the
+    engine's messages fed in time order (records at their end, heartbeats at ts_ns) to a
+    StallRule as Ingest feeds it, with record time as the clock, as a replay runs."""
+    rule = StallRule(stall_after_ns)
+    order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
+    thresholds = [0] * len(times_ns)
+    events = sorted([(int(end), 0, row) for row, end in enumerate(tl.col("end_ns"))]
+                    + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats)])
+    scheduled = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
+    in_flight = tl.col("num_waiting_reqs") + tl.col("num_running_reqs")
+    had_work, last_iteration, last_message_ns, next_query = False, 0, None, 0
+    for time_ns, is_heartbeat, index in events:
+        while next_query < len(order) and times_ns[order[next_query]] <= time_ns:
+            thresholds[order[next_query]] = rule.threshold_ns(times_ns[order[next_query]])
+            next_query += 1
+        was_silent = last_message_ns is not None and time_ns - last_message_ns > DEAD_AFTER_NS
+        if is_heartbeat:
+            heartbeat = tl.heartbeats[index]
+            progress = heartbeat.last_iteration > last_iteration
+            last_iteration = max(last_iteration, heartbeat.last_iteration)
+            work_after = heartbeat.num_waiting_reqs + heartbeat.num_running_reqs > 0
+        else:
+            progress = bool(scheduled[index])
+            if progress:
+                last_iteration = max(last_iteration, int(tl.col("iteration")[index]))
+            work_after = bool(in_flight[index])
+        if progress:
+            rule.note_progress(time_ns, had_work, was_silent)
+        elif not had_work:
+            rule.restart(time_ns)
+        had_work, last_message_ns = work_after, time_ns
+    for query in order[next_query:]:
+        thresholds[query] = rule.threshold_ns(times_ns[query])
+    return thresholds
 
 
 def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool) -> str:
@@ -68,7 +117,7 @@ def _work_text(num_waiting: int, num_running: int) -> str:
     return " and ".join(part for part in parts if part)
 
 
-def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
+def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns) -> Episode:
     max_waiting = max(h.num_waiting_reqs for h in group)
     max_running = max(h.num_running_reqs for h in group)
     where = _stall_where(tl, since_ns, ongoing, inside)
@@ -81,7 +130,8 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
         evidence=(
             f"last_iteration stayed at {group[0].last_iteration} for {secs(until_ns - since_ns)} "
             f"across {plural(len(group), 'heartbeat')} with {plural(max_waiting, 'request')} "
-            f"waiting and {max_running} running (at most; pid {group[0].pid or '?'})"
+            f"waiting and {max_running} running (at most; pid {group[0].pid or '?'}); the "
+            f"stall threshold then was {secs(threshold_ns)}"
         ),
         explanation=(
             f"No iteration finished for {secs(until_ns - since_ns)} while up to "
@@ -98,7 +148,8 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside) -> Episode:
         numbers={"frozen_iteration": group[0].last_iteration,
                  "stall_time_s": (until_ns - since_ns) / NS_PER_S,
                  "max_waiting_reqs": max_waiting, "max_running_reqs": max_running,
-                 "inside_iteration": bool(inside)},
+                 "inside_iteration": bool(inside),
+                 "stall_threshold_s": threshold_ns / NS_PER_S},
     )
 
 
