@@ -40,7 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # prom_helpers: the sidecar the live tests start
 
-from prom_helpers import start_metrics_sidecar  # noqa: E402
 from prometheus_client import (  # noqa: E402
     CollectorRegistry,
     Counter,
@@ -69,6 +68,7 @@ from telemetry.sidecar.sinks.prometheus import (  # noqa: E402
     WAITING_REASONS,
     PrometheusSink,
 )
+from tests.helpers.processes import start_metrics_sidecar  # noqa: E402
 
 LABELS = ("engine", "model_name")
 MS = 1_000_000

@@ -28,7 +28,7 @@ from telemetry.sidecar.sinks.otel import OtelSink
 from telemetry.sidecar.sinks.otel_export import make_exporter
 from telemetry.sidecar.sinks.otel_spans import IterationSampling
 from tests.helpers.net import free_port
-from tests.helpers.otel import (  # test_vllm_records.py imports these three from here
+from tests.helpers.otel import (
     OtlpHttpReceiver,
     by_name,
     http_sink,

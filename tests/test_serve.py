@@ -32,7 +32,7 @@ from engine.entrypoints.serve_args import (
 from engine.request import FinishReason, Request, SamplingParams
 from telemetry.lane.record import EVENT_FINISHED
 from tests.helpers.serve import (
-    KV_CACHE_MEMORY,  # noqa: F401  (tests/test_vllm_bench_live.py imports it from here)
+    KV_CACHE_MEMORY,
     PLAIN_TEMPLATE,
     SCRIPTED_TEXT,
     HangingClient,

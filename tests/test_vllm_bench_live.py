@@ -13,7 +13,7 @@ import pytest
 
 from bench.vllm_server import MODEL_DIR, VLLM
 from engine.entrypoints.serve import TINY_MODEL
-from tests.test_serve import KV_CACHE_MEMORY, ServerProcess
+from tests.helpers.serve import tiny_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,10 +33,10 @@ def bench_command(backend: str, base_url: str, result_dir: str) -> list[str]:
 def test_vllm_bench_serve_succeeds_with_both_openai_backends(tmp_path):
     assert VLLM.exists() and (MODEL_DIR / "config.json").exists(), \
         f"{VLLM} or {MODEL_DIR} is missing: run `make vllm`"
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    try:
+    # tiny_server checks, once the server has stopped, that it exited with 0 and that no
+    # traceback is in its output.
+    with tiny_server(tmp_path) as server:
         # Both at once: most of each run is importing vLLM.
         runs = {backend: subprocess.Popen(
                     bench_command(backend, server.base_url, str(tmp_path)), env=env,
@@ -44,12 +44,9 @@ def test_vllm_bench_serve_succeeds_with_both_openai_backends(tmp_path):
                 for backend in BACKENDS}
         for backend, run in runs.items():
             assert run.wait(300) == 0, (tmp_path / f"{backend}.log").read_text()[-3000:]
-    finally:
-        assert server.stop() == 0, server.log()
     for backend in BACKENDS:
         result = json.loads((tmp_path / f"{backend}.json").read_text())
         log = (tmp_path / f"{backend}.log").read_text()[-3000:]
         assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), log
         # The random dataset sets ignore_eos: every request generates exactly OUTPUT_LEN.
         assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN, log
-    assert "Traceback" not in server.log(), server.log()

@@ -9,48 +9,24 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.vllm_server import ROOT, engine_core_pid, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
+from tests.helpers.net import free_port
+from tests.helpers.prom import metrics_text, scrape, total
+from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    return sum(value for (sample, sample_labels), value in samples.items()
-               if sample == name and set(labels.items()) <= set(sample_labels))
-
-
-def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+# Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
+POLL_S = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +93,8 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     responses = send_requests(stack["api_port"], 32, max_tokens=24)
     assert len(responses) == 32 and all(r.usage.completion_tokens > 0 for r in responses)
     try:
-        pairs = wait_for(lambda: counters_agree(stack), 15, "sidecar totals to equal vLLM's")
+        pairs = wait_until(lambda: counters_agree(stack), 15, "sidecar totals to equal vLLM's",
+                           interval_s=POLL_S)
     except AssertionError:
         raise AssertionError(f"ours vs vLLM's: {counters_agree_debug(stack)}") from None
     assert pairs["finished requests"][0] >= 32
@@ -130,8 +107,8 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     assert total(ours, "iterscope_time_to_first_token_seconds_count") >= 32
     assert total(ours, "iterscope_iteration_duration_seconds_count") == num_vllm_steps
     sidecar_log = stack["tmp"] / "sidecar.log"
-    wait_for(lambda: "Avg prompt throughput" in sidecar_log.read_text(), 25,
-             "a 10-second line from the sidecar")
+    wait_until(lambda: "Avg prompt throughput" in sidecar_log.read_text(), 25,
+               "a 10-second line from the sidecar", interval_s=POLL_S)
     assert re.search(r"Iteration\(\d+\): \d+ context requests, \d+ context tokens",
                      sidecar_log.read_text())
     recording = str(stack["tmp"] / "run.jsonl")
@@ -144,8 +121,8 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
 
 
 def families(port: int) -> dict:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {family.name: family for family in text_string_to_metric_families(text)}
+    return {family.name: family
+            for family in text_string_to_metric_families(metrics_text(port))}
 
 
 def label_names(family) -> set[str]:
@@ -199,16 +176,19 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
                                max_tokens=STALL_TEST_OUTPUT_LEN, temperature=0,
                                extra_body={"ignore_eos": True})
                    for _ in range(2)]
-        wait_for(lambda: engine_state(stack) == "running", 30, "the engine to run")
+        wait_until(lambda: engine_state(stack) == "running", 30, "the engine to run",
+                   interval_s=POLL_S)
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_for(lambda: engine_state(stack) == "stalled", 5, "stalled within 5 s")
+            wait_until(lambda: engine_state(stack) == "stalled", 5, "stalled within 5 s",
+                       interval_s=POLL_S)
             assert time.monotonic() - stopped_at <= 5
             assert engine_state(stack) != "dead"  # the API server's heartbeats go on
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_for(lambda: engine_state(stack) == "running", 10, "recovery after SIGCONT")
+        wait_until(lambda: engine_state(stack) == "running", 10, "recovery after SIGCONT",
+                   interval_s=POLL_S)
         for future in pending:
             assert future.result(timeout=120).usage.completion_tokens == (
                 STALL_TEST_OUTPUT_LEN)

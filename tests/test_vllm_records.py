@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
-from sink_feed import send
 
 from telemetry.analysis.timeline import EngineTimeline
 from telemetry.analysis.tune import fit_iteration_time
@@ -30,6 +29,8 @@ from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from telemetry.sources.vllm_records import RecordMaker, milestone, num_in_flight
+from tests.helpers.otel import OtlpHttpReceiver, by_name, http_sink
+from tests.helpers.sink_feed import send
 
 
 def scheduler_stats(running=2, waiting=1, skipped=1, usage=0.5, details=None, queries=32,
@@ -127,8 +128,6 @@ def test_finished_requests_become_milestones_at_vllm_times():
 
 
 def test_a_vllm_request_becomes_a_trace_with_its_phases():
-    from test_otel import OtlpHttpReceiver, by_name, http_sink
-
     receiver = OtlpHttpReceiver()
     try:
         sink = http_sink(receiver.endpoint)

@@ -15,22 +15,15 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 import yaml
-from prom_helpers import start_prometheus
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_server import (
-    BEST_CPU_FLAGS,
-    ROOT,
-    engine_core_pid,
-    free_port,
-    start_vllm,
-    stop_server,
-)
+from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
+from tests.helpers.net import free_port
+from tests.helpers.prom import scrape, start_prometheus, total
+from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,27 +35,8 @@ KV_FLAGS = (*BEST_CPU_FLAGS, "--scheduler-cls", SCHEDULER, "--num-gpu-blocks-ove
             "--max-model-len", "512")
 KV_ALERT = "IterscopeKVCacheSaturated"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    return sum(value for (sample, sample_labels), value in samples.items()
-               if sample == name and set(labels.items()) <= set(sample_labels))
-
-
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+# Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
+POLL_S = 0.1
 
 
 def run_check(case: str) -> dict:
@@ -191,7 +165,8 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
         pending = background.submit(complete, api_port,
                                     [prompt(i, 60) for i in range(16)], 40)
         wait_until(lambda: both_say_kv_waits(kv_stack), 60,
-                   "kv_capacity waiting in the sidecar while vLLM counts waiting requests")
+                   "kv_capacity waiting in the sidecar while vLLM counts waiting requests",
+                   interval_s=POLL_S)
         responses = pending.result(timeout=300)
     assert all(r.usage.completion_tokens == 40 for r in responses)
     prometheus = kv_stack["prometheus"]
@@ -199,7 +174,8 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
     (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
                if rule.get("alert") == KV_ALERT]
     prometheus.wait_until(lambda: prometheus.query(expr), 30, f"{KV_ALERT}'s expression")
-    pairs = wait_until(lambda: counters_agree(kv_stack, 16), 15, "counters equal to vLLM's")
+    pairs = wait_until(lambda: counters_agree(kv_stack, 16), 15, "counters equal to vLLM's",
+                       interval_s=POLL_S)
     assert pairs["prompt tokens computed"][0] > 16 * 60
     ours, theirs = scrape(kv_stack["metrics_port"]), scrape(kv_stack["api_port"])
     ttft_sum = total(ours, "iterscope_time_to_first_token_seconds_sum")
@@ -223,7 +199,8 @@ def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
     # two requests of 300 + 180 tokens: 3 blocks each at first, 4 at their peak (8 > 7)
     responses = complete(kv_stack["api_port"], [prompt(100 + i, 290) for i in range(2)], 180)
     assert all(r.usage.completion_tokens == 180 for r in responses)
-    pairs = wait_until(lambda: counters_agree(kv_stack, 18), 15, "counters equal to vLLM's")
+    pairs = wait_until(lambda: counters_agree(kv_stack, 18), 15, "counters equal to vLLM's",
+                       interval_s=POLL_S)
     assert pairs["preemptions"][0] > 0, pairs
 
 
@@ -242,18 +219,20 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
     with concurrent.futures.ThreadPoolExecutor(1) as background:
         pending = background.submit(complete, kv_stack["api_port"],
                                     [prompt(200 + i, 20) for i in range(2)], 120)
-        wait_until(lambda: engine_state(kv_stack) == "running", 30, "the engine to run")
+        wait_until(lambda: engine_state(kv_stack) == "running", 30, "the engine to run",
+                   interval_s=POLL_S)
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
             wait_until(lambda: engine_state(kv_stack) not in ("running", None), 5,
-                       "the stopped engine core to leave running")
+                       "the stopped engine core to leave running", interval_s=POLL_S)
             assert time.monotonic() - stopped_at <= 3.0
             assert engine_state(kv_stack) == "dead"  # a stopped process sends no heartbeat
             assert kv_stack["server"].poll() is None
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_until(lambda: engine_state(kv_stack) == "running", 10, "running after SIGCONT")
+        wait_until(lambda: engine_state(kv_stack) == "running", 10, "running after SIGCONT",
+                   interval_s=POLL_S)
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
 
 
@@ -280,12 +259,15 @@ def test_a_sequence_limited_vllm_reads_as_sequence_limit_and_a_killed_core_as_de
             with concurrent.futures.ThreadPoolExecutor(1) as background:
                 pending = background.submit(complete, api_port,
                                             [prompt(i, 10) for i in range(8)], 24)
-                wait_until(seq_limit_waits, 60, "seq_limit waiting while vLLM has waiting")
+                wait_until(seq_limit_waits, 60, "seq_limit waiting while vLLM has waiting",
+                           interval_s=POLL_S)
                 assert len(pending.result(timeout=300)) == 8
-            wait_until(lambda: counters_agree(stack, 8), 15, "counters equal to vLLM's")
+            wait_until(lambda: counters_agree(stack, 8), 15, "counters equal to vLLM's",
+                       interval_s=POLL_S)
             os.kill(engine_core_pid(server.pid), signal.SIGKILL)
             killed_at = time.monotonic()
-            wait_until(lambda: engine_state(stack) == "dead", 5, "dead after kill -9")
+            wait_until(lambda: engine_state(stack) == "dead", 5, "dead after kill -9",
+                       interval_s=POLL_S)
             assert time.monotonic() - killed_at <= 3.0
             # The engine core's own heartbeats stopped: dead, whatever the API server does
             # (vLLM 0.32's shuts itself down a second or two after its engine core dies).
