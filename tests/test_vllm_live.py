@@ -9,18 +9,17 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.vllm_server import ROOT, engine_core_pid, start_vllm, stop_server
+from bench.vllm_server import engine_core_pid, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
+from tests.helpers.vllm import counter_pairs, engine_status, iterscope
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -75,17 +74,14 @@ def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
         return list(pool.map(one, range(num_requests)))
 
 
+def status(stack) -> str | None:
+    return engine_status(stack["metrics_port"])
+
+
 def counters_agree(stack) -> dict | None:
-    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
-    pairs = {
-        "prompt tokens computed": (
-            total(ours, "iterscope_prompt_tokens_total"),
-            total(theirs, "vllm:prompt_tokens_by_source_total", source="local_compute")),
-        "generation tokens": (total(ours, "iterscope_generation_tokens_total"),
-                              total(theirs, "vllm:generation_tokens_total")),
-        "finished requests": (total(ours, "iterscope_requests_finished_total"),
-                              total(theirs, "vllm:request_success_total")),
-    }
+    pairs = {name: pair for name, pair in counter_pairs(stack["metrics_port"],
+                                                         stack["api_port"]).items()
+             if name in ("prompt tokens computed", "generation tokens", "finished requests")}
     return pairs if all(a == b > 0 for a, b in pairs.values()) else None
 
 
@@ -139,26 +135,11 @@ def test_vllm_compatible_names_are_vllms_own(stack):
         if name in theirs}
 
 
-def iterscope(*args: str) -> str:
-    """Run an iterscope command; its stdout, after checking it succeeded."""
-    done = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def counters_agree_debug(stack) -> dict:
     ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
     return {name: value for name, value in {**ours, **theirs}.items()
             if "tokens_total" in name[0] or "request_success" in name[0]
             or "finished_total" in name[0]}
-
-
-def engine_state(stack) -> str | None:
-    samples = scrape(stack["metrics_port"])
-    states = [dict(labels)["state"] for (name, labels), value in samples.items()
-              if name == "iterscope_engine_state" and value == 1]
-    return states[0] if states else None
 
 
 # Output tokens of each request the stall test stops and continues: the core is stopped
@@ -176,18 +157,18 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
                                max_tokens=STALL_TEST_OUTPUT_LEN, temperature=0,
                                extra_body={"ignore_eos": True})
                    for _ in range(2)]
-        wait_until(lambda: engine_state(stack) == "running", 30, "the engine to run",
+        wait_until(lambda: status(stack) == "running", 30, "the engine to run",
                    interval_s=POLL_S)
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_until(lambda: engine_state(stack) == "stalled", 5, "stalled within 5 s",
+            wait_until(lambda: status(stack) == "stalled", 5, "stalled within 5 s",
                        interval_s=POLL_S)
             assert time.monotonic() - stopped_at <= 5
-            assert engine_state(stack) != "dead"  # the API server's heartbeats go on
+            assert status(stack) != "dead"  # the API server's heartbeats go on
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_until(lambda: engine_state(stack) == "running", 10, "recovery after SIGCONT",
+        wait_until(lambda: status(stack) == "running", 10, "recovery after SIGCONT",
                    interval_s=POLL_S)
         for future in pending:
             assert future.result(timeout=120).usage.completion_tokens == (

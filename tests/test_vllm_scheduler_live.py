@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import openai
@@ -23,6 +22,7 @@ from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm,
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
+from tests.helpers.vllm import counter_pairs, engine_status, iterscope
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -127,35 +127,14 @@ def both_say_kv_waits(stack) -> bool:
             and total(theirs, "vllm:num_requests_waiting") > 0)
 
 
-def counters(stack) -> dict[str, tuple[float, float]]:
-    """(ours, vLLM's) for each counter both keep."""
-    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
-    return {
-        "prompt tokens computed": (
-            total(ours, "iterscope_prompt_tokens_total"),
-            total(theirs, "vllm:prompt_tokens_by_source_total", source="local_compute")),
-        "generation tokens": (total(ours, "iterscope_generation_tokens_total"),
-                              total(theirs, "vllm:generation_tokens_total")),
-        "finished requests": (total(ours, "iterscope_requests_finished_total"),
-                              total(theirs, "vllm:request_success_total")),
-        "preemptions": (total(ours, "iterscope_preemptions_total"),
-                        total(theirs, "vllm:num_preemptions_total")),
-        "TTFT count": (total(ours, "iterscope_time_to_first_token_seconds_count"),
-                       total(theirs, "vllm:time_to_first_token_seconds_count")),
-    }
+def status(stack) -> str | None:
+    return engine_status(stack["metrics_port"])
 
 
 def counters_agree(stack, num_finished: int) -> dict | None:
-    pairs = counters(stack)
+    pairs = counter_pairs(stack["metrics_port"], stack["api_port"])
     agree = all(a == b for a, b in pairs.values())
     return pairs if agree and pairs["finished requests"][0] >= num_finished else None
-
-
-def iterscope(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_stack):
@@ -204,13 +183,6 @@ def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
     assert pairs["preemptions"][0] > 0, pairs
 
 
-def engine_state(stack) -> str | None:
-    samples = scrape(stack["metrics_port"])
-    states = [dict(labels)["state"] for (name, labels), value in samples.items()
-              if name == "iterscope_engine_state" and value == 1]
-    return states[0] if states else None
-
-
 def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack):
     log = kv_stack["tmp"] / "sidecar.log"
     # the healthy runs before, with their prefills of hundreds of tokens, never left running
@@ -219,19 +191,19 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
     with concurrent.futures.ThreadPoolExecutor(1) as background:
         pending = background.submit(complete, kv_stack["api_port"],
                                     [prompt(200 + i, 20) for i in range(2)], 120)
-        wait_until(lambda: engine_state(kv_stack) == "running", 30, "the engine to run",
+        wait_until(lambda: status(kv_stack) == "running", 30, "the engine to run",
                    interval_s=POLL_S)
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_until(lambda: engine_state(kv_stack) not in ("running", None), 5,
+            wait_until(lambda: status(kv_stack) not in ("running", None), 5,
                        "the stopped engine core to leave running", interval_s=POLL_S)
             assert time.monotonic() - stopped_at <= 3.0
-            assert engine_state(kv_stack) == "dead"  # a stopped process sends no heartbeat
+            assert status(kv_stack) == "dead"  # a stopped process sends no heartbeat
             assert kv_stack["server"].poll() is None
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_until(lambda: engine_state(kv_stack) == "running", 10, "running after SIGCONT",
+        wait_until(lambda: status(kv_stack) == "running", 10, "running after SIGCONT",
                    interval_s=POLL_S)
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
 
@@ -266,7 +238,7 @@ def test_a_sequence_limited_vllm_reads_as_sequence_limit_and_a_killed_core_as_de
                        interval_s=POLL_S)
             os.kill(engine_core_pid(server.pid), signal.SIGKILL)
             killed_at = time.monotonic()
-            wait_until(lambda: engine_state(stack) == "dead", 5, "dead after kill -9",
+            wait_until(lambda: status(stack) == "dead", 5, "dead after kill -9",
                        interval_s=POLL_S)
             assert time.monotonic() - killed_at <= 3.0
             # The engine core's own heartbeats stopped: dead, whatever the API server does

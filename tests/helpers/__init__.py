@@ -13,6 +13,7 @@
     faults        faults injected from outside the engine (a stall, a block leak)
     parity        our decoder against transformers on tiny random models
     sampling_reference  what sampling parameters mean, computed from the model's logits
+    vllm          a real vLLM's counters against the sidecar's, the status it serves
 
 Nothing here is collected as tests. Keep this file light (no imports beyond pathlib): the
 synthetic engine runs as a process of its own and imports from this package.
