@@ -38,7 +38,6 @@ import msgspec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # prom_helpers: the sidecar the live tests start
 
 from prometheus_client import (  # noqa: E402
     CollectorRegistry,
