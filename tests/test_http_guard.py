@@ -91,6 +91,39 @@ def test_an_unreadable_content_length_is_a_400():
     assert sent[0]["status"] == 400 and b"'lots' is not a number" in sent[1]["body"]
 
 
+def refused_while_uploading(num_chunks: int, declared: int | None) -> list[str]:
+    """The order of what a guard with a 1,000-byte limit does with a body of ``num_chunks``
+    chunks of 400 bytes: "read" per chunk it takes, "413" when it answers."""
+    app = RequestGuard(echo_app(HttpLimits(max_body_bytes=1000)), HttpLimits(max_body_bytes=1000))
+    events, chunks = [], iter(range(num_chunks))
+
+    async def receive():
+        index = next(chunks, None)
+        if index is None:
+            return {"type": "http.disconnect"}
+        events.append("read")
+        return {"type": "http.request", "body": b"y" * 400, "more_body": index < num_chunks - 1}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            events.append(str(message["status"]))
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/echo", "headers": headers}
+    asyncio.run(app(scope, receive, send))
+    return events
+
+
+def test_a_refused_body_is_read_to_its_end_before_the_413_so_the_answer_is_not_reset():
+    """Closing a connection with unread data resets it, and the reset can destroy the 413
+    before the client, still uploading, reads it: up to twice the limit is read first."""
+    assert refused_while_uploading(5, declared=2000) == ["read"] * 5 + ["413"]  # declared
+    assert refused_while_uploading(5, declared=None) == ["read"] * 5 + ["413"]  # chunked
+    # beyond twice the limit the guard does not wait for the rest
+    assert refused_while_uploading(50, declared=20_000) == ["413"]
+    assert refused_while_uploading(50, declared=None).count("read") < 50
+
+
 @pytest.mark.parametrize("header, status", [
     (None, 401), ("Bearer wrong", 401), ("secret", 401), ("Bearer secret", 200)])
 def test_the_api_key_guards_v1_paths(header, status):

@@ -2,10 +2,13 @@
 
 An ASGI middleware in front of the FastAPI app:
 
-- **Body size.** A body larger than ``max_body_bytes`` gets 413 without being parsed: at
-  once when its Content-Length says so, else as soon as the bytes received pass the limit
-  (chunked uploads). A prompt that could fit ``max_model_len`` is far smaller than the
-  default, so only abuse meets it.
+- **Body size.** A body larger than ``max_body_bytes`` gets 413 without being parsed: when
+  its Content-Length says so, else as soon as the bytes received pass the limit (chunked
+  uploads). Before the answer, up to twice ``max_body_bytes`` of the body is read and thrown
+  away (for at most DRAIN_TIMEOUT_S): the client is usually still uploading, and a connection
+  closed with unread data is reset, which can destroy the 413 already sent before the client
+  reads it. A larger body gets its answer without the wait. A prompt that could fit
+  ``max_model_len`` is far smaller than the default, so only abuse meets it.
 - **Body time.** The whole body must arrive within ``body_timeout_s`` of the request's
   headers, else 408: a client that promises 1,000 bytes and sends 10 no longer holds its
   connection (and the memory it was given) forever.
@@ -39,6 +42,7 @@ from engine.entrypoints.openai_responses import error_body
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 5.0  # how long the rest of a refused body is read before the 413
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -75,6 +79,8 @@ class RequestGuard:
             self._check_declared_length(scope)
             body = await asyncio.wait_for(self._read_body(receive), self.limits.body_timeout_s)
         except _Refused as refusal:
+            if refusal.status == 413:
+                await self._drain(scope, receive)
             await _send_error(send, refusal.status, str(refusal), refusal.error_type)
             return
         except TimeoutError:
@@ -118,6 +124,28 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _drain(self, scope: Scope, receive: Receive) -> None:
+        """Read and drop the rest of a refused body, up to twice ``max_body_bytes`` (none of
+        it when its declared length is more), for up to DRAIN_TIMEOUT_S (the module
+        docstring)."""
+        max_drain_bytes = 2 * self.limits.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and int(declared) > max_drain_bytes:
+            return
+
+        async def drain() -> None:
+            num_bytes = 0
+            while num_bytes <= max_drain_bytes:
+                message = await receive()
+                num_bytes += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body"):
+                    return
+
+        try:
+            await asyncio.wait_for(drain(), DRAIN_TIMEOUT_S)
+        except TimeoutError:
+            pass
 
     def _too_large(self, size: str) -> _Refused:
         return _Refused(413, f"the request body ({size}) is larger than the server's limit of "
