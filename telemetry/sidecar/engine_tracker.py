@@ -57,11 +57,6 @@ class EngineTracker:
     def __post_init__(self) -> None:
         self.view = EngineView(self.engine_index)
 
-    def note_progress(self, now_ns: int, had_work: bool) -> None:
-        """The loop moved on; ``had_work``: work was in flight before the message."""
-        self.stall.note_progress(now_ns, had_work,
-                                 was_silent=self.view.status is EngineStatus.DEAD)
-
     def note_restart(self, now_ns: int) -> None:
         """A new process: its progress is counted from now."""
         self.view.last_iteration = 0

@@ -53,6 +53,7 @@ MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far b
 # there, so this adds to how late they are reported.
 TICK_INTERVAL_S = 0.1
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
+_DEAD = EngineStatus.DEAD
 
 logger = logging.getLogger("iterscope.sidecar")
 
@@ -178,12 +179,21 @@ class Ingest:
         view.num_messages += 1
         if num_lost > 0:
             view.num_dropped_total += num_lost
+        # The sinks' loops inlined (not self._call): this runs once per message.
         if is_heartbeat:
             view.take_anchor(message)
-            self._call(self._on_heartbeat, message, view)
+            for on_heartbeat in self._on_heartbeat:
+                try:
+                    on_heartbeat(message, view)
+                except Exception:
+                    self._sink_failed(on_heartbeat.__self__)
             self._note_heartbeat(state, message, now_ns)
         else:
-            self._call(self._on_iteration, message, view)
+            for on_iteration in self._on_iteration:
+                try:
+                    on_iteration(message, view)
+                except Exception:
+                    self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
 
     def _meet(
@@ -209,7 +219,7 @@ class Ingest:
         view = state.view
         had_work = view.num_waiting_reqs + view.num_running_reqs > 0
         if view.apply_iteration(record):
-            state.note_progress(now_ns, had_work)
+            state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
         elif not had_work:  # nothing waited or ran: idle, not stuck
             state.stall.restart(now_ns)
         if view.status is not _RUNNING:
@@ -223,7 +233,7 @@ class Ingest:
             self._note_pid_change(state, pid_before)
         # Iterations whose records were all lost still count as progress.
         if view.last_iteration > last_iteration:
-            state.note_progress(now_ns, had_work)
+            state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
         elif not had_work:  # idle: the stall clock starts now
             state.stall.restart(now_ns)
         self._update_status(state, now_ns)
