@@ -505,6 +505,16 @@ def test_docs_list_every_series():
         assert f"`{name}" in docs, name
 
 
+def test_docs_name_only_series_the_sidecar_or_the_api_port_serves():
+    """docs/metrics.md and the sink's own table (its series_names) are the same contract."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    served = prometheus.series_names() | {"iterscope_api_sidecar_reachable"}
+    families = ({re.sub(r"_(total|bucket|sum|count)$", "", name) for name in served}
+                | served)
+    named = set(re.findall(r"`(iterscope_[a-z0-9_]+)", docs))
+    assert named and named <= families, named - families
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(
     st.sampled_from(["record", "heartbeat", "restart", "dropped", "status"]),
