@@ -81,16 +81,19 @@ demo: $(STAMP)
 
 test: $(STAMP) prometheus alertmanager vllm
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 # The fast tier: no process started, no real model loaded (the tests marked `live` left out;
 # tests/conftest.py). About a minute on 2 cores; `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -m "not live"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 dashboards: $(STAMP)
 	$(PY) -m dashboards.build

@@ -27,16 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_bench(tree: Path, command: list[str]) -> dict:
     """The benchmark's JSON figures, run with this repository's venv from ``tree``."""
-    done = subprocess.run([sys.executable, *command], cwd=tree, capture_output=True, text=True,
-                          timeout=1800)
+    done = subprocess.run(
+        [sys.executable, *command], cwd=tree, capture_output=True, text=True, timeout=1800
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed in {tree}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def numeric(figures: dict) -> dict[str, float]:
-    return {key: float(value) for key, value in figures.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {
+        key: float(value)
+        for key, value in figures.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def main() -> None:
@@ -49,27 +53,36 @@ def main() -> None:
     parser.add_argument("after", nargs="?", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv[:split])
-    command = argv[split + 1:]
+    command = argv[split + 1 :]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": Path(tmp) / "before", "after": ROOT}
         refs = {"before": args.before}
         if args.after:
             trees["after"], refs["after"] = Path(tmp) / "after", args.after
         for name, ref in refs.items():
-            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[name]), ref],
-                           cwd=ROOT, check=True)
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", "-q", str(trees[name]), ref],
+                cwd=ROOT,
+                check=True,
+            )
         try:
             runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
             for round_index in range(args.rounds):
                 for name in ("before", "after"):
                     figures = numeric(run_bench(trees[name], command))
                     runs[name].append(figures)
-                    print(f"round {round_index} {name}: "
-                          + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()), flush=True)
+                    print(
+                        f"round {round_index} {name}: "
+                        + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()),
+                        flush=True,
+                    )
         finally:
             for name in refs:
-                subprocess.run(["git", "worktree", "remove", "--force", str(trees[name])],
-                               cwd=ROOT, check=False)
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(trees[name])],
+                    cwd=ROOT,
+                    check=False,
+                )
     result = {}
     for key in runs["after"][0]:
         before = [run[key] for run in runs["before"] if key in run]
@@ -78,8 +91,10 @@ def main() -> None:
             continue
         ratio = statistics.mean(after) / statistics.mean(before) if statistics.mean(before) else 0
         result[key] = {"before": before, "after": after, "ratio": ratio}
-        print(f"{key}: before {statistics.mean(before):.4g}, after {statistics.mean(after):.4g}, "
-              f"after / before {ratio:.3f}")
+        print(
+            f"{key}: before {statistics.mean(before):.4g}, after {statistics.mean(after):.4g}, "
+            f"after / before {ratio:.3f}"
+        )
     print(json.dumps(result))
 
 

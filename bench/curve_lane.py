@@ -32,9 +32,17 @@ BATCH = 50  # records sent back to back, then a sleep that keeps the mean rate
 
 def decode_record() -> IterationRecord:
     return iteration_record(
-        0, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_decode_reqs=50,
-        num_decode_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
-        num_kv_blocks_free=65459, num_kv_tokens=56000,
+        0,
+        0,
+        1,
+        start_ns=time.monotonic_ns(),
+        elapsed_ns=10_250_000,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        num_running_reqs=50,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
     )
 
 
@@ -71,8 +79,9 @@ def run_mode(mode: str, keys_dir: str, num_records: int, rate_per_s: float) -> d
     process.start()
     ready.wait(10)
     context = zmq.Context()
-    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600, context=context,
-                             curve_keys_dir=curve_dir)
+    publisher = ZmqPublisher(
+        address, 0, heartbeat_interval_s=3600, context=context, curve_keys_dir=curve_dir
+    )
     record = decode_record()
     while publisher.num_sent_total == 0:  # wait for the (CURVE) handshake
         publisher.publish(record)
@@ -124,10 +133,12 @@ def main() -> None:
             "num_received": [r["num_received"] for r in results],
             "num_dropped": [r["num_dropped"] for r in results],
         }
-        print(f"{mode:>10}: publish p50 {figures[mode]['publish_p50_ns']} ns, "
-              f"p99 {figures[mode]['publish_p99_ns']} ns, "
-              f"process CPU {figures[mode]['cpu_us_per_record']:.2f} us/record, "
-              f"received {figures[mode]['num_received']} of {args.records}+")
+        print(
+            f"{mode:>10}: publish p50 {figures[mode]['publish_p50_ns']} ns, "
+            f"p99 {figures[mode]['publish_p99_ns']} ns, "
+            f"process CPU {figures[mode]['cpu_us_per_record']:.2f} us/record, "
+            f"received {figures[mode]['num_received']} of {args.records}+"
+        )
     ratio = figures["tcp+curve"]["publish_p50_ns"] / figures["tcp"]["publish_p50_ns"]
     cpu_ratio = figures["tcp+curve"]["cpu_us_per_record"] / figures["tcp"]["cpu_us_per_record"]
     print(f"curve/plain: publish p50 {ratio:.2f}x, process CPU per record {cpu_ratio:.2f}x")

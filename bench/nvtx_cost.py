@@ -42,8 +42,20 @@ def build_capture_tool(out_dir: Path) -> Path:
     if gcc is None or include is None:
         raise SystemExit("needs gcc and the NVTX headers (pip install nvidia-nvtx-cu12)")
     library = out_dir / "libnvtx_capture.so"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O2", f"-I{include}", str(CAPTURE_SOURCE),
-                    "-o", str(library), "-lpthread"], check=True)
+    subprocess.run(
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            f"-I{include}",
+            str(CAPTURE_SOURCE),
+            "-o",
+            str(library),
+            "-lpthread",
+        ],
+        check=True,
+    )
     return library
 
 
@@ -61,9 +73,17 @@ def decode_record(iteration: int = 1000, milestones=()):
     from telemetry.lane.record import iteration_record
 
     return iteration_record(
-        0, iteration, iteration, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
-        num_decode_reqs=50, num_decode_tokens=50, num_running_reqs=50,
-        num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
+        0,
+        iteration,
+        iteration,
+        start_ns=time.monotonic_ns(),
+        elapsed_ns=10_250_000,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        num_running_reqs=50,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
         milestones=list(milestones),
     )
 
@@ -81,6 +101,7 @@ def measure_nvtx_in_this_process() -> dict:
             for iteration in range(num_calls):
                 begin(iteration)
                 end()
+
         return body
 
     record, encoder = decode_record(), make_encoder()
@@ -138,17 +159,30 @@ def measure_otel_sink() -> dict:
     sink.on_heartbeat(first_heartbeat, engine)
     engine.apply_heartbeat(first_heartbeat)
     plain = decode_record()
-    finished = decode_record(milestones=[RequestMilestone(
-        request_id="r", event=EVENT_FINISHED, arrival_ns=now_ns, first_scheduled_ns=now_ns + 1,
-        first_token_ns=now_ns + 3, finished_ns=now_ns + 9, num_prompt_tokens=100,
-        num_cached_tokens=0, num_output_tokens=50, num_preemptions=0, finish_reason=0,
-        prefill_chunks=[(now_ns + 1, now_ns + 2, 64), (now_ns + 2, now_ns + 3, 36)],
-    )])
+    finished = decode_record(
+        milestones=[
+            RequestMilestone(
+                request_id="r",
+                event=EVENT_FINISHED,
+                arrival_ns=now_ns,
+                first_scheduled_ns=now_ns + 1,
+                first_token_ns=now_ns + 3,
+                finished_ns=now_ns + 9,
+                num_prompt_tokens=100,
+                num_cached_tokens=0,
+                num_output_tokens=50,
+                num_preemptions=0,
+                finish_reason=0,
+                prefill_chunks=[(now_ns + 1, now_ns + 2, 64), (now_ns + 2, now_ns + 3, 36)],
+            )
+        ]
+    )
 
     def loop(record):
         def body(num_calls):
             for _ in range(num_calls):
                 sink.on_iteration(record, engine)
+
         return body
 
     figures = {
@@ -161,8 +195,9 @@ def measure_otel_sink() -> dict:
 
 def run_child(env_extra: dict) -> dict:
     env = dict(os.environ, **env_extra)
-    output = subprocess.run([sys.executable, __file__, "--child"], env=env, check=True,
-                            capture_output=True, text=True).stdout
+    output = subprocess.run(
+        [sys.executable, __file__, "--child"], env=env, check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -173,8 +208,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tool = build_capture_tool(Path(tmp))
         no_tool = run_child({})
-        with_tool = run_child({"NVTX_INJECTION64_PATH": str(tool),
-                               "NVTX_CAPTURE_PATH": os.devnull})
+        with_tool = run_child({"NVTX_INJECTION64_PATH": str(tool), "NVTX_CAPTURE_PATH": os.devnull})
     otel = measure_otel_sink()
     iteration_ns = 10_000_000  # a 10 ms decode iteration, for scale
     figures = {
@@ -184,26 +218,32 @@ def main() -> None:
         "markers_on_no_tool_class": no_tool["markers_on_class"],
         "markers_on_with_tool_ns": round(with_tool["markers_on_ns"], 1),
         "markers_on_with_tool_vs_record_encode": round(
-            with_tool["markers_on_ns"] / no_tool["record_encode_ns"], 2),
+            with_tool["markers_on_ns"] / no_tool["record_encode_ns"], 2
+        ),
         "markers_on_with_tool_pct_of_10ms_iteration": round(
-            100 * with_tool["markers_on_ns"] / iteration_ns, 4),
+            100 * with_tool["markers_on_ns"] / iteration_ns, 4
+        ),
         "sidecar_nvtx_on_iteration_with_tool_ns": round(with_tool["nvtx_sink_on_iteration_ns"]),
         "sidecar_nvtx_pacer_draw_with_tool_ns": round(with_tool["nvtx_sink_draw_ns"]),
         "sidecar_otel_unsampled_record_ns": round(otel["otel_unsampled_record_ns"], 1),
         "sidecar_otel_finished_request_ns": round(otel["otel_finished_request_ns"]),
     }
-    print(f"engine, per iteration: record encode {figures['record_encode_ns']} ns (already "
-          f"paid); markers off {figures['markers_off_ns']} ns; markers on, no tool "
-          f"{figures['markers_on_no_tool_ns']} ns ({figures['markers_on_no_tool_class']}); "
-          f"markers on, tool attached {figures['markers_on_with_tool_ns']} ns = "
-          f"{figures['markers_on_with_tool_vs_record_encode']}x the record encode, "
-          f"{figures['markers_on_with_tool_pct_of_10ms_iteration']}% of a 10 ms iteration")
-    print(f"sidecar, per record: NVTX sink on_iteration (queued for the pacer) "
-          f"{figures['sidecar_nvtx_on_iteration_with_tool_ns']} ns, then on the pacer thread "
-          f"range + 3 counters (tool attached) "
-          f"{figures['sidecar_nvtx_pacer_draw_with_tool_ns']} ns; OTel unsampled record "
-          f"{figures['sidecar_otel_unsampled_record_ns']} ns; OTel record with one finished "
-          f"request (5 spans) {figures['sidecar_otel_finished_request_ns']} ns")
+    print(
+        f"engine, per iteration: record encode {figures['record_encode_ns']} ns (already "
+        f"paid); markers off {figures['markers_off_ns']} ns; markers on, no tool "
+        f"{figures['markers_on_no_tool_ns']} ns ({figures['markers_on_no_tool_class']}); "
+        f"markers on, tool attached {figures['markers_on_with_tool_ns']} ns = "
+        f"{figures['markers_on_with_tool_vs_record_encode']}x the record encode, "
+        f"{figures['markers_on_with_tool_pct_of_10ms_iteration']}% of a 10 ms iteration"
+    )
+    print(
+        f"sidecar, per record: NVTX sink on_iteration (queued for the pacer) "
+        f"{figures['sidecar_nvtx_on_iteration_with_tool_ns']} ns, then on the pacer thread "
+        f"range + 3 counters (tool attached) "
+        f"{figures['sidecar_nvtx_pacer_draw_with_tool_ns']} ns; OTel unsampled record "
+        f"{figures['sidecar_otel_unsampled_record_ns']} ns; OTel record with one finished "
+        f"request (5 spans) {figures['sidecar_otel_finished_request_ns']} ns"
+    )
     print(json.dumps(figures))
 
 

@@ -43,12 +43,28 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def start_sidecar(address: str, tool: Path, capture_path: Path,
-                  delay_ms: float) -> subprocess.Popen:
-    env = dict(os.environ, NVTX_INJECTION64_PATH=str(tool), NVTX_CAPTURE_PATH=str(capture_path),
-               PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
-               "--nvtx", "--nvtx-delay-ms", str(delay_ms), "--no-log", "--no-metrics"]
+def start_sidecar(
+    address: str, tool: Path, capture_path: Path, delay_ms: float
+) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        NVTX_INJECTION64_PATH=str(tool),
+        NVTX_CAPTURE_PATH=str(capture_path),
+        PYTHONPATH=str(REPO),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "sidecar",
+        "--address",
+        address,
+        "--nvtx",
+        "--nvtx-delay-ms",
+        str(delay_ms),
+        "--no-log",
+        "--no-metrics",
+    ]
     return subprocess.Popen(command, env=env, cwd=REPO, stderr=subprocess.DEVNULL)
 
 
@@ -80,8 +96,11 @@ def captured_ranges(capture_path: Path) -> dict[int, tuple[int, int]]:
             iterations[fields[3]] = int(fields[4])
         elif fields[0] == "end" and fields[2] == "iterscope":
             ends[fields[3]] = int(fields[1])
-    return {iterations[range_id]: (starts[range_id], ends[range_id])
-            for range_id in starts if range_id in ends}
+    return {
+        iterations[range_id]: (starts[range_id], ends[range_id])
+        for range_id in starts
+        if range_id in ends
+    }
 
 
 def main() -> None:
@@ -113,18 +132,28 @@ def main() -> None:
         offset.append((range_start_ns - start_ns) / 1e3)
         length_error.append(((range_end_ns - range_start_ns) - (end_ns - start_ns)) / 1e3)
         num_short += (range_end_ns - range_start_ns) < (end_ns - start_ns) / 2
-    figures = {"num_iterations": args.num_iterations, "iteration_ms": args.iteration_ms,
-               "nvtx_delay_ms": args.nvtx_delay_ms, "num_ranges": len(ranges),
-               "short_range_share": round(num_short / max(1, len(ranges)), 4)}
+    figures = {
+        "num_iterations": args.num_iterations,
+        "iteration_ms": args.iteration_ms,
+        "nvtx_delay_ms": args.nvtx_delay_ms,
+        "num_ranges": len(ranges),
+        "short_range_share": round(num_short / max(1, len(ranges)), 4),
+    }
     for name, values in (("offset", offset), ("length_error", length_error)):
         for label, fraction in (("p1", 0.01), ("p50", 0.50), ("p99", 0.99)):
             figures[f"{name}_{label}_us"] = round(percentile(values, fraction), 1)
-    print(f"{len(ranges)} ranges for {args.num_iterations} iterations of "
-          f"{args.iteration_ms} ms, --nvtx-delay-ms {args.nvtx_delay_ms}")
-    print(f"range start - iteration start (lag): p1 {figures['offset_p1_us']} us, "
-          f"p50 {figures['offset_p50_us']} us, p99 {figures['offset_p99_us']} us")
-    print(f"range length - iteration length: p1 {figures['length_error_p1_us']} us, "
-          f"p50 {figures['length_error_p50_us']} us, p99 {figures['length_error_p99_us']} us")
+    print(
+        f"{len(ranges)} ranges for {args.num_iterations} iterations of "
+        f"{args.iteration_ms} ms, --nvtx-delay-ms {args.nvtx_delay_ms}"
+    )
+    print(
+        f"range start - iteration start (lag): p1 {figures['offset_p1_us']} us, "
+        f"p50 {figures['offset_p50_us']} us, p99 {figures['offset_p99_us']} us"
+    )
+    print(
+        f"range length - iteration length: p1 {figures['length_error_p1_us']} us, "
+        f"p50 {figures['length_error_p50_us']} us, p99 {figures['length_error_p99_us']} us"
+    )
     print(f"ranges shorter than half their iteration: {100 * figures['short_range_share']:.2f}%")
     print(json.dumps(figures))
 

@@ -94,9 +94,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     libraries = build_libraries()
     vector_path = libraries["vector"].vector_path()
-    print(f"vector path {vector_path} (1 AVX-512, 2 AVX2, 0 none), {args.dtype}, "
-          f"{torch.get_num_threads()} threads, {args.layers} layers, ms per step (median of "
-          f"{args.repeats})")
+    print(
+        f"vector path {vector_path} (1 AVX-512, 2 AVX2, 0 none), {args.dtype}, "
+        f"{torch.get_num_threads()} threads, {args.layers} layers, ms per step (median of "
+        f"{args.repeats})"
+    )
     cases = []
     for batch, context in CASES:
         layers, seq_lens = make_layers(args.layers, batch, context, dtype, seed=batch + context)
@@ -114,18 +116,34 @@ def main() -> None:
         portable, vector = (statistics.median(times[n]) for n in ("portable", "vector"))
         pairs = zip(times["portable"], times["vector"], strict=True)
         speedup = statistics.median([p / v for p, v in pairs])
-        case = {"batch": batch, "context": context, "portable_ms": round(portable, 2),
-                "vector_ms": round(vector, 2), "speedup": round(speedup, 2),
-                "max_abs_diff": max_diff}
+        case = {
+            "batch": batch,
+            "context": context,
+            "portable_ms": round(portable, 2),
+            "vector_ms": round(vector, 2),
+            "speedup": round(speedup, 2),
+            "max_abs_diff": max_diff,
+        }
         cases.append(case)
-        print(f"batch {batch:2d} context {context:4d}: portable {portable:8.2f}  vector "
-              f"{vector:8.2f}  speedup {speedup:5.2f}x  (max |diff| {max_diff:.1e})")
+        print(
+            f"batch {batch:2d} context {context:4d}: portable {portable:8.2f}  vector "
+            f"{vector:8.2f}  speedup {speedup:5.2f}x  (max |diff| {max_diff:.1e})"
+        )
     geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cases))
     print(f"geometric mean speedup {geomean:.2f}x")
-    print(json.dumps({"vector_path": vector_path, "dtype": args.dtype,
-                      "num_threads": torch.get_num_threads(), "layers": args.layers,
-                      "repeats": args.repeats, "cases": cases,
-                      "geomean_speedup": round(geomean, 2)}))
+    print(
+        json.dumps(
+            {
+                "vector_path": vector_path,
+                "dtype": args.dtype,
+                "num_threads": torch.get_num_threads(),
+                "layers": args.layers,
+                "repeats": args.repeats,
+                "cases": cases,
+                "geomean_speedup": round(geomean, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -95,38 +95,69 @@ def make_records(num_records: int, seed: int = 3) -> list[IterationRecord]:
         if iteration % REQUEST_PERIOD == 1:  # admitted, prefilled, first token
             num_prefill_tokens = 512
             arrival_ns = start_ns - rng.randint(5, 500) * MS
-            milestones.append(RequestMilestone(
-                request_id=f"r{iteration}", event=EVENT_FIRST_TOKEN, arrival_ns=arrival_ns,
-                first_scheduled_ns=start_ns, first_token_ns=end_ns, finished_ns=0,
-                num_prompt_tokens=640, num_cached_tokens=128, num_output_tokens=1,
-                num_preemptions=0, finish_reason=0,
-            ))
+            milestones.append(
+                RequestMilestone(
+                    request_id=f"r{iteration}",
+                    event=EVENT_FIRST_TOKEN,
+                    arrival_ns=arrival_ns,
+                    first_scheduled_ns=start_ns,
+                    first_token_ns=end_ns,
+                    finished_ns=0,
+                    num_prompt_tokens=640,
+                    num_cached_tokens=128,
+                    num_output_tokens=1,
+                    num_preemptions=0,
+                    finish_reason=0,
+                )
+            )
         if iteration % REQUEST_PERIOD == 3:  # the request admitted 200 tokens ago finishes
             first_token_ns = start_ns - OUTPUT_TOKENS * 12 * MS
             arrival_ns = first_token_ns - rng.randint(20, 520) * MS
-            milestones.append(RequestMilestone(
-                request_id=f"r{iteration}", event=EVENT_FINISHED, arrival_ns=arrival_ns,
-                first_scheduled_ns=first_token_ns - 12 * MS, first_token_ns=first_token_ns,
-                finished_ns=end_ns, num_prompt_tokens=640, num_cached_tokens=128,
-                num_output_tokens=OUTPUT_TOKENS, num_preemptions=rng.choice((0, 0, 0, 1)),
-                finish_reason=rng.choice((0, 1)),
-            ))
-        records.append(iteration_record(
-            0, iteration + iteration // 100, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-            num_prefill_reqs=int(num_prefill_tokens > 0), num_prefill_tokens=num_prefill_tokens,
-            num_decode_reqs=NUM_RUNNING, num_decode_tokens=NUM_RUNNING,
-            num_running_reqs=NUM_RUNNING + 1, num_waiting_reqs=3, num_waiting_kv_reqs=3,
-            num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
-            num_prefix_query_tokens=num_prefill_tokens + 128 * (num_prefill_tokens > 0),
-            num_prefix_hit_tokens=128 * (num_prefill_tokens > 0), milestones=milestones,
-        ))
+            milestones.append(
+                RequestMilestone(
+                    request_id=f"r{iteration}",
+                    event=EVENT_FINISHED,
+                    arrival_ns=arrival_ns,
+                    first_scheduled_ns=first_token_ns - 12 * MS,
+                    first_token_ns=first_token_ns,
+                    finished_ns=end_ns,
+                    num_prompt_tokens=640,
+                    num_cached_tokens=128,
+                    num_output_tokens=OUTPUT_TOKENS,
+                    num_preemptions=rng.choice((0, 0, 0, 1)),
+                    finish_reason=rng.choice((0, 1)),
+                )
+            )
+        records.append(
+            iteration_record(
+                0,
+                iteration + iteration // 100,
+                iteration,
+                start_ns=start_ns,
+                elapsed_ns=elapsed_ns,
+                num_prefill_reqs=int(num_prefill_tokens > 0),
+                num_prefill_tokens=num_prefill_tokens,
+                num_decode_reqs=NUM_RUNNING,
+                num_decode_tokens=NUM_RUNNING,
+                num_running_reqs=NUM_RUNNING + 1,
+                num_waiting_reqs=3,
+                num_waiting_kv_reqs=3,
+                num_kv_blocks_used=3500,
+                num_kv_blocks_free=65459,
+                num_kv_tokens=56000,
+                num_prefix_query_tokens=num_prefill_tokens + 128 * (num_prefill_tokens > 0),
+                num_prefix_hit_tokens=128 * (num_prefill_tokens > 0),
+                milestones=milestones,
+            )
+        )
         start_ns += 12 * MS
     return records
 
 
 def first_heartbeat() -> Heartbeat:
-    return lane_heartbeat(0, 1, 10**12 - MS, time.time_ns(), model_name="bench",
-                          num_kv_blocks_total=68959, pid=1)
+    return lane_heartbeat(
+        0, 1, 10**12 - MS, time.time_ns(), model_name="bench", num_kv_blocks_total=68959, pid=1
+    )
 
 
 class NothingSink(Sink):
@@ -154,8 +185,9 @@ class InstrumentSink(NothingSink):
         self.running = gauge("requests_running").labels(*labels)
         self.waiting = gauge("requests_waiting").labels(*labels)
         by_reason = gauge("requests_waiting_by_reason", "reason")
-        self.waiting_by_reason = [(by_reason.labels(*labels, reason), field)
-                                  for reason, field in WAITING_REASONS]
+        self.waiting_by_reason = [
+            (by_reason.labels(*labels, reason), field) for reason, field in WAITING_REASONS
+        ]
         self.usage = gauge("kv_cache_usage_ratio").labels(*labels)
         self.used = gauge("kv_blocks_used").labels(*labels)
         self.free = gauge("kv_blocks_free").labels(*labels)
@@ -172,8 +204,9 @@ class InstrumentSink(NothingSink):
         finished = counter("requests_finished", "finish_reason")
         self.finished = [finished.labels(*labels, reason) for reason in FINISH_REASONS]
         self.histograms = {
-            name: Histogram("iterscope_" + name, name, LABELS, buckets=bounds,
-                            registry=registry).labels(*labels)
+            name: Histogram(
+                "iterscope_" + name, name, LABELS, buckets=bounds, registry=registry
+            ).labels(*labels)
             for name, (_, bounds) in HISTOGRAMS.items()
         }
         self.last_end_ns = 0
@@ -200,8 +233,7 @@ class InstrumentSink(NothingSink):
         histograms = self.histograms
         end_ns = record.start_ns + record.elapsed_ns
         histograms["iteration_duration_seconds"].observe(record.elapsed_ns / 1e9)
-        histograms["iteration_tokens"].observe(
-            record.num_prefill_tokens + record.num_decode_tokens)
+        histograms["iteration_tokens"].observe(record.num_prefill_tokens + record.num_decode_tokens)
         histograms["iteration_context_tokens"].observe(record.num_prefill_tokens)
         histograms["iteration_generation_requests"].observe(record.num_decode_reqs)
         if record.num_decode_reqs and record.iteration == self.last_iteration + 1:
@@ -217,7 +249,8 @@ class InstrumentSink(NothingSink):
         histograms = self.histograms
         if milestone.event & EVENT_FIRST_TOKEN:
             histograms["time_to_first_token_seconds"].observe(
-                (milestone.first_token_ns - milestone.arrival_ns) / 1e9)
+                (milestone.first_token_ns - milestone.arrival_ns) / 1e9
+            )
             self.cached_tokens.inc(milestone.num_cached_tokens)
         if not milestone.event & EVENT_FINISHED:
             return
@@ -226,13 +259,16 @@ class InstrumentSink(NothingSink):
         for name, nanoseconds in (
             ("e2e_request_latency_seconds", milestone.finished_ns - milestone.arrival_ns),
             ("request_queue_time_seconds", milestone.first_scheduled_ns - milestone.arrival_ns),
-            ("request_prefill_time_seconds",
-             milestone.first_token_ns - milestone.first_scheduled_ns),
+            (
+                "request_prefill_time_seconds",
+                milestone.first_token_ns - milestone.first_scheduled_ns,
+            ),
             ("request_decode_time_seconds", decode_ns),
         ):
             histograms[name].observe(nanoseconds / 1e9)
         histograms["time_per_output_token_seconds"].observe(
-            decode_ns / (milestone.num_output_tokens - 1) / 1e9)
+            decode_ns / (milestone.num_output_tokens - 1) / 1e9
+        )
         histograms["request_prompt_tokens"].observe(milestone.num_prompt_tokens)
         histograms["request_generation_tokens"].observe(milestone.num_output_tokens)
         histograms["request_preemptions"].observe(milestone.num_preemptions)
@@ -290,9 +326,11 @@ def measure_ingest(num_records: int, repeats: int) -> dict:
             figures[name] = max(figures[name], run())
     figures["sink_speedup"] = figures["sink_records_per_s"] / figures["baseline_sink_records_per_s"]
     figures["sink_speedup_itl_per_token"] = (
-        figures["sink_records_per_s"] / figures["baseline_itl_per_token_sink_records_per_s"])
-    figures["ingest_speedup"] = (figures["ingest_records_per_s"]
-                                 / figures["baseline_ingest_records_per_s"])
+        figures["sink_records_per_s"] / figures["baseline_itl_per_token_sink_records_per_s"]
+    )
+    figures["ingest_speedup"] = (
+        figures["ingest_records_per_s"] / figures["baseline_ingest_records_per_s"]
+    )
     ingest = Ingest([PrometheusSink(CollectorRegistry())])
     ingest.on_frame(encoder.encode(first_heartbeat()), 0)
     for frame in frames:
@@ -335,8 +373,15 @@ def measure_visibility(num_probes: int, background_rate: float) -> dict:
     sidecar, port = start_metrics_sidecar(directory, address)
     url = f"http://127.0.0.1:{port}/metrics"
     background = subprocess.Popen(
-        [sys.executable, __file__, "--background", address, str(background_rate),
-         str(num_probes * 0.05 + 30)], cwd=REPO_ROOT,
+        [
+            sys.executable,
+            __file__,
+            "--background",
+            address,
+            str(background_rate),
+            str(num_probes * 0.05 + 30),
+        ],
+        cwd=REPO_ROOT,
     )
     publisher = ZmqPublisher(address, engine_index=1, facts={"model_name": "probe"})
     latencies_ms = []
@@ -378,8 +423,12 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--probes", type=int, default=300)
-    parser.add_argument("--background-rate", type=float, default=2000.0,
-                        help="records/s from a second engine during the visibility probes")
+    parser.add_argument(
+        "--background-rate",
+        type=float,
+        default=2000.0,
+        help="records/s from a second engine during the visibility probes",
+    )
     parser.add_argument("--background", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.background:
@@ -391,26 +440,40 @@ def main() -> None:
     figures = measure_ingest(args.records, args.repeats)
     print(f"ingest, one core, {args.records} records (sink only):")
     print(f"  our sink           {figures['sink_records_per_s']:>12,.0f} records/s")
-    print(f"  instrument sink    {figures['baseline_sink_records_per_s']:>12,.0f} records/s"
-          f"   ratio {figures['sink_speedup']:.1f}x  (ITL observed once per iteration)")
-    print(f"  instrument sink    {figures['baseline_itl_per_token_sink_records_per_s']:>12,.0f}"
-          f" records/s   ratio {figures['sink_speedup_itl_per_token']:.1f}x  (ITL once per token,"
-          " the same histogram as ours)")
+    print(
+        f"  instrument sink    {figures['baseline_sink_records_per_s']:>12,.0f} records/s"
+        f"   ratio {figures['sink_speedup']:.1f}x  (ITL observed once per iteration)"
+    )
+    print(
+        f"  instrument sink    {figures['baseline_itl_per_token_sink_records_per_s']:>12,.0f}"
+        f" records/s   ratio {figures['sink_speedup_itl_per_token']:.1f}x  (ITL once per token,"
+        " the same histogram as ours)"
+    )
     print("ingest, one core, frames through the sidecar's Ingest (decode + seq + sink):")
     print(f"  our sink           {figures['ingest_records_per_s']:>12,.0f} records/s")
-    print(f"  instrument sink    {figures['baseline_ingest_records_per_s']:>12,.0f} records/s"
-          f"   ratio {figures['ingest_speedup']:.1f}x  (ITL observed once per iteration)")
-    print(f"  a sink doing nothing {figures['ingest_nothing_sink_records_per_s']:>10,.0f}"
-          " records/s  (Ingest alone: decode + sequence checks)")
-    print(f"scrape of one engine: {figures['scrape_ms_one_engine']:.1f} ms, "
-          f"{figures['exposition_bytes_one_engine']} bytes")
+    print(
+        f"  instrument sink    {figures['baseline_ingest_records_per_s']:>12,.0f} records/s"
+        f"   ratio {figures['ingest_speedup']:.1f}x  (ITL observed once per iteration)"
+    )
+    print(
+        f"  a sink doing nothing {figures['ingest_nothing_sink_records_per_s']:>10,.0f}"
+        " records/s  (Ingest alone: decode + sequence checks)"
+    )
+    print(
+        f"scrape of one engine: {figures['scrape_ms_one_engine']:.1f} ms, "
+        f"{figures['exposition_bytes_one_engine']} bytes"
+    )
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     visibility = measure_visibility(args.probes, args.background_rate)
-    print(f"record visible in /metrics (publish -> scrape shows it), {args.probes} probes, "
-          f"background {args.background_rate:.0f} records/s:")
-    print(f"  p50 {visibility['visible_p50_ms']:.1f} ms, p99 {visibility['visible_p99_ms']:.1f}"
-          f" ms, max {visibility['visible_max_ms']:.1f} ms (one scrape: "
-          f"{visibility['scrape_p50_ms_two_engines']:.1f} ms p50)")
+    print(
+        f"record visible in /metrics (publish -> scrape shows it), {args.probes} probes, "
+        f"background {args.background_rate:.0f} records/s:"
+    )
+    print(
+        f"  p50 {visibility['visible_p50_ms']:.1f} ms, p99 {visibility['visible_p99_ms']:.1f}"
+        f" ms, max {visibility['visible_max_ms']:.1f} ms (one scrape: "
+        f"{visibility['scrape_p50_ms_two_engines']:.1f} ms p50)"
+    )
     print(json.dumps({**figures, **visibility}, sort_keys=True))
 
 

@@ -39,18 +39,39 @@ from bench.vllm_server import (  # noqa: E402
 )
 
 FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
-WARMUP_LOAD = ("--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
-               "32", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
-               "--seed", "1000")
+WARMUP_LOAD = (
+    "--dataset-name",
+    "random",
+    "--random-input-len",
+    "256",
+    "--random-output-len",
+    "32",
+    "--num-prompts",
+    "8",
+    "--max-concurrency",
+    "4",
+    "--ignore-eos",
+    "--seed",
+    "1000",
+)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_PLUGINS": "none"}
 
 
 def start_iterscope(port: int, extra_args: list[str], log_path: Path) -> subprocess.Popen:
-    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "engine.entrypoints.cli", "serve",
-               "smollm2", "--port", str(port), *extra_args]
+    command = [
+        str(ROOT / ".venv" / "bin" / "python"),
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        "smollm2",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, 300)
     except RuntimeError:
@@ -65,7 +86,7 @@ def round_load(round_index: int) -> tuple[str, ...]:
     cache, and a server whose KV cache holds more (vLLM's 4 GiB against iterscope's default
     512 MiB) would gain from that, not from serving faster."""
     seed_at = BENCH_LOAD.index("--seed") + 1
-    return (*BENCH_LOAD[:seed_at], str(round_index), *BENCH_LOAD[seed_at + 1:])
+    return (*BENCH_LOAD[:seed_at], str(round_index), *BENCH_LOAD[seed_at + 1 :])
 
 
 def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
@@ -80,8 +101,11 @@ def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
             if result["failed"]:
                 raise RuntimeError(f"{name}: {result['failed']} requests failed")
             runs.append({figure: result[figure] for figure in FIGURES})
-            print(f"{name} round {round_index}: " + ", ".join(
-                f"{figure} {runs[-1][figure]:.1f}" for figure in FIGURES), flush=True)
+            print(
+                f"{name} round {round_index}: "
+                + ", ".join(f"{figure} {runs[-1][figure]:.1f}" for figure in FIGURES),
+                flush=True,
+            )
     finally:
         stop(server)
     return {figure: statistics.mean(run[figure] for run in runs) for figure in FIGURES}
@@ -89,27 +113,55 @@ def measure(name: str, start, stop, rounds: int, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="measured runs per server "
-                        "(default %(default)s)")
-    parser.add_argument("--iterscope-arg", action="append", default=[], metavar="ARG",
-                        help="an extra `iterscope serve` flag (repeatable; default none)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="measured runs per server (default %(default)s)"
+    )
+    parser.add_argument(
+        "--iterscope-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra `iterscope serve` flag (repeatable; default none)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        vllm = measure("vllm", lambda port, log: start_vllm(port, VLLM_ENV, log, BEST_CPU_FLAGS),
-                       stop_server, args.rounds, tmp)
-        ours = measure("iterscope",
-                       lambda port, log: start_iterscope(port, args.iterscope_arg, log),
-                       stop_server, args.rounds, tmp)
+        vllm = measure(
+            "vllm",
+            lambda port, log: start_vllm(port, VLLM_ENV, log, BEST_CPU_FLAGS),
+            stop_server,
+            args.rounds,
+            tmp,
+        )
+        ours = measure(
+            "iterscope",
+            lambda port, log: start_iterscope(port, args.iterscope_arg, log),
+            stop_server,
+            args.rounds,
+            tmp,
+        )
     ratios = {f"{figure}_ratio": ours[figure] / vllm[figure] for figure in FIGURES}
     for name, figures in (("vLLM", vllm), ("iterscope", ours)):
-        print(f"{name:>9}: {figures['output_throughput']:.1f} output tok/s, TTFT mean "
-              f"{figures['mean_ttft_ms']:.0f} ms p99 {figures['p99_ttft_ms']:.0f} ms, TPOT mean "
-              f"{figures['mean_tpot_ms']:.1f} ms p99 {figures['p99_tpot_ms']:.1f} ms")
-    print(f"iterscope / vLLM: throughput {ratios['output_throughput_ratio']:.2f}x, TTFT mean "
-          f"{ratios['mean_ttft_ms_ratio']:.2f}x, TPOT mean {ratios['mean_tpot_ms_ratio']:.2f}x")
-    print(json.dumps({"vllm": vllm, "iterscope": ours, "iterscope_args": args.iterscope_arg,
-                      "rounds": args.rounds, **ratios}))
+        print(
+            f"{name:>9}: {figures['output_throughput']:.1f} output tok/s, TTFT mean "
+            f"{figures['mean_ttft_ms']:.0f} ms p99 {figures['p99_ttft_ms']:.0f} ms, TPOT mean "
+            f"{figures['mean_tpot_ms']:.1f} ms p99 {figures['p99_tpot_ms']:.1f} ms"
+        )
+    print(
+        f"iterscope / vLLM: throughput {ratios['output_throughput_ratio']:.2f}x, TTFT mean "
+        f"{ratios['mean_ttft_ms_ratio']:.2f}x, TPOT mean {ratios['mean_tpot_ms_ratio']:.2f}x"
+    )
+    print(
+        json.dumps(
+            {
+                "vllm": vllm,
+                "iterscope": ours,
+                "iterscope_args": args.iterscope_arg,
+                "rounds": args.rounds,
+                **ratios,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,15 +42,38 @@ def make_frames(num_records: int) -> list[bytes]:
         start_ns += 10_000_000
         if iteration % 1000 == 1:
             seq += 1
-            frames.append(encoder.encode(heartbeat(
-                0, seq, start_ns, start_ns + WALL_OFFSET_NS, last_iteration=iteration - 1,
-                num_running_reqs=50, device_name="CPU")))
+            frames.append(
+                encoder.encode(
+                    heartbeat(
+                        0,
+                        seq,
+                        start_ns,
+                        start_ns + WALL_OFFSET_NS,
+                        last_iteration=iteration - 1,
+                        num_running_reqs=50,
+                        device_name="CPU",
+                    )
+                )
+            )
         seq += 1
         running = 48 + iteration % 5
-        frames.append(encoder.encode(iteration_record(
-            0, seq, iteration, start_ns=start_ns, elapsed_ns=9_000_000,
-            num_decode_reqs=running, num_decode_tokens=running, num_running_reqs=running,
-            num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000)))
+        frames.append(
+            encoder.encode(
+                iteration_record(
+                    0,
+                    seq,
+                    iteration,
+                    start_ns=start_ns,
+                    elapsed_ns=9_000_000,
+                    num_decode_reqs=running,
+                    num_decode_tokens=running,
+                    num_running_reqs=running,
+                    num_kv_blocks_used=3500,
+                    num_kv_blocks_free=65459,
+                    num_kv_tokens=56000,
+                )
+            )
+        )
     return frames
 
 
@@ -85,7 +108,8 @@ def over_ipc_rate(num_records: int, num_frames: int, directory: str) -> float:
     ingest = make_ingest(directory + "/ipc")
     sidecar = LaneLoop(address, ingest, rcvhwm=1_000_000)
     sender = multiprocessing.get_context("spawn").Process(
-        target=send_frames, args=(address, num_records))
+        target=send_frames, args=(address, num_records)
+    )
     sender.start()
     times: dict[str, float] = {}
 

@@ -48,9 +48,22 @@ from bench.vllm_server import stop_server  # noqa: E402
 
 MODEL = "tiny-llama"
 BODY_TIMEOUT_S = 2
-SERVE_FLAGS = ("--model", MODEL, "--kv-cache-memory", "4MiB", "--cpu-threads", "1",
-               "--port", "0", "--metrics-port", "0",
-               "--request-body-timeout", str(BODY_TIMEOUT_S), "--request-header-timeout", "2")
+SERVE_FLAGS = (
+    "--model",
+    MODEL,
+    "--kv-cache-memory",
+    "4MiB",
+    "--cpu-threads",
+    "1",
+    "--port",
+    "0",
+    "--metrics-port",
+    "0",
+    "--request-body-timeout",
+    str(BODY_TIMEOUT_S),
+    "--request-header-timeout",
+    "2",
+)
 OVERSIZE_BYTES = 5 << 20  # over serve's default --max-request-body of 4 MiB
 LARGE_PROMPT_BYTES = 3 << 20  # under it, and far over the tiny model's 1024 tokens
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -111,8 +124,10 @@ def check_usage(usage: dict, n: int, max_tokens: int, finish_reasons: list[str])
     completion_tokens = usage["completion_tokens"]
     expect(1 <= completion_tokens <= n * max_tokens, f"{completion_tokens} completion tokens")
     if all(reason == "length" for reason in finish_reasons):
-        expect(completion_tokens == n * max_tokens,
-               f"{completion_tokens} tokens, all finished by length {max_tokens} x {n}")
+        expect(
+            completion_tokens == n * max_tokens,
+            f"{completion_tokens} tokens, all finished by length {max_tokens} x {n}",
+        )
     expect(usage["prompt_tokens"] > 0, f"usage {usage}")
 
 
@@ -125,8 +140,13 @@ async def post_whole(ctx: Context, route: str, body: dict) -> dict:
 
 def sampling(ctx: Context, n: int = 1) -> dict:
     greedy = n == 1 and ctx.rng.random() < 0.5
-    return {"model": MODEL, "max_tokens": ctx.rng.randint(1, 16), "n": n,
-            "temperature": 0.0 if greedy else 0.8, "seed": ctx.rng.randrange(1 << 30)}
+    return {
+        "model": MODEL,
+        "max_tokens": ctx.rng.randint(1, 16),
+        "n": n,
+        "temperature": 0.0 if greedy else 0.8,
+        "seed": ctx.rng.randrange(1 << 30),
+    }
 
 
 async def completion(ctx: Context, n: int = 1) -> None:
@@ -157,8 +177,11 @@ async def streamed(ctx: Context, route: str, body: dict) -> list[dict]:
     async with ctx.http.stream("POST", f"{ctx.base_url}{route}", json=body) as response:
         ctx.tally.saw(route, response.status_code)
         expect(response.status_code == 200, f"{response.status_code}")
-        datas = [line[len("data: "):] async for line in response.aiter_lines()
-                 if line.startswith("data: ")]
+        datas = [
+            line[len("data: ") :]
+            async for line in response.aiter_lines()
+            if line.startswith("data: ")
+        ]
     expect(bool(datas) and datas[-1] == "[DONE]", f"stream ended with {datas[-1:]}")
     events = [json.loads(data) for data in datas[:-1]]
     expect(all("error" not in event for event in events), f"error event {events[-1]}")
@@ -186,8 +209,11 @@ async def stream_chat(ctx: Context) -> None:
 async def refused(ctx: Context, body: dict | bytes, status: int, words: str) -> None:
     """POST ``body`` to the completions route; it must be refused with ``status``, the error
     message holding ``words``."""
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
-        if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     response = await ctx.http.post(f"{ctx.base_url}{COMPLETIONS}", **kwargs)
     ctx.tally.saw(COMPLETIONS, response.status_code)
     expect(response.status_code == status, f"{response.status_code}, not {status}")
@@ -233,8 +259,10 @@ async def raw_exchange(ctx: Context, head: bytes, timeout_s: float) -> int:
 
 
 def request_head(content_length: int, body_start: bytes) -> bytes:
-    return (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {content_length}\r\n\r\n").encode() + body_start
+    return (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {content_length}\r\n\r\n"
+    ).encode() + body_start
 
 
 async def oversize_body(ctx: Context) -> None:
@@ -249,8 +277,13 @@ async def slow_body(ctx: Context) -> None:
 
 async def dropped_stream(ctx: Context) -> None:
     """A stream the client leaves after its first chunk (the server aborts the request)."""
-    body = {"model": MODEL, "prompt": prompt(ctx.rng), "max_tokens": 200, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt(ctx.rng),
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with ctx.http.stream("POST", f"{ctx.base_url}{COMPLETIONS}", json=body) as response:
         ctx.tally.saw(COMPLETIONS, response.status_code)
         expect(response.status_code == 200, f"{response.status_code}")
@@ -261,11 +294,17 @@ async def dropped_stream(ctx: Context) -> None:
 
 Case = Callable[[Context], Awaitable[None]]
 CASES: dict[str, tuple[Case, int]] = {  # name -> (case, weight)
-    "completion": (completion, 6), "chat": (chat, 6), "completion_n2": (completion_n2, 3),
-    "stream_completion": (stream_completion, 5), "stream_chat": (stream_chat, 5),
-    "oversize_body": (oversize_body, 2), "malformed_json": (malformed_json, 2),
-    "slow_body": (slow_body, 1), "unknown_field": (unknown_field, 2),
-    "huge_max_tokens": (huge_max_tokens, 2), "dropped_stream": (dropped_stream, 3),
+    "completion": (completion, 6),
+    "chat": (chat, 6),
+    "completion_n2": (completion_n2, 3),
+    "stream_completion": (stream_completion, 5),
+    "stream_chat": (stream_chat, 5),
+    "oversize_body": (oversize_body, 2),
+    "malformed_json": (malformed_json, 2),
+    "slow_body": (slow_body, 1),
+    "unknown_field": (unknown_field, 2),
+    "huge_max_tokens": (huge_max_tokens, 2),
+    "dropped_stream": (dropped_stream, 3),
     "large_prompt": (large_prompt, 1),
 }
 
@@ -287,12 +326,15 @@ async def worker(ctx: Context, deadline: float) -> None:
 
 def start_serve(log_path: Path, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
     """`iterscope serve` on the tiny model, in a session of its own; (process, base URL)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     command = [sys.executable, "-m", "engine.entrypoints.cli", "serve", *SERVE_FLAGS]
     with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=env, start_new_session=True)
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         match = re.search(r"on (http://\S+)/v1\n", log_path.read_text(errors="replace"))
@@ -315,14 +357,18 @@ def rss_bytes(pid: int) -> int:
 
 def scrape(base_url: str) -> list:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return [sample for family in text_string_to_metric_families(text)
-            for sample in family.samples]
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 def counted_requests(samples: list) -> Counter:
     """(route, status class) -> requests, as the API port's /metrics counts them."""
-    return Counter({(s.labels["handler"], s.labels["status"]): int(s.value)
-                    for s in samples if s.name == "http_requests_total"})
+    return Counter(
+        {
+            (s.labels["handler"], s.labels["status"]): int(s.value)
+            for s in samples
+            if s.name == "http_requests_total"
+        }
+    )
 
 
 def engine_series(samples: list, name: str) -> float | None:
@@ -360,8 +406,11 @@ async def sample_rss(pid: int, peak: list[int], start: float, tally: Tally) -> N
         peak[0] = max(peak[0], rss_bytes(pid))
         if time.monotonic() - last_line >= 30:
             last_line = time.monotonic()
-            print(f"{last_line - start:6.0f} s: {sum(tally.runs.values())} requests, "
-                  f"{tally.num_failures} wrong, RSS {rss_bytes(pid) >> 20} MiB", flush=True)
+            print(
+                f"{last_line - start:6.0f} s: {sum(tally.runs.values())} requests, "
+                f"{tally.num_failures} wrong, RSS {rss_bytes(pid) >> 20} MiB",
+                flush=True,
+            )
         await asyncio.sleep(1)
 
 
@@ -370,8 +419,10 @@ async def load(base_url: str, pid: int, args: argparse.Namespace, tally: Tally) 
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     seeds = random.Random(args.seed)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        contexts = [Context(http, base_url, random.Random(seeds.random()), tally)
-                    for _ in range(args.concurrency)]
+        contexts = [
+            Context(http, base_url, random.Random(seeds.random()), tally)
+            for _ in range(args.concurrency)
+        ]
         for warm_up in (completion, chat, stream_completion):
             tally.runs[warm_up.__name__] += 1
             await warm_up(contexts[0])
@@ -380,8 +431,9 @@ async def load(base_url: str, pid: int, args: argparse.Namespace, tally: Tally) 
         start = time.monotonic()
         sampler = asyncio.ensure_future(sample_rss(pid, peak, start, tally))
         try:
-            await asyncio.gather(*(worker(context, start + args.minutes * 60)
-                                   for context in contexts))
+            await asyncio.gather(
+                *(worker(context, start + args.minutes * 60) for context in contexts)
+            )
         finally:
             sampler.cancel()
     return baseline, peak[0]
@@ -391,9 +443,14 @@ def final_checks(base_url: str, pid: int, tally: Tally, baseline: int, margin: i
     """The figures of the idle server after the load, and which checks held."""
     health = wait_idle(base_url)
     counted = poll(lambda: counted_requests(scrape(base_url)), lambda c: c == tally.seen, 10)
-    samples = poll(lambda: scrape(base_url),
-                   lambda s: engine_series(s, "iterscope_kv_blocks_free")
-                   == engine_series(s, "iterscope_kv_blocks_capacity"), 10)
+    samples = poll(
+        lambda: scrape(base_url),
+        lambda s: (
+            engine_series(s, "iterscope_kv_blocks_free")
+            == engine_series(s, "iterscope_kv_blocks_capacity")
+        ),
+        10,
+    )
     kv_free = engine_series(samples, "iterscope_kv_blocks_free")
     kv_capacity = engine_series(samples, "iterscope_kv_blocks_capacity")
     dropped = engine_series(samples, "iterscope_records_dropped_total")
@@ -407,9 +464,13 @@ def final_checks(base_url: str, pid: int, tally: Tally, baseline: int, margin: i
         "rss_within_margin": rss_end <= baseline + margin,
     }
     return {
-        "health": health, "kv_blocks_free": kv_free, "kv_blocks_capacity": kv_capacity,
-        "records_dropped": dropped, "rss_end_mib": round(rss_end / 2**20, 1),
-        "status_seen": by_route(tally.seen), "status_counted": by_route(counted),
+        "health": health,
+        "kv_blocks_free": kv_free,
+        "kv_blocks_capacity": kv_capacity,
+        "records_dropped": dropped,
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "status_seen": by_route(tally.seen),
+        "status_counted": by_route(counted),
         "checks": checks,
     }
 
@@ -420,14 +481,20 @@ def by_route(counts: Counter) -> dict[str, int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0,
-                        help="how long the load runs (default %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=4,
-                        help="clients at once (default %(default)s)")
+    parser.add_argument(
+        "--minutes", type=float, default=30.0, help="how long the load runs (default %(default)s)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=4, help="clients at once (default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the request mix (default 0)")
-    parser.add_argument("--rss-margin-mib", type=float, default=64.0,
-                        help="the frontend's RSS may end this far above its size after "
-                        "warm-up (default %(default)s)")
+    parser.add_argument(
+        "--rss-margin-mib",
+        type=float,
+        default=64.0,
+        help="the frontend's RSS may end this far above its size after "
+        "warm-up (default %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -437,23 +504,33 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="iterscope-soak-") as directory:
         log_path = Path(directory) / "serve.log"
         server, base_url = start_serve(log_path)
-        print(f"serve on {base_url} (pid {server.pid}); {args.minutes:g} minutes, "
-              f"{args.concurrency} clients", flush=True)
+        print(
+            f"serve on {base_url} (pid {server.pid}); {args.minutes:g} minutes, "
+            f"{args.concurrency} clients",
+            flush=True,
+        )
         try:
             baseline, peak = asyncio.run(load(base_url, server.pid, args, tally))
-            figures = final_checks(base_url, server.pid, tally, baseline,
-                                   int(args.rss_margin_mib * 2**20))
+            figures = final_checks(
+                base_url, server.pid, tally, baseline, int(args.rss_margin_mib * 2**20)
+            )
         finally:
             stop_server(server)
         tracebacks = log_path.read_text(errors="replace").count("Traceback")
     figures["checks"]["serve_exited_cleanly"] = server.returncode == 0 and tracebacks == 0
     result = {
-        "minutes": args.minutes, "concurrency": args.concurrency,
-        "requests": sum(tally.runs.values()), "runs": dict(sorted(tally.runs.items())),
-        "wrong_answers": tally.num_failures, "wrong_examples": tally.failures,
-        "rss_baseline_mib": round(baseline / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
-        "serve_exit_status": server.returncode, "serve_tracebacks": tracebacks,
-        **figures, "passed": all(figures["checks"].values()),
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "requests": sum(tally.runs.values()),
+        "runs": dict(sorted(tally.runs.items())),
+        "wrong_answers": tally.num_failures,
+        "wrong_examples": tally.failures,
+        "rss_baseline_mib": round(baseline / 2**20, 1),
+        "rss_peak_mib": round(peak / 2**20, 1),
+        "serve_exit_status": server.returncode,
+        "serve_tracebacks": tracebacks,
+        **figures,
+        "passed": all(figures["checks"].values()),
     }
     print(json.dumps(result))
     return 0 if result["passed"] else 1

@@ -53,10 +53,30 @@ def lane_iteration(publisher: ZmqPublisher, iteration: int, start_ns: int) -> No
     running, gen_reqs, gen_tokens, waiting, used, free, kv_tokens = counts(iteration)
     # The constructor with every field, as engine/core.py builds its records: the cost timed
     # is the engine's, without the dict merge of telemetry.lane.record.iteration_record.
-    publisher.publish(IterationRecord(
-        0, 0, iteration, start_ns, 10_250_000, 0, 0, gen_reqs, gen_tokens, running, waiting,
-        waiting, 0, 0, used, free, kv_tokens, 0, 0, 0,
-    ))
+    publisher.publish(
+        IterationRecord(
+            0,
+            0,
+            iteration,
+            start_ns,
+            10_250_000,
+            0,
+            0,
+            gen_reqs,
+            gen_tokens,
+            running,
+            waiting,
+            waiting,
+            0,
+            0,
+            used,
+            free,
+            kv_tokens,
+            0,
+            0,
+            0,
+        )
+    )
 
 
 def logging_iteration(logger: logging.Logger, iteration: int, start_ns: int) -> None:
@@ -95,9 +115,17 @@ def percentile(samples: list[int], fraction: float) -> float:
 def record_sizes() -> dict[str, int]:
     encoder = make_encoder()
     steady = iteration_record(
-        0, 2**31, 123_456_789, start_ns=time.monotonic_ns(), elapsed_ns=10_250_000,
-        num_decode_reqs=50, num_decode_tokens=50, num_running_reqs=50,
-        num_kv_blocks_used=3500, num_kv_blocks_free=65459, num_kv_tokens=56000,
+        0,
+        2**31,
+        123_456_789,
+        start_ns=time.monotonic_ns(),
+        elapsed_ns=10_250_000,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        num_running_reqs=50,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
     )
     milestone = RequestMilestone("cmpl-0123456789abcdef", 2, 1, 2, 3, 4, 512, 0, 128, 0, 0)
     with_finish = msgspec.structs.replace(steady, milestones=[milestone])
@@ -152,18 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     figures["logging_over_lane_p50"] = round(figures["logging_p50_ns"] / figures["lane_p50_ns"], 1)
     figures["logging_over_lane_p99"] = round(figures["logging_p99_ns"] / figures["lane_p99_ns"], 1)
     print(f"per iteration, {len(lane)} iterations each, alternating blocks of {BLOCK}:")
-    print(f"  lane (fill + hand-off):      p50 {figures['lane_p50_ns']:.0f} ns, "
-          f"p99 {figures['lane_p99_ns']:.0f} ns ({num_dropped} dropped)")
-    print(f"  in-process logging line:    p50 {figures['logging_p50_ns']:.0f} ns, "
-          f"p99 {figures['logging_p99_ns']:.0f} ns")
-    print(f"  logging / lane: {figures['logging_over_lane_p50']}x at p50, "
-          f"{figures['logging_over_lane_p99']}x at p99 "
-          f"(timer overhead {figures['timer_overhead_ns']:.0f} ns, included in both)")
-    print(f"  process CPU per iteration, all threads (lane incl. the sender thread's encode + "
-          f"send): lane {figures['lane_cpu_per_iteration_ns']:.0f} ns, "
-          f"logging {figures['logging_cpu_per_iteration_ns']:.0f} ns")
-    print(f"steady decode record: {figures['steady_decode_record_bytes']} bytes; "
-          f"with one finish milestone: {figures['record_with_one_finish_bytes']} bytes")
+    print(
+        f"  lane (fill + hand-off):      p50 {figures['lane_p50_ns']:.0f} ns, "
+        f"p99 {figures['lane_p99_ns']:.0f} ns ({num_dropped} dropped)"
+    )
+    print(
+        f"  in-process logging line:    p50 {figures['logging_p50_ns']:.0f} ns, "
+        f"p99 {figures['logging_p99_ns']:.0f} ns"
+    )
+    print(
+        f"  logging / lane: {figures['logging_over_lane_p50']}x at p50, "
+        f"{figures['logging_over_lane_p99']}x at p99 "
+        f"(timer overhead {figures['timer_overhead_ns']:.0f} ns, included in both)"
+    )
+    print(
+        f"  process CPU per iteration, all threads (lane incl. the sender thread's encode + "
+        f"send): lane {figures['lane_cpu_per_iteration_ns']:.0f} ns, "
+        f"logging {figures['logging_cpu_per_iteration_ns']:.0f} ns"
+    )
+    print(
+        f"steady decode record: {figures['steady_decode_record_bytes']} bytes; "
+        f"with one finish milestone: {figures['record_with_one_finish_bytes']} bytes"
+    )
     print(json.dumps(figures))
     return 0
 

@@ -35,20 +35,24 @@ from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 
-def run_once(args: argparse.Namespace, model, prompts: list[list[int]], telemetry: bool,
-             directory: str) -> float:
+def run_once(
+    args: argparse.Namespace, model, prompts: list[list[int]], telemetry: bool, directory: str
+) -> float:
     """Output tokens/s of one offline run."""
     config = EngineConfig(
-        model="smollm2", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        model="smollm2",
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.input_len + args.output_len, enable_prefix_caching=False,
+        max_model_len=args.input_len + args.output_len,
+        enable_prefix_caching=False,
     )
     core, _ = build_engine_core(config, load_model=lambda *a: model)
     sidecar = None
     if telemetry:
         sidecar = start_sidecar(
-            ["--metrics-port", "0", "--record", f"{directory}/rec.jsonl"],
-            stderr=subprocess.DEVNULL)
+            ["--metrics-port", "0", "--record", f"{directory}/rec.jsonl"], stderr=subprocess.DEVNULL
+        )
         core.publisher = ZmqPublisher(sidecar.address, 0, facts=core.facts("smollm2"))
         time.sleep(0.2)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -81,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model("smollm2", dtype=args.dtype)
     rng = random.Random(0)
     vocab_size = model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(3, vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
     rates: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as directory:
         run_once(args, model, prompts, False, directory)  # warm-up, not counted
@@ -105,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         "rates_off": [round(r, 1) for r in rates["off"]],
         "rates_on": [round(r, 1) for r in rates["on"]],
         "workload": f"{args.num_prompts}x({args.input_len} in, {args.output_len} out), "
-                    f"max_num_seqs {args.max_num_seqs}, {args.dtype}",
+        f"max_num_seqs {args.max_num_seqs}, {args.dtype}",
     }
-    print(f"median: off {median_off:.1f}, on {median_on:.1f} output tokens/s, "
-          f"on/off {figures['on_over_off']:.4f}; mean of the rounds' on/off "
-          f"{figures['mean_paired_on_over_off']:.4f}")
+    print(
+        f"median: off {median_off:.1f}, on {median_on:.1f} output tokens/s, "
+        f"on/off {figures['on_over_off']:.4f}; mean of the rounds' on/off "
+        f"{figures['mean_paired_on_over_off']:.4f}"
+    )
     print(json.dumps(figures))
     return 0
 

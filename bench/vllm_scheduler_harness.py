@@ -34,34 +34,55 @@ MAX_MODEL_LEN = 1024
 _request_ids = itertools.count()
 
 
-def make_scheduler(num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                   scheduler_class: type = IterscopeScheduler) -> Scheduler:
-    model = ModelConfig(model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                        skip_tokenizer_init=True)
+def make_scheduler(
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    scheduler_class: type = IterscopeScheduler,
+) -> Scheduler:
+    model = ModelConfig(
+        model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True
+    )
     config = VllmConfig(
-        model_config=model, device_config=DeviceConfig("cpu"),
+        model_config=model,
+        device_config=DeviceConfig("cpu"),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
-            enable_chunked_prefill=True),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),
     )
     config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16,
-                             dtype=torch.float32)
-    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return scheduler_class(vllm_config=config, kv_cache_config=kv_cache,
-                           structured_output_manager=StructuredOutputManager(config),
-                           block_size=BLOCK_SIZE, log_stats=True)
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16, dtype=torch.float32
+    )
+    kv_cache = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return scheduler_class(
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
 
 
-def add_requests(scheduler: Scheduler, num_requests: int, prompt_len: int,
-                 max_tokens: int) -> None:
+def add_requests(scheduler: Scheduler, num_requests: int, prompt_len: int, max_tokens: int) -> None:
     for _ in range(num_requests):
-        scheduler.add_request(Request(
-            f"r{next(_request_ids)}", list(range(1, prompt_len + 1)),
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True), None))
+        scheduler.add_request(
+            Request(
+                f"r{next(_request_ids)}",
+                list(range(1, prompt_len + 1)),
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                None,
+            )
+        )
 
 
 def run_step(scheduler: Scheduler) -> None:
@@ -92,6 +113,8 @@ def made_up_output(scheduler: Scheduler, output) -> ModelRunnerOutput:
     done (read right after schedule(), which marks the chunks still prefilling)."""
     req_ids = list(output.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in req_ids]
-    return ModelRunnerOutput(req_ids=req_ids,
-                             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )

@@ -20,17 +20,33 @@ VLLM = ROOT / ".vllm-venv" / "bin" / "vllm"
 MODEL_DIR = ROOT / ".models" / "smollm2-hf"
 SERVED_MODEL_NAME = "smollm2"
 # Both cores for the model, as vLLM's CPU backend is fastest here; no hub, no usage reports.
-CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+CPU_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
 # vLLM's fastest CPU configuration for this model here: bfloat16 only where the CPU computes
 # it natively (emulated, it ran at 2.4 output tok/s on an AVX2-only EPYC where float32 runs
 # at full speed), as our own --dtype auto chooses; iteration details feed the plugin.
 BEST_CPU_FLAGS = ("--dtype", auto_dtype("cpu")[0], "--max-model-len", "2048", "--enforce-eager")
 PLUGIN_FLAGS = ("--enable-logging-iteration-details",)
 # The load of the serving comparisons: `vllm bench serve` random prompts, 256 in / 128 out.
-BENCH_LOAD = ("--dataset-name", "random", "--random-input-len", "256",
-              "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16",
-              "--ignore-eos", "--seed", "0")
+BENCH_LOAD = (
+    "--dataset-name",
+    "random",
+    "--random-input-len",
+    "256",
+    "--random-output-len",
+    "128",
+    "--num-prompts",
+    "64",
+    "--max-concurrency",
+    "16",
+    "--ignore-eos",
+    "--seed",
+    "0",
+)
 
 
 def free_port() -> int:
@@ -39,19 +55,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_vllm(port: int, env: dict[str, str], log_path: Path,
-               flags: tuple[str, ...] = BEST_CPU_FLAGS + PLUGIN_FLAGS,
-               ready_timeout_s: float = 300.0) -> subprocess.Popen:
+def start_vllm(
+    port: int,
+    env: dict[str, str],
+    log_path: Path,
+    flags: tuple[str, ...] = BEST_CPU_FLAGS + PLUGIN_FLAGS,
+    ready_timeout_s: float = 300.0,
+) -> subprocess.Popen:
     """`vllm serve` on 127.0.0.1:port with ``flags``; returns once /health answers. ``env``
     is added to this process's environment. Raises RuntimeError with the log's tail if vLLM
     exits or is not ready in time."""
     if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
         raise RuntimeError(f"{VLLM} or {MODEL_DIR} is missing: run `make vllm`")
-    command = [str(VLLM), "serve", str(MODEL_DIR), "--served-model-name", SERVED_MODEL_NAME,
-               *flags, "--host", "127.0.0.1", "--port", str(port)]
+    command = [
+        str(VLLM),
+        "serve",
+        str(MODEL_DIR),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        *flags,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env={**os.environ, **CPU_ENV, **env}, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            command,
+            env={**os.environ, **CPU_ENV, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, ready_timeout_s)
     except RuntimeError:
@@ -60,8 +95,7 @@ def start_vllm(port: int, env: dict[str, str], log_path: Path,
     return server
 
 
-def wait_healthy(base_url: str, server: subprocess.Popen, log_path: Path,
-                 timeout_s: float) -> None:
+def wait_healthy(base_url: str, server: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
     """Return once ``base_url``/health answers 200; RuntimeError (with the log's tail) if the
     server exits first or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
@@ -77,18 +111,39 @@ def wait_healthy(base_url: str, server: subprocess.Popen, log_path: Path,
     raise RuntimeError(f"{base_url} not ready after {timeout_s} s; see {log_path}")
 
 
-def bench_serve(port: int, result_dir: Path, name: str,
-                load: tuple[str, ...] = BENCH_LOAD) -> dict:
+def bench_serve(port: int, result_dir: Path, name: str, load: tuple[str, ...] = BENCH_LOAD) -> dict:
     """Run `vllm bench serve --backend openai-chat` against 127.0.0.1:port; its saved result
     (output_throughput, mean_ttft_ms, p99_ttft_ms, mean_tpot_ms, p99_tpot_ms, completed,
     failed, ...)."""
     subprocess.run(
-        [str(VLLM), "bench", "serve", "--backend", "openai-chat", "--endpoint",
-         "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{port}", "--model",
-         SERVED_MODEL_NAME, "--tokenizer", str(MODEL_DIR), *load, "--percentile-metrics",
-         "ttft,tpot,itl", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
-         str(result_dir), "--result-filename", f"{name}.json"],
-        check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        [
+            str(VLLM),
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--model",
+            SERVED_MODEL_NAME,
+            "--tokenizer",
+            str(MODEL_DIR),
+            *load,
+            "--percentile-metrics",
+            "ttft,tpot,itl",
+            "--metric-percentiles",
+            "50,99",
+            "--save-result",
+            "--result-dir",
+            str(result_dir),
+            "--result-filename",
+            f"{name}.json",
+        ],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
     return json.loads((result_dir / f"{name}.json").read_text())
 

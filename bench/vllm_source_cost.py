@@ -79,20 +79,38 @@ def decode_step(step: int):
     )
 
     details = SchedulerIterationDetails(
-        iteration_index=step, num_ctx_requests=0, num_ctx_tokens=0,
-        num_generation_requests=NUM_RUNNING, num_generation_tokens=NUM_RUNNING,
-        elapsed_ms=25.0)
-    scheduler = SchedulerStats(num_running_reqs=NUM_RUNNING, num_waiting_reqs=2,
-                               kv_cache_usage=0.4, iteration_details=details,
-                               prefix_cache_stats=PrefixCacheStats())
+        iteration_index=step,
+        num_ctx_requests=0,
+        num_ctx_tokens=0,
+        num_generation_requests=NUM_RUNNING,
+        num_generation_tokens=NUM_RUNNING,
+        elapsed_ms=25.0,
+    )
+    scheduler = SchedulerStats(
+        num_running_reqs=NUM_RUNNING,
+        num_waiting_reqs=2,
+        kv_cache_usage=0.4,
+        iteration_details=details,
+        prefix_cache_stats=PrefixCacheStats(),
+    )
     iteration = IterationStats()
     iteration.num_generation_tokens = NUM_RUNNING
     iteration.inter_token_latencies_iter = [0.025] * NUM_RUNNING
     if step % 8 == 0:
-        iteration.finished_requests.append(FinishedRequestStats(
-            finish_reason=FinishReason.LENGTH, request_id=f"cmpl-{step}", e2e_latency=4.0,
-            num_prompt_tokens=256, num_generation_tokens=128, queued_time=0.1,
-            prefill_time=0.3, inference_time=3.5, decode_time=3.2, num_cached_tokens=0))
+        iteration.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=FinishReason.LENGTH,
+                request_id=f"cmpl-{step}",
+                e2e_latency=4.0,
+                num_prompt_tokens=256,
+                num_generation_tokens=128,
+                queued_time=0.1,
+                prefill_time=0.3,
+                inference_time=3.5,
+                decode_time=3.2,
+                num_cached_tokens=0,
+            )
+        )
     return scheduler, iteration
 
 
@@ -113,9 +131,11 @@ def time_calls(num_calls: int) -> dict:
         plugin._publisher.close()
         del os.environ["ITERSCOPE_TELEMETRY_ADDRESS"]
     times_ns.sort()
-    return {"record_call_p50_us": times_ns[len(times_ns) // 2] / 1e3,
-            "record_call_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
-            "plugin_errors": plugin.num_errors}
+    return {
+        "record_call_p50_us": times_ns[len(times_ns) // 2] / 1e3,
+        "record_call_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
+        "plugin_errors": plugin.num_errors,
+    }
 
 
 def time_steps(num_steps: int) -> dict:
@@ -124,8 +144,7 @@ def time_steps(num_steps: int) -> dict:
 
     with start_sidecar(["--no-metrics", "--no-log"]) as sidecar:
         os.environ["ITERSCOPE_TELEMETRY_ADDRESS"] = sidecar.address
-        scheduler = make_scheduler(num_blocks=4096, max_num_seqs=256,
-                                   max_num_batched_tokens=4096)
+        scheduler = make_scheduler(num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
         reporter = scheduler._iterscope
         step_ns = [0]
         for name in ("added", "scheduled", "updated"):
@@ -135,24 +154,32 @@ def time_steps(num_steps: int) -> dict:
         for _ in range(num_steps):
             step_ns[0] = 0
             run_step(scheduler)
-            add_requests(scheduler, NUM_RUNNING - len(scheduler.running)
-                         - len(scheduler.waiting), prompt_len=256, max_tokens=128)
+            add_requests(
+                scheduler,
+                NUM_RUNNING - len(scheduler.running) - len(scheduler.waiting),
+                prompt_len=256,
+                max_tokens=128,
+            )
             times_ns.append(step_ns[0])
         errors = scheduler._iterscope_errors
         scheduler.shutdown_reporter()
         del os.environ["ITERSCOPE_TELEMETRY_ADDRESS"]
     times_ns.sort()
-    return {"step_cost_p50_us": times_ns[len(times_ns) // 2] / 1e3,
-            "step_cost_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
-            "scheduler_source_errors": errors}
+    return {
+        "step_cost_p50_us": times_ns[len(times_ns) // 2] / 1e3,
+        "step_cost_p99_us": times_ns[int(len(times_ns) * 0.99)] / 1e3,
+        "scheduler_source_errors": errors,
+    }
 
 
 def timed(method, total_ns: list[int]):
     """``method``, adding the time each call takes to ``total_ns[0]``."""
+
     def call(*args):
         start = time.perf_counter_ns()
         method(*args)
         total_ns[0] += time.perf_counter_ns() - start
+
     return call
 
 
@@ -185,9 +212,12 @@ def compare_throughput(source: str, num_rounds: int) -> dict:
                     stop_server(server)
                 runs[name].append(value)
                 print(f"round {round_index} {name}: {value:.1f} output tok/s", flush=True)
-    return {f"output_tok_s_{on}": runs[on], f"output_tok_s_{off}": runs[off],
-            "throughput_ratio_with_over_without":
-                statistics.mean(runs[on]) / statistics.mean(runs[off])}
+    return {
+        f"output_tok_s_{on}": runs[on],
+        f"output_tok_s_{off}": runs[off],
+        "throughput_ratio_with_over_without": statistics.mean(runs[on])
+        / statistics.mean(runs[off]),
+    }
 
 
 def main() -> None:
@@ -198,17 +228,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.source == "plugin":
         figures = time_calls(args.calls)
-        print(f"record() per call: p50 {figures['record_call_p50_us']:.1f} us, "
-              f"p99 {figures['record_call_p99_us']:.1f} us", flush=True)
+        print(
+            f"record() per call: p50 {figures['record_call_p50_us']:.1f} us, "
+            f"p99 {figures['record_call_p99_us']:.1f} us",
+            flush=True,
+        )
     else:
         figures = time_steps(args.calls)
-        print(f"scheduler source per vLLM step: p50 {figures['step_cost_p50_us']:.1f} us, "
-              f"p99 {figures['step_cost_p99_us']:.1f} us", flush=True)
+        print(
+            f"scheduler source per vLLM step: p50 {figures['step_cost_p50_us']:.1f} us, "
+            f"p99 {figures['step_cost_p99_us']:.1f} us",
+            flush=True,
+        )
     figures["source"] = args.source
     if args.rounds:
         figures.update(compare_throughput(args.source, args.rounds))
-        print(f"throughput with / without the {args.source} source: "
-              f"{figures['throughput_ratio_with_over_without']:.3f}", flush=True)
+        print(
+            f"throughput with / without the {args.source} source: "
+            f"{figures['throughput_ratio_with_over_without']:.3f}",
+            flush=True,
+        )
     print(json.dumps(figures))
 
 

@@ -73,8 +73,7 @@ def quantile(q: float, histogram: str, by: str = "") -> str:
     """The q-quantile of a histogram over the selected engines (``by`` adds grouping labels)."""
     group = f"le, {by}" if by else "le"
     return (
-        f"histogram_quantile({q}, sum by ({group}) "
-        f"(rate({series(histogram + '_bucket')}[{RATE}])))"
+        f"histogram_quantile({q}, sum by ({group}) (rate({series(histogram + '_bucket')}[{RATE}])))"
     )
 
 
@@ -180,11 +179,7 @@ def variables() -> list:
     ``instance`` is the scrape target (in Kubernetes, the pod): each variable offers only the
     values the variables before it select.
     """
-    datasource = (
-        dashboard.DatasourceVariable("datasource")
-        .label("Data source")
-        .type("prometheus")
-    )
+    datasource = dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
     model_name = label_variable(
         "model_name", "Model", f"label_values({VARIABLE_SOURCE_METRIC}, model_name)"
     )

@@ -29,8 +29,7 @@ UID = "iterscope-iterations"
 def iteration_duration_heatmap() -> dashboard.Panel:
     return heatmap_panel(
         "Iteration duration heatmap",
-        "How many iterations fell in each duration bucket per interval, over the selected "
-        "engines.",
+        "How many iterations fell in each duration bucket per interval, over the selected engines.",
         "iterscope_iteration_duration_seconds",
         unit="s",
     )
@@ -126,8 +125,7 @@ def prefix_hit_rate() -> dashboard.Panel:
     queries = rate("iterscope_prefix_cache_queries_total")
     return timeseries_panel(
         "Prefix cache hit rate",
-        "Share of prompt tokens looked up in the prefix cache that were found there, per "
-        "engine.",
+        "Share of prompt tokens looked up in the prefix cache that were found there, per engine.",
         [query(f"{hits} / {queries}", engine_legend(), "A")],
         unit="percentunit",
     ).max(1)

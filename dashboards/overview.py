@@ -142,15 +142,29 @@ def end_to_end_latency() -> dashboard.Panel:
 # Where a request's time goes (TTFT = queue + prefill, end-to-end = TTFT + decode) and how fast
 # its tokens come: (title, description, histogram) of one p50/p95/p99 panel each.
 REQUEST_PHASES = [
-    ("Queue time", "p50, p95 and p99 of the time from arrival to first scheduling (admission) of "
-     "finished requests.", "iterscope_request_queue_time_seconds"),
-    ("Prefill time", "p50, p95 and p99 of the time from first scheduling to the first token of "
-     "finished requests (prompt chunks included).", "iterscope_request_prefill_time_seconds"),
-    ("Decode time", "p50, p95 and p99 of the time from the first token to the last of finished "
-     "requests.", "iterscope_request_decode_time_seconds"),
-    ("Time per output token", "p50, p95 and p99 of each finished request's decode time divided "
-     "by its generated tokens after the first (TPOT).",
-     "iterscope_time_per_output_token_seconds"),
+    (
+        "Queue time",
+        "p50, p95 and p99 of the time from arrival to first scheduling (admission) of "
+        "finished requests.",
+        "iterscope_request_queue_time_seconds",
+    ),
+    (
+        "Prefill time",
+        "p50, p95 and p99 of the time from first scheduling to the first token of "
+        "finished requests (prompt chunks included).",
+        "iterscope_request_prefill_time_seconds",
+    ),
+    (
+        "Decode time",
+        "p50, p95 and p99 of the time from the first token to the last of finished requests.",
+        "iterscope_request_decode_time_seconds",
+    ),
+    (
+        "Time per output token",
+        "p50, p95 and p99 of each finished request's decode time divided "
+        "by its generated tokens after the first (TPOT).",
+        "iterscope_time_per_output_token_seconds",
+    ),
 ]
 
 

@@ -45,8 +45,7 @@ def frames_undecodable() -> dashboard.Panel:
     # Filtered by instance only: frames from an unknown sender carry empty engine and
     # model_name labels. The total over the selected sidecars, by reason.
     expr = (
-        f"sum by (reason) "
-        f"(rate(iterscope_frames_undecodable_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+        f"sum by (reason) (rate(iterscope_frames_undecodable_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     )
     return timeseries_panel(
         "Undecodable frames per second",
@@ -59,10 +58,7 @@ def frames_undecodable() -> dashboard.Panel:
 
 def frames_rejected() -> dashboard.Panel:
     # Sidecar-level: the engine a rejected frame claims is what cannot be trusted.
-    expr = (
-        f"sum by (reason) "
-        f"(rate(iterscope_frames_rejected_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
-    )
+    expr = f"sum by (reason) (rate(iterscope_frames_rejected_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     disconnects = f"sum(rate(iterscope_lane_disconnects_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     return timeseries_panel(
         "Rejected frames and lane disconnects per second",

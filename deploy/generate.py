@@ -56,8 +56,12 @@ _BlockStyleDumper.add_representer(str, _represent_str)
 
 def dump(documents: list[dict], source: str) -> str:
     body = yaml.dump_all(
-        documents, Dumper=_BlockStyleDumper, sort_keys=False, width=1 << 16,
-        allow_unicode=True, explicit_start=True,
+        documents,
+        Dumper=_BlockStyleDumper,
+        sort_keys=False,
+        width=1 << 16,
+        allow_unicode=True,
+        explicit_start=True,
     )
     return HEADER.format(source=source) + body
 
@@ -132,16 +136,18 @@ def dashboard_configmaps(dashboards_dir: Path = DASHBOARDS_DIR) -> list[dict]:
         text = path.read_text()
         if len(text.encode()) >= CONFIGMAP_MAX_BYTES:
             raise ValueError(f"{path} is {len(text.encode())} bytes: too large for a ConfigMap")
-        configmaps.append({
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": f"iterscope-dashboard-{path.stem.replace('_', '-')}",
-                "labels": {"app.kubernetes.io/name": "iterscope", **DASHBOARD_LABEL},
-                "annotations": dict(DASHBOARD_FOLDER_ANNOTATION),
-            },
-            "data": {path.name: text},
-        })
+        configmaps.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": f"iterscope-dashboard-{path.stem.replace('_', '-')}",
+                    "labels": {"app.kubernetes.io/name": "iterscope", **DASHBOARD_LABEL},
+                    "annotations": dict(DASHBOARD_FOLDER_ANNOTATION),
+                },
+                "data": {path.name: text},
+            }
+        )
     if not configmaps:
         raise ValueError(f"no dashboards in {dashboards_dir}/*.json")
     return configmaps
@@ -161,7 +167,8 @@ def render() -> dict[str, str]:
 def stale_files(rendered: dict[str, str], deploy_dir: Path = DEPLOY_DIR) -> list[str]:
     """Paths of generated files missing or different from ``rendered``."""
     return [
-        name for name, text in rendered.items()
+        name
+        for name, text in rendered.items()
         if not (deploy_dir / name).is_file() or (deploy_dir / name).read_text() != text
     ]
 

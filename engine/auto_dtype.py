@@ -37,8 +37,10 @@ def auto_dtype(device: str, cpuinfo: Path | None = None) -> tuple[str, str]:
     native = sorted(set(CPU_BF16_FLAGS) & cpu_flags(cpuinfo))
     if native:
         return "bfloat16", f"the CPU computes bfloat16 natively ({', '.join(native)})"
-    return "float32", (f"the CPU has no native bfloat16 ({' or '.join(CPU_BF16_FLAGS)}); "
-                       "--dtype bfloat16 would be emulated through float32")
+    return "float32", (
+        f"the CPU has no native bfloat16 ({' or '.join(CPU_BF16_FLAGS)}); "
+        "--dtype bfloat16 would be emulated through float32"
+    )
 
 
 def _auto_cuda_dtype() -> tuple[str, str]:
@@ -47,5 +49,7 @@ def _auto_cuda_dtype() -> tuple[str, str]:
     major, minor = torch.cuda.get_device_capability()
     if major >= 8:
         return "bfloat16", f"the GPU (compute capability {major}.{minor}) computes bfloat16"
-    return "float16", (f"the GPU (compute capability {major}.{minor}) has no bfloat16; "
-                       "float16 is its native half precision")
+    return "float16", (
+        f"the GPU (compute capability {major}.{minor}) has no bfloat16; "
+        "float16 is its native half precision"
+    )

@@ -51,51 +51,98 @@ def field_and_flag(name: str) -> str:
 @dataclass
 class EngineConfig:
     model: str = setting(
-        "smollm2", "--model", "HF directory, .gguf file, smollm2 or tiny-llama; `serve` also "
-        "takes it as its first argument")  # smollm2: the embedded default model
+        "smollm2",
+        "--model",
+        "HF directory, .gguf file, smollm2 or tiny-llama; `serve` also "
+        "takes it as its first argument",
+    )  # smollm2: the embedded default model
     served_model_name: str | None = None  # the name clients and telemetry use; None = model
     dtype: str = setting(
-        "auto", "--dtype", "the model's dtype; auto: bfloat16 where the CPU or GPU computes it "
-        "natively, else float32 on CPU and float16 on older GPUs (start-up says which)", DTYPE)
+        "auto",
+        "--dtype",
+        "the model's dtype; auto: bfloat16 where the CPU or GPU computes it "
+        "natively, else float32 on CPU and float16 on older GPUs (start-up says which)",
+        DTYPE,
+    )
     device: str = setting("cpu", "--device", "where the model runs", Choice(DEVICES))
-    block_size: int = setting(16, "--block-size", "tokens per KV cache block",
-                              PowerOfTwo(MAX_BLOCK_SIZE), "N")
-    max_num_seqs: int = setting(32, "--max-num-seqs", "most requests running at once",
-                                WholeNumber(1), "N")
-    max_num_batched_tokens: int = setting(2048, "--max-num-batched-tokens",
-                                          "most tokens in one iteration", WholeNumber(1), "N")
+    block_size: int = setting(
+        16, "--block-size", "tokens per KV cache block", PowerOfTwo(MAX_BLOCK_SIZE), "N"
+    )
+    max_num_seqs: int = setting(
+        32, "--max-num-seqs", "most requests running at once", WholeNumber(1), "N"
+    )
+    max_num_batched_tokens: int = setting(
+        2048, "--max-num-batched-tokens", "most tokens in one iteration", WholeNumber(1), "N"
+    )
     max_model_len: int | None = setting(
-        None, "--max-model-len", "longest prompt + output in tokens", WholeNumber(1), "N",
-        default_text="the model's own limit")
+        None,
+        "--max-model-len",
+        "longest prompt + output in tokens",
+        WholeNumber(1),
+        "N",
+        default_text="the model's own limit",
+    )
     kv_cache_memory_bytes: int | None = setting(
-        None, "--kv-cache-memory", "KV cache budget, e.g. 512MiB or 4GiB", MemorySize(),
-        "SIZE", default_text="512MiB on CPU, --gpu-memory-utilization of the card on CUDA")
+        None,
+        "--kv-cache-memory",
+        "KV cache budget, e.g. 512MiB or 4GiB",
+        MemorySize(),
+        "SIZE",
+        default_text="512MiB on CPU, --gpu-memory-utilization of the card on CUDA",
+    )
     gpu_memory_utilization: float = setting(
-        0.9, "--gpu-memory-utilization", "share of the GPU's memory for weights, activations "
-        "and KV cache on CUDA", Fraction(), "FRACTION")
-    enable_prefix_caching: bool = setting(True, "--no-prefix-caching",
-                                          "turn the prefix cache off", negate=True)
+        0.9,
+        "--gpu-memory-utilization",
+        "share of the GPU's memory for weights, activations and KV cache on CUDA",
+        Fraction(),
+        "FRACTION",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "--no-prefix-caching", "turn the prefix cache off", negate=True
+    )
     enable_chunked_prefill: bool = True
     engine_index: int = setting(
-        0, "--engine-index", "this engine's index in its telemetry (the `engine` label)",
-        WholeNumber(0, MAX_ENGINE_INDEX), "N")
+        0,
+        "--engine-index",
+        "this engine's index in its telemetry (the `engine` label)",
+        WholeNumber(0, MAX_ENGINE_INDEX),
+        "N",
+    )
     telemetry_address: str | None = None  # ZMQ address of the sidecar; None = telemetry off
     telemetry_curve_keys_dir: str | None = setting(
-        None, "--telemetry-curve-keys-dir", "CURVE keys for a tcp telemetry lane to a sidecar "
-        "on another host (python -m telemetry.lane.curve; docs/deploy.md)", metavar="DIR",
-        default_text="none: ipc lane")
+        None,
+        "--telemetry-curve-keys-dir",
+        "CURVE keys for a tcp telemetry lane to a sidecar "
+        "on another host (python -m telemetry.lane.curve; docs/deploy.md)",
+        metavar="DIR",
+        default_text="none: ipc lane",
+    )
     telemetry_curve_engine_name: str = setting(
-        "engine", "--telemetry-curve-engine-name", "which engine key pair in that directory",
-        metavar="NAME")
+        "engine",
+        "--telemetry-curve-engine-name",
+        "which engine key pair in that directory",
+        metavar="NAME",
+    )
     telemetry_sndhwm: int = setting(
-        DEFAULT_SNDHWM, "--telemetry-sndhwm", "telemetry frames ZMQ may hold for a slow "
-        "sidecar before dropping", WholeNumber(1), "N")
+        DEFAULT_SNDHWM,
+        "--telemetry-sndhwm",
+        "telemetry frames ZMQ may hold for a slow sidecar before dropping",
+        WholeNumber(1),
+        "N",
+    )
     telemetry_queue_capacity: int = setting(
-        DEFAULT_QUEUE_CAPACITY, "--telemetry-queue-capacity", "records the engine queues for "
-        "its telemetry sender thread before dropping", WholeNumber(1), "N")
+        DEFAULT_QUEUE_CAPACITY,
+        "--telemetry-queue-capacity",
+        "records the engine queues for its telemetry sender thread before dropping",
+        WholeNumber(1),
+        "N",
+    )
     nvtx_markers: bool = setting(
-        False, "--nvtx-markers", "one NVTX range per iteration in the engine process, to pair "
-        "with the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md)")
+        False,
+        "--nvtx-markers",
+        "one NVTX range per iteration in the engine process, to pair "
+        "with the sidecar's --nvtx ranges in Nsight Systems (docs/profiling.md)",
+    )
     test_count_log_records: bool = False  # engine process counts every log record (probe)
 
     def __post_init__(self) -> None:
@@ -153,8 +200,9 @@ class EngineConfig:
             kind = setting_field.metadata.get("kind")
             value = getattr(self, setting_field.name)
             if kind is not None and value is not None and not kind.accepts(value):
-                raise ValueError(f"{field_and_flag(setting_field.name)} must be "
-                                 f"{kind.expected}, got {value!r}")
+                raise ValueError(
+                    f"{field_and_flag(setting_field.name)} must be {kind.expected}, got {value!r}"
+                )
 
     def _check_token_budget(self, max_model_len: int) -> None:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:

@@ -126,7 +126,8 @@ class EngineCore:
         updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
         outputs, milestones = self._outputs(updated, end_ns)
         self.publisher.publish(
-            self._record(scheduled, start_ns, end_ns - model_start_ns, milestones))
+            self._record(scheduled, start_ns, end_ns - model_start_ns, milestones)
+        )
         self.markers.end()
         return outputs
 

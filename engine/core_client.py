@@ -191,7 +191,7 @@ class EngineCoreClient:
         return self._dead_error is None and self.process.is_alive()
 
     def engine_status(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
-        """"dead" (the process is gone), "stalled" (requests in flight and no message from
+        """ "dead" (the process is gone), "stalled" (requests in flight and no message from
         the engine for ``stall_after_s``; it beats every PROGRESS_BEAT_S while it works),
         "running" (requests in flight) or "idle". Cheap: no message to the engine."""
         if not self.is_alive:
@@ -222,7 +222,8 @@ class EngineCoreClient:
         raise EngineBusyError(
             f"the engine is not taking requests: {len(self._streams)} are in flight and its "
             f"input channel is full (last heard from {time.monotonic() - self.last_message_s:.0f} "
-            "s ago)")
+            "s ago)"
+        )
 
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:

@@ -76,7 +76,8 @@ def run_engine_core(
         try:
             core, model = build_engine_core(config, load_model, runner_class)
             core.publisher = _make_publisher(
-                config, core, config.served_model_name or model.config.name)
+                config, core, config.served_model_name or model.config.name
+            )
         except Exception as error:  # e.g. the KV cache cannot hold one max-length request
             outputs.send(encoder.encode(EngineFailed(f"{type(error).__name__}: {error}")))
             return
@@ -105,7 +106,7 @@ def _remove_channels_if_orphaned(input_address: str) -> None:
     channels' sockets; its engine, the last one using them, does."""
     parent = multiprocessing.parent_process()
     if parent is not None and not parent.is_alive() and input_address.startswith("ipc://"):
-        shutil.rmtree(os.path.dirname(input_address[len("ipc://"):]), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(input_address[len("ipc://") :]), ignore_errors=True)
 
 
 def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
@@ -178,8 +179,12 @@ class _EngineLoop:
             fields = msgspec.msgpack.decode(frame)
         except (msgspec.DecodeError, RecursionError):  # nested deeper than the stack
             return
-        if isinstance(fields, list) and len(fields) > 1 and fields[0] == "add" and isinstance(
-                fields[1], str):
+        if (
+            isinstance(fields, list)
+            and len(fields) > 1
+            and fields[0] == "add"
+            and isinstance(fields[1], str)
+        ):
             reason = f"undecodable request: {error}"
             self._send(EngineOutputs([RequestOutput(fields[1], [], True, None, 0, reason)]))
 

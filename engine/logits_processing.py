@@ -56,7 +56,8 @@ def penalize(logits: torch.Tensor, request: Request) -> torch.Tensor:
     if params.repetition_penalty != 1.0:
         seen = in_output.clone()
         seen[torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)] = True
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty,
-                                logits * params.repetition_penalty)
+        penalized = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
         logits = torch.where(seen, penalized, logits)
     return logits - params.frequency_penalty * counts - params.presence_penalty * in_output

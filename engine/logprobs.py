@@ -53,18 +53,27 @@ def completion_logprobs(
         tokens.append(text)
         token_logprobs.append(_finite(entry.logprob))
         top = {text: _finite(entry.logprob)}
-        top.update((token_text(token_id), _finite(logprob)) for token_id, logprob
-                   in zip(entry.top_token_ids, entry.top_logprobs, strict=True))
+        top.update(
+            (token_text(token_id), _finite(logprob))
+            for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+        )
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": _finite(logprob),
-            "bytes": list(text.encode("utf-8", errors="replace"))}
+    return {
+        "token": text,
+        "logprob": _finite(logprob),
+        "bytes": list(text.encode("utf-8", errors="replace")),
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
@@ -72,8 +81,10 @@ def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText) -> dict[s
     content = []
     for entry in entries:
         item = _chat_entry(token_text(entry.token_id), entry.logprob)
-        item["top_logprobs"] = [_chat_entry(token_text(token_id), logprob) for token_id, logprob
-                                in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]
+        item["top_logprobs"] = [
+            _chat_entry(token_text(token_id), logprob)
+            for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+        ]
         content.append(item)
     return {"content": content}
 

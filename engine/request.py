@@ -87,14 +87,16 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
-                             f"{self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
-                             f"{self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (or None for none), got {self.logprobs}")
 
@@ -104,8 +106,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 @dataclass(eq=False)

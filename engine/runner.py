@@ -86,8 +86,9 @@ class ModelRunner:
         logits = self.decoder.compute_logits(hidden[inputs.sample_token_indices])
         requests = [scheduled[inputs.order[row]][0] for row in inputs.sample_rows]
         tokens, logprobs = self.sampler.sample(logits, requests)
-        for row, request, token, entry in zip(inputs.sample_rows, requests, tokens, logprobs,
-                                              strict=True):
+        for row, request, token, entry in zip(
+            inputs.sample_rows, requests, tokens, logprobs, strict=True
+        ):
             results[inputs.order[row]] = token
             request.sampled_logprobs = entry
         return results
@@ -124,12 +125,14 @@ class ModelRunner:
             order=decodes + prefills,
             token_starts=layout.token_starts,
             sample_rows=layout.sample_rows,
-            sample_token_indices=torch.tensor(
-                layout.sample_indices, dtype=torch.long).to(self.device),
+            sample_token_indices=torch.tensor(layout.sample_indices, dtype=torch.long).to(
+                self.device
+            ),
         )
 
-    def _lay_out_decodes(self, scheduled: list[tuple[Request, int]],
-                         decodes: list[int]) -> _FlatLayout:
+    def _lay_out_decodes(
+        self, scheduled: list[tuple[Request, int]], decodes: list[int]
+    ) -> _FlatLayout:
         """The decodes, one token each and first in the step, so a decode's row is also its
         flat index; their positions and slot blocks make the layout's first chunks."""
         bs = self.block_size
@@ -154,14 +157,23 @@ class ModelRunner:
                 sample_rows.append(row)
                 sample_indices.append(row)
         return _FlatLayout(
-            input_ids, token_starts, sample_rows, sample_indices,
+            input_ids,
+            token_starts,
+            sample_rows,
+            sample_indices,
             position_chunks=[torch.tensor(positions, dtype=torch.long)],
             block_chunks=[torch.tensor(blocks, dtype=torch.long)],
-            decode_seq_lens=seq_lens, decode_block_rows=block_rows,
+            decode_seq_lens=seq_lens,
+            decode_block_rows=block_rows,
         )
 
-    def _lay_out_prefills(self, scheduled: list[tuple[Request, int]], prefills: list[int],
-                          first_row: int, layout: _FlatLayout) -> None:
+    def _lay_out_prefills(
+        self,
+        scheduled: list[tuple[Request, int]],
+        prefills: list[int],
+        first_row: int,
+        layout: _FlatLayout,
+    ) -> None:
         """Append each prefill chunk after the decodes: its tokens, a chunk of positions and
         of slot blocks, and its attention span (merged with the previous one when they can
         share one attention call)."""
@@ -188,8 +200,9 @@ class ModelRunner:
                 layout.sample_rows.append(row)
                 layout.sample_indices.append(flat_start + num_new - 1)
 
-    def _attention_metadata(self, layout: _FlatLayout, all_positions: torch.Tensor,
-                            num_decodes: int) -> AttentionMetadata:
+    def _attention_metadata(
+        self, layout: _FlatLayout, all_positions: torch.Tensor, num_decodes: int
+    ) -> AttentionMetadata:
         """Every new token's cache slot, and the decodes' padded block table and lengths."""
         meta = AttentionMetadata(
             slot_blocks=torch.cat(layout.block_chunks).to(self.device),
@@ -204,8 +217,9 @@ class ModelRunner:
             max_blocks = max(len(row) for row in block_rows)
             padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
             meta.decode_block_table = torch.tensor(padded, dtype=torch.long).to(self.device)
-            meta.decode_seq_lens = torch.tensor(layout.decode_seq_lens,
-                                                dtype=torch.long).to(self.device)
+            meta.decode_seq_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.long).to(
+                self.device
+            )
         return meta
 
     def _prefill_span(

@@ -110,6 +110,7 @@ def token_logprobs(
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for i, row in enumerate(rows):
         num = requests[row].sampling_params.logprobs
-        results[row] = TokenLogprobs(tokens[row], sampled_values[i], top_ids[i][:num],
-                                     top_values[i][:num])
+        results[row] = TokenLogprobs(
+            tokens[row], sampled_values[i], top_ids[i][:num], top_values[i][:num]
+        )
     return results

@@ -80,8 +80,9 @@ class WholeNumber(Kind):
 
     @property
     def expected(self) -> str:
-        bound = f">= {self.minimum}" if self.maximum is None else (
-            f"in {self.minimum}..{self.maximum}")
+        bound = (
+            f">= {self.minimum}" if self.maximum is None else (f"in {self.minimum}..{self.maximum}")
+        )
         return f"a whole number {bound}"
 
     def read(self, text: str) -> int:
@@ -154,14 +155,27 @@ class Choice(Kind):
         return value if value in self.names else None
 
 
-DTYPE = Choice(("auto", "float32", "bfloat16", "float16"), DTYPE_ALIASES,
-               "(or fp32, bf16, fp16, half)")
+DTYPE = Choice(
+    ("auto", "float32", "bfloat16", "float16"), DTYPE_ALIASES, "(or fp32, bf16, fp16, half)"
+)
 
 
-def setting(default: Any, flag: str | None = None, help: str = "", kind: Kind | None = None,
-            metavar: str | None = None, default_text: str | None = None,
-            negate: bool = False) -> Any:
+def setting(
+    default: Any,
+    flag: str | None = None,
+    help: str = "",
+    kind: Kind | None = None,
+    metavar: str | None = None,
+    default_text: str | None = None,
+    negate: bool = False,
+) -> Any:
     """A dataclass field with its flag's metadata (see the module docstring)."""
-    metadata = {"flag": flag, "help": help, "kind": kind, "metavar": metavar,
-                "default_text": default_text, "negate": negate}
+    metadata = {
+        "flag": flag,
+        "help": help,
+        "kind": kind,
+        "metavar": metavar,
+        "default_text": default_text,
+        "negate": negate,
+    }
     return field(default=default, metadata=metadata)

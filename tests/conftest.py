@@ -25,8 +25,9 @@ REAL_MODEL_FIXTURES = {"smollm2", "smollm2_tokenizer"}
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if (Path(str(item.path)).stem.endswith("_live")
-                or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        if Path(str(item.path)).stem.endswith("_live") or REAL_MODEL_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
             item.add_marker(pytest.mark.live)
 
 

@@ -77,8 +77,12 @@ def alert_labels(key: AlertKey) -> dict[str, str]:
     """The labels Prometheus sends for ``key``: the rule's labels and the series' labels."""
     alertname, instance, engine, model_name = key
     return {
-        "alertname": alertname, **RULE_LABELS[alertname], "job": "iterscope",
-        "instance": instance, "engine": engine, "model_name": model_name,
+        "alertname": alertname,
+        **RULE_LABELS[alertname],
+        "job": "iterscope",
+        "instance": instance,
+        "engine": engine,
+        "model_name": model_name,
     }
 
 
@@ -103,8 +107,10 @@ class Alertmanager(ReadyServer):
             for key in keys
         ]
         request = urllib.request.Request(
-            f"{self.url}/api/v2/alerts", data=json.dumps(alerts).encode(),
-            headers={"Content-Type": "application/json"}, method="POST",
+            f"{self.url}/api/v2/alerts",
+            data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.status == 200, response.read()
@@ -127,10 +133,17 @@ def start_alertmanager(tmp_path: Path) -> Alertmanager:
     """Alertmanager on the repository's config, 127.0.0.1 and a free port, without gossip."""
     binary = find_binary("alertmanager", "prometheus-alertmanager")
     return start_server(
-        Alertmanager, tmp_path, "alertmanager",
-        lambda port: [binary, f"--config.file={CONFIG}", f"--storage.path={tmp_path / 'data'}",
-                      f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-                      "--log.level=warn"],
+        Alertmanager,
+        tmp_path,
+        "alertmanager",
+        lambda port: [
+            binary,
+            f"--config.file={CONFIG}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ],
     )
 
 
@@ -173,7 +186,8 @@ def check_inhibitions(
     observed = settled_inhibitions(manager, expected)
     wrong = {
         key: f"inhibited by {sorted(observed.get(key, {'<missing>'}))}, expected {sorted(want)}"
-        for key, want in expected.items() if observed.get(key) != want
+        for key, want in expected.items()
+        if observed.get(key) != want
     }
     assert not wrong, "\n".join(f"{key}: {why}" for key, why in wrong.items())
 
@@ -181,7 +195,9 @@ def check_inhibitions(
 def test_amtool_accepts_config():
     result = subprocess.run(
         [find_binary("amtool"), "check-config", str(CONFIG)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 inhibit rules" in result.stdout, result.stdout
@@ -197,7 +213,9 @@ def test_engine_down_inhibits_only_its_own_engine(alertmanager):
     own = engine_alerts(POD_A, "0") + [(CONFLICT, POD_A, "0", MODEL)]
     others = [*engine_alerts(POD_A, "1"), *engine_alerts(POD_B, "0")]
     check_inhibitions(
-        alertmanager, [down, *own, *others], inhibited={key: down for key in own},
+        alertmanager,
+        [down, *own, *others],
+        inhibited={key: down for key in own},
     )
 
 
@@ -206,9 +224,14 @@ def test_index_conflict_inhibits_only_dropping_of_its_engine(alertmanager):
     # model_name follows the latest heartbeat, so the dropping alert may carry the other one.
     dropping = [(DROPPING, POD_A, "0", MODEL), (DROPPING, POD_A, "0", OTHER_MODEL)]
     others = [
-        (SATURATED, POD_A, "0", MODEL), (STALLED, POD_A, "0", MODEL), (QUEUE, POD_A, "0", MODEL),
-        (DROPPING, POD_A, "1", MODEL), (DROPPING, POD_B, "0", MODEL),
+        (SATURATED, POD_A, "0", MODEL),
+        (STALLED, POD_A, "0", MODEL),
+        (QUEUE, POD_A, "0", MODEL),
+        (DROPPING, POD_A, "1", MODEL),
+        (DROPPING, POD_B, "0", MODEL),
     ]
     check_inhibitions(
-        alertmanager, [conflict, *dropping, *others], inhibited={key: conflict for key in dropping},
+        alertmanager,
+        [conflict, *dropping, *others],
+        inhibited={key: conflict for key in dropping},
     )

@@ -55,9 +55,7 @@ def promtool() -> str:
 
 
 def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [promtool(), *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+    return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def load_rules() -> dict[str, dict]:
@@ -206,8 +204,10 @@ def replica_cases(name: str) -> list[list[str]]:
         for test in yaml.safe_load(path.read_text())["tests"]:
             for case in test.get("alert_rule_test", []):
                 alerts = case.get("exp_alerts") or []
-                if case["alertname"] == name and alerts and all(
-                    alert["exp_labels"].get("engine", "") in ("0", "") for alert in alerts
+                if (
+                    case["alertname"] == name
+                    and alerts
+                    and all(alert["exp_labels"].get("engine", "") in ("0", "") for alert in alerts)
                 ):
                     instances.append(sorted(a["exp_labels"].get("instance") for a in alerts))
     return instances
@@ -225,8 +225,9 @@ def test_kv_panel_thresholds_are_the_alert_thresholds():
     from dashboards.common import KV_NEAR_FULL_RATIO, KV_SATURATED_RATIO
 
     def threshold(name: str) -> float:
-        match = re.search(r"iterscope_kv_cache_usage_ratio(?:\[\w+\]\))? >= ([\d.]+)",
-                          RULES[name]["expr"])
+        match = re.search(
+            r"iterscope_kv_cache_usage_ratio(?:\[\w+\]\))? >= ([\d.]+)", RULES[name]["expr"]
+        )
         return float(match[1])
 
     assert threshold("IterscopeKVCacheNearFull") == KV_NEAR_FULL_RATIO
@@ -237,8 +238,11 @@ def test_kv_blocked_panel_threshold_is_the_alert_share():
     from dashboards.common import KV_BLOCKED_SHARE
 
     expr = RULES["IterscopeKVCacheSaturated"]["expr"]
-    match = re.search(r"increase\(iterscope_kv_blocked_iterations_total\[(\w+)\]\)\s*"
-                      r"> ([\d.]+) \* increase\(iterscope_iterations_total\[(\w+)\]\)", expr)
+    match = re.search(
+        r"increase\(iterscope_kv_blocked_iterations_total\[(\w+)\]\)\s*"
+        r"> ([\d.]+) \* increase\(iterscope_iterations_total\[(\w+)\]\)",
+        expr,
+    )
     assert match and match[1] == match[3], expr
     assert float(match[2]) == KV_BLOCKED_SHARE
 

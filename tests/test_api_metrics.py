@@ -31,7 +31,8 @@ def sidecar():
     """A sidecar's /metrics: one vLLM-named gauge (its colon must survive the forwarding)."""
     registry = CollectorRegistry()
     Gauge("vllm:num_requests_running", "Running.", ["model_name"], registry=registry).labels(
-        "tiny").set(2)
+        "tiny"
+    ).set(2)
     server = serve_metrics(registry, "127.0.0.1", 0)
     yield f"http://127.0.0.1:{server.server_port}/metrics"
     server.shutdown()
@@ -59,21 +60,26 @@ def families(response: httpx.Response) -> dict:
 
 
 def values(family, sample_name: str) -> dict[tuple, float]:
-    return {tuple(sorted(s.labels.items())): s.value
-            for s in family.samples if s.name == sample_name}
+    return {
+        tuple(sorted(s.labels.items())): s.value for s in family.samples if s.name == sample_name
+    }
 
 
 def test_requests_are_counted_by_route_template_status_class_and_method(sidecar, monkeypatch):
     frontend, client = scripted_frontend()
-    http = TestClient(build_app(frontend, sidecar_metrics_url=sidecar),
-                      raise_server_exceptions=False)
+    http = TestClient(
+        build_app(frontend, sidecar_metrics_url=sidecar), raise_server_exceptions=False
+    )
     completion = {"prompt": "hi", "max_tokens": 2}
     calls = [  # (method, path, body, the route template it must be counted under)
         *[("POST", "/v1/completions", completion, "/v1/completions")] * 3,
         ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, "/v1/completions"),
-        ("POST", "/v1/chat/completions",
-         {"messages": [{"role": "user", "content": "hi"}], "stream": True},
-         "/v1/chat/completions"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+            "/v1/chat/completions",
+        ),
         ("GET", "/v1/models", None, "/v1/models"),
         ("GET", "/v1/completions", None, "/v1/completions"),  # 405
         ("GET", "/v1/nothing/123", None, "none"),  # unknown paths share one series
@@ -92,22 +98,29 @@ def test_requests_are_counted_by_route_template_status_class_and_method(sidecar,
     assert {key[1] for key in expected} == {"2xx", "4xx", "5xx"}  # the table covers each
 
     found = families(http.get("/metrics"))
-    counted = {(labels["method"], labels["status"], labels["handler"]): value
-               for labels, value in ((dict(k), v) for k, v in
-                                     values(found["http_requests"], "http_requests_total")
-                                     .items())}
+    counted = {
+        (labels["method"], labels["status"], labels["handler"]): value
+        for labels, value in (
+            (dict(k), v) for k, v in values(found["http_requests"], "http_requests_total").items()
+        )
+    }
     assert counted == expected
     per_route = Counter()
     for (method, _, handler), count in expected.items():
         per_route[(("handler", handler), ("method", method))] += count
-    assert values(found["http_request_duration_seconds"],
-                  "http_request_duration_seconds_count") == per_route
-    assert values(found["http_request_duration_highr_seconds"],
-                  "http_request_duration_highr_seconds_count") == {(): sum(expected.values())}
+    assert (
+        values(found["http_request_duration_seconds"], "http_request_duration_seconds_count")
+        == per_route
+    )
+    assert values(
+        found["http_request_duration_highr_seconds"], "http_request_duration_highr_seconds_count"
+    ) == {(): sum(expected.values())}
     assert values(found["vllm:num_requests_running"], "vllm:num_requests_running") == {
-        (("model_name", "tiny"),): 2}
-    assert values(found["iterscope_api_sidecar_reachable"],
-                  "iterscope_api_sidecar_reachable") == {(): 1}
+        (("model_name", "tiny"),): 2
+    }
+    assert values(found["iterscope_api_sidecar_reachable"], "iterscope_api_sidecar_reachable") == {
+        (): 1
+    }
 
 
 def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
@@ -119,10 +132,12 @@ def test_without_the_sidecar_the_http_series_still_come(silent_port, sidecar):
         http = TestClient(app)
         assert http.get("/v1/models").status_code == 200
         found = families(http.get("/metrics"))
-        assert values(found["iterscope_api_sidecar_reachable"],
-                      "iterscope_api_sidecar_reachable") == {(): 0}, url
+        assert values(
+            found["iterscope_api_sidecar_reachable"], "iterscope_api_sidecar_reachable"
+        ) == {(): 0}, url
         assert values(found["http_requests"], "http_requests_total") == {
-            (("handler", "/v1/models"), ("method", "GET"), ("status", "2xx")): 1}
+            (("handler", "/v1/models"), ("method", "GET"), ("status", "2xx")): 1
+        }
         assert "vllm:num_requests_running" not in found
     # A sidecar that comes back is read again.
     current = {"url": closed_url}
@@ -143,6 +158,7 @@ def test_a_stuck_sidecar_does_not_hold_up_generation(silent_port):
         finished = []
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+
             async def call(name: str, method: str, path: str, **kwargs) -> None:
                 response = await http.request(method, path, **kwargs)
                 assert response.status_code == 200, name
@@ -173,15 +189,21 @@ def test_where_the_sidecar_metrics_come_from():
     started_here.metrics_url = "http://127.0.0.1:9998/metrics"  # restarted on another port
     assert locate() == started_here.metrics_url
     assert api_metrics.sidecar_metrics_url(args(), None) is None
-    external = args("--telemetry-address", "tcp://10.0.0.2:5557",
-                    "--sidecar-metrics-url", "http://10.0.0.2:9470/metrics")
+    external = args(
+        "--telemetry-address",
+        "tcp://10.0.0.2:5557",
+        "--sidecar-metrics-url",
+        "http://10.0.0.2:9470/metrics",
+    )
     assert api_metrics.sidecar_metrics_url(external, None) == "http://10.0.0.2:9470/metrics"
     with pytest.raises(ValueError, match="started elsewhere"):
-        api_metrics.sidecar_metrics_url(args("--sidecar-metrics-url", "http://x/metrics"),
-                                        StartedHere())
+        api_metrics.sidecar_metrics_url(
+            args("--sidecar-metrics-url", "http://x/metrics"), StartedHere()
+        )
     with pytest.raises(ValueError, match="http:// or https://"):
         api_metrics.sidecar_metrics_url(
-            args("--telemetry-address", "tcp://h:1", "--sidecar-metrics-url", "h:9470"), None)
+            args("--telemetry-address", "tcp://h:1", "--sidecar-metrics-url", "h:9470"), None
+        )
 
 
 def test_no_metric_family_name_repeats_in_the_api_answer():
@@ -193,8 +215,11 @@ def test_no_metric_family_name_repeats_in_the_api_answer():
     server = serve_metrics(registry, "127.0.0.1", 0)
     try:
         frontend, _ = scripted_frontend()
-        http = TestClient(build_app(
-            frontend, sidecar_metrics_url=f"http://127.0.0.1:{server.server_port}/metrics"))
+        http = TestClient(
+            build_app(
+                frontend, sidecar_metrics_url=f"http://127.0.0.1:{server.server_port}/metrics"
+            )
+        )
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).is_success
         response = http.get("/metrics")
     finally:
@@ -204,5 +229,6 @@ def test_no_metric_family_name_repeats_in_the_api_answer():
     assert "iterscope_sidecar_up" in names and "http_requests" in names
     assert [name for name, count in names.items() if count > 1] == []
     found = families(response)
-    assert values(found["iterscope_api_sidecar_reachable"],
-                  "iterscope_api_sidecar_reachable") == {(): 1}
+    assert values(found["iterscope_api_sidecar_reachable"], "iterscope_api_sidecar_reachable") == {
+        (): 1
+    }

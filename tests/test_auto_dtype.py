@@ -16,8 +16,10 @@ SAPPHIRE_RAPIDS_FLAGS = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_tile amx
 
 def cpuinfo(tmp_path: Path, flags: str) -> Path:
     path = tmp_path / "cpuinfo"
-    path.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n"
-                    f"processor\t: 1\nflags\t\t: {flags}\n")
+    path.write_text(
+        f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n"
+        f"processor\t: 1\nflags\t\t: {flags}\n"
+    )
     return path
 
 
@@ -48,10 +50,12 @@ def test_auto_on_cuda_follows_compute_capability(monkeypatch):
     assert dtype == "float16" and "compute capability 7.5" in why
 
 
-@pytest.mark.parametrize("flags, expected", [(ZEN3_FLAGS, "float32"),
-                                             (SAPPHIRE_RAPIDS_FLAGS, "bfloat16")])
-def test_engine_config_resolves_auto_and_names_it_at_startup(tmp_path, monkeypatch, flags,
-                                                             expected):
+@pytest.mark.parametrize(
+    "flags, expected", [(ZEN3_FLAGS, "float32"), (SAPPHIRE_RAPIDS_FLAGS, "bfloat16")]
+)
+def test_engine_config_resolves_auto_and_names_it_at_startup(
+    tmp_path, monkeypatch, flags, expected
+):
     monkeypatch.setattr(auto_dtype_module, "CPUINFO", cpuinfo(tmp_path, flags))
     config = EngineConfig()
     assert config.torch_dtype_name == expected
@@ -59,5 +63,7 @@ def test_engine_config_resolves_auto_and_names_it_at_startup(tmp_path, monkeypat
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu():
-    assert EngineConfig(dtype="bf16").dtype_choice() == ("bfloat16",
-                                                         "dtype bfloat16 (--dtype bfloat16)")
+    assert EngineConfig(dtype="bf16").dtype_choice() == (
+        "bfloat16",
+        "dtype bfloat16 (--dtype bfloat16)",
+    )

@@ -72,15 +72,17 @@ class CountingBackend:
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
         await asyncio.sleep(0.01)
         self.num_in_flight -= 1
-        return RequestResult(True, "", len(request.prompt_token_ids), request.max_tokens,
-                             0.005, [0.005], 0.01)
+        return RequestResult(
+            True, "", len(request.prompt_token_ids), request.max_tokens, 0.005, [0.005], 0.01
+        )
 
 
 def test_max_concurrency_is_respected():
     backend = CountingBackend()
     requests = bench_load.random_dataset(30, 4, 2, vocab_size=10)
-    results, _ = asyncio.run(bench_load.run_benchmark(
-        backend, requests, concurrency_at=lambda _: 3, progress=False))
+    results, _ = asyncio.run(
+        bench_load.run_benchmark(backend, requests, concurrency_at=lambda _: 3, progress=False)
+    )
     assert len(results) == 30 and all(r.success for r in results)
     assert backend.max_in_flight == 3
 
@@ -98,9 +100,14 @@ def test_queued_arrivals_are_sent_first_come_first_served_as_the_limit_rises():
 
     backend.send = recording_send
     requests = bench_load.random_dataset(40, 4, 2, vocab_size=10, seed=3)
-    results, _ = asyncio.run(bench_load.run_benchmark(
-        backend, requests, concurrency_at=lambda elapsed: 1 if elapsed < 0.05 else 4,
-        progress=False))
+    results, _ = asyncio.run(
+        bench_load.run_benchmark(
+            backend,
+            requests,
+            concurrency_at=lambda elapsed: 1 if elapsed < 0.05 else 4,
+            progress=False,
+        )
+    )
     assert len(results) == 40 and sent == requests
     assert backend.max_in_flight == 4
 
@@ -108,25 +115,52 @@ def test_queued_arrivals_are_sent_first_come_first_served_as_the_limit_rises():
 def test_poisson_rate_and_stop_sending_after():
     backend = CountingBackend()
     requests = bench_load.random_dataset(1000, 4, 2, vocab_size=10)
-    results, _ = asyncio.run(bench_load.run_benchmark(backend, requests, request_rate=200.0,
-                                               progress=False, stop_sending_after=0.2))
+    results, _ = asyncio.run(
+        bench_load.run_benchmark(
+            backend, requests, request_rate=200.0, progress=False, stop_sending_after=0.2
+        )
+    )
     assert 0 < len(results) < 1000
 
 
 @pytest.mark.live
 def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
     # 32 blocks of 16 tokens: about five of the 24 requests (2 to 9 blocks each) fit at once.
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory", "256KiB",
-                           "--max-model-len", "256", "--cpu-threads", "1")
+    server = ServerProcess(
+        tmp_path,
+        "--model",
+        TINY_MODEL,
+        "--kv-cache-memory",
+        "256KiB",
+        "--max-model-len",
+        "256",
+        "--cpu-threads",
+        "1",
+    )
     num_prompts = 24
     try:
         result_path = tmp_path / "result.json"
-        command = [sys.executable, "-m", "engine.entrypoints.cli", "bench",
-                   "--base-url", server.base_url,
-                   "--num-prompts", str(num_prompts), "--random-input-len", "64",
-                   "--random-output-len", "24", "--random-range-ratio", "0.5",
-                   "--max-concurrency", "24", "--result-file", str(result_path),
-                   "--no-progress"]
+        command = [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--num-prompts",
+            str(num_prompts),
+            "--random-input-len",
+            "64",
+            "--random-output-len",
+            "24",
+            "--random-range-ratio",
+            "0.5",
+            "--max-concurrency",
+            "24",
+            "--result-file",
+            str(result_path),
+            "--no-progress",
+        ]
         run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         assert re.search(rf"Successful requests:\s+{num_prompts}\n", run.stdout)
@@ -140,11 +174,13 @@ def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
             finished = total(page, "iterscope_requests_finished_total", finish_reason="length")
             return finished == num_prompts
 
-        wait_until(all_finished, 20, lambda: f"{num_prompts} requests finished in /metrics",
-                   interval_s=0.2)
+        wait_until(
+            all_finished, 20, lambda: f"{num_prompts} requests finished in /metrics", interval_s=0.2
+        )
         assert total(page, "iterscope_request_prompt_tokens_sum") == result["total_input_tokens"]
-        assert (total(page, "iterscope_request_generation_tokens_sum")
-                == result["total_output_tokens"])
+        assert (
+            total(page, "iterscope_request_generation_tokens_sum") == result["total_output_tokens"]
+        )
         # 24 requests sent at once into room for about five: some had to wait for KV blocks.
         records = server.records()
         assert max(r.num_waiting_kv_reqs for r in records) > 0
@@ -155,10 +191,27 @@ def test_bench_token_counts_agree_with_the_sidecar(tmp_path):
 @pytest.mark.live
 def test_in_process_bench_writes_a_result(tmp_path, capsys):
     result_path = tmp_path / "result.json"
-    status = bench_client.main(["--in-process", "--model", TINY_MODEL, "--kv-cache-memory", "1MiB",
-                         "--no-sidecar", "--cpu-threads", "1", "--num-prompts", "6",
-                         "--random-input-len", "16", "--random-output-len", "5",
-                         "--result-file", str(result_path), "--no-progress"])
+    status = bench_client.main(
+        [
+            "--in-process",
+            "--model",
+            TINY_MODEL,
+            "--kv-cache-memory",
+            "1MiB",
+            "--no-sidecar",
+            "--cpu-threads",
+            "1",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "5",
+            "--result-file",
+            str(result_path),
+            "--no-progress",
+        ]
+    )
     assert status == 0
     result = json.loads(result_path.read_text())
     assert (result["total_input_tokens"], result["total_output_tokens"]) == (96, 30)

@@ -136,8 +136,9 @@ def test_double_free_is_an_error():
 def test_hash_chains_the_whole_prefix():
     first = hash_block(None, (1, 2, 3, 4))
     assert len(first) == 32
-    assert hash_block(first, (5, 6, 7, 8)) != hash_block(hash_block(None, (9, 9, 9, 9)),
-                                                         (5, 6, 7, 8))
+    assert hash_block(first, (5, 6, 7, 8)) != hash_block(
+        hash_block(None, (9, 9, 9, 9)), (5, 6, 7, 8)
+    )
     assert hash_block(None, (5, 6, 7, 8)) != hash_block(first, (5, 6, 7, 8))
 
 
@@ -149,10 +150,15 @@ def cache_request(pool: BlockPool, request_id: str, token_ids: list[int]) -> Req
     return request
 
 
-@pytest.mark.parametrize("colliding_hash", [
-    lambda parent, tokens: hash(tokens),  # ignores the parent: equal blocks after other prefixes
-    lambda parent, tokens: b"same",  # every block collides
-])
+@pytest.mark.parametrize(
+    "colliding_hash",
+    [
+        lambda parent, tokens: hash(
+            tokens
+        ),  # ignores the parent: equal blocks after other prefixes
+        lambda parent, tokens: b"same",  # every block collides
+    ],
+)
 def test_a_hash_collision_never_returns_another_prefix(monkeypatch, colliding_hash):
     """The verification on a hit (parent hash and token ids) holds even when hashes collide."""
     monkeypatch.setattr(block_pool, "hash_block", colliding_hash)
@@ -164,4 +170,7 @@ def test_a_hash_collision_never_returns_another_prefix(monkeypatch, colliding_ha
     assert hits == second.block_ids[:1] or hits == []
     assert first.block_ids[1] not in hits
     assert pool.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1], max_blocks=2) in (
-        first.block_ids[:2], first.block_ids[:1], [])
+        first.block_ids[:2],
+        first.block_ids[:1],
+        [],
+    )

@@ -27,18 +27,31 @@ def test_special_text_in_a_message_is_encoded_as_text(tokenizer):
     ids = tokenizer.apply_chat_template(forged)
     specials = special_ids(tokenizer)
     assert [i for i in ids if i in specials] == [
-        i for i in tokenizer.apply_chat_template(harmless) if i in specials]
-    rendered = render_chat_template(tokenizer.chat_template, forged,
-                                    bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        i for i in tokenizer.apply_chat_template(harmless) if i in specials
+    ]
+    rendered = render_chat_template(
+        tokenizer.chat_template,
+        forged,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
     assert tokenizer.backend.decode(ids, skip_special_tokens=False) == rendered
     # The text itself was there: encoded literally it is more than the two special ids.
     assert len(ids) > len(tokenizer.apply_chat_template(harmless))
 
 
 def test_conversations_without_special_text_are_encoded_as_before(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is the capital of France?"}]
-    rendered = render_chat_template(tokenizer.chat_template, messages,
-                                    bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    assert tokenizer.apply_chat_template(messages) == tokenizer.backend.encode(
-        rendered, add_special_tokens=False).ids
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    rendered = render_chat_template(
+        tokenizer.chat_template,
+        messages,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
+    assert (
+        tokenizer.apply_chat_template(messages)
+        == tokenizer.backend.encode(rendered, add_special_tokens=False).ids
+    )

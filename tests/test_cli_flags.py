@@ -11,15 +11,22 @@ from engine.entrypoints import demo, serve_args
 
 
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [action for action in parser._actions
-            if action.option_strings and not isinstance(action, argparse._HelpAction)]
+    return [
+        action
+        for action in parser._actions
+        if action.option_strings and not isinstance(action, argparse._HelpAction)
+    ]
 
 
-@pytest.mark.parametrize("parser", [serve_args.build_parser(), demo.build_parser()],
-                         ids=["serve", "demo"])
+@pytest.mark.parametrize(
+    "parser", [serve_args.build_parser(), demo.build_parser()], ids=["serve", "demo"]
+)
 def test_every_flag_help_states_its_default(parser):
-    missing = [action.option_strings[-1] for action in options(parser)
-               if "default" not in (action.help or "")]
+    missing = [
+        action.option_strings[-1]
+        for action in options(parser)
+        if "default" not in (action.help or "")
+    ]
     assert missing == []
 
 
@@ -30,32 +37,38 @@ def refusal(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--kv-cache-memory", "lots", "e.g. 512MiB, 4GiB"),
-    ("--kv-cache-memory", "12 parsecs", "e.g. 512MiB, 4GiB"),
-    ("--max-num-seqs", "0", "a whole number >= 1"),
-    ("--max-num-seqs", "many", "a whole number >= 1"),
-    ("--max-model-len", "-5", "a whole number >= 1"),
-    ("--block-size", "24", "a power of two up to 256"),
-    ("--gpu-memory-utilization", "90", "a fraction in (0, 1]"),
-    ("--engine-index", "5000", "a whole number in 0..4095"),
-    ("--port", "80000", "a port number 0-65535"),
-    ("--dtype", "int4", "auto, float32, bfloat16 or float16"),
-    ("--cpu-threads", "0", "a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--kv-cache-memory", "lots", "e.g. 512MiB, 4GiB"),
+        ("--kv-cache-memory", "12 parsecs", "e.g. 512MiB, 4GiB"),
+        ("--max-num-seqs", "0", "a whole number >= 1"),
+        ("--max-num-seqs", "many", "a whole number >= 1"),
+        ("--max-model-len", "-5", "a whole number >= 1"),
+        ("--block-size", "24", "a power of two up to 256"),
+        ("--gpu-memory-utilization", "90", "a fraction in (0, 1]"),
+        ("--engine-index", "5000", "a whole number in 0..4095"),
+        ("--port", "80000", "a port number 0-65535"),
+        ("--dtype", "int4", "auto, float32, bfloat16 or float16"),
+        ("--cpu-threads", "0", "a whole number >= 1"),
+    ],
+)
 def test_serve_bad_values_name_flag_value_and_form(flag, value, expected, capsys):
     message = refusal(serve_args.build_parser(), [flag, value], capsys)
     assert message.startswith("iterscope serve: error: argument ")
     assert flag in message and repr(value) in message and expected in message
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--duration", "0", "a number > 0"),
-    ("--ramp", "1,x", "whole numbers >= 1 separated by commas"),
-    ("--kv-cache-memory", "24", None),  # bytes without a unit are a size too
-    ("--kv-cache-memory", "24 MiBs", "e.g. 512MiB, 4GiB"),
-    ("--metrics-port", "-1", "a port number 0-65535"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--duration", "0", "a number > 0"),
+        ("--ramp", "1,x", "whole numbers >= 1 separated by commas"),
+        ("--kv-cache-memory", "24", None),  # bytes without a unit are a size too
+        ("--kv-cache-memory", "24 MiBs", "e.g. 512MiB, 4GiB"),
+        ("--metrics-port", "-1", "a port number 0-65535"),
+    ],
+)
 def test_demo_bad_values_name_flag_value_and_form(flag, value, expected, capsys):
     if expected is None:
         assert demo.build_parser().parse_args([flag, value]).kv_cache_memory == 24
@@ -66,8 +79,20 @@ def test_demo_bad_values_name_flag_value_and_form(flag, value, expected, capsys)
 
 def test_good_values_are_converted():
     args = serve_args.build_parser().parse_args(
-        ["smollm2", "--kv-cache-memory", "4GiB", "--dtype", "bf16", "--block-size", "32",
-         "--gpu-memory-utilization", "0.5", "--port", "0"])
+        [
+            "smollm2",
+            "--kv-cache-memory",
+            "4GiB",
+            "--dtype",
+            "bf16",
+            "--block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--port",
+            "0",
+        ]
+    )
     assert (args.kv_cache_memory_bytes, args.dtype, args.block_size) == (4 << 30, "bfloat16", 32)
     assert (args.gpu_memory_utilization, args.port, args.model_positional) == (0.5, 0, "smollm2")
     assert demo.build_parser().parse_args([]).kv_cache_memory == 24 << 20
@@ -105,10 +130,11 @@ def test_a_flag_and_the_config_refuse_a_value_with_the_same_words(capsys):
     """The CLI reads a flag with the kind the config checks the field with."""
     from engine.config import EngineConfig
 
-    for flag, field, text, value in (("--max-num-seqs", "max_num_seqs", "0", 0),
-                                     ("--block-size", "block_size", "24", 24),
-                                     ("--gpu-memory-utilization", "gpu_memory_utilization",
-                                      "1.5", 1.5)):
+    for flag, field, text, value in (
+        ("--max-num-seqs", "max_num_seqs", "0", 0),
+        ("--block-size", "block_size", "24", 24),
+        ("--gpu-memory-utilization", "gpu_memory_utilization", "1.5", 1.5),
+    ):
         message = refusal(serve_args.build_parser(), [flag, text], capsys)
         with pytest.raises(ValueError) as error:
             EngineConfig(**{field: value})

@@ -22,8 +22,13 @@ def test_explain_into_head_exits_without_a_traceback(tmp_path):
     sim.messages = messages
     path = sim.write(tmp_path / "many.jsonl")
     command = f"{sys.executable} -m engine.entrypoints.cli explain --all {path} | head -1"
-    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
-                            text=True, env=os.environ, timeout=120)
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=120,
+    )
     assert result.stdout.startswith("iterscope explain: 1 file,")
     assert result.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored"
     assert result.returncode == 1  # pipefail: explain's own status, not head's

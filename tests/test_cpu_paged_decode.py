@@ -78,8 +78,15 @@ def random_case(seed: int, dtype, group: int, head_dim: int, block_size: int, nu
     return case_of_lengths(seed, dtype, group, head_dim, block_size, lens)
 
 
-def case_of_lengths(seed: int, dtype, group: int, head_dim: int, block_size: int,
-                    lens: list[int], num_kv_heads: int = 2):
+def case_of_lengths(
+    seed: int,
+    dtype,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    lens: list[int],
+    num_kv_heads: int = 2,
+):
     """Caches with random contents and block tables of distinct shuffled blocks for sequences
     of the given lengths."""
     gen = torch.Generator().manual_seed(seed)
@@ -163,8 +170,9 @@ def test_default_build_takes_this_cpus_vector_path(kernel):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_float32_matches_torch_path(kernel, group, head_dim, block_size, num_seqs):
-    case = random_case(group * head_dim + block_size, torch.float32, group, head_dim,
-                       block_size, num_seqs)
+    case = random_case(
+        group * head_dim + block_size, torch.float32, group, head_dim, block_size, num_seqs
+    )
     torch.testing.assert_close(run_kernel(kernel, case), torch_path(*case), atol=1e-5, rtol=0)
 
 
@@ -176,8 +184,9 @@ def test_bfloat16_matches_torch_path(kernel, group, head_dim, block_size, num_se
     """bf16: the kernel keeps scores in float32 where the torch path rounds them to bf16, so
     both are held to the exact float64 result: the kernel at most as far off as the torch path
     plus half a bf16 step of the output."""
-    case = random_case(7 + group * head_dim + block_size, torch.bfloat16, group, head_dim,
-                       block_size, num_seqs)
+    case = random_case(
+        7 + group * head_dim + block_size, torch.bfloat16, group, head_dim, block_size, num_seqs
+    )
     reference = exact(*case)
     ours = (run_kernel(kernel, case).double() - reference).abs().max().item()
     theirs = (torch_path(*case).double() - reference).abs().max().item()
@@ -195,8 +204,7 @@ def test_other_builds_and_odd_head_dims(kernel, other_build, dtype, head_dim):
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     reference = exact(*case)
     for library in (kernel, other_build):
-        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol,
-                                   rtol=0)
+        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol, rtol=0)
 
 
 # Lengths around the 8- and 16-position chunks and the 16-position blocks: 1, a partial first
@@ -214,8 +222,7 @@ def test_lengths_at_chunk_and_block_edges(kernel, portable, dtype, group):
     reference = exact(*case)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     for library in (kernel, portable):
-        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol,
-                                   rtol=0)
+        torch.testing.assert_close(run_kernel(library, case).double(), reference, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
@@ -286,8 +293,13 @@ print(json.dumps({"loaded": cpu_paged_decode.load_kernel() is not None,
 def run_fallback(tmp_path: Path, **env: str) -> dict:
     full_env = {**os.environ, "ITERSCOPE_KERNEL_CACHE": str(tmp_path / "cache"), **env}
     done = subprocess.run(
-        [sys.executable, "-c", FALLBACK_SCRIPT], cwd=REPO, env=full_env, capture_output=True,
-        text=True, timeout=120, check=True,
+        [sys.executable, "-c", FALLBACK_SCRIPT],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -302,8 +314,10 @@ def test_missing_compiler_falls_back_and_says_why(tmp_path):
 @pytest.mark.live
 def test_failing_build_falls_back_and_says_why(tmp_path):
     broken = tmp_path / "cc"
-    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1; exit 0; fi\n"
-                      "echo 'cc: internal error' >&2\nexit 1\n")
+    broken.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1; exit 0; fi\n'
+        "echo 'cc: internal error' >&2\nexit 1\n"
+    )
     broken.chmod(0o755)
     result = run_fallback(tmp_path, CC=str(broken))
     assert not result["loaded"] and not result["kernel"]
@@ -316,8 +330,9 @@ def decode_logits(monkeypatch, dtype: str, enabled: bool) -> tuple[str, torch.Te
     runner = ModelRunner(build_tiny_model("qwen3", seed=2, dtype=dtype), 32, 4, "cpu")
     requests = []
     for i, n in enumerate([9, 14]):
-        request = Request(f"r{i}", [(7 * i + t) % 200 for t in range(n + 1)],
-                          SamplingParams(temperature=0))
+        request = Request(
+            f"r{i}", [(7 * i + t) % 200 for t in range(n + 1)], SamplingParams(temperature=0)
+        )
         request.block_ids = [31 - 8 * i - j for j in range(5)]
         requests.append(request)
     runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])

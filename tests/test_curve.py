@@ -28,9 +28,17 @@ HANDSHAKE_FAILED_EVENTS = (
 
 def record(engine_index: int) -> IterationRecord:
     return iteration_record(
-        engine_index, 0, 1, start_ns=time.monotonic_ns(), elapsed_ns=1_000_000,
-        num_decode_reqs=1, num_decode_tokens=1, num_running_reqs=1,
-        num_kv_blocks_used=1, num_kv_blocks_free=9, num_kv_tokens=16,
+        engine_index,
+        0,
+        1,
+        start_ns=time.monotonic_ns(),
+        elapsed_ns=1_000_000,
+        num_decode_reqs=1,
+        num_decode_tokens=1,
+        num_running_reqs=1,
+        num_kv_blocks_used=1,
+        num_kv_blocks_free=9,
+        num_kv_tokens=16,
     )
 
 
@@ -144,9 +152,12 @@ def publish_until(server: Server, publishers: list, done) -> Counter:
             received[frame.engine_index] += 1
         return False
 
-    wait_until(published_until_done, DEADLINE_S,
-               lambda: f"done: received {dict(received)}, events {dict(server.events)}",
-               interval_s=0)
+    wait_until(
+        published_until_done,
+        DEADLINE_S,
+        lambda: f"done: received {dict(received)}, events {dict(server.events)}",
+        interval_s=0,
+    )
     return received
 
 
@@ -213,7 +224,8 @@ def test_generate_keys_layout_permissions_and_idempotence(tmp_path):
     curve.generate_keys(keys, ["gpu-host-1", "gpu-host-2"])
     assert (keys / "server.key").read_bytes() == server_key
     assert sorted(p.name for p in (keys / "clients").iterdir()) == [
-        "gpu-host-1.key", "gpu-host-2.key"
+        "gpu-host-1.key",
+        "gpu-host-2.key",
     ]
 
 
@@ -233,8 +245,13 @@ def test_missing_files_give_errors_that_say_what_to_do(tmp_path):
             curve.configure_server(pull, keys)
         pull.close(linger=0)
         with pytest.raises(FileNotFoundError, match="engine-x.key_secret not found"):
-            ZmqPublisher("tcp://127.0.0.1:1", 0, context=context, curve_keys_dir=str(keys),
-                         curve_engine_name="engine-x")
+            ZmqPublisher(
+                "tcp://127.0.0.1:1",
+                0,
+                context=context,
+                curve_keys_dir=str(keys),
+                curve_engine_name="engine-x",
+            )
         curve.generate_keys(tmp_path / "engine-host", ["engine"])
         (tmp_path / "engine-host" / "server.key").unlink()
         with pytest.raises(FileNotFoundError, match="server.key not found"):
@@ -291,9 +308,12 @@ def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir
                 publisher.publish(record(publisher.engine_index))
             return False
 
-        wait_until(published_until_both_through, DEADLINE_S,
-                   lambda: f"5 records of engines 1 and 2: {dict(engine_indexes())}",
-                   interval_s=0.02)
+        wait_until(
+            published_until_both_through,
+            DEADLINE_S,
+            lambda: f"5 records of engines 1 and 2: {dict(engine_indexes())}",
+            interval_s=0.02,
+        )
         assert engine_indexes()[3] == 0
         assert plain.num_sent_total == 0 and plain.num_dropped_total > 0
     finally:

@@ -25,9 +25,12 @@ from dashboards.panel_queries import (  # noqa: E402
 
 # Sidecar-level series (empty engine/model_name): filtered by the instance variable only.
 SIDECAR_SERIES = {
-    "iterscope_frames_undecodable_total", "iterscope_frames_rejected_total",
-    "iterscope_lane_disconnects_total", "iterscope_otel_spans_dropped_total",
-    "iterscope_sink_errors_total", "iterscope_sink_lines_lost_total",
+    "iterscope_frames_undecodable_total",
+    "iterscope_frames_rejected_total",
+    "iterscope_lane_disconnects_total",
+    "iterscope_otel_spans_dropped_total",
+    "iterscope_sink_errors_total",
+    "iterscope_sink_lines_lost_total",
 }
 METRIC = re.compile(r"\biterscope_\w+")
 # A metric and its label matchers, e.g. iterscope_kv_tokens{model_name=~"$model_name", ...}.
@@ -205,6 +208,6 @@ def test_every_query_is_valid_promql(tmp_path):
 def test_substitute_rejects_unknown_variables():
     assert substitute('x{engine=~"$engine"}[$__rate_interval]') == 'x{engine=~".*"}[1m]'
     assert substitute('x{instance=~"$instance"}') == 'x{instance=~".*"}'
-    assert substitute("x{a=\"${engine}\"}", {"engine": "0"}) == 'x{a="0"}'
+    assert substitute('x{a="${engine}"}', {"engine": "0"}) == 'x{a="0"}'
     with pytest.raises(ValueError, match=r"\$cluster"):
         substitute('x{c="$cluster"}')

@@ -167,8 +167,9 @@ def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout
     values = variable_values(prometheus)
     assert values["model_name"] == "fake-llm" and values["engine"] == "0"
     assert values["instance"] == instance
-    pending = {(q.dashboard, q.panel, q.ref_id): substitute(q.expr, values)
-               for q in panel_queries()}
+    pending = {
+        (q.dashboard, q.panel, q.ref_id): substitute(q.expr, values) for q in panel_queries()
+    }
 
     def all_have_data() -> bool:
         for key, expr in list(pending.items()):
@@ -176,8 +177,12 @@ def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout
                 del pending[key]
         return not pending
 
-    wait_until(all_have_data, timeout_s, lambda: f"data in every panel query; without: {pending}",
-               interval_s=0.5)
+    wait_until(
+        all_have_data,
+        timeout_s,
+        lambda: f"data in every panel query; without: {pending}",
+        interval_s=0.5,
+    )
 
 
 def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
@@ -207,8 +212,9 @@ def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
             feeder.halt.set()
             feeder.join(timeout=5)
             # The stall needs work waiting (Prometheus scrapes every second).
-            prometheus.wait_for_value('iterscope_requests_waiting{engine="0"}',
-                                      lambda waiting: waiting > 0, timeout_s=10)
+            prometheus.wait_for_value(
+                'iterscope_requests_waiting{engine="0"}', lambda waiting: waiting > 0, timeout_s=10
+            )
             stalled = wait_for_alert(prometheus, "IterscopeEngineStalled", timeout_s=30)
             assert float(stalled["value"]) > 0  # requests waiting or running
             wait_for_alert(prometheus, "IterscopeEngineDown", timeout_s=20)

@@ -24,17 +24,33 @@ pytestmark = pytest.mark.live
 DURATION_S = "10"
 
 
-
 def test_short_demo(tmp_path):
     record_path = tmp_path / "demo.jsonl"
     command = [
-        sys.executable, "-m", "engine.entrypoints.cli", "demo", "--duration", DURATION_S,
-        "--ramp", "2,6",
-        "--input-len", "48", "--output-len", "24", "--kv-cache-memory", "12MiB",
-        "--metrics-port", "0", "--log-interval", "3", "--record", str(record_path),
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "demo",
+        "--duration",
+        DURATION_S,
+        "--ramp",
+        "2,6",
+        "--input-len",
+        "48",
+        "--output-len",
+        "24",
+        "--kv-cache-memory",
+        "12MiB",
+        "--metrics-port",
+        "0",
+        "--log-interval",
+        "3",
+        "--record",
+        str(record_path),
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, metrics_text = [], ""
     deadline = time.monotonic() + 240
     try:
@@ -63,8 +79,12 @@ def test_short_demo(tmp_path):
     assert "Mean TTFT (ms):" in output
     assert "Engine 0, model smollm2 on CPU" in output  # the explain summary
     decoder = msgspec.json.Decoder(Message)
-    records = [m for m in map(decoder.decode, record_path.read_bytes().splitlines())
-               if isinstance(m, IterationRecord)]
+    records = [
+        m
+        for m in map(decoder.decode, record_path.read_bytes().splitlines())
+        if isinstance(m, IterationRecord)
+    ]
     assert max(r.num_waiting_kv_reqs for r in records) > 0  # the cache filled; requests waited
     assert max(r.num_kv_blocks_used for r in records) >= 0.9 * (
-        records[-1].num_kv_blocks_used + records[-1].num_kv_blocks_free)
+        records[-1].num_kv_blocks_used + records[-1].num_kv_blocks_free
+    )

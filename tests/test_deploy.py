@@ -85,7 +85,9 @@ def rule_file_patterns(config_path: Path) -> list[str]:
 def test_promtool_accepts_the_prometheus_config():
     result = subprocess.run(
         [promtool(), "check", "config", str(PROMETHEUS_CONFIG)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -146,7 +148,8 @@ def test_alertmanager_inhibit_rules_name_shipped_alerts():
     shipped = {
         rule["alert"]
         for group in shipped_rule_groups()
-        for rule in group["rules"] if "alert" in rule
+        for rule in group["rules"]
+        if "alert" in rule
     }
     for rule in config["inhibit_rules"]:
         matchers = rule["source_matchers"] + rule["target_matchers"]
@@ -170,8 +173,11 @@ def bind_mounts(service: dict) -> list[tuple[Path, PurePosixPath]]:
 def host_path(service_name: str, container_path: str) -> Path:
     """Where a path seen inside the container comes from on the host (through bind mounts)."""
     path = PurePosixPath(container_path)
-    for source, target in sorted(bind_mounts(compose()["services"][service_name]),
-                                 key=lambda mount: len(mount[1].parts), reverse=True):
+    for source, target in sorted(
+        bind_mounts(compose()["services"][service_name]),
+        key=lambda mount: len(mount[1].parts),
+        reverse=True,
+    ):
         if path == target or target in path.parents:
             return source / path.relative_to(target)
     raise AssertionError(f"{container_path} is not mounted into service {service_name}")
@@ -213,8 +219,9 @@ def test_compose_services_load_the_shipped_configs():
         "alertmanager", flag_value(services["alertmanager"]["command"], "--config.file")
     )
     assert alertmanager == DEPLOY / "alertmanager" / "alertmanager.yml"
-    collector = host_path("otel-collector", flag_value(services["otel-collector"]["command"],
-                                                       "--config"))
+    collector = host_path(
+        "otel-collector", flag_value(services["otel-collector"]["command"], "--config")
+    )
     assert collector == DEPLOY / "otel" / "collector.yml"
 
 
@@ -263,7 +270,7 @@ def test_engine_and_sidecar_share_the_ipc_socket_volume():
     server_address = flag_value(services["server"]["command"], "--telemetry-address")
     sidecar_address = flag_value(services["sidecar"]["command"], "--address")
     assert server_address == sidecar_address and server_address.startswith("ipc://")
-    socket_dir = str(PurePosixPath(server_address[len("ipc://"):]).parent)
+    socket_dir = str(PurePosixPath(server_address[len("ipc://") :]).parent)
     for name in ("server", "sidecar"):
         assert any(v.split(":")[1] == socket_dir for v in services[name]["volumes"]), name
 
@@ -309,7 +316,7 @@ def test_pod_runs_engine_and_sidecar_sharing_an_emptydir_for_the_socket():
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     address = flag_value(engine["args"], "--telemetry-address")
     assert address == flag_value(sidecar["args"], "--address") and address.startswith("ipc://")
-    socket_dir = str(PurePosixPath(address[len("ipc://"):]).parent)
+    socket_dir = str(PurePosixPath(address[len("ipc://") :]).parent)
     for container in (engine, sidecar):
         mounts = [m for m in container["volumeMounts"] if m["mountPath"] == socket_dir]
         assert len(mounts) == 1, container["name"]
@@ -385,25 +392,47 @@ def test_podmonitor_sets_instance_to_the_pod_name(name):
 # windows, strings; label lists of by/without/on/ignoring/group_left/group_right; keywords.
 PROMQL_SKIPPED = re.compile(r'\{[^}]*\}|\[[^\]]*\]|"(?:[^"\\]|\\.)*"')
 PROMQL_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-                   "group_left", "group_right", "inf", "nan"}
+PROMQL_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+}
 PROMQL_NAME = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(\s*\()?")
 
 
 def series_names(expr: str) -> set[str]:
     """The metric names a PromQL expression reads (functions and aggregations left out)."""
     text = PROMQL_LABEL_LIST.sub(" ", PROMQL_SKIPPED.sub(" ", expr))
-    return {m.group(1) for m in PROMQL_NAME.finditer(text)
-            if not m.group(2) and m.group(1).lower() not in PROMQL_KEYWORDS}
+    return {
+        m.group(1)
+        for m in PROMQL_NAME.finditer(text)
+        if not m.group(2) and m.group(1).lower() not in PROMQL_KEYWORDS
+    }
 
 
 def test_series_names_reads_metrics_only():
-    expr = ('sum by (instance) (rate(http_requests_total{status="5xx"}[5m])) / '
-            'sum by (instance) (rate(http_requests_total[5m])) > '
-            'scalar(iterscope:alert_threshold:http_5xx_ratio) and on (instance, job) '
-            'max_over_time(iterscope_sidecar_up[1d]) == 1 unless up offset 5m')
-    assert series_names(expr) == {"http_requests_total", "iterscope:alert_threshold:http_5xx_ratio",
-                                  "iterscope_sidecar_up", "up"}
+    expr = (
+        'sum by (instance) (rate(http_requests_total{status="5xx"}[5m])) / '
+        "sum by (instance) (rate(http_requests_total[5m])) > "
+        "scalar(iterscope:alert_threshold:http_5xx_ratio) and on (instance, job) "
+        "max_over_time(iterscope_sidecar_up[1d]) == 1 unless up offset 5m"
+    )
+    assert series_names(expr) == {
+        "http_requests_total",
+        "iterscope:alert_threshold:http_5xx_ratio",
+        "iterscope_sidecar_up",
+        "up",
+    }
 
 
 def sidecar_series() -> set[str]:
@@ -419,8 +448,11 @@ def api_series(server_args: list[str]) -> set[str]:
     from engine.entrypoints.api_metrics import HttpSeries
 
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-    names = {family.name + suffix for family in HttpSeries().registry.collect()
-             for suffix in suffixes[family.type]}
+    names = {
+        family.name + suffix
+        for family in HttpSeries().registry.collect()
+        for suffix in suffixes[family.type]
+    }
     passes_sidecar = any(arg.startswith("--sidecar-metrics-url") for arg in server_args)
     return names | (sidecar_series() if passes_sidecar else set())
 
@@ -447,13 +479,16 @@ def test_every_alert_reads_series_the_k8s_podmonitors_scrape():
     engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
     served = {"metrics": sidecar_series(), "http": api_series(engine["args"])}
     pod_labels = pod["metadata"]["labels"].items()
-    monitors = [d for d in k8s_documents() if d["kind"] == "PodMonitor"
-                and d["spec"]["selector"]["matchLabels"].items() <= pod_labels]
-    jobs_by_port = {e["port"]: m["metadata"]["name"]
-                    for m in monitors for e in m["spec"]["podMetricsEndpoints"]}
+    monitors = [
+        d
+        for d in k8s_documents()
+        if d["kind"] == "PodMonitor" and d["spec"]["selector"]["matchLabels"].items() <= pod_labels
+    ]
+    jobs_by_port = {
+        e["port"]: m["metadata"]["name"] for m in monitors for e in m["spec"]["podMetricsEndpoints"]
+    }
     assert len(set(jobs_by_port.values())) == len(jobs_by_port) == len(monitors)
-    assert not rules_reading_unscraped_series(
-        set().union(*(served[port] for port in jobs_by_port)))
+    assert not rules_reading_unscraped_series(set().union(*(served[port] for port in jobs_by_port)))
     assert rules_reading_unscraped_series(served["metrics"]), "the check cannot fail"
     admitted = admitted_peers(k8s_object("NetworkPolicy", "iterscope")["spec"])
     prometheus = admitted["metrics"]
@@ -465,14 +500,21 @@ def test_every_alert_reads_series_the_compose_prometheus_scrapes():
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     services = compose()["services"]
     server, sidecar = services["server"]["command"], services["sidecar"]["command"]
-    served = {f"server:{flag_value(server, '--port')}": api_series(server),
-              f"sidecar:{flag_value(sidecar, '--metrics-port')}": sidecar_series()}
-    jobs_by_target = {target: job["job_name"] for job in config["scrape_configs"]
-                      for static in job["static_configs"] for target in static["targets"]
-                      if target in served}
+    served = {
+        f"server:{flag_value(server, '--port')}": api_series(server),
+        f"sidecar:{flag_value(sidecar, '--metrics-port')}": sidecar_series(),
+    }
+    jobs_by_target = {
+        target: job["job_name"]
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+        if target in served
+    }
     assert len(set(jobs_by_target.values())) == len(jobs_by_target) == len(served)
     assert not rules_reading_unscraped_series(
-        set().union(*(served[target] for target in jobs_by_target)))
+        set().union(*(served[target] for target in jobs_by_target))
+    )
 
 
 # --- generated manifests ---------------------------------------------------------------------
@@ -498,8 +540,11 @@ def test_shipped_alerting_config_keeps_the_rules_defaults():
 
 
 def alerting_config(base: str, **thresholds: float) -> dict:
-    defaults = {"ttft_p99_seconds": 2, "inter_token_latency_p99_seconds": 0.2,
-                "http_5xx_ratio": 0.05}
+    defaults = {
+        "ttft_p99_seconds": 2,
+        "inter_token_latency_p99_seconds": 0.2,
+        "http_5xx_ratio": 0.05,
+    }
     return {"runbook_base_url": base, "thresholds": {**defaults, **thresholds}}
 
 
@@ -516,8 +561,11 @@ def test_generator_sets_runbook_base_and_thresholds_of_the_config():
         url = alert["annotations"]["runbook_url"]
         assert url == f"https://wiki.example.com/ops/iterscope/{alert['alert']}.md"
         assert (REPO / "docs" / "runbooks" / url.rsplit("/", 1)[1]).is_file()
-    thresholds = {r["record"]: r["expr"] for r in rules if r.get("record", "").startswith(
-        "iterscope:alert_threshold:")}
+    thresholds = {
+        r["record"]: r["expr"]
+        for r in rules
+        if r.get("record", "").startswith("iterscope:alert_threshold:")
+    }
     assert thresholds == {
         "iterscope:alert_threshold:ttft_p99_seconds": "vector(0.75)",
         "iterscope:alert_threshold:inter_token_latency_p99_seconds": "vector(0.2)",
@@ -537,8 +585,13 @@ def test_alerts_fire_on_the_threshold_the_generator_writes(tmp_path):
     (tmp_path / "tests").mkdir()
     unit_tests = REPO / "dashboards" / "alerts" / "tests" / "latency_test.yml"
     shutil.copy(unit_tests, tmp_path / "tests" / unit_tests.name)
-    result = subprocess.run([promtool(), "test", "rules", unit_tests.name],
-                            cwd=tmp_path / "tests", capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool(), "test", "rules", unit_tests.name],
+        cwd=tmp_path / "tests",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert "alertname: IterscopeHTTPErrors" in output, output
@@ -559,8 +612,11 @@ def test_generator_refuses_a_wrong_alerting_config():
 
 
 def test_a_configmap_holds_each_dashboard_verbatim():
-    configmaps = [d for d in k8s_documents()
-                  if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard")]
+    configmaps = [
+        d
+        for d in k8s_documents()
+        if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard")
+    ]
     data = {name: text for c in configmaps for name, text in c["data"].items()}
     shipped = {p.name: p.read_text() for p in (REPO / "dashboards" / "json").glob("*.json")}
     assert shipped, "dashboards/json/*.json: no dashboards exist"
@@ -613,7 +669,10 @@ def iterscope_commands() -> list[tuple[str, list[str]]]:
 def subcommand_help(subcommand: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "engine.entrypoints.cli", subcommand, "--help"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout

@@ -245,8 +245,9 @@ def test_prefix_cache_off_counts_no_queries():
 
 
 def test_engine_index_outside_what_the_sidecar_accepts_is_a_config_error():
-    with pytest.raises(ValueError,
-                       match=r"engine_index \(--engine-index\) must be a whole number in 0..4095"):
+    with pytest.raises(
+        ValueError, match=r"engine_index \(--engine-index\) must be a whole number in 0..4095"
+    ):
         EngineConfig(engine_index=4096)
     with pytest.raises(ValueError, match="engine_index"):
         EngineConfig(engine_index=-1)

@@ -22,8 +22,12 @@ from tests.helpers.lane import RecordingSink, heartbeat, record
 from tests.helpers.wait import wait_until
 
 SECOND = 1_000_000_000
-IDLE, RUNNING, STALLED, DEAD = (EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED,
-                                EngineStatus.DEAD)
+IDLE, RUNNING, STALLED, DEAD = (
+    EngineStatus.IDLE,
+    EngineStatus.RUNNING,
+    EngineStatus.STALLED,
+    EngineStatus.DEAD,
+)
 
 
 class ScriptedEngine:
@@ -48,8 +52,7 @@ class ScriptedEngine:
             self.ingest.tick(self.now_ns)
         if finish_iteration:
             self.iteration += 1
-            self.message(record, iteration=self.iteration, num_running_reqs=1,
-                         num_waiting_reqs=1)
+            self.message(record, iteration=self.iteration, num_running_reqs=1, num_waiting_reqs=1)
 
 
 def statuses(sink):
@@ -127,8 +130,7 @@ class StuckRunner(FakeRunner):
 
 def last_seq_seen(sink: RecordingSink) -> int:
     """The highest seq of the messages ``sink`` has been given."""
-    return max((call[2] for call in sink.calls if call[0] in ("iteration", "heartbeat")),
-               default=0)
+    return max((call[2] for call in sink.calls if call[0] in ("iteration", "heartbeat")), default=0)
 
 
 class StatusSink(RecordingSink):
@@ -164,9 +166,14 @@ def test_a_stuck_engine_loop_is_stalled_never_dead(tmp_path, spin):
         runner.hold.set()
         time.sleep(4.0)  # longer than dead-after (2.5 s) plus a heartbeat interval
         runner.release.set()
-        wait_until(lambda: [s for _, s, _ in sink.of("status")][-1] is RUNNING
-                   and STALLED in [s for _, s, _ in sink.of("status")], 20,
-                   lambda: f"stalled, then running again: {sink.of('status')}")
+        wait_until(
+            lambda: (
+                [s for _, s, _ in sink.of("status")][-1] is RUNNING
+                and STALLED in [s for _, s, _ in sink.of("status")]
+            ),
+            20,
+            lambda: f"stalled, then running again: {sink.of('status')}",
+        )
     finally:
         runner.release.set()
         stop.set()
@@ -175,7 +182,7 @@ def test_a_stuck_engine_loop_is_stalled_never_dead(tmp_path, spin):
         sidecar.stop()
         sidecar_thread.join(timeout=10)
     seen = [status for _, status, _ in sink.of("status")]
-    assert seen[seen.index(RUNNING):] == [RUNNING, STALLED, RUNNING]
+    assert seen[seen.index(RUNNING) :] == [RUNNING, STALLED, RUNNING]
 
 
 @pytest.mark.live
@@ -197,8 +204,11 @@ def test_a_stopped_engine_process_is_dead_then_back_without_restart_or_loss(tmp_
         os.kill(engine.pid, signal.SIGCONT)
         wait_until(lambda: sink.last_status is RUNNING, 20, "running again")
         report = stop_engine(engine, tmp_path / "engine.json")
-        wait_until(lambda: last_seq_seen(sink) >= report["last_seq"], 10,
-                   lambda: f"seq {report['last_seq']}, the engine's last, at the sidecar")
+        wait_until(
+            lambda: last_seq_seen(sink) >= report["last_seq"],
+            10,
+            lambda: f"seq {report['last_seq']}, the engine's last, at the sidecar",
+        )
     finally:
         if engine.poll() is None:
             os.kill(engine.pid, signal.SIGCONT)
@@ -206,7 +216,7 @@ def test_a_stopped_engine_process_is_dead_then_back_without_restart_or_loss(tmp_
         sidecar.stop()
         sidecar_thread.join(timeout=10)
     seen = [status for _, status, _ in sink.of("status")]
-    assert seen[seen.index(RUNNING):] == [RUNNING, DEAD, RUNNING]
+    assert seen[seen.index(RUNNING) :] == [RUNNING, DEAD, RUNNING]
     assert dead_after_stop_ns <= 3.5 * SECOND
     assert report["num_dropped_total"] == 0 and sink.of("dropped") == []
     assert sink.of("conflict") == []

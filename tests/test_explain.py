@@ -76,8 +76,9 @@ def test_story1_kv_cliff_without_preemption(story1):
 
 
 def test_kv_cliff_by_preemption_is_explained_as_preemption():
-    sim = Simulator(num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048,
-                    cost=synthetic.STORY_COST)
+    sim = Simulator(
+        num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048, cost=synthetic.STORY_COST
+    )
     sim.add_closed_loop(num_requests=40, concurrency=12, num_prompt=300, num_output=200)
     sim.run(20)
     _, episodes = episodes_of(sim)
@@ -110,8 +111,9 @@ def test_stall_from_frozen_heartbeats(stalled):
 def test_stall_threshold_is_a_setting(stalled):
     timeline = build_timelines(stalled.messages)[0]
     assert not only(detect_episodes(timeline), "stall")[0].ongoing
-    assert not [e for e in detect_episodes(timeline, Thresholds(stall_after=10))
-                if e.kind == "stall"]
+    assert not [
+        e for e in detect_episodes(timeline, Thresholds(stall_after=10)) if e.kind == "stall"
+    ]
 
 
 def test_stall_at_the_end_is_ongoing():
@@ -127,15 +129,16 @@ def test_stall_at_the_end_is_ongoing():
 def test_spinning_loop_is_a_stall():
     """A request larger than the whole KV cache can never be admitted: the loop keeps
     iterating (heartbeats see last_iteration move) but schedules nothing."""
-    sim = Simulator(num_blocks=20, max_num_seqs=8, max_num_batched_tokens=512,
-                    cost=synthetic.STORY_COST)
+    sim = Simulator(
+        num_blocks=20, max_num_seqs=8, max_num_batched_tokens=512, cost=synthetic.STORY_COST
+    )
     sim.add_requests(arrivals(4, 1), num_prompt=32, num_output=10)
     sim.add_requests([2.0], num_prompt=400, num_output=10)  # 25 blocks of 16 > 20
     sim.run(5)
     timeline, episodes = episodes_of(sim)
     records = [m for m in sim.messages if isinstance(m, IterationRecord)]
     spinning = [r for r in records if r.num_prefill_reqs + r.num_decode_reqs == 0]
-    assert len(spinning) >= 10 and records[-len(spinning):] == spinning  # all at the end
+    assert len(spinning) >= 10 and records[-len(spinning) :] == spinning  # all at the end
     (stall,) = only(episodes, "stall")
     assert stall.title == "Engine spinning: iterations schedule nothing"
     assert stall.numbers == {"num_iterations": len(spinning)}
@@ -149,8 +152,9 @@ def test_spinning_loop_is_a_stall():
 def saturating(concurrency: int) -> Simulator:
     """Requests of 10 blocks each (150 + 10 tokens of 16) in a 100-block cache, kept at
     ``concurrency`` in flight: 10 fit at once, the rest wait for KV capacity."""
-    sim = Simulator(num_blocks=100, max_num_seqs=64, max_num_batched_tokens=2048,
-                    cost=synthetic.STORY_COST)
+    sim = Simulator(
+        num_blocks=100, max_num_seqs=64, max_num_batched_tokens=2048, cost=synthetic.STORY_COST
+    )
     sim.add_closed_loop(num_requests=40, concurrency=concurrency, num_prompt=150, num_output=10)
     return sim.run(10)
 
@@ -162,8 +166,12 @@ def test_kv_saturation_with_requests_waiting_for_kv():
     (saturation,) = detect_kv_saturation(timeline, Thresholds())
     # Every iteration but the last (after it all had finished): each wave's finish empties the
     # cache for one iteration only, which does not split the episode.
-    assert saturation.numbers == {"peak_usage": 1.0, "num_iterations": len(records) - 1,
-                                  "num_preemptions": 0, "max_waiting_kv_reqs": 4}
+    assert saturation.numbers == {
+        "peak_usage": 1.0,
+        "num_iterations": len(records) - 1,
+        "num_preemptions": 0,
+        "max_waiting_kv_reqs": 4,
+    }
     assert saturation.severity == PROBLEM
     assert saturation.start_ns == records[0].start_ns
     assert saturation.end_ns == records[-2].start_ns + records[-2].elapsed_ns
@@ -181,7 +189,8 @@ def test_kv_saturation_with_preemptions_says_how_many(story2):
     num_preemptions = saturation.numbers["num_preemptions"]
     assert num_preemptions > 0
     assert f"{num_preemptions} running requests that needed a new block were preempted" in (
-        saturation.explanation)
+        saturation.explanation
+    )
     assert "no running request was preempted" not in saturation.explanation
 
 
@@ -276,14 +285,15 @@ def test_rotated_files_in_any_order_and_a_cut_line(story2, tmp_path):
     paths = []  # the JSONL sink's rotation: rec.jsonl.2 (oldest), rec.jsonl.1, rec.jsonl
     for number, part in enumerate(parts):
         path = tmp_path / ("rec.jsonl" if number == 2 else f"rec.jsonl.{2 - number}")
-        path.write_bytes(b"".join(part) + (b'[17, 0, 5' if number == 2 else b""))
+        path.write_bytes(b"".join(part) + (b"[17, 0, 5" if number == 2 else b""))
         paths.append(path)
     whole_episodes = detect_episodes(read_timelines([whole])[0][0])
     for given in ([paths[-1]], list(reversed(paths)), paths + paths):
         split_timelines, num_messages, num_bad = read_timelines(given)
         assert num_bad == 1 and num_messages == len(lines)
-        assert ([(e.kind, e.start_ns) for e in detect_episodes(split_timelines[0])]
-                == [(e.kind, e.start_ns) for e in whole_episodes])
+        assert [(e.kind, e.start_ns) for e in detect_episodes(split_timelines[0])] == [
+            (e.kind, e.start_ns) for e in whole_episodes
+        ]
 
 
 def test_cli_text_json_and_plot(story1, tmp_path, capsys):
@@ -317,8 +327,9 @@ def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
     encoder = msgspec.json.Encoder()
     lines = [encoder.encode(m) + b"\n" for m in stalled.messages]
     path = tmp_path / "live.jsonl"
-    cut = next(i for i, m in enumerate(stalled.messages) if getattr(m, "ts_ns", 0)
-               >= stalled.at(17.0))  # mid-stall: frozen for 6 s+, past the 5 s threshold
+    cut = next(
+        i for i, m in enumerate(stalled.messages) if getattr(m, "ts_ns", 0) >= stalled.at(17.0)
+    )  # mid-stall: frozen for 6 s+, past the 5 s threshold
     path.write_bytes(b"".join(lines[:cut]))
 
     def grow():
@@ -341,8 +352,14 @@ def test_follow_reads_files_rotated_while_following(story2, tmp_path):
     rec.jsonl): every message is read once, the tail written just before a rename included."""
     encoder = msgspec.json.Encoder()
     lines = [encoder.encode(m) + b"\n" for m in story2.messages]
-    cuts = [0, len(lines) // 5, 2 * len(lines) // 5, 3 * len(lines) // 5, 4 * len(lines) // 5,
-            len(lines)]
+    cuts = [
+        0,
+        len(lines) // 5,
+        2 * len(lines) // 5,
+        3 * len(lines) // 5,
+        4 * len(lines) // 5,
+        len(lines),
+    ]
     parts = [b"".join(lines[a:b]) for a, b in pairwise(cuts)]
     path = tmp_path / "rec.jsonl"
     path.write_bytes(parts[0])
@@ -364,7 +381,8 @@ def test_follow_reads_files_rotated_while_following(story2, tmp_path):
 
 
 def test_follow_reads_nothing_twice_when_a_rotation_lands_between_listing_and_opening(
-        story2, tmp_path, monkeypatch):
+    story2, tmp_path, monkeypatch
+):
     from telemetry.lane import recording
 
     encoder = msgspec.json.Encoder()
@@ -409,5 +427,6 @@ def test_wrapped_lines_never_split_a_flag():
     text = "Raise " + " ".join(["--gpu-memory-utilization"] * 12)
     lines = _wrapped("do", text)
     assert len(lines) > 2
-    assert all(word.startswith("--") or word in ("do", "Raise")
-               for line in lines for word in line.split())
+    assert all(
+        word.startswith("--") or word in ("do", "Raise") for line in lines for word in line.split()
+    )

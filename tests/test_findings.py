@@ -22,12 +22,15 @@ def findings_of(sim: Simulator):
     return timeline, build_findings(timeline, detect_episodes(timeline))
 
 
-@pytest.mark.parametrize(("story", "expected_top"), [
-    (synthetic.story1_kv_cliff, {"kv_cliff"}),      # running became waiting, none preempted
-    (synthetic.story2_leak, {"kv_leak", "stall"}),  # usage climbs: a leak (and its spin)
-    (synthetic.stalled, {"stall"}),
-    (lambda: synthetic.story3_bursty(4), {"waiting"}),  # queued by max_num_seqs
-])
+@pytest.mark.parametrize(
+    ("story", "expected_top"),
+    [
+        (synthetic.story1_kv_cliff, {"kv_cliff"}),  # running became waiting, none preempted
+        (synthetic.story2_leak, {"kv_leak", "stall"}),  # usage climbs: a leak (and its spin)
+        (synthetic.stalled, {"stall"}),
+        (lambda: synthetic.story3_bursty(4), {"waiting"}),  # queued by max_num_seqs
+    ],
+)
 def test_story_top_finding_first(story, expected_top):
     _, findings = findings_of(story())
     assert findings[0].kind in expected_top, [(f.kind, f.cost) for f in findings]
@@ -59,8 +62,10 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
     assert main([str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     headlines = [line for line in lines if re.match(r"  \d\. ", line)]
-    assert headlines[0].startswith("  1. KV cache cliff") and "0.10 request-s delayed" in (
-        headlines[0])
+    assert (
+        headlines[0].startswith("  1. KV cache cliff")
+        and "0.10 request-s delayed" in (headlines[0])
+    )
     assert "0.03 request-s slowed" in headlines[1]
     assert "  ... 1 more finding; --all lists every episode." in lines  # the gap, below
 
@@ -78,7 +83,12 @@ def test_a_fault_ranks_first_even_before_it_costs_requests():
 
 def test_cost_text_never_reads_as_zero_above_zero():
     assert [cost_text(c) for c in (0, 0.004, 0.0734, 0.5, 2.25)] == [
-        "0", "< 0.01", "0.07", "0.50", "2.2"]
+        "0",
+        "< 0.01",
+        "0.07",
+        "0.50",
+        "2.2",
+    ]
 
 
 def test_story3_batched_has_no_finding():
@@ -100,11 +110,14 @@ def test_waiting_cost_matches_the_requests_queue_time():
     _, (finding,) = findings_of(sim)
     queue_s = sum(
         (m.first_scheduled_ns - m.arrival_ns) / NS_PER_S
-        for message in sim.messages if isinstance(message, IterationRecord)
-        for m in message.milestones if m.event & EVENT_FIRST_TOKEN
+        for message in sim.messages
+        if isinstance(message, IterationRecord)
+        for m in message.milestones
+        if m.event & EVENT_FIRST_TOKEN
     )
-    last_end_ns = max(m.start_ns + m.elapsed_ns for m in sim.messages
-                      if isinstance(m, IterationRecord))
+    last_end_ns = max(
+        m.start_ns + m.elapsed_ns for m in sim.messages if isinstance(m, IterationRecord)
+    )
     queue_s += sum((last_end_ns - r.arrival_ns) / NS_PER_S for r in sim.waiting)  # never ran
     assert finding.cost == pytest.approx(queue_s, rel=0.1)
 
@@ -143,12 +156,23 @@ def test_json_findings(tmp_path, capsys):
     assert main([str(path), "--json"]) == 0
     (engine,) = json.loads(capsys.readouterr().out)["engines"]
     top = engine["findings"][0]
-    assert set(top) == {"kind", "title", "count", "total_time_s", "cost_request_s",
-                        "cost_label", "action", "worst"}
+    assert set(top) == {
+        "kind",
+        "title",
+        "count",
+        "total_time_s",
+        "cost_request_s",
+        "cost_label",
+        "action",
+        "worst",
+    }
     assert top["kind"] == "stall" and top["worst"] in engine["episodes"]
     stall = top["worst"]["numbers"]
-    expected = ((stall["max_waiting_reqs"] + stall["max_running_reqs"])
-                * (top["worst"]["end_ns"] - top["worst"]["start_ns"]) / NS_PER_S)
+    expected = (
+        (stall["max_waiting_reqs"] + stall["max_running_reqs"])
+        * (top["worst"]["end_ns"] - top["worst"]["start_ns"])
+        / NS_PER_S
+    )
     assert top["cost_request_s"] == pytest.approx(expected)
 
 
@@ -177,16 +201,25 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
-PLACEHOLDERS = {"RECORDING": "rec.jsonl", "DIR": "model", "SIZE": "4GiB", "TOKENS": "512",
-                "T": "50ms"}
-CONFIG_NAMES = re.compile(r"\b(max_num_seqs|max_num_batched_tokens|max_model_len|"
-                          r"kv_cache_memory|gpu_memory_utilization)\b")
+PLACEHOLDERS = {
+    "RECORDING": "rec.jsonl",
+    "DIR": "model",
+    "SIZE": "4GiB",
+    "TOKENS": "512",
+    "T": "50ms",
+}
+CONFIG_NAMES = re.compile(
+    r"\b(max_num_seqs|max_num_batched_tokens|max_model_len|"
+    r"kv_cache_memory|gpu_memory_utilization)\b"
+)
 
 
 def quoted_commands(text: str) -> list[list[str]]:
     """The `iterscope ...` commands quoted in a line, placeholders given sample values."""
-    return [[PLACEHOLDERS.get(word, word) for word in command.split()[1:]]
-            for command in re.findall(r"`(iterscope [^`]*)`", text)]
+    return [
+        [PLACEHOLDERS.get(word, word) for word in command.split()[1:]]
+        for command in re.findall(r"`(iterscope [^`]*)`", text)
+    ]
 
 
 def test_change_and_action_lines_name_real_flags_and_runnable_commands():
@@ -197,11 +230,19 @@ def test_change_and_action_lines_name_real_flags_and_runnable_commands():
 
     engine_flags = argparse.ArgumentParser()
     serve_args.add_engine_arguments(engine_flags)
-    parsers = {"tune": tune.build_parser(), "kv-plan": kv_plan.build_parser(),
-               "explain": explain.build_parser()}
+    parsers = {
+        "tune": tune.build_parser(),
+        "kv-plan": kv_plan.build_parser(),
+        "explain": explain.build_parser(),
+    }
     lines = []
-    for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
-                synthetic.story3_bursty(4), long_prefill_sim()):
+    for sim in (
+        synthetic.story1_kv_cliff(),
+        synthetic.story2_leak(),
+        synthetic.stalled(),
+        synthetic.story3_bursty(4),
+        long_prefill_sim(),
+    ):
         timeline, findings = findings_of(sim)
         lines += [e.setting for e in detect_episodes(timeline)]
         lines += [finding_action(timeline, f, Thresholds()) for f in findings]
@@ -226,10 +267,18 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
     summary = summarize(timeline)
     assert "mostly for --max-num-seqs" in summary.verdict
     assert set(summary.waiting_reason_shares) == {  # the JSON keys, unchanged (+ other)
-        "KV capacity", "max_num_seqs", "max_num_batched_tokens", "other"}
+        "KV capacity",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "other",
+    }
     texts = [engine_header(timeline), *format_summary(summary)]
-    for sim in (synthetic.story1_kv_cliff(), synthetic.story2_leak(), synthetic.stalled(),
-                long_prefill_sim()):
+    for sim in (
+        synthetic.story1_kv_cliff(),
+        synthetic.story2_leak(),
+        synthetic.stalled(),
+        long_prefill_sim(),
+    ):
         timeline, findings = findings_of(sim)
         texts += [f.title for f in findings] + [e.evidence for e in detect_episodes(timeline)]
         texts += [engine_header(timeline), *format_summary(summarize(timeline))]

@@ -132,20 +132,27 @@ CUTS = ["empty", "header", "metadata", "vocabulary", "tensor infos", "tensor dat
 @pytest.mark.live
 @pytest.mark.parametrize("cut", CUTS)
 def test_a_truncated_file_is_refused_by_name(path, reference, tmp_path, cut):
-    nbytes = {"empty": 0, "header": 10, "metadata": 1000,
-              "vocabulary": reference.fields[TOKENS].offset + 100_000,
-              "tensor infos": reference.tensors[100].field.offset + 5,
-              "tensor data": reference.data_offset + 1000}[cut]
+    nbytes = {
+        "empty": 0,
+        "header": 10,
+        "metadata": 1000,
+        "vocabulary": reference.fields[TOKENS].offset + 100_000,
+        "tensor infos": reference.tensors[100].field.offset + 5,
+        "tensor data": reference.data_offset + 1000,
+    }[cut]
     damaged = write_prefix(path, tmp_path / "cut.gguf", nbytes)
     with pytest.raises(ValueError, match="cut.gguf"):
         open_gguf(damaged)
 
 
-@pytest.mark.parametrize("patch, message", [
-    (b"GGUX", "not a GGUF file"),
-    (b"GGUF\x04\x00\x00\x00", "version 4"),
-    (b"GGUF\x00\x00\x00\x03", "big-endian"),
-])
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        (b"GGUX", "not a GGUF file"),
+        (b"GGUF\x04\x00\x00\x00", "version 4"),
+        (b"GGUF\x00\x00\x00\x03", "big-endian"),
+    ],
+)
 def test_a_wrong_magic_version_or_byte_order_is_refused_by_name(path, tmp_path, patch, message):
     damaged = write_prefix(path, tmp_path / "bad.gguf", 4096, patch)
     with pytest.raises(ValueError, match=rf"bad\.gguf.*{message}"):

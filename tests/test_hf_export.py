@@ -55,8 +55,14 @@ def assert_close_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_the_directory_holds_what_vllm_reads(hf_dir):
     names = {path.name for path in hf_dir.iterdir()}
     assert all(path.stat().st_mode & 0o777 == 0o644 for path in hf_dir.iterdir())  # any user
-    assert names == {"config.json", "generation_config.json", "model.safetensors",
-                     "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}
+    assert names == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     assert config.architectures == ["LlamaForCausalLM"] and config.model_type == "llama"
     assert config.tie_word_embeddings and config.max_position_embeddings == 8192
@@ -67,8 +73,12 @@ def test_the_directory_holds_what_vllm_reads(hf_dir):
         assert weights.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
     assert "lm_head.weight" not in names and len(names) == 2 + 9 * 30
     special = json.loads((hf_dir / "special_tokens_map.json").read_text())
-    assert special == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                       "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    assert special == {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+    }
 
 
 @pytest.mark.live
@@ -80,7 +90,8 @@ def test_both_loaders_tokenize_like_the_gguf(hf_dir, gguf, exported):
     expected_chat = gguf.tokenizer.apply_chat_template(CHAT)
     assert ours.apply_chat_template(CHAT) == expected_chat
     assert theirs.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False) == (
-        expected_chat)
+        expected_chat
+    )
     assert theirs.eos_token == "<|im_end|>"
 
 

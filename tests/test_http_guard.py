@@ -38,14 +38,16 @@ def run(app: FastAPI, method: str, path: str, **kwargs) -> httpx.Response:
 
 
 def test_a_body_within_the_limit_reaches_the_app_whole():
-    response = run(echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo",
-                   content=b"x" * 1000)
+    response = run(
+        echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo", content=b"x" * 1000
+    )
     assert response.status_code == 200 and response.json() == {"num_bytes": 1000}
 
 
 def test_a_declared_length_over_the_limit_gets_413_unread():
-    response = run(echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo",
-                   content=b"x" * 1001)
+    response = run(
+        echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo", content=b"x" * 1001
+    )
     assert response.status_code == 413
     error = response.json()["error"]
     assert "1,001 bytes" in error["message"] and "1,000 bytes" in error["message"]
@@ -57,8 +59,7 @@ def test_a_chunked_body_over_the_limit_gets_413():
         for _ in range(5):
             yield b"y" * 400
 
-    response = run(echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo",
-                   content=chunks())
+    response = run(echo_app(HttpLimits(max_body_bytes=1000)), "POST", "/v1/echo", content=chunks())
     assert response.status_code == 413
     assert "more than 1,000 bytes" in response.json()["error"]["message"]
 
@@ -69,8 +70,7 @@ def test_a_body_that_never_finishes_gets_408_after_the_timeout():
         await asyncio.sleep(5)
         yield b"}"
 
-    response = run(echo_app(HttpLimits(body_timeout_s=0.2)), "POST", "/v1/echo",
-                   content=stalled())
+    response = run(echo_app(HttpLimits(body_timeout_s=0.2)), "POST", "/v1/echo", content=stalled())
     assert response.status_code == 408
     assert "0.2 s" in response.json()["error"]["message"]
 
@@ -85,8 +85,12 @@ def test_an_unreadable_content_length_is_a_400():
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/echo",
-             "headers": [(b"content-length", b"lots")]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/echo",
+        "headers": [(b"content-length", b"lots")],
+    }
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 400 and b"'lots' is not a number" in sent[1]["body"]
 
@@ -124,12 +128,14 @@ def test_a_refused_body_is_read_to_its_end_before_the_413_so_the_answer_is_not_r
     assert refused_while_uploading(50, declared=None).count("read") < 50
 
 
-@pytest.mark.parametrize("header, status", [
-    (None, 401), ("Bearer wrong", 401), ("secret", 401), ("Bearer secret", 200)])
+@pytest.mark.parametrize(
+    "header, status", [(None, 401), ("Bearer wrong", 401), ("secret", 401), ("Bearer secret", 200)]
+)
 def test_the_api_key_guards_v1_paths(header, status):
     headers = {} if header is None else {"Authorization": header}
-    response = run(echo_app(HttpLimits(api_key="secret")), "POST", "/v1/echo", content=b"{}",
-                   headers=headers)
+    response = run(
+        echo_app(HttpLimits(api_key="secret")), "POST", "/v1/echo", content=b"{}", headers=headers
+    )
     assert response.status_code == status
     if status == 401:
         assert response.headers["www-authenticate"] == "Bearer"

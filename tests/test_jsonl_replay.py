@@ -34,10 +34,18 @@ def run_messages(num_engines=2, seconds=25, seed=1):
             t_ns = SECOND + step * SECOND // 20 + engine_index * 7_000_000
             if step % 20 == 0:
                 seq += 1
-                messages.append(heartbeat(
-                    engine_index, seq, t_ns, t_ns + OFFSET_NS, last_iteration=step,
-                    num_waiting_reqs=1, num_running_reqs=4, device_name="CPU",
-                ))
+                messages.append(
+                    heartbeat(
+                        engine_index,
+                        seq,
+                        t_ns,
+                        t_ns + OFFSET_NS,
+                        last_iteration=step,
+                        num_waiting_reqs=1,
+                        num_running_reqs=4,
+                        device_name="CPU",
+                    )
+                )
             seq += 1
             message = synthetic_record(engine_index, step + 1, t_ns, 40_000_000)
             message.seq = seq
@@ -45,13 +53,23 @@ def run_messages(num_engines=2, seconds=25, seed=1):
             message.num_prefix_query_tokens = message.num_prefill_tokens
             message.num_prefix_hit_tokens = message.num_prefill_tokens // 2
             if step % 97 == 5:
-                message.milestones = [RequestMilestone(
-                    request_id=f"r{step}", event=3, arrival_ns=t_ns - 5, first_scheduled_ns=t_ns,
-                    first_token_ns=t_ns + 1, finished_ns=t_ns + 2, num_prompt_tokens=9,
-                    num_cached_tokens=0, num_output_tokens=1, num_preemptions=0,
-                    finish_reason=1, traceparent="00-abc-def-01",
-                    prefill_chunks=[(t_ns, t_ns + 1, 9)],
-                )]
+                message.milestones = [
+                    RequestMilestone(
+                        request_id=f"r{step}",
+                        event=3,
+                        arrival_ns=t_ns - 5,
+                        first_scheduled_ns=t_ns,
+                        first_token_ns=t_ns + 1,
+                        finished_ns=t_ns + 2,
+                        num_prompt_tokens=9,
+                        num_cached_tokens=0,
+                        num_output_tokens=1,
+                        num_preemptions=0,
+                        finish_reason=1,
+                        traceparent="00-abc-def-01",
+                        prefill_chunks=[(t_ns, t_ns + 1, 9)],
+                    )
+                ]
             if rng.random() > 0.01:  # ~1% lost on the lane
                 messages.append(message)
     messages.sort(key=lambda m: m.ts_ns if isinstance(m, Heartbeat) else m.start_ns)
@@ -132,11 +150,20 @@ def test_a_partial_last_line_is_cut_and_the_last_seqs_are_known(tmp_path):
 
 def test_undecodable_lines_are_counted_not_fatal(tmp_path):
     path = tmp_path / "rec.jsonl"
-    path.write_bytes(b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n'
-                     + b"[17," + b"[" * 3000 + b"0" + b"]" * 3001 + b"\n")  # nested too deep
+    path.write_bytes(
+        b'not json\n[33,0,1,2]\n[17,0,"x"]\n[18,0,1,2,3,0,0,0]\n'
+        + b"[17,"
+        + b"[" * 3000
+        + b"0"
+        + b"]" * 3001
+        + b"\n"
+    )  # nested too deep
     ingest = replay(path, [])
     assert ingest.health.num_undecodable == {
-        "malformed": 3, "truncated": 0, "oversized": 0, "version": 1,
+        "malformed": 3,
+        "truncated": 0,
+        "oversized": 0,
+        "version": 1,
     }
     assert ingest.health.num_messages == 1
 
@@ -147,8 +174,10 @@ def test_explain_counts_bad_lines_as_replay_does(tmp_path):
     good = run_messages(num_engines=1, seconds=1)[:3]
     implausible = msgspec.structs.replace(good[0], seq=0)
     encoder = msgspec.json.Encoder()
-    path.write_bytes(b"".join(encoder.encode(m) + b"\n" for m in [*good, implausible])
-                     + b'not json\n[33,0,1,2]\n[17,0,5')
+    path.write_bytes(
+        b"".join(encoder.encode(m) + b"\n" for m in [*good, implausible])
+        + b"not json\n[33,0,1,2]\n[17,0,5"
+    )
     ingest = replay(path, [])
     num_bad_replayed = sum(ingest.health.num_undecodable.values())
     _, num_messages, num_bad_explained = read_timelines([path])
@@ -166,15 +195,28 @@ def test_cli_replay_prints_the_same_lines(tmp_path):
     messages = run_messages(seconds=12)
     live_lines, _ = live(messages, tmp_path / "rec.jsonl")
     result = subprocess.run(
-        [sys.executable, "-m", "telemetry.sidecar.cli", "--replay", str(tmp_path / "rec.jsonl"),
-         "--log-interval", "5", "--no-metrics"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
+        [
+            sys.executable,
+            "-m",
+            "telemetry.sidecar.cli",
+            "--replay",
+            str(tmp_path / "rec.jsonl"),
+            "--log-interval",
+            "5",
+            "--no-metrics",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": "."},
     )
     assert result.returncode == 0, result.stderr
-    printed = [line.split("] ", 1)[1]
-               for line in result.stderr.splitlines() if "throughput" in line]
-    expected = [text for level, text in live_lines
-                if level == logging.INFO and "throughput" in text]
+    printed = [
+        line.split("] ", 1)[1] for line in result.stderr.splitlines() if "throughput" in line
+    ]
+    expected = [
+        text for level, text in live_lines if level == logging.INFO and "throughput" in text
+    ]
     assert printed == expected and len(expected) >= 4
 
 
@@ -186,9 +228,19 @@ def test_cli_replay_leaves_metrics_off_so_it_never_collides_with_a_live_sidecar(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         result = subprocess.run(
-            [sys.executable, "-m", "telemetry.sidecar.cli", "--replay",
-             str(tmp_path / "rec.jsonl"), "--metrics-port", str(busy.getsockname()[1])],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."},
+            [
+                sys.executable,
+                "-m",
+                "telemetry.sidecar.cli",
+                "--replay",
+                str(tmp_path / "rec.jsonl"),
+                "--metrics-port",
+                str(busy.getsockname()[1]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": "."},
         )
     assert result.returncode == 0, result.stderr
     assert "replayed" in result.stderr
@@ -211,8 +263,7 @@ class FlakyDisk:
         return self.real_write(fd, data)
 
 
-def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(
-        tmp_path, monkeypatch):
+def test_a_full_disk_never_writes_a_line_twice_and_holds_a_bounded_backlog(tmp_path, monkeypatch):
     from telemetry.sidecar.sinks import jsonl
 
     disk = FlakyDisk()

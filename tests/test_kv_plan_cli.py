@@ -96,8 +96,18 @@ def test_max_model_len_above_the_models_is_refused(story5_dir, capsys):
 
 def test_gpu_budget_subtracts_weights_and_activation_peak_like_the_engine(story5_dir, capsys):
     (story5_dir / "model.safetensors").write_bytes(b"\0" * 4096)
-    argv = ["--model", str(story5_dir), "--gpu-memory", "10GiB", "--gpu-memory-utilization",
-            "0.5", "--activation-peak", "1GiB", "--max-model-len", "1024"]
+    argv = [
+        "--model",
+        str(story5_dir),
+        "--gpu-memory",
+        "10GiB",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--activation-peak",
+        "1GiB",
+        "--max-model-len",
+        "1024",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     budget = cuda_kv_budget_bytes(10 * GIB, 0.5, 4096, GIB)
@@ -135,8 +145,16 @@ def test_console_command_dispatches(story5_dir):
 
 @pytest.mark.live
 def test_console_command_does_not_fit_exits_1_with_the_error_on_stderr(story5_dir):
-    command = [sys.executable, "-m", "engine.entrypoints.cli", "kv-plan",
-               "--model", str(story5_dir), "--memory", "1GiB"]
+    command = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "kv-plan",
+        "--model",
+        str(story5_dir),
+        "--memory",
+        "1GiB",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 1
     assert "To serve at least one request" in result.stderr

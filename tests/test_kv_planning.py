@@ -26,8 +26,13 @@ def test_story5_bytes_per_token():
 
 def test_story5_error_names_needed_available_estimate_and_fixes():
     with pytest.raises(ValueError) as error:
-        plan_kv_cache(STORY5_BYTES_PER_TOKEN, int(4.5 * GIB), 16, 40_960,
-                      field_and_flag("gpu_memory_utilization"))
+        plan_kv_cache(
+            STORY5_BYTES_PER_TOKEN,
+            int(4.5 * GIB),
+            16,
+            40_960,
+            field_and_flag("gpu_memory_utilization"),
+        )
     assert str(error.value) == (
         "To serve at least one request with the model's max seq len (40960), 5.62 GiB KV "
         "cache is needed, which is larger than the available KV cache memory (4.50 GiB). "
@@ -39,9 +44,11 @@ def test_story5_error_names_needed_available_estimate_and_fixes():
 
 def test_memory_setting_names_the_flag():
     assert EngineConfig(device="cuda").kv_cache_memory_setting() == (
-        "gpu_memory_utilization (--gpu-memory-utilization)")
+        "gpu_memory_utilization (--gpu-memory-utilization)"
+    )
     assert EngineConfig(kv_cache_memory_bytes=GIB).kv_cache_memory_setting() == (
-        "kv_cache_memory_bytes (--kv-cache-memory)")
+        "kv_cache_memory_bytes (--kv-cache-memory)"
+    )
 
 
 def test_estimate_is_the_largest_length_that_fits():

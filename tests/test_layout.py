@@ -21,8 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "telemetry")
 
-LAYERS = ("engine.entrypoints", "engine", "telemetry.lane", "telemetry.sidecar",
-          "telemetry.analysis", "telemetry.sources")  # the first prefixing a module is its layer
+LAYERS = (
+    "engine.entrypoints",
+    "engine",
+    "telemetry.lane",
+    "telemetry.sidecar",
+    "telemetry.analysis",
+    "telemetry.sources",
+)  # the first prefixing a module is its layer
 MAY_IMPORT: dict[str, set[str]] = {  # layer -> the layers it may import
     "engine.entrypoints": set(LAYERS),
     "engine": {"engine"},
@@ -78,8 +84,11 @@ def violations(root: Path) -> list[str]:
             if module in PACKAGES:  # the bare package __init__ files
                 continue
             layer = layer_of(module)
-            found += [f"{module} ({layer}) imports {target}"
-                      for target in imported_modules(path) if not may_import(layer, target)]
+            found += [
+                f"{module} ({layer}) imports {target}"
+                for target in imported_modules(path)
+                if not may_import(layer, target)
+            ]
     return found
 
 
@@ -94,9 +103,11 @@ def test_the_check_catches_a_layer_that_reaches_up(tmp_path):
     (tmp_path / "telemetry" / "analysis").mkdir(parents=True)
     (tmp_path / "engine" / "core.py").write_text(
         "from telemetry.lane.record import IterationRecord\nimport telemetry.lane.curve\n"
-        "def f():\n    from engine.entrypoints import serve\n")
+        "def f():\n    from engine.entrypoints import serve\n"
+    )
     (tmp_path / "telemetry" / "analysis" / "plot.py").write_text(
-        "from telemetry.sidecar.sinks.prometheus import PrometheusSink\n")
+        "from telemetry.sidecar.sinks.prometheus import PrometheusSink\n"
+    )
     assert violations(tmp_path) == [
         "engine.core (engine) imports telemetry.lane.curve",
         "engine.core (engine) imports engine.entrypoints.serve",
@@ -116,8 +127,11 @@ def test_no_module_falls_outside_the_layers():
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the project modules it imports (``from a import b`` is ``a.b`` when that is
     a module, else ``a``)."""
-    paths = {module_name(path, root): path
-             for package in PACKAGES for path in (root / package).rglob("*.py")}
+    paths = {
+        module_name(path, root): path
+        for package in PACKAGES
+        for path in (root / package).rglob("*.py")
+    }
     graph = {}
     for module, path in paths.items():
         targets = set()
@@ -136,7 +150,7 @@ def import_cycles(root: Path) -> list[list[str]]:
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
-            cycle = path[path.index(module):]
+            cycle = path[path.index(module) :]
             start = cycle.index(min(cycle))
             rotated = cycle[start:] + cycle[:start]
             if rotated not in cycles:
@@ -161,10 +175,12 @@ def test_the_cycle_check_finds_a_circle_behind_type_checking(tmp_path):
     (tmp_path / "telemetry" / "sidecar").mkdir(parents=True)
     (tmp_path / "telemetry" / "sidecar" / "sink.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-        "    from telemetry.sidecar.engine_view import EngineView\n")
+        "    from telemetry.sidecar.engine_view import EngineView\n"
+    )
     (tmp_path / "telemetry" / "sidecar" / "engine_view.py").write_text(
-        "from telemetry.sidecar.sink import EngineStatus\n")
+        "from telemetry.sidecar.sink import EngineStatus\n"
+    )
     (tmp_path / "telemetry" / "sidecar" / "ingest.py").write_text(
-        "from telemetry.sidecar import sink\n")
-    assert import_cycles(tmp_path) == [
-        ["telemetry.sidecar.engine_view", "telemetry.sidecar.sink"]]
+        "from telemetry.sidecar import sink\n"
+    )
+    assert import_cycles(tmp_path) == [["telemetry.sidecar.engine_view", "telemetry.sidecar.sink"]]

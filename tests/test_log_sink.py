@@ -28,8 +28,13 @@ class Lines:
 def heartbeat(engine_index, wall_s, running=0, waiting=0, device="GPU", seq=1):
     wall_ns = int(wall_s * SECOND)
     return lane_heartbeat(
-        engine_index, seq, wall_ns - CLOCK_OFFSET_NS, wall_ns,
-        num_waiting_reqs=waiting, num_running_reqs=running, device_name=device,
+        engine_index,
+        seq,
+        wall_ns - CLOCK_OFFSET_NS,
+        wall_ns,
+        num_waiting_reqs=waiting,
+        num_running_reqs=running,
+        device_name=device,
     )
 
 
@@ -46,13 +51,22 @@ def design_messages(engine_index=0, start_s=100.0, device="GPU", preemptions=0):
     """Messages for one 10 s window giving the DESIGN.md example line, in time order."""
     messages = [heartbeat(engine_index, start_s - 1, device=device)]
     for step in range(10):
-        messages.append(record(
-            engine_index, start_s + step + 0.5, iteration=step + 1,
-            num_prefill_tokens=600, num_decode_tokens=77 if step < 8 else 78,
-            num_prefix_query_tokens=125, num_prefix_hit_tokens=124,
-            num_running_reqs=5, num_waiting_reqs=0, num_kv_blocks_used=117,
-            num_kv_blocks_free=883, num_preemptions=preemptions if step == 0 else 0,
-        ))
+        messages.append(
+            record(
+                engine_index,
+                start_s + step + 0.5,
+                iteration=step + 1,
+                num_prefill_tokens=600,
+                num_decode_tokens=77 if step < 8 else 78,
+                num_prefix_query_tokens=125,
+                num_prefix_hit_tokens=124,
+                num_running_reqs=5,
+                num_waiting_reqs=0,
+                num_kv_blocks_used=117,
+                num_kv_blocks_free=883,
+                num_preemptions=preemptions if step == 0 else 0,
+            )
+        )
     messages.append(heartbeat(engine_index, start_s + 10.2, running=5, device=device))
     return messages
 
@@ -94,8 +108,9 @@ def test_idle_engine_is_silent_and_a_waiting_one_is_not():
     for second in range(60, 81):  # work waits, nothing runs: the line says so
         send(sink, heartbeat(0, 100 + second, waiting=4))
     assert len(lines.texts()) == 2
-    assert all("Avg prompt throughput: 0.0 tokens/s" in t and "Waiting: 4 reqs" in t
-               for t in lines.texts())
+    assert all(
+        "Avg prompt throughput: 0.0 tokens/s" in t and "Waiting: 4 reqs" in t for t in lines.texts()
+    )
 
 
 def test_several_engines_get_an_aggregated_line():
@@ -129,9 +144,15 @@ def test_first_window_is_measured_from_when_the_engine_was_first_seen():
 def test_per_iteration_lines_in_the_design_format():
     lines = Lines()
     sink = LogSink(emit=lines, log_iterations=True)
-    fields = dict(num_prefill_reqs=0, num_prefill_tokens=0, num_decode_reqs=50,
-                  num_decode_tokens=50, num_kv_blocks_used=3500, num_kv_blocks_free=65459,
-                  num_kv_tokens=56000)
+    fields = dict(
+        num_prefill_reqs=0,
+        num_prefill_tokens=0,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
+    )
     message = record(0, 100, iteration=188, **fields)
     message.elapsed_ns = 10_250_000
     send(sink, message)
@@ -162,7 +183,8 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     assert warnings == [
         "Engine 000: running -> stalled (0 waiting, 2 running, last iteration 1)",
         "Engine 000: running -> stalled (0 waiting, 2 running, last iteration 1)".replace(
-            "running -> stalled", "stalled -> dead"),
+            "running -> stalled", "stalled -> dead"
+        ),
     ]
     assert lines.texts(logging.INFO)[0] == "Engine 000: connected, running"
     before = len(lines.lines)
@@ -177,9 +199,20 @@ def test_a_stall_names_the_last_iteration_that_scheduled_work():
     sink = LogSink(emit=lines)
     feed(sink, [heartbeat(0, 100, running=2), record(0, 100.5, iteration=7)])
     for iteration in range(8, 60):  # schedules nothing
-        feed(sink, [record(0, 101 + iteration / 100, iteration=iteration, num_prefill_reqs=0,
-                           num_decode_reqs=0, num_prefill_tokens=0,
-                           num_decode_tokens=0)])
+        feed(
+            sink,
+            [
+                record(
+                    0,
+                    101 + iteration / 100,
+                    iteration=iteration,
+                    num_prefill_reqs=0,
+                    num_decode_reqs=0,
+                    num_prefill_tokens=0,
+                    num_decode_tokens=0,
+                )
+            ],
+        )
     sink.on_status(0, EngineStatus.STALLED, 0)
     assert "last iteration 7)" in lines.texts(logging.WARNING)[0]
 
@@ -232,8 +265,10 @@ def test_close_prints_the_open_window_so_every_record_is_in_a_line():
     lines = Lines()
     sink = LogSink(emit=lines)
     design_window(sink)
-    feed(sink, [record(0, 110.5 + step, iteration=11 + step, num_decode_tokens=40)
-                for step in range(3)])
+    feed(
+        sink,
+        [record(0, 110.5 + step, iteration=11 + step, num_decode_tokens=40) for step in range(3)],
+    )
     assert len(lines.texts()) == 1  # the second window is still open
     sink.close()
     assert len(lines.texts()) == 2
@@ -246,18 +281,31 @@ def test_idle_running_flips_are_debug_lines_other_transitions_stand_out():
     would drown the throughput lines at INFO."""
     lines = Lines()
     sink = LogSink(emit=lines)
-    for status in (EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.IDLE,
-                   EngineStatus.RUNNING, EngineStatus.STALLED, EngineStatus.RUNNING,
-                   EngineStatus.DEAD, EngineStatus.IDLE):
+    for status in (
+        EngineStatus.IDLE,
+        EngineStatus.RUNNING,
+        EngineStatus.IDLE,
+        EngineStatus.RUNNING,
+        EngineStatus.STALLED,
+        EngineStatus.RUNNING,
+        EngineStatus.DEAD,
+        EngineStatus.IDLE,
+    ):
         sink.on_status(0, status, 0)
-    assert lines.texts(logging.INFO) == ["Engine 000: connected, idle",
-                                         "Engine 000: stalled -> running",
-                                         "Engine 000: dead -> idle"]
-    assert lines.texts(logging.DEBUG) == ["Engine 000: idle -> running",
-                                          "Engine 000: running -> idle",
-                                          "Engine 000: idle -> running"]
+    assert lines.texts(logging.INFO) == [
+        "Engine 000: connected, idle",
+        "Engine 000: stalled -> running",
+        "Engine 000: dead -> idle",
+    ]
+    assert lines.texts(logging.DEBUG) == [
+        "Engine 000: idle -> running",
+        "Engine 000: running -> idle",
+        "Engine 000: idle -> running",
+    ]
     assert [text.split(" (")[0] for text in lines.texts(logging.WARNING)] == [
-        "Engine 000: running -> stalled", "Engine 000: running -> dead"]
+        "Engine 000: running -> stalled",
+        "Engine 000: running -> dead",
+    ]
 
 
 def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
@@ -267,8 +315,10 @@ def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
     feed(sink, [record(0, 110.5, iteration=11, num_decode_tokens=40)])
     sink.on_status(0, EngineStatus.DEAD, 0)
     feed(sink, [heartbeat(1, 121.0)])  # another engine's clock closes the window
-    assert any("Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
-               for text in lines.texts()[1:])
+    assert any(
+        "Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
+        for text in lines.texts()[1:]
+    )
 
 
 def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
@@ -276,8 +326,7 @@ def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
     dead, not when the sidecar exits."""
     lines = Lines()
     sink = LogSink(emit=lines)
-    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_decode_tokens=40,
-                                           num_running_reqs=2)])
+    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_decode_tokens=40, num_running_reqs=2)])
     assert lines.texts(logging.INFO) == []
     sink.on_status(0, EngineStatus.DEAD, 0)
     throughput = [text for text in lines.texts(logging.INFO) if "throughput" in text]
@@ -300,5 +349,7 @@ def test_a_wall_clock_stepped_back_keeps_the_lines_coming():
         feed(sink, [heartbeat(0, second + 0.1), record(0, second + 0.5, num_decode_tokens=80)])
     throughput = [text for text in lines.texts() if "throughput" in text]
     assert len(throughput) >= 5
-    assert all("Avg generation throughput: 80.0 tokens/s" in text
-               for text in throughput[:2] + throughput[3:])
+    assert all(
+        "Avg generation throughput: 80.0 tokens/s" in text
+        for text in throughput[:2] + throughput[3:]
+    )

@@ -79,8 +79,23 @@ def compile_library(source: Path, library: Path, *flags: str) -> Path:
     gcc = shutil.which("gcc")
     if gcc is None:
         raise RuntimeError(f"gcc is needed to build {source.name}")
-    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", *flags,
-                    str(source), "-o", str(library), "-lpthread"], check=True)
+    subprocess.run(
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *flags,
+            str(source),
+            "-o",
+            str(library),
+            "-lpthread",
+        ],
+        check=True,
+    )
     return library
 
 
@@ -90,35 +105,51 @@ def capture_library(tmp_path_factory) -> Path:
     return compile_library(CAPTURE_SOURCE, library, f"-I{nvtx_include_dir()}")
 
 
-def make_records(num_records: int, engine_index: int = 0,
-                 elapsed_ns: int = 1_000_000) -> list[IterationRecord]:
+def make_records(
+    num_records: int, engine_index: int = 0, elapsed_ns: int = 1_000_000
+) -> list[IterationRecord]:
     """Iterations every 20 ms, each ``elapsed_ns`` (+ 1 us per iteration) long."""
     records = []
     for i in range(1, num_records + 1):
-        records.append(iteration_record(
-            engine_index, i, 100 + i, start_ns=i * 20_000_000,
-            elapsed_ns=elapsed_ns + i * 1000, num_prefill_reqs=i % 2,
-            num_prefill_tokens=(i % 2) * 512, num_decode_reqs=i, num_decode_tokens=i,
-            num_running_reqs=i + i % 2, num_waiting_reqs=7 - i % 7,
-            num_kv_blocks_used=100 * i, num_kv_blocks_free=5000 - 100 * i,
-            num_kv_tokens=1600 * i,
-        ))
+        records.append(
+            iteration_record(
+                engine_index,
+                i,
+                100 + i,
+                start_ns=i * 20_000_000,
+                elapsed_ns=elapsed_ns + i * 1000,
+                num_prefill_reqs=i % 2,
+                num_prefill_tokens=(i % 2) * 512,
+                num_decode_reqs=i,
+                num_decode_tokens=i,
+                num_running_reqs=i + i % 2,
+                num_waiting_reqs=7 - i % 7,
+                num_kv_blocks_used=100 * i,
+                num_kv_blocks_free=5000 - 100 * i,
+                num_kv_tokens=1600 * i,
+            )
+        )
     return records
 
 
-def run_with_capture(library: Path, script: str, args: list[str],
-                     tmp_path: Path) -> list[list[str]]:
+def run_with_capture(
+    library: Path, script: str, args: list[str], tmp_path: Path
+) -> list[list[str]]:
     """Run ``script`` in a child process under the capture tool; its NVTX events, split."""
     capture_path = tmp_path / "capture.tsv"
-    env = dict(os.environ, NVTX_INJECTION64_PATH=str(library),
-               NVTX_CAPTURE_PATH=str(capture_path), PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", script, *args], check=True, env=env, cwd=REPO,
-                   timeout=60)
+    env = dict(
+        os.environ,
+        NVTX_INJECTION64_PATH=str(library),
+        NVTX_CAPTURE_PATH=str(capture_path),
+        PYTHONPATH=str(REPO),
+    )
+    subprocess.run([sys.executable, "-c", script, *args], check=True, env=env, cwd=REPO, timeout=60)
     return [line.split("\t") for line in capture_path.read_text().splitlines()]
 
 
-def capture(library: Path, records: list[IterationRecord], tmp_path: Path,
-            batch: int = 4) -> list[list[str]]:
+def capture(
+    library: Path, records: list[IterationRecord], tmp_path: Path, batch: int = 4
+) -> list[list[str]]:
     """The live sink's NVTX events for ``records``, fed in real time ``batch`` at a time."""
     records_path = tmp_path / "records.msgpack"
     records_path.write_bytes(msgspec.msgpack.encode(records))
@@ -155,7 +186,8 @@ def test_counters_for_kv_usage_running_and_waiting(capture_library, tmp_path):
         samples.setdefault(name, []).append(float(value))
     assert samples == {
         "engine 2: KV cache usage (%)": [
-            pytest.approx(100 * r.num_kv_blocks_used / 5000) for r in records],
+            pytest.approx(100 * r.num_kv_blocks_used / 5000) for r in records
+        ],
         "engine 2: running requests": [r.num_running_reqs for r in records],
         "engine 2: waiting requests": [r.num_waiting_reqs for r in records],
     }
@@ -163,7 +195,8 @@ def test_counters_for_kv_usage_running_and_waiting(capture_library, tmp_path):
 
 @pytest.mark.live
 def test_ranges_keep_their_iterations_lengths_although_records_arrive_in_batches(
-        capture_library, tmp_path):
+    capture_library, tmp_path
+):
     """Records come 5 at a time (the publisher's send period); ranges drawn on arrival would
     last microseconds. Paced, each lasts about as long as its iteration: the median must be
     over half of it (a loose bound: the exact placement is RangePacer's test below)."""
@@ -177,8 +210,10 @@ def test_ranges_keep_their_iterations_lengths_although_records_arrive_in_batches
 
 
 def paced(pacer: RangePacer, now_ns: int) -> list[tuple[str, int]]:
-    return [("start" if kind == START else "end", record.iteration)
-            for kind, record in pacer.pop_due(now_ns)]
+    return [
+        ("start" if kind == START else "end", record.iteration)
+        for kind, record in pacer.pop_due(now_ns)
+    ]
 
 
 def test_pacer_places_ranges_at_their_times_plus_the_least_latency_and_the_delay():
@@ -223,8 +258,12 @@ def test_pacer_keeps_order_and_maps_each_engines_clock_apart():
     assert pacer.next_due_ns() is None
     expected = []
     for a, b in zip(local, remote, strict=True):
-        expected += [(START, 0, a.iteration), (START, 1, b.iteration),
-                     (END, 0, a.iteration), (END, 1, b.iteration)]
+        expected += [
+            (START, 0, a.iteration),
+            (START, 1, b.iteration),
+            (END, 0, a.iteration),
+            (END, 1, b.iteration),
+        ]
     assert [(kind, r.engine_index, r.iteration) for kind, r in due] == expected
 
 
@@ -247,7 +286,8 @@ def test_engine_markers_one_range_per_iteration_with_iteration_payload(capture_l
     assert [e[0] for e in events] == ["push", "pop"] * 5
     pushes = [e for e in events if e[0] == "push"]
     assert [(e[2], e[4], e[5]) for e in pushes] == [
-        ("iterscope", str(i), "iteration") for i in range(1, 6)]
+        ("iterscope", str(i), "iteration") for i in range(1, 6)
+    ]
 
 
 def test_engine_markers_off_or_without_a_tool_are_null():
@@ -257,15 +297,23 @@ def test_engine_markers_off_or_without_a_tool_are_null():
 
 def test_iteration_line_matches_the_design_example():
     record = make_records(1)[0]
-    for name, value in dict(iteration=188, num_prefill_reqs=0, num_prefill_tokens=0,
-                            num_decode_reqs=50, num_decode_tokens=50,
-                            elapsed_ns=10_250_000, num_kv_blocks_used=3500,
-                            num_kv_blocks_free=65459, num_kv_tokens=56000).items():
+    for name, value in dict(
+        iteration=188,
+        num_prefill_reqs=0,
+        num_prefill_tokens=0,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        elapsed_ns=10_250_000,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
+    ).items():
         setattr(record, name, value)
     assert format_iteration_line(record) == (
         "Iteration(188): 0 context requests, 0 context tokens, 50 generation requests, "
         "50 generation tokens, iteration elapsed time: 10.25 ms, "
-        "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)")
+        "kv cache: 5.1% (3500/68959 blocks, 56000 tokens)"
+    )
 
 
 # --- exact-timestamp mode (NvtxWriterSink) against a real NVTXW backend ----------------------
@@ -277,9 +325,15 @@ def test_iteration_line_matches_the_design_example():
 
 # From NVIDIA's nvToolsExtPayload.h: payload entry types, entry flags, schema type and flags.
 ENTRY_TYPE_FORMATS = {  # fixed-size entry types -> struct format
-    15: "i", 16: "I", 17: "q", 18: "Q",  # INT32, UINT32, INT64, UINT64
-    20: "d", 44: "d",  # DOUBLE, FLOAT64
-    67: "Q", 68: "I", 69: "I",  # RANGE_ID, CATEGORY, COLOR_ARGB
+    15: "i",
+    16: "I",
+    17: "q",
+    18: "Q",  # INT32, UINT32, INT64, UINT64
+    20: "d",
+    44: "d",  # DOUBLE, FLOAT64
+    67: "Q",
+    68: "I",
+    69: "I",  # RANGE_ID, CATEGORY, COLOR_ARGB
     80: "Q",  # NVTX_REGISTERED_STRING_HANDLE
 }
 ENTRY_TYPE_CSTRING_UTF8 = 76
@@ -321,8 +375,9 @@ sink.close()
 
 @pytest.fixture(scope="module")
 def nvtxw_backend(tmp_path_factory) -> Path:
-    return compile_library(NVTXW_BACKEND_SOURCE,
-                           tmp_path_factory.mktemp("nvtxw") / "libnvtxw_capture.so")
+    return compile_library(
+        NVTXW_BACKEND_SOURCE, tmp_path_factory.mktemp("nvtxw") / "libnvtxw_capture.so"
+    )
 
 
 @dataclass
@@ -388,11 +443,13 @@ def read_nvtxw_capture(path: Path) -> NvtxwCapture:
         elif kind == "string":
             capture.strings[int(f[1])] = text(f[2])
         elif kind == "schema":
-            capture.schemas[int(f[1])] = PayloadSchema(type=int(f[3]), flags=int(f[4]),
-                                                       static_size=int(f[6]))
+            capture.schemas[int(f[1])] = PayloadSchema(
+                type=int(f[3]), flags=int(f[4]), static_size=int(f[6])
+            )
         elif kind == "entry":
-            capture.schemas[int(f[0])].entries.append(SchemaEntry(
-                flags=int(f[2]), type=int(f[3]), name=text(f[4]), offset=int(f[6])))
+            capture.schemas[int(f[0])].entries.append(
+                SchemaEntry(flags=int(f[2]), type=int(f[3]), name=text(f[4]), offset=int(f[6]))
+            )
         elif kind == "counter":
             capture.counters[int(f[1])] = (int(f[0]), text(f[3]), int(f[2]))
             if len(f) > 5:  # counter semantics: unit, min, max
@@ -421,7 +478,7 @@ def decode_payload(schema: PayloadSchema, data: bytes) -> list[tuple[SchemaEntry
     values = []
     for entry in schema.entries:
         if entry.type == ENTRY_TYPE_CSTRING_UTF8:  # runs to a NUL or the end of the payload
-            value = data[entry.offset:].split(b"\0")[0].decode()
+            value = data[entry.offset :].split(b"\0")[0].decode()
         else:
             value = struct.unpack_from(ENTRY_TYPE_FORMATS[entry.type], data, entry.offset)[0]
         values.append((entry, value))
@@ -442,8 +499,7 @@ def decode_ranges(capture: NvtxwCapture) -> list[Range]:
     """Every start/end range event, from its payloads as the registered schemas lay them out."""
     ranges = []
     for stream, payloads in capture.events:
-        decoded = [decode_payload(capture.schemas[schema_id], data)
-                   for schema_id, data in payloads]
+        decoded = [decode_payload(capture.schemas[schema_id], data) for schema_id, data in payloads]
         assert capture.schemas[payloads[0][0]].flags == SCHEMA_FLAG_RANGE_STARTEND
         found: dict[str, object] = {}
         for entry, value in (pair for payload in decoded for pair in payload):
@@ -458,27 +514,39 @@ def decode_ranges(capture: NvtxwCapture) -> list[Range]:
                 found["color"] = value
             elif entry.type == ENTRY_TYPE_CATEGORY:
                 found["category"] = value
-        ranges.append(Range(stream=stream, start=found["start"], end=found["end"],
-                            message=found.get("message"), color=found.get("color"),
-                            category=found.get("category")))
+        ranges.append(
+            Range(
+                stream=stream,
+                start=found["start"],
+                end=found["end"],
+                message=found.get("message"),
+                color=found.get("color"),
+                category=found.get("category"),
+            )
+        )
     return ranges
 
 
-def run_writer_sink(backend: Path, config: str, records: list[IterationRecord],
-                    tmp_path: Path) -> NvtxwCapture:
+def run_writer_sink(
+    backend: Path, config: str, records: list[IterationRecord], tmp_path: Path
+) -> NvtxwCapture:
     """Feed ``records`` to the sink built from the sidecar's CLI, in a child process."""
     records_path = tmp_path / "records.msgpack"
     records_path.write_bytes(msgspec.msgpack.encode(records))
     capture_path = tmp_path / "nvtxw.tsv"
     env = dict(os.environ, ITERSCOPE_NVTXW_CAPTURE=str(capture_path), PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", FEED_WRITER_SINK, str(backend), config,
-                    str(records_path)], check=True, env=env, cwd=REPO, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", FEED_WRITER_SINK, str(backend), config, str(records_path)],
+        check=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
     return read_nvtxw_capture(capture_path)
 
 
 @pytest.mark.live
-def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_backend,
-                                                                         tmp_path):
+def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_backend, tmp_path):
     engine_records = {0: make_records(5, engine_index=0), 3: make_records(4, engine_index=3)}
     records = [r for pair in itertools.zip_longest(*engine_records.values()) for r in pair if r]
     config = "first=1\nsecond=two words"
@@ -492,18 +560,28 @@ def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_b
     stream_ids = {name: stream for stream, (name, _, _) in capture.streams.items()}
     assert sorted(capture.streams.values()) == [
         ("engine 0", domain, TIMESTAMP_TYPE_CLOCK_MONOTONIC),
-        ("engine 3", domain, TIMESTAMP_TYPE_CLOCK_MONOTONIC)]
+        ("engine 3", domain, TIMESTAMP_TYPE_CLOCK_MONOTONIC),
+    ]
     assert sorted(capture.closed_streams) == sorted(capture.streams)
     assert capture.other == []  # no batches, no call the backend does not support
 
     ranges = decode_ranges(capture)
     assert len(ranges) == len(records)
     for engine, expected in engine_records.items():
-        assert [(r.start, r.end, r.message, r.color, capture.categories[domain, r.category])
-                for r in ranges if r.stream == stream_ids[f"engine {engine}"]] == [
-            (record.start_ns, record.start_ns + record.elapsed_ns,
-             format_iteration_line(record), nvtx_ranges.RANGE_COLOR, f"engine {engine}")
-            for record in expected]
+        assert [
+            (r.start, r.end, r.message, r.color, capture.categories[domain, r.category])
+            for r in ranges
+            if r.stream == stream_ids[f"engine {engine}"]
+        ] == [
+            (
+                record.start_ns,
+                record.start_ns + record.elapsed_ns,
+                format_iteration_line(record),
+                nvtx_ranges.RANGE_COLOR,
+                f"engine {engine}",
+            )
+            for record in expected
+        ]
 
     for engine, expected in engine_records.items():
         samples = []
@@ -518,18 +596,31 @@ def test_writer_mode_writes_ranges_and_counters_at_the_engine_timestamps(nvtxw_b
             sample
             for record in expected
             for sample in (
-                (prefix + "KV cache usage (%)", record.start_ns + record.elapsed_ns,
-                 pytest.approx(100 * record.num_kv_blocks_used / 5000, abs=1e-9)),
-                (prefix + "running requests", record.start_ns + record.elapsed_ns,
-                 record.num_running_reqs),
-                (prefix + "waiting requests", record.start_ns + record.elapsed_ns,
-                 record.num_waiting_reqs),
-            )]
+                (
+                    prefix + "KV cache usage (%)",
+                    record.start_ns + record.elapsed_ns,
+                    pytest.approx(100 * record.num_kv_blocks_used / 5000, abs=1e-9),
+                ),
+                (
+                    prefix + "running requests",
+                    record.start_ns + record.elapsed_ns,
+                    record.num_running_reqs,
+                ),
+                (
+                    prefix + "waiting requests",
+                    record.start_ns + record.elapsed_ns,
+                    record.num_waiting_reqs,
+                ),
+            )
+        ]
 
-    semantics = {capture.counters[counter_id][1]: value
-                 for counter_id, value in capture.counter_semantics.items()}
-    assert semantics == {f"engine {engine}: KV cache usage (%)": ("%", 0.0, 100.0)
-                         for engine in engine_records}
+    semantics = {
+        capture.counters[counter_id][1]: value
+        for counter_id, value in capture.counter_semantics.items()
+    }
+    assert semantics == {
+        f"engine {engine}: KV cache usage (%)": ("%", 0.0, 100.0) for engine in engine_records
+    }
 
 
 def test_writer_mode_with_a_missing_backend_is_a_clear_error(tmp_path):
@@ -547,8 +638,7 @@ def test_writer_mode_with_a_library_that_is_no_nvtxw_backend_is_a_clear_error(tm
 
 
 @pytest.mark.live
-def test_writer_mode_with_a_refused_session_is_a_clear_error(nvtxw_backend, tmp_path,
-                                                             monkeypatch):
+def test_writer_mode_with_a_refused_session_is_a_clear_error(nvtxw_backend, tmp_path, monkeypatch):
     monkeypatch.setenv("ITERSCOPE_NVTXW_CAPTURE", str(tmp_path / "capture.txt"))
     with pytest.raises(ValueError, match="refused the session"):
         nvtx_ranges.NvtxWriterSink(str(nvtxw_backend), config="refuse-session")

@@ -53,16 +53,27 @@ def receiver():
 # --- synthetic records --------------------------------------------------------------------
 def heartbeat(engine_index: int = 0) -> Heartbeat:
     return lane_heartbeat(
-        engine_index, 1, MONO_BASE_NS, MONO_BASE_NS + WALL_OFFSET_NS,
-        model_name="SmolLM2-135M", device_name="CPU", block_size=16, num_kv_blocks_total=1000,
+        engine_index,
+        1,
+        MONO_BASE_NS,
+        MONO_BASE_NS + WALL_OFFSET_NS,
+        model_name="SmolLM2-135M",
+        device_name="CPU",
+        block_size=16,
+        num_kv_blocks_total=1000,
     )
 
 
 def record(iteration: int, milestones=(), engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
-        start_ns=MONO_BASE_NS + iteration * 10_000_000, elapsed_ns=9_000_000,
-        num_decode_reqs=2, num_decode_tokens=2, num_running_reqs=2,
-        num_kv_blocks_used=100, num_kv_blocks_free=900, num_kv_tokens=1600,
+        start_ns=MONO_BASE_NS + iteration * 10_000_000,
+        elapsed_ns=9_000_000,
+        num_decode_reqs=2,
+        num_decode_tokens=2,
+        num_running_reqs=2,
+        num_kv_blocks_used=100,
+        num_kv_blocks_free=900,
+        num_kv_tokens=1600,
         milestones=list(milestones),
     )
     return iteration_record(engine_index, iteration, iteration, **{**fields, **overrides})
@@ -71,13 +82,23 @@ def record(iteration: int, milestones=(), engine_index: int = 0, **overrides) ->
 def finished(request_id: str, traceparent: str = "", base_ns: int = MONO_BASE_NS):
     """A request: queued 1 ms, two prefill chunks, preempted once, 7 output tokens, stop."""
     return RequestMilestone(
-        request_id=request_id, event=EVENT_FINISHED, arrival_ns=base_ns + 1_000_000,
-        first_scheduled_ns=base_ns + 2_000_000, first_token_ns=base_ns + 6_000_000,
-        finished_ns=base_ns + 20_000_000, num_prompt_tokens=300, num_cached_tokens=64,
-        num_output_tokens=7, num_preemptions=1, finish_reason=0, traceparent=traceparent,
+        request_id=request_id,
+        event=EVENT_FINISHED,
+        arrival_ns=base_ns + 1_000_000,
+        first_scheduled_ns=base_ns + 2_000_000,
+        first_token_ns=base_ns + 6_000_000,
+        finished_ns=base_ns + 20_000_000,
+        num_prompt_tokens=300,
+        num_cached_tokens=64,
+        num_output_tokens=7,
+        num_preemptions=1,
+        finish_reason=0,
+        traceparent=traceparent,
         preempted_ns=[base_ns + 10_000_000],
-        prefill_chunks=[(base_ns + 2_000_000, base_ns + 4_000_000, 256),
-                        (base_ns + 4_000_000, base_ns + 6_000_000, 44)],
+        prefill_chunks=[
+            (base_ns + 2_000_000, base_ns + 4_000_000, 256),
+            (base_ns + 4_000_000, base_ns + 6_000_000, 44),
+        ],
     )
 
 
@@ -91,16 +112,28 @@ def test_request_span_tree_over_http_protobuf(receiver):
     send(sink, heartbeat())
     milestone = finished("req-1", TRACEPARENT)
     first_token_only = RequestMilestone(
-        request_id="req-2", event=EVENT_FIRST_TOKEN, arrival_ns=MONO_BASE_NS,
-        first_scheduled_ns=MONO_BASE_NS, first_token_ns=MONO_BASE_NS + 1, finished_ns=0,
-        num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1, num_preemptions=0,
+        request_id="req-2",
+        event=EVENT_FIRST_TOKEN,
+        arrival_ns=MONO_BASE_NS,
+        first_scheduled_ns=MONO_BASE_NS,
+        first_token_ns=MONO_BASE_NS + 1,
+        finished_ns=0,
+        num_prompt_tokens=5,
+        num_cached_tokens=0,
+        num_output_tokens=1,
+        num_preemptions=0,
         finish_reason=-1,
     )
     send(sink, record(1, [milestone, first_token_only]))
     sink.close()
     spans = receiver.wait_for(5)  # llm_request, queued, 2 x prefill, decode
     assert sorted(span.name for span in spans) == [
-        "decode", "llm_request", "prefill", "prefill", "queued"]
+        "decode",
+        "llm_request",
+        "prefill",
+        "prefill",
+        "queued",
+    ]
 
     (root,) = by_name(spans, "llm_request")
     assert root.kind == SpanProto.SPAN_KIND_SERVER
@@ -115,8 +148,10 @@ def test_request_span_tree_over_http_protobuf(receiver):
     assert root.attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(0.005)
     assert root.attributes["gen_ai.latency.time_in_queue"] == pytest.approx(0.001)
     assert root.attributes["iterscope.num_preemptions"] == 1
-    assert root.events == [("first_token", wall(milestone.first_token_ns)),
-                           ("preempted", wall(milestone.preempted_ns[0]))]
+    assert root.events == [
+        ("first_token", wall(milestone.first_token_ns)),
+        ("preempted", wall(milestone.preempted_ns[0])),
+    ]
     assert root.resource["service.name"] == "iterscope"
     assert root.resource["iterscope.engine_index"] == 0
     assert root.resource["iterscope.model"] == "SmolLM2-135M"
@@ -124,14 +159,19 @@ def test_request_span_tree_over_http_protobuf(receiver):
     for child in by_name(spans, "queued") + by_name(spans, "prefill") + by_name(spans, "decode"):
         assert (child.trace_id, child.parent_span_id) == (TRACE_ID, root.span_id)
     (queued,) = by_name(spans, "queued")
-    assert (queued.start_ns, queued.end_ns) == (wall(milestone.arrival_ns),
-                                                wall(milestone.first_scheduled_ns))
+    assert (queued.start_ns, queued.end_ns) == (
+        wall(milestone.arrival_ns),
+        wall(milestone.first_scheduled_ns),
+    )
     chunks = sorted(by_name(spans, "prefill"), key=lambda span: span.start_ns)
     assert [(c.start_ns, c.end_ns, c.attributes["iterscope.num_tokens"]) for c in chunks] == [
-        (wall(start), wall(end), num) for start, end, num in milestone.prefill_chunks]
+        (wall(start), wall(end), num) for start, end, num in milestone.prefill_chunks
+    ]
     (decode,) = by_name(spans, "decode")
-    assert (decode.start_ns, decode.end_ns) == (wall(milestone.first_token_ns),
-                                                wall(milestone.finished_ns))
+    assert (decode.start_ns, decode.end_ns) == (
+        wall(milestone.first_token_ns),
+        wall(milestone.finished_ns),
+    )
     for span in spans:
         assert not any("prompt" in key or "completion" in key for key in span.attributes)
     assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
@@ -162,7 +202,8 @@ def test_iteration_sampling_reasons():
     assert sampling.reason(record(7, num_preemptions=2)) == "preempting"
     assert sampling.reason(record(7, elapsed_ns=50_000_000)) == "slow"
     assert sampling.reason(record(7, num_kv_blocks_used=900, num_kv_blocks_free=100)) == (
-        "kv_saturated")
+        "kv_saturated"
+    )
     assert sampling.reason(record(300)) == "one_in_n"
     assert IterationSampling().reason(record(300)) is None
     with pytest.raises(ValueError, match="KV saturation"):
@@ -267,8 +308,12 @@ def test_build_reads_cli_and_standard_environment(monkeypatch):
 
     parser = argparse.ArgumentParser()
     otel.add_arguments(parser)
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                 "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+    for name in (
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert otel.build(parser.parse_args([])) is None
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
@@ -277,9 +322,16 @@ def test_build_reads_cli_and_standard_environment(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="unsupported OTLP protocol"):
         otel_export.traces_protocol(None)
-    args = parser.parse_args(["--otlp-traces-endpoint", "http://127.0.0.1:1/v1/traces",
-                              "--otlp-traces-protocol", "http/protobuf",
-                              "--otel-iteration-sample-every", "10"])
+    args = parser.parse_args(
+        [
+            "--otlp-traces-endpoint",
+            "http://127.0.0.1:1/v1/traces",
+            "--otlp-traces-protocol",
+            "http/protobuf",
+            "--otel-iteration-sample-every",
+            "10",
+        ]
+    )
     sink = otel.build(args)
     try:
         assert isinstance(sink, OtelSink) and sink.sampling.one_in_n == 10
@@ -314,20 +366,32 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 15.0)
 def test_grpc_export_through_rotel_collector(receiver, tmp_path, monkeypatch):
     grpc_port, http_port = free_port(), free_port()
     command = [
-        str(rotel_binary()), "start",
-        "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
-        "--otlp-http-endpoint", f"127.0.0.1:{http_port}",
-        "--exporter", "otlp", "--otlp-exporter-protocol", "http",
-        "--otlp-exporter-endpoint", f"http://127.0.0.1:{receiver.port}",
-        "--batch-timeout", "50ms",
-        "--pid-file", str(tmp_path / "rotel.pid"), "--log-file", str(tmp_path / "rotel.log"),
+        str(rotel_binary()),
+        "start",
+        "--otlp-grpc-endpoint",
+        f"127.0.0.1:{grpc_port}",
+        "--otlp-http-endpoint",
+        f"127.0.0.1:{http_port}",
+        "--exporter",
+        "otlp",
+        "--otlp-exporter-protocol",
+        "http",
+        "--otlp-exporter-endpoint",
+        f"http://127.0.0.1:{receiver.port}",
+        "--batch-timeout",
+        "50ms",
+        "--pid-file",
+        str(tmp_path / "rotel.pid"),
+        "--log-file",
+        str(tmp_path / "rotel.log"),
     ]
     rotel = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(grpc_port, rotel)
         monkeypatch.setenv("OTEL_SERVICE_NAME", "iterscope-test")
-        sink = OtelSink(make_exporter("grpc", f"http://127.0.0.1:{grpc_port}"),
-                        schedule_delay_s=0.05)
+        sink = OtelSink(
+            make_exporter("grpc", f"http://127.0.0.1:{grpc_port}"), schedule_delay_s=0.05
+        )
         send(sink, heartbeat())
         milestone = finished("via-rotel", TRACEPARENT)
         send(sink, record(1, [milestone]))
@@ -355,9 +419,21 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
     repo = Path(__file__).resolve().parent.parent
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
-         "--no-log", "--no-metrics", "--otlp-traces-endpoint", receiver.endpoint],
-        cwd=repo, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "sidecar",
+            "--address",
+            address,
+            "--no-log",
+            "--no-metrics",
+            "--otlp-traces-endpoint",
+            receiver.endpoint,
+        ],
+        cwd=repo,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     publisher = None
     try:
@@ -368,8 +444,9 @@ def test_through_the_sidecar_from_a_real_publisher(receiver, tmp_path):
             return (tmp_path / "lane.sock").exists()
 
         wait_until(bound, 30, "the sidecar to bind its lane")
-        publisher = ZmqPublisher(address, engine_index=0, facts={"model_name": "m"},
-                                 heartbeat_interval_s=0.05)
+        publisher = ZmqPublisher(
+            address, engine_index=0, facts={"model_name": "m"}, heartbeat_interval_s=0.05
+        )
         now_ns = time.monotonic_ns()
         milestone = finished("e2e", TRACEPARENT, base_ns=now_ns)
 

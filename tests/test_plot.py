@@ -68,8 +68,12 @@ def legend_colours(figure) -> set[tuple]:
 
 
 def finding_markers(figure) -> list:
-    return [line for ax in figure.axes for line in ax.get_lines()
-            if (line.get_gid() or "").startswith("finding")]
+    return [
+        line
+        for ax in figure.axes
+        for line in ax.get_lines()
+        if (line.get_gid() or "").startswith("finding")
+    ]
 
 
 def test_iteration_time_is_on_a_log_scale_spanning_ms_and_seconds(close_figures):
@@ -121,13 +125,17 @@ def test_x_ticks_read_as_the_text_of_explain(story2, tmp_path, capsys, close_fig
     labels = [t.get_text() for t in time_ax.get_xticklabels() if t.get_text()]
     assert len(labels) >= 3 and all(CLOCK.match(label) for label in labels), labels
     first = text.split("recorded ")[1].split(" -> ")[0].split()[1]
-    inside = [label for label, x in zip(labels, time_ax.get_xticks(), strict=False)
-              if time_ax.get_xlim()[0] <= x <= time_ax.get_xlim()[1]]
+    inside = [
+        label
+        for label, x in zip(labels, time_ax.get_xticks(), strict=False)
+        if time_ax.get_xlim()[0] <= x <= time_ax.get_xlim()[1]
+    ]
     assert all(first <= label <= formatter(x_last) for label in inside)
 
 
-def test_one_marker_per_finding_at_its_worst_time_as_in_the_text(story2, tmp_path, capsys,
-                                                                close_figures):
+def test_one_marker_per_finding_at_its_worst_time_as_in_the_text(
+    story2, tmp_path, capsys, close_figures
+):
     path = story2.write(tmp_path / "story2.jsonl")
     assert main([str(path)]) == 0
     text = capsys.readouterr().out

@@ -35,30 +35,54 @@ from tests.helpers.sink_feed import conflict, health_of, lose, send, set_status
 MS = 1_000_000
 CONTRACT = {
     "gauge": [
-        "iterscope_requests_running", "iterscope_requests_waiting",
-        "iterscope_requests_waiting_by_reason", "iterscope_kv_cache_usage_ratio",
-        "iterscope_kv_blocks_used", "iterscope_kv_blocks_free", "iterscope_kv_blocks_capacity",
-        "iterscope_kv_tokens", "iterscope_engine_state", "iterscope_heartbeat_age_seconds",
-        "iterscope_sidecar_lag_seconds", "iterscope_sidecar_up",
+        "iterscope_requests_running",
+        "iterscope_requests_waiting",
+        "iterscope_requests_waiting_by_reason",
+        "iterscope_kv_cache_usage_ratio",
+        "iterscope_kv_blocks_used",
+        "iterscope_kv_blocks_free",
+        "iterscope_kv_blocks_capacity",
+        "iterscope_kv_tokens",
+        "iterscope_engine_state",
+        "iterscope_heartbeat_age_seconds",
+        "iterscope_sidecar_lag_seconds",
+        "iterscope_sidecar_up",
         "iterscope_sidecar_start_time_seconds",
     ],
     "counter": [
-        "iterscope_iterations", "iterscope_prompt_tokens", "iterscope_prompt_tokens_cached",
-        "iterscope_generation_tokens", "iterscope_preemptions", "iterscope_prefix_cache_queries",
-        "iterscope_prefix_cache_hits", "iterscope_requests_finished",
-        "iterscope_records_received", "iterscope_records_dropped",
-        "iterscope_engine_index_conflicts", "iterscope_frames_undecodable",
-        "iterscope_frames_rejected", "iterscope_lane_disconnects", "iterscope_otel_spans_dropped",
-        "iterscope_sink_errors", "iterscope_sink_lines_lost",
+        "iterscope_iterations",
+        "iterscope_prompt_tokens",
+        "iterscope_prompt_tokens_cached",
+        "iterscope_generation_tokens",
+        "iterscope_preemptions",
+        "iterscope_prefix_cache_queries",
+        "iterscope_prefix_cache_hits",
+        "iterscope_requests_finished",
+        "iterscope_records_received",
+        "iterscope_records_dropped",
+        "iterscope_engine_index_conflicts",
+        "iterscope_frames_undecodable",
+        "iterscope_frames_rejected",
+        "iterscope_lane_disconnects",
+        "iterscope_otel_spans_dropped",
+        "iterscope_sink_errors",
+        "iterscope_sink_lines_lost",
     ],
     "histogram": [
-        "iterscope_iteration_duration_seconds", "iterscope_iteration_tokens",
-        "iterscope_iteration_context_tokens", "iterscope_iteration_generation_requests",
-        "iterscope_time_to_first_token_seconds", "iterscope_inter_token_latency_seconds",
-        "iterscope_time_per_output_token_seconds", "iterscope_e2e_request_latency_seconds",
-        "iterscope_request_queue_time_seconds", "iterscope_request_prefill_time_seconds",
-        "iterscope_request_decode_time_seconds", "iterscope_request_prompt_tokens",
-        "iterscope_request_generation_tokens", "iterscope_request_preemptions",
+        "iterscope_iteration_duration_seconds",
+        "iterscope_iteration_tokens",
+        "iterscope_iteration_context_tokens",
+        "iterscope_iteration_generation_requests",
+        "iterscope_time_to_first_token_seconds",
+        "iterscope_inter_token_latency_seconds",
+        "iterscope_time_per_output_token_seconds",
+        "iterscope_e2e_request_latency_seconds",
+        "iterscope_request_queue_time_seconds",
+        "iterscope_request_prefill_time_seconds",
+        "iterscope_request_decode_time_seconds",
+        "iterscope_request_prompt_tokens",
+        "iterscope_request_generation_tokens",
+        "iterscope_request_preemptions",
     ],
 }
 ENGINE0 = {"engine": "0", "model_name": "tiny"}
@@ -66,12 +90,22 @@ ENGINE0 = {"engine": "0", "model_name": "tiny"}
 
 def make_record(iteration: int, engine_index: int = 0, **overrides) -> IterationRecord:
     fields = dict(
-        start_ns=1_000 * MS + iteration * 10 * MS, elapsed_ns=8 * MS,
-        num_prefill_reqs=1, num_prefill_tokens=100, num_decode_reqs=4,
-        num_decode_tokens=4, num_running_reqs=5, num_waiting_reqs=3,
-        num_waiting_kv_reqs=2, num_waiting_seq_limit_reqs=1,
-        num_kv_blocks_used=25, num_kv_blocks_free=75, num_kv_tokens=390,
-        num_prefix_query_tokens=100, num_prefix_hit_tokens=32, num_preemptions=1,
+        start_ns=1_000 * MS + iteration * 10 * MS,
+        elapsed_ns=8 * MS,
+        num_prefill_reqs=1,
+        num_prefill_tokens=100,
+        num_decode_reqs=4,
+        num_decode_tokens=4,
+        num_running_reqs=5,
+        num_waiting_reqs=3,
+        num_waiting_kv_reqs=2,
+        num_waiting_seq_limit_reqs=1,
+        num_kv_blocks_used=25,
+        num_kv_blocks_free=75,
+        num_kv_tokens=390,
+        num_prefix_query_tokens=100,
+        num_prefix_hit_tokens=32,
+        num_preemptions=1,
     )
     return iteration_record(engine_index, iteration, iteration, **{**fields, **overrides})
 
@@ -80,16 +114,28 @@ def make_heartbeat(
     engine_index: int = 0, pid: int = 42, ts_ns: int = 500 * MS, **overrides
 ) -> Heartbeat:
     fields = dict(
-        model_name="tiny", device_name="CPU", block_size=16, num_kv_blocks_total=100, pid=pid,
+        model_name="tiny",
+        device_name="CPU",
+        block_size=16,
+        num_kv_blocks_total=100,
+        pid=pid,
     )
     return heartbeat(engine_index, 0, ts_ns, 1_700_000_000 * 10**9, **{**fields, **overrides})
 
 
 def make_milestone(event: int, **overrides) -> RequestMilestone:
     fields = dict(
-        request_id="r1", event=event, arrival_ns=1_000 * MS, first_scheduled_ns=1_050 * MS,
-        first_token_ns=1_250 * MS, finished_ns=3_250 * MS, num_prompt_tokens=300,
-        num_cached_tokens=64, num_output_tokens=11, num_preemptions=2, finish_reason=1,
+        request_id="r1",
+        event=event,
+        arrival_ns=1_000 * MS,
+        first_scheduled_ns=1_050 * MS,
+        first_token_ns=1_250 * MS,
+        finished_ns=3_250 * MS,
+        num_prompt_tokens=300,
+        num_cached_tokens=64,
+        num_output_tokens=11,
+        num_preemptions=2,
+        finish_reason=1,
     )
     fields.update(overrides)
     return RequestMilestone(**fields)
@@ -122,8 +168,9 @@ def test_every_contract_series_has_type_and_engine_labels():
     sink, registry = new_sink()
     send(sink, make_heartbeat())
     send(sink, make_record(1))
-    families = {f.name: f for f in text_string_to_metric_families(
-        generate_latest(registry).decode())}
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
     for metric_type, names in CONTRACT.items():
         for name in names:
             assert families[name].type == metric_type, name
@@ -176,7 +223,8 @@ def test_kv_blocked_iterations_count_every_iteration_that_left_requests_waiting_
     seq_limited = dict(num_waiting_reqs=3, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=3)
     nobody_waits = dict(num_waiting_reqs=0, num_waiting_kv_reqs=0, num_waiting_seq_limit_reqs=0)
     for iteration, fields in enumerate(
-            (blocked, seq_limited, blocked, nobody_waits, blocked, seq_limited), start=1):
+        (blocked, seq_limited, blocked, nobody_waits, blocked, seq_limited), start=1
+    ):
         send(sink, make_record(iteration, **fields))
     samples = scrape(registry)
     assert value(samples, "iterscope_kv_blocked_iterations_total") == 3
@@ -257,8 +305,9 @@ def test_first_token_and_finish_in_separate_iterations_count_once():
 
 def test_request_aborted_while_waiting_has_no_phase_times():
     sink, registry = new_sink()
-    aborted = make_milestone(EVENT_FINISHED, first_scheduled_ns=0, first_token_ns=0,
-                             num_output_tokens=0, finish_reason=2)
+    aborted = make_milestone(
+        EVENT_FINISHED, first_scheduled_ns=0, first_token_ns=0, num_output_tokens=0, finish_reason=2
+    )
     send(sink, make_record(1, milestones=[aborted]))
     samples = scrape(registry)
     labels = {"model_name": ""}
@@ -266,8 +315,7 @@ def test_request_aborted_while_waiting_has_no_phase_times():
     for name in ("queue_time", "prefill_time", "decode_time"):
         assert value(samples, f"iterscope_request_{name}_seconds_count", **labels) == 0
     assert value(samples, "iterscope_time_per_output_token_seconds_count", **labels) == 0
-    assert value(samples, "iterscope_requests_finished_total", finish_reason="abort",
-                 **labels) == 1
+    assert value(samples, "iterscope_requests_finished_total", finish_reason="abort", **labels) == 1
 
 
 def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
@@ -279,21 +327,24 @@ def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
     samples = scrape(registry)
     labels = {"model_name": ""}
     assert value(samples, "iterscope_inter_token_latency_seconds_count", **labels) == 4
-    assert value(samples, "iterscope_inter_token_latency_seconds_sum",
-                 **labels) == pytest.approx(0.04)
+    assert value(samples, "iterscope_inter_token_latency_seconds_sum", **labels) == pytest.approx(
+        0.04
+    )
 
 
 def counter_like_values(samples: dict) -> dict:
     """Every sample that must never decrease: counters and histogram buckets/counts/sums."""
-    return {key: val for key, val in samples.items()
-            if key[0].endswith(("_total", "_bucket", "_count", "_sum"))}
+    return {
+        key: val
+        for key, val in samples.items()
+        if key[0].endswith(("_total", "_bucket", "_count", "_sum"))
+    }
 
 
 def test_counters_monotonic_across_engine_restart_and_replay():
     sink, registry = new_sink()
     first_life = [make_heartbeat(pid=1)] + [
-        make_record(i, milestones=[make_milestone(3)] if i % 3 == 0 else [])
-        for i in range(1, 8)
+        make_record(i, milestones=[make_milestone(3)] if i % 3 == 0 else []) for i in range(1, 8)
     ]
     # The engine restarts: new pid, seq and iteration from 1, clocks from elsewhere.
     second_life = [make_heartbeat(pid=2, ts_ns=5 * MS)] + [
@@ -325,10 +376,24 @@ def test_sidecar_level_series_use_empty_engine_labels():
     health.num_undecodable["malformed"] += 2
     samples = scrape(registry)
     empty = {"engine": "", "model_name": ""}
-    assert samples[("iterscope_frames_undecodable_total",
-                    frozenset({**empty, "reason": "malformed"}.items()))] == 2
-    assert samples[("iterscope_frames_undecodable_total",
-                    frozenset({**empty, "reason": "version"}.items()))] == 0
+    assert (
+        samples[
+            (
+                "iterscope_frames_undecodable_total",
+                frozenset({**empty, "reason": "malformed"}.items()),
+            )
+        ]
+        == 2
+    )
+    assert (
+        samples[
+            (
+                "iterscope_frames_undecodable_total",
+                frozenset({**empty, "reason": "version"}.items()),
+            )
+        ]
+        == 0
+    )
     assert samples[("iterscope_otel_spans_dropped_total", frozenset(empty.items()))] == 5
 
 
@@ -346,8 +411,9 @@ def test_two_engines_are_separate_series():
 
 def run_promtool(text: str) -> str:
     promtool = shutil.which("promtool") or "/usr/bin/promtool"
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     return result.stdout + result.stderr
 
 
@@ -382,10 +448,14 @@ def test_vllm_compatible_names():
     text = busy_exposition(vllm_compatible_names=True)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, metric_type in [
-        ("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
-        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:num_preemptions", "counter"),
-        ("vllm:prompt_tokens", "counter"), ("vllm:generation_tokens", "counter"),
-        ("vllm:request_success", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:num_preemptions", "counter"),
+        ("vllm:prompt_tokens", "counter"),
+        ("vllm:generation_tokens", "counter"),
+        ("vllm:request_success", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
         ("vllm:inter_token_latency_seconds", "histogram"),
         ("vllm:e2e_request_latency_seconds", "histogram"),
         ("vllm:request_queue_time_seconds", "histogram"),
@@ -394,11 +464,14 @@ def test_vllm_compatible_names():
         ("vllm:iteration_tokens_total", "histogram"),
     ]:
         assert families[name].type == metric_type, name
-    success = {sample.labels["finished_reason"]: sample.value
-               for sample in families["vllm:request_success"].samples}
+    success = {
+        sample.labels["finished_reason"]: sample.value
+        for sample in families["vllm:request_success"].samples
+    }
     assert success == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0}
-    ours = {s.labels["finish_reason"]: s.value
-            for s in families["iterscope_requests_finished"].samples}
+    ours = {
+        s.labels["finish_reason"]: s.value for s in families["iterscope_requests_finished"].samples
+    }
     assert success == ours
     usage = families["vllm:kv_cache_usage_perc"].samples[0]
     assert usage.value == pytest.approx(0.25) and usage.labels == ENGINE0
@@ -426,8 +499,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
 
 
 def test_build_serves_metrics_over_http():
-    args = parse_flags(["--metrics-port", "0", "--metrics-buckets",
-                        "iteration_tokens=1,10,100"])
+    args = parse_flags(["--metrics-port", "0", "--metrics-buckets", "iteration_tokens=1,10,100"])
     sink = prometheus.build(args)
     try:
         assert sink.port > 0
@@ -444,8 +516,9 @@ def test_build_serves_metrics_over_http():
 def test_the_sidecar_writes_the_url_it_serves_metrics_on(tmp_path):
     """A process that started it on port 0 reads the bound port from --metrics-url-file."""
     url_file = tmp_path / "metrics_url"
-    sink = prometheus.build(parse_flags(["--metrics-port", "0",
-                                         "--metrics-url-file", str(url_file)]))
+    sink = prometheus.build(
+        parse_flags(["--metrics-port", "0", "--metrics-url-file", str(url_file)])
+    )
     try:
         url = url_file.read_text().strip()
         assert url == f"http://127.0.0.1:{sink.port}/metrics"
@@ -453,8 +526,12 @@ def test_the_sidecar_writes_the_url_it_serves_metrics_on(tmp_path):
             assert b"iterscope_iterations_total" in response.read()
     finally:
         sink.close()
-    assert prometheus.build(parse_flags(["--no-metrics", "--metrics-url-file",
-                                         str(tmp_path / "none")])) is None
+    assert (
+        prometheus.build(
+            parse_flags(["--no-metrics", "--metrics-url-file", str(tmp_path / "none")])
+        )
+        is None
+    )
     assert not (tmp_path / "none").exists()
     assert metrics_url("0.0.0.0", 9) == "http://127.0.0.1:9/metrics"
     assert metrics_url("::", 9) == "http://[::1]:9/metrics"
@@ -468,12 +545,16 @@ def test_vllm_names_keep_their_colon_whatever_format_the_scraper_asks_for():
     sink = prometheus.build(parse_flags(["--metrics-port", "0", "--vllm-compatible-names"]))
     try:
         send(sink, make_record(1))
-        prometheus_accept = ("application/openmetrics-text;version=1.0.0,"
-                             "application/openmetrics-text;version=0.0.1;q=0.75,"
-                             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+        prometheus_accept = (
+            "application/openmetrics-text;version=1.0.0,"
+            "application/openmetrics-text;version=0.0.1;q=0.75,"
+            "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        )
         for accept in (prometheus_accept, "text/plain;version=1.0.0;escaping=underscores", ""):
-            request = urllib.request.Request(f"http://127.0.0.1:{sink.port}/metrics",
-                                             headers={"Accept": accept} if accept else {})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{sink.port}/metrics",
+                headers={"Accept": accept} if accept else {},
+            )
             with urllib.request.urlopen(request, timeout=10) as response:
                 assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
                 text = response.read().decode()
@@ -488,8 +569,12 @@ def test_flags_defaults_no_metrics_and_bad_buckets(capsys):
     args = parse_flags([])
     assert args.metrics_host == "127.0.0.1" and not args.vllm_compatible_names
     assert prometheus.build(parse_flags(["--no-metrics"])) is None
-    for bad in ["nonexistent=1,2", "iteration_tokens=2,1", "iteration_tokens=1,x",
-                "iteration_tokens"]:
+    for bad in [
+        "nonexistent=1,2",
+        "iteration_tokens=2,1",
+        "iteration_tokens=1,x",
+        "iteration_tokens",
+    ]:
         with pytest.raises(SystemExit):
             parse_flags(["--metrics-buckets", bad])
         assert "--metrics-buckets" in capsys.readouterr().err
@@ -509,16 +594,23 @@ def test_docs_name_only_series_the_sidecar_or_the_api_port_serves():
     """docs/metrics.md and the sink's own table (its series_names) are the same contract."""
     docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     served = prometheus.series_names() | {"iterscope_api_sidecar_reachable"}
-    families = ({re.sub(r"_(total|bucket|sum|count)$", "", name) for name in served}
-                | served)
+    families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in served} | served
     named = set(re.findall(r"`(iterscope_[a-z0-9_]+)", docs))
     assert named and named <= families, named - families
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(
-    st.sampled_from(["record", "heartbeat", "restart", "dropped", "status"]),
-    st.integers(0, 1), st.integers(0, 600), st.integers(0, 3)), max_size=25))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["record", "heartbeat", "restart", "dropped", "status"]),
+            st.integers(0, 1),
+            st.integers(0, 600),
+            st.integers(0, 3),
+        ),
+        max_size=25,
+    )
+)
 def test_counters_never_decrease_whatever_the_message_order(events):
     """Any mix of records (with gaps), heartbeats, engine restarts, drops and status changes.
 
@@ -531,8 +623,15 @@ def test_counters_never_decrease_whatever_the_message_order(events):
         if kind == "record":
             iterations[engine] += 1 + amount % 3  # sometimes skips iterations (lost records)
             milestones = [make_milestone(event, finish_reason=amount % 4 - 1)] if event else []
-            send(sink, make_record(iterations[engine], engine_index=engine,
-                                          num_prefill_tokens=amount, milestones=milestones))
+            send(
+                sink,
+                make_record(
+                    iterations[engine],
+                    engine_index=engine,
+                    num_prefill_tokens=amount,
+                    milestones=milestones,
+                ),
+            )
         elif kind == "restart":
             iterations[engine] = 0
             pids[engine] += 1
@@ -543,15 +642,19 @@ def test_counters_never_decrease_whatever_the_message_order(events):
             lose(sink, engine, amount)
         else:
             set_status(sink, engine, list(EngineStatus)[event], 0)
-        current = {(name, frozenset((k, v) for k, v in labels if k != "model_name")): val
-                   for (name, labels), val in counter_like_values(scrape(registry)).items()}
+        current = {
+            (name, frozenset((k, v) for k, v in labels if k != "model_name")): val
+            for (name, labels), val in counter_like_values(scrape(registry)).items()
+        }
         assert all(current[key] >= old for key, old in previous.items())
         previous = current
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-10.0, 70_000.0, allow_nan=False), min_size=1, max_size=8, unique=True),
-       st.lists(st.integers(0, 2 * MAX_COUNT_INDEX), max_size=30))
+@given(
+    st.lists(st.floats(-10.0, 70_000.0, allow_nan=False), min_size=1, max_size=8, unique=True),
+    st.lists(st.integers(0, 2 * MAX_COUNT_INDEX), max_size=30),
+)
 def test_observe_count_buckets_as_observe(bounds, counts):
     """The lookup table agrees with the bisect on every int, on and around every bound."""
     bounds = sorted(bounds)
@@ -568,25 +671,48 @@ def test_iteration_histograms_edge_buckets():
     """Per-iteration observations (inlined in the sink) land where Histogram.observe puts them:
     values on a bound (le is inclusive), just past it, zero, and past the last bound."""
     sink, _ = new_sink(buckets={"iteration_tokens": (0.5, 8, 16.5, 1000)})
-    reference = {name: Histogram(sink.buckets[name]) for name in (
-        "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
-        "iteration_generation_requests", "inter_token_latency_seconds")}
-    cases = [(0, 0, 0), (8, 0, 8 * MS), (8, 1, 10 * MS), (16, 16, 10 * MS + 1), (17, 32, 1),
-             (65536, 1024, 5 * MS), (65537, 1025, 80 * 10**9), (10**6, 0, 81 * 10**9)]
+    reference = {
+        name: Histogram(sink.buckets[name])
+        for name in (
+            "iteration_duration_seconds",
+            "iteration_tokens",
+            "iteration_context_tokens",
+            "iteration_generation_requests",
+            "inter_token_latency_seconds",
+        )
+    }
+    cases = [
+        (0, 0, 0),
+        (8, 0, 8 * MS),
+        (8, 1, 10 * MS),
+        (16, 16, 10 * MS + 1),
+        (17, 32, 1),
+        (65536, 1024, 5 * MS),
+        (65537, 1025, 80 * 10**9),
+        (10**6, 0, 81 * 10**9),
+    ]
     end_ns = 0
     for iteration, (context_tokens, generation_reqs, elapsed_ns) in enumerate(cases, start=1):
         start_ns = end_ns + 2 * MS
-        send(sink, make_record(iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-                                      num_prefill_tokens=context_tokens,
-                                      num_decode_reqs=generation_reqs,
-                                      num_decode_tokens=generation_reqs))
+        send(
+            sink,
+            make_record(
+                iteration,
+                start_ns=start_ns,
+                elapsed_ns=elapsed_ns,
+                num_prefill_tokens=context_tokens,
+                num_decode_reqs=generation_reqs,
+                num_decode_tokens=generation_reqs,
+            ),
+        )
         reference["iteration_duration_seconds"].observe(elapsed_ns / 1e9)
         reference["iteration_tokens"].observe(context_tokens + generation_reqs)
         reference["iteration_context_tokens"].observe(context_tokens)
         reference["iteration_generation_requests"].observe(generation_reqs)
         if generation_reqs and iteration > 1:
             reference["inter_token_latency_seconds"].observe(
-                (start_ns + elapsed_ns - end_ns) / 1e9, generation_reqs)
+                (start_ns + elapsed_ns - end_ns) / 1e9, generation_reqs
+            )
         end_ns = start_ns + elapsed_ns
     for name, expected in reference.items():
         observed = sink.engines[0].histograms[name]
@@ -598,8 +724,12 @@ def test_time_per_output_token_on_a_bound_lands_in_that_bucket():
     the seconds instead of the nanoseconds rounded it past the bound)."""
     sink, registry = new_sink()
     send(sink, make_heartbeat())
-    finished = make_milestone(EVENT_FINISHED, first_token_ns=1_000 * MS,
-                              finished_ns=1_000 * MS + 67_500_000, num_output_tokens=10)
+    finished = make_milestone(
+        EVENT_FINISHED,
+        first_token_ns=1_000 * MS,
+        finished_ns=1_000 * MS + 67_500_000,
+        num_output_tokens=10,
+    )
     send(sink, make_record(1, milestones=[finished]))
     samples = scrape(registry)
     assert histogram_count(samples, "iterscope_time_per_output_token_seconds", le="0.0075") == 1
@@ -613,8 +743,12 @@ def test_le_labels_are_spelled_as_prometheus_client_spells_them():
     bounds = (0.005, 1.0, 2560.0, 500000.0, 1e6)
     client_registry = CollectorRegistry()
     ClientHistogram("reference", "", buckets=bounds, registry=client_registry)
-    expected = [sample.labels["le"] for family in client_registry.collect()
-                for sample in family.samples if sample.name.endswith("_bucket")]
+    expected = [
+        sample.labels["le"]
+        for family in client_registry.collect()
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    ]
     sink, registry = new_sink(buckets={"request_prompt_tokens": bounds})
     send(sink, make_heartbeat())
     text = generate_latest(registry).decode()

@@ -55,7 +55,8 @@ class Client(threading.Thread):
                 streams = [
                     self.engine.add_request(
                         [1 + (wave * 5 + i * 3 + j) % 60 for j in range(10 + i)],
-                        SamplingParams(max_tokens=12 + i, temperature=0))
+                        SamplingParams(max_tokens=12 + i, temperature=0),
+                    )
                     for i in range(WAVE_SIZE)
                 ]
                 for stream in streams:
@@ -85,11 +86,20 @@ def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
     prometheus = None
     client = None
     try:
-        engine = EngineCoreClient(EngineConfig(
-            model="fake-llm", block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=64,
-            max_model_len=128, telemetry_address=address,
-            kv_cache_memory_bytes=NUM_KV_BLOCKS * BLOCK_SIZE * FAKE_KV_BYTES_PER_TOKEN,
-        ), load_fake_model, PacedFakeRunner, startup_timeout_s=60)
+        engine = EngineCoreClient(
+            EngineConfig(
+                model="fake-llm",
+                block_size=BLOCK_SIZE,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                max_model_len=128,
+                telemetry_address=address,
+                kv_cache_memory_bytes=NUM_KV_BLOCKS * BLOCK_SIZE * FAKE_KV_BYTES_PER_TOKEN,
+            ),
+            load_fake_model,
+            PacedFakeRunner,
+            startup_timeout_s=60,
+        )
         prometheus = start_prometheus(tmp_path, [f"127.0.0.1:{port}"])
         prometheus.wait_for_targets(timeout_s=30)
         client = Client(engine)
@@ -97,21 +107,23 @@ def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
 
         usage = prometheus.wait_for_value(
             'iterscope_kv_cache_usage_ratio{engine="0",model_name="fake-llm"}',
-            lambda ratio: ratio > 0)
+            lambda ratio: ratio > 0,
+        )
         assert usage <= 1
         prometheus.wait_for_value("rate(iterscope_iterations_total[5s])", lambda rate: rate > 0)
         ttft_p90 = prometheus.wait_for_value(
             "histogram_quantile(0.9, sum by (le) "
-            "(rate(iterscope_time_to_first_token_seconds_bucket[10s])))")
+            "(rate(iterscope_time_to_first_token_seconds_bucket[10s])))"
+        )
         assert ttft_p90 > 0
         running = prometheus.query('iterscope_engine_state{state="running"}')
         assert float(running[0]["value"][1]) == 1
         # vLLM's names reach Prometheus as they are, colon included, so vLLM's own dashboards
         # and alert rules find them.
-        prometheus.wait_for_value('vllm:kv_cache_usage_perc{model_name="fake-llm"}',
-                                  lambda ratio: ratio > 0)
-        prometheus.wait_for_value("rate(vllm:generation_tokens_total[5s])",
-                                  lambda rate: rate > 0)
+        prometheus.wait_for_value(
+            'vllm:kv_cache_usage_perc{model_name="fake-llm"}', lambda ratio: ratio > 0
+        )
+        prometheus.wait_for_value("rate(vllm:generation_tokens_total[5s])", lambda rate: rate > 0)
 
         client.halt.set()
         client.join(timeout=60)
@@ -120,8 +132,9 @@ def test_prometheus_scrapes_sidecar_fed_by_live_engine(tmp_path):
         # Everything the client saw, Prometheus counts exactly: no record lost or doubled.
         # (records_dropped_total may be 1: a heartbeat sent before the lane connected.)
         wait_for_equal(prometheus, "sum(iterscope_requests_finished_total)", client.num_finished)
-        wait_for_equal(prometheus, "sum(iterscope_request_generation_tokens_sum)",
-                       client.num_output_tokens)
+        wait_for_equal(
+            prometheus, "sum(iterscope_request_generation_tokens_sum)", client.num_output_tokens
+        )
     finally:
         if client is not None:
             client.halt.set()

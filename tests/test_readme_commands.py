@@ -48,8 +48,9 @@ def fresh_shell(command: str, cwd: Path, **popen_args) -> subprocess.Popen:
         # Where this checkout's code is; in CI it is also what .venv's editable install names.
         "PYTHONPATH": str(REPO),
     }
-    return subprocess.Popen(["bash", "--noprofile", "--norc", "-c", command], cwd=cwd,
-                            env=env, text=True, **popen_args)
+    return subprocess.Popen(
+        ["bash", "--noprofile", "--norc", "-c", command], cwd=cwd, env=env, text=True, **popen_args
+    )
 
 
 def run(command: str, cwd: Path) -> str:
@@ -67,8 +68,13 @@ def test_readme_commands_run_in_a_fresh_shell(tmp_path):
     port = free_port()
     serve_command = serve_line.replace(README_PORT, str(port)) + " --metrics-port 0"
     serve_log = (tmp_path / "serve.log").open("w")
-    serve = fresh_shell(f"exec {serve_command}", tmp_path, stdout=serve_log,
-                        stderr=subprocess.STDOUT, start_new_session=True)
+    serve = fresh_shell(
+        f"exec {serve_command}",
+        tmp_path,
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     outputs = {}
     try:
         wait_healthy(f"http://127.0.0.1:{port}", serve, tmp_path / "serve.log", SERVE_READY_S)

@@ -21,9 +21,14 @@ from telemetry.lane.record import (
 def decode_record(seq: int = 0, iteration: int = 123_000, **overrides) -> IterationRecord:
     """A steady-state decode iteration: 50 running requests, one token each."""
     fields = dict(
-        start_ns=time.monotonic_ns(), elapsed_ns=10_250_000, num_decode_reqs=50,
-        num_decode_tokens=50, num_running_reqs=50, num_kv_blocks_used=3500,
-        num_kv_blocks_free=65459, num_kv_tokens=56000,
+        start_ns=time.monotonic_ns(),
+        elapsed_ns=10_250_000,
+        num_decode_reqs=50,
+        num_decode_tokens=50,
+        num_running_reqs=50,
+        num_kv_blocks_used=3500,
+        num_kv_blocks_free=65459,
+        num_kv_tokens=56000,
     )
     return iteration_record(0, seq, iteration, **{**fields, **overrides})
 
@@ -35,9 +40,18 @@ def test_steady_state_decode_record_fits_96_bytes():
 
 def test_round_trip_with_milestone_and_tag_first():
     milestone = RequestMilestone(
-        request_id="r1", event=3, arrival_ns=1, first_scheduled_ns=2, first_token_ns=3,
-        finished_ns=4, num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1,
-        num_preemptions=0, finish_reason=1, prefill_chunks=[(2, 3, 5)],
+        request_id="r1",
+        event=3,
+        arrival_ns=1,
+        first_scheduled_ns=2,
+        first_token_ns=3,
+        finished_ns=4,
+        num_prompt_tokens=5,
+        num_cached_tokens=0,
+        num_output_tokens=1,
+        num_preemptions=0,
+        finish_reason=1,
+        prefill_chunks=[(2, 3, 5)],
     )
     record = decode_record(milestones=[milestone])
     frame = make_encoder().encode(record)
@@ -188,10 +202,15 @@ def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
     try:
         publisher.publish(decode_record(iteration=5))
         for iteration in range(6, 9):
-            publisher.publish(decode_record(
-                iteration=iteration, num_decode_reqs=0, num_decode_tokens=0,
-                num_running_reqs=0, num_waiting_reqs=3,
-            ))
+            publisher.publish(
+                decode_record(
+                    iteration=iteration,
+                    num_decode_reqs=0,
+                    num_decode_tokens=0,
+                    num_running_reqs=0,
+                    num_waiting_reqs=3,
+                )
+            )
         assert publisher.flush()
         deadline = time.monotonic() + 5
         heartbeat = None

@@ -141,13 +141,15 @@ def test_hf_directory_loads_weights_config_and_tokenizer(tmp_path):
     assert bf16.decoder.embed_tokens.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize(("config", "expected"), [
-    ({}, [256, 1, 2]),  # no add_bos_token: tokenizer.json's post-processor adds BOS
-    ({"add_bos_token": False}, [1, 2]),  # the config says no: it wins, as in transformers
-    ({"add_bos_token": True}, [256, 1, 2]),
-])
-def test_plain_prompts_get_the_special_tokens_transformers_would_give(tmp_path, config,
-                                                                       expected):
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({}, [256, 1, 2]),  # no add_bos_token: tokenizer.json's post-processor adds BOS
+        ({"add_bos_token": False}, [1, 2]),  # the config says no: it wins, as in transformers
+        ({"add_bos_token": True}, [256, 1, 2]),
+    ],
+)
+def test_plain_prompts_get_the_special_tokens_transformers_would_give(tmp_path, config, expected):
     """Llama 3's tokenizer_config.json has no add_bos_token; its tokenizer.json adds
     <|begin_of_text|> through a TemplateProcessing post-processor."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -158,7 +160,8 @@ def test_plain_prompts_get_the_special_tokens_transformers_would_give(tmp_path, 
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 256)])
+        single="<s> $A", special_tokens=[("<s>", 256)]
+    )
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", **config}))
     assert load_hf_tokenizer(tmp_path).encode("hello world") == expected
@@ -230,7 +233,7 @@ def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch):
     got = layer(x)
     want = (x.double() @ weight.double().T + bias.double()).bfloat16()
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
 
 
 def test_gguf_rope_scaling_is_honoured_or_refused():

@@ -22,16 +22,22 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
     return full.log()
 
 
-def make_request(params: SamplingParams, prompt: list[int] | None = None,
-                 output: list[int] | None = None, name: str = "r") -> Request:
+def make_request(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    name: str = "r",
+) -> Request:
     prompt = prompt if prompt is not None else [1, 2, 3]
     return Request(name, prompt, params, token_ids=prompt + (output or []))
 
 
 def requests_of(params: list[SamplingParams], num_tokens: list[int]) -> list[Request]:
     """A request per params with `num_tokens` prompt tokens (what seeded draws depend on)."""
-    return [make_request(p, list(range(n)), name=f"r{i}")
-            for i, (p, n) in enumerate(zip(params, num_tokens, strict=True))]
+    return [
+        make_request(p, list(range(n)), name=f"r{i}")
+        for i, (p, n) in enumerate(zip(params, num_tokens, strict=True))
+    ]
 
 
 def tokens_of(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -48,8 +54,7 @@ def test_a_tiny_temperature_is_greedy_instead_of_overflowing():
     """logits / 1e-40 overflows to inf and softmax to NaN, which multinomial refuses."""
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-6)]
-    assert tokens_of(Sampler(), logits, requests_of(params, [5, 5])) == \
-        logits.argmax(-1).tolist()
+    assert tokens_of(Sampler(), logits, requests_of(params, [5, 5])) == logits.argmax(-1).tolist()
 
 
 def test_seeded_draws_depend_only_on_seed_and_length():
@@ -68,8 +73,7 @@ def test_seeded_draws_vary_from_step_to_step_and_from_seed_to_seed():
     tokens = [tokens_of(Sampler(), logits, requests_of([seeded], [n]))[0] for n in range(1, 40)]
     assert len(set(tokens)) > 10
     neighbour = SamplingParams(temperature=1.0, seed=8)
-    others = [tokens_of(Sampler(), logits, requests_of([neighbour], [n]))[0]
-              for n in range(1, 40)]
+    others = [tokens_of(Sampler(), logits, requests_of([neighbour], [n]))[0] for n in range(1, 40)]
     assert others != tokens
 
 
@@ -110,8 +114,9 @@ PENALTIES = [
     SamplingParams(temperature=0, repetition_penalty=0.7),
     SamplingParams(temperature=0, frequency_penalty=0.9),
     SamplingParams(temperature=0, presence_penalty=-1.5),
-    SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.4,
-                   presence_penalty=1.1),
+    SamplingParams(
+        temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=1.1
+    ),
 ]
 
 
@@ -132,8 +137,9 @@ def test_penalties_change_what_greedy_picks():
     logits = logits_from_probs([0.5, 0.3, 0.2]).unsqueeze(0)
     params = SamplingParams(temperature=0, presence_penalty=2.0)
     repeated = make_request(params, [5], [0])  # token 0 is already in the output
-    expected = max(range(VOCAB), key=reference_penalized(logits[0].tolist(), [5], [0],
-                                                          params).__getitem__)
+    expected = max(
+        range(VOCAB), key=reference_penalized(logits[0].tolist(), [5], [0], params).__getitem__
+    )
     assert expected == 1
     assert tokens_of(Sampler(), logits, [repeated]) == [expected]
     assert tokens_of(Sampler(), logits, [make_request(params, [5], [])]) == [0]
@@ -150,25 +156,32 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits[0, EOS], logits[0, 11], logits[0, 12] = 9.0, 8.0, 7.0  # EOS, then stop id 11, then 12
     sampler = Sampler(eos_token_ids=(EOS,))
     for ignore_eos in (False, True):  # as in vLLM, EOS is masked with ignore_eos too
-        params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(11,),
-                                ignore_eos=ignore_eos)
-        picked = [tokens_of(sampler, logits, [make_request(params, [1], [12] * n)])[0]
-                  for n in range(5)]
+        params = SamplingParams(
+            temperature=0, min_tokens=3, stop_token_ids=(11,), ignore_eos=ignore_eos
+        )
+        picked = [
+            tokens_of(sampler, logits, [make_request(params, [1], [12] * n)])[0] for n in range(5)
+        ]
         assert picked == [12, 12, 12, EOS, EOS]
     sampled = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=(11,))
     draws = {tokens_of(sampler, logits, [make_request(sampled, [1], [])])[0] for _ in range(200)}
     assert EOS not in draws and 11 not in draws
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, logprobs=5),
-    SamplingParams(temperature=0.7, top_k=3, logprobs=0, seed=1),
-    SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=2.0, logprobs=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0.7, top_k=3, logprobs=0, seed=1),
+        SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=2.0, logprobs=3),
+    ],
+)
 def test_logprobs_are_the_log_softmax_of_the_raw_logits(params):
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
-    requests = [make_request(SamplingParams(), name="plain"),
-                make_request(params, [1, 2], [3, 3], name="asks")]
+    requests = [
+        make_request(SamplingParams(), name="plain"),
+        make_request(params, [1, 2], [3, 3], name="asks"),
+    ]
     tokens, logprobs = Sampler(seed=4).sample(logits, requests)
     assert logprobs[0] is None
     entry = logprobs[1]
@@ -185,14 +198,17 @@ def test_mismatched_inputs_raise():
         Sampler().sample(torch.zeros(2, VOCAB), [make_request(SamplingParams())])
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"frequency_penalty": 2.5}, "frequency_penalty"),
-    ({"presence_penalty": -3.0}, "presence_penalty"),
-    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
-    ({"logprobs": -1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
 def test_sampling_params_out_of_range_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
@@ -206,8 +222,9 @@ def test_draws_follow_the_distribution_and_never_pick_zero_mass():
     probabilities = weights / weights.sum()
     generator = torch.Generator().manual_seed(11)
     num_draws = 40_000
-    counts = torch.bincount(torch.tensor([draw(weights, generator) for _ in range(num_draws)]),
-                            minlength=len(weights)).double()
+    counts = torch.bincount(
+        torch.tensor([draw(weights, generator) for _ in range(num_draws)]), minlength=len(weights)
+    ).double()
     assert counts[weights == 0].sum() == 0
     frequencies = counts / num_draws
     standard_errors = (probabilities * (1 - probabilities) / num_draws).sqrt()

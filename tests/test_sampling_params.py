@@ -55,13 +55,12 @@ def test_penalties_and_min_tokens_pick_what_their_definition_picks(engine):
         SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.8),
         SamplingParams(max_tokens=10, temperature=0, repetition_penalty=0.6),
         SamplingParams(max_tokens=10, temperature=0, presence_penalty=-2.0),
-        SamplingParams(max_tokens=10, temperature=0, presence_penalty=-2.0,
-                       frequency_penalty=0.5),
+        SamplingParams(max_tokens=10, temperature=0, presence_penalty=-2.0, frequency_penalty=0.5),
         SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(first,)),
-        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(first, second),
-                       min_tokens=3),
-        SamplingParams(max_tokens=10, temperature=0, min_tokens=4, ignore_eos=True,
-                       stop_token_ids=(second,)),
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(first, second), min_tokens=3),
+        SamplingParams(
+            max_tokens=10, temperature=0, min_tokens=4, ignore_eos=True, stop_token_ids=(second,)
+        ),
     ]
     got = [tokens_of(outputs) for outputs in run(core, params)]
     expected = [reference_greedy(model, PROMPT, sp, eos) for sp in params]
@@ -82,9 +81,11 @@ def check_logprobs(model, prompt: list[int], outputs: list, num_top: int) -> Non
         assert entry.logprob == pytest.approx(reference[entry.token_id], abs=1e-4)
         assert len(entry.top_token_ids) == num_top
         assert entry.top_logprobs == pytest.approx(
-            [reference[token] for token in entry.top_token_ids], abs=1e-4)
-        others = [value for token, value in enumerate(reference)
-                  if token not in entry.top_token_ids]
+            [reference[token] for token in entry.top_token_ids], abs=1e-4
+        )
+        others = [
+            value for token, value in enumerate(reference) if token not in entry.top_token_ids
+        ]
         assert min(entry.top_logprobs, default=0.0) >= max(others) - 1e-4  # the most likely
         assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
 
@@ -93,8 +94,9 @@ def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
     core, model = engine
     params = [
         SamplingParams(max_tokens=6, temperature=0, logprobs=4),
-        SamplingParams(max_tokens=6, temperature=1.5, repetition_penalty=1.4, logprobs=2,
-                       seed=11),  # still the raw logits: before penalties and temperature
+        SamplingParams(
+            max_tokens=6, temperature=1.5, repetition_penalty=1.4, logprobs=2, seed=11
+        ),  # still the raw logits: before penalties and temperature
         SamplingParams(max_tokens=6, temperature=0.8, logprobs=0, seed=2),
         SamplingParams(max_tokens=6),
     ]
@@ -106,10 +108,11 @@ def test_logprobs_are_the_log_softmax_of_the_model_logits(engine):
 
 def test_seeded_sampling_replays_and_each_seed_differs(engine):
     core, _ = engine
+
     def seeded(seed):
         return SamplingParams(max_tokens=12, temperature=1.0, top_k=50, min_p=0.01, seed=seed)
+
     first = [tokens_of(outputs) for outputs in run(core, [seeded(3), seeded(4)])]
-    again = [tokens_of(outputs) for outputs in run(core, [seeded(4), SamplingParams(),
-                                                        seeded(3)])]
+    again = [tokens_of(outputs) for outputs in run(core, [seeded(4), SamplingParams(), seeded(3)])]
     assert (again[2], again[0]) == (first[0], first[1])
     assert first[0] != first[1]

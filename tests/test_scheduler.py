@@ -25,9 +25,7 @@ def make_request(request_id, prompt, max_tokens, ignore_eos=True) -> Request:
 def check_step(core: EngineCore) -> None:
     record = core.publisher.records[-1]
     config = core.config
-    assert record.num_prefill_tokens + record.num_decode_tokens <= (
-        config.max_num_batched_tokens
-    )
+    assert record.num_prefill_tokens + record.num_decode_tokens <= (config.max_num_batched_tokens)
     assert record.num_prefill_reqs + record.num_decode_reqs <= config.max_num_seqs
     assert record.num_running_reqs == len(core.scheduler.running) <= config.max_num_seqs
     split = (

@@ -90,16 +90,22 @@ def test_completions_with_the_openai_client(server, reference):
     client = server.openai_client()
     prompt = "The quick brown fox"
     text, num_tokens, reason = reference(reference.tokenizer.encode(prompt), 12)
-    response = client.completions.create(model=TINY_MODEL, prompt=prompt, max_tokens=12,
-                                         temperature=0)
+    response = client.completions.create(
+        model=TINY_MODEL, prompt=prompt, max_tokens=12, temperature=0
+    )
     assert response.choices[0].text == text
     assert response.choices[0].finish_reason == reason
     assert response.usage.completion_tokens == num_tokens
     assert response.usage.prompt_tokens == len(prompt)  # bytes: one token per character
 
-    stream = client.completions.create(model=TINY_MODEL, prompt=prompt, max_tokens=12,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=TINY_MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
@@ -111,26 +117,30 @@ def test_token_id_prompt(server, reference):
     prompt_ids = [72, 105, 33, 300, 12]
     text, num_tokens, _ = reference(prompt_ids, 6)
     response = server.openai_client().completions.create(
-        model=TINY_MODEL, prompt=prompt_ids, max_tokens=6, temperature=0)
+        model=TINY_MODEL, prompt=prompt_ids, max_tokens=6, temperature=0
+    )
     assert (response.choices[0].text, response.usage.completion_tokens) == (text, num_tokens)
 
 
 @pytest.mark.live
 def test_chat_completions_with_the_openai_client(server, reference):
     client = server.openai_client()
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     text, num_tokens, reason = reference(reference.tokenizer.apply_chat_template(messages), 10)
-    response = client.chat.completions.create(model=TINY_MODEL, messages=messages,
-                                              max_tokens=10, temperature=0)
+    response = client.chat.completions.create(
+        model=TINY_MODEL, messages=messages, max_tokens=10, temperature=0
+    )
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == text
     assert response.choices[0].finish_reason == reason
     assert response.usage.completion_tokens == num_tokens
 
-    stream = client.chat.completions.create(model=TINY_MODEL, messages=messages,
-                                            max_completion_tokens=10, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model=TINY_MODEL, messages=messages, max_completion_tokens=10, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
@@ -138,13 +148,35 @@ def test_chat_completions_with_the_openai_client(server, reference):
 
 
 def test_command_line_reaches_the_engine_config_and_the_sidecar():
-    args = build_parser().parse_args([
-        "--model", TINY_MODEL, "--kv-cache-memory", "2MiB", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "64", "--no-prefix-caching", "--engine-index", "2",
-        "--telemetry-curve-keys-dir", "/keys", "--telemetry-curve-engine-name", "gpu-host-1",
-        "--metrics-port", "0", "--record", "run.jsonl", "--sidecar-arg=--log-iterations",
-        "--telemetry-sndhwm", "100", "--telemetry-queue-capacity", "200", "--nvtx-markers",
-    ])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            TINY_MODEL,
+            "--kv-cache-memory",
+            "2MiB",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--no-prefix-caching",
+            "--engine-index",
+            "2",
+            "--telemetry-curve-keys-dir",
+            "/keys",
+            "--telemetry-curve-engine-name",
+            "gpu-host-1",
+            "--metrics-port",
+            "0",
+            "--record",
+            "run.jsonl",
+            "--sidecar-arg=--log-iterations",
+            "--telemetry-sndhwm",
+            "100",
+            "--telemetry-queue-capacity",
+            "200",
+            "--nvtx-markers",
+        ]
+    )
     config = engine_config(args, "ipc:///tmp/x")
     assert (config.telemetry_sndhwm, config.telemetry_queue_capacity) == (100, 200)
     assert config.nvtx_markers
@@ -153,14 +185,14 @@ def test_command_line_reaches_the_engine_config_and_the_sidecar():
     assert (config.engine_index, config.telemetry_address) == (2, "ipc:///tmp/x")
     assert config.telemetry_curve_keys_dir == "/keys"
     assert config.telemetry_curve_engine_name == "gpu-host-1"
-    assert sidecar_arguments(args) == ["--log-iterations", "--metrics-port=0",
-                                       "--record=run.jsonl"]
+    assert sidecar_arguments(args) == ["--log-iterations", "--metrics-port=0", "--record=run.jsonl"]
 
 
 def test_the_model_as_first_argument_and_the_served_name_as_vllm_serve_takes_them(capsys):
     parser = build_parser()
-    args = parser.parse_args([TINY_MODEL, "--served-model-name", "my-llm",
-                              "--vllm-compatible-names"])
+    args = parser.parse_args(
+        [TINY_MODEL, "--served-model-name", "my-llm", "--vllm-compatible-names"]
+    )
     resolve_model_argument(parser, args)
     config = engine_config(args, None)
     assert (config.model, config.served_model_name) == (TINY_MODEL, "my-llm")
@@ -178,9 +210,17 @@ def test_the_model_as_first_argument_and_the_served_name_as_vllm_serve_takes_the
 
 @pytest.mark.live
 def test_served_model_name_labels_the_telemetry_series(tmp_path):
-    server = ServerProcess(tmp_path, TINY_MODEL, "--served-model-name", "my-llm",
-                           "--vllm-compatible-names", "--kv-cache-memory", KV_CACHE_MEMORY,
-                           "--cpu-threads", "1")
+    server = ServerProcess(
+        tmp_path,
+        TINY_MODEL,
+        "--served-model-name",
+        "my-llm",
+        "--vllm-compatible-names",
+        "--kv-cache-memory",
+        KV_CACHE_MEMORY,
+        "--cpu-threads",
+        "1",
+    )
     try:
         server.openai_client().completions.create(model="my-llm", prompt="hi", max_tokens=2)
         server.wait_for_records(lambda records: len(records) > 0)
@@ -223,13 +263,22 @@ def test_models_and_health(server):
         ({"prompt": "hi", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         ({"prompt": "hi", "logprobs": -1}, 400, "logprobs must be in [0, 20]"),
         ({"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs is not supported"),
-        ({"prompt": "hi", "max_completion_tokens": 5}, 400,
-         "max_completion_tokens is not supported"),  # a chat field, as in vLLM
+        (
+            {"prompt": "hi", "max_completion_tokens": 5},
+            400,
+            "max_completion_tokens is not supported",
+        ),  # a chat field, as in vLLM
         ({"prompt": "hi", "no_such_field": 1}, 400, "no_such_field is not supported"),
-        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-         400, "continuous_usage_stats is not supported"),
-        ({"prompt": "hi", "stream": True, "stream_options": {"no_such_option": True}}, 400,
-         "no_such_option"),
+        (
+            {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            400,
+            "continuous_usage_stats is not supported",
+        ),
+        (
+            {"prompt": "hi", "stream": True, "stream_options": {"no_such_option": True}},
+            400,
+            "no_such_option",
+        ),
         ({"prompt": "hi", "stop": ""}, 400, "must not be empty"),
         ({"prompt": "hi", "stop": ["a", ""]}, 400, "must not be empty"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings"),
@@ -242,8 +291,11 @@ def test_models_and_health(server):
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
         ({"prompt": "hi", "top_k": 10**20}, 400, "top_k"),  # was a plain-text 500
-        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
-         "stream_options is only allowed when stream is true"),
+        (
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options is only allowed when stream is true",
+        ),
         ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
         ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer"),
         ({"prompt": "hi", "stream": 1}, 400, "stream: Input should be a valid boolean"),
@@ -257,8 +309,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     error = response.json()["error"]
     assert message in error["message"]
     assert error["type"] and error["code"] == status
-    ok = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
-                    json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    ok = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=30,
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
@@ -279,8 +334,14 @@ def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, referen
     expected = text[: text.find(stop)]
     client = server.openai_client()
     # Without the stop string, 1,000 tokens would be generated; the first 60 are `text`.
-    common = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 1000, "temperature": 0,
-              "stop": [stop, "never in this text \u2603"], "extra_body": {"ignore_eos": True}}
+    common = {
+        "model": TINY_MODEL,
+        "prompt": prompt,
+        "max_tokens": 1000,
+        "temperature": 0,
+        "stop": [stop, "never in this text \u2603"],
+        "extra_body": {"ignore_eos": True},
+    }
     response = client.completions.create(**common)
     assert (response.choices[0].text, response.choices[0].finish_reason) == (expected, "stop")
     assert response.usage.completion_tokens < 60
@@ -297,8 +358,11 @@ def test_stop_strings_end_the_request_and_abort_it_in_the_engine(server, referen
 
 @pytest.mark.live
 def test_bad_json_and_bad_chat_messages(server):
-    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{not json",
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400 and response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="messages"):
         server.openai_client().chat.completions.create(model=TINY_MODEL, messages=[])
@@ -306,13 +370,19 @@ def test_bad_json_and_bad_chat_messages(server):
 
 @pytest.mark.live
 def test_client_disconnect_mid_stream_frees_the_kv_blocks(server):
-    payload = {"prompt": "tell me everything", "max_tokens": 1000, "ignore_eos": True,
-               "stream": True}
-    with httpx.Client(timeout=30) as http, \
-            http.stream("POST", f"{server.base_url}/v1/completions", json=payload) as response:
+    payload = {
+        "prompt": "tell me everything",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.base_url}/v1/completions", json=payload) as response,
+    ):
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        request_id = msgspec.json.decode(first[len("data: "):])["id"]
+        request_id = msgspec.json.decode(first[len("data: ") :])["id"]
         for _ in range(5):
             next(lines)
     # The connection is closed here, long before 1,000 tokens.
@@ -335,8 +405,12 @@ def test_client_disconnect_before_a_whole_response_aborts_it(server):
         httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=0.25)
 
     def aborted(records):
-        return [m for r in records for m in r.milestones
-                if m.request_id not in before and m.event & EVENT_FINISHED]
+        return [
+            m
+            for r in records
+            for m in r.milestones
+            if m.request_id not in before and m.event & EVENT_FINISHED
+        ]
 
     records = server.wait_for_records(aborted)
     milestone = aborted(records)[-1]
@@ -345,9 +419,12 @@ def test_client_disconnect_before_a_whole_response_aborts_it(server):
 
 @pytest.mark.live
 def test_traceparent_reaches_the_engine_request(server):
-    response = httpx.post(f"{server.base_url}/v1/completions",
-                          json={"prompt": "trace me", "max_tokens": 2},
-                          headers={"traceparent": TRACEPARENT}, timeout=30)
+    response = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"prompt": "trace me", "max_tokens": 2},
+        headers={"traceparent": TRACEPARENT},
+        timeout=30,
+    )
     request_id = response.json()["id"]
     records = server.wait_for_records(lambda rs: finish_milestones(rs, request_id))
     assert finish_milestones(records, request_id)[-1].traceparent == TRACEPARENT
@@ -358,29 +435,32 @@ def test_dead_engine_gets_503(server):
     """Runs last in this file: it kills the shared server's engine process."""
     engine_pid = int(httpx.get(f"{server.base_url}/health").json()["engine_pid"])
     os.kill(engine_pid, signal.SIGKILL)
-    wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10,
-               "/health to turn 503")
+    wait_until(
+        lambda: httpx.get(f"{server.base_url}/health").status_code == 503, 10, "/health to turn 503"
+    )
     response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 503
     assert "engine" in response.json()["error"]["message"]
     with pytest.raises(openai.InternalServerError):
         server.openai_client().chat.completions.create(
-            model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}])
+            model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 # The frontend in this process, over a scripted engine client ---------------------------------
 
 
 def sse_bodies(response) -> list[dict]:
-    datas = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    datas = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert datas[-1] == "[DONE]"
     return [json.loads(data) for data in datas[:-1]]
 
 
 def test_stop_string_cuts_a_whole_response_and_aborts_the_engine_request():
     http, client = scripted_app()
-    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
-                                                  "stop": ["STOP", "xyz"]})
+    response = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stop": ["STOP", "xyz"]}
+    )
     body = response.json()
     assert body["choices"][0]["text"] == "Hello, wörld! 😀 "
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -414,20 +494,25 @@ def test_chat_stop_string_streamed():
 
 def test_without_a_stop_string_the_whole_text_and_no_abort():
     http, client = scripted_app()
-    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
-                                                  "stop": ["never"]})
+    response = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stop": ["never"]}
+    )
     body = response.json()
-    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == \
-        (SCRIPTED_TEXT, "length")
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (
+        SCRIPTED_TEXT,
+        "length",
+    )
     assert client.aborted == []
 
 
 @pytest.mark.parametrize(
     ("template", "message"),
     [
-        ("{% for m in messages %}{% if m['role'] == 'system' %}"
-         "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}",
-         "System role not supported"),
+        (
+            "{% for m in messages %}{% if m['role'] == 'system' %}"
+            "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}",
+            "System role not supported",
+        ),
         ("{{ messages[1]['content'] }}", "no element 1"),  # expects two messages
         ("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", "concatenate"),
         ("{{ messages[0]['tool_calls'][0] }}", "tool_calls"),  # a shape it assumes
@@ -440,8 +525,11 @@ def test_chat_template_errors_are_client_errors(template, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"]
-    assert (error["type"], error["param"], error["code"]) == \
-        ("invalid_request_error", "messages", 400)
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "messages",
+        400,
+    )
     ok = scripted_app()[0].post("/v1/chat/completions", json={"messages": messages})
     assert ok.status_code == 200
 
@@ -449,8 +537,9 @@ def test_chat_template_errors_are_client_errors(template, message):
 @pytest.mark.parametrize("template", ["{% if %}", "{{ messages | no_such_filter }}"])
 def test_a_chat_template_that_does_not_compile_is_a_server_error(template):
     http, _ = scripted_app(template=template)
-    response = http.post("/v1/chat/completions",
-                         json={"messages": [{"role": "user", "content": "hi"}]})
+    response = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert response.status_code == 500
     assert "chat template does not compile" in response.json()["error"]["message"]
 
@@ -474,10 +563,22 @@ def test_the_frontend_reads_tokenizers_without_importing_torch():
 
 def test_null_means_the_default_as_in_the_openai_api():
     http, _ = scripted_app("ok")
-    response = http.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 5, "temperature": None, "top_p": None, "top_k": None,
-        "n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None,
-        "stop_token_ids": None, "ignore_eos": None})
+    response = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 5,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "n": None,
+            "stream": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "stop_token_ids": None,
+            "ignore_eos": None,
+        },
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "ok"
 
@@ -486,16 +587,19 @@ def test_chat_message_fields_the_template_would_lose_are_refused():
     http, _ = scripted_app("ok")
     named = {"role": "user", "content": "hi", "name": "alice"}
     assert http.post("/v1/chat/completions", json={"messages": [named]}).status_code == 200
-    tool_turn = {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "1", "type": "function",
-                                 "function": {"name": "f", "arguments": "{}"}}]}
+    tool_turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
     response = http.post("/v1/chat/completions", json={"messages": [named, tool_turn]})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "messages: tool_calls is not supported"
 
 
-def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies(
-        monkeypatch):
+def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies(monkeypatch):
     http, client = scripted_app("ok")
     for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/health", 405)):
         response = http.request(method, path)
@@ -510,15 +614,20 @@ def test_unknown_paths_wrong_methods_and_internal_errors_get_openai_error_bodies
 
 def test_a_stream_past_its_request_timeout_ends_with_an_error_event_and_an_abort():
     client = HangingClient([[ord("h")], [ord("i")]])
-    frontend = Frontend(client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL,
-                        request_timeout_s=0.3)
+    frontend = Frontend(
+        client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL, request_timeout_s=0.3
+    )
     http = TestClient(build_app(frontend))
     body = {"prompt": "hi", "max_tokens": 5, "stream": True}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200
-    bodies = [json.loads(line[len("data: "):]) for line in response.iter_lines()
-              if line.startswith("data: ")]  # no [DONE]: the stream ends with the error
+    bodies = [
+        json.loads(line[len("data: ") :])
+        for line in response.iter_lines()
+        if line.startswith("data: ")
+    ]  # no [DONE]: the stream ends with the error
     assert bodies[0]["choices"][0]["text"] == "h"
-    assert bodies[-1]["error"]["code"] == 504 and "--request-timeout" in bodies[-1]["error"][
-        "message"]
+    assert (
+        bodies[-1]["error"]["code"] == 504 and "--request-timeout" in bodies[-1]["error"]["message"]
+    )
     assert len(client.aborted) == 1

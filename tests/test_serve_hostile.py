@@ -63,9 +63,10 @@ async def stop_queue_and_continue(base_url: str, engine_pid: int) -> tuple[list,
         os.kill(engine_pid, signal.SIGSTOP)
         try:
             body = {"model": TINY_MODEL, "prompt": "hello", "max_tokens": 4}
-            requests = [asyncio.ensure_future(client.post(f"{base_url}/v1/completions",
-                                                          json=body))
-                        for _ in range(NUM_QUEUED)]
+            requests = [
+                asyncio.ensure_future(client.post(f"{base_url}/v1/completions", json=body))
+                for _ in range(NUM_QUEUED)
+            ]
             stalled = await health_until(base_url, "stalled", 60)
         finally:
             os.kill(engine_pid, signal.SIGCONT)
@@ -78,13 +79,15 @@ async def stop_queue_and_continue(base_url: str, engine_pid: int) -> tuple[list,
 def test_a_stopped_engine_reads_as_stalled_and_requests_complete_when_it_continues(server):
     engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
     stalled, responses, recovered = asyncio.run(
-        stop_queue_and_continue(server.base_url, engine_pid))
+        stop_queue_and_continue(server.base_url, engine_pid)
+    )
     assert stalled[-1]["engine"] == "stalled" and "produced nothing" in stalled[-1]["error"]
     assert stalled[-1]["num_requests_in_flight"] > 0
     statuses = [response.status_code for response in responses]
     assert set(statuses) <= {200, 503} and statuses.count(200) > 0
-    refused = [response.json()["error"]["message"] for response in responses
-               if response.status_code == 503]
+    refused = [
+        response.json()["error"]["message"] for response in responses if response.status_code == 503
+    ]
     assert all("not taking requests" in message for message in refused)
     assert recovered[-1]["engine"] in ("idle", "running")
 
@@ -100,8 +103,9 @@ def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
 
 @pytest.fixture
 def quick_timeouts_server(tmp_path):
-    with tiny_server(tmp_path, "--no-sidecar", "--request-header-timeout", "1",
-                     "--request-body-timeout", "1") as server:
+    with tiny_server(
+        tmp_path, "--no-sidecar", "--request-header-timeout", "1", "--request-body-timeout", "1"
+    ) as server:
         yield server
 
 
@@ -114,8 +118,10 @@ def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_serve
         slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert read_until_closed(slow_headers, 30) == b""
     with socket.create_connection((host, int(port))) as slow_body:
-        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
         answer = read_until_closed(slow_body, 30)
         assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in answer
     health = httpx.get(f"{quick_timeouts_server.base_url}/health", timeout=10)
@@ -124,18 +130,27 @@ def test_slow_headers_and_slow_bodies_lose_their_connection(quick_timeouts_serve
 
 @pytest.mark.live
 def test_a_killed_frontend_leaves_no_engine_directory_behind(tmp_path):
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--no-sidecar")
+    server = ServerProcess(
+        tmp_path, "--model", TINY_MODEL, "--kv-cache-memory", KV_CACHE_MEMORY, "--no-sidecar"
+    )
     try:
         engine_pid = httpx.get(f"{server.base_url}/health").json()["engine_pid"]
-        lanes = [link for link in os.listdir(f"/proc/{engine_pid}/fd")
-                 if "iterscope-engine-" in os.readlink(f"/proc/{engine_pid}/fd/{link}")]
-        engine_dirs = {os.path.dirname(os.readlink(f"/proc/{engine_pid}/fd/{link}"))
-                       for link in lanes}
+        lanes = [
+            link
+            for link in os.listdir(f"/proc/{engine_pid}/fd")
+            if "iterscope-engine-" in os.readlink(f"/proc/{engine_pid}/fd/{link}")
+        ]
+        engine_dirs = {
+            os.path.dirname(os.readlink(f"/proc/{engine_pid}/fd/{link}")) for link in lanes
+        }
         server.process.kill()
         server.process.wait()
-        wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}"), 30,
-                   "the engine to exit (it outlived its client)", 0.1)
+        wait_until(
+            lambda: not os.path.exists(f"/proc/{engine_pid}"),
+            30,
+            "the engine to exit (it outlived its client)",
+            0.1,
+        )
     finally:
         server.stop()
     assert all(not os.path.exists(directory) for directory in engine_dirs)
@@ -149,8 +164,9 @@ def test_a_request_past_its_timeout_is_aborted_with_504(tmp_path):
         os.kill(engine_pid, signal.SIGSTOP)
         try:
             whole = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
-            streamed = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                                  json={**body, "stream": True})
+            streamed = httpx.post(
+                f"{server.base_url}/v1/completions", timeout=60, json={**body, "stream": True}
+            )
         finally:
             os.kill(engine_pid, signal.SIGCONT)
         assert whole.status_code == 504
@@ -182,8 +198,10 @@ def test_memory_returns_to_its_baseline_after_large_prompts(tmp_path):
         pid, url = server.process.pid, server.base_url
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         with httpx.Client(timeout=120) as http:
-            for path, body in (("completions", {"prompt": "hi", "max_tokens": 2}),
-                               ("chat/completions", chat)):  # imports and caches warmed up
+            for path, body in (
+                ("completions", {"prompt": "hi", "max_tokens": 2}),
+                ("chat/completions", chat),
+            ):  # imports and caches warmed up
                 assert http.post(f"{url}/v1/{path}", json=body).status_code == 200
             baseline = rss_bytes(pid)
             huge = "x" * LARGE_PROMPT_BYTES
@@ -197,12 +215,14 @@ def test_memory_returns_to_its_baseline_after_large_prompts(tmp_path):
             assert http.post(f"{url}/v1/completions", json=long_prompt).status_code == 200
         settled = rss_settles_under(pid, baseline + RSS_MARGIN_BYTES, timeout_s=15)
     assert settled <= baseline + RSS_MARGIN_BYTES, (
-        f"RSS {settled >> 20} MiB after large prompts, baseline {baseline >> 20} MiB")
+        f"RSS {settled >> 20} MiB after large prompts, baseline {baseline >> 20} MiB"
+    )
 
 
 def timed_frontend(client, request_timeout_s):
-    return Frontend(client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL,
-                    request_timeout_s=request_timeout_s)
+    return Frontend(
+        client, TemplateTokenizer(PLAIN_TEMPLATE), TINY_MODEL, request_timeout_s=request_timeout_s
+    )
 
 
 async def outputs_through_timeout(client, request_timeout_s):

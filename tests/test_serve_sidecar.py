@@ -22,37 +22,47 @@ SIDECAR_STARTED = re.compile(r"sidecar bound on ipc://(\S+)/telemetry\.sock \(pi
 
 def sidecars_started(server: ServerProcess) -> list[tuple[str, int]]:
     """(run directory, pid) of each sidecar the server's output shows starting, in order."""
-    return [(match.group(1), int(match.group(2)))
-            for match in SIDECAR_STARTED.finditer(server.log())]
+    return [
+        (match.group(1), int(match.group(2))) for match in SIDECAR_STARTED.finditer(server.log())
+    ]
 
 
 def sidecar_start_time(api_url: str) -> float | None:
     """iterscope_sidecar_start_time_seconds in the API port's /metrics, None while its answer
     has no sidecar series (iterscope_api_sidecar_reachable 0)."""
     samples = scrape(f"{api_url}/metrics")
-    api_up = [value for (name, _), value in samples.items()
-              if name == "iterscope_api_sidecar_reachable"]
+    api_up = [
+        value for (name, _), value in samples.items() if name == "iterscope_api_sidecar_reachable"
+    ]
     if api_up != [1]:
         return None
-    [start_time] = [value for (name, _), value in samples.items()
-                    if name == "iterscope_sidecar_start_time_seconds"]
+    [start_time] = [
+        value
+        for (name, _), value in samples.items()
+        if name == "iterscope_sidecar_start_time_seconds"
+    ]
     return start_time
 
 
 def test_the_api_metrics_follow_a_restarted_sidecar_to_its_new_port(tmp_path):
     with tiny_server(tmp_path) as server:
-        first_start = server.wait_until(lambda: sidecar_start_time(server.base_url), 10,
-                                        "the sidecar's series on the API port")
+        first_start = server.wait_until(
+            lambda: sidecar_start_time(server.base_url), 10, "the sidecar's series on the API port"
+        )
         [(_, first_pid)] = sidecars_started(server)
         os.kill(first_pid, signal.SIGKILL)
-        server.wait_until(lambda: len(sidecars_started(server)) == 2, 30,
-                          "the sidecar's restart")
-        later_start = server.wait_until(lambda: sidecar_start_time(server.base_url), 10,
-                                        "the restarted sidecar's series on the API port")
+        server.wait_until(lambda: len(sidecars_started(server)) == 2, 30, "the sidecar's restart")
+        later_start = server.wait_until(
+            lambda: sidecar_start_time(server.base_url),
+            10,
+            "the restarted sidecar's series on the API port",
+        )
         assert later_start > first_start  # the new sidecar's series, not the old port's
         completion = {"model": TINY_MODEL, "prompt": "hello", "max_tokens": 2}
-        assert httpx.post(f"{server.base_url}/v1/completions", json=completion,
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(f"{server.base_url}/v1/completions", json=completion, timeout=60).status_code
+            == 200
+        )
 
 
 def has_exited(pid: int) -> bool:
@@ -65,8 +75,9 @@ def has_exited(pid: int) -> bool:
 
 
 def test_a_killed_frontends_sidecar_exits_and_removes_its_run_directory(tmp_path):
-    server = ServerProcess(tmp_path, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1")
+    server = ServerProcess(
+        tmp_path, "--model", TINY_MODEL, "--kv-cache-memory", KV_CACHE_MEMORY, "--cpu-threads", "1"
+    )
     try:
         [(run_dir, sidecar_pid)] = sidecars_started(server)
         assert os.path.isdir(run_dir)

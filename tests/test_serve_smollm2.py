@@ -21,32 +21,47 @@ def server(tmp_path_factory):
     # asserted here, and the first token of the answer to QUESTION is a near tie ("The" 0.08
     # nats above "L" in float32) that bfloat16, what --dtype auto picks on a CPU with native
     # bfloat16, turns into an answer without "Paris".
-    server = ServerProcess(tmp_path_factory.mktemp("smollm2"), "--model", "smollm2",
-                           "--dtype", "float32", "--max-model-len", "512",
-                           "--kv-cache-memory", "32MiB", "--cpu-threads", "1", "--no-sidecar")
+    server = ServerProcess(
+        tmp_path_factory.mktemp("smollm2"),
+        "--model",
+        "smollm2",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "32MiB",
+        "--cpu-threads",
+        "1",
+        "--no-sidecar",
+    )
     yield server
     assert server.stop() == 0, server.log()
 
 
 def test_chat_completion_answers_the_question(server):
     client = server.openai_client()
-    response = client.chat.completions.create(model="smollm2", messages=QUESTION,
-                                              max_tokens=12, temperature=0)
+    response = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=12, temperature=0
+    )
     answer = response.choices[0].message.content
     assert "Paris" in answer
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION,
-                                            max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == answer
 
 
 def test_completion_continues_the_text(server):
     client = server.openai_client()
-    response = client.completions.create(model="smollm2", prompt="The capital of France is",
-                                         max_tokens=4, temperature=0)
+    response = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0
+    )
     assert "Paris" in response.choices[0].text
     assert response.usage.completion_tokens == 4 or response.choices[0].finish_reason == "stop"
-    stream = client.completions.create(model="smollm2", prompt="The capital of France is",
-                                       max_tokens=4, temperature=0, stream=True)
+    stream = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in stream) == response.choices[0].text
 
 
@@ -56,8 +71,7 @@ def test_accented_text_streams_whole_and_stops_at_a_multibyte_stop_string(server
     text = client.completions.create(**request).choices[0].text
     accented = [char for char in text if ord(char) > 127]
     assert accented and "\ufffd" not in text, text  # SmolLM2 answers in French here
-    pieces = [chunk.choices[0].text for chunk in client.completions.create(**request,
-                                                                           stream=True)]
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(**request, stream=True)]
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
 
@@ -91,8 +105,7 @@ def test_a_large_prompt_costs_only_its_own_request(server):
     outcome = {}
 
     def post_big():
-        outcome["response"] = httpx.post(f"{server.base_url}/v1/completions", json=big,
-                                         timeout=300)
+        outcome["response"] = httpx.post(f"{server.base_url}/v1/completions", json=big, timeout=300)
         outcome["done_at"] = time.monotonic()
 
     sender = threading.Thread(target=post_big)
@@ -106,12 +119,18 @@ def test_a_large_prompt_costs_only_its_own_request(server):
     assert outcome["response"].status_code == 400
     assert "max_model_len" in outcome["response"].text
 
-    huge = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                      content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
-                      headers={"content-type": "application/json"})
+    huge = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
+        headers={"content-type": "application/json"},
+    )
     assert huge.status_code == 413 and "4,194,304 bytes" in huge.json()["error"]["message"]
 
-    lone = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                      content=b'{"prompt": "a\\ud800b", "max_tokens": 1}',
-                      headers={"content-type": "application/json"})
+    lone = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        content=b'{"prompt": "a\\ud800b", "max_tokens": 1}',
+        headers={"content-type": "application/json"},
+    )
     assert lone.status_code == 400 and "lone surrogate" in lone.json()["error"]["message"]

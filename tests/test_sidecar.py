@@ -74,23 +74,26 @@ def test_first_contact_counts_the_engines_own_drops_or_the_recorded_last_seq():
     assert sink.of("dropped") == [(0, 3), (1, 9)]
 
 
-@pytest.mark.parametrize(("frame", "reason"), [
-    (b"\xc1", "malformed"),  # a byte msgpack never uses
-    (b"not msgpack at all", "malformed"),
-    (msgspec.msgpack.encode({"tag": TAG_ITERATION}), "malformed"),
-    (msgspec.msgpack.encode([TAG_ITERATION, "x", 1]), "malformed"),
-    (encode(record(1))[:-3], "truncated"),
-    (encode(record(1)) + b"\x00", "malformed"),
-    (msgspec.msgpack.encode([TAG_ITERATION + 16, 0, 1]), "version"),
-    (msgspec.msgpack.encode([TAG_HEARTBEAT + 32, 0, 1, 2]), "version"),
-    (msgspec.msgpack.encode([TAG_ITERATION + 1, 0, 1]), "malformed"),  # unknown kind
-    (encode(record(1, engine_index=-1)), "malformed"),
-    (encode(record(0)), "malformed"),  # seq starts at 1
-    (encode(record(1, num_running_reqs=-5)), "malformed"),  # a count below 0
-    (b"\x00" * 9000, "oversized"),
-    (b"\x92\x11" + b"\x91" * 3000 + b"\x00", "malformed"),  # nested deeper than the stack
-    (b"\x92\x11" + b"\x81\x01" * 3000 + b"\x00", "malformed"),
-])
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (b"\xc1", "malformed"),  # a byte msgpack never uses
+        (b"not msgpack at all", "malformed"),
+        (msgspec.msgpack.encode({"tag": TAG_ITERATION}), "malformed"),
+        (msgspec.msgpack.encode([TAG_ITERATION, "x", 1]), "malformed"),
+        (encode(record(1))[:-3], "truncated"),
+        (encode(record(1)) + b"\x00", "malformed"),
+        (msgspec.msgpack.encode([TAG_ITERATION + 16, 0, 1]), "version"),
+        (msgspec.msgpack.encode([TAG_HEARTBEAT + 32, 0, 1, 2]), "version"),
+        (msgspec.msgpack.encode([TAG_ITERATION + 1, 0, 1]), "malformed"),  # unknown kind
+        (encode(record(1, engine_index=-1)), "malformed"),
+        (encode(record(0)), "malformed"),  # seq starts at 1
+        (encode(record(1, num_running_reqs=-5)), "malformed"),  # a count below 0
+        (b"\x00" * 9000, "oversized"),
+        (b"\x92\x11" + b"\x91" * 3000 + b"\x00", "malformed"),  # nested deeper than the stack
+        (b"\x92\x11" + b"\x81\x01" * 3000 + b"\x00", "malformed"),
+    ],
+)
 def test_undecodable_frames_are_counted_by_reason(frame, reason):
     sink = RecordingSink()
     ingest = Ingest([sink], max_frame_bytes=8192)
@@ -123,7 +126,10 @@ def test_status_idle_running_stalled_dead_each_transition_once():
         ingest.tick(8 * SECOND + tick * SECOND // 10)
     statuses = [(status, now_ns) for _, status, now_ns in sink.of("status")]
     assert [status for status, _ in statuses] == [
-        EngineStatus.IDLE, EngineStatus.RUNNING, EngineStatus.STALLED, EngineStatus.DEAD,
+        EngineStatus.IDLE,
+        EngineStatus.RUNNING,
+        EngineStatus.STALLED,
+        EngineStatus.DEAD,
     ]
     assert 6 * SECOND + 1 < statuses[2][1] <= 7 * SECOND + 1  # stalled: 5 s after progress
     assert 10.5 * SECOND < statuses[3][1] <= 10.6 * SECOND  # dead: 2.5 s after the last message
@@ -145,7 +151,8 @@ def test_a_loop_that_iterates_without_scheduling_anything_is_stalled():
             ingest.on_message(heartbeat(seq, last_iteration=1, waiting=2), now_ns)
         ingest.tick(now_ns + 1)
     assert [status for _, status, _ in sink.of("status")] == [
-        EngineStatus.RUNNING, EngineStatus.STALLED,
+        EngineStatus.RUNNING,
+        EngineStatus.STALLED,
     ]
 
 
@@ -154,8 +161,9 @@ def test_heartbeat_progress_counts_when_the_records_were_lost():
     ingest = Ingest([sink], stall_after_s=2)
     ingest.on_message(heartbeat(1, waiting=1, running=1), now_ns=0)
     for second in range(1, 10):
-        ingest.on_message(heartbeat(2 * second, last_iteration=100 * second, running=1),
-                          now_ns=second * SECOND)
+        ingest.on_message(
+            heartbeat(2 * second, last_iteration=100 * second, running=1), now_ns=second * SECOND
+        )
         ingest.tick(second * SECOND + 1)
     assert [status for _, status, _ in sink.of("status")] == [EngineStatus.RUNNING]
     assert ingest.engines[0].view.num_dropped_total == 8  # seqs 3, 5, ..., 17: lost records
@@ -174,14 +182,17 @@ def test_a_failing_sink_is_counted_and_ingest_goes_on():
     assert good.of("iteration") == [(0, 2), (0, 3)] and good.of("status")
 
 
-@pytest.mark.parametrize(("address", "bind", "allowed"), [
-    ("ipc:///tmp/x.sock", True, True),
-    ("tcp://127.0.0.1:5555", True, True),
-    ("tcp://0.0.0.0:5555", True, False),
-    ("tcp://10.0.0.1:5555", False, True),  # connecting goes where the user said
-    ("udp://127.0.0.1:5555", True, False),
-    ("/tmp/x.sock", True, False),
-])
+@pytest.mark.parametrize(
+    ("address", "bind", "allowed"),
+    [
+        ("ipc:///tmp/x.sock", True, True),
+        ("tcp://127.0.0.1:5555", True, True),
+        ("tcp://0.0.0.0:5555", True, False),
+        ("tcp://10.0.0.1:5555", False, True),  # connecting goes where the user said
+        ("udp://127.0.0.1:5555", True, False),
+        ("/tmp/x.sock", True, False),
+    ],
+)
 def test_addresses_are_ipc_or_loopback_unless_remote_is_allowed(address, bind, allowed):
     if allowed:
         check_address(address, bind)
@@ -200,7 +211,8 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
         "truncated": lambda: good[: rng.randrange(1, len(good))],
         "oversized": lambda: rng.randbytes(600),
         "version": lambda: msgspec.msgpack.encode(
-            [TAG_ITERATION + 16 * rng.randrange(1, 9), 0, rng.randrange(1, 99)]),
+            [TAG_ITERATION + 16 * rng.randrange(1, 9), 0, rng.randrange(1, 99)]
+        ),
     }
     frames, expected = [], dict.fromkeys(kinds, 0)
     for _ in range(100_000):
@@ -218,8 +230,11 @@ def test_100k_bad_frames_over_the_socket_are_counted_and_ingest_goes_on(tmp_path
         for frame in frames:
             push.send(frame)  # blocking: every frame arrives
         push.send(encode(heartbeat(5)))
-        wait_until(lambda: sidecar.ingest.health.num_messages > 0, 60,
-                   "the heartbeat after the bad frames to be ingested")
+        wait_until(
+            lambda: sidecar.ingest.health.num_messages > 0,
+            60,
+            "the heartbeat after the bad frames to be ingested",
+        )
     finally:
         sidecar.stop()
         thread.join(timeout=10)

@@ -72,8 +72,11 @@ def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
     engine.send(kind="heartbeat")
     engine.send()
     engine.send(num_dropped_before=3)
-    forged = [with_seq(record(1), 2**62, 0), with_seq(record(1), 2**62, 2**62 - 1),
-              heartbeat(engine.seq + MAX_IN_TRANSIT + 10)]
+    forged = [
+        with_seq(record(1), 2**62, 0),
+        with_seq(record(1), 2**62, 2**62 - 1),
+        heartbeat(engine.seq + MAX_IN_TRANSIT + 10),
+    ]
     for message in forged:
         ingest.on_frame(encode(message), engine.now_ns)
     engine.send()
@@ -81,8 +84,9 @@ def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
     engine.send()
     text = scrape_text(registry)
     assert dropped_of_engine_0(text) == engine.num_dropped_total == 8
-    assert sample(text, 'iterscope_frames_rejected_total{engine="",model_name="",'
-                        'reason="seq_jump"}') == len(forged)
+    assert sample(
+        text, 'iterscope_frames_rejected_total{engine="",model_name="",reason="seq_jump"}'
+    ) == len(forged)
     delivered = recorder.of("iteration") + recorder.of("heartbeat")
     assert sorted(seq for _, seq in delivered) == [1, 2, 6, 7, 13, 14]  # never a forged one
 
@@ -108,8 +112,12 @@ def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_los
     ingest, registry, recorder = prometheus_ingest()
     # A sidecar that starts while engine 3 runs: its first two records arrive before its
     # heartbeat; the engine had failed to send seqs 1-4 (no sidecar listened).
-    messages = [record(5, engine_index=3, num_dropped=4), record(6, engine_index=3),
-                heartbeat(7, engine_index=3), record(8, engine_index=3)]
+    messages = [
+        record(5, engine_index=3, num_dropped=4),
+        record(6, engine_index=3),
+        heartbeat(7, engine_index=3),
+        record(8, engine_index=3),
+    ]
     for message in messages:
         ingest.on_frame(encode(message), now_ns=1)
     assert ingest.health.num_rejected["unknown_engine"] == 2
@@ -132,10 +140,18 @@ def test_5000_fake_engines_keep_counters_truthful_and_a_scrape_small():
     num_out_of_range = 5000 - MAX_ENGINE_INDEX
     num_admitted_fakes = DEFAULT_MAX_ENGINES - 1
     assert len(ingest.engines) == DEFAULT_MAX_ENGINES
-    assert sample(text, 'iterscope_frames_undecodable_total{engine="",model_name="",'
-                        'reason="malformed"}') == num_out_of_range
-    assert sample(text, 'iterscope_frames_rejected_total{engine="",model_name="",'
-                        'reason="engine_limit"}') == 5000 - num_out_of_range - num_admitted_fakes
+    assert (
+        sample(
+            text, 'iterscope_frames_undecodable_total{engine="",model_name="",reason="malformed"}'
+        )
+        == num_out_of_range
+    )
+    assert (
+        sample(
+            text, 'iterscope_frames_rejected_total{engine="",model_name="",reason="engine_limit"}'
+        )
+        == 5000 - num_out_of_range - num_admitted_fakes
+    )
     assert dropped_of_engine_0(text) == engine.num_dropped_total == 2500
     # Series labelled with a four-digit index are a few bytes longer than engine "0"'s.
     assert len(text) < base_size + DEFAULT_MAX_ENGINES * one_engine_size * 1.05
@@ -164,8 +180,7 @@ class Deployment:
 
     def beat(self, engine_index):
         self.seqs[engine_index] = self.seqs.get(engine_index, 0) + 1
-        self.ingest.on_frame(encode(heartbeat(self.seqs[engine_index], engine_index)),
-                             self.now_ns)
+        self.ingest.on_frame(encode(heartbeat(self.seqs[engine_index], engine_index)), self.now_ns)
 
     def run_for(self, seconds, alive=()):
         for step in range(10 * seconds):
@@ -177,14 +192,18 @@ class Deployment:
 
 
 def engines_in(text: str) -> set[str]:
-    return {line.split('engine="', 1)[1].split('"', 1)[0]
-            for line in text.splitlines() if line.startswith("iterscope_records_received")}
+    return {
+        line.split('engine="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith("iterscope_records_received")
+    }
 
 
 def test_a_long_dead_engine_gives_its_place_to_a_new_one_and_its_series_go():
     lines = []
     ingest, registry, recorder = prometheus_ingest(
-        LogSink(emit=lambda level, text: lines.append(text)), max_engines=2)
+        LogSink(emit=lambda level, text: lines.append(text)), max_engines=2
+    )
     deployment = Deployment(ingest)
     deployment.run_for(3, alive=(0, 1))
     deployment.run_for(200, alive=(0,))  # engine 1 killed: dead, but not for long
@@ -196,8 +215,10 @@ def test_a_long_dead_engine_gives_its_place_to_a_new_one_and_its_series_go():
     assert sorted(ingest.engines) == [0, 2] and ingest.health.num_rejected["engine_limit"] == 1
     assert engines_in(scrape_text(registry)) == {"0", "2"}
     removed = [line for line in lines if "no longer tracked" in line]
-    assert removed == ["Engine 001: no longer tracked (dead, no message for 301 s): its place "
-                       "went to a new engine (--max-engines)"]
+    assert removed == [
+        "Engine 001: no longer tracked (dead, no message for 301 s): its place "
+        "went to a new engine (--max-engines)"
+    ]
     # Engine 1 comes back: no place is free (0 and 2 live), so it is rejected, not admitted.
     deployment.beat(1)
     assert sorted(ingest.engines) == [0, 2] and ingest.health.num_rejected["engine_limit"] == 2
@@ -206,7 +227,8 @@ def test_a_long_dead_engine_gives_its_place_to_a_new_one_and_its_series_go():
 def test_the_iterations_of_a_removed_engine_still_get_their_log_line():
     lines = []
     ingest, _, _ = prometheus_ingest(
-        LogSink(interval_s=3600, emit=lambda level, text: lines.append(text)), max_engines=2)
+        LogSink(interval_s=3600, emit=lambda level, text: lines.append(text)), max_engines=2
+    )
     deployment = Deployment(ingest)
     deployment.beat(0)
     ingest.on_frame(encode(record(2)), deployment.now_ns)

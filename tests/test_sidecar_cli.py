@@ -23,7 +23,8 @@ def test_missing_sink_modules_are_skipped_but_broken_ones_are_not(tmp_path, monk
     (tmp_path / "broken_sink.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     modules = sidecar_cli.load_sink_modules(
-        ("telemetry.sidecar.sinks.log", "telemetry.sidecar.sinks.nope"))
+        ("telemetry.sidecar.sinks.log", "telemetry.sidecar.sinks.nope")
+    )
     assert [m.__name__ for m in modules] == ["telemetry.sidecar.sinks.log"]
     with pytest.raises(ModuleNotFoundError):
         sidecar_cli.load_sink_modules(("broken_sink",))
@@ -39,7 +40,8 @@ def test_sinks_are_built_from_their_modules_and_attached_by_ingest(tmp_path):
     sink_modules = ("telemetry.sidecar.sinks.log", "telemetry.sidecar.sinks.jsonl")
     modules = [*sidecar_cli.load_sink_modules(sink_modules), fake]
     args = sidecar_cli.build_parser(modules).parse_args(
-        ["--record", str(tmp_path / "r.jsonl"), "--log-interval", "2"])
+        ["--record", str(tmp_path / "r.jsonl"), "--log-interval", "2"]
+    )
     sinks = sidecar_cli.build_sinks(modules, args)
     assert [type(s).__name__ for s in sinks] == ["LogSink", "JsonlSink", "Peer"]
     assert sinks[0].interval_ns == 2_000_000_000
@@ -71,8 +73,9 @@ def test_engine_options_start_a_sidecar_by_default():
 def test_two_sidecars_side_by_side_get_their_own_lanes(tmp_path):
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     handles = [open(path, "wb") for path in logs]
-    sidecars = [start_sidecar(["--no-metrics", "--log-iterations"], stderr=handle)
-                for handle in handles]
+    sidecars = [
+        start_sidecar(["--no-metrics", "--log-iterations"], stderr=handle) for handle in handles
+    ]
     for handle in handles:
         handle.close()
     try:
@@ -97,16 +100,23 @@ def test_sidecar_stops_when_the_process_that_started_it_dies(tmp_path):
         print(sidecar.pid, flush=True)
         time.sleep(60)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "s.log")],
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": "."})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "s.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": "."},
+    )
     try:
         sidecar_pid = int(parent.stdout.readline())
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         # Reaped by init; a zombie still has /proc/PID until then, so read its state.
-        wait_until(lambda: " Z" in _proc_state(sidecar_pid), 15,
-                   "the orphaned sidecar to exit", interval_s=0.1)
+        wait_until(
+            lambda: " Z" in _proc_state(sidecar_pid),
+            15,
+            "the orphaned sidecar to exit",
+            interval_s=0.1,
+        )
         assert "sidecar stopped" in (tmp_path / "s.log").read_text()
     finally:
         parent.kill()
@@ -145,9 +155,19 @@ def test_a_sidecar_refuses_to_bind_in_a_directory_others_can_write(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     result = subprocess.run(
-        [sys.executable, "-m", "telemetry.sidecar.cli", "--address",
-         f"ipc://{shared}/telemetry.sock", "--bind", "--no-metrics"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "telemetry.sidecar.cli",
+            "--address",
+            f"ipc://{shared}/telemetry.sock",
+            "--bind",
+            "--no-metrics",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "writable by others (mode 777)" in result.stderr
     assert not (shared / "telemetry.sock").exists()

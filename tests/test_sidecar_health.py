@@ -25,9 +25,12 @@ RECORDING_LIMIT_BYTES = 64 << 10
 
 def parse(text: str) -> dict[tuple[str, str], float]:
     """{(sample name, sink label): value} of the sidecar-level series."""
-    return {(sample.name, sample.labels.get("sink", "")): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.labels.get("engine") == ""}
+    return {
+        (sample.name, sample.labels.get("sink", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("engine") == ""
+    }
 
 
 class BrokenDisk(Sink):
@@ -79,13 +82,20 @@ def sidecar_series(port: int) -> dict[tuple[str, str], float]:
 def test_a_recording_on_a_full_disk_shows_in_metrics(tmp_path):
     recording = tmp_path / "rec.jsonl"
     port = free_port()
-    sidecar = start_sidecar(["--record", str(recording), "--metrics-port", str(port), "--no-log"],
-                            preexec_fn=limit_file_size, stderr=subprocess.DEVNULL)
+    sidecar = start_sidecar(
+        ["--record", str(recording), "--metrics-port", str(port), "--no-log"],
+        preexec_fn=limit_file_size,
+        stderr=subprocess.DEVNULL,
+    )
     engine = start_engine(sidecar.address, tmp_path / "engine.json", "--iteration-time", "0.002")
     try:
         errors = ("iterscope_sink_errors_total", "jsonl")
-        wait_until(lambda: sidecar_series(port).get(errors, 0) > 0, 30,
-                   "the full disk to show in /metrics", interval_s=0.1)
+        wait_until(
+            lambda: sidecar_series(port).get(errors, 0) > 0,
+            30,
+            "the full disk to show in /metrics",
+            interval_s=0.1,
+        )
         full = sidecar_series(port)
         time.sleep(1.0)  # the time under test: a second of failing flushes, no write
         later = sidecar_series(port)

@@ -37,9 +37,19 @@ MIB = 1 << 20
 def start_cli_sidecar(address, log_path, *extra):
     log = open(log_path, "ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--no-metrics",
-         "--log-interval", "1", *extra],
-        stderr=log, env={**os.environ, "PYTHONPATH": "."},
+        [
+            sys.executable,
+            "-m",
+            "telemetry.sidecar.cli",
+            "--address",
+            address,
+            "--no-metrics",
+            "--log-interval",
+            "1",
+            *extra,
+        ],
+        stderr=log,
+        env={**os.environ, "PYTHONPATH": "."},
     )
     log.close()
     wait_for_log(log_path, "sidecar bound", process, timeout_s=30)
@@ -99,8 +109,9 @@ def test_stopped_sidecar_costs_the_engine_nothing_and_memory_stays_bounded(tmp_p
     log_path = tmp_path / "sidecar.log"
     with open(log_path, "wb") as log:
         sidecar = start_sidecar(["--rcvhwm", "100", "--no-metrics"], stderr=log)
-    engine = start_engine(sidecar.address, tmp_path / "engine.json",
-                          "--iteration-time", "0.0005", "--sndhwm", "100")
+    engine = start_engine(
+        sidecar.address, tmp_path / "engine.json", "--iteration-time", "0.0005", "--sndhwm", "100"
+    )
     try:
         time.sleep(1.5)
         sidecar_rss_before = rss_bytes(sidecar.pid)
@@ -122,7 +133,7 @@ def test_stopped_sidecar_costs_the_engine_nothing_and_memory_stays_bounded(tmp_p
     samples = report["samples"]
     before = [s for s in samples if s[0] < stopped_ns]
     during = [s for s in samples if stopped_ns + 0.2e9 < s[0] < resumed_ns]
-    before = before[len(before) // 3:]  # past start-up
+    before = before[len(before) // 3 :]  # past start-up
     rate_before = len(before) / ((before[-1][0] - before[0][0]) / 1e9)
     rate_during = len(during) / ((during[-1][0] - during[0][0]) / 1e9)
     assert rate_during > 0.5 * rate_before
@@ -148,13 +159,19 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
     thread.start()
     engine = start_engine(address, tmp_path / "engine.json")
     try:
-        wait_until(lambda: EngineStatus.RUNNING in [s for s, _ in statuses], 30,
-                   lambda: f"the engine to run: {statuses}")
+        wait_until(
+            lambda: EngineStatus.RUNNING in [s for s, _ in statuses],
+            30,
+            lambda: f"the engine to run: {statuses}",
+        )
         engine.send_signal(signal.SIGKILL)
         killed_ns = time.monotonic_ns()
         engine.wait()
-        wait_until(lambda: statuses[-1][0] is EngineStatus.DEAD, 10,
-                   lambda: f"the killed engine to be dead: {statuses}")
+        wait_until(
+            lambda: statuses[-1][0] is EngineStatus.DEAD,
+            10,
+            lambda: f"the killed engine to be dead: {statuses}",
+        )
     finally:
         engine.kill()
         sidecar.stop()
@@ -166,18 +183,22 @@ def test_killed_engine_is_reported_dead_within_3_s(tmp_path):
 def scrape_dropped(port: int) -> tuple[float, float]:
     """(records dropped of engine 0, sidecar start time) from a sidecar's /metrics."""
     samples = scrape(port)
-    return (total(samples, "iterscope_records_dropped_total", engine="0"),
-            total(samples, "iterscope_sidecar_start_time_seconds", engine=""))
+    return (
+        total(samples, "iterscope_records_dropped_total", engine="0"),
+        total(samples, "iterscope_sidecar_start_time_seconds", engine=""),
+    )
 
 
-def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counted(
-        tmp_path, caplog):
+def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counted(tmp_path, caplog):
     """The sidecar `serve` starts (start_from_args) is killed: it is logged, restarted on the
     same lane and port, and the new one reports exactly the messages its recording misses."""
     recording = tmp_path / "rec.jsonl"
     port = free_port()
-    args = argparse.Namespace(no_sidecar=False, telemetry_address=None, sidecar_arg=[
-        "--record", str(recording), "--metrics-port", str(port), "--no-log"])
+    args = argparse.Namespace(
+        no_sidecar=False,
+        telemetry_address=None,
+        sidecar_arg=["--record", str(recording), "--metrics-port", str(port), "--no-log"],
+    )
     sidecar = start_from_args(args)
     engine = start_engine(sidecar.address, tmp_path / "engine.json", "--iteration-time", "0.002")
     try:

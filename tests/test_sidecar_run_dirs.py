@@ -51,7 +51,8 @@ def test_only_directories_whose_processes_are_all_gone_are_swept(tmp_path):
 
 
 def test_a_started_sidecar_names_both_processes_and_a_new_start_sweeps_orphans(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(run_dirs.tempfile, "tempdir", str(tmp_path))
     orphan = run_dir(tmp_path, "iterscope-orphan", f"{dead_pid()}\n")
     sidecar = start_sidecar(["--no-metrics", "--no-log"])

@@ -102,8 +102,7 @@ def test_greedy_tokens_match_transformers_while_batched(smollm2, reference, engi
         assert ours == choices[: len(ours)], f"prompt {i} diverged"
         # generate stops at its EOS or at max_new_tokens, and nowhere else.
         assert not eos_ids & set(ours[:-1]), f"prompt {i} ran past an EOS"
-        assert len(ours) == NUM_CHECKED_TOKENS or ours[-1] in eos_ids, (
-            f"prompt {i} stopped early")
+        assert len(ours) == NUM_CHECKED_TOKENS or ours[-1] in eos_ids, f"prompt {i} stopped early"
         num_full_length += len(ours) == NUM_CHECKED_TOKENS
     assert num_full_length >= 4, "fewer than 4 prompts ran 32 tokens before EOS"
     for i in range(3):

@@ -25,16 +25,35 @@ def slow_engine(step_s: list[float], queued: int = 2) -> list:
         end_ns = now_ns + int(duration * SECOND)
         while next_heartbeat_ns < end_ns:
             seq += 1
-            messages.append(heartbeat(0, seq, next_heartbeat_ns, next_heartbeat_ns,
-                                      last_iteration=iteration, num_waiting_reqs=queued,
-                                      num_running_reqs=1, pid=7))
+            messages.append(
+                heartbeat(
+                    0,
+                    seq,
+                    next_heartbeat_ns,
+                    next_heartbeat_ns,
+                    last_iteration=iteration,
+                    num_waiting_reqs=queued,
+                    num_running_reqs=1,
+                    pid=7,
+                )
+            )
             next_heartbeat_ns += SECOND
         iteration += 1
         seq += 1
-        messages.append(iteration_record(
-            0, seq, iteration, start_ns=now_ns, elapsed_ns=end_ns - now_ns,
-            num_prefill_reqs=1, num_prefill_tokens=500, num_running_reqs=1,
-            num_waiting_reqs=queued, num_waiting_seq_limit_reqs=queued))
+        messages.append(
+            iteration_record(
+                0,
+                seq,
+                iteration,
+                start_ns=now_ns,
+                elapsed_ns=end_ns - now_ns,
+                num_prefill_reqs=1,
+                num_prefill_tokens=500,
+                num_running_reqs=1,
+                num_waiting_reqs=queued,
+                num_waiting_seq_limit_reqs=queued,
+            )
+        )
         now_ns = end_ns
     return messages
 
@@ -90,5 +109,4 @@ def test_a_fixed_threshold_does_not_adapt():
     assert rule.is_stalled(43 * SECOND)
     messages = slow_engine([4.5] * 4)
     timeline = build_timelines(messages)[0]
-    assert [e for e in detect_episodes(timeline, Thresholds(stall_after=2.0))
-            if e.kind == "stall"]
+    assert [e for e in detect_episodes(timeline, Thresholds(stall_after=2.0)) if e.kind == "stall"]

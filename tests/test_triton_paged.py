@@ -115,8 +115,12 @@ def test_store_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="v is torch.float16"):
         store_kv(
-            torch.zeros(3, 2, 64), torch.zeros(3, 2, 64, dtype=torch.float16), cache,
-            cache.clone(), slots, slots,
+            torch.zeros(3, 2, 64),
+            torch.zeros(3, 2, 64, dtype=torch.float16),
+            cache,
+            cache.clone(),
+            slots,
+            slots,
         )
 
 
@@ -131,7 +135,11 @@ def _run_group(group: str, device: str, interpret: bool) -> None:
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run(
         [sys.executable, __file__, group, device],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -153,7 +161,11 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(
         [sys.executable, __file__, "compile", "sm90"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -306,7 +318,10 @@ def _check_store_group(device: str) -> int:
         expected_keys[slot_blocks[kept], :, slot_offsets[kept]] = k[kept.to(device)]
         expected_values[slot_blocks[kept], :, slot_offsets[kept]] = v[kept.to(device)]
         store_kv(
-            k, v, key_cache, value_cache,
+            k,
+            v,
+            key_cache,
+            value_cache,
             slot_blocks.to(device=device, dtype=index_dtype),
             slot_offsets.to(device=device, dtype=index_dtype),
         )
@@ -351,13 +366,23 @@ def _check_sm90_compiles() -> int:
         dot_dtype = _dot_dtype(dtype)
         for num_splits, group, head_dim, index in ((1, 3, 128, "*i64"), (4, 1, 64, "*i32")):
             pointers = {
-                "q_ptr": data, "key_cache_ptr": data, "value_cache_ptr": data, "out_ptr": data,
-                "block_table_ptr": index, "seq_lens_ptr": index,
-                "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32",
+                "q_ptr": data,
+                "key_cache_ptr": data,
+                "value_cache_ptr": data,
+                "out_ptr": data,
+                "block_table_ptr": index,
+                "seq_lens_ptr": index,
+                "split_out_ptr": "*fp32",
+                "split_lse_ptr": "*fp32",
             }
             constexprs = {
-                "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "GROUP_PAD": 16,
-                "DIM_PAD": head_dim, "BLOCK_PAD": 16, "NUM_SPLITS": num_splits,
+                "GROUP": group,
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": 16,
+                "GROUP_PAD": 16,
+                "DIM_PAD": head_dim,
+                "BLOCK_PAD": 16,
+                "NUM_SPLITS": num_splits,
                 "DOT_DTYPE": dot_dtype,
                 "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32",
             }

@@ -46,16 +46,19 @@ def test_recommendation_is_the_largest_that_keeps_the_target(bursty_timeline, it
     assert rec.worst_iteration_time <= itl_target
     assert rec.decode_iteration_time <= itl_target
     # One more decoding request would not leave room for a 512-token chunk.
-    assert fit.predict(decode_tokens=rec.max_num_seqs + 1, prefill_tokens=512,
-                       prefill_reqs=1) > itl_target
+    assert (
+        fit.predict(decode_tokens=rec.max_num_seqs + 1, prefill_tokens=512, prefill_reqs=1)
+        > itl_target
+    )
     # A budget one multiple larger would break the target.
     bigger = rec.max_num_batched_tokens + 16 - rec.max_num_seqs
-    assert fit.predict(decode_tokens=rec.max_num_seqs, prefill_tokens=bigger,
-                       prefill_reqs=1) > itl_target
+    assert (
+        fit.predict(decode_tokens=rec.max_num_seqs, prefill_tokens=bigger, prefill_reqs=1)
+        > itl_target
+    )
     assert rec.max_num_batched_tokens % 16 == 0
     assert rec.max_num_batched_tokens >= rec.max_num_seqs
-    assert rec.generation_throughput == pytest.approx(
-        rec.max_num_seqs / rec.decode_iteration_time)
+    assert rec.generation_throughput == pytest.approx(rec.max_num_seqs / rec.decode_iteration_time)
 
 
 def test_larger_target_never_recommends_less(bursty_timeline):
@@ -113,4 +116,5 @@ def test_unreachable_target_error_names_a_fastest_iteration_above_the_target(bur
     fastest_ms = float(str(error.value).split("(")[1].split(" ms")[0])
     assert fastest_ms > target * 1000
     assert fastest_ms == pytest.approx(
-        1000 * fit.predict(decode_tokens=1, prefill_tokens=512, prefill_reqs=1), abs=0.1)
+        1000 * fit.predict(decode_tokens=1, prefill_tokens=512, prefill_reqs=1), abs=0.1
+    )

@@ -23,25 +23,54 @@ BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
 def bench_command(backend: str, base_url: str, result_dir: str) -> list[str]:
-    return [str(VLLM), "bench", "serve", "--backend", backend, "--endpoint", BACKENDS[backend],
-            "--base-url", base_url, "--model", TINY_MODEL, "--tokenizer", str(MODEL_DIR),
-            "--dataset-name", "random", "--random-input-len", "32",
-            "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS),
-            "--save-result", "--result-dir", result_dir, "--result-filename", f"{backend}.json"]
+    return [
+        str(VLLM),
+        "bench",
+        "serve",
+        "--backend",
+        backend,
+        "--endpoint",
+        BACKENDS[backend],
+        "--base-url",
+        base_url,
+        "--model",
+        TINY_MODEL,
+        "--tokenizer",
+        str(MODEL_DIR),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--save-result",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        f"{backend}.json",
+    ]
 
 
 def test_vllm_bench_serve_succeeds_with_both_openai_backends(tmp_path):
-    assert VLLM.exists() and (MODEL_DIR / "config.json").exists(), \
+    assert VLLM.exists() and (MODEL_DIR / "config.json").exists(), (
         f"{VLLM} or {MODEL_DIR} is missing: run `make vllm`"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     # tiny_server checks, once the server has stopped, that it exited with 0 and that no
     # traceback is in its output.
     with tiny_server(tmp_path) as server:
         # Both at once: most of each run is importing vLLM.
-        runs = {backend: subprocess.Popen(
-                    bench_command(backend, server.base_url, str(tmp_path)), env=env,
-                    stdout=open(tmp_path / f"{backend}.log", "w"), stderr=subprocess.STDOUT)
-                for backend in BACKENDS}
+        runs = {
+            backend: subprocess.Popen(
+                bench_command(backend, server.base_url, str(tmp_path)),
+                env=env,
+                stdout=open(tmp_path / f"{backend}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for backend in BACKENDS
+        }
         for backend, run in runs.items():
             assert run.wait(300) == 0, (tmp_path / f"{backend}.log").read_text()[-3000:]
     for backend in BACKENDS:

@@ -34,17 +34,36 @@ def stack(tmp_path_factory):
     metrics_port, api_port = free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
-        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl"),
-         "--stall-after", "2", "--log-iterations", "--vllm-compatible-names"],
+        [
+            "--metrics-port",
+            str(metrics_port),
+            "--record",
+            str(tmp / "run.jsonl"),
+            "--stall-after",
+            "2",
+            "--log-iterations",
+            "--vllm-compatible-names",
+        ],
         stderr=sidecar_log,
     )
     server = None
     try:
-        server = start_vllm(api_port, {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
-                                       "VLLM_CPU_KVCACHE_SPACE": "1",
-                                       "VLLM_PLUGINS": "iterscope"}, tmp / "vllm.log")
-        yield {"sidecar": sidecar, "server": server, "api_port": api_port,
-               "metrics_port": metrics_port, "tmp": tmp}
+        server = start_vllm(
+            api_port,
+            {
+                "ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_PLUGINS": "iterscope",
+            },
+            tmp / "vllm.log",
+        )
+        yield {
+            "sidecar": sidecar,
+            "server": server,
+            "api_port": api_port,
+            "metrics_port": metrics_port,
+            "tmp": tmp,
+        }
     finally:
         if server is not None:
             stop_server(server)
@@ -53,8 +72,9 @@ def stack(tmp_path_factory):
 
 
 def client(api_port: int) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none",
-                         max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none", max_retries=0, timeout=120
+    )
 
 
 def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
@@ -64,11 +84,18 @@ def send_requests(api_port: int, num_requests: int, max_tokens: int) -> list:
 
     def one(i: int):
         if i % 2:
-            return api.completions.create(model="smollm2", prompt=f"Request {i}: count to ten.",
-                                          max_tokens=max_tokens, temperature=0)
+            return api.completions.create(
+                model="smollm2",
+                prompt=f"Request {i}: count to ten.",
+                max_tokens=max_tokens,
+                temperature=0,
+            )
         return api.chat.completions.create(
-            model="smollm2", max_tokens=max_tokens, temperature=0,
-            messages=[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}])
+            model="smollm2",
+            max_tokens=max_tokens,
+            temperature=0,
+            messages=[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
+        )
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(num_requests)))
@@ -79,9 +106,11 @@ def status(stack) -> str | None:
 
 
 def counters_agree(stack) -> dict | None:
-    pairs = {name: pair for name, pair in counter_pairs(stack["metrics_port"],
-                                                         stack["api_port"]).items()
-             if name in ("prompt tokens computed", "generation tokens", "finished requests")}
+    pairs = {
+        name: pair
+        for name, pair in counter_pairs(stack["metrics_port"], stack["api_port"]).items()
+        if name in ("prompt tokens computed", "generation tokens", "finished requests")
+    }
     return pairs if all(a == b > 0 for a, b in pairs.values()) else None
 
 
@@ -89,8 +118,9 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     responses = send_requests(stack["api_port"], 32, max_tokens=24)
     assert len(responses) == 32 and all(r.usage.completion_tokens > 0 for r in responses)
     try:
-        pairs = wait_until(lambda: counters_agree(stack), 15, "sidecar totals to equal vLLM's",
-                           interval_s=POLL_S)
+        pairs = wait_until(
+            lambda: counters_agree(stack), 15, "sidecar totals to equal vLLM's", interval_s=POLL_S
+        )
     except AssertionError:
         raise AssertionError(f"ours vs vLLM's: {counters_agree_debug(stack)}") from None
     assert pairs["finished requests"][0] >= 32
@@ -103,10 +133,15 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     assert total(ours, "iterscope_time_to_first_token_seconds_count") >= 32
     assert total(ours, "iterscope_iteration_duration_seconds_count") == num_vllm_steps
     sidecar_log = stack["tmp"] / "sidecar.log"
-    wait_until(lambda: "Avg prompt throughput" in sidecar_log.read_text(), 25,
-               "a 10-second line from the sidecar", interval_s=POLL_S)
-    assert re.search(r"Iteration\(\d+\): \d+ context requests, \d+ context tokens",
-                     sidecar_log.read_text())
+    wait_until(
+        lambda: "Avg prompt throughput" in sidecar_log.read_text(),
+        25,
+        "a 10-second line from the sidecar",
+        interval_s=POLL_S,
+    )
+    assert re.search(
+        r"Iteration\(\d+\): \d+ context requests, \d+ context tokens", sidecar_log.read_text()
+    )
     recording = str(stack["tmp"] / "run.jsonl")
     explain = iterscope("explain", recording)
     assert "engine 0" in explain.lower()
@@ -117,8 +152,7 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
 
 
 def families(port: int) -> dict:
-    return {family.name: family
-            for family in text_string_to_metric_families(metrics_text(port))}
+    return {family.name: family for family in text_string_to_metric_families(metrics_text(port))}
 
 
 def label_names(family) -> set[str]:
@@ -131,15 +165,17 @@ def test_vllm_compatible_names_are_vllms_own(stack):
     aliases = {name: family for name, family in ours.items() if name.startswith("vllm:")}
     assert len(aliases) >= 20
     assert {name: (family.type, label_names(family)) for name, family in aliases.items()} == {
-        name: (theirs[name].type, label_names(theirs[name])) for name in aliases
-        if name in theirs}
+        name: (theirs[name].type, label_names(theirs[name])) for name in aliases if name in theirs
+    }
 
 
 def counters_agree_debug(stack) -> dict:
     ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
-    return {name: value for name, value in {**ours, **theirs}.items()
-            if "tokens_total" in name[0] or "request_success" in name[0]
-            or "finished_total" in name[0]}
+    return {
+        name: value
+        for name, value in {**ours, **theirs}.items()
+        if "tokens_total" in name[0] or "request_success" in name[0] or "finished_total" in name[0]
+    }
 
 
 # Output tokens of each request the stall test stops and continues: the core is stopped
@@ -153,26 +189,33 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
     core_pid = engine_core_pid(stack["server"].pid)
     api = client(stack["api_port"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        pending = [pool.submit(api.completions.create, model="smollm2", prompt="Tell a story.",
-                               max_tokens=STALL_TEST_OUTPUT_LEN, temperature=0,
-                               extra_body={"ignore_eos": True})
-                   for _ in range(2)]
-        wait_until(lambda: status(stack) == "running", 30, "the engine to run",
-                   interval_s=POLL_S)
+        pending = [
+            pool.submit(
+                api.completions.create,
+                model="smollm2",
+                prompt="Tell a story.",
+                max_tokens=STALL_TEST_OUTPUT_LEN,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for _ in range(2)
+        ]
+        wait_until(lambda: status(stack) == "running", 30, "the engine to run", interval_s=POLL_S)
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_until(lambda: status(stack) == "stalled", 5, "stalled within 5 s",
-                       interval_s=POLL_S)
+            wait_until(
+                lambda: status(stack) == "stalled", 5, "stalled within 5 s", interval_s=POLL_S
+            )
             assert time.monotonic() - stopped_at <= 5
             assert status(stack) != "dead"  # the API server's heartbeats go on
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_until(lambda: status(stack) == "running", 10, "recovery after SIGCONT",
-                   interval_s=POLL_S)
+        wait_until(
+            lambda: status(stack) == "running", 10, "recovery after SIGCONT", interval_s=POLL_S
+        )
         for future in pending:
-            assert future.result(timeout=120).usage.completion_tokens == (
-                STALL_TEST_OUTPUT_LEN)
+            assert future.result(timeout=120).usage.completion_tokens == (STALL_TEST_OUTPUT_LEN)
     log = (stack["tmp"] / "sidecar.log").read_text()
     assert "-> stalled" in log and "stalled -> running" in log
 

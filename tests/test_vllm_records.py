@@ -33,26 +33,36 @@ from tests.helpers.otel import OtlpHttpReceiver, by_name, http_sink
 from tests.helpers.sink_feed import send
 
 
-def scheduler_stats(running=2, waiting=1, skipped=1, usage=0.5, details=None, queries=32,
-                    hits=16):
+def scheduler_stats(running=2, waiting=1, skipped=1, usage=0.5, details=None, queries=32, hits=16):
     return SimpleNamespace(
-        num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=skipped,
-        kv_cache_usage=usage, iteration_details=details,
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        num_skipped_waiting_reqs=skipped,
+        kv_cache_usage=usage,
+        iteration_details=details,
         prefix_cache_stats=SimpleNamespace(queries=queries, hits=hits),
     )
 
 
 def details(ctx_reqs=1, ctx_tokens=100, gen_reqs=2, gen_tokens=2, elapsed_ms=12.5):
-    return SimpleNamespace(num_ctx_requests=ctx_reqs, num_ctx_tokens=ctx_tokens,
-                           num_generation_requests=gen_reqs, num_generation_tokens=gen_tokens,
-                           elapsed_ms=elapsed_ms, is_dummy=False)
-
-
-def iteration_stats(generated=3, computed=100, itls=(0.01, 0.01), preempted=0, finished=(),
-                    timestamp=None):
     return SimpleNamespace(
-        num_generation_tokens=generated, prompt_token_stats=SimpleNamespace(computed=computed),
-        inter_token_latencies_iter=list(itls), num_preempted_reqs=preempted,
+        num_ctx_requests=ctx_reqs,
+        num_ctx_tokens=ctx_tokens,
+        num_generation_requests=gen_reqs,
+        num_generation_tokens=gen_tokens,
+        elapsed_ms=elapsed_ms,
+        is_dummy=False,
+    )
+
+
+def iteration_stats(
+    generated=3, computed=100, itls=(0.01, 0.01), preempted=0, finished=(), timestamp=None
+):
+    return SimpleNamespace(
+        num_generation_tokens=generated,
+        prompt_token_stats=SimpleNamespace(computed=computed),
+        inter_token_latencies_iter=list(itls),
+        num_preempted_reqs=preempted,
         finished_requests=list(finished),
         iteration_timestamp=time.time() if timestamp is None else timestamp,
     )
@@ -60,9 +70,16 @@ def iteration_stats(generated=3, computed=100, itls=(0.01, 0.01), preempted=0, f
 
 def finished(reason=1, e2e=2.0, queued=0.25, prefill=0.5, decode=1.0, outputs=16):
     return SimpleNamespace(
-        finish_reason=reason, request_id="cmpl-1", e2e_latency=e2e, num_prompt_tokens=100,
-        num_preemptions=1, num_generation_tokens=outputs, queued_time=queued,
-        prefill_time=prefill, decode_time=decode, inference_time=prefill + decode,
+        finish_reason=reason,
+        request_id="cmpl-1",
+        e2e_latency=e2e,
+        num_prompt_tokens=100,
+        num_preemptions=1,
+        num_generation_tokens=outputs,
+        queued_time=queued,
+        prefill_time=prefill,
+        decode_time=decode,
+        inference_time=prefill + decode,
         num_cached_tokens=32,
     )
 
@@ -179,12 +196,17 @@ def test_prometheus_shows_unknown_fields_as_absent_or_unknown():
     sink = PrometheusSink(CollectorRegistry())
     send(sink, unknown_record(waiting=3, skipped=0))
     families = {f.name: f for f in sink.collector.collect()}
-    by_reason = {s.labels["reason"]: s.value
-                 for s in families["iterscope_requests_waiting_by_reason"].samples}
+    by_reason = {
+        s.labels["reason"]: s.value
+        for s in families["iterscope_requests_waiting_by_reason"].samples
+    }
     assert by_reason == {"unknown": 3}
     assert not families["iterscope_kv_tokens"].samples
-    durations = [s for s in families["iterscope_iteration_duration_seconds"].samples
-                 if s.name.endswith("_count")]
+    durations = [
+        s
+        for s in families["iterscope_iteration_duration_seconds"].samples
+        if s.name.endswith("_count")
+    ]
     assert durations[0].value == 0  # no time was measured, none is invented
     assert sink.engines[0].engine.totals.num_kv_blocked_iterations == 0
 
@@ -206,8 +228,16 @@ def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
         record = unknown_record(running=2, waiting=3, skipped=0, usage=0.9)
         record.iteration, record.start_ns = i + 1, i * 50_000_000
         records.append(record)
-    heartbeat = lane_heartbeat(0, 1, 0, 10**18, num_waiting_reqs=3, num_running_reqs=2,
-                               block_size=16, num_kv_blocks_total=10)
+    heartbeat = lane_heartbeat(
+        0,
+        1,
+        0,
+        10**18,
+        num_waiting_reqs=3,
+        num_running_reqs=2,
+        block_size=16,
+        num_kv_blocks_total=10,
+    )
     timeline = EngineTimeline(0, records, [heartbeat])
     episodes = detect_episodes(timeline, Thresholds())
     kinds = {episode.kind for episode in episodes}

@@ -31,8 +31,15 @@ VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
 SCHEDULER = "telemetry.sources.vllm_scheduler.IterscopeScheduler"
 # 8 blocks of 128 tokens (the CPU build's block size), one of them vLLM's null block: 7
 # requests of up to 128 tokens fill the cache, so the 8th waits for KV capacity.
-KV_FLAGS = (*BEST_CPU_FLAGS, "--scheduler-cls", SCHEDULER, "--num-gpu-blocks-override", "8",
-            "--max-model-len", "512")
+KV_FLAGS = (
+    *BEST_CPU_FLAGS,
+    "--scheduler-cls",
+    SCHEDULER,
+    "--num-gpu-blocks-override",
+    "8",
+    "--max-model-len",
+    "512",
+)
 KV_ALERT = "IterscopeKVCacheSaturated"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
 # Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
@@ -40,9 +47,13 @@ POLL_S = 0.1
 
 
 def run_check(case: str) -> dict:
-    done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"),
-                           case], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null"})
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"), case],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -85,16 +96,27 @@ def kv_stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_scheduler")
     metrics_port, api_port = free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
-    sidecar = start_sidecar(["--metrics-port", str(metrics_port), "--record",
-                             str(tmp / "run.jsonl")], stderr=sidecar_log)
+    sidecar = start_sidecar(
+        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")],
+        stderr=sidecar_log,
+    )
     server = prometheus = None
     try:
-        server = start_vllm(api_port, {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
-                                       **VLLM_ENV}, tmp / "vllm.log",
-                            flags=KV_FLAGS)
+        server = start_vllm(
+            api_port,
+            {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
+            tmp / "vllm.log",
+            flags=KV_FLAGS,
+        )
         prometheus = start_prometheus(tmp, [f"127.0.0.1:{metrics_port}"])
-        yield {"sidecar": sidecar, "server": server, "api_port": api_port, "tmp": tmp,
-               "metrics_port": metrics_port, "prometheus": prometheus}
+        yield {
+            "sidecar": sidecar,
+            "server": server,
+            "api_port": api_port,
+            "tmp": tmp,
+            "metrics_port": metrics_port,
+            "prometheus": prometheus,
+        }
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -105,17 +127,24 @@ def kv_stack(tmp_path_factory):
 
 
 def prompt(index: int, num_words: int) -> str:
-    return f"Request {index}: " + " ".join(["apple", "river", "stone"][i % 3]
-                                           for i in range(num_words))
+    return f"Request {index}: " + " ".join(
+        ["apple", "river", "stone"][i % 3] for i in range(num_words)
+    )
 
 
 def complete(api_port: int, prompts: list[str], max_tokens: int) -> list:
-    api = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none",
-                        max_retries=0, timeout=300)
+    api = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none", max_retries=0, timeout=300
+    )
 
     def one(text: str):
-        return api.completions.create(model="smollm2", prompt=text, max_tokens=max_tokens,
-                                      temperature=0, extra_body={"ignore_eos": True})
+        return api.completions.create(
+            model="smollm2",
+            prompt=text,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
@@ -123,8 +152,10 @@ def complete(api_port: int, prompts: list[str], max_tokens: int) -> list:
 
 def both_say_kv_waits(stack) -> bool:
     ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
-    return (total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity") > 0
-            and total(theirs, "vllm:num_requests_waiting") > 0)
+    return (
+        total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity") > 0
+        and total(theirs, "vllm:num_requests_waiting") > 0
+    )
 
 
 def status(stack) -> str | None:
@@ -141,28 +172,38 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
     api_port = kv_stack["api_port"]
     # 16 requests of ~70 + 40 tokens: 7 fit in the 7 usable blocks, the rest wait for KV
     with concurrent.futures.ThreadPoolExecutor(1) as background:
-        pending = background.submit(complete, api_port,
-                                    [prompt(i, 60) for i in range(16)], 40)
-        wait_until(lambda: both_say_kv_waits(kv_stack), 60,
-                   "kv_capacity waiting in the sidecar while vLLM counts waiting requests",
-                   interval_s=POLL_S)
+        pending = background.submit(complete, api_port, [prompt(i, 60) for i in range(16)], 40)
+        wait_until(
+            lambda: both_say_kv_waits(kv_stack),
+            60,
+            "kv_capacity waiting in the sidecar while vLLM counts waiting requests",
+            interval_s=POLL_S,
+        )
         responses = pending.result(timeout=300)
     assert all(r.usage.completion_tokens == 40 for r in responses)
     prometheus = kv_stack["prometheus"]
     rules = yaml.safe_load((ROOT / "dashboards" / "alerts" / "kv_cache.yml").read_text())
-    (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
-               if rule.get("alert") == KV_ALERT]
+    (expr,) = [
+        rule["expr"]
+        for group in rules["groups"]
+        for rule in group["rules"]
+        if rule.get("alert") == KV_ALERT
+    ]
     prometheus.wait_until(lambda: prometheus.query(expr), 30, f"{KV_ALERT}'s expression")
-    pairs = wait_until(lambda: counters_agree(kv_stack, 16), 15, "counters equal to vLLM's",
-                       interval_s=POLL_S)
+    pairs = wait_until(
+        lambda: counters_agree(kv_stack, 16), 15, "counters equal to vLLM's", interval_s=POLL_S
+    )
     assert pairs["prompt tokens computed"][0] > 16 * 60
     ours, theirs = scrape(kv_stack["metrics_port"]), scrape(kv_stack["api_port"])
     ttft_sum = total(ours, "iterscope_time_to_first_token_seconds_sum")
     vllm_ttft_sum = total(theirs, "vllm:time_to_first_token_seconds_sum")
     # ours ends at the engine core's update, vLLM's when the API server has the output
     assert 0.95 * vllm_ttft_sum <= ttft_sum <= vllm_ttft_sum * 1.01, (ttft_sum, vllm_ttft_sum)
-    (info,) = [dict(labels) for (name, labels), value in ours.items()
-               if name == "iterscope_engine_info" and value == 1]
+    (info,) = [
+        dict(labels)
+        for (name, labels), value in ours.items()
+        if name == "iterscope_engine_info" and value == 1
+    ]
     assert info["source"] == "vllm-scheduler"
     assert int(info["pid"]) == engine_core_pid(kv_stack["server"].pid)
     report = json.loads(iterscope("explain", str(kv_stack["tmp"] / "run.jsonl"), "--json"))
@@ -178,8 +219,9 @@ def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
     # two requests of 300 + 180 tokens: 3 blocks each at first, 4 at their peak (8 > 7)
     responses = complete(kv_stack["api_port"], [prompt(100 + i, 290) for i in range(2)], 180)
     assert all(r.usage.completion_tokens == 180 for r in responses)
-    pairs = wait_until(lambda: counters_agree(kv_stack, 18), 15, "counters equal to vLLM's",
-                       interval_s=POLL_S)
+    pairs = wait_until(
+        lambda: counters_agree(kv_stack, 18), 15, "counters equal to vLLM's", interval_s=POLL_S
+    )
     assert pairs["preemptions"][0] > 0, pairs
 
 
@@ -189,22 +231,29 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
     assert "-> stalled" not in log.read_text() and "-> dead" not in log.read_text()
     core_pid = engine_core_pid(kv_stack["server"].pid)
     with concurrent.futures.ThreadPoolExecutor(1) as background:
-        pending = background.submit(complete, kv_stack["api_port"],
-                                    [prompt(200 + i, 20) for i in range(2)], 120)
-        wait_until(lambda: status(kv_stack) == "running", 30, "the engine to run",
-                   interval_s=POLL_S)
+        pending = background.submit(
+            complete, kv_stack["api_port"], [prompt(200 + i, 20) for i in range(2)], 120
+        )
+        wait_until(
+            lambda: status(kv_stack) == "running", 30, "the engine to run", interval_s=POLL_S
+        )
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_until(lambda: status(kv_stack) not in ("running", None), 5,
-                       "the stopped engine core to leave running", interval_s=POLL_S)
+            wait_until(
+                lambda: status(kv_stack) not in ("running", None),
+                5,
+                "the stopped engine core to leave running",
+                interval_s=POLL_S,
+            )
             assert time.monotonic() - stopped_at <= 3.0
             assert status(kv_stack) == "dead"  # a stopped process sends no heartbeat
             assert kv_stack["server"].poll() is None
         finally:
             os.kill(core_pid, signal.SIGCONT)
-        wait_until(lambda: status(kv_stack) == "running", 10, "running after SIGCONT",
-                   interval_s=POLL_S)
+        wait_until(
+            lambda: status(kv_stack) == "running", 10, "running after SIGCONT", interval_s=POLL_S
+        )
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
 
 
@@ -214,32 +263,41 @@ def test_a_sequence_limited_vllm_reads_as_sequence_limit_and_a_killed_core_as_de
         sidecar = start_sidecar(["--metrics-port", str(metrics_port)], stderr=sidecar_log)
         server = None
         try:
-            server = start_vllm(api_port, {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
-                                           **VLLM_ENV}, tmp_path / "vllm.log",
-                                flags=(*BEST_CPU_FLAGS, "--scheduler-cls", SCHEDULER,
-                                       "--max-num-seqs", "2"))
+            server = start_vllm(
+                api_port,
+                {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
+                tmp_path / "vllm.log",
+                flags=(*BEST_CPU_FLAGS, "--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"),
+            )
             stack = {"metrics_port": metrics_port, "api_port": api_port}
 
             def seq_limit_waits() -> bool:
                 ours, theirs = scrape(metrics_port), scrape(api_port)
-                assert total(ours, "iterscope_requests_waiting_by_reason",
-                             reason="kv_capacity") == 0
-                return (total(ours, "iterscope_requests_waiting_by_reason",
-                              reason="seq_limit") > 0
-                        and total(theirs, "vllm:num_requests_waiting") > 0)
+                assert (
+                    total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 0
+                )
+                return (
+                    total(ours, "iterscope_requests_waiting_by_reason", reason="seq_limit") > 0
+                    and total(theirs, "vllm:num_requests_waiting") > 0
+                )
 
             with concurrent.futures.ThreadPoolExecutor(1) as background:
-                pending = background.submit(complete, api_port,
-                                            [prompt(i, 10) for i in range(8)], 24)
-                wait_until(seq_limit_waits, 60, "seq_limit waiting while vLLM has waiting",
-                           interval_s=POLL_S)
+                pending = background.submit(
+                    complete, api_port, [prompt(i, 10) for i in range(8)], 24
+                )
+                wait_until(
+                    seq_limit_waits,
+                    60,
+                    "seq_limit waiting while vLLM has waiting",
+                    interval_s=POLL_S,
+                )
                 assert len(pending.result(timeout=300)) == 8
-            wait_until(lambda: counters_agree(stack, 8), 15, "counters equal to vLLM's",
-                       interval_s=POLL_S)
+            wait_until(
+                lambda: counters_agree(stack, 8), 15, "counters equal to vLLM's", interval_s=POLL_S
+            )
             os.kill(engine_core_pid(server.pid), signal.SIGKILL)
             killed_at = time.monotonic()
-            wait_until(lambda: status(stack) == "dead", 5, "dead after kill -9",
-                       interval_s=POLL_S)
+            wait_until(lambda: status(stack) == "dead", 5, "dead after kill -9", interval_s=POLL_S)
             assert time.monotonic() - killed_at <= 3.0
             # The engine core's own heartbeats stopped: dead, whatever the API server does
             # (vLLM 0.32's shuts itself down a second or two after its engine core dies).

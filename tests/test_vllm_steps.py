@@ -73,7 +73,8 @@ def output(new=(), cached=(), preempted=(), finished=()):
         scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id) for r, _ in new],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r.request_id for r, _ in cached],
-            num_output_tokens=[r.num_output_tokens for r, _ in cached]),
+            num_output_tokens=[r.num_output_tokens for r, _ in cached],
+        ),
         num_scheduled_tokens=num_scheduled,
         total_num_scheduled_tokens=sum(num_scheduled.values()),
         preempted_req_ids=set(preempted),
@@ -182,13 +183,16 @@ def test_an_abort_before_scheduling_is_a_finish_without_a_first_token(setup):
     assert aborted.first_scheduled_ns == aborted.first_token_ns == 0
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("seq_limit", "num_waiting_seq_limit_reqs"),
-    ("budget", "num_waiting_budget_reqs"),
-    ("kv", "num_waiting_kv_reqs"),
-    ("preempted", "num_waiting_kv_reqs"),
-    ("paused", "num_waiting_other_reqs"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("seq_limit", "num_waiting_seq_limit_reqs"),
+        ("budget", "num_waiting_budget_reqs"),
+        ("kv", "num_waiting_kv_reqs"),
+        ("preempted", "num_waiting_kv_reqs"),
+        ("paused", "num_waiting_other_reqs"),
+    ],
+)
 def test_why_requests_wait_follows_the_documented_rule(case, reason):
     scheduler, publisher = Scheduler(max_num_seqs=2, max_tokens=64), Publisher()
     reporter = StepReporter(0, 11, publisher)
@@ -207,9 +211,15 @@ def test_why_requests_wait_follows_the_documented_rule(case, reason):
     reporter.updated(scheduler, out, core_outputs(), time.monotonic_ns())
     (record,) = publisher.records
     num_waiting = 5 - admitted
-    counts = {name: getattr(record, name) for name in (
-        "num_waiting_kv_reqs", "num_waiting_seq_limit_reqs", "num_waiting_budget_reqs",
-        "num_waiting_other_reqs")}
+    counts = {
+        name: getattr(record, name)
+        for name in (
+            "num_waiting_kv_reqs",
+            "num_waiting_seq_limit_reqs",
+            "num_waiting_budget_reqs",
+            "num_waiting_other_reqs",
+        )
+    }
     assert record.num_waiting_reqs == num_waiting == sum(counts.values())
     expected = {name: 0 for name in counts}
     expected["num_waiting_other_reqs"] = 1  # the deferred request
@@ -254,7 +264,6 @@ def test_the_plugin_knows_when_the_scheduler_source_is_selected():
     def config(scheduler_cls):
         return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls))
 
-    assert scheduler_source_selected(
-        config("telemetry.sources.vllm_scheduler.IterscopeScheduler"))
+    assert scheduler_source_selected(config("telemetry.sources.vllm_scheduler.IterscopeScheduler"))
     assert not scheduler_source_selected(config(None))
     assert not scheduler_source_selected(config("vllm.v1.core.sched.scheduler.Scheduler"))

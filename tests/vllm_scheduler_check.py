@@ -36,8 +36,12 @@ from telemetry.sources.vllm_scheduler import (  # noqa: E402
     IterscopeScheduler,
 )
 
-REASON_FIELDS = {"kv": "num_waiting_kv_reqs", "seq_limit": "num_waiting_seq_limit_reqs",
-                 "budget": "num_waiting_budget_reqs", "other": "num_waiting_other_reqs"}
+REASON_FIELDS = {
+    "kv": "num_waiting_kv_reqs",
+    "seq_limit": "num_waiting_seq_limit_reqs",
+    "budget": "num_waiting_budget_reqs",
+    "other": "num_waiting_other_reqs",
+}
 
 
 class ListPublisher:
@@ -56,8 +60,8 @@ class ListPublisher:
 
 CASES = {  # limit -> (num_blocks, max_num_seqs, max_num_batched_tokens, prompt, output)
     "seq_limit": (64, 2, 512, 16, 8),  # 6 requests, 2 run at a time
-    "budget": (64, 8, 64, 48, 8),      # 64 tokens a step: one 48-token prompt at a time
-    "kv": (9, 8, 512, 40, 40),         # 8 usable blocks, 5 per request at their peak
+    "budget": (64, 8, 64, 48, 8),  # 64 tokens a step: one 48-token prompt at a time
+    "kv": (9, 8, 512, 40, 40),  # 8 usable blocks, 5 per request at their peak
 }
 
 
@@ -90,8 +94,9 @@ def run_case(limit: str, scheduler_class: type, run) -> dict:
         "num_steps": num_steps,
         "iterations": [r.iteration for r in records],
         "all_timed": all(r.elapsed_ns > 0 for r in records),
-        "waiting": {name: sum(getattr(r, field) for r in records)
-                    for name, field in REASON_FIELDS.items()},
+        "waiting": {
+            name: sum(getattr(r, field) for r in records) for name, field in REASON_FIELDS.items()
+        },
         "num_waiting": sum(r.num_waiting_reqs for r in records),
         "num_preemptions": sum(r.num_preemptions for r in records),
         "num_finished": sum(1 for r in records for m in r.milestones if m.event & 2),

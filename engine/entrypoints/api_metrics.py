@@ -48,8 +48,29 @@ UNKNOWN_HANDLER = "none"
 # A fixed /metrics URL, a function giving the current one, or None (no sidecar).
 SidecarUrl = str | Callable[[], str | None] | None
 LATENCY_BUCKETS = (0.1, 0.5, 1.0)
-LATENCY_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
-                         3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+LATENCY_HIGHR_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    3.5,
+    4.0,
+    4.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 class HttpSeries:
@@ -58,18 +79,29 @@ class HttpSeries:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "http_requests", "HTTP requests by method, status class and route template.",
-            ["method", "status", "handler"], registry=self.registry)
+            "http_requests",
+            "HTTP requests by method, status class and route template.",
+            ["method", "status", "handler"],
+            registry=self.registry,
+        )
         self.duration = Histogram(
-            "http_request_duration_seconds", "HTTP request latency by route template.",
-            ["method", "handler"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            "http_request_duration_seconds",
+            "HTTP request latency by route template.",
+            ["method", "handler"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.duration_highr = Histogram(
-            "http_request_duration_highr_seconds", "HTTP request latency, all routes.",
-            buckets=LATENCY_HIGHR_BUCKETS, registry=self.registry)
+            "http_request_duration_highr_seconds",
+            "HTTP request latency, all routes.",
+            buckets=LATENCY_HIGHR_BUCKETS,
+            registry=self.registry,
+        )
         self.sidecar_reachable = Gauge(
             "iterscope_api_sidecar_reachable",
             "1 when this answer holds the sidecar's series, 0 when it could not be read.",
-            registry=self.registry)
+            registry=self.registry,
+        )
 
     def observe(self, method: str, handler: str, status: int, seconds: float) -> None:
         self.requests.labels(method, f"{status // 100}xx", handler).inc()
@@ -161,15 +193,17 @@ class ApiMetrics:
 
     def _note_sidecar_error(self, error: str | None) -> None:
         if error is not None and self.sidecar_error is None:
-            logger.warning("/metrics without the sidecar's series: %s answered %s",
-                           self.sidecar_url, error)
+            logger.warning(
+                "/metrics without the sidecar's series: %s answered %s", self.sidecar_url, error
+            )
         elif error is None and self.sidecar_error is not None:
             logger.info("/metrics has the sidecar's series again (%s)", self.sidecar_url)
         self.sidecar_error = error
 
 
-def attach(app: FastAPI, sidecar_url: SidecarUrl,
-           timeout_s: float = SIDECAR_TIMEOUT_S) -> ApiMetrics:
+def attach(
+    app: FastAPI, sidecar_url: SidecarUrl, timeout_s: float = SIDECAR_TIMEOUT_S
+) -> ApiMetrics:
     """Count the app's requests and answer GET /metrics on it."""
     metrics = ApiMetrics(sidecar_url, timeout_s)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # its INFO is a line per scrape
@@ -184,9 +218,12 @@ def attach(app: FastAPI, sidecar_url: SidecarUrl,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sidecar-metrics-url", default=None, metavar="URL",
+        "--sidecar-metrics-url",
+        default=None,
+        metavar="URL",
         help="with --telemetry-address: the /metrics URL of that sidecar, served again on "
-        "this server's /metrics (default: the sidecar started here reports its own)")
+        "this server's /metrics (default: the sidecar started here reports its own)",
+    )
 
 
 def sidecar_metrics_url(args: argparse.Namespace, sidecar: Any) -> SidecarUrl:
@@ -195,9 +232,11 @@ def sidecar_metrics_url(args: argparse.Namespace, sidecar: Any) -> SidecarUrl:
     one that runs now (each restart reports its own)."""
     url = args.sidecar_metrics_url
     if url is not None and not args.telemetry_address:
-        raise ValueError("--sidecar-metrics-url names the /metrics of a sidecar started "
-                         "elsewhere (--telemetry-address); the sidecar started here reports "
-                         "its own")
+        raise ValueError(
+            "--sidecar-metrics-url names the /metrics of a sidecar started "
+            "elsewhere (--telemetry-address); the sidecar started here reports "
+            "its own"
+        )
     if url is not None and not url.startswith(("http://", "https://")):
         raise ValueError(f"--sidecar-metrics-url must be an http:// or https:// URL, got {url!r}")
     if sidecar is not None:

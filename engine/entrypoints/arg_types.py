@@ -46,7 +46,8 @@ def port(text: str) -> int:
         value = -1
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(
-            f"expected a port number 0-65535 (0 picks a free one), got {text!r}")
+            f"expected a port number 0-65535 (0 picks a free one), got {text!r}"
+        )
     return value
 
 

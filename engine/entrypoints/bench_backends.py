@@ -57,22 +57,27 @@ class HttpBackend:
 
     async def send(self, request: BenchRequest) -> RequestResult:
         payload = {
-            "model": self.model, "prompt": request.prompt_token_ids,
-            "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            "prompt": request.prompt_token_ids,
+            "max_tokens": request.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         result = RequestResult(num_prompt_tokens=len(request.prompt_token_ids))
         clock = TokenClock()
         try:
-            async with self.http.stream("POST", f"{self.base_url}/v1/completions",
-                                        json=payload) as response:
+            async with self.http.stream(
+                "POST", f"{self.base_url}/v1/completions", json=payload
+            ) as response:
                 if response.status_code != 200:
                     result.error = (await response.aread()).decode(errors="replace")
                     return result
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:
                         result.error = chunk["error"]["message"]
                         return result

@@ -38,25 +38,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="iterscope bench", description=__doc__.split("\n")[0])
     target = parser.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="the server to load (default %(default)s)")
-    target.add_argument("--in-process", action="store_true",
-                        help="no HTTP: start the engine-core process here (engine options "
-                        "below) and send to it directly")
+    target.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the server to load (default %(default)s)",
+    )
+    target.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no HTTP: start the engine-core process here (engine options "
+        "below) and send to it directly",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--random-input-len", type=int, default=128)
     load.add_argument("--random-output-len", type=int, default=64)
-    load.add_argument("--random-range-ratio", type=float, default=0.0,
-                      help="lengths vary uniformly by +- this share (default 0: exact)")
+    load.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths vary uniformly by +- this share (default 0: exact)",
+    )
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="requests per second, Poisson arrivals (default inf: all at once)")
-    load.add_argument("--max-concurrency", type=int, default=None,
-                      help="at most this many requests in flight (default: no limit)")
-    load.add_argument("--vocab-size", type=int, default=None,
-                      help="token ids are drawn below this (default: from /v1/models or the "
-                      "model's tokenizer)")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight (default: no limit)",
+    )
+    load.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids are drawn below this (default: from /v1/models or the model's tokenizer)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON result")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -73,11 +94,21 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dict[str, Any]:
-    requests = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                              vocab_size, args.seed, args.random_range_ratio)
+    requests = random_dataset(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        vocab_size,
+        args.seed,
+        args.random_range_ratio,
+    )
     limit = args.max_concurrency
     results, duration_time = await run_benchmark(
-        backend, requests, args.request_rate, (lambda _: limit) if limit else None, args.seed,
+        backend,
+        requests,
+        args.request_rate,
+        (lambda _: limit) if limit else None,
+        args.seed,
         progress=not args.no_progress,
     )
     metrics = summarize(results, duration_time)
@@ -128,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] "
-                        "%(message)s", datefmt="%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         _check_args(args)

@@ -19,7 +19,11 @@ from engine.entrypoints.bench_backends import BenchRequest, RequestResult
 
 
 def random_dataset(
-    num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int = 0,
     range_ratio: float = 0.0,
 ) -> list[BenchRequest]:
     """Prompts of random token ids; lengths uniform in [len * (1 - r), len * (1 + r)]."""
@@ -81,9 +85,13 @@ class ConcurrencyLimit:
 
 
 async def run_benchmark(
-    backend: Any, requests: list[BenchRequest], request_rate: float = math.inf,
-    concurrency_at: Callable[[float], int] | None = None, seed: int = 0,
-    progress: bool = True, stop_sending_after: float | None = None,
+    backend: Any,
+    requests: list[BenchRequest],
+    request_rate: float = math.inf,
+    concurrency_at: Callable[[float], int] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    stop_sending_after: float | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send the requests; return their results (in send order) and the run's duration (s).
 
@@ -97,8 +105,7 @@ async def run_benchmark(
     bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
 
     def too_late() -> bool:
-        return stop_sending_after is not None and (
-            time.perf_counter() - start > stop_sending_after)
+        return stop_sending_after is not None and (time.perf_counter() - start > stop_sending_after)
 
     async def one(request: BenchRequest) -> RequestResult | None:
         """Arrives on schedule, then waits for a free slot (queued on the client side)."""

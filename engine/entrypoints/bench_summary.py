@@ -28,8 +28,11 @@ def summarize(results: list[RequestResult], duration_time: float) -> dict[str, A
     done = [r for r in results if r.success]
     num_input_tokens = sum(r.num_prompt_tokens for r in done)
     num_output_tokens = sum(r.num_output_tokens for r in done)
-    tpots = [(r.e2e_time - r.ttft_time) / (r.num_output_tokens - 1)
-             for r in done if r.num_output_tokens > 1]
+    tpots = [
+        (r.e2e_time - r.ttft_time) / (r.num_output_tokens - 1)
+        for r in done
+        if r.num_output_tokens > 1
+    ]
     metrics: dict[str, Any] = {
         "duration_s": duration_time,
         "num_completed": len(done),
@@ -63,9 +66,12 @@ def format_summary(metrics: dict[str, Any]) -> str:
     ]
     lines = [" Benchmark result ".center(width, "=")]
     lines += [f"{label:<40}{value:>10}" for label, value in rows]
-    for key, title in (("ttft", "Time to first token"), ("tpot", "Time per output token "
-                       "(excl. 1st)"), ("itl", "Inter-token latency"), ("e2el", "End-to-end "
-                       "latency")):
+    for key, title in (
+        ("ttft", "Time to first token"),
+        ("tpot", "Time per output token (excl. 1st)"),
+        ("itl", "Inter-token latency"),
+        ("e2el", "End-to-end latency"),
+    ):
         lines.append(f" {title} ".center(width, "-"))
         for stat, _ in PERCENTILE_NAMES:
             label = f"{stat.capitalize()} {key.upper()} (ms):"
@@ -74,7 +80,8 @@ def format_summary(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def result_json(metrics: dict[str, Any], settings: dict[str, Any],
-                results: list[RequestResult]) -> dict[str, Any]:
+def result_json(
+    metrics: dict[str, Any], settings: dict[str, Any], results: list[RequestResult]
+) -> dict[str, Any]:
     """What --result-file holds: settings, the summary figures and every request."""
     return {"settings": settings, **metrics, "requests": [asdict(r) for r in results]}

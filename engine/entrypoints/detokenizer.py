@@ -65,8 +65,9 @@ def check_stop_strings(stop: str | list[str] | None) -> list[str]:
         return []
     stop_strings = [stop] if isinstance(stop, str) else list(stop)
     if len(stop_strings) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
-                         f"got {len(stop_strings)}")
+        raise ValueError(
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop_strings)}"
+        )
     for stop_string in stop_strings:
         if not isinstance(stop_string, str):
             raise ValueError(f"stop strings must be strings, got {stop_string!r}")
@@ -111,8 +112,11 @@ class StopStringMatcher:
 
         The first to complete is where generation stops, however the text was split into
         deltas: stop strings ["b", "abc"] on "abc" stop at "b" (text "a")."""
-        found = [(index + len(s), index) for s in self.stop_strings
-                 if (index := text.find(s, max(0, num_old_chars - len(s) + 1))) >= 0]
+        found = [
+            (index + len(s), index)
+            for s in self.stop_strings
+            if (index := text.find(s, max(0, num_old_chars - len(s) + 1))) >= 0
+        ]
         return min(found)[1] if found else None
 
     def _num_held_chars(self, text: str) -> int:

@@ -51,20 +51,31 @@ class Endpoint:
     opening_chunks: Callable[[str, str, int], list[dict[str, Any]]]  # before any text
 
 
-def completion_chunk(request_id: str, model: str, choices: list[dict[str, Any]],
-                     usage_counts: dict[str, int] | None = None) -> dict[str, Any]:
+def completion_chunk(
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_counts: dict[str, int] | None = None,
+) -> dict[str, Any]:
     return completion_body(request_id, model, choices, usage_counts, chunk=True)
 
 
-def chat_text_choice(index: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict[str, Any]:
+def chat_text_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
     return chat_chunk_choice(index, {"content": text}, finish_reason, logprobs)
 
 
 def chat_role_chunks(request_id: str, model: str, n: int) -> list[dict[str, Any]]:
     """A streamed chat response first names the assistant's role, once per choice."""
-    return [chat_chunk(request_id, model, [chat_chunk_choice(
-        index, {"role": "assistant", "content": ""}, None)]) for index in range(n)]
+    return [
+        chat_chunk(
+            request_id,
+            model,
+            [chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)],
+        )
+        for index in range(n)
+    ]
 
 
 COMPLETIONS = Endpoint(
@@ -101,8 +112,14 @@ def sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-async def stream_events(frontend: Frontend, endpoint: Endpoint, body: Any, request_id: str,
-                        outputs: AsyncIterator, num_prompt_tokens: int) -> AsyncIterator[str]:
+async def stream_events(
+    frontend: Frontend,
+    endpoint: Endpoint,
+    body: Any,
+    request_id: str,
+    outputs: AsyncIterator,
+    num_prompt_tokens: int,
+) -> AsyncIterator[str]:
     """The SSE events of a streamed response. An engine that dies or a request that times
     out after the first delta ends the stream with an error event (its 200 has gone
     out)."""
@@ -114,8 +131,9 @@ async def stream_events(frontend: Frontend, endpoint: Endpoint, body: Any, reque
     try:
         async for delta in outputs:
             num_output_tokens += delta.num_new_tokens
-            choice = endpoint.chunk_choice(delta.index, delta.text, delta.finish_reason,
-                                           logprobs(delta.index, delta.logprobs))
+            choice = endpoint.chunk_choice(
+                delta.index, delta.text, delta.finish_reason, logprobs(delta.index, delta.logprobs)
+            )
             yield sse(endpoint.chunk(request_id, name, [choice]))
     except EngineDeadError as error:
         yield sse(error_body(str(error), "service_unavailable", 503))
@@ -153,12 +171,20 @@ async def collect(outputs: AsyncIterator, n: int) -> list[WholeChoice]:
     return choices
 
 
-def whole_body(frontend: Frontend, endpoint: Endpoint, request_id: str,
-               whole: list[WholeChoice], num_prompt_tokens: int) -> dict[str, Any]:
+def whole_body(
+    frontend: Frontend,
+    endpoint: Endpoint,
+    request_id: str,
+    whole: list[WholeChoice],
+    num_prompt_tokens: int,
+) -> dict[str, Any]:
     """The body of a whole response from its collected choices."""
     counts = usage(num_prompt_tokens, sum(choice.num_tokens for choice in whole))
     logprobs = LogprobsFormatter(frontend.token_text, endpoint.chat)
-    choices = [endpoint.whole_choice(index, "".join(choice.pieces), choice.finish_reason,
-                                     logprobs(index, choice.logprobs))
-               for index, choice in enumerate(whole)]
+    choices = [
+        endpoint.whole_choice(
+            index, "".join(choice.pieces), choice.finish_reason, logprobs(index, choice.logprobs)
+        )
+        for index, choice in enumerate(whole)
+    ]
     return endpoint.whole_body(request_id, frontend.model_name, choices, counts)

@@ -35,8 +35,9 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate at character "
-                             f"{error.start}", param) from None
+        raise InvalidRequest(
+            f"{param} is not valid Unicode: a lone surrogate at character {error.start}", param
+        ) from None
 
 
 class RequestTimeoutError(RuntimeError):
@@ -59,9 +60,14 @@ class TextDelta:
 class Frontend:
     """Request handling shared by both endpoints: prompt checks, generation, abort."""
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str,
-                 stall_after_s: float = DEFAULT_STALL_AFTER_S,
-                 request_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Any,
+        model_name: str,
+        stall_after_s: float = DEFAULT_STALL_AFTER_S,
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -71,8 +77,9 @@ class Frontend:
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, "", self.model_name):
-            raise LookupError(f"the model {requested!r} does not exist; this server serves "
-                              f"{self.model_name!r}")
+            raise LookupError(
+                f"the model {requested!r} does not exist; this server serves {self.model_name!r}"
+            )
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of the prompt. Called off the event loop (tokenizing a large prompt
@@ -82,8 +89,9 @@ class Frontend:
             return self.tokenizer.encode(prompt)
         bad = [token_id for token_id in prompt if not 0 <= token_id < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1})", "prompt")
+            raise InvalidRequest(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt"
+            )
         return list(prompt)
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -113,21 +121,44 @@ class Frontend:
         return self.tokenizer.decode([token_id])
 
     def generate_choices(
-        self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any, n: int,
-        traceparent: str, stop_strings: list[str],
+        self,
+        http_request: Any,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        n: int,
+        traceparent: str,
+        stop_strings: list[str],
     ) -> AsyncIterator[TextDelta]:
         """The deltas of n choices, each an engine request of its own (entrypoints/fanout.py)."""
         if n == 1:
-            return self.generate(http_request, request_id, prompt_ids, params, traceparent,
-                                 stop_strings)
-        return interleave([
-            self.generate(http_request, choice_request_id(request_id, index), prompt_ids,
-                          choice_params(params, index), traceparent, stop_strings, index)
-            for index in range(n)])
+            return self.generate(
+                http_request, request_id, prompt_ids, params, traceparent, stop_strings
+            )
+        return interleave(
+            [
+                self.generate(
+                    http_request,
+                    choice_request_id(request_id, index),
+                    prompt_ids,
+                    choice_params(params, index),
+                    traceparent,
+                    stop_strings,
+                    index,
+                )
+                for index in range(n)
+            ]
+        )
 
     async def generate(
-        self, http_request: Any, request_id: str, prompt_ids: list[int], params: Any,
-        traceparent: str, stop_strings: list[str], index: int = 0,
+        self,
+        http_request: Any,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        traceparent: str,
+        stop_strings: list[str],
+        index: int = 0,
     ) -> AsyncIterator[TextDelta]:
         """A TextDelta per engine output. A stop string in the text ends the request there
         (finish reason "stop"); it is aborted in the engine, as it is when the HTTP client
@@ -151,8 +182,9 @@ class Frontend:
                 finish_reason = "stop" if stops.stopped else output.finish_reason
                 if stops.stopped:
                     abort_reason = FinishReason.STOP
-                yield TextDelta(text, len(output.new_token_ids), finish_reason, index,
-                                output.logprobs)
+                yield TextDelta(
+                    text, len(output.new_token_ids), finish_reason, index, output.logprobs
+                )
                 if stops.stopped:
                     return
         finally:
@@ -178,7 +210,8 @@ class Frontend:
             except TimeoutError:
                 raise RequestTimeoutError(
                     f"the request did not finish within --request-timeout "
-                    f"{timeout_s:g} s; it was aborted") from None
+                    f"{timeout_s:g} s; it was aborted"
+                ) from None
 
     async def _abort_on_disconnect(self, http_request: Any, stream: Any) -> None:
         while (await http_request.receive())["type"] != "http.disconnect":
@@ -196,5 +229,6 @@ class Frontend:
         """The client notices a dead engine within ~0.1 s, and a send to a dead engine blocks
         (and with it this event loop): look at the process itself first."""
         if not self.client.is_alive:
-            raise EngineDeadError(f"the engine process is gone (exit code "
-                                  f"{self.client.process.exitcode})")
+            raise EngineDeadError(
+                f"the engine process is gone (exit code {self.client.process.exitcode})"
+            )

@@ -84,8 +84,12 @@ class RequestGuard:
             await _send_error(send, refusal.status, str(refusal), refusal.error_type)
             return
         except TimeoutError:
-            await _send_error(send, 408, f"the request body did not arrive within "
-                              f"{self.limits.body_timeout_s:g} s", "invalid_request_error")
+            await _send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                "invalid_request_error",
+            )
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -95,8 +99,11 @@ class RequestGuard:
         given = _header(scope, b"authorization")
         expected = f"Bearer {self.limits.api_key}".encode()
         if given is None or not hmac.compare_digest(given, expected):
-            raise _Refused(401, "a valid API key is required: send the header "
-                           "'Authorization: Bearer <key>'", "authentication_error")
+            raise _Refused(
+                401,
+                "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                "authentication_error",
+            )
 
     def _check_declared_length(self, scope: Scope) -> None:
         declared = _header(scope, b"content-length")
@@ -105,8 +112,11 @@ class RequestGuard:
         try:
             length = int(declared)
         except ValueError:
-            raise _Refused(400, f"Content-Length {declared.decode(errors='replace')!r} is "
-                           "not a number", "invalid_request_error") from None
+            raise _Refused(
+                400,
+                f"Content-Length {declared.decode(errors='replace')!r} is not a number",
+                "invalid_request_error",
+            ) from None
         if length > self.limits.max_body_bytes:
             raise self._too_large(f"{length:,} bytes")
 
@@ -115,8 +125,9 @@ class RequestGuard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _Refused(400, "the client went away while sending the body",
-                               "invalid_request_error")
+                raise _Refused(
+                    400, "the client went away while sending the body", "invalid_request_error"
+                )
             chunk = message.get("body", b"")
             num_bytes += len(chunk)
             if num_bytes > self.limits.max_body_bytes:
@@ -148,9 +159,12 @@ class RequestGuard:
             pass
 
     def _too_large(self, size: str) -> _Refused:
-        return _Refused(413, f"the request body ({size}) is larger than the server's limit of "
-                        f"{self.limits.max_body_bytes:,} bytes (--max-request-body)",
-                        "invalid_request_error")
+        return _Refused(
+            413,
+            f"the request body ({size}) is larger than the server's limit of "
+            f"{self.limits.max_body_bytes:,} bytes (--max-request-body)",
+            "invalid_request_error",
+        )
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -178,8 +192,11 @@ async def _send_error(send: Send, status: int, message: str, error_type: str) ->
     """An OpenAI-style error; the connection is closed after it (the rest of a refused body
     is never read)."""
     payload = json.dumps(error_body(message, error_type, status)).encode()
-    headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-               (b"content-length", str(len(payload)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"connection", b"close"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -212,11 +229,15 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def _arm_header_deadline(self) -> None:
         if self._header_deadline is None:
-            self._header_deadline = self.loop.call_later(self.header_timeout_s,
-                                                         self.transport.close)
+            self._header_deadline = self.loop.call_later(
+                self.header_timeout_s, self.transport.close
+            )
 
 
 def header_timeout_protocol(header_timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
     """The protocol class for uvicorn.Config(http=...) with this header deadline."""
-    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
-                {"header_timeout_s": header_timeout_s})
+    return type(
+        "HeaderTimeoutH11Protocol",
+        (HeaderTimeoutH11Protocol,),
+        {"header_timeout_s": header_timeout_s},
+    )

@@ -87,16 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="HF directory, .gguf file or smollm2")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument(
-        "--memory", help="memory for the KV cache, e.g. 4.5GiB, 24GiB, 512MiB (serve's "
-        "--kv-cache-memory)"
+        "--memory",
+        help="memory for the KV cache, e.g. 4.5GiB, 24GiB, 512MiB (serve's --kv-cache-memory)",
     )
-    budget.add_argument("--gpu-memory", help="the card's total memory, e.g. 80GiB: plan as the "
-                        "engine budgets a GPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of --gpu-memory the engine may use (default 0.9, as serve)")
+    budget.add_argument(
+        "--gpu-memory", help="the card's total memory, e.g. 80GiB: plan as the engine budgets a GPU"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of --gpu-memory the engine may use (default 0.9, as serve)",
+    )
     parser.add_argument("--weights", help="weights' memory (default: the model's weight files)")
-    parser.add_argument("--activation-peak", help="activation peak, as the engine logs it at "
-                        "start-up (needed with --gpu-memory)")
+    parser.add_argument(
+        "--activation-peak",
+        help="activation peak, as the engine logs it at start-up (needed with --gpu-memory)",
+    )
     parser.add_argument(
         "--max-model-len", type=int, help="tokens per request to plan for (default: the model's)"
     )
@@ -124,14 +131,20 @@ def kv_budget(args: argparse.Namespace) -> tuple[int, list[str], str]:
     if args.memory is not None:
         return parse_memory_size(args.memory), [], "--memory"
     if args.activation_peak is None:
-        raise ValueError("--gpu-memory needs --activation-peak: the engine measures it at "
-                         "start-up and logs it ('activation peak X GiB')")
+        raise ValueError(
+            "--gpu-memory needs --activation-peak: the engine measures it at "
+            "start-up and logs it ('activation peak X GiB')"
+        )
     if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
-                         f"{args.gpu_memory_utilization}")
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
     total = parse_memory_size(args.gpu_memory)
-    weights = (parse_memory_size(args.weights) if args.weights is not None
-               else weight_files_bytes(args.model))
+    weights = (
+        parse_memory_size(args.weights)
+        if args.weights is not None
+        else weight_files_bytes(args.model)
+    )
     peak = parse_memory_size(args.activation_peak)
     budget = cuda_kv_budget_bytes(total, args.gpu_memory_utilization, weights, peak)
     lines = [

@@ -67,9 +67,21 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     user: str | None = None
 
-    @field_validator("temperature", "top_p", "top_k", "min_p", "n", "stream", "stop_token_ids",
-                     "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", mode="before")
+    @field_validator(
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "stream",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        mode="before",
+    )
     @classmethod
     def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
         """The OpenAI API lets clients send null for an optional field: its default."""
@@ -80,11 +92,13 @@ class _SamplingFields(BaseModel):
     def check_supported(self) -> None:
         """Reject what the engine does not implement, naming the parameter."""
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options is only allowed when stream is true",
-                                 "stream_options")
+            raise InvalidRequest(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise InvalidRequest("stream_options.continuous_usage_stats is not supported",
-                                 "stream_options")
+            raise InvalidRequest(
+                "stream_options.continuous_usage_stats is not supported", "stream_options"
+            )
         if self.n > 1 and self.temperature < SAMPLING_EPS:
             raise InvalidRequest(f"n must be 1 when using greedy sampling, got {self.n}", "n")
         try:
@@ -105,8 +119,11 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed the maximum "
-                                 f"number of tokens ({max_tokens})", "min_tokens")
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must not exceed the maximum "
+                f"number of tokens ({max_tokens})",
+                "min_tokens",
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -184,8 +201,10 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise InvalidRequest(f"content part type {part.get('type')!r} is not supported "
-                                     "(text only)", "messages")
+                raise InvalidRequest(
+                    f"content part type {part.get('type')!r} is not supported (text only)",
+                    "messages",
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
@@ -218,4 +237,3 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, OpenAI's current name, else the older max_tokens."""
         return self.max_completion_tokens or self.max_tokens
-

@@ -27,14 +27,20 @@ def completion_choice(
 
 
 def completion_body(
-    request_id: str, model: str, choices: list[dict[str, Any]],
-    usage_counts: dict[str, int] | None, chunk: bool = False,
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_counts: dict[str, int] | None,
+    chunk: bool = False,
 ) -> dict[str, Any]:
     """A text_completion object: a whole response, or one streamed chunk (no choices makes
     the usage-only last chunk)."""
     body: dict[str, Any] = {
-        "id": request_id, "object": "text_completion", "created": int(time.time()),
-        "model": model, "choices": choices,
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
     }
     if usage_counts is not None or not chunk:
         body["usage"] = usage_counts
@@ -46,18 +52,28 @@ def chat_choice(
 ) -> dict[str, Any]:
     """A choice of a whole chat.completion response."""
     message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
 def chat_body(
-    request_id: str, model: str, choices: list[dict[str, Any]],
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
     usage_counts: dict[str, int] | None,
 ) -> dict[str, Any]:
     """A whole chat.completion response."""
     return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()),
-        "model": model, "usage": usage_counts, "choices": choices,
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "usage": usage_counts,
+        "choices": choices,
     }
 
 
@@ -68,13 +84,18 @@ def chat_chunk_choice(
 
 
 def chat_chunk(
-    request_id: str, model: str, choices: list[dict[str, Any]],
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
     usage_counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One chat.completion.chunk; no choices makes the usage-only last chunk."""
     body: dict[str, Any] = {
-        "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-        "model": model, "choices": choices,
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
     }
     if usage_counts is not None:
         body["usage"] = usage_counts

@@ -50,8 +50,11 @@ logger = logging.getLogger("iterscope.serve")
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
-def build_app(frontend: Frontend, limits: HttpLimits | None = None,
-              sidecar_metrics_url: api_metrics.SidecarUrl = None) -> FastAPI:
+def build_app(
+    frontend: Frontend,
+    limits: HttpLimits | None = None,
+    sidecar_metrics_url: api_metrics.SidecarUrl = None,
+) -> FastAPI:
     """The FastAPI application; every error leaves as an OpenAI-style error body. GET /metrics
     serves the sidecar's series (read from ``sidecar_metrics_url``) and the HTTP series, which
     count the guard's refusals too (its middleware is the outer one)."""
@@ -97,13 +100,15 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-                    for e in exc.errors()]
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        ]
         return error(400, "; ".join(problems), "invalid_request_error")
 
 
-async def answer(frontend: Frontend, endpoint: Endpoint, body: Any,
-                 http_request: Request) -> Response:
+async def answer(
+    frontend: Frontend, endpoint: Endpoint, body: Any, http_request: Request
+) -> Response:
     """The one request path of both generation endpoints: check, build the prompt, generate."""
     try:
         frontend.check_model(body.model)
@@ -121,22 +126,31 @@ async def answer(frontend: Frontend, endpoint: Endpoint, body: Any,
     return await generate(frontend, endpoint, body, http_request, prompt_ids)
 
 
-async def generate(frontend: Frontend, endpoint: Endpoint, body: Any, http_request: Request,
-                   prompt_ids: list[int]) -> Response:
+async def generate(
+    frontend: Frontend, endpoint: Endpoint, body: Any, http_request: Request, prompt_ids: list[int]
+) -> Response:
     """A streamed response once the first delta is out (so errors before it are statuses),
     or the whole response once every choice has finished."""
     request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     try:
-        max_tokens = frontend.max_tokens(endpoint.requested_max_tokens(body), len(prompt_ids),
-                                         endpoint.default_max_tokens(frontend))
+        max_tokens = frontend.max_tokens(
+            endpoint.requested_max_tokens(body),
+            len(prompt_ids),
+            endpoint.default_max_tokens(frontend),
+        )
         params = body.sampling_params(max_tokens)
-        outputs = frontend.generate_choices(http_request, request_id, prompt_ids, params,
-                                            body.n, traceparent_of(http_request),
-                                            body.stop_strings)
+        outputs = frontend.generate_choices(
+            http_request,
+            request_id,
+            prompt_ids,
+            params,
+            body.n,
+            traceparent_of(http_request),
+            body.stop_strings,
+        )
         if body.stream:
             outputs = await first_and_rest(outputs)
-            events = stream_events(frontend, endpoint, body, request_id, outputs,
-                                   len(prompt_ids))
+            events = stream_events(frontend, endpoint, body, request_id, outputs, len(prompt_ids))
             return StreamingResponse(events, media_type="text/event-stream")
         whole = await collect(outputs, body.n)
     except (InvalidRequest, RequestRejectedError, ValueError) as exc:
@@ -170,9 +184,14 @@ async def first_and_rest(generator: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 def models_body(frontend: Frontend) -> dict[str, Any]:
     ready = frontend.client.ready
-    card = {"id": frontend.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "iterscope", "max_model_len": ready.max_model_len,
-            "vocab_size": frontend.vocab_size}
+    card = {
+        "id": frontend.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "iterscope",
+        "max_model_len": ready.max_model_len,
+        "vocab_size": frontend.vocab_size,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -181,13 +200,18 @@ def health_response(frontend: Frontend) -> JSONResponse:
     flight and nothing heard from it for --engine-stall-timeout."""
     client = frontend.client
     state = client.engine_status(frontend.stall_after_s)
-    body = {"status": "ok" if state in ("idle", "running") else state,
-            "engine": state, "engine_pid": client.ready.pid,
-            "num_requests_in_flight": client.num_in_flight}
+    body = {
+        "status": "ok" if state in ("idle", "running") else state,
+        "engine": state,
+        "engine_pid": client.ready.pid,
+        "num_requests_in_flight": client.num_in_flight,
+    }
     if state == "dead":
         body["error"] = "the engine is not running"
     elif state == "stalled":
-        body["error"] = (f"the engine has produced nothing for "
-                         f"{time.monotonic() - client.last_message_s:.0f} s with "
-                         f"{client.num_in_flight} requests in flight")
+        body["error"] = (
+            f"the engine has produced nothing for "
+            f"{time.monotonic() - client.last_message_s:.0f} s with "
+            f"{client.num_in_flight} requests in flight"
+        )
     return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     resolve_model_argument(parser, args)
     args.sidecar_arg = sidecar_arguments(args)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] "
-                        "%(message)s", datefmt="%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
     # uvicorn re-raises SIGTERM once it has shut down: make that unwind through `finally`.
     signal.signal(signal.SIGTERM, _interrupt)
     keep_large_blocks_mapped()
@@ -126,16 +129,27 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
         tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
-        frontend = Frontend(client, tokenizer, args.served_model_name or args.model,
-                            args.engine_stall_timeout, args.request_timeout)
+        frontend = Frontend(
+            client,
+            tokenizer,
+            args.served_model_name or args.model,
+            args.engine_stall_timeout,
+            args.request_timeout,
+        )
         sock = listening_socket(args.host, args.port)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
-        uv_config = uvicorn.Config(build_app(frontend, limits, sidecar_metrics_url),
-                                   log_level="warning",
-                                   http=header_timeout_protocol(args.request_header_timeout),
-                                   access_log=args.access_log, lifespan="off")
-        print(f"iterscope serve: {frontend.model_name} on http://{args.host}:"
-              f"{sock.getsockname()[1]}/v1", flush=True)
+        uv_config = uvicorn.Config(
+            build_app(frontend, limits, sidecar_metrics_url),
+            log_level="warning",
+            http=header_timeout_protocol(args.request_header_timeout),
+            access_log=args.access_log,
+            lifespan="off",
+        )
+        print(
+            f"iterscope serve: {frontend.model_name} on http://{args.host}:"
+            f"{sock.getsockname()[1]}/v1",
+            flush=True,
+        )
         uvicorn.Server(uv_config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass

@@ -18,8 +18,9 @@ from telemetry.sidecar.sinks.prometheus import DEFAULT_METRICS_PORT
 
 TINY_MODEL = "tiny-llama"  # a 2-layer random-weight model with a byte tokenizer (tests, smoke)
 API_KEY_ENV = "ITERSCOPE_API_KEY"
-DESCRIPTION = ("`iterscope serve`: an OpenAI-compatible HTTP frontend in front of the "
-               "engine-core process.")
+DESCRIPTION = (
+    "`iterscope serve`: an OpenAI-compatible HTTP frontend in front of the engine-core process."
+)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +31,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for setting in fields(EngineConfig):
         if setting.metadata.get("flag"):
             _add_setting_argument(group, setting)
-    group.add_argument("--cpu-threads", type=arg_types.int_in_range(1), default=None,
-                       metavar="N", help="torch threads of the engine process on CPU "
-                       "(default: one per core; 1 is faster when the frontend, sidecar and a "
-                       "load generator share a small machine)")
+    group.add_argument(
+        "--cpu-threads",
+        type=arg_types.int_in_range(1),
+        default=None,
+        metavar="N",
+        help="torch threads of the engine process on CPU "
+        "(default: one per core; 1 is faster when the frontend, sidecar and a "
+        "load generator share a small machine)",
+    )
 
 
 def _add_setting_argument(group: argparse._ArgumentGroup, setting: Field) -> None:
@@ -42,22 +48,37 @@ def _add_setting_argument(group: argparse._ArgumentGroup, setting: Field) -> Non
     if setting.type == "bool":  # a switch; --no-... turns a setting that is on by default off
         action = "store_false" if meta["negate"] else "store_true"
         default_text = "on" if setting.default else "off"
-        group.add_argument(meta["flag"], dest=setting.name, action=action,
-                           help=f"{meta['help']} (default {default_text})")
+        group.add_argument(
+            meta["flag"],
+            dest=setting.name,
+            action=action,
+            help=f"{meta['help']} (default {default_text})",
+        )
         return
     default_text = meta["default_text"] or setting.default
     kind = meta["kind"]
-    group.add_argument(meta["flag"], dest=setting.name, default=setting.default,
-                       type=arg_types.of_kind(kind) if kind else None, metavar=meta["metavar"],
-                       help=f"{meta['help']} (default: {default_text})")
+    group.add_argument(
+        meta["flag"],
+        dest=setting.name,
+        default=setting.default,
+        type=arg_types.of_kind(kind) if kind else None,
+        metavar=meta["metavar"],
+        help=f"{meta['help']} (default: {default_text})",
+    )
 
 
 def engine_config(args: argparse.Namespace, telemetry_address: str | None) -> EngineConfig:
     """The EngineConfig of the parsed engine flags (its own checks raise ValueError)."""
-    values = {setting.name: getattr(args, setting.name) for setting in fields(EngineConfig)
-              if setting.metadata.get("flag")}
-    return EngineConfig(**values, served_model_name=getattr(args, "served_model_name", None),
-                        telemetry_address=telemetry_address)
+    values = {
+        setting.name: getattr(args, setting.name)
+        for setting in fields(EngineConfig)
+        if setting.metadata.get("flag")
+    }
+    return EngineConfig(
+        **values,
+        served_model_name=getattr(args, "served_model_name", None),
+        telemetry_address=telemetry_address,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,50 +95,98 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=arg_types.port, default=8000,
-                        help="listen port, 0 picks a free one (default %(default)s)")
-    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                        help="the model, as with --model (as `vllm serve MODEL`)")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="the model name clients use, and the model_name label of every "
-                        "telemetry series (default: the model)")
-    parser.add_argument("--access-log", action="store_true",
-                        help="log every HTTP request (default off)")
-    parser.add_argument("--max-request-body", type=arg_types.memory_size, default="4MiB",
-                        metavar="SIZE", help="larger request bodies get 413 unread "
-                        "(default %(default)s)")
-    parser.add_argument("--request-body-timeout", type=arg_types.positive_float,
-                        default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
-                        help="a request body must arrive within this long, else 408 "
-                        "(default %(default)s)")
-    parser.add_argument("--request-header-timeout", type=arg_types.positive_float,
-                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-                        help="a connection whose request headers take longer is closed "
-                        "(default %(default)s)")
-    parser.add_argument("--request-timeout", type=arg_types.positive_float, default=None,
-                        metavar="SECONDS", help="a request still generating after this long "
-                        "is aborted and answered 504 (default: no limit)")
-    parser.add_argument("--engine-stall-timeout", type=arg_types.positive_float,
-                        default=DEFAULT_STALL_AFTER_S, metavar="SECONDS",
-                        help="/health says stalled (503) when requests are in flight and the "
-                        "engine has sent nothing for this long (default %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                        help="/v1/ requests need 'Authorization: Bearer KEY' (default: "
-                        f"${API_KEY_ENV} if set, else no key; prefer the variable, since "
-                        "command lines are visible to other users)")
+    parser.add_argument(
+        "--port",
+        type=arg_types.port,
+        default=8000,
+        help="listen port, 0 picks a free one (default %(default)s)",
+    )
+    parser.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as with --model (as `vllm serve MODEL`)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients use, and the model_name label of every "
+        "telemetry series (default: the model)",
+    )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log every HTTP request (default off)"
+    )
+    parser.add_argument(
+        "--max-request-body",
+        type=arg_types.memory_size,
+        default="4MiB",
+        metavar="SIZE",
+        help="larger request bodies get 413 unread (default %(default)s)",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=arg_types.positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request body must arrive within this long, else 408 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--request-header-timeout",
+        type=arg_types.positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection whose request headers take longer is closed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=arg_types.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="a request still generating after this long "
+        "is aborted and answered 504 (default: no limit)",
+    )
+    parser.add_argument(
+        "--engine-stall-timeout",
+        type=arg_types.positive_float,
+        default=DEFAULT_STALL_AFTER_S,
+        metavar="SECONDS",
+        help="/health says stalled (503) when requests are in flight and the "
+        "engine has sent nothing for this long (default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help="/v1/ requests need 'Authorization: Bearer KEY' (default: "
+        f"${API_KEY_ENV} if set, else no key; prefer the variable, since "
+        "command lines are visible to other users)",
+    )
 
 
 def _add_sidecar_shortcuts(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
-    group.add_argument("--metrics-port", type=arg_types.port, default=None, metavar="PORT",
-                       help="the sidecar's /metrics port, 0 picks a free one (default "
-                       f"{DEFAULT_METRICS_PORT})")
-    group.add_argument("--record", default=None, metavar="PATH",
-                       help="the sidecar records every telemetry message to this JSONL file "
-                       "(default: no recording)")
-    group.add_argument("--vllm-compatible-names", action="store_true",
-                       help="the sidecar's /metrics also has vLLM's series names "
-                       "(vllm:num_requests_running, ...) for vLLM's dashboards (default off)")
+    group.add_argument(
+        "--metrics-port",
+        type=arg_types.port,
+        default=None,
+        metavar="PORT",
+        help=f"the sidecar's /metrics port, 0 picks a free one (default {DEFAULT_METRICS_PORT})",
+    )
+    group.add_argument(
+        "--record",
+        default=None,
+        metavar="PATH",
+        help="the sidecar records every telemetry message to this JSONL file "
+        "(default: no recording)",
+    )
+    group.add_argument(
+        "--vllm-compatible-names",
+        action="store_true",
+        help="the sidecar's /metrics also has vLLM's series names "
+        "(vllm:num_requests_running, ...) for vLLM's dashboards (default off)",
+    )
 
 
 def resolve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

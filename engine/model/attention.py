@@ -112,8 +112,12 @@ class PagedAttention:
         positions = torch.arange(context_len, device=table.device)
         padding = positions[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
         bias = torch.zeros(
-            table.shape[0], self.num_kv_heads, self.group_size, context_len,
-            dtype=key_cache.dtype, device=key_cache.device,
+            table.shape[0],
+            self.num_kv_heads,
+            self.group_size,
+            context_len,
+            dtype=key_cache.dtype,
+            device=key_cache.device,
         )
         bias.masked_fill_(padding[:, None, None, :], float("-inf"))
         self.decode_bias = bias.view(-1, self.group_size, context_len)
@@ -129,9 +133,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H * D]."""
         if self.triton is not None:
-            self.triton.store_kv(
-                k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets
-            )
+            self.triton.store_kv(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)
         else:
             key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
             value_cache[meta.slot_blocks, :, meta.slot_offsets] = v
@@ -174,9 +176,7 @@ class PagedAttention:
                 self.cpu_kernel, q, key_cache, value_cache, table, seq_lens, out, self.scale
             )
         elif self.decode_backend == "triton":
-            self.triton.paged_decode(
-                q, key_cache, value_cache, table, seq_lens, out, self.scale
-            )
+            self.triton.paged_decode(q, key_cache, value_cache, table, seq_lens, out, self.scale)
         else:
             out.copy_(self._decode(q, key_cache, value_cache))
 

@@ -65,9 +65,12 @@ def check_decode_tables(meta: AttentionMetadata, num_blocks: int, block_size: in
     table, seq_lens = meta.decode_block_table, meta.decode_seq_lens
     num_decodes = meta.num_decode_tokens
     if (
-        table.dtype != torch.long or seq_lens.dtype != torch.long
-        or table.shape[0] != num_decodes or seq_lens.shape != (num_decodes,)
-        or not table.is_contiguous() or not seq_lens.is_contiguous()
+        table.dtype != torch.long
+        or seq_lens.dtype != torch.long
+        or table.shape[0] != num_decodes
+        or seq_lens.shape != (num_decodes,)
+        or not table.is_contiguous()
+        or not seq_lens.is_contiguous()
     ):
         raise ValueError(
             f"decode tables must be contiguous int64 [{num_decodes}, max_blocks] and "

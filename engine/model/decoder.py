@@ -97,8 +97,10 @@ class Decoder:
             v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]
             if layer.q_norm is not None:
                 q_and_k = torch.cat(
-                    (self._rms_norm(q_and_k[:, : cfg.num_heads], layer.q_norm),
-                     self._rms_norm(q_and_k[:, cfg.num_heads :], layer.k_norm)),
+                    (
+                        self._rms_norm(q_and_k[:, : cfg.num_heads], layer.q_norm),
+                        self._rms_norm(q_and_k[:, cfg.num_heads :], layer.k_norm),
+                    ),
                     dim=1,
                 )
             q_and_k = apply_rope(q_and_k, cos, sin)  # one call rotates both

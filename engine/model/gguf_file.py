@@ -68,9 +68,7 @@ def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen3"):
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (llama, qwen3)"
-        )
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen3)")
     num_heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // num_heads)
@@ -85,8 +83,7 @@ def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": meta.get(f"{arch}.context_length", 2048),
         "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
-        "vocab_size": meta.get(f"{arch}.vocab_size")
-        or len(reader.fields["tokenizer.ggml.tokens"]),
+        "vocab_size": meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"]),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }

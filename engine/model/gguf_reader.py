@@ -107,8 +107,9 @@ class _Parser:
 
     def need(self, nbytes: int, what: str) -> None:
         if self.pos + nbytes > self.size:
-            raise self.error(f"truncated GGUF file: {what} needs {nbytes} bytes, "
-                             f"{self.size - self.pos} left")
+            raise self.error(
+                f"truncated GGUF file: {what} needs {nbytes} bytes, {self.size - self.pos} left"
+            )
 
     def u32(self, what: str) -> int:
         self.need(4, what)
@@ -125,7 +126,7 @@ class _Parser:
     def string(self, what: str) -> str:
         length = self.u64(what)
         self.need(length, what)
-        raw = self.buf[self.pos:self.pos + length]
+        raw = self.buf[self.pos : self.pos + length]
         self.pos += length
         return self.decode(raw, what)
 
@@ -138,7 +139,9 @@ class _Parser:
     def parse(self) -> GGUFFile:
         version, tensor_count, kv_count = self.header()
         fields: dict[str, Any] = {
-            "GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count,
+            "GGUF.version": version,
+            "GGUF.tensor_count": tensor_count,
+            "GGUF.kv_count": kv_count,
         }
         for _ in range(kv_count):
             self.key_value(fields)
@@ -207,7 +210,7 @@ class _Parser:
             (length,) = unpack(buf, pos)
             if pos + 8 + length > size:
                 break
-            out.append(buf[pos + 8:pos + 8 + length])
+            out.append(buf[pos + 8 : pos + 8 + length])
             pos += 8 + length
         self.pos = pos
         if len(out) < count:
@@ -263,7 +266,9 @@ class _Parser:
             count = n_elements
         end = offset + count * dtype.itemsize
         if end > self.size:
-            raise ValueError(f"{self.path}: truncated GGUF file: tensor {name!r} needs bytes "
-                             f"{offset}..{end}, the file has {self.size}")
+            raise ValueError(
+                f"{self.path}: truncated GGUF file: tensor {name!r} needs bytes "
+                f"{offset}..{end}, the file has {self.size}"
+            )
         data = np.frombuffer(self.buf, dtype, count, offset).reshape(shape)
         return GGUFTensor(name, ggml_type, data)

@@ -57,19 +57,26 @@ def export_hf_directory(model: str, out_dir: Path) -> Path:
         tensors = {name: t.to(torch.bfloat16).contiguous() for name, t in state_dict.items()}
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         _write_json(staging / "config.json", _hf_config(config))
-        _write_json(staging / "generation_config.json", {
-            "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-        })
+        _write_json(
+            staging / "generation_config.json",
+            {
+                "bos_token_id": config["bos_token_id"],
+                "eos_token_id": config["eos_token_id"],
+            },
+        )
         build_gguf_tokenizer(fields).backend.save(str(staging / "tokenizer.json"))
         _write_json(staging / "special_tokens_map.json", special)
-        _write_json(staging / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": fields["chat_template"],
-            "add_bos_token": fields["add_bos_token"],
-            "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False,
-            **special,
-        })
+        _write_json(
+            staging / "tokenizer_config.json",
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": fields["chat_template"],
+                "add_bos_token": fields["add_bos_token"],
+                "model_max_length": config["max_position_embeddings"],
+                "clean_up_tokenization_spaces": False,
+                **special,
+            },
+        )
         for file in staging.iterdir():  # mkdtemp and safetensors make them private (0600)
             file.chmod(0o644)
         staging.chmod(0o755)

@@ -48,8 +48,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 at speed (oneDNN packs bf16 weights here)."""
-    if not (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
         return False
     try:
         pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
@@ -83,7 +84,5 @@ class Linear:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "none", [None], ""
-            )
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x.float(), self.widened, self.bias).to(x.dtype)

@@ -76,8 +76,7 @@ class Tokenizer:
         """The token ids of ``text``. encode_batch_fast lets go of the GIL while it works and
         skips the offsets nobody reads; ``encode`` holds the GIL throughout (12 s for 4 MB of
         text), which would stop every other thread of the frontend, its event loop included."""
-        return self.backend.encode_batch_fast(
-            [text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -117,15 +116,18 @@ class Tokenizer:
         are encoded as usual, each content with the literal backend. (Only conversations
         holding special tokens' text come here, so every other one is encoded exactly as the
         model's own tokenizer does.)"""
-        masked = [{**message, "content": CONTENT_SENTINEL.format(index)}
-                  for index, message in enumerate(messages)]
+        masked = [
+            {**message, "content": CONTENT_SENTINEL.format(index)}
+            for index, message in enumerate(messages)
+        ]
         ids: list[int] = []
         pieces = CONTENT_SENTINEL_PATTERN.split(self._render(masked))
         for position, piece in enumerate(pieces):  # template, index, template, index, ...
             if position % 2:
                 content = messages[int(piece)]["content"]
-                ids += self._literal_backend.encode_batch_fast(
-                    [content], add_special_tokens=False)[0].ids
+                ids += self._literal_backend.encode_batch_fast([content], add_special_tokens=False)[
+                    0
+                ].ids
             elif piece:
                 ids += self._ids(piece, add_special_tokens=False)
         return ids

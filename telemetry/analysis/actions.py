@@ -61,8 +61,10 @@ def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, s
             why_not = str(error)
             continue
         chunk = "" if min_chunk == MIN_CHUNK_TOKENS[0] else f" --min-chunk {min_chunk}"
-        return rec, (f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
-                     f"({th.long_prefill_ratio:g}x the median decode-only iteration)")
+        return rec, (
+            f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
+            f"({th.long_prefill_ratio:g}x the median decode-only iteration)"
+        )
     return None, why_not
 
 
@@ -75,49 +77,58 @@ def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
     rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
-        return (f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens{_now(current)};"
-                f" no value could be computed here: {tuned}.")
+        return (
+            f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens{_now(current)};"
+            f" no value could be computed here: {tuned}."
+        )
     value = rec.max_num_batched_tokens
     if current and (value >= current if lower else value <= current):
-        return (f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
-                f"{value}, so a latency target that loose does not call for a change.")
-    return (f"Set --max-num-batched-tokens {value}{_now(current)}, from "
-            f"{tuned}.")
+        return (
+            f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
+            f"{value}, so a latency target that loose does not call for a change."
+        )
+    return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}."
 
 
 def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
     rec, tuned = _tuned(tl, th)
     current = tl.facts.get("max_num_seqs")
     if rec is None:
-        return (f"Raise --max-num-seqs{_now(current)}; no value could be computed here: "
-                f"{tuned}.")
+        return f"Raise --max-num-seqs{_now(current)}; no value could be computed here: {tuned}."
     if current and rec.max_num_seqs <= current:
-        return (f"Keep --max-num-seqs at {current}: {tuned} allows "
-                f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
-                "engine.")
-    return (f"Set --max-num-seqs {rec.max_num_seqs}{_now(current)}, from "
-            f"{tuned}.")
+        return (
+            f"Keep --max-num-seqs at {current}: {tuned} allows "
+            f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
+            "engine."
+        )
+    return f"Set --max-num-seqs {rec.max_num_seqs}{_now(current)}, from {tuned}."
 
 
 def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
     starts = tl.col("start_ns")
-    rows = slice(int(np.searchsorted(starts, episode.start_ns)),
-                 int(np.searchsorted(starts, episode.end_ns, side="right")))
+    rows = slice(
+        int(np.searchsorted(starts, episode.start_ns)),
+        int(np.searchsorted(starts, episode.end_ns, side="right")),
+    )
     wanted = tl.col("num_running_reqs")[rows] + tl.col("num_waiting_reqs")[rows]
     demand = int(wanted.max()) if wanted.size else 0
     fit, mean_length = kv_max_seqs(tl)
     if fit is None or mean_length is None or demand <= 0:
-        return (f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
-                "here (the recording has no finished request or no block size): `iterscope "
-                "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
-                "of your length a size holds.")
+        return (
+            f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
+            "here (the recording has no finished request or no block size): `iterscope "
+            "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
+            "of your length a size holds."
+        )
     if demand <= fit:
         return _kv_peak_action(tl, rows)
-    return (f"Raise {kv_memory_flag(tl)} to {demand / fit:.1f}x the cache's size now (it holds "
-            f"{plural(fit, 'request')} of {mean_length:.0f} tokens, {demand} wanted in at once; "
-            "`iterscope "
-            f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
-            f"such requests a SIZE holds), or set --max-num-seqs {fit}.")
+    return (
+        f"Raise {kv_memory_flag(tl)} to {demand / fit:.1f}x the cache's size now (it holds "
+        f"{plural(fit, 'request')} of {mean_length:.0f} tokens, {demand} wanted in at once; "
+        "`iterscope "
+        f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
+        f"such requests a SIZE holds), or set --max-num-seqs {fit}."
+    )
 
 
 def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
@@ -126,14 +137,17 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
     peak = int(np.argmax(usage))
     running = int(tl.col("num_running_reqs")[rows][peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
-    kv_plan = ("(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size "
-               "holds)")
+    kv_plan = "(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size holds)"
     if value >= running:  # fewer requests cannot help: one alone fills the cache
-        return (f"Raise {kv_memory_text(tl)} {kv_plan}: {plural(running, 'request')} running took "
-                f"KV usage to {100 * usage[peak]:.1f}%, fewer cannot run.")
-    return (f"Set --max-num-seqs {value}: {plural(running, 'request')} running together took KV "
-            f"usage to {100 * usage[peak]:.1f}%, and with {value} it stays near "
-            f"{100 * KV_TARGET_USAGE:.0f}%; or raise {kv_memory_text(tl)} {kv_plan}.")
+        return (
+            f"Raise {kv_memory_text(tl)} {kv_plan}: {plural(running, 'request')} running took "
+            f"KV usage to {100 * usage[peak]:.1f}%, fewer cannot run."
+        )
+    return (
+        f"Set --max-num-seqs {value}: {plural(running, 'request')} running together took KV "
+        f"usage to {100 * usage[peak]:.1f}%, and with {value} it stays near "
+        f"{100 * KV_TARGET_USAGE:.0f}%; or raise {kv_memory_text(tl)} {kv_plan}."
+    )
 
 
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:

@@ -47,9 +47,15 @@ def _mark_ongoing(tl: EngineTimeline, episodes: list[Episode]) -> None:
         episode.ongoing = episode.ongoing or episode.end_ns >= tl.last_ns
 
 
-def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
-           max_time: float | None, out=sys.stdout, engine_index: int | None = None,
-           window_messages: int = FOLLOW_WINDOW_MESSAGES) -> int:
+def follow(
+    paths: list[Path],
+    thresholds: Thresholds,
+    interval_time: float,
+    max_time: float | None,
+    out=sys.stdout,
+    engine_index: int | None = None,
+    window_messages: int = FOLLOW_WINDOW_MESSAGES,
+) -> int:
     """Print episodes as they appear and when they end, until interrupted or max_time.
 
     Only the newest ``window_messages`` messages are kept and searched (see
@@ -73,8 +79,11 @@ def follow(paths: list[Path], thresholds: Thresholds, interval_time: float,
     except KeyboardInterrupt:
         pass
     timelines = _only_engine(build_timelines(messages), engine_index)
-    for line in (line for tl in timelines.values() for line in
-                 format_engine(tl, detect_episodes(tl, thresholds), thresholds)):
+    for line in (
+        line
+        for tl in timelines.values()
+        for line in format_engine(tl, detect_episodes(tl, thresholds), thresholds)
+    ):
         print(line, file=out)
     return 0
 
@@ -109,26 +118,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope explain",
         description="Find episodes (KV saturation, preemption storms, waiting, stalls, leaks, "
-                    "idle, telemetry gaps, long prefill chunks) and summarise a recording.",
+        "idle, telemetry gaps, long prefill chunks) and summarise a recording.",
     )
-    parser.add_argument("recordings", nargs="+", type=Path,
-                        help="JSONL recording file(s) written by `iterscope sidecar --record`")
+    parser.add_argument(
+        "recordings",
+        nargs="+",
+        type=Path,
+        help="JSONL recording file(s) written by `iterscope sidecar --record`",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
-    parser.add_argument("--all", action="store_true",
-                        help="also list every episode in time order, with its explanation")
-    parser.add_argument("--plot", type=Path, metavar="OUT.png",
-                        help="also draw KV usage, queues, tokens, iteration time; episodes shaded")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="also list every episode in time order, with its explanation",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="also draw KV usage, queues, tokens, iteration time; episodes shaded",
+    )
     parser.add_argument("--engine", type=int, help="only this engine index")
-    parser.add_argument("--follow", action="store_true",
-                        help="keep reading the files as they grow and print episodes live")
-    parser.add_argument("--interval", type=parse_time, default=1.0,
-                        help="how often --follow reads the files (default 1s)")
-    parser.add_argument("--max-time", type=parse_time, default=None,
-                        help="stop --follow after this long (default: until Ctrl-C)")
-    parser.add_argument("--stall-after", type=parse_time, default=None,
-                        help="a fixed stall threshold: a frozen loop with work queued for this "
-                        "long is a stall (default: the live sidecar's adaptive threshold, twice "
-                        "the engine's longest recent progress interval, at least 5s)")
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep reading the files as they grow and print episodes live",
+    )
+    parser.add_argument(
+        "--interval",
+        type=parse_time,
+        default=1.0,
+        help="how often --follow reads the files (default 1s)",
+    )
+    parser.add_argument(
+        "--max-time",
+        type=parse_time,
+        default=None,
+        help="stop --follow after this long (default: until Ctrl-C)",
+    )
+    parser.add_argument(
+        "--stall-after",
+        type=parse_time,
+        default=None,
+        help="a fixed stall threshold: a frozen loop with work queued for this "
+        "long is a stall (default: the live sidecar's adaptive threshold, twice "
+        "the engine's longest recent progress interval, at least 5s)",
+    )
     return parser
 
 
@@ -136,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     thresholds = Thresholds(stall_after=args.stall_after)
     if args.follow:
-        return follow(args.recordings, thresholds, args.interval, args.max_time,
-                      engine_index=args.engine)
+        return follow(
+            args.recordings, thresholds, args.interval, args.max_time, engine_index=args.engine
+        )
     try:
         timelines, num_messages, num_bad = read_timelines(args.recordings)
     except FileNotFoundError as error:
@@ -150,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report_json(timelines, thresholds), indent=2))
     else:
-        print(f"iterscope explain: {plural(len(args.recordings), 'file')}, "
-              f"{plural(num_messages, 'message')} ({plural(num_bad, 'unreadable line')}), "
-              f"{plural(len(timelines), 'engine')}\n")
+        print(
+            f"iterscope explain: {plural(len(args.recordings), 'file')}, "
+            f"{plural(num_messages, 'message')} ({plural(num_bad, 'unreadable line')}), "
+            f"{plural(len(timelines), 'engine')}\n"
+        )
         for tl in timelines.values():
             episodes = detect_episodes(tl, thresholds)
             print("\n".join(format_engine(tl, episodes, thresholds, args.all)) + "\n")

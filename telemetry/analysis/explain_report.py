@@ -68,28 +68,43 @@ MAX_ACTION_LINES = MAX_FINDING_LINES - 5
 def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
     """Headline, worst instance with its figures, and the action (wrapped)."""
     worst = finding.worst
-    cost = ("cost not measurable (no records)" if finding.cost_label == "unknown"
-            else f"{cost_text(finding.cost)} request-s {finding.cost_label}")
-    lines = [f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
-             f"{finding.total_time:.2f} s in all, {cost}"]
-    lines += _wrapped("worst", f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} "
-                      f"s): {worst.evidence}", max_lines=2)
+    cost = (
+        "cost not measurable (no records)"
+        if finding.cost_label == "unknown"
+        else f"{cost_text(finding.cost)} request-s {finding.cost_label}"
+    )
+    lines = [
+        f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
+        f"{finding.total_time:.2f} s in all, {cost}"
+    ]
+    lines += _wrapped(
+        "worst",
+        f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} s): {worst.evidence}",
+        max_lines=2,
+    )
     lines += _wrapped("do", action, max_lines=MAX_ACTION_LINES)
     return lines
 
 
-def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
-                    ) -> list[str]:
+def format_findings(
+    tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
+) -> list[str]:
     """The findings in rank order (faults, then the costliest), in at most MAX_FINDING_LINES
     lines; the first is always shown whole, so the top finding is never cut."""
     if not findings:
-        return ["  No problem found: no saturation, preemption storm, sustained waiting, "
-                "stall, leak, telemetry gap or latency spike."]
+        return [
+            "  No problem found: no saturation, preemption storm, sustained waiting, "
+            "stall, leak, telemetry gap or latency spike."
+        ]
     num_episodes = sum(f.count for f in findings)
-    order = ("faults first, then costliest first" if any(f.is_fault for f in findings)
-             else "costliest first")
-    lines = [f"  {plural(len(findings), 'finding')} from {plural(num_episodes, 'episode')}, "
-             f"{order}:"]
+    order = (
+        "faults first, then costliest first"
+        if any(f.is_fault for f in findings)
+        else "costliest first"
+    )
+    lines = [
+        f"  {plural(len(findings), 'finding')} from {plural(num_episodes, 'episode')}, {order}:"
+    ]
     shown = 0
     for finding in findings:
         block = format_finding(tl, shown + 1, finding, finding_action(tl, finding, thresholds))
@@ -98,18 +113,22 @@ def format_findings(tl: EngineTimeline, findings: list[Finding], thresholds: Thr
         lines += block
         shown += 1
     if shown < len(findings):
-        lines.append(f"  ... {plural(len(findings) - shown, 'more finding')}; --all lists every "
-                     "episode.")
+        lines.append(
+            f"  ... {plural(len(findings) - shown, 'more finding')}; --all lists every episode."
+        )
     return lines
 
 
-def format_engine(tl: EngineTimeline, episodes: list[Episode], thresholds: Thresholds,
-                  show_all: bool = False) -> list[str]:
+def format_engine(
+    tl: EngineTimeline, episodes: list[Episode], thresholds: Thresholds, show_all: bool = False
+) -> list[str]:
     """Header, ranked findings, summary; with show_all every episode in time order after."""
     lines = [engine_header(tl)]
     if tl.records or tl.heartbeats:
-        lines.append(f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
-                     f"{clock_text(tl, tl.last_ns)}")
+        lines.append(
+            f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
+            f"{clock_text(tl, tl.last_ns)}"
+        )
     lines += format_findings(tl, build_findings(tl, episodes), thresholds)
     lines.append("")
     lines += [f"  {line}" for line in format_summary(summarize(tl))]
@@ -146,11 +165,13 @@ def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) ->
     engines = []
     for tl in timelines.values():
         episodes = detect_episodes(tl, thresholds)
-        engines.append({
-            "engine_index": tl.engine_index,
-            "facts": tl.facts,
-            "summary": summarize(tl).to_dict(),
-            "findings": [finding_json(tl, f, thresholds) for f in build_findings(tl, episodes)],
-            "episodes": [episode_json(tl, e) for e in episodes],
-        })
+        engines.append(
+            {
+                "engine_index": tl.engine_index,
+                "facts": tl.facts,
+                "summary": summarize(tl).to_dict(),
+                "findings": [finding_json(tl, f, thresholds) for f in build_findings(tl, episodes)],
+                "episodes": [episode_json(tl, e) for e in episodes],
+            }
+        )
     return {"engines": engines}

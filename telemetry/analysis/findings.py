@@ -38,8 +38,12 @@ from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
 
 # How each kind's cost is named in the text ("... request-s waiting").
-COST_LABELS = {"long_prefill": "slowed", "stall": "stalled", "telemetry_gap": "unknown",
-               "kv_cliff": "delayed"}
+COST_LABELS = {
+    "long_prefill": "slowed",
+    "stall": "stalled",
+    "telemetry_gap": "unknown",
+    "kv_cliff": "delayed",
+}
 
 
 @dataclass
@@ -66,8 +70,9 @@ class Finding:
     @property
     def worst(self) -> Episode:
         """The costliest episode; the longest one among equals."""
-        ranked = zip(self.costs, (e.duration_time for e in self.episodes), range(self.count),
-                     strict=True)
+        ranked = zip(
+            self.costs, (e.duration_time for e in self.episodes), range(self.count), strict=True
+        )
         return self.episodes[max(ranked)[2]]
 
     @property
@@ -113,7 +118,7 @@ def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -
     raised = np.flatnonzero(evicted > 0)
     if not raised.size:
         return 0.0
-    back = np.flatnonzero(evicted[raised[0]:] == 0)
+    back = np.flatnonzero(evicted[raised[0] :] == 0)
     stop = first + raised[0] + int(back[0]) if back.size else tl.num_iterations
     waited = _queued_request_seconds(tl, slice(first, stop), evicted[: stop - first])
     # Up to the row that admits the last of them: a fall in the count is requests admitted

@@ -74,8 +74,7 @@ def draw_timelines(
             (queue_ax, tl.col("num_running_reqs"), "running"),
             (queue_ax, tl.col("num_waiting_reqs"), "waiting"),
         ):
-            ax.plot(*_broken_at_gaps(t, values), label=label + suffix, lw=1,
-                    drawstyle="steps-post")
+            ax.plot(*_broken_at_gaps(t, values), label=label + suffix, lw=1, drawstyle="steps-post")
         _plot_tokens(token_ax, t, tl, marker, suffix)
         _plot_iteration_times(time_ax, t, tl, marker, suffix)
     _label_axes(axes, axis)  # before the findings' markers, which go in the figure's legend
@@ -98,19 +97,30 @@ def plot_timelines(
 def batch_kinds(tl: EngineTimeline) -> np.ndarray:
     """Per iteration: 'decode', 'prefill', 'mixed' or 'empty' (BATCH_STYLES' keys)."""
     has_prefill, has_decode = tl.col("num_prefill_tokens") > 0, tl.col("num_decode_tokens") > 0
-    return np.select([has_prefill & has_decode, has_prefill, has_decode],
-                     ["mixed", "prefill", "decode"], default="empty")
+    return np.select(
+        [has_prefill & has_decode, has_prefill, has_decode],
+        ["mixed", "prefill", "decode"],
+        default="empty",
+    )
 
 
 def _plot_tokens(ax, t: np.ndarray, tl: EngineTimeline, marker: str, suffix: str) -> None:
-    for column, batch, label in (("num_prefill_tokens", "prefill", "prefill tokens"),
-                                 ("num_decode_tokens", "decode", "decode tokens")):
-        ax.plot(t, tl.col(column), marker, ms=2, ls="none", color=BATCH_STYLES[batch][0],
-                label=label + suffix)
+    for column, batch, label in (
+        ("num_prefill_tokens", "prefill", "prefill tokens"),
+        ("num_decode_tokens", "decode", "decode tokens"),
+    ):
+        ax.plot(
+            t,
+            tl.col(column),
+            marker,
+            ms=2,
+            ls="none",
+            color=BATCH_STYLES[batch][0],
+            label=label + suffix,
+        )
 
 
-def _plot_iteration_times(ax, t: np.ndarray, tl: EngineTimeline, marker: str,
-                          suffix: str) -> None:
+def _plot_iteration_times(ax, t: np.ndarray, tl: EngineTimeline, marker: str, suffix: str) -> None:
     """One colour per batch kind; untimed iterations and zero times (no log) are left out."""
     elapsed_s = tl.col("elapsed_ns") / NS_PER_S
     drawable = tl.timed & (elapsed_s > 0)
@@ -118,8 +128,15 @@ def _plot_iteration_times(ax, t: np.ndarray, tl: EngineTimeline, marker: str,
     for kind, (colour, label) in BATCH_STYLES.items():
         rows = drawable & (kinds == kind)
         if rows.any():
-            ax.plot(t[rows], elapsed_s[rows], marker, ms=3, ls="none", color=colour,
-                    label=label + suffix)
+            ax.plot(
+                t[rows],
+                elapsed_s[rows],
+                marker,
+                ms=3,
+                ls="none",
+                color=colour,
+                label=label + suffix,
+            )
     ax.set_yscale("log")
 
 
@@ -152,12 +169,15 @@ def _broken_at_gaps(t: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.n
         return t, values.astype(float)
     steps = np.diff(t)
     gap_at = np.flatnonzero(steps > max(GAP_MIN_TIME, 20 * float(np.median(steps)))) + 1
-    return (np.insert(t, gap_at, t[gap_at - 1] + 1e-9),
-            np.insert(values.astype(float), gap_at, np.nan))
+    return (
+        np.insert(t, gap_at, t[gap_at - 1] + 1e-9),
+        np.insert(values.astype(float), gap_at, np.nan),
+    )
 
 
-def _shade_episodes(axes, axis: TimeAxis, timelines: dict[int, EngineTimeline],
-                    episodes: dict[int, list[Episode]]) -> list[str]:
+def _shade_episodes(
+    axes, axis: TimeAxis, timelines: dict[int, EngineTimeline], episodes: dict[int, list[Episode]]
+) -> list[str]:
     """A band per episode on every panel; returns the kinds drawn, in order of appearance."""
     kinds: list[str] = []
     for engine_index, engine_episodes in episodes.items():
@@ -172,8 +192,9 @@ def _shade_episodes(axes, axis: TimeAxis, timelines: dict[int, EngineTimeline],
     return kinds
 
 
-def _mark_findings(axes, axis: TimeAxis, timelines: dict[int, EngineTimeline],
-                   episodes: dict[int, list[Episode]]) -> list[Line2D]:
+def _mark_findings(
+    axes, axis: TimeAxis, timelines: dict[int, EngineTimeline], episodes: dict[int, list[Episode]]
+) -> list[Line2D]:
     """A numbered marker above the top panel, and a dotted line through every panel, at each
     finding's worst instance; numbered and timed as in explain's text (costliest first)."""
     top_ax = axes[0]
@@ -185,14 +206,31 @@ def _mark_findings(axes, axis: TimeAxis, timelines: dict[int, EngineTimeline],
             (x,) = axis.x(tl, [finding.worst.start_ns])
             for ax in axes:
                 ax.axvline(x, color=FINDING_COLOUR, ls=":", lw=1)
-            label = (f"{prefix}{number}. {finding.title} "
-                     f"(worst {clock_text(tl, finding.worst.start_ns)})")
-            (marker,) = top_ax.plot([x], [1.0], "v", color=FINDING_COLOUR, ms=8, clip_on=False,
-                                    transform=top_ax.get_xaxis_transform(), label=label,
-                                    gid=f"finding {engine_index}.{number}")
-            top_ax.annotate(f"{number}", (x, 1.0), xycoords=top_ax.get_xaxis_transform(),
-                            xytext=(0, 7), textcoords="offset points", ha="center",
-                            fontsize=8, color=FINDING_COLOUR)
+            label = (
+                f"{prefix}{number}. {finding.title} "
+                f"(worst {clock_text(tl, finding.worst.start_ns)})"
+            )
+            (marker,) = top_ax.plot(
+                [x],
+                [1.0],
+                "v",
+                color=FINDING_COLOUR,
+                ms=8,
+                clip_on=False,
+                transform=top_ax.get_xaxis_transform(),
+                label=label,
+                gid=f"finding {engine_index}.{number}",
+            )
+            top_ax.annotate(
+                f"{number}",
+                (x, 1.0),
+                xycoords=top_ax.get_xaxis_transform(),
+                xytext=(0, 7),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color=FINDING_COLOUR,
+            )
             markers.append(marker)
     return markers
 
@@ -201,14 +239,24 @@ def _figure_legends(figure: Figure, kinds: list[str], findings: list[Line2D]) ->
     """Episode colours at the top, finding markers (as numbered in the text) at the bottom."""
     top = 0.96
     if kinds:
-        handles = [Patch(color=EPISODE_STYLES.get(k, ("grey", k))[0], alpha=0.3,
-                         label=EPISODE_STYLES.get(k, ("grey", k))[1]) for k in kinds]
-        figure.legend(handles=handles, loc="upper center", ncol=min(len(handles), 5),
-                      fontsize=8)
+        handles = [
+            Patch(
+                color=EPISODE_STYLES.get(k, ("grey", k))[0],
+                alpha=0.3,
+                label=EPISODE_STYLES.get(k, ("grey", k))[1],
+            )
+            for k in kinds
+        ]
+        figure.legend(handles=handles, loc="upper center", ncol=min(len(handles), 5), fontsize=8)
         top -= 0.025 * ((len(handles) - 1) // 5)
     bottom = 0.0
     if findings:
-        figure.legend(handles=findings, loc="lower center", ncol=1, fontsize=8,
-                      title="findings (as numbered in the text), at the worst instance")
+        figure.legend(
+            handles=findings,
+            loc="lower center",
+            ncol=1,
+            fontsize=8,
+            title="findings (as numbered in the text), at the worst instance",
+        )
         bottom = 0.03 + 0.022 * len(findings)
     figure.tight_layout(rect=(0, bottom, 1, top))

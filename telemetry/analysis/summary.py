@@ -19,10 +19,16 @@ from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
 
 # The keys of Summary.waiting_reason_shares, by WAIT_REASONS name: what `explain --json`
 # scripts read, kept as they were when the text began naming limits by their flags.
-SHARE_KEYS = {"waiting_kv": "KV capacity", "waiting_seq_limit": "max_num_seqs",
-              "waiting_budget": "max_num_batched_tokens", "waiting_other": "other"}
-JSON_NAMES = {"num_prefill_tokens": "num_context_tokens",
-              "num_decode_tokens": "num_generation_tokens"}
+SHARE_KEYS = {
+    "waiting_kv": "KV capacity",
+    "waiting_seq_limit": "max_num_seqs",
+    "waiting_budget": "max_num_batched_tokens",
+    "waiting_other": "other",
+}
+JSON_NAMES = {
+    "num_prefill_tokens": "num_context_tokens",
+    "num_decode_tokens": "num_generation_tokens",
+}
 SHARE_LABELS = {SHARE_KEYS[name]: reason.limit for name, reason in WAIT_REASONS.items()}
 BATCHED_MIN_REQS = 1.5  # mean requests per iteration above which work is batched
 QUEUED_MIN_SHARE = 0.05  # share of iterations with requests left waiting above which work queues
@@ -131,7 +137,9 @@ def summarize(tl: EngineTimeline) -> Summary:
         waiting_reason_shares={  # empty: the source does not say why requests wait
             SHARE_KEYS[name]: int(tl.col(reason.field).sum()) / num_waiting_total
             for name, reason in WAIT_REASONS.items()
-        } if tl.waiting_reasons_known else {},
+        }
+        if tl.waiting_reasons_known
+        else {},
         mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
         peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
         num_preemptions=int(tl.col("num_preemptions").sum()),
@@ -152,9 +160,11 @@ def _request_times_line(s: Summary) -> str:
     if not s.num_timed_reqs:
         return "no first token recorded, so no queue time or TTFT"
     ms = 1000
-    return (f"queue time p50 {s.queue_time_p50 * ms:.1f} ms, p90 {s.queue_time_p90 * ms:.1f} ms; "
-            f"TTFT p50 {s.ttft_p50 * ms:.1f} ms, p90 {s.ttft_p90 * ms:.1f} ms "
-            f"({plural(s.num_timed_reqs, 'request')})")
+    return (
+        f"queue time p50 {s.queue_time_p50 * ms:.1f} ms, p90 {s.queue_time_p90 * ms:.1f} ms; "
+        f"TTFT p50 {s.ttft_p50 * ms:.1f} ms, p90 {s.ttft_p90 * ms:.1f} ms "
+        f"({plural(s.num_timed_reqs, 'request')})"
+    )
 
 
 def batched_or_queued(s: Summary) -> str:
@@ -162,32 +172,48 @@ def batched_or_queued(s: Summary) -> str:
     if not s.num_iterations:
         return "No iteration recorded."
     if s.mean_batch_reqs >= BATCHED_MIN_REQS:
-        batched = (f"Batched: {s.mean_batch_reqs:.1f} requests shared each iteration on average "
-                   f"(max {s.max_batch_reqs})")
+        batched = (
+            f"Batched: {s.mean_batch_reqs:.1f} requests shared each iteration on average "
+            f"(max {s.max_batch_reqs})"
+        )
     else:
-        batched = (f"Mostly one at a time: {s.mean_batch_reqs:.1f} requests per iteration "
-                   f"(max {s.max_batch_reqs}), too few arrived together to batch")
+        batched = (
+            f"Mostly one at a time: {s.mean_batch_reqs:.1f} requests per iteration "
+            f"(max {s.max_batch_reqs}), too few arrived together to batch"
+        )
     if s.waiting_share < QUEUED_MIN_SHARE:
-        median = (f" (median queue time {secs(s.queue_time_p50 * NS_PER_S)})"
-                  if s.num_timed_reqs else "")
-        queued = (f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
-                  f"iterations{median}")
+        median = (
+            f" (median queue time {secs(s.queue_time_p50 * NS_PER_S)})" if s.num_timed_reqs else ""
+        )
+        queued = (
+            f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
+            f"iterations{median}"
+        )
     else:
         shares = s.waiting_reason_shares
-        reason = (f"mostly for {SHARE_LABELS[max(shares, key=shares.get)]}" if shares
-                  else "for a reason the source does not report")
-        queued = (f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
-                  f"iterations (max {s.max_waiting_reqs}), {reason}")
+        reason = (
+            f"mostly for {SHARE_LABELS[max(shares, key=shares.get)]}"
+            if shares
+            else "for a reason the source does not report"
+        )
+        queued = (
+            f"and queued: requests were left waiting in {pct(s.waiting_share)} of "
+            f"iterations (max {s.max_waiting_reqs}), {reason}"
+        )
         if s.num_timed_reqs:
-            queued += (f"; median queue time {secs(s.queue_time_p50 * NS_PER_S)}, p90 "
-                       f"{secs(s.queue_time_p90 * NS_PER_S)}")
+            queued += (
+                f"; median queue time {secs(s.queue_time_p50 * NS_PER_S)}, p90 "
+                f"{secs(s.queue_time_p90 * NS_PER_S)}"
+            )
     return f"{batched}; {queued}."
 
 
 def format_summary(s: Summary) -> list[str]:
     ms = 1000
-    reasons = (", ".join(f"{SHARE_LABELS[k]} {pct(v)}" for k, v in s.waiting_reason_shares.items())
-               or "reasons not reported by the source")
+    reasons = (
+        ", ".join(f"{SHARE_LABELS[k]} {pct(v)}" for k, v in s.waiting_reason_shares.items())
+        or "reasons not reported by the source"
+    )
     return [
         f"{plural(s.num_iterations, 'iteration')} in {s.duration_time:.1f} s "
         f"(busy {pct(s.busy_share)}); iteration time p50 {s.iteration_time_p50 * ms:.2f} ms, "

@@ -116,11 +116,22 @@ class EngineTimeline:
 # The record fields kept as columns, under the record's own names. Two more are derived:
 # ``end_ns`` (start_ns + elapsed_ns) and ``num_finished_reqs`` (finish milestones).
 RECORD_FIELDS = (
-    "iteration", "start_ns", "elapsed_ns",
-    "num_prefill_reqs", "num_prefill_tokens", "num_decode_reqs", "num_decode_tokens",
-    "num_running_reqs", "num_waiting_reqs",
-    "num_waiting_kv_reqs", "num_waiting_seq_limit_reqs", "num_waiting_budget_reqs",
-    "num_waiting_other_reqs", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_tokens",
+    "iteration",
+    "start_ns",
+    "elapsed_ns",
+    "num_prefill_reqs",
+    "num_prefill_tokens",
+    "num_decode_reqs",
+    "num_decode_tokens",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_kv_reqs",
+    "num_waiting_seq_limit_reqs",
+    "num_waiting_budget_reqs",
+    "num_waiting_other_reqs",
+    "num_kv_blocks_used",
+    "num_kv_blocks_free",
+    "num_kv_tokens",
     "num_preemptions",
     "unknown",  # UNKNOWN_* bits: fields the source did not give
 )
@@ -134,14 +145,21 @@ def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
     columns["end_ns"] = columns["start_ns"] + columns["elapsed_ns"]
     columns["num_finished_reqs"] = np.fromiter(
         (sum(1 for m in r.milestones if m.event & EVENT_FINISHED) for r in records),
-        dtype=np.int64, count=len(records),
+        dtype=np.int64,
+        count=len(records),
     )
     return columns
 
 
 FACT_FIELDS = (
-    "model_name", "device_name", "block_size", "num_kv_blocks_total", "max_num_seqs",
-    "max_num_batched_tokens", "pid", "source",
+    "model_name",
+    "device_name",
+    "block_size",
+    "num_kv_blocks_total",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "pid",
+    "source",
 )
 
 
@@ -188,16 +206,22 @@ class WaitReason(NamedTuple):
 
 # Keyed by the reason's name in `explain --json` (``numbers.reason``), which scripts read.
 WAIT_REASONS = {
-    "waiting_kv": WaitReason("num_waiting_kv_reqs", "KV capacity",
-                             "no free KV blocks for the next request"),
-    "waiting_seq_limit": WaitReason("num_waiting_seq_limit_reqs", "--max-num-seqs",
-                                    "the sequence limit (--max-num-seqs) was reached"),
+    "waiting_kv": WaitReason(
+        "num_waiting_kv_reqs", "KV capacity", "no free KV blocks for the next request"
+    ),
+    "waiting_seq_limit": WaitReason(
+        "num_waiting_seq_limit_reqs",
+        "--max-num-seqs",
+        "the sequence limit (--max-num-seqs) was reached",
+    ),
     "waiting_budget": WaitReason(
-        "num_waiting_budget_reqs", "--max-num-batched-tokens",
+        "num_waiting_budget_reqs",
+        "--max-num-batched-tokens",
         "the iteration's token budget (--max-num-batched-tokens) was used up",
     ),
     "waiting_other": WaitReason(
-        "num_waiting_other_reqs", "held back by the engine",
+        "num_waiting_other_reqs",
+        "held back by the engine",
         "the engine held them back for a reason of their own (a structured-output grammar "
         "still compiling, a remote KV transfer, a streaming input waiting for more)",
     ),

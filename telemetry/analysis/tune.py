@@ -34,12 +34,19 @@ from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
 
 # Fit coefficient -> the record field it weighs.
-FEATURES = {"prefill_tokens": "num_prefill_tokens", "decode_tokens": "num_decode_tokens",
-            "prefill_reqs": "num_prefill_reqs"}
+FEATURES = {
+    "prefill_tokens": "num_prefill_tokens",
+    "decode_tokens": "num_decode_tokens",
+    "prefill_reqs": "num_prefill_reqs",
+}
 # What `tune --json` calls them, which scripts read (the names from before the vocabulary
 # was prefill/decode, kept at this boundary): coefficients, and the Fit fields renamed since.
-JSON_NAMES = {"prefill_tokens": "ctx_tokens", "decode_tokens": "gen_tokens",
-              "prefill_reqs": "ctx_reqs", "max_decode_reqs_seen": "max_gen_reqs_seen"}
+JSON_NAMES = {
+    "prefill_tokens": "ctx_tokens",
+    "decode_tokens": "gen_tokens",
+    "prefill_reqs": "ctx_reqs",
+    "max_decode_reqs_seen": "max_gen_reqs_seen",
+}
 FEATURE_NAMES = list(FEATURES)
 UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
@@ -61,17 +68,22 @@ class Fit:
     max_tokens_seen: int
     max_decode_reqs_seen: int
 
-    def predict(self, prefill_tokens: float = 0, decode_tokens: float = 0,
-                prefill_reqs: float = 0) -> float:
-        values = {"prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
-                  "prefill_reqs": prefill_reqs}
+    def predict(
+        self, prefill_tokens: float = 0, decode_tokens: float = 0, prefill_reqs: float = 0
+    ) -> float:
+        values = {
+            "prefill_tokens": prefill_tokens,
+            "decode_tokens": decode_tokens,
+            "prefill_reqs": prefill_reqs,
+        }
         return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
 
     def to_json(self) -> dict:
         """As `tune --json` prints it (JSON_NAMES)."""
         data = {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
-        data["coefficients"] = {JSON_NAMES[name]: value
-                                for name, value in self.coefficients.items()}
+        data["coefficients"] = {
+            JSON_NAMES[name]: value for name, value in self.coefficients.items()
+        }
         return data
 
 
@@ -85,16 +97,20 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
         solution, *_ = np.linalg.lstsq(design, y, rcond=None)
         negative = [n for n, c in zip(names, solution[1:], strict=True) if c < 0]
         if not negative:
-            return {"base": float(solution[0]), **dict(zip(names, map(float, solution[1:]),
-                                                            strict=True))}
+            return {
+                "base": float(solution[0]),
+                **dict(zip(names, map(float, solution[1:]), strict=True)),
+            }
         names.remove(negative[0])
 
 
 def _untimed_hint(tl: EngineTimeline) -> str:
     if tl.known(UNTIMED_OR_UNSPLIT).all():
         return ""
-    return (" (the recording's source gave no iteration times or batch split: run vLLM with "
-            "--enable-logging-iteration-details)")
+    return (
+        " (the recording's source gave no iteration times or batch split: run vLLM with "
+        "--enable-logging-iteration-details)"
+    )
 
 
 def fit_iteration_time(tl: EngineTimeline) -> Fit:
@@ -102,10 +118,12 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
     num_tokens = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
     busy = (num_tokens > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
-        raise ValueError(f"engine {tl.engine_index}: {plural(int(busy.sum()), 'iteration')} "
-                         "did work "
-                         "with a measured time and batch; at least 10 are needed to fit "
-                         "iteration time" + _untimed_hint(tl))
+        raise ValueError(
+            f"engine {tl.engine_index}: {plural(int(busy.sum()), 'iteration')} "
+            "did work "
+            "with a measured time and batch; at least 10 are needed to fit "
+            "iteration time" + _untimed_hint(tl)
+        )
     x = np.column_stack([tl.col(field)[busy] for field in FEATURES.values()]).astype(float)
     y = tl.col("elapsed_ns")[busy] / NS_PER_S
     solution = _least_squares(x, y, FEATURE_NAMES)
@@ -140,7 +158,9 @@ def kv_max_seqs(tl: EngineTimeline) -> tuple[int | None, float | None]:
     """(requests that fit in the KV cache at the mean finished length, that length)."""
     lengths = [
         m.num_prompt_tokens + m.num_output_tokens
-        for r in tl.records for m in r.milestones if m.event & EVENT_FINISHED
+        for r in tl.records
+        for m in r.milestones
+        if m.event & EVENT_FINISHED
     ]
     block_size = int(tl.facts.get("block_size", 0))
     if not lengths or not block_size or not tl.num_kv_blocks_total:
@@ -162,8 +182,9 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
 
 
-def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
-              kv_seqs: int | None = None) -> Recommendation:
+def recommend(
+    fit: Fit, itl_target: float, min_chunk_tokens: int = 512, kv_seqs: int | None = None
+) -> Recommendation:
     """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds)."""
     decode_token_time = fit.coefficients.get("decode_tokens", 0.0)
     prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
@@ -176,15 +197,15 @@ def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
             f"decodes one request beside a {min_chunk_tokens}-token prefill chunk "
             f"({fastest * 1000:.1f} ms by the fit); raise the target or lower --min-chunk"
         )
-    latency_seqs = (int(room_time // decode_token_time) if decode_token_time > 0
-                    else MAX_SEQS_CAP)
+    latency_seqs = int(room_time // decode_token_time) if decode_token_time > 0 else MAX_SEQS_CAP
     max_num_seqs = min(latency_seqs, MAX_SEQS_CAP)
     limited_by = "latency target"
     if kv_seqs is not None and kv_seqs < max_num_seqs:
         max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
     chunk_time = itl_target - fixed_time - decode_token_time * max_num_seqs
-    chunk_tokens = (int(chunk_time // prefill_token_time) if prefill_token_time > 0
-                    else 16 * min_chunk_tokens)
+    chunk_tokens = (
+        int(chunk_time // prefill_token_time) if prefill_token_time > 0 else 16 * min_chunk_tokens
+    )
     budget = max(max_num_seqs, (max_num_seqs + chunk_tokens) // BUDGET_MULTIPLE * BUDGET_MULTIPLE)
     decode_time = fit.predict(decode_tokens=max_num_seqs)
     chunk_only_time = fit.predict(prefill_tokens=budget, prefill_reqs=1)
@@ -194,7 +215,8 @@ def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
         max_num_batched_tokens=budget,
         decode_iteration_time=decode_time,
         worst_iteration_time=fit.predict(
-            decode_tokens=max_num_seqs, prefill_tokens=budget - max_num_seqs, prefill_reqs=1),
+            decode_tokens=max_num_seqs, prefill_tokens=budget - max_num_seqs, prefill_reqs=1
+        ),
         generation_throughput=max_num_seqs / decode_time,
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
@@ -205,16 +227,21 @@ def recommend(fit: Fit, itl_target: float, min_chunk_tokens: int = 512,
 def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
     notes = []
     if budget > fit.max_tokens_seen:
-        notes.append(f"the recording has at most {plural(fit.max_tokens_seen, 'token')} per "
-                     "iteration: "
-                     f"{budget} is extrapolated, re-record at the new settings to confirm")
+        notes.append(
+            f"the recording has at most {plural(fit.max_tokens_seen, 'token')} per "
+            "iteration: "
+            f"{budget} is extrapolated, re-record at the new settings to confirm"
+        )
     if max_num_seqs > fit.max_decode_reqs_seen:
-        notes.append(f"the recording has at most "
-                     f"{plural(fit.max_decode_reqs_seen, 'decoding request')} per "
-                     f"iteration: {max_num_seqs} is extrapolated")
+        notes.append(
+            f"the recording has at most "
+            f"{plural(fit.max_decode_reqs_seen, 'decoding request')} per "
+            f"iteration: {max_num_seqs} is extrapolated"
+        )
     if "prefill_tokens" not in fit.coefficients:
-        notes.append("no prefill cost could be fitted (no prefill tokens varied): the budget "
-                     "is a guess")
+        notes.append(
+            "no prefill cost could be fitted (no prefill tokens varied): the budget is a guess"
+        )
     return notes
 
 
@@ -222,13 +249,17 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
 # Command line
 
 
-def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
-                  kv_seqs: int | None, kv_length: float | None) -> list[str]:
+def format_report(
+    tl: EngineTimeline, fit: Fit, rec: Recommendation, kv_seqs: int | None, kv_length: float | None
+) -> list[str]:
     ms, us = 1000, 1e6
     coefficient_text = ", ".join(
         f"{us * fit.coefficients[name]:.2f} us per {label}"
-        for name, label in (("prefill_tokens", "prefill token"),
-                            ("decode_tokens", "decode token"), ("prefill_reqs", "prefill request"))
+        for name, label in (
+            ("prefill_tokens", "prefill token"),
+            ("decode_tokens", "decode token"),
+            ("prefill_reqs", "prefill request"),
+        )
         if name in fit.coefficients
     )
     lines = [
@@ -241,14 +272,21 @@ def format_report(tl: EngineTimeline, fit: Fit, rec: Recommendation,
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
     if current_seqs and current_budget:
-        worst = fit.predict(decode_tokens=current_seqs,
-                            prefill_tokens=max(current_budget - current_seqs, 0), prefill_reqs=1)
-        lines.append(f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
-                     f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted")
+        worst = fit.predict(
+            decode_tokens=current_seqs,
+            prefill_tokens=max(current_budget - current_seqs, 0),
+            prefill_reqs=1,
+        )
+        lines.append(
+            f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
+            f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted"
+        )
     if kv_seqs is not None and kv_length is not None:
-        lines.append(f"  KV cache: {plural(tl.num_kv_blocks_total, 'block')}, room for "
-                     f"{plural(kv_seqs, 'request')} of the mean recorded length "
-                     f"({kv_length:.0f} tokens) at once")
+        lines.append(
+            f"  KV cache: {plural(tl.num_kv_blocks_total, 'block')}, room for "
+            f"{plural(kv_seqs, 'request')} of the mean recorded length "
+            f"({kv_length:.0f} tokens) at once"
+        )
     lines += [
         f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms: --max-num-seqs {rec.max_num_seqs} "
         f"--max-num-batched-tokens {rec.max_num_batched_tokens} (--max-num-seqs limited by "
@@ -267,14 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope tune",
         description="Fit iteration time from a recording and recommend max_num_batched_tokens "
-                    "and max_num_seqs for an inter-token latency target.",
+        "and max_num_seqs for an inter-token latency target.",
     )
     parser.add_argument("recordings", nargs="+", type=Path, help="JSONL recording file(s)")
-    parser.add_argument("--itl-target", type=parse_time, required=True,
-                        help="inter-token latency target, e.g. 50ms")
-    parser.add_argument("--min-chunk", type=int, default=512,
-                        help="prefill tokens an iteration must still fit beside a full decode "
-                             "batch (default 512)")
+    parser.add_argument(
+        "--itl-target", type=parse_time, required=True, help="inter-token latency target, e.g. 50ms"
+    )
+    parser.add_argument(
+        "--min-chunk",
+        type=int,
+        default=512,
+        help="prefill tokens an iteration must still fit beside a full decode batch (default 512)",
+    )
     parser.add_argument("--engine", type=int, help="only this engine index")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     return parser
@@ -302,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"iterscope tune: engine {tl.engine_index}: {error}", file=sys.stderr)
             status = 1
             continue
-        results.append({"engine_index": tl.engine_index, "fit": fit.to_json(),
-                        "recommendation": asdict(rec)})
+        results.append(
+            {"engine_index": tl.engine_index, "fit": fit.to_json(), "recommendation": asdict(rec)}
+        )
         if not args.json:
             print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))
     if not timelines:

@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("keys_dir", help="directory to create or extend")
     parser.add_argument(
-        "--engines", nargs="+", default=[DEFAULT_ENGINE_NAME], metavar="NAME",
+        "--engines",
+        nargs="+",
+        default=[DEFAULT_ENGINE_NAME],
+        metavar="NAME",
         help=f"one certificate per engine host (default: {DEFAULT_ENGINE_NAME})",
     )
     args = parser.parse_args(argv)

@@ -67,43 +67,89 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     )
     lane = parser.add_argument_group("telemetry lane")
     lane.add_argument(
-        "--address", default=None,
+        "--address",
+        default=None,
         help=f"ZMQ address of the lane (default: {default_address()}); tcp:// only if asked",
     )
     mode = lane.add_mutually_exclusive_group()
-    mode.add_argument("--bind", dest="bind", action="store_true", default=True,
-                      help="bind the address; engines connect (default)")
-    mode.add_argument("--connect", dest="bind", action="store_false",
-                      help="connect to the address instead of binding it")
-    lane.add_argument("--allow-remote", action="store_true",
-                      help="allow binding a tcp address reachable from other hosts")
-    lane.add_argument("--curve-keys-dir", metavar="DIR",
-                      help="accept only engines with CURVE keys listed in DIR/clients "
-                           "(see python -m telemetry.lane.curve)")
-    lane.add_argument("--rcvhwm", type=int, default=DEFAULT_RCVHWM, metavar="N",
-                      help="messages queued before the lane drops (default: %(default)s)")
-    lane.add_argument("--max-engines", type=positive_int, default=DEFAULT_MAX_ENGINES,
-                      metavar="N",
-                      help="engines tracked at most; a new engine takes the place of one "
-                           "dead for --evict-after, else its heartbeats are counted and "
-                           "rejected (default: %(default)s)")
-    lane.add_argument("--replay", metavar="FILE",
-                      help="feed a JSONL recording through the sinks instead of listening "
-                      "(/metrics stays off, so a replay never collides with a live sidecar)")
-    lane.add_argument("--serve-after-replay", action="store_true",
-                      help="with --replay: serve /metrics of the replayed state until Ctrl-C")
+    mode.add_argument(
+        "--bind",
+        dest="bind",
+        action="store_true",
+        default=True,
+        help="bind the address; engines connect (default)",
+    )
+    mode.add_argument(
+        "--connect",
+        dest="bind",
+        action="store_false",
+        help="connect to the address instead of binding it",
+    )
+    lane.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow binding a tcp address reachable from other hosts",
+    )
+    lane.add_argument(
+        "--curve-keys-dir",
+        metavar="DIR",
+        help="accept only engines with CURVE keys listed in DIR/clients "
+        "(see python -m telemetry.lane.curve)",
+    )
+    lane.add_argument(
+        "--rcvhwm",
+        type=int,
+        default=DEFAULT_RCVHWM,
+        metavar="N",
+        help="messages queued before the lane drops (default: %(default)s)",
+    )
+    lane.add_argument(
+        "--max-engines",
+        type=positive_int,
+        default=DEFAULT_MAX_ENGINES,
+        metavar="N",
+        help="engines tracked at most; a new engine takes the place of one "
+        "dead for --evict-after, else its heartbeats are counted and "
+        "rejected (default: %(default)s)",
+    )
+    lane.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="feed a JSONL recording through the sinks instead of listening "
+        "(/metrics stays off, so a replay never collides with a live sidecar)",
+    )
+    lane.add_argument(
+        "--serve-after-replay",
+        action="store_true",
+        help="with --replay: serve /metrics of the replayed state until Ctrl-C",
+    )
     status = parser.add_argument_group("engine status")
-    status.add_argument("--dead-after", type=float, default=DEAD_AFTER_S, metavar="S",
-                        help="no message for this long: dead (default: %(default)s)")
-    status.add_argument("--stall-after", type=float, default=None, metavar="S",
-                        help="work in flight, no iteration for this long: stalled (default: "
-                             f"{STALL_FACTOR} x the engine's longest progress interval of the "
-                             f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
-                             f"{STALL_FLOOR_S:g} s)")
-    status.add_argument("--evict-after", type=float, default=EVICT_AFTER_S, metavar="S",
-                        help="a dead engine silent this long gives its place to a new engine "
-                             "when --max-engines are tracked; a live one never does (default: "
-                             "%(default)s)")
+    status.add_argument(
+        "--dead-after",
+        type=float,
+        default=DEAD_AFTER_S,
+        metavar="S",
+        help="no message for this long: dead (default: %(default)s)",
+    )
+    status.add_argument(
+        "--stall-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="work in flight, no iteration for this long: stalled (default: "
+        f"{STALL_FACTOR} x the engine's longest progress interval of the "
+        f"last {STALL_WINDOW_S / 60:.0f} minutes, at least "
+        f"{STALL_FLOOR_S:g} s)",
+    )
+    status.add_argument(
+        "--evict-after",
+        type=float,
+        default=EVICT_AFTER_S,
+        metavar="S",
+        help="a dead engine silent this long gives its place to a new engine "
+        "when --max-engines are tracked; a live one never does (default: "
+        "%(default)s)",
+    )
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     # The private directory that process made for this sidecar (telemetry/sidecar/run_dirs.py).
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
@@ -131,47 +177,70 @@ def check_private_directory(directory: str) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"the lane's directory {directory} is not a directory (a link?); "
-                         "remove it or choose another --address")
+        raise ValueError(
+            f"the lane's directory {directory} is not a directory (a link?); "
+            "remove it or choose another --address"
+        )
     if info.st_uid != os.getuid():
-        raise ValueError(f"the lane's directory {directory} belongs to uid {info.st_uid}, not "
-                         f"to you (uid {os.getuid()}); remove it or choose another --address")
+        raise ValueError(
+            f"the lane's directory {directory} belongs to uid {info.st_uid}, not "
+            f"to you (uid {os.getuid()}); remove it or choose another --address"
+        )
     if info.st_mode & 0o022:
-        raise ValueError(f"the lane's directory {directory} is writable by others (mode "
-                         f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or choose another "
-                         "--address")
+        raise ValueError(
+            f"the lane's directory {directory} is writable by others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or choose another "
+            "--address"
+        )
 
 
 def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
     address = args.address or default_address()
     check_address(address, args.bind, args.allow_remote or bool(args.curve_keys_dir))
     if address.startswith("ipc://") and args.bind:
-        check_private_directory(os.path.dirname(address[len("ipc://"):]) or ".")
-    ingest = Ingest(sinks, args.dead_after, args.stall_after,
-                    known_last_seqs=known_last_seqs(sinks), max_engines=args.max_engines,
-                    evict_after_s=args.evict_after)
+        check_private_directory(os.path.dirname(address[len("ipc://") :]) or ".")
+    ingest = Ingest(
+        sinks,
+        args.dead_after,
+        args.stall_after,
+        known_last_seqs=known_last_seqs(sinks),
+        max_engines=args.max_engines,
+        evict_after_s=args.evict_after,
+    )
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
-        logger.warning("the telemetry lane %s is neither authenticated nor encrypted; "
-                       "consider --curve-keys-dir", address)
-    sidecar = LaneLoop(address, ingest, bind=args.bind, rcvhwm=args.rcvhwm,
-                      curve_keys_dir=args.curve_keys_dir)
+        logger.warning(
+            "the telemetry lane %s is neither authenticated nor encrypted; "
+            "consider --curve-keys-dir",
+            address,
+        )
+    sidecar = LaneLoop(
+        address, ingest, bind=args.bind, rcvhwm=args.rcvhwm, curve_keys_dir=args.curve_keys_dir
+    )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sidecar.stop())
     if args.parent_pid:
         stop_when_parent_exits(args.parent_pid, sidecar)
-    logger.info("sidecar %s on %s (pid %d)", "bound" if args.bind else "connected",
-                address, os.getpid())
+    logger.info(
+        "sidecar %s on %s (pid %d)", "bound" if args.bind else "connected", address, os.getpid()
+    )
     try:
         sidecar.run()
     finally:
         ingest.close()
         remove_run_dir_if_orphaned(args.run_dir, args.parent_pid)
     stats = ingest.health
-    dropped = {index: state.view.num_dropped_total
-               for index, state in sorted(ingest.engines.items())}
-    logger.info("sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
-                "dropped per engine %s", stats.num_frames, stats.num_messages,
-                stats.num_undecodable_total, stats.num_rejected_total, dropped)
+    dropped = {
+        index: state.view.num_dropped_total for index, state in sorted(ingest.engines.items())
+    }
+    logger.info(
+        "sidecar stopped: %d frames, %d messages, %d undecodable, %d rejected, "
+        "dropped per engine %s",
+        stats.num_frames,
+        stats.num_messages,
+        stats.num_undecodable_total,
+        stats.num_rejected_total,
+        dropped,
+    )
     return 0
 
 
@@ -214,11 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             from telemetry.sidecar.replay import replay
 
-            ingest = replay(args.replay, sinks, args.dead_after, args.stall_after,
-                            max_engines=args.max_engines)
+            ingest = replay(
+                args.replay, sinks, args.dead_after, args.stall_after, max_engines=args.max_engines
+            )
             stats = ingest.health
-            logger.info("replayed %d messages, %d undecodable lines",
-                        stats.num_messages, stats.num_undecodable_total)
+            logger.info(
+                "replayed %d messages, %d undecodable lines",
+                stats.num_messages,
+                stats.num_undecodable_total,
+            )
             if args.serve_after_replay:
                 wait_for_stop_signal()
             return 0

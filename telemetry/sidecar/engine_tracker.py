@@ -37,6 +37,8 @@ MAX_SEQ_JUMP = 1 << 24
 # breaks, at most what the lane buffers (the engine's 8192-frame send queue, the kernel's
 # socket buffers) at default high-water marks.
 MAX_IN_TRANSIT = 1 << 17
+
+
 def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> bool:
     """No message reports more drops than were numbered before it, or than MAX_SEQ_JUMP."""
     return message.num_dropped < message.seq and message.num_dropped <= max_seq_jump

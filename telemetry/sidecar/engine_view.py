@@ -86,9 +86,15 @@ class RecordTotals:
     """Sums of record fields over an engine's records. ``add`` runs once per record, on the
     ingest thread; a reader on another thread (a scrape) reads one int at a time."""
 
-    __slots__ = ("num_iterations", "num_prefill_tokens", "num_decode_tokens",
-                 "num_preemptions", "num_prefix_query_tokens", "num_prefix_hit_tokens",
-                 "num_kv_blocked_iterations")
+    __slots__ = (
+        "num_iterations",
+        "num_prefill_tokens",
+        "num_decode_tokens",
+        "num_preemptions",
+        "num_prefix_query_tokens",
+        "num_prefix_hit_tokens",
+        "num_kv_blocked_iterations",
+    )
 
     def __init__(self) -> None:
         for name in self.__slots__:

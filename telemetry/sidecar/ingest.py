@@ -78,11 +78,14 @@ class Ingest:
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
         stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
-        self._roster = EngineRoster(max_engines, int(evict_after_s * 1e9), max_seq_jump,
-                                    known_last_seqs, stall_after_ns)  # raises on max_engines < 1
+        self._roster = EngineRoster(
+            max_engines, int(evict_after_s * 1e9), max_seq_jump, known_last_seqs, stall_after_ns
+        )  # raises on max_engines < 1
         if evict_after_s < dead_after_s:
-            raise ValueError(f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
-                             f"({dead_after_s}): only a dead engine gives up its place")
+            raise ValueError(
+                f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
+                f"({dead_after_s}): only a dead engine gives up its place"
+            )
         self.sinks = list(sinks)
         # The roster's own dict, never replaced: read here once per message, without a hop.
         self.engines: dict[int, EngineTracker] = self._roster.engines
@@ -148,8 +151,9 @@ class Ingest:
         self.health.num_sink_errors += 1
         num = self.health.num_sink_errors
         if num <= 10 or num % 10_000 == 0:
-            logger.exception("the %s sink failed (%d sink failures so far); ingest goes on",
-                             sink_name(sink), num)
+            logger.exception(
+                "the %s sink failed (%d sink failures so far); ingest goes on", sink_name(sink), num
+            )
 
     def on_message(self, message: Message, now_ns: int) -> None:
         """A decoded message: check it, report any gap before it, hand it to the sinks,
@@ -249,7 +253,9 @@ class Ingest:
                 logger.error(
                     "engine %d: two engine processes (pids %d and %d) publish as engine %d; "
                     "their records mix. Give each its own --engine-index.",
-                    state.engine_index, *pids, state.engine_index,
+                    state.engine_index,
+                    *pids,
+                    state.engine_index,
                 )
             state.view.num_engine_conflicts += 1
             state.view.conflicting_pids = pids

@@ -40,7 +40,8 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServ
     """Serve ``registry`` on http://host:port/ from a daemon thread (port 0: any free one);
     IPv6 hosts work too. Stop it with shutdown() and server_close()."""
     family, _, _, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
 
     class Server(ThreadingWSGIServer):
         address_family = family

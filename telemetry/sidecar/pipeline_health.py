@@ -29,9 +29,11 @@ class PipelineHealth:
     num_sink_errors: int = 0  # calls on a sink that raised
     # 'malformed', 'truncated', 'version', 'oversized' (telemetry/lane/frame_checks.py)
     num_undecodable: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0))
+        default_factory=lambda: dict.fromkeys(UNDECODABLE_REASONS, 0)
+    )
     num_rejected: dict[str, int] = field(  # REJECTED_REASONS
-        default_factory=lambda: dict.fromkeys(REJECTED_REASONS, 0))
+        default_factory=lambda: dict.fromkeys(REJECTED_REASONS, 0)
+    )
     num_lane_disconnects: int = 0  # connections that ended (an engine exited, a guard cut)
 
     @property

@@ -50,8 +50,14 @@ class SidecarProcess:
     ``_lock``, which ``stop()`` takes too, so a restart never races a stop).
     """
 
-    def __init__(self, command: list[str], address: str, run_dir: str,
-                 popen_kwargs: dict, ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        address: str,
+        run_dir: str,
+        popen_kwargs: dict,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
         self.address = address
         self.run_dir = run_dir
         self.num_restarts = 0
@@ -110,8 +116,9 @@ class SidecarProcess:
 
     def supervise(self) -> None:
         """Restart the sidecar, with backoff, each time it exits until ``stop()``."""
-        self._watcher = threading.Thread(target=self._watch, name="iterscope-sidecar-watch",
-                                         daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, name="iterscope-sidecar-watch", daemon=True
+        )
         self._watcher.start()
 
     def _watch(self) -> None:
@@ -123,10 +130,14 @@ class SidecarProcess:
                 if time.monotonic() - started > STABLE_AFTER_S:
                     num_failures = 0
                 continue
-            delay_s = min(RESTART_BACKOFF_MAX_S, 2.0 ** num_failures)
-            logger.warning("the sidecar (pid %d) exited with status %d: telemetry is lost "
-                           "until it runs again; restarting it in %g s",
-                           self.process.pid, status, delay_s)
+            delay_s = min(RESTART_BACKOFF_MAX_S, 2.0**num_failures)
+            logger.warning(
+                "the sidecar (pid %d) exited with status %d: telemetry is lost "
+                "until it runs again; restarting it in %g s",
+                self.process.pid,
+                status,
+                delay_s,
+            )
             if self._stopping.wait(delay_s):
                 return
             num_failures += 1
@@ -143,8 +154,12 @@ class SidecarProcess:
                 logger.error("restarting the sidecar failed: %s", error)
                 return
             self.num_restarts += 1
-        logger.info("the sidecar runs again (pid %d, restart %d) on %s",
-                    self.process.pid, self.num_restarts, self.address)
+        logger.info(
+            "the sidecar runs again (pid %d, restart %d) on %s",
+            self.process.pid,
+            self.num_restarts,
+            self.address,
+        )
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (the sidecar flushes its sinks), SIGKILL after ``timeout_s``; exit status."""
@@ -187,9 +202,19 @@ def start_sidecar(
     run_dir = make_private_run_dir()
     address = f"ipc://{os.path.join(run_dir, SOCKET_FILE)}"
     command = [
-        sys.executable, "-m", "telemetry.sidecar.cli", "--address", address, "--bind",
-        "--parent-pid", str(os.getpid()), "--run-dir", run_dir,
-        "--metrics-url-file", os.path.join(run_dir, METRICS_URL_FILE), *extra_args,
+        sys.executable,
+        "-m",
+        "telemetry.sidecar.cli",
+        "--address",
+        address,
+        "--bind",
+        "--parent-pid",
+        str(os.getpid()),
+        "--run-dir",
+        run_dir,
+        "--metrics-url-file",
+        os.path.join(run_dir, METRICS_URL_FILE),
+        *extra_args,
     ]
     try:
         return SidecarProcess(command, address, run_dir, popen_kwargs, ready_timeout_s)
@@ -202,18 +227,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The telemetry options of the engine/serve/demo commands."""
     group = parser.add_argument_group("telemetry")
     group.add_argument(
-        "--no-sidecar", action="store_true",
+        "--no-sidecar",
+        action="store_true",
         help="run the engine alone: no sidecar, telemetry off (default: start a sidecar)",
     )
     group.add_argument(
-        "--telemetry-address", metavar="ADDR",
+        "--telemetry-address",
+        metavar="ADDR",
         help="send telemetry to a sidecar that already runs (e.g. `iterscope sidecar`'s "
-             "address) instead of starting one (default: start one)",
+        "address) instead of starting one (default: start one)",
     )
     group.add_argument(
-        "--sidecar-arg", action="append", default=[], metavar="ARG",
+        "--sidecar-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
         help="pass ARG to the sidecar started here, e.g. --sidecar-arg=--record=run.jsonl "
-             "(repeatable; default none)",
+        "(repeatable; default none)",
     )
 
 

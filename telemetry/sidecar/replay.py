@@ -35,8 +35,9 @@ def replay(
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"no recording at {path}")
-    ingest = Ingest(sinks, dead_after_s=dead_after_s, stall_after_s=stall_after_s,
-                    max_engines=max_engines)
+    ingest = Ingest(
+        sinks, dead_after_s=dead_after_s, stall_after_s=stall_after_s, max_engines=max_engines
+    )
     tick_ns = int(tick_interval_s * 1e9)
     now_ns: int | None = None
     next_tick_ns = 0

@@ -70,8 +70,11 @@ def sweep_orphaned_run_dirs(parents: Iterable[str] | None = None) -> list[str]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     if removed:
-        logger.info("removed %d sidecar run directories left by killed processes: %s",
-                    len(removed), ", ".join(removed))
+        logger.info(
+            "removed %d sidecar run directories left by killed processes: %s",
+            len(removed),
+            ", ".join(removed),
+        )
     return removed
 
 

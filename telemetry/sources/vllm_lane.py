@@ -38,20 +38,30 @@ def start_publisher(engine_index: int, facts: dict[str, Any], what: str) -> ZmqP
     if not address:
         if what not in _said_unconfigured:
             _said_unconfigured.add(what)
-            logger.info("iterscope: %s is installed but %s is not set, so it sends nothing "
-                        "(set it to the sidecar's address, or to 'default')", what, ADDRESS_ENV)
+            logger.info(
+                "iterscope: %s is installed but %s is not set, so it sends nothing "
+                "(set it to the sidecar's address, or to 'default')",
+                what,
+                ADDRESS_ENV,
+            )
         return None
     if address == "default":
         address = default_address()
     try:
-        publisher = ZmqPublisher(address, engine_index, facts=facts,
-                                 send_interval_s=SEND_INTERVAL_S)
+        publisher = ZmqPublisher(
+            address, engine_index, facts=facts, send_interval_s=SEND_INTERVAL_S
+        )
     except Exception:  # a bad address must not stop vLLM from serving
         logger.exception("iterscope: cannot publish to %s; telemetry is off", address)
         return None
     atexit.register(publisher.close)
-    logger.info("iterscope: %s of engine %d publishes per-step records to %s (pid %d)",
-                what, engine_index, address, os.getpid())
+    logger.info(
+        "iterscope: %s of engine %d publishes per-step records to %s (pid %d)",
+        what,
+        engine_index,
+        address,
+        os.getpid(),
+    )
     return publisher
 
 
@@ -64,6 +74,9 @@ def is_tested_version(version: str) -> bool:
 def scheduler_source_selected(vllm_config: Any) -> bool:
     """Whether vLLM was started with one of iterscope's scheduler classes."""
     scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
-    name = scheduler_cls if isinstance(scheduler_cls, str) else getattr(
-        scheduler_cls, "__module__", "")
+    name = (
+        scheduler_cls
+        if isinstance(scheduler_cls, str)
+        else getattr(scheduler_cls, "__module__", "")
+    )
     return str(name or "").startswith(SCHEDULER_MODULE)

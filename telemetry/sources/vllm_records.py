@@ -114,7 +114,10 @@ class RecordMaker:
 def _blank_record(engine_index: int, iteration: int, end_ns: int) -> IterationRecord:
     """A record of nothing, ending at ``end_ns``; every field vLLM never gives is unknown."""
     return iteration_record(
-        engine_index, 0, iteration, start_ns=end_ns,
+        engine_index,
+        0,
+        iteration,
+        start_ns=end_ns,
         unknown=UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS,
     )
 
@@ -131,9 +134,7 @@ def _fill_batch(record: IterationRecord, details: Any, iteration_stats: Any) -> 
     record.unknown |= UNKNOWN_PREFILL_REQS | UNKNOWN_ELAPSED
     prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
     record.num_prefill_tokens = _int(prompt_stats, "computed")
-    record.num_decode_reqs = len(
-        getattr(iteration_stats, "inter_token_latencies_iter", None) or ()
-    )
+    record.num_decode_reqs = len(getattr(iteration_stats, "inter_token_latencies_iter", None) or ())
 
 
 def milestone(stats: Any, finished_ns: int) -> RequestMilestone:

@@ -41,9 +41,17 @@ UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"
 MAX_ERRORS = 1000
 # What StepReporter reads of the scheduler (and of its KV manager's block pool).
 SCHEDULER_ATTRIBUTES = (
-    "running", "waiting", "kv_holding_waiting", "deferred_waiting", "finished_req_ids",
-    "max_num_active_reqs", "max_num_scheduled_tokens", "num_waiting_for_streaming_input",
-    "pause_state", "kv_cache_manager", "vllm_config",
+    "running",
+    "waiting",
+    "kv_holding_waiting",
+    "deferred_waiting",
+    "finished_req_ids",
+    "max_num_active_reqs",
+    "max_num_scheduled_tokens",
+    "num_waiting_for_streaming_input",
+    "pause_state",
+    "kv_cache_manager",
+    "vllm_config",
 )
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 
@@ -98,11 +106,12 @@ class ReportingScheduler:
     def _iterscope_failed(self) -> None:
         self._iterscope_errors += 1
         if self._iterscope_errors == 1 or self._iterscope_errors % 1000 == 0:
-            logger.exception("iterscope: a vLLM step was not reported (%d errors so far; vLLM "
-                             "goes on)", self._iterscope_errors)
+            logger.exception(
+                "iterscope: a vLLM step was not reported (%d errors so far; vLLM goes on)",
+                self._iterscope_errors,
+            )
         if self._iterscope_errors >= MAX_ERRORS:
-            logger.error("iterscope: %d errors, the scheduler source stops reporting",
-                         MAX_ERRORS)
+            logger.error("iterscope: %d errors, the scheduler source stops reporting", MAX_ERRORS)
             self.shutdown_reporter()
 
     def shutdown_reporter(self) -> None:
@@ -129,12 +138,19 @@ def make_reporter(scheduler: Any) -> StepReporter | None:
             "iterscope: the scheduler source was checked against vLLM %s, this is %s; it "
             "schedules as plain vLLM and sends nothing (set %s=1 to try it anyway; the "
             "stat-logger plugin works without it, docs/vllm.md)",
-            ", ".join(TESTED_VLLM_VERSIONS), version, UNTESTED_ENV)
+            ", ".join(TESTED_VLLM_VERSIONS),
+            version,
+            UNTESTED_ENV,
+        )
         return None
     missing = missing_attributes(scheduler)
     if missing:
-        logger.warning("iterscope: vLLM %s's scheduler has no %s; the scheduler source "
-                       "schedules as plain vLLM and sends nothing", version, ", ".join(missing))
+        logger.warning(
+            "iterscope: vLLM %s's scheduler has no %s; the scheduler source "
+            "schedules as plain vLLM and sends nothing",
+            version,
+            ", ".join(missing),
+        )
         return None
     config = scheduler.vllm_config
     num_gpu_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
@@ -159,5 +175,8 @@ def missing_attributes(scheduler: Any) -> list[str]:
 def _engine_index(vllm_config: Any) -> int:
     """This engine core's data-parallel rank: the engine index vLLM's stat loggers get."""
     parallel = vllm_config.parallel_config
-    return int(getattr(parallel, "data_parallel_index", None)
-               or getattr(parallel, "data_parallel_rank", 0) or 0)
+    return int(
+        getattr(parallel, "data_parallel_index", None)
+        or getattr(parallel, "data_parallel_rank", 0)
+        or 0
+    )

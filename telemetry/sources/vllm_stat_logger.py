@@ -56,13 +56,16 @@ class IterscopeStatLogger(StatLoggerBase):
         self._publisher: ZmqPublisher | None = None
         observability = getattr(vllm_config, "observability_config", None)
         self._maker = RecordMaker(
-            engine_index, num_gpu_blocks(vllm_config),
+            engine_index,
+            num_gpu_blocks(vllm_config),
             bool(getattr(observability, "enable_logging_iteration_details", False)),
         )
         if scheduler_source_selected(vllm_config):
             if engine_index == 0:
-                logger.info("iterscope: vLLM runs iterscope's scheduler, which reports every "
-                            "step from the engine core; the stat-logger plugin sends nothing")
+                logger.info(
+                    "iterscope: vLLM runs iterscope's scheduler, which reports every "
+                    "step from the engine core; the stat-logger plugin sends nothing"
+                )
             return
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
         if self._publisher is not None and engine_index == 0:
@@ -100,12 +103,16 @@ class IterscopeStatLogger(StatLoggerBase):
     def _failed(self) -> None:
         self.num_errors += 1
         if self.num_errors == 1 or self.num_errors % 1000 == 0:
-            logger.exception("iterscope: stats of engine %d not mapped (%d errors so far; "
-                             "vLLM goes on)", self.engine_index, self.num_errors)
+            logger.exception(
+                "iterscope: stats of engine %d not mapped (%d errors so far; vLLM goes on)",
+                self.engine_index,
+                self.num_errors,
+            )
 
     def _facts(self) -> dict[str, Any]:
-        return engine_facts(self._vllm_config, self._maker.num_usable_blocks,
-                            SOURCE_VLLM_STAT_LOGGER)
+        return engine_facts(
+            self._vllm_config, self._maker.num_usable_blocks, SOURCE_VLLM_STAT_LOGGER
+        )
 
 
 def _warn_if_untested_version() -> None:
@@ -113,5 +120,9 @@ def _warn_if_untested_version() -> None:
     from vllm import __version__
 
     if not is_tested_version(__version__):
-        logger.warning("iterscope: tested with vLLM %s, this is %s; a stats field vLLM renamed "
-                       "reads as 0 (docs/vllm.md)", ", ".join(TESTED_VLLM_VERSIONS), __version__)
+        logger.warning(
+            "iterscope: tested with vLLM %s, this is %s; a stats field vLLM renamed "
+            "reads as 0 (docs/vllm.md)",
+            ", ".join(TESTED_VLLM_VERSIONS),
+            __version__,
+        )

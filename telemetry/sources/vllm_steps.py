@@ -95,7 +95,8 @@ class StepReporter:
         self._awaiting_first_token: dict[str, TrackedRequest] = {}
         # (SchedulerOutput, its record, its prefill requests, when schedule() returned)
         self._pending: collections.deque[tuple[Any, IterationRecord, list, int]] = (
-            collections.deque(maxlen=MAX_PENDING_STEPS))
+            collections.deque(maxlen=MAX_PENDING_STEPS)
+        )
         self._finished_early: list[RequestMilestone] = []  # aborted between steps
 
     def added(self, scheduler: Any, request: Any) -> None:
@@ -123,8 +124,9 @@ class StepReporter:
                 tracked.preempted_ns.append(start_ns)
         self._pending.append((output, record, prefilling, time.monotonic_ns()))
 
-    def updated(self, scheduler: Any, output: Any, engine_core_outputs: dict,
-                update_start_ns: int) -> None:
+    def updated(
+        self, scheduler: Any, output: Any, engine_core_outputs: dict, update_start_ns: int
+    ) -> None:
         """``update_from_output(output, ...)``, called at ``update_start_ns``, returned:
         finish that step's record and send it."""
         end_ns = time.monotonic_ns()
@@ -138,8 +140,10 @@ class StepReporter:
             start_ns, _, num_tokens = tracked.prefill_chunks[-1]
             tracked.prefill_chunks[-1] = (start_ns, end_ns, num_tokens)
         record.num_decode_tokens = sum(
-            len(out.new_token_ids) for outputs in engine_core_outputs.values()
-            for out in outputs.outputs)
+            len(out.new_token_ids)
+            for outputs in engine_core_outputs.values()
+            for out in outputs.outputs
+        )
         record.num_running_reqs = len(scheduler.running)
         num_free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         record.num_kv_blocks_free = min(num_free, self.num_usable_blocks)
@@ -149,14 +153,19 @@ class StepReporter:
         self._note_first_tokens(end_ns, milestones)
         self._note_finished(scheduler.finished_req_ids, end_ns, milestones)
         record.milestones = milestones
-        if record.num_prefill_tokens or record.num_decode_reqs or milestones \
-                or record.num_preemptions:
+        if (
+            record.num_prefill_tokens
+            or record.num_decode_reqs
+            or milestones
+            or record.num_preemptions
+        ):
             self.publisher.publish(record)
         else:  # a step that scheduled nothing (vLLM's last call after requests finish)
             self.publisher.note_queues(record.num_waiting_reqs, record.num_running_reqs)
 
-    def _fill_batch(self, record: IterationRecord, scheduler: Any, output: Any,
-                    start_ns: int) -> list[TrackedRequest]:
+    def _fill_batch(
+        self, record: IterationRecord, scheduler: Any, output: Any, start_ns: int
+    ) -> list[TrackedRequest]:
         """Requests and tokens by phase; first-scheduled times, cached tokens and prefix-cache
         lookups of new requests. Returns the requests whose prompt chunk this step computes."""
         num_scheduled = output.num_scheduled_tokens
@@ -202,16 +211,20 @@ class StepReporter:
         return None
 
     def _note_first_tokens(self, end_ns: int, milestones: list[RequestMilestone]) -> None:
-        done = [request_id for request_id, tracked in self._awaiting_first_token.items()
-                if tracked.request.num_output_tokens > 0]
+        done = [
+            request_id
+            for request_id, tracked in self._awaiting_first_token.items()
+            if tracked.request.num_output_tokens > 0
+        ]
         for request_id in done:
             tracked = self._awaiting_first_token.pop(request_id)
             tracked.first_token_ns = end_ns
             if not tracked.request.is_finished():  # else its finish milestone says both
                 milestones.append(self._milestone(tracked, EVENT_FIRST_TOKEN, end_ns))
 
-    def _note_finished(self, request_ids: Any, now_ns: int,
-                       milestones: list[RequestMilestone]) -> None:
+    def _note_finished(
+        self, request_ids: Any, now_ns: int, milestones: list[RequestMilestone]
+    ) -> None:
         for request_id in request_ids:
             tracked = self.requests.pop(request_id, None)
             if tracked is None:

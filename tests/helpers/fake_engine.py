@@ -36,8 +36,11 @@ def run(args: argparse.Namespace) -> dict:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     publisher = ZmqPublisher(
-        args.address, args.engine_index, facts={"device_name": "CPU", "model_name": "synthetic"},
-        sndhwm=args.sndhwm, heartbeat_interval_s=args.heartbeat_interval,
+        args.address,
+        args.engine_index,
+        facts={"device_name": "CPU", "model_name": "synthetic"},
+        sndhwm=args.sndhwm,
+        heartbeat_interval_s=args.heartbeat_interval,
     )
     samples = []
     max_rss = rss_bytes()

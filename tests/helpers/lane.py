@@ -8,14 +8,28 @@ from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.sink import Sink
 
 
-def synthetic_record(engine_index: int, iteration: int, start_ns: int, elapsed_ns: int,
-                     num_running_reqs: int = 8, num_waiting_reqs: int = 2) -> IterationRecord:
+def synthetic_record(
+    engine_index: int,
+    iteration: int,
+    start_ns: int,
+    elapsed_ns: int,
+    num_running_reqs: int = 8,
+    num_waiting_reqs: int = 2,
+) -> IterationRecord:
     """A steady decode iteration: one generation token per running request."""
     return iteration_record(
-        engine_index, 0, iteration, start_ns=start_ns, elapsed_ns=elapsed_ns,
-        num_decode_reqs=num_running_reqs, num_decode_tokens=num_running_reqs,
-        num_running_reqs=num_running_reqs, num_waiting_reqs=num_waiting_reqs,
-        num_waiting_kv_reqs=num_waiting_reqs, num_kv_blocks_used=100, num_kv_blocks_free=900,
+        engine_index,
+        0,
+        iteration,
+        start_ns=start_ns,
+        elapsed_ns=elapsed_ns,
+        num_decode_reqs=num_running_reqs,
+        num_decode_tokens=num_running_reqs,
+        num_running_reqs=num_running_reqs,
+        num_waiting_reqs=num_waiting_reqs,
+        num_waiting_kv_reqs=num_waiting_reqs,
+        num_kv_blocks_used=100,
+        num_kv_blocks_free=900,
         num_kv_tokens=1600,
     )
 
@@ -33,12 +47,10 @@ class RecordingSink(Sink):
     def _note_losses(self, engine):
         dropped, conflicts = self._seen.get(engine.engine_index, (0, 0))
         if engine.num_dropped_total > dropped:
-            self.calls.append(("dropped", engine.engine_index,
-                               engine.num_dropped_total - dropped))
+            self.calls.append(("dropped", engine.engine_index, engine.num_dropped_total - dropped))
         if engine.num_engine_conflicts > conflicts:
             self.calls.append(("conflict", engine.engine_index, engine.conflicting_pids))
-        self._seen[engine.engine_index] = (engine.num_dropped_total,
-                                           engine.num_engine_conflicts)
+        self._seen[engine.engine_index] = (engine.num_dropped_total, engine.num_engine_conflicts)
 
     def on_iteration(self, record, engine):
         self._note_losses(engine)
@@ -68,11 +80,17 @@ def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
     return message
 
 
-def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0,
-              pid=0):
+def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0, pid=0):
     return lane_heartbeat(
-        engine_index, seq, seq, seq, last_iteration=last_iteration,
-        num_waiting_reqs=waiting, num_running_reqs=running, num_dropped=num_dropped, pid=pid,
+        engine_index,
+        seq,
+        seq,
+        seq,
+        last_iteration=last_iteration,
+        num_waiting_reqs=waiting,
+        num_running_reqs=running,
+        num_dropped=num_dropped,
+        pid=pid,
     )
 
 

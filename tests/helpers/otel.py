@@ -49,14 +49,20 @@ def decode_spans(body: bytes) -> list[ReceivedSpan]:
         resource = key_values(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                spans.append(ReceivedSpan(
-                    name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                    parent_span_id=span.parent_span_id.hex(), kind=span.kind,
-                    start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-                    attributes=key_values(span.attributes),
-                    events=[(event.name, event.time_unix_nano) for event in span.events],
-                    resource=resource,
-                ))
+                spans.append(
+                    ReceivedSpan(
+                        name=span.name,
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        kind=span.kind,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
+                        attributes=key_values(span.attributes),
+                        events=[(event.name, event.time_unix_nano) for event in span.events],
+                        resource=resource,
+                    )
+                )
     return spans
 
 
@@ -102,8 +108,9 @@ class OtlpHttpReceiver:
             with self._lock:
                 return list(self.spans) if len(self.spans) >= num_spans else None
 
-        return wait_until(received, timeout_s,
-                          lambda: f"{num_spans} spans (received {len(self.spans)})")
+        return wait_until(
+            received, timeout_s, lambda: f"{num_spans} spans (received {len(self.spans)})"
+        )
 
 
 def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:

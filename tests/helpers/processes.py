@@ -13,8 +13,13 @@ from tests.helpers import REPO
 from tests.helpers.wait import wait_until
 
 
-def wait_for_log(log_path: Path, pattern: str, process: subprocess.Popen | None,
-                 timeout_s: float, interval_s: float = 0.05) -> re.Match:
+def wait_for_log(
+    log_path: Path,
+    pattern: str,
+    process: subprocess.Popen | None,
+    timeout_s: float,
+    interval_s: float = 0.05,
+) -> re.Match:
     """The first match of the regular expression ``pattern`` in the file ``log_path``, once
     it is there. Fails at once, with the log, if ``process`` exits first; after
     ``timeout_s`` with the log too."""
@@ -25,12 +30,15 @@ def wait_for_log(log_path: Path, pattern: str, process: subprocess.Popen | None,
     def matched() -> re.Match | None:
         match = re.search(pattern, log())
         if match is None and process is not None and process.poll() is not None:
-            raise AssertionError(f"the process exited ({process.returncode}) before "
-                                 f"{pattern!r} appeared in its log:\n{log()[-3000:]}")
+            raise AssertionError(
+                f"the process exited ({process.returncode}) before "
+                f"{pattern!r} appeared in its log:\n{log()[-3000:]}"
+            )
         return match
 
-    return wait_until(matched, timeout_s, lambda: f"{pattern!r} in the log:\n{log()[-3000:]}",
-                      interval_s)
+    return wait_until(
+        matched, timeout_s, lambda: f"{pattern!r} in the log:\n{log()[-3000:]}", interval_s
+    )
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 10) -> int:
@@ -62,9 +70,22 @@ def start_metrics_sidecar(
     env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO))
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine.entrypoints.cli", "sidecar", "--address", address,
-             "--metrics-port", "0", "--no-log", *extra_args],
-            cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "engine.entrypoints.cli",
+                "sidecar",
+                "--address",
+                address,
+                "--metrics-port",
+                "0",
+                "--no-log",
+                *extra_args,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
         )
     try:
         match = wait_for_log(log_path, METRICS_URL_LINE, process, timeout_s=30, interval_s=0.1)

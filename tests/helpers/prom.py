@@ -52,8 +52,11 @@ def metrics_text(where: int | str, timeout_s: float = 10.0) -> str:
 
 def parse_samples(text: str) -> Samples:
     """Every sample of an exposition, keyed by (sample name, sorted labels)."""
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def scrape(where: int | str) -> Samples:
@@ -64,8 +67,11 @@ def scrape(where: int | str) -> Samples:
 
 def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of the samples called ``name`` whose labels include ``labels``."""
-    return sum(value for (sample, sample_labels), value in samples.items()
-               if sample == name and set(labels.items()) <= set(sample_labels))
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
 
 
 # A real Prometheus or Alertmanager ------------------------------------------------------------
@@ -113,8 +119,9 @@ class ReadyServer:
                 f"{self.name} exited with {self.process.returncode}\n{self.log_tail()}"
             )
 
-    def wait_until(self, probe: Callable[[], object], timeout_s: float,
-                   what: str | Callable[[], str]):
+    def wait_until(
+        self, probe: Callable[[], object], timeout_s: float, what: str | Callable[[], str]
+    ):
         """Poll ``probe`` until it returns something other than None (0.0 counts), failing
         at once if the server exits; AssertionError with the log's tail on timeout."""
 
@@ -124,7 +131,7 @@ class ReadyServer:
             return None if value is None else (value,)
 
         def description() -> str:
-            return (f"{self.name}: {what() if callable(what) else what}\n{self.log_tail()}")
+            return f"{self.name}: {what() if callable(what) else what}\n{self.log_tail()}"
 
         return wait_until(outcome, timeout_s, description, interval_s=0.25)[0]
 
@@ -167,6 +174,7 @@ class PrometheusHandle(ReadyServer):
 
     def wait_for_targets(self, timeout_s: float = 30.0) -> list[dict]:
         """Poll until every configured target has been scraped successfully."""
+
         def all_up() -> list[dict] | None:
             targets = self.targets()
             healthy = targets and all(target["health"] == "up" for target in targets)
@@ -175,10 +183,13 @@ class PrometheusHandle(ReadyServer):
         return self.wait_until(all_up, timeout_s, "all scrape targets up")
 
     def wait_for_value(
-        self, expr: str, predicate: Callable[[float], bool] = lambda v: True,
+        self,
+        expr: str,
+        predicate: Callable[[float], bool] = lambda v: True,
         timeout_s: float = 30.0,
     ) -> float:
         """Poll ``expr`` until its first sample is a number for which ``predicate`` holds."""
+
         def sample() -> float | None:
             result = self.query(expr)
             if not result:
@@ -190,8 +201,11 @@ class PrometheusHandle(ReadyServer):
 
 
 def write_config(
-    directory: Path, scrape_targets: Sequence[str], rule_files: Sequence[str | Path],
-    scrape_interval: str, eval_interval: str,
+    directory: Path,
+    scrape_targets: Sequence[str],
+    rule_files: Sequence[str | Path],
+    scrape_interval: str,
+    eval_interval: str,
 ) -> Path:
     config = {
         "global": {
@@ -200,10 +214,12 @@ def write_config(
             "evaluation_interval": eval_interval,
         },
         "rule_files": [str(Path(path).resolve()) for path in rule_files],
-        "scrape_configs": [{
-            "job_name": "iterscope",
-            "static_configs": [{"targets": list(scrape_targets)}],
-        }],
+        "scrape_configs": [
+            {
+                "job_name": "iterscope",
+                "static_configs": [{"targets": list(scrape_targets)}],
+            }
+        ],
     }
     path = directory / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
@@ -221,13 +237,20 @@ def start_prometheus(
     binary = find_prometheus()
     directory = Path(tmp_path) / f"prometheus-{time.monotonic_ns()}"
     directory.mkdir(parents=True)
-    config_path = write_config(directory, scrape_targets, rule_files, scrape_interval,
-                               eval_interval)
+    config_path = write_config(
+        directory, scrape_targets, rule_files, scrape_interval, eval_interval
+    )
     return start_server(
-        PrometheusHandle, directory, "prometheus",
-        lambda port: [binary, f"--config.file={config_path}",
-                      f"--storage.tsdb.path={directory / 'data'}",
-                      f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        PrometheusHandle,
+        directory,
+        "prometheus",
+        lambda port: [
+            binary,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
     )
 
 
@@ -235,7 +258,9 @@ Server = TypeVar("Server", bound=ReadyServer)
 
 
 def start_server(
-    make_handle: Callable[[subprocess.Popen, str, Path], Server], directory: Path, name: str,
+    make_handle: Callable[[subprocess.Popen, str, Path], Server],
+    directory: Path,
+    name: str,
     command: Callable[[int], list[str]],
 ) -> Server:
     """Run ``command(port)`` on a free 127.0.0.1 port, logging into ``directory``, until its

@@ -14,8 +14,9 @@ from engine.runner import ModelRunner
 BLOCK_SIZE = 16
 
 
-def reference_penalized(logits: list[float], prompt: list[int], output: list[int],
-                        params: SamplingParams) -> list[float]:
+def reference_penalized(
+    logits: list[float], prompt: list[int], output: list[int], params: SamplingParams
+) -> list[float]:
     """Repetition penalty on tokens of the prompt or the output, then the frequency and
     presence penalties on the output's counts."""
     result = []
@@ -49,8 +50,9 @@ def sequence_logits(model, token_ids: list[int]) -> torch.Tensor:
     return runner.compute_logits([(request, len(token_ids))])[0]
 
 
-def reference_greedy(model, prompt: list[int], params: SamplingParams,
-                     eos_token_ids: tuple[int, ...]) -> list[int]:
+def reference_greedy(
+    model, prompt: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...]
+) -> list[int]:
     """Greedy decoding by definition: the argmax of the penalized logits, EOS and the stop ids
     out of reach until min_tokens; up to max_tokens tokens, or a stop id (or EOS unless
     ignore_eos)."""

@@ -43,13 +43,20 @@ class ServerProcess:
         self.log_path = tmp_path / "serve.log"
         self.record_path = tmp_path / "recording.jsonl"
         command = [
-            sys.executable, "-m", "engine.entrypoints.cli", "serve",
-            "--port", "0", "--metrics-port", "0",
-            "--record", str(self.record_path), *extra_args,
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--record",
+            str(self.record_path),
+            *extra_args,
         ]
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            cwd=REPO)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             self.base_url = self._wait_for(r"on (http://\S+)/v1\n", startup_timeout_s)
             if "--no-sidecar" not in extra_args:
@@ -86,8 +93,9 @@ class ServerProcess:
 
     def wait_until(self, condition, timeout_s: float, what: str):
         """tests.helpers.wait.wait_until, with the server's output in the failure."""
-        return wait_until(condition, timeout_s,
-                          lambda: f"{what}; server output:\n{self.log()}", interval_s=0.1)
+        return wait_until(
+            condition, timeout_s, lambda: f"{what}; server output:\n{self.log()}", interval_s=0.1
+        )
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -101,19 +109,33 @@ class ServerProcess:
 
 
 def finish_milestones(records: list[IterationRecord], request_id: str) -> list:
-    return [m for record in records for m in record.milestones
-            if m.request_id == request_id and m.event & EVENT_FINISHED]
+    return [
+        m
+        for record in records
+        for m in record.milestones
+        if m.request_id == request_id and m.event & EVENT_FINISHED
+    ]
 
 
 @contextlib.contextmanager
-def tiny_server(directory: Path, *extra_args: str,
-                dtype: str | None = None) -> Iterator[ServerProcess]:
+def tiny_server(
+    directory: Path, *extra_args: str, dtype: str | None = None
+) -> Iterator[ServerProcess]:
     """`serve` on the tiny model with a recording sidecar; it must stop cleanly, with no
     traceback in its output. ``dtype`` is passed as --dtype (None: serve's default, auto);
     tests comparing outputs with a reference computed here pin "float32" on both sides."""
     dtype_args = ("--dtype", dtype) if dtype is not None else ()
-    server = ServerProcess(directory, "--model", TINY_MODEL, "--kv-cache-memory",
-                           KV_CACHE_MEMORY, "--cpu-threads", "1", *dtype_args, *extra_args)
+    server = ServerProcess(
+        directory,
+        "--model",
+        TINY_MODEL,
+        "--kv-cache-memory",
+        KV_CACHE_MEMORY,
+        "--cpu-threads",
+        "1",
+        *dtype_args,
+        *extra_args,
+    )
     try:
         yield server
     finally:
@@ -148,8 +170,9 @@ class ScriptedClient:
         stream = RequestStream(request_id)
         for index, token_ids in enumerate(self.steps):
             finished = index == len(self.steps) - 1
-            stream.put(RequestOutput(request_id, token_ids, finished,
-                                     "length" if finished else None))
+            stream.put(
+                RequestOutput(request_id, token_ids, finished, "length" if finished else None)
+            )
         return stream
 
     def abort(self, request_id: str, finish_reason: FinishReason = FinishReason.ABORT) -> None:

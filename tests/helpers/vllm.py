@@ -16,29 +16,46 @@ def counter_pairs(metrics_port: int, api_port: int) -> dict[str, tuple[float, fl
     return {
         "prompt tokens computed": (
             total(ours, "iterscope_prompt_tokens_total"),
-            total(theirs, "vllm:prompt_tokens_by_source_total", source="local_compute")),
-        "generation tokens": (total(ours, "iterscope_generation_tokens_total"),
-                              total(theirs, "vllm:generation_tokens_total")),
-        "finished requests": (total(ours, "iterscope_requests_finished_total"),
-                              total(theirs, "vllm:request_success_total")),
-        "preemptions": (total(ours, "iterscope_preemptions_total"),
-                        total(theirs, "vllm:num_preemptions_total")),
-        "TTFT count": (total(ours, "iterscope_time_to_first_token_seconds_count"),
-                       total(theirs, "vllm:time_to_first_token_seconds_count")),
+            total(theirs, "vllm:prompt_tokens_by_source_total", source="local_compute"),
+        ),
+        "generation tokens": (
+            total(ours, "iterscope_generation_tokens_total"),
+            total(theirs, "vllm:generation_tokens_total"),
+        ),
+        "finished requests": (
+            total(ours, "iterscope_requests_finished_total"),
+            total(theirs, "vllm:request_success_total"),
+        ),
+        "preemptions": (
+            total(ours, "iterscope_preemptions_total"),
+            total(theirs, "vllm:num_preemptions_total"),
+        ),
+        "TTFT count": (
+            total(ours, "iterscope_time_to_first_token_seconds_count"),
+            total(theirs, "vllm:time_to_first_token_seconds_count"),
+        ),
     }
 
 
 def engine_status(metrics_port: int) -> str | None:
     """The state the sidecar's iterscope_engine_state says is current, None before one."""
     samples = scrape(metrics_port)
-    states = [dict(labels)["state"] for (name, labels), value in samples.items()
-              if name == "iterscope_engine_state" and value == 1]
+    states = [
+        dict(labels)["state"]
+        for (name, labels), value in samples.items()
+        if name == "iterscope_engine_state" and value == 1
+    ]
     return states[0] if states else None
 
 
 def iterscope(*args: str) -> str:
     """Run an iterscope command; its stdout, after checking it succeeded."""
-    done = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout

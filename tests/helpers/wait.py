@@ -9,8 +9,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
-               interval_s: float = 0.05) -> T:
+def wait_until(
+    condition: Callable[[], T],
+    timeout_s: float,
+    what: str | Callable[[], str],
+    interval_s: float = 0.05,
+) -> T:
     """Call ``condition`` every ``interval_s`` until it returns something truthy, and return
     that. After ``timeout_s`` raise AssertionError naming ``what`` (a string, or a function
     called then, e.g. to add a log's tail). An exception from ``condition`` (a process that

@@ -53,8 +53,9 @@ def load_tiny_model(name: str, dtype: str, device: str):
     return build_tiny_model("llama", seed=0, dtype=dtype, device=device)
 
 
-def bursty(rate_per_s: float, duration_s: float, num_prompt: int, max_tokens: int,
-           seed: int = 0) -> list[Arrival]:
+def bursty(
+    rate_per_s: float, duration_s: float, num_prompt: int, max_tokens: int, seed: int = 0
+) -> list[Arrival]:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     while True:
@@ -82,24 +83,31 @@ def run_scenario(
     forward pass first sleeps ``stall_s`` (0 = no fault)."""
     recording = out_dir / "recording.jsonl"
     sidecar_log = open(out_dir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
-    sidecar = start_sidecar(["--record", str(recording), "--no-metrics", "--log-interval", "2"],
-                            stdout=sidecar_log, stderr=sidecar_log)
+    sidecar = start_sidecar(
+        ["--record", str(recording), "--no-metrics", "--log-interval", "2"],
+        stdout=sidecar_log,
+        stderr=sidecar_log,
+    )
     publisher = None
     num_threads = torch.get_num_threads()
     try:
         engine_config = EngineConfig(
-            model="tiny-llama", block_size=BLOCK_SIZE,
+            model="tiny-llama",
+            block_size=BLOCK_SIZE,
             kv_cache_memory_bytes=num_kv_blocks * BLOCK_SIZE * TINY_KV_BYTES_PER_TOKEN,
-            max_model_len=1024, **{"dtype": "float32", **config},
+            max_model_len=1024,
+            **{"dtype": "float32", **config},
         )
         torch.set_num_threads(1)  # 2 shared cores: threads only fight over them
         runner_class = stalling(ModelRunner, stall_at_call, stall_s) if stall_at_call else None
-        core, _ = build_engine_core(engine_config, load_model=load_tiny_model,
-                                    runner_class=runner_class)
+        core, _ = build_engine_core(
+            engine_config, load_model=load_tiny_model, runner_class=runner_class
+        )
         if leak_blocks:
             leak_blocks_per_finish(core, leak_blocks)
-        publisher = ZmqPublisher(sidecar.address, engine_config.engine_index,
-                                 facts=core.facts("tiny-llama"))
+        publisher = ZmqPublisher(
+            sidecar.address, engine_config.engine_index, facts=core.facts("tiny-llama")
+        )
         core.publisher = publisher
         time.sleep(0.3)  # the lane connects (ZMQ_IMMEDIATE drops until it does)
         drive(core, arrivals, deadline_s)
@@ -126,8 +134,7 @@ def drive(core, arrivals: list[Arrival], deadline_s: float) -> None:
         while pending and pending[0].at_s <= now_s:
             arrival = pending.pop(0)
             prompt = [rng.randrange(3, 250) for _ in range(arrival.num_prompt_tokens)]
-            params = SamplingParams(max_tokens=arrival.max_tokens, temperature=0,
-                                    ignore_eos=True)
+            params = SamplingParams(max_tokens=arrival.max_tokens, temperature=0, ignore_eos=True)
             core.add_request(Request(f"r{len(core.requests)}-{now_s:.3f}", prompt, params))
         if core.has_work:
             core.step()
@@ -142,14 +149,18 @@ def drive(core, arrivals: list[Arrival], deadline_s: float) -> None:
 def story1_kv_cliff(out_dir: Path) -> Path:
     """Two long requests that fit at the start but not at their peak: the newest is evicted."""
     arrivals = [Arrival(0.0, 500, 60), Arrival(0.0, 500, 60), Arrival(0.5, 500, 60)]
-    return run_scenario(out_dir, arrivals, num_kv_blocks=66, max_num_batched_tokens=1024,
-                        enable_prefix_caching=False)
+    return run_scenario(
+        out_dir,
+        arrivals,
+        num_kv_blocks=66,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
 
 
 def story2_leak(out_dir: Path) -> Path:
     """Every finished request keeps 2 blocks: usage climbs while few requests run."""
-    return run_scenario(out_dir, bursty(20, 4.0, 48, 16), num_kv_blocks=256,
-                        leak_blocks=2)
+    return run_scenario(out_dir, bursty(20, 4.0, 48, 16), num_kv_blocks=256, leak_blocks=2)
 
 
 def stalled(out_dir: Path) -> Path:
@@ -167,9 +178,7 @@ def story3_bursty(out_dir: Path, max_num_seqs: int) -> Path:
 
 def story4_sweep(out_dir: Path) -> Path:
     """Bursts of growing size and prompt length, so `tune` sees iterations of many shapes."""
-    arrivals = [
-        Arrival(0.6 * k, 48 * (k + 1), 24) for k in range(8) for _ in range(3 * k + 1)
-    ]
+    arrivals = [Arrival(0.6 * k, 48 * (k + 1), 24) for k in range(8) for _ in range(3 * k + 1)]
     return run_scenario(out_dir, arrivals, max_num_batched_tokens=1024)
 
 

@@ -111,8 +111,14 @@ class Simulator:
     def add_stall(self, at_s: float, duration_s: float) -> None:
         self.stalls.append((self.at(at_s), int(duration_s * NS)))
 
-    def add_closed_loop(self, num_requests: int, concurrency: int, num_prompt: int,
-                        num_output: int, start_s: float = 0.5) -> None:
+    def add_closed_loop(
+        self,
+        num_requests: int,
+        concurrency: int,
+        num_prompt: int,
+        num_output: int,
+        start_s: float = 0.5,
+    ) -> None:
         """A client keeping `concurrency` requests in flight until num_requests were sent."""
         first = min(concurrency, num_requests)
         self.add_requests([start_s] * first, num_prompt, num_output)
@@ -162,14 +168,25 @@ class Simulator:
     def _heartbeats_until(self, to_ns: int) -> None:
         while self.next_heartbeat_ns <= to_ns:
             ts_ns = self.next_heartbeat_ns
-            self._send(heartbeat(
-                self.engine_index, 0, ts_ns, ts_ns + self.wall_offset_ns,
-                last_iteration=self.iteration,
-                num_waiting_reqs=len(self.waiting), num_running_reqs=len(self.running),
-                model_name="sim", device_name="CPU", block_size=self.block_size,
-                num_kv_blocks_total=self.num_blocks, max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens, pid=4242,
-            ), ts_ns)
+            self._send(
+                heartbeat(
+                    self.engine_index,
+                    0,
+                    ts_ns,
+                    ts_ns + self.wall_offset_ns,
+                    last_iteration=self.iteration,
+                    num_waiting_reqs=len(self.waiting),
+                    num_running_reqs=len(self.running),
+                    model_name="sim",
+                    device_name="CPU",
+                    block_size=self.block_size,
+                    num_kv_blocks_total=self.num_blocks,
+                    max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    pid=4242,
+                ),
+                ts_ns,
+            )
             self.next_heartbeat_ns += NS
 
     def _send(self, message, send_ns: int) -> None:
@@ -273,18 +290,25 @@ class Simulator:
         milestones = [m for r, n in scheduled if (m := self._update(r, n, start_ns)) is not None]
         num_waiting = len(self.waiting)
         record = iteration_record(
-            self.engine_index, 0, self.iteration, start_ns=start_ns,
+            self.engine_index,
+            0,
+            self.iteration,
+            start_ns=start_ns,
             elapsed_ns=self.now_ns - start_ns,
-            num_prefill_reqs=is_generation.count(False), num_prefill_tokens=num_ctx_tokens,
-            num_decode_reqs=is_generation.count(True), num_decode_tokens=num_gen_tokens,
-            num_running_reqs=len(self.running), num_waiting_reqs=num_waiting,
+            num_prefill_reqs=is_generation.count(False),
+            num_prefill_tokens=num_ctx_tokens,
+            num_decode_reqs=is_generation.count(True),
+            num_decode_tokens=num_gen_tokens,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=num_waiting,
             num_waiting_kv_reqs=num_waiting if reason == "kv" else 0,
             num_waiting_seq_limit_reqs=num_waiting if reason == "seq_limit" else 0,
             num_waiting_budget_reqs=num_waiting if reason == "budget" else 0,
             num_kv_blocks_used=self.num_blocks - self.num_free_blocks,
             num_kv_blocks_free=self.num_free_blocks,
             num_kv_tokens=sum(r.num_computed_tokens for r in self.running),
-            num_preemptions=num_preemptions, milestones=milestones,
+            num_preemptions=num_preemptions,
+            milestones=milestones,
         )
         self._heartbeats_until(start_ns + (self.now_ns - start_ns) // 2)
         self._send(record, self.now_ns)
@@ -314,17 +338,23 @@ class Simulator:
             request.num_blocks = 0
             if self.closed_loop:
                 num_prompt, num_output = self.closed_loop.pop()
-                self.pending.append(SimRequest(f"{request.request_id}+", self.now_ns, num_prompt,
-                                               num_output))
+                self.pending.append(
+                    SimRequest(f"{request.request_id}+", self.now_ns, num_prompt, num_output)
+                )
         if not event:
             return None
         return RequestMilestone(
-            request_id=request.request_id, event=event, arrival_ns=request.arrival_ns,
-            first_scheduled_ns=request.first_scheduled_ns, first_token_ns=request.first_token_ns,
+            request_id=request.request_id,
+            event=event,
+            arrival_ns=request.arrival_ns,
+            first_scheduled_ns=request.first_scheduled_ns,
+            first_token_ns=request.first_token_ns,
             finished_ns=self.now_ns if finished else 0,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=0,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=0,
             num_output_tokens=request.num_output_tokens,
-            num_preemptions=request.num_preemptions, finish_reason=1 if finished else -1,
+            num_preemptions=request.num_preemptions,
+            finish_reason=1 if finished else -1,
             prefill_chunks=list(request.chunks) if finished else [],
         )
 
@@ -349,8 +379,9 @@ STORY_COST = Cost(base_time=0.020, context_token_time=20e-6, generation_token_ti
 
 def healthy(seed: int = 0) -> Simulator:
     """6 requests/s of short prompts, well within every limit."""
-    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024,
-                    cost=STORY_COST, seed=seed)
+    sim = Simulator(
+        num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST, seed=seed
+    )
     sim.add_requests(arrivals(6, 30, seed=seed), num_prompt=96, num_output=60)
     return sim.run(33)
 
@@ -358,8 +389,9 @@ def healthy(seed: int = 0) -> Simulator:
 def story1_kv_cliff() -> Simulator:
     """Long prompts at a concurrency sized to fill the cache; then every running request is
     evicted to waiting at once without a counted preemption, and the engine keeps iterating."""
-    sim = Simulator(num_blocks=18 * 55, max_num_seqs=128, max_num_batched_tokens=4096,
-                    cost=STORY_COST)
+    sim = Simulator(
+        num_blocks=18 * 55, max_num_seqs=128, max_num_batched_tokens=4096, cost=STORY_COST
+    )
     sim.add_closed_loop(num_requests=60, concurrency=18, num_prompt=800, num_output=80)
     sim.add_cliff(at_s=2.0, min_usage=0.95)
     return sim.run(25)
@@ -367,8 +399,7 @@ def story1_kv_cliff() -> Simulator:
 
 def story2_leak() -> Simulator:
     """Every finished request leaves 3 blocks behind: usage climbs with few requests running."""
-    sim = Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024,
-                    cost=STORY_COST)
+    sim = Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST)
     sim.leak_blocks_per_finish = 3
     sim.add_requests(arrivals(3, 60), num_prompt=64, num_output=30)
     return sim.run(62)
@@ -377,8 +408,7 @@ def story2_leak() -> Simulator:
 def stalled() -> Simulator:
     """Healthy load, then the loop hangs for 8 s with work queued (heartbeats go on): past the
     5 s floor of the stall threshold the live sidecar and `explain` share, mid-stall too."""
-    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024,
-                    cost=STORY_COST)
+    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST)
     sim.add_requests(arrivals(6, 30), num_prompt=96, num_output=60)
     sim.add_stall(at_s=10.0, duration_s=8.0)
     return sim.run(33)
@@ -386,8 +416,9 @@ def stalled() -> Simulator:
 
 def story3_bursty(max_num_seqs: int) -> Simulator:
     """6 requests/s; batched with room to spare, queued when max_num_seqs is small."""
-    sim = Simulator(num_blocks=2000, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-                    cost=STORY_COST)
+    sim = Simulator(
+        num_blocks=2000, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, cost=STORY_COST
+    )
     sim.add_requests(arrivals(6, 30, seed=3), num_prompt=200, num_output=100)
     return sim.run(33)
 
@@ -411,23 +442,34 @@ class Row:
     pause_before_s: float = 0.0  # silence before the iteration starts (no message at all)
 
 
-def scripted(rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
-             ) -> list[IterationRecord]:
+def scripted(
+    rows: list[Row], num_blocks: int = 100, start_s: float = 1000.0
+) -> list[IterationRecord]:
     """The records of ``rows``, back to back (each starts when the one before ends, after its
     pause), numbered from iteration 1 and seq 1, without heartbeats."""
     records, now_ns = [], int(start_s * NS)
     for number, row in enumerate(rows, 1):
         now_ns += int(row.pause_before_s * NS)
         elapsed_ns = int(row.elapsed_s * NS)
-        records.append(iteration_record(
-            0, number, number, start_ns=now_ns, elapsed_ns=elapsed_ns,
-            num_prefill_reqs=int(row.ctx_tokens > 0), num_prefill_tokens=row.ctx_tokens,
-            num_decode_reqs=row.gen_reqs, num_decode_tokens=row.gen_reqs,
-            num_running_reqs=row.running, num_waiting_reqs=row.waiting,
-            num_waiting_kv_reqs=row.waiting, num_kv_blocks_used=row.blocks_used,
-            num_kv_blocks_free=num_blocks - row.blocks_used,
-            num_preemptions=row.preemptions,
-        ))
+        records.append(
+            iteration_record(
+                0,
+                number,
+                number,
+                start_ns=now_ns,
+                elapsed_ns=elapsed_ns,
+                num_prefill_reqs=int(row.ctx_tokens > 0),
+                num_prefill_tokens=row.ctx_tokens,
+                num_decode_reqs=row.gen_reqs,
+                num_decode_tokens=row.gen_reqs,
+                num_running_reqs=row.running,
+                num_waiting_reqs=row.waiting,
+                num_waiting_kv_reqs=row.waiting,
+                num_kv_blocks_used=row.blocks_used,
+                num_kv_blocks_free=num_blocks - row.blocks_used,
+                num_preemptions=row.preemptions,
+            )
+        )
         now_ns += elapsed_ns
     return records
 

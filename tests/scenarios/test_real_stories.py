@@ -37,8 +37,7 @@ def top_finding(timeline, episodes, capsys, recording):
     findings = build_findings(timeline, episodes)
     assert findings
     assert main([str(recording)]) == 0
-    first = next(line for line in capsys.readouterr().out.splitlines()
-                 if line.startswith("  1. "))
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  1. "))
     assert first.startswith(f"  1. {findings[0].title}: "), first
     return findings[0]
 

@@ -36,12 +36,18 @@ def all_text(episodes) -> str:
     return "\n".join(f"{e.title} {e.evidence} {e.explanation} {e.setting}" for e in episodes)
 
 
-def closed_loop(num_blocks: int, concurrency: int, num_prompt: int, num_output: int,
-                max_num_seqs: int = 64) -> Simulator:
-    sim = Simulator(num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=2048, cost=synthetic.STORY_COST)
-    sim.add_closed_loop(num_requests=40, concurrency=concurrency, num_prompt=num_prompt,
-                        num_output=num_output)
+def closed_loop(
+    num_blocks: int, concurrency: int, num_prompt: int, num_output: int, max_num_seqs: int = 64
+) -> Simulator:
+    sim = Simulator(
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        cost=synthetic.STORY_COST,
+    )
+    sim.add_closed_loop(
+        num_requests=40, concurrency=concurrency, num_prompt=num_prompt, num_output=num_output
+    )
     return sim.run(10)
 
 
@@ -55,15 +61,15 @@ def story1():
 
 def test_saturation_says_every_block_was_in_use_only_at_100_percent():
     # Requests of 8 blocks (120 + 8 tokens of 16) in a 100-block cache: 12 fit, 96 blocks.
-    nearly = detect_kv_saturation(timeline_of(closed_loop(100, 13, 120, 8).messages),
-                                  Thresholds())
+    nearly = detect_kv_saturation(timeline_of(closed_loop(100, 13, 120, 8).messages), Thresholds())
     (saturation,) = nearly
     assert 0.95 <= saturation.numbers["peak_usage"] < 1.0
     assert "Every KV block was in use" not in saturation.explanation
     assert "nearly full (peak 96.0%)" in saturation.explanation
     # 10 blocks each (150 + 10 tokens): 10 fit exactly, the cache is full.
-    (full,) = detect_kv_saturation(timeline_of(closed_loop(100, 14, 150, 10).messages),
-                                   Thresholds())
+    (full,) = detect_kv_saturation(
+        timeline_of(closed_loop(100, 14, 150, 10).messages), Thresholds()
+    )
     assert full.numbers["peak_usage"] == 1.0
     assert full.explanation.startswith("Every KV block was in use")
 
@@ -85,9 +91,12 @@ def test_saturation_blames_kv_for_waiting_only_when_the_source_says_why():
 def test_cliff_claims_iterating_on_only_when_iterations_followed(story1):
     (cliff,) = of_kind(detect_episodes(timeline_of(story1.messages)), "kv_cliff")
     assert "it kept iterating" in cliff.explanation
-    cut = [m for m in story1.messages
-           if (m.start_ns + m.elapsed_ns if isinstance(m, IterationRecord) else m.ts_ns)
-           <= cliff.end_ns]
+    cut = [
+        m
+        for m in story1.messages
+        if (m.start_ns + m.elapsed_ns if isinstance(m, IterationRecord) else m.ts_ns)
+        <= cliff.end_ns
+    ]
     (cut_cliff,) = of_kind(detect_episodes(timeline_of(cut)), "kv_cliff")
     assert cut_cliff.numbers["num_iterations_after"] == 0
     assert "kept iterating" not in cut_cliff.explanation
@@ -127,12 +136,12 @@ def test_preemption_storm_needs_three_preemptions_within_a_second():
 
 
 def test_waiting_at_the_sequence_limit_says_kv_had_room_only_when_it_had():
-    queued = of_kind(detect_episodes(timeline_of(synthetic.story3_bursty(4).messages)),
-                     "waiting")
+    queued = of_kind(detect_episodes(timeline_of(synthetic.story3_bursty(4).messages)), "waiting")
     assert "KV had room" in queued[0].setting
     # 4 requests of 19 blocks (200 + 100 tokens) at the limit of 4 fill 76 of 80 blocks.
-    sim = Simulator(num_blocks=80, max_num_seqs=4, max_num_batched_tokens=2048,
-                    cost=synthetic.STORY_COST)
+    sim = Simulator(
+        num_blocks=80, max_num_seqs=4, max_num_batched_tokens=2048, cost=synthetic.STORY_COST
+    )
     sim.add_requests(arrivals(6, 20, seed=3), num_prompt=200, num_output=100)
     (wait,) = of_kind(detect_episodes(timeline_of(sim.run(22).messages)), "waiting")
     assert wait.numbers["reason"] == "waiting_seq_limit" and wait.numbers["peak_usage"] >= 0.9
@@ -165,7 +174,8 @@ def test_a_frozen_stall_claims_only_what_heartbeats_show():
     assert stall.explanation.startswith(
         f"No iteration finished for {numbers['stall_time_s']:.2f} s while up to "
         f"{numbers['max_running_reqs']} requests ran; heartbeats continued, so the process was "
-        "alive: a forward pass or the loop was stuck or very slow")
+        "alive: a forward pass or the loop was stuck or very slow"
+    )
     assert not re.search(r"\bhung\b|\bhang|0 requests waited|time out", stall.explanation)
 
 
@@ -173,20 +183,25 @@ def test_a_frozen_stall_claims_only_what_heartbeats_show():
 
 SINGULAR_AS_PLURAL = re.compile(
     r"(?<![\d.])1 (?:[a-z-]+ )?(?:iterations|requests|preemptions|heartbeats|messages|blocks|"
-    r"tokens|episodes|findings|times|files|engines|lines|outliers)\b")
+    r"tokens|episodes|findings|times|files|engines|lines|outliers)\b"
+)
 
 
 def test_plural_agrees_with_the_count():
     assert [plural(n, "iteration") for n in (0, 1, 2)] == [
-        "0 iterations", "1 iteration", "2 iterations"]
+        "0 iterations",
+        "1 iteration",
+        "2 iterations",
+    ]
     assert plural(1, "request-s", "request-s") == "1 request-s"
 
 
 def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys):
     """One of everything (an iteration, a preemption, a request, a finding, a file...): the
     text says each in the singular, and writes no "(s)"."""
-    path = synthetic.write_records(synthetic.scripted(synthetic.SCRIPTED_CLIFF),
-                                   tmp_path / "cliff.jsonl")
+    path = synthetic.write_records(
+        synthetic.scripted(synthetic.SCRIPTED_CLIFF), tmp_path / "cliff.jsonl"
+    )
     stalled = synthetic.stalled().write(tmp_path / "stalled.jsonl")
     texts = []
     for argv in ([str(path), "--all"], [str(stalled), "--all"]):
@@ -204,9 +219,13 @@ def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys):
 
 
 def test_a_frozen_process_is_not_called_a_restart():
-    messages = [m for m in synthetic.healthy().messages
-                if not synthetic.NS * 1010 <= getattr(m, "ts_ns", getattr(m, "start_ns", 0))
-                < synthetic.NS * 1014]
+    messages = [
+        m
+        for m in synthetic.healthy().messages
+        if not synthetic.NS * 1010
+        <= getattr(m, "ts_ns", getattr(m, "start_ns", 0))
+        < synthetic.NS * 1014
+    ]
     for seq, message in enumerate(messages, 1):  # nothing lost: the process sent nothing
         message.seq = seq
     (gap,) = of_kind(detect_episodes(timeline_of(messages)), "telemetry_gap")
@@ -219,8 +238,9 @@ def test_a_frozen_process_is_not_called_a_restart():
 
 
 def test_a_leak_that_stopped_growing_is_not_said_to_climb():
-    sim = Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024,
-                    cost=synthetic.STORY_COST)
+    sim = Simulator(
+        num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024, cost=synthetic.STORY_COST
+    )
     sim.leak_blocks_per_finish = 6
     sim.add_requests([0.5], num_prompt=64, num_output=10)
     sim.run(2)  # one finished request left 6 blocks behind
@@ -229,8 +249,7 @@ def test_a_leak_that_stopped_growing_is_not_said_to_climb():
     (leak,) = of_kind(detect_episodes(timeline_of(sim.run(20).messages)), "kv_leak")
     assert leak.numbers["excess_blocks_last"] <= leak.numbers["excess_blocks_first"]
     assert " grew " not in leak.evidence and "climbs" not in leak.explanation
-    (growing,) = of_kind(detect_episodes(timeline_of(synthetic.story2_leak().messages)),
-                         "kv_leak")
+    (growing,) = of_kind(detect_episodes(timeline_of(synthetic.story2_leak().messages)), "kv_leak")
     assert " grew " in growing.evidence and "climbs" in growing.explanation
 
 
@@ -281,8 +300,9 @@ def test_the_summary_quotes_queue_time_and_ttft_only_when_first_tokens_were_reco
 
 def test_actions_quote_a_current_value_only_when_the_engine_reported_one(tmp_path, capsys):
     """Records without heartbeats carry no limits: the action names the flag and no '(now ?)'."""
-    recording = synthetic.write_records(synthetic.scripted(synthetic.SCRIPTED_CLIFF),
-                                        tmp_path / "untold.jsonl")
+    recording = synthetic.write_records(
+        synthetic.scripted(synthetic.SCRIPTED_CLIFF), tmp_path / "untold.jsonl"
+    )
     main([str(recording), "--all"])
     text = capsys.readouterr().out
     assert "--max-num-batched-tokens" in text

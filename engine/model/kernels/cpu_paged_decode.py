@@ -28,10 +28,17 @@ import torch
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
     # Reassociation lets gcc vectorize the dot-product sums; no -ffinite-math-only (the
     # online softmax starts from -inf).
-    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
 )
 MAX_GROUP = 16  # bounds compiled into paged_decode.c
 MAX_HEAD_DIM = 256
@@ -98,7 +105,10 @@ def build(compiler: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> 
         built = Path(scratch) / library.name
         subprocess.run(
             [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
-            check=True, capture_output=True, text=True, timeout=120,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         os.replace(built, library)
     return library
@@ -133,8 +143,23 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.vector_path.argtypes = []
     library.paged_decode.restype = None
     library.paged_decode.argtypes = [
-        ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-        i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
     ]
     return library
 
@@ -158,8 +183,21 @@ def paged_decode(
     """
     num_seqs, num_heads, head_dim = q.shape
     library.paged_decode(
-        q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), num_seqs, num_heads, key_cache.shape[1], head_dim,
-        key_cache.shape[2], scale, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.shape[1],
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        num_seqs,
+        num_heads,
+        key_cache.shape[1],
+        head_dim,
+        key_cache.shape[2],
+        scale,
+        DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
     )

@@ -93,10 +93,22 @@ def paged_decode(
     dot_dtype = _dot_dtype(q.dtype)
     split_out, split_lse = _split_scratch(out, num_splits)
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_table, seq_lens, out, split_out, split_lse,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        out,
+        split_out,
+        split_lse,
         scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         block_table.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -110,7 +122,11 @@ def paged_decode(
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
-            split_out, split_lse, out, out.stride(0), out.stride(1),
+            split_out,
+            split_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
             HEAD_DIM=head_dim,
             DIM_PAD=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_splits,
@@ -137,9 +153,19 @@ def store_kv(
     if num_tokens == 0:
         return
     store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, key_cache, value_cache, slot_blocks, slot_offsets,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_blocks,
+        slot_offsets,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
     )

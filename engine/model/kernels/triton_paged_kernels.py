@@ -38,11 +38,22 @@ import triton.language as tl
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
-    split_out_ptr, split_lse_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_out_ptr,
+    split_lse_ptr,
     scale,
-    q_stride_seq, q_stride_head, out_stride_seq, out_stride_head,
-    cache_stride_block, cache_stride_head, cache_stride_offset,
+    q_stride_seq,
+    q_stride_head,
+    out_stride_seq,
+    out_stride_head,
+    cache_stride_block,
+    cache_stride_head,
+    cache_stride_offset,
     table_stride_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -93,7 +104,8 @@ def paged_decode_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         values = tl.load(value_cache_ptr + base + tile_offsets, mask=tile_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(
-            probs.to(values.dtype).to(DOT_DTYPE), values.to(DOT_DTYPE),
+            probs.to(values.dtype).to(DOT_DTYPE),
+            values.to(DOT_DTYPE),
             input_precision=DOT_PRECISION,
         )
         running_max = new_max
@@ -101,9 +113,7 @@ def paged_decode_kernel(
     head_mask = group_offs < GROUP
     if NUM_SPLITS == 1:
         result = acc / running_sum[:, None]
-        out_rows = (
-            out_ptr + seq.to(tl.int64) * out_stride_seq + heads[:, None] * out_stride_head
-        )
+        out_rows = out_ptr + seq.to(tl.int64) * out_stride_seq + heads[:, None] * out_stride_head
         tl.store(out_rows + dim_offs[None, :], result.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # An empty split keeps sum 0: its output is 0 and its lse -inf (weight 0 in the merge).
@@ -115,9 +125,14 @@ def paged_decode_kernel(
         tl.store(split_out_ptr + split_rows[:, None] + dim_offs[None, :], result, mask=q_mask)
         tl.store(split_lse_ptr + seq_heads * NUM_SPLITS + split, lse, mask=head_mask)
 
+
 @triton.jit
 def merge_splits_kernel(
-    split_out_ptr, split_lse_ptr, out_ptr, out_stride_seq, out_stride_head,
+    split_out_ptr,
+    split_lse_ptr,
+    out_ptr,
+    out_stride_seq,
+    out_stride_head,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -130,7 +145,8 @@ def merge_splits_kernel(
     dim_offs = tl.arange(0, DIM_PAD)
     split_mask = split_offs < NUM_SPLITS
     lse = tl.load(
-        split_lse_ptr + seq_head * NUM_SPLITS + split_offs, mask=split_mask,
+        split_lse_ptr + seq_head * NUM_SPLITS + split_offs,
+        mask=split_mask,
         other=float("-inf"),
     )
     weights = tl.exp(lse - tl.max(lse, axis=0))
@@ -141,11 +157,22 @@ def merge_splits_kernel(
     out_row = out_ptr + seq.to(tl.int64) * out_stride_seq + head * out_stride_head
     tl.store(out_row + dim_offs, result.to(out_ptr.dtype.element_ty), mask=dim_offs < HEAD_DIM)
 
+
 @triton.jit
 def store_kv_kernel(
-    k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_blocks_ptr, slot_offsets_ptr,
-    k_stride_token, k_stride_head, v_stride_token, v_stride_head,
-    cache_stride_block, cache_stride_head, cache_stride_offset,
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_blocks_ptr,
+    slot_offsets_ptr,
+    k_stride_token,
+    k_stride_head,
+    v_stride_token,
+    v_stride_head,
+    cache_stride_block,
+    cache_stride_head,
+    cache_stride_offset,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
@@ -161,8 +188,7 @@ def store_kv_kernel(
     key = tl.load(k_row + dim_offs, mask=mask)
     value = tl.load(v_row + dim_offs, mask=mask)
     slot = (
-        block_id * cache_stride_block + kv_head * cache_stride_head
-        + offset * cache_stride_offset
+        block_id * cache_stride_block + kv_head * cache_stride_head + offset * cache_stride_offset
     )
     tl.store(key_cache_ptr + slot + dim_offs, key, mask=mask)
     tl.store(value_cache_ptr + slot + dim_offs, value, mask=mask)

@@ -63,8 +63,12 @@ class Episode:
 
 def span_episode(tl: EngineTimeline, first: int, last: int, **fields: Any) -> Episode:
     """An episode of ``tl`` from the start of record ``first`` to the end of record ``last``."""
-    return Episode(engine_index=tl.engine_index, start_ns=int(tl.col("start_ns")[first]),
-                   end_ns=int(tl.col("end_ns")[last]), **fields)
+    return Episode(
+        engine_index=tl.engine_index,
+        start_ns=int(tl.col("start_ns")[first]),
+        end_ns=int(tl.col("end_ns")[last]),
+        **fields,
+    )
 
 
 def true_runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
@@ -105,14 +109,17 @@ def secs(time_ns: int | float) -> str:
 KV_MEMORY_FLAGS = {"iterscope": "--kv-cache-memory", "vllm": "--kv-cache-memory-bytes"}
 KV_MEMORY_TEXTS = {
     "iterscope": "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)",
-    "vllm": ("--kv-cache-memory-bytes (without it: a higher --gpu-memory-utilization; on "
-             "vLLM's CPU build VLLM_CPU_KVCACHE_SPACE; or a higher --num-gpu-blocks-override "
-             "where one is set)"),
+    "vllm": (
+        "--kv-cache-memory-bytes (without it: a higher --gpu-memory-utilization; on "
+        "vLLM's CPU build VLLM_CPU_KVCACHE_SPACE; or a higher --num-gpu-blocks-override "
+        "where one is set)"
+    ),
 }
-TUNE_TEXT = ("`iterscope tune RECORDING --itl-target T`, with T your inter-token latency "
-             "target,")
-KV_PLAN_TEXT = ("`iterscope kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how "
-                "many requests of that length a size holds")
+TUNE_TEXT = "`iterscope tune RECORDING --itl-target T`, with T your inter-token latency target,"
+KV_PLAN_TEXT = (
+    "`iterscope kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how "
+    "many requests of that length a size holds"
+)
 
 
 def engine_kind(timeline: EngineTimeline) -> str:

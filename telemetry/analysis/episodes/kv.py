@@ -40,34 +40,43 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             waited = f"{plural(max_waiting_kv, 'request')} at most waited for KV capacity"
             num_blocked = max_waiting_kv
         else:  # the source does not say why requests wait: say what is known
-            waited = (f"{plural(max_waiting, 'request')} at most waited (the source reports "
-                      "no reason)")
+            waited = (
+                f"{plural(max_waiting, 'request')} at most waited (the source reports no reason)"
+            )
             num_blocked = max_waiting
-        episodes.append(span_episode(
-            tl, first, last,
-            kind="kv_saturation",
-            title="KV cache saturated",
-            evidence=(
-                f"KV usage >= {pct(th.kv_saturated_ratio)} for "
-                f"{plural(last - first + 1, 'iteration')} "
-                f"(peak {pct(peak)} of {plural(tl.num_kv_blocks_total, 'block')}); "
-                f"{waited}; "
-                f"{plural(num_preemptions, 'preemption')}; "
-                f"running {int(tl.col('num_running_reqs')[first])} -> "
-                f"{int(tl.col('num_running_reqs')[last])}"
-            ),
-            explanation=_saturation_explanation(peak, num_blocked, num_preemptions,
-                                                tl.waiting_reasons_known),
-            setting=(
-                f"Raise {kv_memory_text(tl)}, lower --max-model-len, or lower "
-                f"{flag_text(tl, 'max_num_seqs')} or client concurrency so peak usage stays "
-                f"below ~90% ({KV_PLAN_TEXT}; runbook: IterscopeKVCacheSaturated)."
-            ),
-            severity=PROBLEM if num_blocked or num_preemptions else INFO,
-            numbers={"peak_usage": peak, "num_iterations": last - first + 1,
-                     "num_preemptions": num_preemptions,
-                     "max_waiting_kv_reqs": max_waiting_kv if tl.waiting_reasons_known else None},
-        ))
+        episodes.append(
+            span_episode(
+                tl,
+                first,
+                last,
+                kind="kv_saturation",
+                title="KV cache saturated",
+                evidence=(
+                    f"KV usage >= {pct(th.kv_saturated_ratio)} for "
+                    f"{plural(last - first + 1, 'iteration')} "
+                    f"(peak {pct(peak)} of {plural(tl.num_kv_blocks_total, 'block')}); "
+                    f"{waited}; "
+                    f"{plural(num_preemptions, 'preemption')}; "
+                    f"running {int(tl.col('num_running_reqs')[first])} -> "
+                    f"{int(tl.col('num_running_reqs')[last])}"
+                ),
+                explanation=_saturation_explanation(
+                    peak, num_blocked, num_preemptions, tl.waiting_reasons_known
+                ),
+                setting=(
+                    f"Raise {kv_memory_text(tl)}, lower --max-model-len, or lower "
+                    f"{flag_text(tl, 'max_num_seqs')} or client concurrency so peak usage stays "
+                    f"below ~90% ({KV_PLAN_TEXT}; runbook: IterscopeKVCacheSaturated)."
+                ),
+                severity=PROBLEM if num_blocked or num_preemptions else INFO,
+                numbers={
+                    "peak_usage": peak,
+                    "num_iterations": last - first + 1,
+                    "num_preemptions": num_preemptions,
+                    "max_waiting_kv_reqs": max_waiting_kv if tl.waiting_reasons_known else None,
+                },
+            )
+        )
     return episodes
 
 
@@ -77,24 +86,32 @@ def _waiting_kv_text(tl: EngineTimeline, row: int) -> str:
     return f"{int(tl.col('num_waiting_kv_reqs')[row])} for KV capacity"
 
 
-def _saturation_explanation(peak: float, num_blocked: int, num_preemptions: int,
-                            reasons_known: bool) -> str:
+def _saturation_explanation(
+    peak: float, num_blocked: int, num_preemptions: int, reasons_known: bool
+) -> str:
     """Each clause only when the records show it: waiting and preemption are told apart, a
     full cache is claimed only at 100%, and waiting is blamed on KV only when the source says
     why requests waited (``num_blocked`` is then those waiting for KV, else all waiting)."""
-    full = ("Every KV block was in use" if peak >= 1.0
-            else f"The KV cache was nearly full (peak {pct(peak)})")
+    full = (
+        "Every KV block was in use"
+        if peak >= 1.0
+        else f"The KV cache was nearly full (peak {pct(peak)})"
+    )
     if not num_blocked and not num_preemptions:
-        return (f"{full} but what was admitted still fit: no request waited for KV "
-                "and none was preempted. Any more load will wait or be preempted.")
+        return (
+            f"{full} but what was admitted still fit: no request waited for KV "
+            "and none was preempted. Any more load will wait or be preempted."
+        )
     effects = []
     if num_blocked and reasons_known:
         effects.append("new requests could not be admitted and waited")
     elif num_blocked:
         effects.append("requests waited (the source does not say whether for KV capacity)")
     if num_preemptions:
-        effects.append(f"{plural(num_preemptions, 'running request')} that needed a new block "
-                       f"{were(num_preemptions)} preempted (recomputed later)")
+        effects.append(
+            f"{plural(num_preemptions, 'running request')} that needed a new block "
+            f"{were(num_preemptions)} preempted (recomputed later)"
+        )
     else:
         effects.append("no running request was preempted")
     return f"{full}: {'; '.join(effects)}."
@@ -135,10 +152,13 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     num_after = after_end - low - 1
     num_prefill_after = int(tl.col("num_prefill_tokens")[after].sum())
     num_decode_after = int(tl.col("num_decode_tokens")[after].sum())
-    num_evicted = (int(running[high] - running[low])
-                   - int(tl.col("num_finished_reqs")[high + 1 : low + 1].sum()))
+    num_evicted = int(running[high] - running[low]) - int(
+        tl.col("num_finished_reqs")[high + 1 : low + 1].sum()
+    )
     return span_episode(
-        tl, high, low,
+        tl,
+        high,
+        low,
         kind="kv_cliff",
         title="KV cache cliff: running requests became waiting",
         evidence=(
@@ -159,15 +179,21 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"{flag_text(tl, 'max_num_seqs')} or client concurrency so the peak stays below "
             f"~90%, or raise {kv_memory_text(tl)} ({KV_PLAN_TEXT})."
         ),
-        numbers={"usage_before": float(usage[high]), "usage_after": float(usage[low]),
-                 "running_before": int(running[high]), "running_after": int(running[low]),
-                 "num_preemptions": num_preemptions, "num_evicted": num_evicted,
-                 "num_iterations_after": num_after},
+        numbers={
+            "usage_before": float(usage[high]),
+            "usage_after": float(usage[low]),
+            "running_before": int(running[high]),
+            "running_after": int(running[low]),
+            "num_preemptions": num_preemptions,
+            "num_evicted": num_evicted,
+            "num_iterations_after": num_after,
+        },
     )
 
 
-def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
-                       num_prefill_after: int) -> str:
+def _cliff_explanation(
+    num_preemptions: int, num_evicted: int, num_after: int, num_prefill_after: int
+) -> str:
     """Preemption is claimed only when counted, iterating only when iterations followed."""
     num_gone = num_preemptions or num_evicted
     their, they = ("its", "it") if num_gone == 1 else ("their", "they")
@@ -188,10 +214,12 @@ def _cliff_explanation(num_preemptions: int, num_evicted: int, num_after: int,
         return why + " No iteration followed in the next 5 s of the recording."
     if num_preemptions:
         return why
-    return (why + " The engine did not stop: it kept iterating "
-            f"({plural(num_after, 'iteration')} in the next 5 s, "
-            f"{plural(num_prefill_after, 'prefill token')} among them: the evicted "
-            f"{'prompt is' if num_evicted == 1 else 'prompts are'} computed again).")
+    return (
+        why + " The engine did not stop: it kept iterating "
+        f"({plural(num_after, 'iteration')} in the next 5 s, "
+        f"{plural(num_prefill_after, 'prefill token')} among them: the evicted "
+        f"{'prompt is' if num_evicted == 1 else 'prompts are'} computed again)."
+    )
 
 
 def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -242,14 +270,23 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
     idle_note = ""
     if idle_rows.size:
         row = first + int(idle_rows[-1])
-        idle_note = (f"; at iteration {int(tl.col('iteration')[row])} nothing ran yet "
-                     f"{plural(int(used[row]), 'block')} ({pct(usage[row])}) "
-                     f"{were(int(used[row]))} in use")
+        idle_note = (
+            f"; at iteration {int(tl.col('iteration')[row])} nothing ran yet "
+            f"{plural(int(used[row]), 'block')} ({pct(usage[row])}) "
+            f"{were(int(used[row]))} in use"
+        )
     excess_first, excess_last = int(excess[first]), int(excess[last])
-    trend = ("grew" if excess_last > excess_first
-             else "fell" if excess_last < excess_first else "stayed at")
+    trend = (
+        "grew"
+        if excess_last > excess_first
+        else "fell"
+        if excess_last < excess_first
+        else "stayed at"
+    )
     return span_episode(
-        tl, first, last,
+        tl,
+        first,
+        last,
         kind="kv_leak",
         title="KV blocks leaking",
         evidence=(
@@ -263,17 +300,25 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
             "Not a tuning setting: a block-accounting bug. Restart the engine to recover and "
             "report it with this recording (alert and runbook: IterscopeKVBlocksLeaked)."
         ),
-        numbers={"excess_blocks_first": excess_first, "excess_blocks_last": excess_last,
-                 "nothing_running": nothing_running, "usage_last": float(usage[last])},
+        numbers={
+            "excess_blocks_first": excess_first,
+            "excess_blocks_last": excess_last,
+            "nothing_running": nothing_running,
+            "usage_last": float(usage[last]),
+        },
     )
 
 
 def _leak_explanation(excess_first: int, excess_last: int) -> str:
     """Climbing usage is claimed only where the blocks held by no request grew."""
     if excess_last > excess_first:
-        return ("KV blocks are not returned to the pool when requests finish: usage climbs while "
-                "few or no requests run, until new requests cannot be admitted and clients time "
-                "out.")
-    return (f"KV blocks were not returned to the pool: {plural(excess_last, 'block')} stayed "
-            "held by no running request (they did not grow here), so fewer are left for new "
-            "requests.")
+        return (
+            "KV blocks are not returned to the pool when requests finish: usage climbs while "
+            "few or no requests run, until new requests cannot be admitted and clients time "
+            "out."
+        )
+    return (
+        f"KV blocks were not returned to the pool: {plural(excess_last, 'block')} stayed "
+        "held by no running request (they did not grow here), so fewer are left for new "
+        "requests."
+    )

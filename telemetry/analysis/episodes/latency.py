@@ -32,7 +32,8 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     prefill_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
     extra_ns = th.long_prefill_ratio * baseline_ns - baseline_ns
     stretched = (
-        with_prefill & (decode_reqs > 0)
+        with_prefill
+        & (decode_reqs > 0)
         & (elapsed >= th.long_prefill_ratio * baseline_ns)
         & (elapsed - baseline_ns >= th.long_prefill_min_extra_time * NS_PER_S)
         & (prefill_tokens * prefill_token_ns >= extra_ns)
@@ -43,27 +44,34 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
         rows = index[first : last + 1]
         worst = int(rows[np.argmax(elapsed[rows])])
-        episodes.append(span_episode(
-            tl, rows[0], rows[-1],
-            kind="long_prefill",
-            title="Long prefill chunks stretch decode latency",
-            evidence=(
-                f"{plural(len(rows), 'iteration')} mixing up to "
-                f"{plural(int(prefill_tokens[rows].max()), 'prefill token')} with decoding "
-                f"requests took up to {secs(elapsed[worst])} (iteration "
-                f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) against a "
-                f"median decode-only iteration of {secs(baseline_ns)}"
-            ),
-            explanation=(
-                "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
-                "requests; each of them waits for the whole chunk, so their inter-token latency "
-                "spikes to the iteration time."
-            ),
-            setting=(
-                f"Lower {flag_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
-                f"{TUNE_TEXT} computes the largest budget that keeps it."
-            ),
-            numbers={"num_iterations": len(rows), "max_elapsed_s": elapsed[worst] / NS_PER_S,
-                     "baseline_s": baseline_ns / NS_PER_S},
-        ))
+        episodes.append(
+            span_episode(
+                tl,
+                rows[0],
+                rows[-1],
+                kind="long_prefill",
+                title="Long prefill chunks stretch decode latency",
+                evidence=(
+                    f"{plural(len(rows), 'iteration')} mixing up to "
+                    f"{plural(int(prefill_tokens[rows].max()), 'prefill token')} with decoding "
+                    f"requests took up to {secs(elapsed[worst])} (iteration "
+                    f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
+                    f"against a median decode-only iteration of {secs(baseline_ns)}"
+                ),
+                explanation=(
+                    "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
+                    "requests; each of them waits for the whole chunk, so their inter-token "
+                    "latency spikes to the iteration time."
+                ),
+                setting=(
+                    f"Lower {flag_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
+                    f"{TUNE_TEXT} computes the largest budget that keeps it."
+                ),
+                numbers={
+                    "num_iterations": len(rows),
+                    "max_elapsed_s": elapsed[worst] / NS_PER_S,
+                    "baseline_s": baseline_ns / NS_PER_S,
+                },
+            )
+        )
     return episodes

@@ -50,25 +50,28 @@ def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode
     thresholds = stall_thresholds(tl, [c[2] for c in candidates], stall_after_ns)
     episodes = []
     for (group, since_ns, until_ns, ongoing, next_row), threshold_ns in zip(
-            candidates, thresholds, strict=True):
+        candidates, thresholds, strict=True
+    ):
         if until_ns - since_ns <= threshold_ns:
             continue
         inside = not ongoing and tl.col("start_ns")[next_row] - since_ns < (until_ns - since_ns) / 2
-        episodes.append(_stall_episode(tl, group, since_ns, until_ns, ongoing, inside,
-                                       threshold_ns))
+        episodes.append(
+            _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns)
+        )
     return episodes
 
 
-def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: int = 0
-                     ) -> list[int]:
+def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: int = 0) -> list[int]:
     """The stall threshold the live sidecar held just before each of ``times_ns``: the
     engine's messages fed in time order (records at their end, heartbeats at ts_ns) to a
     StallRule as Ingest feeds it, with record time as the clock, as a replay runs."""
     rule = StallRule(stall_after_ns)
     order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
     thresholds = [0] * len(times_ns)
-    events = sorted([(int(end), 0, row) for row, end in enumerate(tl.col("end_ns"))]
-                    + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats)])
+    events = sorted(
+        [(int(end), 0, row) for row, end in enumerate(tl.col("end_ns"))]
+        + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats)]
+    )
     scheduled = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
     in_flight = tl.col("num_waiting_reqs") + tl.col("num_running_reqs")
     had_work, last_iteration, last_message_ns, next_query = False, 0, None, 0
@@ -105,15 +108,20 @@ def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool)
     row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
     gap_ns = int(tl.col("start_ns")[row]) - since_ns
     spent = "inside that iteration" if inside else "between iterations"
-    return (f"the next iteration started {secs(gap_ns)} after the last one ended and took "
-            f"{secs(tl.col('elapsed_ns')[row])}: most of the time went {spent}")
+    return (
+        f"the next iteration started {secs(gap_ns)} after the last one ended and took "
+        f"{secs(tl.col('elapsed_ns')[row])}: most of the time went {spent}"
+    )
 
 
 def _work_text(num_waiting: int, num_running: int) -> str:
     """``2 requests waited and 1 ran``, leaving out a count of 0 (one is not 0 in a busy group)."""
-    parts = [f"{plural(num_waiting, 'request')} waited" if num_waiting else "",
-             (f"{num_running} ran" if num_waiting else f"{plural(num_running, 'request')} ran")
-             if num_running else ""]
+    parts = [
+        f"{plural(num_waiting, 'request')} waited" if num_waiting else "",
+        (f"{num_running} ran" if num_waiting else f"{plural(num_running, 'request')} ran")
+        if num_running
+        else "",
+    ]
     return " and ".join(part for part in parts if part)
 
 
@@ -145,11 +153,14 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns)
             "not recover (alert and runbook: IterscopeEngineStalled)."
         ),
         ongoing=ongoing,
-        numbers={"frozen_iteration": group[0].last_iteration,
-                 "stall_time_s": (until_ns - since_ns) / NS_PER_S,
-                 "max_waiting_reqs": max_waiting, "max_running_reqs": max_running,
-                 "inside_iteration": bool(inside),
-                 "stall_threshold_s": threshold_ns / NS_PER_S},
+        numbers={
+            "frozen_iteration": group[0].last_iteration,
+            "stall_time_s": (until_ns - since_ns) / NS_PER_S,
+            "max_waiting_reqs": max_waiting,
+            "max_running_reqs": max_running,
+            "inside_iteration": bool(inside),
+            "stall_threshold_s": threshold_ns / NS_PER_S,
+        },
     )
 
 
@@ -162,8 +173,11 @@ def _heartbeat_groups(tl: EngineTimeline, busy: bool) -> list[list[Heartbeat]]:
             groups.append([])
             continue
         previous = groups[-1][-1] if groups and groups[-1] else None
-        if (previous is not None and previous.pid == heartbeat.pid
-                and previous.last_iteration == heartbeat.last_iteration):
+        if (
+            previous is not None
+            and previous.pid == heartbeat.pid
+            and previous.last_iteration == heartbeat.last_iteration
+        ):
             groups[-1].append(heartbeat)
         else:
             groups.append([heartbeat])
@@ -183,26 +197,33 @@ def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         if last - first + 1 < th.spin_min_iterations:
             continue
         span = slice(first, last + 1)
-        reasons = ({r.limit: int(tl.col(r.field)[last]) for r in WAIT_REASONS.values()}
-                   if tl.waiting_reasons_known else "not reported by the source")
-        episodes.append(span_episode(
-            tl, first, last,
-            kind="stall",
-            title="Engine spinning: iterations schedule nothing",
-            evidence=(
-                f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "
-                f"{int(tl.col('num_waiting_reqs')[span].max())} waited and "
-                f"{int(tl.col('num_running_reqs')[span].max())} ran; waiting by reason at the end: "
-                f"{reasons}; KV usage {pct(tl.kv_usage[last])}"
-            ),
-            explanation=(
-                "The loop is alive but admits nothing: the first waiting request cannot be "
-                "admitted (e.g. it needs more free KV blocks than exist) and nothing running will "
-                "free them."
-            ),
-            setting="Check for leaked KV blocks (kv_leak) and requests larger than the cache.",
-            numbers={"num_iterations": last - first + 1},
-        ))
+        reasons = (
+            {r.limit: int(tl.col(r.field)[last]) for r in WAIT_REASONS.values()}
+            if tl.waiting_reasons_known
+            else "not reported by the source"
+        )
+        episodes.append(
+            span_episode(
+                tl,
+                first,
+                last,
+                kind="stall",
+                title="Engine spinning: iterations schedule nothing",
+                evidence=(
+                    f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "
+                    f"{int(tl.col('num_waiting_reqs')[span].max())} waited and "
+                    f"{int(tl.col('num_running_reqs')[span].max())} ran; waiting by reason at the "
+                    f"end: {reasons}; KV usage {pct(tl.kv_usage[last])}"
+                ),
+                explanation=(
+                    "The loop is alive but admits nothing: the first waiting request cannot be "
+                    "admitted (e.g. it needs more free KV blocks than exist) and nothing running "
+                    "will free them."
+                ),
+                setting="Check for leaked KV blocks (kv_leak) and requests larger than the cache.",
+                numbers={"num_iterations": last - first + 1},
+            )
+        )
     return episodes
 
 
@@ -214,19 +235,23 @@ def detect_idle(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         until_ns = group[-1].ts_ns
         if until_ns - since_ns < th.idle_min_time * NS_PER_S:
             continue
-        episodes.append(Episode(
-            kind="idle",
-            engine_index=tl.engine_index,
-            start_ns=since_ns,
-            end_ns=until_ns,
-            title="Idle",
-            evidence=(f"{plural(len(group), 'heartbeat')} with nothing waiting or running, "
-                      f"no iteration for {secs(until_ns - since_ns)}"),
-            explanation="Nothing to do: no request was waiting or running.",
-            setting="None needed.",
-            severity=INFO,
-            numbers={"idle_time_s": (until_ns - since_ns) / NS_PER_S},
-        ))
+        episodes.append(
+            Episode(
+                kind="idle",
+                engine_index=tl.engine_index,
+                start_ns=since_ns,
+                end_ns=until_ns,
+                title="Idle",
+                evidence=(
+                    f"{plural(len(group), 'heartbeat')} with nothing waiting or running, "
+                    f"no iteration for {secs(until_ns - since_ns)}"
+                ),
+                explanation="Nothing to do: no request was waiting or running.",
+                setting="None needed.",
+                severity=INFO,
+                numbers={"idle_time_s": (until_ns - since_ns) / NS_PER_S},
+            )
+        )
     return episodes
 
 
@@ -255,7 +280,8 @@ def _seq_segments(messages: list) -> list[list]:
     highest_seq = 0
     for message in messages:
         restarted = message.seq + SEQ_RESTART_SLACK < highest_seq or (
-            message.seq == 1 and highest_seq > 1)
+            message.seq == 1 and highest_seq > 1
+        )
         if restarted or not segments:
             segments.append([])
             highest_seq = 0
@@ -272,29 +298,31 @@ def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Epis
         num_lost = sum(n for _, _, n in group)
         num_dropped = sum(min(after.num_dropped, n) for _, after, n in group)
         start_ns, end_ns = message_time_ns(group[0][0]), message_time_ns(group[-1][1])
-        episodes.append(Episode(
-            kind="telemetry_gap",
-            engine_index=tl.engine_index,
-            start_ns=start_ns,
-            end_ns=end_ns,
-            title="Telemetry gap: messages lost",
-            evidence=(
-                f"{plural(num_lost, 'message')} missing (seq holes: {len(group)}); "
-                f"{num_dropped} of them "
-                f"dropped by the engine because its send queue was full or no sidecar was "
-                f"connected, {num_lost - num_dropped} lost after sending"
-            ),
-            explanation=(
-                "The recording misses part of this stretch, so counts here are lower bounds; "
-                "the engine itself was not slowed (telemetry never blocks it)."
-            ),
-            setting=(
-                "Keep the sidecar running and keeping up (bench/sidecar_ingest.py), raise the "
-                "publisher's send high-water mark, and pass every rotated recording file "
-                "(runbook: IterscopeTelemetryDropping)."
-            ),
-            numbers={"num_lost": num_lost, "num_dropped_by_engine": num_dropped},
-        ))
+        episodes.append(
+            Episode(
+                kind="telemetry_gap",
+                engine_index=tl.engine_index,
+                start_ns=start_ns,
+                end_ns=end_ns,
+                title="Telemetry gap: messages lost",
+                evidence=(
+                    f"{plural(num_lost, 'message')} missing (seq holes: {len(group)}); "
+                    f"{num_dropped} of them "
+                    f"dropped by the engine because its send queue was full or no sidecar was "
+                    f"connected, {num_lost - num_dropped} lost after sending"
+                ),
+                explanation=(
+                    "The recording misses part of this stretch, so counts here are lower bounds; "
+                    "the engine itself was not slowed (telemetry never blocks it)."
+                ),
+                setting=(
+                    "Keep the sidecar running and keeping up (bench/sidecar_ingest.py), raise the "
+                    "publisher's send high-water mark, and pass every rotated recording file "
+                    "(runbook: IterscopeTelemetryDropping)."
+                ),
+                numbers={"num_lost": num_lost, "num_dropped_by_engine": num_dropped},
+            )
+        )
     return episodes
 
 
@@ -305,8 +333,10 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
         why = "The engine process died or was restarted: no heartbeat came while it was gone."
     else:
         what = "with no message lost (seq continuous)"
-        why = ("The whole engine process was frozen, heartbeat thread included (suspended, or "
-               "a native call holding the interpreter), then resumed.")
+        why = (
+            "The whole engine process was frozen, heartbeat thread included (suspended, or "
+            "a native call holding the interpreter), then resumed."
+        )
     return Episode(
         kind="telemetry_gap",
         engine_index=tl.engine_index,

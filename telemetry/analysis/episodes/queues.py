@@ -31,28 +31,32 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
             continue
         span = slice(int(rows[0]), int(rows[-1]) + 1)
         num_prefill_tokens = int(tl.col("num_prefill_tokens")[span].sum())
-        episodes.append(span_episode(
-            tl, rows[0], rows[-1],
-            kind="preemption_storm",
-            title="Preemption storm",
-            evidence=(
-                f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
-                f"KV usage peak {pct(tl.kv_usage[span].max())}; "
-                f"{plural(num_prefill_tokens, 'prefill token')} computed "
-                f"meanwhile (recompute included); waiting up to "
-                f"{int(tl.col('num_waiting_reqs')[span].max())}"
-            ),
-            explanation=(
-                "Running requests ran out of KV blocks as they grew, so the scheduler evicted "
-                "some and will recompute them: work is thrown away and latency rises."
-            ),
-            setting=(
-                f"Lower {flag_text(tl, 'max_num_seqs')} or client concurrency, or raise "
-                f"{kv_memory_text(tl)}, so the requests admitted together fit until they finish "
-                f"({KV_PLAN_TEXT}; runbook: IterscopePreemptionStorm)."
-            ),
-            numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
-        ))
+        episodes.append(
+            span_episode(
+                tl,
+                rows[0],
+                rows[-1],
+                kind="preemption_storm",
+                title="Preemption storm",
+                evidence=(
+                    f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
+                    f"KV usage peak {pct(tl.kv_usage[span].max())}; "
+                    f"{plural(num_prefill_tokens, 'prefill token')} computed "
+                    f"meanwhile (recompute included); waiting up to "
+                    f"{int(tl.col('num_waiting_reqs')[span].max())}"
+                ),
+                explanation=(
+                    "Running requests ran out of KV blocks as they grew, so the scheduler evicted "
+                    "some and will recompute them: work is thrown away and latency rises."
+                ),
+                setting=(
+                    f"Lower {flag_text(tl, 'max_num_seqs')} or client concurrency, or raise "
+                    f"{kv_memory_text(tl)}, so the requests admitted together fit until they "
+                    f"finish ({KV_PLAN_TEXT}; runbook: IterscopePreemptionStorm)."
+                ),
+                numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
+            )
+        )
     return episodes
 
 
@@ -61,8 +65,10 @@ def detect_waiting(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     episodes = []
     for first, last in true_runs(waiting > 0, max_gap=2):
         start_ns, end_ns = int(tl.col("start_ns")[first]), int(tl.col("end_ns")[last])
-        if (last - first + 1 < th.waiting_min_iterations
-                or end_ns - start_ns < th.waiting_min_time * NS_PER_S):
+        if (
+            last - first + 1 < th.waiting_min_iterations
+            or end_ns - start_ns < th.waiting_min_time * NS_PER_S
+        ):
             continue
         episodes.append(_waiting_episode(tl, first, last))
     return episodes
@@ -74,8 +80,11 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     num_waiting = tl.col("num_waiting_reqs")[span]
     num_waiting_sum = int(num_waiting.sum())
     reason = max(totals, key=totals.get) if any(totals.values()) else ""
-    label, cause = ((WAIT_REASONS[reason].limit, WAIT_REASONS[reason].cause) if reason
-                    else ("unattributed", "no admission limit was reported"))
+    label, cause = (
+        (WAIT_REASONS[reason].limit, WAIT_REASONS[reason].cause)
+        if reason
+        else ("unattributed", "no admission limit was reported")
+    )
     split = ", ".join(
         f"{WAIT_REASONS[name].limit} {pct(total / max(num_waiting_sum, 1))}"
         for name, total in totals.items()
@@ -85,7 +94,9 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         split = "not reported by the source (vLLM does not say why requests wait)"
     peak_usage = float(tl.kv_usage[span].max())
     return span_episode(
-        tl, first, last,
+        tl,
+        first,
+        last,
         kind="waiting",
         title=f"Requests waiting: {label}",
         evidence=(
@@ -96,28 +107,42 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
         ),
         explanation=f"Requests queued because {cause}; their time to first token grows.",
         setting=_waiting_setting(tl, reason, peak_usage),
-        numbers={"reason": reason, "max_waiting_reqs": int(num_waiting.max()),
-                 "num_iterations": last - first + 1, "peak_usage": peak_usage},
+        numbers={
+            "reason": reason,
+            "max_waiting_reqs": int(num_waiting.max()),
+            "num_iterations": last - first + 1,
+            "peak_usage": peak_usage,
+        },
     )
 
 
 def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_kv":
-        return (f"Raise {kv_memory_text(tl)}, lower --max-model-len, or send fewer concurrent "
-                f"requests ({KV_PLAN_TEXT}).")
+        return (
+            f"Raise {kv_memory_text(tl)}, lower --max-model-len, or send fewer concurrent "
+            f"requests ({KV_PLAN_TEXT})."
+        )
     if reason == "waiting_seq_limit":
         room = "KV had room" if peak_usage < 0.9 else "KV was nearly full too"
-        return (f"Raise {flag_text(tl, 'max_num_seqs')}: {room} (peak {pct(peak_usage)}); "
-                f"{TUNE_TEXT} picks a value that keeps it.")
+        return (
+            f"Raise {flag_text(tl, 'max_num_seqs')}: {room} (peak {pct(peak_usage)}); "
+            f"{TUNE_TEXT} picks a value that keeps it."
+        )
     if reason == "waiting_budget":
-        return (f"Raise {flag_text(tl, 'max_num_batched_tokens')} for more throughput at the "
-                f"cost of longer iterations; {TUNE_TEXT} picks a value that keeps it.")
+        return (
+            f"Raise {flag_text(tl, 'max_num_batched_tokens')} for more throughput at the "
+            f"cost of longer iterations; {TUNE_TEXT} picks a value that keeps it."
+        )
     if reason == "waiting_other":
-        return ("Not an admission limit: find what holds the requests back (vLLM: "
-                "structured-output grammars still compiling, KV transfers from a remote "
-                "instance, streaming inputs waiting for their next part).")
+        return (
+            "Not an admission limit: find what holds the requests back (vLLM: "
+            "structured-output grammars still compiling, KV transfers from a remote "
+            "instance, streaming inputs waiting for their next part)."
+        )
     if not tl.waiting_reasons_known:
-        return (f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
-                f"{kv_memory_text(tl)}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
-                f"--max-num-batched-tokens is ({TUNE_TEXT} picks both).")
+        return (
+            f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
+            f"{kv_memory_text(tl)}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
+            f"--max-num-batched-tokens is ({TUNE_TEXT} picks both)."
+        )
     return "Check the engine's admission logic: requests waited with no limit reported."

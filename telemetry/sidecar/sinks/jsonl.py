@@ -192,11 +192,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("recording")
     group.add_argument("--record", metavar="PATH", help="record every message to a JSONL file")
     group.add_argument(
-        "--record-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
+        "--record-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        metavar="N",
         help="rotate the recording at this size (default: %(default)s)",
     )
     group.add_argument(
-        "--record-max-files", type=int, default=DEFAULT_MAX_FILES, metavar="N",
+        "--record-max-files",
+        type=int,
+        default=DEFAULT_MAX_FILES,
+        metavar="N",
         help="files kept, the current one included (default: %(default)s)",
     )
 

@@ -84,8 +84,10 @@ def format_engine_iteration_line(record: IterationRecord) -> str:
 
 def _facts_text(engine: EngineView) -> str:
     """`` (source vllm-scheduler, pid 4242)`` once a heartbeat has said them, else nothing."""
-    facts = [f"source {engine.source}" if engine.source else "",
-             f"pid {engine.pid}" if engine.pid else ""]
+    facts = [
+        f"source {engine.source}" if engine.source else "",
+        f"pid {engine.pid}" if engine.pid else "",
+    ]
     said = ", ".join(fact for fact in facts if fact)
     return f" ({said})" if said else ""
 
@@ -205,8 +207,13 @@ class LogSink(Sink):
             self._close_window()
             self._window_index += 1
 
-    def _status_line(self, engine_index: int, previous: EngineStatus | None,
-                     status: EngineStatus, engine: EngineView) -> None:
+    def _status_line(
+        self,
+        engine_index: int,
+        previous: EngineStatus | None,
+        status: EngineStatus,
+        engine: EngineView,
+    ) -> None:
         queues = (
             f"{engine.num_waiting_reqs} waiting, {engine.num_running_reqs} running, "
             f"last iteration {engine.last_iteration}"
@@ -227,8 +234,10 @@ class LogSink(Sink):
         log = self.engines.pop(engine_index, None)
         if log is None:
             return
-        text = (f"Engine {engine_index:03d}: no longer tracked (dead, no message for "
-                f"{silent_ns / 1e9:.0f} s): its place went to a new engine (--max-engines)")
+        text = (
+            f"Engine {engine_index:03d}: no longer tracked (dead, no message for "
+            f"{silent_ns / 1e9:.0f} s): its place went to a new engine (--max-engines)"
+        )
         num_unreported = log.engine.num_dropped_total - log.num_dropped_reported
         if num_unreported:
             text += f"; {num_unreported} telemetry messages lost (sequence gaps)"
@@ -251,38 +260,50 @@ class LogSink(Sink):
             engine = log.engine
             num_unreported = engine.num_dropped_total - log.num_dropped_reported
             if num_unreported:
-                self.emit(logging.WARNING, (
-                    f"Engine {index:03d}: {num_unreported} telemetry messages lost (sequence "
-                    f"gaps), {engine.num_dropped_total} in total"
-                ))
+                self.emit(
+                    logging.WARNING,
+                    (
+                        f"Engine {index:03d}: {num_unreported} telemetry messages lost (sequence "
+                        f"gaps), {engine.num_dropped_total} in total"
+                    ),
+                )
                 log.num_dropped_reported = engine.num_dropped_total
                 reported = True
             if engine.num_engine_conflicts > log.num_conflicts_reported and engine.conflicting_pids:
                 first, second = engine.conflicting_pids
-                self.emit(logging.ERROR, (
-                    f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
-                    f"publish as engine {index}; its numbers mix both. Give each its own "
-                    "--engine-index"
-                ))
+                self.emit(
+                    logging.ERROR,
+                    (
+                        f"Engine {index:03d}: two engine processes (pids {first} and {second}) "
+                        f"publish as engine {index}; its numbers mix both. Give each its own "
+                        "--engine-index"
+                    ),
+                )
                 log.num_conflicts_reported = engine.num_engine_conflicts
                 reported = True
         health = self._health
-        reported |= self._report_frames("undecodable frames", health.num_undecodable,
-                                        self._undecodable_reported)
-        reported |= self._report_frames("frames rejected", health.num_rejected,
-                                        self._rejected_reported)
+        reported |= self._report_frames(
+            "undecodable frames", health.num_undecodable, self._undecodable_reported
+        )
+        reported |= self._report_frames(
+            "frames rejected", health.num_rejected, self._rejected_reported
+        )
         return reported
 
-    def _report_frames(self, what: str, counts: dict[str, int],
-                       reported: dict[str, int]) -> bool:
+    def _report_frames(self, what: str, counts: dict[str, int], reported: dict[str, int]) -> bool:
         """The frames counted (by reason) since the last report of them, if any."""
-        new = {reason: num - reported.get(reason, 0) for reason, num in counts.items()
-               if num > reported.get(reason, 0)}
+        new = {
+            reason: num - reported.get(reason, 0)
+            for reason, num in counts.items()
+            if num > reported.get(reason, 0)
+        }
         if not new:
             return False
         by_reason = ", ".join(f"{reason}: {num}" for reason, num in sorted(new.items()))
-        self.emit(logging.WARNING, f"Sidecar: {sum(new.values())} {what} ({by_reason}), "
-                                   f"{sum(counts.values())} in total")
+        self.emit(
+            logging.WARNING,
+            f"Sidecar: {sum(new.values())} {what} ({by_reason}), {sum(counts.values())} in total",
+        )
         reported.update(counts)
         return True
 
@@ -296,11 +317,15 @@ class LogSink(Sink):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("log lines")
     group.add_argument(
-        "--log-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+        "--log-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="S",
         help="seconds of record time per throughput line (default: %(default)s)",
     )
     group.add_argument(
-        "--log-iterations", action="store_true",
+        "--log-iterations",
+        action="store_true",
         help="also print one line per iteration (Iteration(N): ...)",
     )
     group.add_argument("--no-log", action="store_true", help="print no log lines at all")

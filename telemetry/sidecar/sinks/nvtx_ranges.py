@@ -66,9 +66,7 @@ def counter_name(engine_index: int, what: str) -> str:
 
 def counter_values(record: IterationRecord) -> tuple[float, int, int]:
     """The record's sample of each of COUNTERS, in that order."""
-    return (
-        100.0 * record_kv_usage_ratio(record), record.num_running_reqs, record.num_waiting_reqs
-    )
+    return (100.0 * record_kv_usage_ratio(record), record.num_running_reqs, record.num_waiting_reqs)
 
 
 class _EngineRanges:
@@ -178,8 +176,7 @@ class NvtxWriterSink(Sink):
 
     name = "nvtx"
 
-    def __init__(self, backend_path: str, config: str | None = None,
-                 name: str = DOMAIN) -> None:
+    def __init__(self, backend_path: str, config: str | None = None, name: str = DOMAIN) -> None:
         from nvtx import writer
 
         try:
@@ -210,8 +207,9 @@ class NvtxWriterSink(Sink):
             self._streams[engine_index] = stream
         return stream
 
-    def _counter(self, engine_index: int, what: str, dtype: type,
-                 semantics: nvtx.CounterSemantics | None):
+    def _counter(
+        self, engine_index: int, what: str, dtype: type, semantics: nvtx.CounterSemantics | None
+    ):
         key = (engine_index, what)
         counter = self._counters.get(key)
         if counter is None:
@@ -225,8 +223,11 @@ class NvtxWriterSink(Sink):
         stream = self._stream(record.engine_index)
         end_ns = record.start_ns + record.elapsed_ns
         stream.write_startend(
-            record.start_ns, end_ns, message=format_iteration_line(record),
-            color=RANGE_COLOR, category=engine_category(record.engine_index),
+            record.start_ns,
+            end_ns,
+            message=format_iteration_line(record),
+            color=RANGE_COLOR,
+            category=engine_category(record.engine_index),
         )
         for (what, dtype, semantics), value in zip(COUNTERS, counter_values(record), strict=True):
             counter = self._counter(record.engine_index, what, dtype, semantics)
@@ -241,23 +242,29 @@ class NvtxWriterSink(Sink):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("NVTX ranges for Nsight Systems")
     group.add_argument(
-        "--nvtx", action="store_true",
+        "--nvtx",
+        action="store_true",
         help="one NVTX range per iteration (domain 'iterscope') and KV/queue counters; "
         "run the sidecar under `nsys profile`",
     )
     group.add_argument(
-        "--nvtx-delay-ms", type=float, default=DEFAULT_DELAY_MS, metavar="MS",
+        "--nvtx-delay-ms",
+        type=float,
+        default=DEFAULT_DELAY_MS,
+        metavar="MS",
         help="live mode: draw each range this long (plus the lane latency) after its "
         "iteration, so ranges keep their true lengths although records arrive in batches "
         f"(default {DEFAULT_DELAY_MS:g}; keep it above the publisher's 20 ms send period)",
     )
     group.add_argument(
-        "--nvtx-writer-backend", metavar="PATH",
+        "--nvtx-writer-backend",
+        metavar="PATH",
         help="exact-timestamp mode: write ranges at the engine's own times through this "
         "NVTXW backend library (nvtx.writer) instead of live NVTX calls",
     )
     group.add_argument(
-        "--nvtx-writer-config", metavar="TEXT",
+        "--nvtx-writer-config",
+        metavar="TEXT",
         help="backend configuration, key=value lines (e.g. the output file)",
     )
 

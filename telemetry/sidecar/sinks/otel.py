@@ -120,19 +120,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "else http/protobuf",
     )
     group.add_argument(
-        "--otel-slow-iteration-ms", type=float, default=100.0,
+        "--otel-slow-iteration-ms",
+        type=float,
+        default=100.0,
         help="iterations at least this long become spans (default 100)",
     )
     group.add_argument(
-        "--otel-kv-saturation", type=float, default=0.95,
+        "--otel-kv-saturation",
+        type=float,
+        default=0.95,
         help="iterations with KV usage at or above this ratio become spans (default 0.95)",
     )
     group.add_argument(
-        "--otel-iteration-sample-every", type=int, default=0, metavar="N",
+        "--otel-iteration-sample-every",
+        type=int,
+        default=0,
+        metavar="N",
         help="also make every Nth iteration a span (default 0 = off)",
     )
     group.add_argument(
-        "--otel-max-queued-spans", type=int, default=2048,
+        "--otel-max-queued-spans",
+        type=int,
+        default=2048,
         help="spans waiting for export beyond this are dropped and counted (default 2048)",
     )
 

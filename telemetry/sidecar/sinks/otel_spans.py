@@ -197,9 +197,9 @@ def emit_request_spans(
     )
     inside = trace.set_span_in_context(root)
     queue_end_ns = milestone.first_scheduled_ns or milestone.finished_ns
-    tracer.start_span(
-        "queued", context=inside, start_time=wall(milestone.arrival_ns)
-    ).end(end_time=wall(queue_end_ns))
+    tracer.start_span("queued", context=inside, start_time=wall(milestone.arrival_ns)).end(
+        end_time=wall(queue_end_ns)
+    )
     for index, (start_ns, end_ns, num_tokens) in enumerate(milestone.prefill_chunks):
         chunk = {"iterscope.chunk_index": index, "iterscope.num_tokens": num_tokens}
         tracer.start_span(
@@ -207,9 +207,9 @@ def emit_request_spans(
         ).end(end_time=wall(end_ns))
     if milestone.first_token_ns:
         root.add_event("first_token", timestamp=wall(milestone.first_token_ns))
-        tracer.start_span(
-            "decode", context=inside, start_time=wall(milestone.first_token_ns)
-        ).end(end_time=wall(milestone.finished_ns))
+        tracer.start_span("decode", context=inside, start_time=wall(milestone.first_token_ns)).end(
+            end_time=wall(milestone.finished_ns)
+        )
     for preempted_ns in milestone.preempted_ns:
         root.add_event("preempted", timestamp=wall(preempted_ns))
     root.end(end_time=wall(milestone.finished_ns))

@@ -85,47 +85,161 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_tokens": ("Tokens held in the KV cache.", ()),
     "engine_state": ("1 for the engine's current state, 0 for the others.", ("state",)),
     "heartbeat_age_seconds": ("Time since the last heartbeat was received.", ()),
-    "engine_info": ("1, with the engine's facts from its heartbeats as labels (source: "
-                    "iterscope, vllm-scheduler or vllm-stat-logger).",
-                    ("source", "device", "pid")),
+    "engine_info": (
+        "1, with the engine's facts from its heartbeats as labels (source: "
+        "iterscope, vllm-scheduler or vllm-stat-logger).",
+        ("source", "device", "pid"),
+    ),
     "sidecar_lag_seconds": ("Wall time at ingest - wall time the last message was sent.", ()),
     "sidecar_up": ("1 while the sidecar serves this; absent when it is down.", ()),
     "sidecar_start_time_seconds": ("When the sidecar started (unix time).", ()),
     "sink_last_write_timestamp_seconds": (
-        "When the sink last wrote its output successfully (unix time).", ("sink",)),
+        "When the sink last wrote its output successfully (unix time).",
+        ("sink",),
+    ),
 }
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
-                         5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                         960.0, 1920.0, 7680.0)
-_BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                        65536)
-_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
-                          50000, 100000, 200000, 500000, 1000000)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_TIME_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_BATCH_TOKEN_BUCKETS = (
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+)
+_REQUEST_TOKEN_BUCKETS = (
+    1,
+    2,
+    5,
+    10,
+    20,
+    50,
+    100,
+    200,
+    500,
+    1000,
+    2000,
+    5000,
+    10000,
+    20000,
+    50000,
+    100000,
+    200000,
+    500000,
+    1000000,
+)
 # Histogram name (after the prefix) -> (help, default bucket bounds). Order = exposition order.
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "iteration_duration_seconds": ("Engine-core iteration time.", _ITL_BUCKETS),
     "iteration_tokens": ("Prefill + decode tokens per iteration.", _BATCH_TOKEN_BUCKETS),
-    "iteration_context_tokens": ("Prefill tokens per iteration.",
-                                 (0, *_BATCH_TOKEN_BUCKETS)),
-    "iteration_generation_requests": ("Decode requests per iteration.",
-                                      (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
-    "time_to_first_token_seconds": ("Arrival to first token.",
-                                    (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
-                                     640.0, 2560.0)),
-    "inter_token_latency_seconds": ("Time between the ends of consecutive iterations, once per "
-                                    "generated token.", _ITL_BUCKETS),
-    "time_per_output_token_seconds": ("Decode time / (output tokens - 1), per request.",
-                                      _ITL_BUCKETS),
+    "iteration_context_tokens": ("Prefill tokens per iteration.", (0, *_BATCH_TOKEN_BUCKETS)),
+    "iteration_generation_requests": (
+        "Decode requests per iteration.",
+        (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    ),
+    "time_to_first_token_seconds": (
+        "Arrival to first token.",
+        (
+            0.001,
+            0.005,
+            0.01,
+            0.02,
+            0.04,
+            0.06,
+            0.08,
+            0.1,
+            0.25,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+            20.0,
+            40.0,
+            80.0,
+            160.0,
+            640.0,
+            2560.0,
+        ),
+    ),
+    "inter_token_latency_seconds": (
+        "Time between the ends of consecutive iterations, once per generated token.",
+        _ITL_BUCKETS,
+    ),
+    "time_per_output_token_seconds": (
+        "Decode time / (output tokens - 1), per request.",
+        _ITL_BUCKETS,
+    ),
     "e2e_request_latency_seconds": ("Arrival to finish.", _REQUEST_TIME_BUCKETS),
     "request_queue_time_seconds": ("Arrival to first scheduled.", _REQUEST_TIME_BUCKETS),
     "request_prefill_time_seconds": ("First scheduled to first token.", _REQUEST_TIME_BUCKETS),
     "request_decode_time_seconds": ("First token to finish.", _REQUEST_TIME_BUCKETS),
     "request_prompt_tokens": ("Prompt length of finished requests.", _REQUEST_TOKEN_BUCKETS),
-    "request_generation_tokens": ("Output length of finished requests.",
-                                  _REQUEST_TOKEN_BUCKETS),
+    "request_generation_tokens": ("Output length of finished requests.", _REQUEST_TOKEN_BUCKETS),
     "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
 }
 # Counters of an engine: name (after the prefix, without _total) -> (help, its value). The
@@ -134,26 +248,43 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 CounterValue = Callable[["EngineMetrics"], int]
 COUNTERS: dict[str, tuple[str, CounterValue]] = {
     "iterations": ("Iteration records received.", lambda m: m.engine.totals.num_iterations),
-    "prompt_tokens": ("Prefill tokens computed (prefix-cache hits are not).",
-                      lambda m: m.engine.totals.num_prefill_tokens),
-    "prompt_tokens_cached": ("Prompt tokens served from the prefix cache.",
-                             lambda m: m.num_prompt_tokens_cached),
-    "generation_tokens": ("Decode tokens computed (vLLM sources: tokens produced).",
-                          lambda m: m.engine.totals.num_decode_tokens),
+    "prompt_tokens": (
+        "Prefill tokens computed (prefix-cache hits are not).",
+        lambda m: m.engine.totals.num_prefill_tokens,
+    ),
+    "prompt_tokens_cached": (
+        "Prompt tokens served from the prefix cache.",
+        lambda m: m.num_prompt_tokens_cached,
+    ),
+    "generation_tokens": (
+        "Decode tokens computed (vLLM sources: tokens produced).",
+        lambda m: m.engine.totals.num_decode_tokens,
+    ),
     "preemptions": ("Requests preempted.", lambda m: m.engine.totals.num_preemptions),
-    "kv_blocked_iterations": ("Iterations after which requests waited for a free KV block.",
-                              lambda m: m.engine.totals.num_kv_blocked_iterations),
-    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.",
-                             lambda m: m.engine.totals.num_prefix_query_tokens),
-    "prefix_cache_hits": ("Prefix-cache hits, in tokens.",
-                          lambda m: m.engine.totals.num_prefix_hit_tokens),
-    "records_received": ("Telemetry messages received (iterations + heartbeats).",
-                         lambda m: m.engine.num_messages),
-    "records_dropped": ("Telemetry messages lost (sequence gaps).",
-                        lambda m: m.engine.num_dropped_total),
+    "kv_blocked_iterations": (
+        "Iterations after which requests waited for a free KV block.",
+        lambda m: m.engine.totals.num_kv_blocked_iterations,
+    ),
+    "prefix_cache_queries": (
+        "Prefix-cache lookups, in tokens.",
+        lambda m: m.engine.totals.num_prefix_query_tokens,
+    ),
+    "prefix_cache_hits": (
+        "Prefix-cache hits, in tokens.",
+        lambda m: m.engine.totals.num_prefix_hit_tokens,
+    ),
+    "records_received": (
+        "Telemetry messages received (iterations + heartbeats).",
+        lambda m: m.engine.num_messages,
+    ),
+    "records_dropped": (
+        "Telemetry messages lost (sequence gaps).",
+        lambda m: m.engine.num_dropped_total,
+    ),
     "engine_index_conflicts": (
         "Times two live engine processes were seen publishing under this engine index.",
-        lambda m: m.engine.num_engine_conflicts),
+        lambda m: m.engine.num_engine_conflicts,
+    ),
 }
 # Counters with a label of their own: requests by finish reason per engine; the sidecar's.
 FINISHED_COUNTER = "requests_finished"
@@ -161,7 +292,7 @@ SIDECAR_COUNTERS = {
     "frames_undecodable": "Frames that could not be decoded (unknown sender).",
     "frames_rejected": "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
     "lane_disconnects": "Lane connections that ended: engines exiting, senders cut off by the "
-                        "size guard.",
+    "size guard.",
     "sink_errors": "Calls on the sink that raised (ingest went on).",
     "sink_lines_lost": "Messages the sink accepted but gave up writing.",
     "otel_spans_dropped": "Sidecar counter otel_spans_dropped.",
@@ -179,8 +310,7 @@ VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "vllm:request_success": ("iterscope_requests_finished", {"finish_reason": "finished_reason"}),
     "vllm:time_to_first_token_seconds": ("iterscope_time_to_first_token_seconds", {}),
     "vllm:inter_token_latency_seconds": ("iterscope_inter_token_latency_seconds", {}),
-    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds",
-                                                   {}),
+    "vllm:request_time_per_output_token_seconds": ("iterscope_time_per_output_token_seconds", {}),
     "vllm:e2e_request_latency_seconds": ("iterscope_e2e_request_latency_seconds", {}),
     "vllm:request_queue_time_seconds": ("iterscope_request_queue_time_seconds", {}),
     "vllm:request_prefill_time_seconds": ("iterscope_request_prefill_time_seconds", {}),
@@ -200,10 +330,15 @@ def series_names() -> set[str]:
     """Every series this sink can serve, as PromQL names it (histograms as their _bucket,
     _sum and _count series, counters with _total), without the vLLM aliases."""
     counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS}
-    return ({PREFIX + name for name in GAUGES}
-            | {f"{PREFIX}{name}_total" for name in counters}
-            | {f"{PREFIX}{name}_{suffix}" for name in HISTOGRAMS
-               for suffix in ("bucket", "sum", "count")})
+    return (
+        {PREFIX + name for name in GAUGES}
+        | {f"{PREFIX}{name}_total" for name in counters}
+        | {
+            f"{PREFIX}{name}_{suffix}"
+            for name in HISTOGRAMS
+            for suffix in ("bucket", "sum", "count")
+        }
+    )
 
 
 class EngineMetrics:
@@ -218,8 +353,11 @@ class EngineMetrics:
         self.histograms = {name: Histogram(bounds) for name, bounds in buckets.items()}
         # Bound once: the per-record path then does no lookups by name.
         self._duration, self._tokens, self._prefill_tokens, self._decode_reqs = (
-            self.histograms[name] for name in (
-                "iteration_duration_seconds", "iteration_tokens", "iteration_context_tokens",
+            self.histograms[name]
+            for name in (
+                "iteration_duration_seconds",
+                "iteration_tokens",
+                "iteration_context_tokens",
                 "iteration_generation_requests",
             )
         )
@@ -236,8 +374,7 @@ class EngineMetrics:
             for milestone in record.milestones:
                 self.apply_milestone(milestone)
 
-    def observe_iteration(self, record: IterationRecord,
-                          previous: IterationRecord | None) -> None:
+    def observe_iteration(self, record: IterationRecord, previous: IterationRecord | None) -> None:
         """The per-iteration histograms. The inter-token interval is measured only between
         two consecutive iterations of one engine process (``previous``: the record before,
         None after a restart); a gap (drop, restart, replay) is no interval. Weighted: one
@@ -249,8 +386,7 @@ class EngineMetrics:
         self._tokens.observe_count(num_prefill_tokens + record.num_decode_tokens)
         self._prefill_tokens.observe_count(num_prefill_tokens)
         self._decode_reqs.observe_count(num_decode_reqs)
-        if (num_decode_reqs and previous is not None
-                and record.iteration == previous.iteration + 1):
+        if num_decode_reqs and previous is not None and record.iteration == previous.iteration + 1:
             end_ns = record.start_ns + record.elapsed_ns
             previous_end_ns = previous.start_ns + previous.elapsed_ns
             if previous_end_ns and end_ns > previous_end_ns:
@@ -337,8 +473,9 @@ class PrometheusSink(Sink):
         return metrics
 
     def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
-        metrics = (self.engines.get(record.engine_index)
-                   or self.metrics_of(record.engine_index, engine))
+        metrics = self.engines.get(record.engine_index) or self.metrics_of(
+            record.engine_index, engine
+        )
         metrics.apply_iteration(record, engine)
 
     def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
@@ -372,11 +509,17 @@ class MetricsCollector(Collector):
         self.vllm_compatible_names = vllm_compatible_names
 
     def collect(self) -> Iterator[Metric]:
-        engines = [(metrics, [str(index), metrics.engine.model_name])
-                   for index, metrics in list(self.sink.engines.items())]
-        families = [*self.gauges(engines), *self.counters(engines),
-                    *self.histograms(engines), *self.sidecar_counters(),
-                    *self.sidecar_health()]
+        engines = [
+            (metrics, [str(index), metrics.engine.model_name])
+            for index, metrics in list(self.sink.engines.items())
+        ]
+        families = [
+            *self.gauges(engines),
+            *self.counters(engines),
+            *self.histograms(engines),
+            *self.sidecar_counters(),
+            *self.sidecar_health(),
+        ]
         yield from families
         if self.vllm_compatible_names:
             yield from vllm_aliases(families)
@@ -384,12 +527,23 @@ class MetricsCollector(Collector):
     def gauges(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
         """From each engine's view (its status None, not judged yet, reads as idle)."""
         now_ns = time.monotonic_ns()
-        running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age, info, \
-            lag = (gauge(name) for name in (
-                "requests_running", "requests_waiting", "requests_waiting_by_reason",
-                "kv_cache_usage_ratio", "kv_blocks_used", "kv_blocks_free", "kv_blocks_capacity",
-                "kv_tokens", "engine_state", "heartbeat_age_seconds", "engine_info",
-                "sidecar_lag_seconds"))
+        running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age, info, lag = (
+            gauge(name)
+            for name in (
+                "requests_running",
+                "requests_waiting",
+                "requests_waiting_by_reason",
+                "kv_cache_usage_ratio",
+                "kv_blocks_used",
+                "kv_blocks_free",
+                "kv_blocks_capacity",
+                "kv_tokens",
+                "engine_state",
+                "heartbeat_age_seconds",
+                "engine_info",
+                "sidecar_lag_seconds",
+            )
+        )
         for metrics, labels in engines:
             engine = metrics.engine
             running.add_metric(labels, engine.num_running_reqs)
@@ -399,8 +553,7 @@ class MetricsCollector(Collector):
                 by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
             else:
                 for reason, field in WAITING_REASONS:
-                    by_reason.add_metric([*labels, reason],
-                                         getattr(record, field) if record else 0)
+                    by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
             blocks_used, blocks_total = engine.kv_blocks()
             usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
             used.add_metric(labels, blocks_used)
@@ -417,8 +570,20 @@ class MetricsCollector(Collector):
                 age.add_metric(labels, (now_ns - metrics.heartbeat_received_ns) / 1e9)
             if metrics.lag_ns is not None:
                 lag.add_metric(labels, metrics.lag_ns / 1e9)
-        return [running, waiting, by_reason, usage, used, free, total, kv_tokens, state, age,
-                info, lag]
+        return [
+            running,
+            waiting,
+            by_reason,
+            usage,
+            used,
+            free,
+            total,
+            kv_tokens,
+            state,
+            age,
+            info,
+            lag,
+        ]
 
     def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, value_of) in COUNTERS.items():
@@ -426,15 +591,18 @@ class MetricsCollector(Collector):
             for metrics, labels in engines:
                 family.add_metric(labels, value_of(metrics))
             yield family
-        finished = CounterMetricFamily(PREFIX + FINISHED_COUNTER, "Requests finished.",
-                                       labels=[*LABELS, "finish_reason"])
+        finished = CounterMetricFamily(
+            PREFIX + FINISHED_COUNTER, "Requests finished.", labels=[*LABELS, "finish_reason"]
+        )
         for metrics, labels in engines:
             for reason, count in list(metrics.num_finished_by_reason.items()):
                 finished.add_metric([*labels, reason], count)
         yield finished
         health = self.sink.health
-        for name, counts in (("frames_undecodable", health.num_undecodable),
-                             ("frames_rejected", health.num_rejected)):
+        for name, counts in (
+            ("frames_undecodable", health.num_undecodable),
+            ("frames_rejected", health.num_rejected),
+        ):
             family = sidecar_counter(name, ["reason"])
             for reason, count in list(counts.items()):
                 family.add_metric(["", "", reason], count)
@@ -460,15 +628,22 @@ class MetricsCollector(Collector):
                 if _METRIC_NAME.match(name):
                     values[name] = values.get(name, 0.0) + value
         for name, value in values.items():
-            family = CounterMetricFamily(PREFIX + name, SIDECAR_COUNTERS.get(
-                name, f"Sidecar counter {name}."), labels=LABELS)
+            family = CounterMetricFamily(
+                PREFIX + name, SIDECAR_COUNTERS.get(name, f"Sidecar counter {name}."), labels=LABELS
+            )
             family.add_metric(["", ""], value)
             yield family
 
     def sidecar_health(self) -> list[Metric]:
         """The sidecar's own up and start time, and each sink's failures and last write."""
-        up, started, last_write = (gauge(name) for name in (
-            "sidecar_up", "sidecar_start_time_seconds", "sink_last_write_timestamp_seconds"))
+        up, started, last_write = (
+            gauge(name)
+            for name in (
+                "sidecar_up",
+                "sidecar_start_time_seconds",
+                "sink_last_write_timestamp_seconds",
+            )
+        )
         up.add_metric(["", ""], 1.0)
         started.add_metric(["", ""], self.sink.start_time)
         errors = sidecar_counter("sink_errors", ["sink"])
@@ -490,8 +665,9 @@ def gauge(name: str) -> GaugeMetricFamily:
 
 def sidecar_counter(name: str, extra_labels: Sequence[str] = ()) -> CounterMetricFamily:
     """A family of SIDECAR_COUNTERS, empty (its samples have empty engine labels)."""
-    return CounterMetricFamily(PREFIX + name, SIDECAR_COUNTERS[name],
-                               labels=[*LABELS, *extra_labels])
+    return CounterMetricFamily(
+        PREFIX + name, SIDECAR_COUNTERS[name], labels=[*LABELS, *extra_labels]
+    )
 
 
 def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
@@ -502,7 +678,7 @@ def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
         alias = Metric(vllm_name, family.documentation, family.type)
         for sample in family.samples:
             labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
-            suffix = sample.name[len(our_name):]
+            suffix = sample.name[len(our_name) :]
             alias.samples.append(sample._replace(name=vllm_name + suffix, labels=labels))
         yield alias
 
@@ -524,17 +700,31 @@ def parse_buckets(text: str) -> tuple[str, tuple[float, ...]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Prometheus /metrics")
-    group.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
-                       help="address to serve /metrics on (default %(default)s)")
-    group.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                       help="port to serve /metrics on; 0 picks a free one (default %(default)s)")
+    group.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help="address to serve /metrics on (default %(default)s)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="port to serve /metrics on; 0 picks a free one (default %(default)s)",
+    )
     group.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    group.add_argument("--vllm-compatible-names", action="store_true",
-                       help="also expose vLLM's series names (vllm:num_requests_running, ...)")
-    group.add_argument("--metrics-buckets", type=parse_buckets, action="append", default=[],
-                       metavar="HISTOGRAM=B1,B2,...",
-                       help="bucket bounds for one histogram (name without iterscope_);"
-                            " repeatable")
+    group.add_argument(
+        "--vllm-compatible-names",
+        action="store_true",
+        help="also expose vLLM's series names (vllm:num_requests_running, ...)",
+    )
+    group.add_argument(
+        "--metrics-buckets",
+        type=parse_buckets,
+        action="append",
+        default=[],
+        metavar="HISTOGRAM=B1,B2,...",
+        help="bucket bounds for one histogram (name without iterscope_); repeatable",
+    )
     # How a process that started this sidecar on --metrics-port 0 learns the port it got.
     group.add_argument("--metrics-url-file", default=None, help=argparse.SUPPRESS)
 
