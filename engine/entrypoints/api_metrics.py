@@ -48,29 +48,10 @@ UNKNOWN_HANDLER = "none"
 # A fixed /metrics URL, a function giving the current one, or None (no sidecar).
 SidecarUrl = str | Callable[[], str | None] | None
 LATENCY_BUCKETS = (0.1, 0.5, 1.0)
-LATENCY_HIGHR_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    3.0,
-    3.5,
-    4.0,
-    4.5,
-    5.0,
-    7.5,
-    10.0,
-    30.0,
-    60.0,
-)
+# fmt: off
+LATENCY_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+                         3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+# fmt: on
 
 
 class HttpSeries:
