@@ -19,7 +19,7 @@ from bench.vllm_server import engine_core_pid, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
-from tests.helpers.vllm import counter_pairs, engine_status, iterscope
+from tests.helpers.vllm import counter_pairs, engine_status, iterscope, runs_requests
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -200,7 +200,12 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
             )
             for _ in range(2)
         ]
-        wait_until(lambda: status(stack) == "running", 30, "the engine to run", interval_s=POLL_S)
+        wait_until(
+            lambda: runs_requests(stack["metrics_port"]),
+            30,
+            "the engine to run them",
+            interval_s=POLL_S,
+        )
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:

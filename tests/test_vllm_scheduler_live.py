@@ -22,7 +22,7 @@ from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm,
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
-from tests.helpers.vllm import counter_pairs, engine_status, iterscope
+from tests.helpers.vllm import counter_pairs, engine_status, iterscope, runs_requests
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -235,7 +235,10 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
             complete, kv_stack["api_port"], [prompt(200 + i, 20) for i in range(2)], 120
         )
         wait_until(
-            lambda: status(kv_stack) == "running", 30, "the engine to run", interval_s=POLL_S
+            lambda: runs_requests(kv_stack["metrics_port"]),
+            30,
+            "the engine to run them",
+            interval_s=POLL_S,
         )
         os.kill(core_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -48,6 +48,18 @@ def engine_status(metrics_port: int) -> str | None:
     return states[0] if states else None
 
 
+def runs_requests(metrics_port: int) -> bool:
+    """The sidecar says the engine is running and has requests running now (one scrape): not
+    a status left over from work that has just drained (idle shows within a heartbeat)."""
+    samples = scrape(metrics_port)
+    running = [
+        dict(labels)["state"]
+        for (name, labels), value in samples.items()
+        if name == "iterscope_engine_state" and value == 1
+    ] == ["running"]
+    return running and total(samples, "iterscope_requests_running") > 0
+
+
 def iterscope(*args: str) -> str:
     """Run an iterscope command; its stdout, after checking it succeeded."""
     done = subprocess.run(
