@@ -171,7 +171,7 @@ class EngineCore:
         # iteration and sets every field, and the factory's dict merge costs several times more.
         return IterationRecord(
             engine_index=self.config.engine_index,
-            seq=0,  # stamped by the publisher
+            msg_seq=0,  # stamped by the publisher
             iteration=self.iteration,
             start_ns=start_ns,
             elapsed_ns=time.monotonic_ns() - start_ns,

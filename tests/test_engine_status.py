@@ -36,12 +36,12 @@ class ScriptedEngine:
     def __init__(self, ingest):
         self.ingest = ingest
         self.now_ns = 0
-        self.seq = 0
+        self.msg_seq = 0
         self.iteration = 0
 
     def message(self, make, **fields):
-        self.seq += 1
-        self.ingest.on_message(make(self.seq, **fields), self.now_ns)
+        self.msg_seq += 1
+        self.ingest.on_message(make(self.msg_seq, **fields), self.now_ns)
 
     def run_for(self, seconds, finish_iteration=True):
         """``seconds`` of heartbeats (work in flight, no progress), then one iteration ends."""

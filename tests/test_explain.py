@@ -234,7 +234,7 @@ def test_lost_messages_make_a_telemetry_gap():
     sim.add_message_loss(5.0, 6.0, by_engine=True)
     sim.add_message_loss(12.0, 12.3, by_engine=False)
     sim.run(22)
-    num_lost = sim.seq - len(sim.messages)
+    num_lost = sim.msg_seq - len(sim.messages)
     _, episodes = episodes_of(sim)
     gaps = only(episodes, "telemetry_gap")
     assert len(gaps) == 2

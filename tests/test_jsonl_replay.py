@@ -48,7 +48,7 @@ def run_messages(num_engines=2, seconds=25, seed=1):
                 )
             seq += 1
             message = synthetic_record(engine_index, step + 1, t_ns, 40_000_000)
-            message.seq = seq
+            message.msg_seq = seq
             message.num_prefill_tokens = rng.randrange(0, 300)
             message.num_prefix_query_tokens = message.num_prefill_tokens
             message.num_prefix_hit_tokens = message.num_prefill_tokens // 2
@@ -88,7 +88,7 @@ def live(messages, path, **jsonl_kwargs):
     for message in messages:
         now_ns = message.ts_ns if isinstance(message, Heartbeat) else message.start_ns
         ingest.on_message(message, now_ns)
-        if message.seq % 7 == 0:
+        if message.msg_seq % 7 == 0:
             ingest.tick(now_ns)
     ingest.close()
     return lines, ingest
@@ -127,8 +127,8 @@ def test_rotation_keeps_a_bounded_number_of_bounded_files(tmp_path):
     files = recording_files(path)
     assert [f.name for f in files] == ["rec.jsonl.2", "rec.jsonl.1", "rec.jsonl"]
     assert all(f.stat().st_size <= 10_000 + 4096 for f in files)
-    seqs = [m.seq for m in read_recording(path)]
-    assert seqs == sorted(seqs) and seqs[-1] == messages[-1].seq  # the newest are kept
+    seqs = [m.msg_seq for m in read_recording(path)]
+    assert seqs == sorted(seqs) and seqs[-1] == messages[-1].msg_seq  # the newest are kept
     assert len(seqs) < len(messages)  # the oldest were rotated away
 
 
@@ -143,7 +143,7 @@ def test_a_partial_last_line_is_cut_and_the_last_seqs_are_known(tmp_path):
     assert path.read_bytes() == complete
     last = {}
     for message in messages:
-        last[message.engine_index] = message.seq
+        last[message.engine_index] = message.msg_seq
     assert sink.known_last_seqs() == last
     sink.close()
 
@@ -172,7 +172,7 @@ def test_explain_counts_bad_lines_as_replay_does(tmp_path):
     """One reader: a message out of range (seq 0) is as unreadable to explain as to replay."""
     path = tmp_path / "rec.jsonl"
     good = run_messages(num_engines=1, seconds=1)[:3]
-    implausible = msgspec.structs.replace(good[0], seq=0)
+    implausible = msgspec.structs.replace(good[0], msg_seq=0)
     encoder = msgspec.json.Encoder()
     path.write_bytes(
         b"".join(encoder.encode(m) + b"\n" for m in [*good, implausible])

@@ -25,11 +25,11 @@ class Lines:
         return [text for lvl, text in self.lines if level is None or lvl == level]
 
 
-def heartbeat(engine_index, wall_s, running=0, waiting=0, device="GPU", seq=1):
+def heartbeat(engine_index, wall_s, running=0, waiting=0, device="GPU", msg_seq=1):
     wall_ns = int(wall_s * SECOND)
     return lane_heartbeat(
         engine_index,
-        seq,
+        msg_seq,
         wall_ns - CLOCK_OFFSET_NS,
         wall_ns,
         num_waiting_reqs=waiting,
@@ -172,10 +172,10 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     lines = Lines()
     sink = LogSink(emit=lines)
     ingest = Ingest([sink], dead_after_s=2.5, stall_after_s=5)
-    ingest.on_message(heartbeat(0, 100, running=2, seq=1), now_ns=100 * SECOND)
-    ingest.on_message(record(0, 100.5, seq=2), now_ns=int(100.5 * SECOND))
+    ingest.on_message(heartbeat(0, 100, running=2, msg_seq=1), now_ns=100 * SECOND)
+    ingest.on_message(record(0, 100.5, msg_seq=2), now_ns=int(100.5 * SECOND))
     for second in range(101, 112):  # heartbeats, work, but no iteration
-        ingest.on_message(heartbeat(0, second, running=2, seq=second - 98), second * SECOND)
+        ingest.on_message(heartbeat(0, second, running=2, msg_seq=second - 98), second * SECOND)
         ingest.tick(second * SECOND + 1)
     for tenth in range(1, 100):
         ingest.tick(111 * SECOND + tenth * SECOND // 10)

@@ -18,7 +18,7 @@ from telemetry.lane.record import (
 )
 
 
-def decode_record(seq: int = 0, iteration: int = 123_000, **overrides) -> IterationRecord:
+def decode_record(msg_seq: int = 0, iteration: int = 123_000, **overrides) -> IterationRecord:
     """A steady-state decode iteration: 50 running requests, one token each."""
     fields = dict(
         start_ns=time.monotonic_ns(),
@@ -30,11 +30,11 @@ def decode_record(seq: int = 0, iteration: int = 123_000, **overrides) -> Iterat
         num_kv_blocks_free=65459,
         num_kv_tokens=56000,
     )
-    return iteration_record(0, seq, iteration, **{**fields, **overrides})
+    return iteration_record(0, msg_seq, iteration, **{**fields, **overrides})
 
 
 def test_steady_state_decode_record_fits_96_bytes():
-    frame = make_encoder().encode(decode_record(seq=2**31))
+    frame = make_encoder().encode(decode_record(msg_seq=2**31))
     assert len(frame) <= 96
 
 
@@ -67,7 +67,7 @@ def test_other_schema_version_is_rejected():
 
 def test_factories_leave_every_unnamed_count_zero():
     record = iteration_record(2, 7, 9, num_kv_tokens=16)
-    assert (record.engine_index, record.seq, record.iteration) == (2, 7, 9)
+    assert (record.engine_index, record.msg_seq, record.iteration) == (2, 7, 9)
     assert record.num_kv_tokens == 16
     assert record.num_running_reqs == record.elapsed_ns == record.unknown == 0
     assert record.milestones == []
@@ -114,7 +114,7 @@ def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
                 received = decoder.decode(pull.recv())
         # Heartbeat or record: the first message sent carries every drop before it.
         assert received is not None
-        assert received.seq - received.num_dropped == 1
+        assert received.msg_seq - received.num_dropped == 1
         assert publisher.num_dropped_total == received.num_dropped
     finally:
         publisher.close()
@@ -158,15 +158,15 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkey
         publisher.close()
         pull.close(linger=0)
     records = [m for m in messages if isinstance(m, IterationRecord)]
-    seqs = [m.seq for m in messages]
+    seqs = [m.msg_seq for m in messages]
     assert seqs == sorted(seqs)
     assert publisher.num_dropped_total == 6
     assert len(records) == 5
     # Each message's num_dropped is exactly the seq gap before it, and the gaps add up.
     previous_seq = 0
     for message in messages:
-        assert message.num_dropped == message.seq - previous_seq - 1
-        previous_seq = message.seq
+        assert message.num_dropped == message.msg_seq - previous_seq - 1
+        previous_seq = message.msg_seq
     assert sum(m.num_dropped for m in messages) == 6
 
 

@@ -177,7 +177,7 @@ def test_a_failing_sink_is_counted_and_ingest_goes_on():
     good = RecordingSink()
     ingest = Ingest([Failing(), good])
     for message in (heartbeat(1), record(2), record(3)):
-        ingest.on_message(message, now_ns=message.seq)
+        ingest.on_message(message, now_ns=message.msg_seq)
     assert ingest.health.num_sink_errors == 2
     assert good.of("iteration") == [(0, 2), (0, 3)] and good.of("status")
 

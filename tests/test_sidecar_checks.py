@@ -27,21 +27,21 @@ class HonestEngine:
     def __init__(self, ingest, engine_index=0):
         self.ingest = ingest
         self.engine_index = engine_index
-        self.seq = 0
+        self.msg_seq = 0
         self.num_dropped_total = 0
         self.now_ns = 0
 
     def send(self, num_dropped_before=0, kind="record"):
-        self.seq += 1 + num_dropped_before
+        self.msg_seq += 1 + num_dropped_before
         self.num_dropped_total += num_dropped_before
         self.now_ns += SECOND // 10
         make = heartbeat if kind == "heartbeat" else record
-        message = make(self.seq, engine_index=self.engine_index, num_dropped=num_dropped_before)
+        message = make(self.msg_seq, engine_index=self.engine_index, num_dropped=num_dropped_before)
         self.ingest.on_frame(encode(message), self.now_ns)
 
 
-def with_seq(message, seq, num_dropped):
-    message.seq, message.num_dropped = seq, num_dropped
+def with_seq(message, msg_seq, num_dropped):
+    message.msg_seq, message.num_dropped = msg_seq, num_dropped
     return message
 
 
@@ -75,7 +75,7 @@ def test_a_forged_seq_jump_is_a_suspect_frame_not_billions_of_drops():
     forged = [
         with_seq(record(1), 2**62, 0),
         with_seq(record(1), 2**62, 2**62 - 1),
-        heartbeat(engine.seq + MAX_IN_TRANSIT + 10),
+        heartbeat(engine.msg_seq + MAX_IN_TRANSIT + 10),
     ]
     for message in forged:
         ingest.on_frame(encode(message), engine.now_ns)

@@ -32,7 +32,7 @@ def test_synthetic_engine_sends_consecutive_seqs(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     records = [m for m in messages if isinstance(m, IterationRecord)]
     assert records and report["num_iterations"] >= len(records)
-    seqs = [m.seq for m in messages]
+    seqs = [m.msg_seq for m in messages]
     assert seqs == sorted(seqs) and seqs[-1] <= report["last_seq"]
     # Every seq is delivered or counted as dropped by the engine.
     assert len(set(seqs)) + report["num_dropped_total"] == report["last_seq"]

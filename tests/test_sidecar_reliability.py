@@ -90,8 +90,8 @@ def test_killed_and_restarted_sidecar_reports_the_exact_gap(tmp_path):
     messages = list(read_recording(recording))
     seen_by_first = messages[:num_first_lines]
     seen_by_second = messages[num_first_lines:]
-    last_seq_first = max(m.seq for m in seen_by_first)
-    seqs_second = [m.seq for m in seen_by_second]
+    last_seq_first = max(m.msg_seq for m in seen_by_first)
+    seqs_second = [m.msg_seq for m in seen_by_second]
     real_gap = max(seqs_second) - last_seq_first - len(set(seqs_second))
     assert real_gap > 0
     assert reported_dropped((tmp_path / "b.log").read_text()) == {0: real_gap}
@@ -220,8 +220,8 @@ def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counte
     assert second_start_time > first_start_time
     assert any(f"sidecar (pid {first_pid}) exited" in r.getMessage() for r in caplog.records)
     messages = list(read_recording(recording))
-    last_seq_first = max(m.seq for m in messages[:num_first_lines])
-    seqs_second = {m.seq for m in messages[num_first_lines:]}
+    last_seq_first = max(m.msg_seq for m in messages[:num_first_lines])
+    seqs_second = {m.msg_seq for m in messages[num_first_lines:]}
     real_gap = max(seqs_second) - last_seq_first - len(seqs_second)
     assert real_gap > 0
     assert dropped == real_gap

@@ -180,7 +180,7 @@ def test_unknown_survives_the_wire_and_old_frames_decode_as_known():
 
 def unknown_record(**fields) -> IterationRecord:
     record = RecordMaker(0, 11).make(scheduler_stats(**fields), iteration_stats())
-    record.seq = 1
+    record.msg_seq = 1
     return record
 
 

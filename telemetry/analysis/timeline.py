@@ -181,10 +181,10 @@ def build_timelines(
     heartbeats: dict[int, dict[tuple, Heartbeat]] = {}
     for message in messages:
         if isinstance(message, IterationRecord):
-            key = (message.seq, message.start_ns)
+            key = (message.msg_seq, message.start_ns)
             records.setdefault(message.engine_index, {})[key] = message
         else:
-            key = (message.seq, message.ts_ns)
+            key = (message.msg_seq, message.ts_ns)
             heartbeats.setdefault(message.engine_index, {})[key] = message
     engines = sorted(set(records) | set(heartbeats))
     return {

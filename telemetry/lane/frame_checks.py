@@ -48,4 +48,4 @@ def classify_undecodable(
 
 def is_plausible(message: Message) -> bool:
     """Fields the sidecar keys state on must be in range, else the frame counts as malformed."""
-    return 0 <= message.engine_index <= MAX_ENGINE_INDEX and message.seq >= 1
+    return 0 <= message.engine_index <= MAX_ENGINE_INDEX and message.msg_seq >= 1

@@ -13,7 +13,7 @@ a parallel region, and waking every 2 ms cost the engine about 5% of its through
     publish(record) --deque-->    seq = next; num_dropped = seq - last_sent_seq - 1
                                   encode, send(NOBLOCK) --ZMQ PUSH--> sidecar
 
-Loss is always counted and always visible as a ``seq`` gap:
+Loss is always counted and always visible as a ``msg_seq`` gap:
 - queue full (sender starved): the engine thread counts the record; the sender gives it a
   seq number that is never sent;
 - ``zmq.Again`` (sidecar absent, slow or stopped; ``ZMQ_IMMEDIATE`` keeps messages from
@@ -115,7 +115,7 @@ class ZmqPublisher:
 
     def publish(self, record: IterationRecord) -> None:
         """Queue the record for the sender thread; O(1), never blocks. The sender stamps
-        ``seq`` and ``num_dropped``. Heartbeats report the last iteration that scheduled
+        ``msg_seq`` and ``num_dropped``. Heartbeats report the last iteration that scheduled
         work, so a loop that spins without scheduling anything reads as stalled."""
         if record.num_prefill_tokens or record.num_decode_tokens:
             self.last_iteration = record.iteration
@@ -175,8 +175,8 @@ class ZmqPublisher:
                 self._count_queue_full()
                 item.set()
                 continue
-            item.seq = self._take_seq()
-            item.num_dropped = item.seq - self._last_sent_seq - 1
+            item.msg_seq = self._take_seq()
+            item.num_dropped = item.msg_seq - self._last_sent_seq - 1
             self._send(item)
         self._count_queue_full()
 
@@ -195,7 +195,7 @@ class ZmqPublisher:
         seq = self._take_seq()
         heartbeat = Heartbeat(
             engine_index=self.engine_index,
-            seq=seq,
+            msg_seq=seq,
             ts_ns=ts_ns,
             wall_ns=time.time_ns(),
             last_iteration=self.last_iteration,
@@ -217,7 +217,7 @@ class ZmqPublisher:
         except zmq.Again:
             self.num_dropped_total += 1
         else:
-            self._last_sent_seq = message.seq
+            self._last_sent_seq = message.msg_seq
             self.num_sent_total += 1
 
 

@@ -4,12 +4,12 @@ Every frame is one msgpack array (msgspec, ``array_like=True``) whose first elem
 integer tag = SCHEMA_VERSION * 16 + kind, so a frame from another schema version is told
 apart from garbage without decoding the rest:
 
-    [17, engine_index, seq, iteration, start_ns, elapsed_ns, ...]   IterationRecord (kind 1)
-    [18, engine_index, seq, ts_ns, wall_ns, ...]                     Heartbeat       (kind 2)
+    [17, engine_index, msg_seq, iteration, start_ns, elapsed_ns, ...]   IterationRecord (kind 1)
+    [18, engine_index, msg_seq, ts_ns, wall_ns, ...]                     Heartbeat       (kind 2)
 
 Invariants the sidecar relies on:
-- ``seq`` counts every message an engine *tried* to send on the lane (records and heartbeats
-  share one counter), starting at 1. A gap in ``seq`` is a lost message.
+- ``msg_seq`` counts every message an engine *tried* to send on the lane (records and heartbeats
+  share one counter), starting at 1. A gap in ``msg_seq`` is a lost message.
 - ``num_dropped`` is how many messages the engine failed to send (full queue) since the last
   one it did send. Gaps the engine knows of are therefore exact; the rest were lost in transit.
 - Times are the engine's ``time.monotonic_ns()``; every Heartbeat pairs ``ts_ns`` with
@@ -105,7 +105,7 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     """One engine-core iteration (schedule + forward + update), filled from scheduler counts."""
 
     engine_index: Count
-    seq: Count
+    msg_seq: Count
     iteration: Count
     start_ns: Count
     elapsed_ns: Count
@@ -148,7 +148,7 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     """About once a second, from a thread of its own: progress, clock anchor, static facts."""
 
     engine_index: Count
-    seq: Count
+    msg_seq: Count
     ts_ns: Count  # monotonic
     wall_ns: Count  # time.time_ns(), read right after ts_ns
     last_iteration: Count  # the last iteration that scheduled work (0 = none yet)
@@ -180,19 +180,23 @@ _ITERATION_ZEROS = _required_zeros(IterationRecord, 3)
 _HEARTBEAT_ZEROS = _required_zeros(Heartbeat, 4)
 
 
-def iteration_record(engine_index: int, seq: int, iteration: int, **fields: Any) -> IterationRecord:
+def iteration_record(
+    engine_index: int, msg_seq: int, iteration: int, **fields: Any
+) -> IterationRecord:
     """An IterationRecord with ``fields`` set and every other count 0 (no milestones).
 
     A misspelt field name raises TypeError, as the constructor does. The engine core (and the
     publisher, for heartbeats) calls the constructor instead: it sets every field anyway, and
     the dict merge here would cost it several times the constructor call.
     """
-    return IterationRecord(engine_index, seq, iteration, **{**_ITERATION_ZEROS, **fields})
+    return IterationRecord(engine_index, msg_seq, iteration, **{**_ITERATION_ZEROS, **fields})
 
 
-def heartbeat(engine_index: int, seq: int, ts_ns: int, wall_ns: int, **fields: Any) -> Heartbeat:
+def heartbeat(
+    engine_index: int, msg_seq: int, ts_ns: int, wall_ns: int, **fields: Any
+) -> Heartbeat:
     """A Heartbeat with ``fields`` set and every other count 0 (facts empty)."""
-    return Heartbeat(engine_index, seq, ts_ns, wall_ns, **{**_HEARTBEAT_ZEROS, **fields})
+    return Heartbeat(engine_index, msg_seq, ts_ns, wall_ns, **{**_HEARTBEAT_ZEROS, **fields})
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

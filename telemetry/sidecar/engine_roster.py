@@ -9,7 +9,7 @@ Invariants:
   ``evict_after_s``; a live engine is never removed. (Ingest, telemetry/sidecar/ingest.py,
   tells the sinks: ``on_engine_removed``.)
 - When this sidecar meets an engine for the first time, the gap before its heartbeat is
-  counted from the last ``seq`` a sink remembers (``known_last_seqs``, the JSONL recording
+  counted from the last ``msg_seq`` a sink remembers (``known_last_seqs``, the JSONL recording
   does) and otherwise from the engine's own ``num_dropped`` (exact for the time no sidecar
   was connected, thanks to ZMQ_IMMEDIATE), plus the records that came before its first
   heartbeat.
@@ -92,8 +92,8 @@ class EngineRoster:
         state.stall.restart(now_ns)
         lost_before = self._lost_before_met.pop(index, 0)
         known_seq = self._known_last_seqs.pop(index, None)
-        if known_seq is not None and 0 <= heartbeat.seq - known_seq - 1 <= self._max_seq_jump:
-            return state, heartbeat.seq - known_seq - 1  # exact: the recording's last seq
+        if known_seq is not None and 0 <= heartbeat.msg_seq - known_seq - 1 <= self._max_seq_jump:
+            return state, heartbeat.msg_seq - known_seq - 1  # exact: the recording's last seq
         # Joined mid-stream, or restarted while no sidecar listened: only the engine's own
         # count is known.
         return state, lost_before + heartbeat.num_dropped

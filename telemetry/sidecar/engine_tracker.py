@@ -2,7 +2,7 @@
 evidence its status is judged on.
 
 A lane can be written by anyone who can reach it (docs/architecture.md, "Who can write to
-the lane"), so a message's ``seq`` is trusted only as far as it can be checked against what
+the lane"), so a message's ``msg_seq`` is trusted only as far as it can be checked against what
 the engine said before:
 
     forward   the gap before the message must be explained by the engine's own count of
@@ -41,7 +41,7 @@ MAX_IN_TRANSIT = 1 << 17
 
 def drops_are_plausible(message: Message, max_seq_jump: int = MAX_SEQ_JUMP) -> bool:
     """No message reports more drops than were numbered before it, or than MAX_SEQ_JUMP."""
-    return message.num_dropped < message.seq and message.num_dropped <= max_seq_jump
+    return message.num_dropped < message.msg_seq and message.num_dropped <= max_seq_jump
 
 
 @dataclass
@@ -71,7 +71,7 @@ class EngineTracker:
         a suspect frame that moved ``last_seq`` before the checks existed, or a connection
         that lost more than MAX_IN_TRANSIT, keeps the engine out for a few seconds at most.
         """
-        seq = message.seq
+        seq = message.msg_seq
         if seq <= self.last_seq:  # restarted: seq counts from 1 again
             return message.num_dropped
         gap = seq - self.last_seq - 1

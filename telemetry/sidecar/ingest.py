@@ -9,14 +9,14 @@ Two layers, so that a live socket and a replayed recording go through the same c
              recording instead (telemetry/sidecar/replay.py)
 
 Which engines are tracked, and what a newly met one lost, is decided by the engine roster
-(telemetry/sidecar/engine_roster.py); the checks of one engine's ``seq`` and the evidence its
+(telemetry/sidecar/engine_roster.py); the checks of one engine's ``msg_seq`` and the evidence its
 status is judged on are its EngineTracker's (telemetry/sidecar/engine_tracker.py).
 
 Invariants:
 - Sinks are called from one thread, in arrival order. For one engine, arrival order is send
-  order (one PUSH socket per engine), so ``seq`` only grows until the engine restarts.
+  order (one PUSH socket per engine), so ``msg_seq`` only grows until the engine restarts.
 - Every lost message is counted exactly once, on the engine's view (``num_dropped_total``),
-  before the next message of that engine reaches the sinks: lost = gap in ``seq``, checked
+  before the next message of that engine reaches the sinks: lost = gap in ``msg_seq``, checked
   against what the engine says it dropped (telemetry/sidecar/engine_tracker.py).
 - A frame that cannot be decoded is counted by reason, a decoded one that fails a check is
   counted by reason; neither stops ingest nor reaches the sinks. Ingest is the one owner of
@@ -116,7 +116,7 @@ class Ingest:
             self.count_undecodable(classify_undecodable(frame, error))
             return
         # is_plausible(message), inlined: this runs once per frame.
-        if not (0 <= message.engine_index <= MAX_ENGINE_INDEX and message.seq >= 1):
+        if not (0 <= message.engine_index <= MAX_ENGINE_INDEX and message.msg_seq >= 1):
             self.count_undecodable("malformed")
             return
         self.on_message(message, now_ns)
@@ -161,7 +161,7 @@ class Ingest:
         """
         is_heartbeat = type(message) is Heartbeat
         state = self.engines.get(message.engine_index)
-        if state is not None and message.seq == state.last_seq + 1 and not message.num_dropped:
+        if state is not None and message.msg_seq == state.last_seq + 1 and not message.num_dropped:
             num_lost = 0  # the common case, inlined: nothing lost, nothing to doubt
         elif not drops_are_plausible(message, self._max_seq_jump):
             num_lost = None
@@ -171,13 +171,13 @@ class Ingest:
                 return
         else:
             num_lost = state.gap_before(message, is_heartbeat)
-            if num_lost is not None and message.seq <= state.last_seq:
+            if num_lost is not None and message.msg_seq <= state.last_seq:
                 state.note_restart(now_ns)
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
         self.health.num_messages += 1
-        state.last_seq = message.seq
+        state.last_seq = message.msg_seq
         state.last_message_ns = now_ns
         view = state.view  # applied after the sinks: they see the engine before the message
         view.num_messages += 1

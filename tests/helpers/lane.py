@@ -54,11 +54,11 @@ class RecordingSink(Sink):
 
     def on_iteration(self, record, engine):
         self._note_losses(engine)
-        self.calls.append(("iteration", record.engine_index, record.seq))
+        self.calls.append(("iteration", record.engine_index, record.msg_seq))
 
     def on_heartbeat(self, heartbeat, engine):
         self._note_losses(engine)
-        self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.seq))
+        self.calls.append(("heartbeat", heartbeat.engine_index, heartbeat.msg_seq))
 
     def on_status(self, engine_index, status, now_ns):
         self.calls.append(("status", engine_index, status, now_ns))
@@ -73,19 +73,21 @@ class RecordingSink(Sink):
         return [call[1:] for call in self.calls if call[0] == kind]
 
 
-def record(seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
-    message = synthetic_record(engine_index, iteration or seq, 1000 * seq, 100, **overrides)
-    message.seq = seq
+def record(msg_seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
+    message = synthetic_record(engine_index, iteration or msg_seq, 1000 * msg_seq, 100, **overrides)
+    message.msg_seq = msg_seq
     message.num_dropped = num_dropped
     return message
 
 
-def heartbeat(seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0, pid=0):
+def heartbeat(
+    msg_seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0, pid=0
+):
     return lane_heartbeat(
         engine_index,
-        seq,
-        seq,
-        seq,
+        msg_seq,
+        msg_seq,
+        msg_seq,
         last_iteration=last_iteration,
         num_waiting_reqs=waiting,
         num_running_reqs=running,

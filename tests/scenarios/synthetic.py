@@ -86,7 +86,7 @@ class Simulator:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.messages: list[IterationRecord | Heartbeat] = []
-        self.seq = 0
+        self.msg_seq = 0
         self.iteration = 0
         self.next_heartbeat_ns = self.now_ns
         self.num_free_blocks = num_blocks
@@ -190,12 +190,12 @@ class Simulator:
             self.next_heartbeat_ns += NS
 
     def _send(self, message, send_ns: int) -> None:
-        self.seq += 1
+        self.msg_seq += 1
         for start_ns, end_ns, by_engine in self.lose_windows:
             if start_ns <= send_ns < end_ns:
                 self.num_dropped_pending += by_engine
                 return
-        message.seq = self.seq
+        message.msg_seq = self.msg_seq
         message.num_dropped = self.num_dropped_pending
         self.num_dropped_pending = 0
         self.messages.append(message)

@@ -227,7 +227,7 @@ def test_a_frozen_process_is_not_called_a_restart():
         < synthetic.NS * 1014
     ]
     for seq, message in enumerate(messages, 1):  # nothing lost: the process sent nothing
-        message.seq = seq
+        message.msg_seq = seq
     (gap,) = of_kind(detect_episodes(timeline_of(messages)), "telemetry_gap")
     assert not gap.numbers["restarted"] and gap.title == "Engine silent"
     assert "restart" not in gap.explanation and "frozen" in gap.explanation

@@ -260,15 +260,19 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     segments = _seq_segments(sorted([*tl.records, *tl.heartbeats], key=message_time_ns))
     holes, silences = [], []
     for segment in segments:
-        by_seq = sorted(segment, key=lambda m: m.seq)
-        holes += [(a, b, b.seq - a.seq - 1) for a, b in pairwise(by_seq) if b.seq > a.seq + 1]
+        by_seq = sorted(segment, key=lambda m: m.msg_seq)
+        holes += [
+            (a, b, b.msg_seq - a.msg_seq - 1)
+            for a, b in pairwise(by_seq)
+            if b.msg_seq > a.msg_seq + 1
+        ]
     for number, segment in enumerate(segments):
         previous = segments[number - 1][-1] if number else None
         for before, after in pairwise([previous, *segment]):
             if before is None:
                 continue
             gap_ns = message_time_ns(after) - message_time_ns(before)
-            lost = after.seq > before.seq + 1 and after is not segment[0]
+            lost = after.msg_seq > before.msg_seq + 1 and after is not segment[0]
             if gap_ns >= th.silence_min_time * NS_PER_S and not lost:
                 silences.append((before, after, after is segment[0]))
     return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
@@ -279,14 +283,14 @@ def _seq_segments(messages: list) -> list[list]:
     segments: list[list] = []
     highest_seq = 0
     for message in messages:
-        restarted = message.seq + SEQ_RESTART_SLACK < highest_seq or (
-            message.seq == 1 and highest_seq > 1
+        restarted = message.msg_seq + SEQ_RESTART_SLACK < highest_seq or (
+            message.msg_seq == 1 and highest_seq > 1
         )
         if restarted or not segments:
             segments.append([])
             highest_seq = 0
         segments[-1].append(message)
-        highest_seq = max(highest_seq, message.seq)
+        highest_seq = max(highest_seq, message.msg_seq)
     return segments
 
 

@@ -15,7 +15,7 @@ Files rotate by size with a bounded count:
 
 Lines are buffered and written whole at every sidecar tick (about 0.1 s) or when the buffer
 reaches ``flush_bytes``. A sidecar killed mid-write can leave a partial last line; the next
-sidecar to open the file cuts it off, and reads the last ``seq`` of every engine back, so the
+sidecar to open the file cuts it off, and reads the last ``msg_seq`` of every engine back, so the
 messages it never wrote are counted as lost (``known_last_seqs``).
 
 A write that fails (a full disk) keeps what was not written, never what was: nothing is
@@ -53,7 +53,7 @@ class LineHead(msgspec.Struct, array_like=True):
 
     tag: int
     engine_index: int
-    seq: int
+    msg_seq: int
 
 
 def cut_partial_last_line(path: Path) -> None:
@@ -75,7 +75,7 @@ def cut_partial_last_line(path: Path) -> None:
 
 
 def read_last_seqs(path: Path) -> dict[int, int]:
-    """engine_index -> seq of its last line in one recording file (undecodable lines skipped)."""
+    """engine_index -> msg_seq of its last line in one recording file (bad lines skipped)."""
     decoder = msgspec.json.Decoder(LineHead)
     last_seqs: dict[int, int] = {}
     with open(path, "rb") as file:
@@ -84,7 +84,7 @@ def read_last_seqs(path: Path) -> dict[int, int]:
                 head = decoder.decode(line)
             except msgspec.DecodeError:
                 continue
-            last_seqs[head.engine_index] = head.seq
+            last_seqs[head.engine_index] = head.msg_seq
     return last_seqs
 
 
