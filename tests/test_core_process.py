@@ -21,7 +21,13 @@ from engine.core_client import EngineBusyError, EngineCoreClient, EngineDeadErro
 from engine.request import SamplingParams
 from engine.request_stream import RequestStream
 from engine.scheduler import RequestRejectedError
-from tests.helpers.fake_runner import FailingRunner, FakeRunner, load_fake_model, reference_output
+from tests.helpers.fake_runner import (
+    FailingRunner,
+    FakeRunner,
+    PacedRunner,
+    load_fake_model,
+    reference_output,
+)
 from tests.helpers.faults import stalling
 
 pytestmark = pytest.mark.live
@@ -103,7 +109,17 @@ def test_submit_and_stream_from_asyncio(client):
         assert tokens == reference_output(prompt, 8, MAX_MODEL_LEN, ignore_eos=True)
 
 
-def test_abort_ends_the_stream(client):
+def test_abort_ends_the_stream():
+    """A paced runner (5 ms a step), so the abort lands while the request runs: the fake
+    model alone made 200 tokens before the abort arrived on a fast machine."""
+    client = start_client(runner_class=PacedRunner)
+    try:
+        abort_a_running_request(client)
+    finally:
+        client.shutdown()
+
+
+def abort_a_running_request(client) -> None:
     stream = client.add_request([1, 2, 3], greedy(200), request_id="to-abort")
     first = stream.get(timeout=10)
     assert not first.finished

@@ -10,6 +10,7 @@ recompute after preemption gives the same tokens as no preemption.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -144,6 +145,17 @@ def make_core(
     plan = KvPlan(1, BLOCK_SIZE, num_blocks * BLOCK_SIZE, num_blocks, max_model_len)
     runner = FakeRunner(FakeModel(FakeModelConfig()), num_blocks, BLOCK_SIZE)
     return EngineCore(config, runner, plan, (EOS_TOKEN_ID,), RecordingPublisher())
+
+
+class PacedRunner(FakeRunner):
+    """Each forward pass takes at least PACE_S, as a real model's does: a client's message
+    then arrives while the request still runs, on however fast a machine."""
+
+    PACE_S = 0.005
+
+    def execute(self, scheduled):
+        time.sleep(self.PACE_S)
+        return super().execute(scheduled)
 
 
 class FailingRunner(FakeRunner):
