@@ -22,7 +22,7 @@ from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm,
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
-from tests.helpers.vllm import counter_pairs, engine_status, iterscope, runs_requests
+from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -234,29 +234,9 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
         pending = background.submit(
             complete, kv_stack["api_port"], [prompt(200 + i, 20) for i in range(2)], 120
         )
-        wait_until(
-            lambda: runs_requests(kv_stack["metrics_port"]),
-            30,
-            "the engine to run them",
-            interval_s=POLL_S,
-        )
-        os.kill(core_pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        try:
-            wait_until(
-                lambda: status(kv_stack) not in ("running", None),
-                5,
-                "the stopped engine core to leave running",
-                interval_s=POLL_S,
-            )
-            assert time.monotonic() - stopped_at <= 3.0
-            assert status(kv_stack) == "dead"  # a stopped process sends no heartbeat
-            assert kv_stack["server"].poll() is None
-        finally:
-            os.kill(core_pid, signal.SIGCONT)
-        wait_until(
-            lambda: status(kv_stack) == "running", 10, "running after SIGCONT", interval_s=POLL_S
-        )
+        left, seconds = stop_and_continue(core_pid, kv_stack["metrics_port"], 5, poll_s=POLL_S)
+        assert left == "dead" and seconds <= 3.0  # a stopped process sends no heartbeat
+        assert kv_stack["server"].poll() is None
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
 
 

@@ -3,11 +3,17 @@ vLLM's own, the engine status the sidecar serves, and an `iterscope` command to 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from tests.helpers import REPO
 from tests.helpers.prom import scrape, total
+from tests.helpers.wait import wait_until
+
+POLL_S = 0.2  # a vLLM engine shares 2 cores with the sidecar: scrape it gently
 
 
 def counter_pairs(metrics_port: int, api_port: int) -> dict[str, tuple[float, float]]:
@@ -58,6 +64,35 @@ def runs_requests(metrics_port: int) -> bool:
         if name == "iterscope_engine_state" and value == 1
     ] == ["running"]
     return running and total(samples, "iterscope_requests_running") > 0
+
+
+def stop_and_continue(
+    core_pid: int, metrics_port: int, within_s: float, poll_s: float = POLL_S
+) -> tuple[str, float]:
+    """SIGSTOP vLLM's engine core once the sidecar shows it running requests, wait (up to
+    ``within_s``) for the sidecar's status to leave running, SIGCONT it, and wait for running
+    again. Returns (the status it left running for, seconds after the stop it did)."""
+    wait_until(lambda: runs_requests(metrics_port), 30, "the engine to run them", interval_s=poll_s)
+    os.kill(core_pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        wait_until(
+            lambda: engine_status(metrics_port) not in ("running", None),
+            within_s,
+            "the stopped engine core to leave running",
+            interval_s=poll_s,
+        )
+        seconds = time.monotonic() - stopped_at
+        left = engine_status(metrics_port)
+    finally:
+        os.kill(core_pid, signal.SIGCONT)
+    wait_until(
+        lambda: engine_status(metrics_port) == "running",
+        10,
+        "running after SIGCONT",
+        interval_s=poll_s,
+    )
+    return left, seconds
 
 
 def iterscope(*args: str) -> str:
