@@ -1,10 +1,13 @@
 """Sidecar ingest rate with the log and JSONL sinks on, in records per second on one core.
 
-Two figures from one run, on the same pre-encoded frames (steady decode records of one
+Three figures from one run, on the same pre-encoded frames (steady decode records of one
 engine, a heartbeat every 1,000 records, consecutive seqs):
   in_process  Ingest.on_frame alone: typed decode, seq check, status, log + JSONL sinks
   over_ipc    a sender process pushes the frames over ipc:// to a LaneLoop.run() loop in this
               process (ZMQ receive included; the sender uses another core)
+  bare_pull   the floor: the same sender and frames into a bare ZMQ PULL loop that receives
+              each frame and does nothing with it; over_ipc / bare_pull is the sidecar's
+              share of what the lane itself allows
 
     .venv/bin/python bench/sidecar_ingest.py [--records 300000]
 
@@ -131,6 +134,27 @@ def over_ipc_rate(num_records: int, num_frames: int, directory: str) -> float:
     return (num_frames - 1) / (times["last"] - times["first"])
 
 
+def bare_pull_rate(num_records: int, num_frames: int, directory: str) -> float:
+    """Frames per second a PULL socket receives from the same sender, doing nothing else."""
+    address = f"ipc://{directory}/bare.sock"
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.setsockopt(zmq.RCVHWM, 1_000_000)
+    socket.bind(address)
+    sender = multiprocessing.get_context("spawn").Process(
+        target=send_frames, args=(address, num_records)
+    )
+    sender.start()
+    receive = socket.recv
+    receive()
+    first = time.perf_counter()
+    for _ in range(num_frames - 1):
+        receive()
+    last = time.perf_counter()
+    sender.join()
+    socket.close(linger=0)
+    return (num_frames - 1) / (last - first)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=300_000)
@@ -139,15 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         in_process = in_process_rate(frames, directory)
         over_ipc = over_ipc_rate(args.records, len(frames), directory)
+        bare_pull = bare_pull_rate(args.records, len(frames), directory)
     figures = {
         "num_frames": len(frames),
         "in_process_records_per_s": round(in_process),
         "over_ipc_records_per_s": round(over_ipc),
+        "bare_pull_frames_per_s": round(bare_pull),
         "ipc_over_in_process": round(over_ipc / in_process, 2),
+        "share_of_bare_pull": round(over_ipc / bare_pull, 3),
     }
     print(f"{len(frames)} frames through decode + seq/status + log + JSONL sinks:")
     print(f"  in process: {in_process:,.0f} records/s")
     print(f"  over ipc:   {over_ipc:,.0f} records/s (ZMQ receive included)")
+    print(
+        f"  bare PULL:  {bare_pull:,.0f} frames/s: the sidecar runs at "
+        f"{100 * over_ipc / bare_pull:.0f}% of the lane's own limit"
+    )
     print(json.dumps(figures))
     return 0
 
