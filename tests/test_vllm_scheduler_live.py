@@ -254,24 +254,28 @@ def test_a_sequence_limited_vllm_reads_as_sequence_limit_and_a_killed_core_as_de
             )
             stack = {"metrics_port": metrics_port, "api_port": api_port}
 
+            seen = []  # every (ours by reason, vLLM's waiting) pair polled, for the failure
+
             def seq_limit_waits() -> bool:
                 ours, theirs = scrape(metrics_port), scrape(api_port)
-                assert (
-                    total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 0
-                )
-                return (
-                    total(ours, "iterscope_requests_waiting_by_reason", reason="seq_limit") > 0
-                    and total(theirs, "vllm:num_requests_waiting") > 0
-                )
+                by_reason = {
+                    reason: total(ours, "iterscope_requests_waiting_by_reason", reason=reason)
+                    for reason in ("seq_limit", "token_budget", "kv_capacity", "other")
+                }
+                seen.append((by_reason, total(theirs, "vllm:num_requests_waiting")))
+                assert by_reason["kv_capacity"] == 0, seen[-1]
+                return by_reason["seq_limit"] > 0 and seen[-1][1] > 0
 
+            # 4 waves of 2 requests, 160 steps each: seconds of waiting even on a fast CPU
+            # (24 tokens each once finished between two polls on CI's machine).
             with concurrent.futures.ThreadPoolExecutor(1) as background:
                 pending = background.submit(
-                    complete, api_port, [prompt(i, 10) for i in range(8)], 24
+                    complete, api_port, [prompt(i, 10) for i in range(8)], 160
                 )
                 wait_until(
                     seq_limit_waits,
                     60,
-                    "seq_limit waiting while vLLM has waiting",
+                    lambda: f"seq_limit waiting while vLLM has waiting; polled: {seen[-5:]}",
                     interval_s=POLL_S,
                 )
                 assert len(pending.result(timeout=300)) == 8
