@@ -24,8 +24,10 @@ recording too (telemetry/analysis/stall_rule.py): each tracker holds its engine'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from telemetry.analysis.live_findings import EngineFindings
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.lane.record import Message
 from telemetry.sidecar.engine_view import EngineStatus, EngineView
@@ -55,9 +57,16 @@ class EngineTracker:
     stall: StallRule = field(default_factory=StallRule)  # progress, the stall threshold
     previous_pid: int = 0  # the pid before the latest change
     view: EngineView = field(init=False)
+    findings: EngineFindings | None = None  # live findings (None: turned off)
+    remember: Callable[[Message], None] | None = None  # adds a message to their window
 
     def __post_init__(self) -> None:
         self.view = EngineView(self.engine_index)
+
+    def start_findings(self) -> None:
+        """Search this engine's messages for findings live (telemetry/analysis/live_findings)."""
+        self.findings = self.view.findings = EngineFindings(self.engine_index)
+        self.remember = self.findings.messages.append
 
     def note_restart(self, now_ns: int) -> None:
         """A new process: its progress is counted from now."""

@@ -26,6 +26,8 @@ below is defined here once, so that every sink says the same:
                   since it was met, that more than one sink reports (the log line's window
                   is the difference of two totals, Prometheus shows them as counters), so
                   those sinks cannot disagree.
+    findings      what the engine's live findings are (telemetry/analysis/live_findings.py),
+                  kept by Ingest's tracker of the engine; None when they are turned off.
     losses        messages received and lost (seq gaps), and the times two processes were
                   seen publishing as this engine (the latest pair of pids): Ingest counts
                   them (telemetry/sidecar/pipeline_health.py has the lane-wide ones).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import enum
 
+from telemetry.analysis.live_findings import EngineFindings
 from telemetry.lane.record import Heartbeat, IterationRecord
 
 
@@ -145,6 +148,7 @@ class EngineView:
         self.num_dropped_total = 0  # lost in seq gaps
         self.num_engine_conflicts = 0  # times two live processes were seen as this engine
         self.conflicting_pids: tuple[int, int] | None = None  # the latest such pair
+        self.findings: EngineFindings | None = None  # live findings; None when turned off
 
     @property
     def has_work(self) -> bool:

@@ -71,10 +71,13 @@ class Ingest:
         max_engines: int = DEFAULT_MAX_ENGINES,
         max_seq_jump: int = MAX_SEQ_JUMP,
         evict_after_s: float = EVICT_AFTER_S,
+        live_findings: bool = True,
     ) -> None:
         """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
         progress intervals (telemetry/sidecar/engine_tracker.py). ``evict_after_s``: how long
-        a dead engine keeps its place among ``max_engines`` when a new one needs it."""
+        a dead engine keeps its place among ``max_engines`` when a new one needs it.
+        ``live_findings``: search each engine's newest messages for findings as they come
+        (telemetry/analysis/live_findings.py)."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
         stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
@@ -93,12 +96,14 @@ class Ingest:
         self._dead_after_ns = int(dead_after_s * 1e9)
         self._max_frame_bytes = max_frame_bytes
         self._max_seq_jump = max_seq_jump
+        self._live_findings = live_findings
         self._decoder = make_decoder()
         self._decode = self._decoder.decode
         self._on_iteration = [sink.on_iteration for sink in self.sinks]
         self._on_heartbeat = [sink.on_heartbeat for sink in self.sinks]
         self._on_status = [sink.on_status for sink in self.sinks]
         self._on_engine_removed = [sink.on_engine_removed for sink in self.sinks]
+        self._on_finding = [sink.on_finding for sink in self.sinks]
         self._tick = [sink.tick for sink in self.sinks]
         self._close = [sink.close for sink in self.sinks]
         for sink in self.sinks:
@@ -199,6 +204,9 @@ class Ingest:
                 except Exception:
                     self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
+        remember = state.remember
+        if remember is not None:
+            remember(message)
 
     def _meet(
         self, message: Message, is_heartbeat: bool, now_ns: int
@@ -216,7 +224,10 @@ class Ingest:
                 self.count_rejected("engine_limit")
                 return None, 0
             self._call(self._on_engine_removed, *removed)
-        return roster.meet(message, now_ns)
+        state, num_lost = roster.meet(message, now_ns)
+        if self._live_findings:
+            state.start_findings()
+        return state, num_lost
 
     def _note_iteration(self, state: EngineTracker, record: IterationRecord, now_ns: int) -> None:
         """The view takes the record in; progress is judged against the queues before it."""
@@ -277,12 +288,43 @@ class Ingest:
         if status is not state.view.status:
             state.view.status = status
             self._call(self._on_status, state.engine_index, status, now_ns)
+            if state.findings is not None:
+                self._note_status_finding(state, status, now_ns)
+
+    def _note_status_finding(self, state: EngineTracker, status: EngineStatus, now_ns: int) -> None:
+        """A stall (since the last progress) or death (since the last message) opens a live
+        finding; leaving it closes that finding."""
+        view = state.view
+        since_ns = state.last_message_ns if status is _DEAD else state.stall.last_progress_ns
+        events = state.findings.note_status(
+            status.value, now_ns, since_ns, view.num_waiting_reqs, view.num_running_reqs, view.pid
+        )
+        self._report_findings(state, events)
+
+    def _report_findings(self, state: EngineTracker, events: list) -> None:
+        for event in events:
+            self._call(self._on_finding, event, state.view)
 
     def tick(self, now_ns: int) -> None:
-        """Re-evaluate every engine's status (stall and death show up only here), tick sinks."""
+        """Re-evaluate every engine's status (stall and death show up only here) and its
+        live findings, tick sinks."""
         for state in self.engines.values():
             self._update_status(state, now_ns)
+            self._evaluate_findings(state, now_ns)
         self._call(self._tick, now_ns)
+
+    def _evaluate_findings(self, state: EngineTracker, now_ns: int, force: bool = False) -> None:
+        findings = state.findings
+        if findings is None:
+            return
+        if state.view.status is EngineStatus.STALLED:
+            findings.note_busy(state.view.num_waiting_reqs, state.view.num_running_reqs)
+        self._report_findings(state, findings.evaluate(now_ns, force))
+
+    def finish_findings(self, now_ns: int) -> None:
+        """Search every engine's window once more, whatever the time (a replay's end)."""
+        for state in self.engines.values():
+            self._evaluate_findings(state, now_ns, force=True)
 
     def close(self) -> None:
         self._call(self._close)

@@ -28,6 +28,7 @@ def replay(
     stall_after_s: float | None = None,
     tick_interval_s: float = TICK_INTERVAL_S,
     max_engines: int = DEFAULT_MAX_ENGINES,
+    live_findings: bool = True,
 ) -> Ingest:
     """Feed a recording through ``sinks`` in order; returns the Ingest (stats, engines).
 
@@ -36,7 +37,11 @@ def replay(
     if not os.path.exists(path):
         raise FileNotFoundError(f"no recording at {path}")
     ingest = Ingest(
-        sinks, dead_after_s=dead_after_s, stall_after_s=stall_after_s, max_engines=max_engines
+        sinks,
+        dead_after_s=dead_after_s,
+        stall_after_s=stall_after_s,
+        max_engines=max_engines,
+        live_findings=live_findings,
     )
     tick_ns = int(tick_interval_s * 1e9)
     now_ns: int | None = None
@@ -56,5 +61,6 @@ def replay(
         ingest.on_message(item, now_ns)
     if now_ns is not None:
         ingest.tick(now_ns)
+        ingest.finish_findings(now_ns)
     ingest.close()
     return ingest

@@ -20,6 +20,7 @@ A sink module offers ``add_arguments(parser)`` and ``build(args) -> Sink | None`
 
 from __future__ import annotations
 
+from telemetry.analysis.live_findings import FindingEvent
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_view import EngineStatus, EngineView
 from telemetry.sidecar.pipeline_health import PipelineHealth
@@ -63,6 +64,11 @@ class Sink:
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
         """An engine changed status (called once per transition, after the message that
         caused it was applied to the engine's view, which holds the new status too)."""
+
+    def on_finding(self, event: FindingEvent, engine: EngineView) -> None:
+        """A live finding opened or closed (``event.what``); ``engine`` holds all of its
+        findings (``engine.findings``). Called from ticks and status changes, once per
+        opening and once per closing of each finding."""
 
     def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
         """The engine, dead and silent for ``silent_ns``, is no longer tracked: its place

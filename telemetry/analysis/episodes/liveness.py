@@ -24,14 +24,17 @@ from telemetry.lane.record import Heartbeat
 from telemetry.lane.recording import message_time_ns
 
 DEAD_AFTER_NS = int(DEAD_AFTER_S * NS_PER_S)
+SILENCE_SETTING = (
+    "Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown)."
+)
 SEQ_RESTART_SLACK = 64  # a seq this far below the highest seen means the engine restarted
 
 
 def detect_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    return _frozen_heartbeat_stalls(tl, th) + _spinning_stalls(tl, th)
+    return detect_frozen_stalls(tl, th) + detect_spinning(tl, th)
 
 
-def _frozen_heartbeat_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+def detect_frozen_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Busy heartbeats whose last_iteration stayed frozen for longer than the stall threshold
     the live sidecar held at that moment (StallRule, fed the recording in time order)."""
     candidates = []
@@ -100,6 +103,15 @@ def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: in
     return thresholds
 
 
+def stall_setting(pid: int) -> str:
+    """What to do about a stalled engine process ``pid`` (0: not known)."""
+    return (
+        "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
+        f"--pid {pid or 'PID'}`), check the device, restart the engine if it does "
+        "not recover (alert and runbook: IterscopeEngineStalled)."
+    )
+
+
 def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool) -> str:
     """Where the time went, from the next record. A frozen last_iteration cannot tell a step
     that hung from a legitimately long one: only that none finished."""
@@ -147,11 +159,7 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns)
             "heartbeats continued, so the process was alive: a forward pass or the loop was "
             f"stuck or very slow ({where}). Clients got no token meanwhile."
         ),
-        setting=(
-            "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
-            f"--pid {group[0].pid or 'PID'}`), check the device, restart the engine if it does "
-            "not recover (alert and runbook: IterscopeEngineStalled)."
-        ),
+        setting=stall_setting(group[0].pid),
         ongoing=ongoing,
         numbers={
             "frozen_iteration": group[0].last_iteration,
@@ -189,7 +197,7 @@ def _iteration_end_ns(tl: EngineTimeline, iteration: int, before_ns: int) -> int
     return int(tl.col("end_ns")[rows[-1]]) if rows.size else None
 
 
-def _spinning_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+def detect_spinning(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     scheduled = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
     mask = (scheduled == 0) & (tl.col("num_waiting_reqs") + tl.col("num_running_reqs") > 0)
     episodes = []
@@ -349,6 +357,6 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
         title="Engine silent" + (": restarted" if restarted else ""),
         evidence=f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}",
         explanation=why,
-        setting="Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown).",
+        setting=SILENCE_SETTING,
         numbers={"silent_time_s": (end_ns - start_ns) / NS_PER_S, "restarted": restarted},
     )

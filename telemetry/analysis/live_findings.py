@@ -1,0 +1,430 @@
+"""Findings while they happen: `explain`'s own detectors, run by the sidecar over a bounded
+window of each engine's newest messages (and by its replay of a recording, the same way).
+
+One implementation of each rule: the window is searched with the episode detectors `explain`
+runs over a whole recording (telemetry/analysis/episodes), costed with its cost rule and given
+its action (telemetry/analysis/findings.py, actions.py). Two findings come from the sidecar's
+engine status instead, itself decided by the rule `explain` replays (stall_rule.py): a stall
+(no progress while work is in flight) and a dead engine (no message at all). A silence that
+`explain` finds once the engine speaks again is that dead finding, seen as it happened.
+
+A finding opens when its episode first appears in the window (each detector's minimum time or
+count is its minimum: 10 iterations of KV >= 95%, waiting for 1 s and 10 iterations, ...) and
+closes when the episode stopped growing for as long as `explain` would still merge a new
+stretch into it (CLOSE_AFTER: rows and seconds per kind), so one condition opens one finding.
+A closed finding that its episode later extends is not opened again: its cost is final.
+
+Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
+messages at most; it keeps LOOKBACK_S of history, and more while a finding is open (back to its
+start), so a finding is costed as `explain` costs it unless it outlasts WINDOW_MESSAGES (then
+its cost is that of its newest part, a lower bound: ``truncated``). Searching costs time in
+proportion to the window: an engine's window is searched every EVALUATE_INTERVAL_S at most,
+and never more than MAX_EVALUATE_SHARE of the time (the next search waits 1/share times as
+long as the last one took).
+
+Invariant: one thread (the sidecar's ingest thread) calls everything here; a reader on another
+thread (a /findings request, a scrape) reads ``snapshot()``, a list built whole then swapped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from telemetry.analysis.actions import finding_action
+from telemetry.analysis.episodes import (
+    INFO,
+    Episode,
+    Thresholds,
+    detect_idle,
+    detect_kv_cliff,
+    detect_kv_leaks,
+    detect_kv_saturation,
+    detect_long_prefill,
+    detect_preemption_storms,
+    detect_telemetry_gaps,
+    detect_waiting,
+    secs,
+)
+from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
+from telemetry.analysis.episodes.liveness import SILENCE_SETTING, detect_spinning, stall_setting
+from telemetry.analysis.findings import COST_LABELS, Finding, episode_cost
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.lane.recording import message_time_ns
+
+WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
+LOOKBACK_S = 60.0  # history kept with no finding open (a long prefill's baseline, a leak)
+EVALUATE_INTERVAL_S = 1.0
+MAX_EVALUATE_SHARE = 0.1
+RECENT_CLOSED = 32  # closed findings kept per engine (for /findings, and not to reopen them)
+
+# explain's detectors over the window; stalls from heartbeats and silences are the status's.
+WINDOW_DETECTORS = (
+    detect_kv_saturation,
+    detect_kv_cliff,
+    detect_preemption_storms,
+    detect_waiting,
+    detect_spinning,
+    detect_kv_leaks,
+    detect_telemetry_gaps,
+    detect_long_prefill,
+)
+assert detect_idle not in WINDOW_DETECTORS  # information, never a finding
+
+STALL = "stall"
+DEAD = "dead"
+STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
+
+
+def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
+    """(records, seconds, idle ends it) for an episode of ``kind``: its finding closes after
+    that many records and seconds past its last row without growth, as long as `explain`
+    would still merge a new stretch into it; and, where the third is true, as soon as a
+    heartbeat says nothing waits or runs (the KV kinds are about the cache, which an idle
+    engine does not change)."""
+    if kind == "waiting":
+        return 3, 0.0, True  # true_runs(max_gap=2)
+    if kind == "kv_saturation":
+        return 3, 0.0, False
+    if kind == "kv_leak":  # a leak's excess dips while requests run: a minute without growth
+        return LEAK_MAX_GAP + 1, LOOKBACK_S, False
+    if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
+        return 1, max(th.storm_window_time, th.gap_merge_time), True
+    return 1, 0.0, kind != "kv_cliff"  # a KV cliff, a spinning stall: one row without it
+
+
+def finding_kind(episode: Episode) -> str:
+    """The finding's kind as /metrics and alerts name it: the episode's kind, and for waiting
+    the reason (``waiting_kv``, ``waiting_seq_limit``, ``waiting_budget``, ``waiting_other``;
+    plain ``waiting`` when the source says no reason)."""
+    if episode.kind == "waiting":
+        return episode.numbers.get("reason") or "waiting"
+    return episode.kind
+
+
+@dataclass
+class LiveFinding:
+    """One finding of one engine, open or closed. Times are record time (the engine's
+    monotonic clock), but ``opened_ns``, the sidecar's clock when it opened."""
+
+    engine_index: int
+    kind: str
+    title: str
+    evidence: str
+    action: str
+    start_ns: int
+    end_ns: int
+    iteration: int  # the iteration it started at; 0 where none is known
+    opened_ns: int
+    start_wall_ns: int = 0  # 0: no clock anchor yet
+    cost: float = 0.0  # request-seconds (findings.py); grows while open
+    cost_label: str = "waiting"
+    closed: bool = False
+    truncated: bool = False  # outlasted the window: cost is its newest part's
+    source_episode: Episode | None = field(default=None, repr=False)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / NS_PER_S
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine_index,
+            "kind": self.kind,
+            "title": self.title,
+            "state": "closed" if self.closed else "open",
+            "since_unix": self.start_wall_ns / NS_PER_S if self.start_wall_ns else None,
+            "duration_s": round(self.duration_s, 3),
+            "start_iteration": self.iteration,
+            "cost_request_seconds": round(self.cost, 3),
+            "cost_label": self.cost_label,
+            "evidence": self.evidence,
+            "action": self.action,
+        }
+
+
+@dataclass
+class FindingEvent:
+    """A finding opened or closed (``what``), for the sinks."""
+
+    what: str  # "opened" | "closed"
+    finding: LiveFinding
+
+
+def _is_silence(episode: Episode) -> bool:
+    """A silence `explain` finds after the fact: live, the dead finding is that silence."""
+    return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
+
+
+class EngineFindings:
+    """One engine's window of messages and its findings (see the module docstring)."""
+
+    def __init__(self, engine_index: int, thresholds: Thresholds | None = None) -> None:
+        self.engine_index = engine_index
+        self.thresholds = thresholds or Thresholds()
+        self.messages: deque[IterationRecord | Heartbeat] = deque(maxlen=WINDOW_MESSAGES)
+        self.open: list[LiveFinding] = []
+        self.closed: deque[LiveFinding] = deque(maxlen=RECENT_CLOSED)
+        self.snapshot: tuple[LiveFinding, ...] = ()  # open, then closed newest first
+        # kind -> [findings opened, request-seconds they cost]: only grow (Prometheus counters)
+        self.totals: dict[str, list[float]] = {}
+        self.num_searches = 0
+        self.search_time_s = 0.0
+        self._newest_searched: object = None
+        self._next_search_ns = 0
+        self._busy_max = (0, 0)  # (waiting, running) at most during a stall
+
+    # ---------------------------------------------------------------------------------------
+    # The window
+
+    def evaluate(self, now_ns: int, force: bool = False) -> list[FindingEvent]:
+        """Search the window if it has news and it is time (``force``: now, e.g. at the end
+        of a replay); returns the findings opened and closed, in that order."""
+        self._extend_status_findings(now_ns)
+        events: list[FindingEvent] = []
+        newest = self.messages[-1] if self.messages else None
+        if newest is self._newest_searched or (now_ns < self._next_search_ns and not force):
+            return events
+        started = time.perf_counter()
+        events += self._search(now_ns)
+        took_s = time.perf_counter() - started
+        self._newest_searched = newest
+        self.num_searches += 1
+        self.search_time_s += took_s
+        wait_s = max(EVALUATE_INTERVAL_S, took_s / MAX_EVALUATE_SHARE)
+        self._next_search_ns = now_ns + int(wait_s * NS_PER_S)
+        if events:
+            self._publish()
+        return events
+
+    def _trim(self) -> None:
+        """Drop messages older than LOOKBACK_S before the newest, or than the oldest open
+        finding's start (the deque's maxlen bounds the rest)."""
+        messages = self.messages
+        keep_from = message_time_ns(messages[-1]) - int(LOOKBACK_S * NS_PER_S)
+        for finding in self.open:
+            keep_from = min(keep_from, finding.start_ns)
+        while messages and message_time_ns(messages[0]) < keep_from:
+            messages.popleft()
+
+    def _timeline(self) -> EngineTimeline:
+        records = [m for m in self.messages if type(m) is IterationRecord]
+        heartbeats = [m for m in self.messages if type(m) is Heartbeat]
+        return EngineTimeline(self.engine_index, records, heartbeats)
+
+    def _search(self, now_ns: int) -> list[FindingEvent]:
+        self._trim()
+        tl = self._timeline()
+        th = self.thresholds
+        episodes = sorted(
+            (
+                episode
+                for detector in WINDOW_DETECTORS
+                for episode in detector(tl, th)
+                if episode.severity != INFO and not _is_silence(episode)
+            ),
+            key=lambda e: (e.start_ns, e.kind),
+        )
+        opened, seen = [], set()
+        for episode in episodes:
+            kind = finding_kind(episode)
+            finding = self._match(self.open, kind, episode)
+            if finding is None:
+                if self._match(self.closed, kind, episode) is not None:
+                    continue  # reported and closed: its cost is final
+                finding = self._open_from(tl, episode, kind, now_ns)
+                opened.append(FindingEvent("opened", finding))
+            self._follow(tl, finding, episode)
+            seen.add(id(finding))
+        closed = [
+            FindingEvent("closed", finding)
+            for finding in list(self.open)
+            if finding.kind not in (STALL, DEAD)
+            and (id(finding) not in seen or self._has_ended(tl, finding))
+        ]
+        for event in closed:
+            self._close(event.finding)
+        return opened + closed
+
+    @staticmethod
+    def _match(findings, kind: str, episode: Episode) -> LiveFinding | None:
+        """The finding of ``kind`` this episode is (it overlaps it in time)."""
+        for finding in findings:
+            if (
+                finding.kind == kind
+                and episode.start_ns <= finding.end_ns
+                and episode.end_ns >= finding.start_ns
+            ):
+                return finding
+        return None
+
+    def _open_from(self, tl: EngineTimeline, episode: Episode, kind: str, now_ns: int):
+        row = int(tl.col("start_ns").searchsorted(episode.start_ns))
+        iteration = int(tl.col("iteration")[row]) if row < tl.num_iterations else 0
+        cost = episode_cost(tl, episode)
+        action = finding_action(tl, Finding(episode.kind, [episode], [cost]), self.thresholds)
+        finding = LiveFinding(
+            engine_index=self.engine_index,
+            kind=kind,
+            title=episode.title,
+            evidence=episode.evidence,
+            action=action,
+            start_ns=episode.start_ns,
+            end_ns=episode.end_ns,
+            iteration=iteration,
+            opened_ns=now_ns,
+            start_wall_ns=self._wall_ns(episode.start_ns),
+            cost_label=COST_LABELS.get(episode.kind, "waiting"),
+        )
+        self._add_open(finding)
+        return finding
+
+    def _follow(self, tl: EngineTimeline, finding: LiveFinding, episode: Episode) -> None:
+        """The finding's episode as the window shows it now: its end, evidence and cost."""
+        finding.end_ns = max(finding.end_ns, episode.end_ns)
+        finding.title, finding.evidence = episode.title, episode.evidence
+        finding.source_episode = episode
+        cost = episode_cost(tl, episode)
+        if episode.start_ns > finding.start_ns:  # the window no longer holds its start
+            finding.truncated = True
+            cost = max(cost, finding.cost)
+        self._set_cost(finding, cost)
+
+    def _has_ended(self, tl: EngineTimeline, finding: LiveFinding) -> bool:
+        """No growth for as long as explain would still merge (close_after), or (for the
+        kinds about requests) nothing in flight since, as the latest heartbeat says. A KV cliff ends
+        once the requests it evicted are back: its cost grows until then."""
+        episode = finding.source_episode
+        if finding.kind == "kv_cliff" and episode is not None:
+            row = int(tl.col("start_ns").searchsorted(episode.start_ns))
+            waiting = tl.col("num_waiting_reqs")
+            if row < tl.num_iterations and waiting[-1] > waiting[row]:
+                return False
+        kind = episode.kind if episode else finding.kind
+        rows, seconds, idle_ends = close_after(kind, self.thresholds)
+        starts = tl.col("start_ns")
+        num_after = tl.num_iterations - int(starts.searchsorted(finding.end_ns, side="right"))
+        quiet_ns = tl.last_ns - finding.end_ns
+        if num_after >= rows and quiet_ns > seconds * NS_PER_S:
+            return True
+        last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
+        return (
+            idle_ends
+            and last_heartbeat is not None
+            and last_heartbeat.ts_ns > finding.end_ns
+            and last_heartbeat.num_waiting_reqs + last_heartbeat.num_running_reqs == 0
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Status: stalled and dead
+
+    def note_status(
+        self, status: str, now_ns: int, since_ns: int, waiting: int, running: int, pid: int
+    ) -> list[FindingEvent]:
+        """The engine's status changed (the sidecar's: "running", "stalled", "dead", ...): a
+        stall or death opens a finding, leaving it closes that finding. ``since_ns``: the last
+        progress (stalled) or the last message (dead), on ``now_ns``'s clock."""
+        kind = STATUS_KINDS.get(status)
+        events = [
+            FindingEvent("closed", finding)
+            for finding in list(self.open)
+            if finding.kind in STATUS_KINDS.values() and finding.kind != kind
+        ]
+        for event in events:
+            event.finding.end_ns = now_ns
+            self._update_busy_cost(event.finding)
+            self._close(event.finding)
+        if kind and not any(finding.kind == kind for finding in self.open):
+            self._busy_max = (waiting, running)
+            events.append(FindingEvent("opened", self._open_status(kind, now_ns, since_ns, pid)))
+        if events:
+            self._publish()
+        return events
+
+    def note_busy(self, waiting: int, running: int) -> None:
+        """Requests in flight while stalled (a stall's cost: the most of each at once)."""
+        self._busy_max = (max(self._busy_max[0], waiting), max(self._busy_max[1], running))
+
+    def _open_status(self, kind: str, now_ns: int, since_ns: int, pid: int) -> LiveFinding:
+        stalled = kind == STALL
+        finding = LiveFinding(
+            engine_index=self.engine_index,
+            kind=STALL if stalled else DEAD,
+            title="Engine stalled" if stalled else "Engine down",
+            evidence="",
+            action=stall_setting(pid) if stalled else SILENCE_SETTING,
+            start_ns=since_ns,
+            end_ns=now_ns,
+            iteration=self._last_iteration(),
+            opened_ns=now_ns,
+            start_wall_ns=self._wall_ns(since_ns),
+            cost_label=COST_LABELS["stall"] if stalled else "unknown",
+        )
+        self._add_open(finding)
+        self._status_evidence(finding)
+        return finding
+
+    def _extend_status_findings(self, now_ns: int) -> None:
+        for finding in self.open:
+            if finding.kind in (STALL, DEAD):
+                finding.end_ns = now_ns
+                self._update_busy_cost(finding)
+                self._status_evidence(finding)
+
+    def _update_busy_cost(self, finding: LiveFinding) -> None:
+        if finding.kind == STALL:  # findings.py: (waiting + running) x the stall's length
+            self._set_cost(finding, sum(self._busy_max) * finding.duration_s)
+
+    def _status_evidence(self, finding: LiveFinding) -> None:
+        waiting, running = self._busy_max
+        if finding.kind == STALL:
+            finding.evidence = (
+                f"last_iteration stayed at {finding.iteration} for "
+                f"{secs(finding.end_ns - finding.start_ns)} with up to {waiting} waiting and "
+                f"{running} running; heartbeats continue, so the process is alive"
+            )
+        else:
+            finding.evidence = (
+                f"no message for {secs(finding.end_ns - finding.start_ns)} (heartbeats come "
+                "every second): the engine process is gone, frozen whole, or cut off from the "
+                "lane"
+            )
+
+    # ---------------------------------------------------------------------------------------
+    # Bookkeeping
+
+    def _add_open(self, finding: LiveFinding) -> None:
+        self.open.append(finding)
+        self.totals.setdefault(finding.kind, [0, 0.0])[0] += 1
+
+    def _set_cost(self, finding: LiveFinding, cost: float) -> None:
+        """The finding's cost now; the kind's total only grows (a counter)."""
+        if cost > finding.cost:
+            self.totals[finding.kind][1] += cost - finding.cost
+        finding.cost = cost
+
+    def _close(self, finding: LiveFinding) -> None:
+        finding.closed = True
+        self.open.remove(finding)
+        self.closed.appendleft(finding)
+
+    def _publish(self) -> None:
+        self.snapshot = (*self.open, *self.closed)
+
+    def _wall_ns(self, ts_ns: int) -> int:
+        """Wall time of an engine time, from the newest heartbeat's anchor; 0 without one."""
+        for message in reversed(self.messages):
+            if type(message) is Heartbeat:
+                return ts_ns + message.wall_ns - message.ts_ns
+        return 0
+
+    def _last_iteration(self) -> int:
+        for message in reversed(self.messages):
+            if type(message) is Heartbeat:
+                return message.last_iteration
+            if message.num_prefill_tokens + message.num_decode_tokens:
+                return message.iteration
+        return 0
