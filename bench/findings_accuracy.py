@@ -19,72 +19,18 @@ import argparse
 import json
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from scenarios import synthetic  # noqa: E402
-from scenarios.synthetic import STORY_COST, Cost, Simulator, arrivals  # noqa: E402
+from scenarios.synthetic import SCENARIOS as SYNTHETIC  # noqa: E402
 
 from telemetry.analysis.episodes import detect_episodes  # noqa: E402
 from telemetry.analysis.findings import build_findings  # noqa: E402
 from telemetry.analysis.timeline import build_timelines, read_timelines  # noqa: E402
 
-# A CPU-like cost: 0.5 s per 500-token prefill, 60 ms per decode iteration.
-SLOW_COST = Cost(base_time=0.060, context_token_time=1e-3, generation_token_time=2e-3)
-
-
-def kv_capacity() -> Simulator:
-    """Requests that fit a few at a time in a small cache: the rest wait for KV blocks."""
-    sim = Simulator(num_blocks=60, max_num_seqs=64, max_num_batched_tokens=4096, cost=STORY_COST)
-    sim.add_requests(arrivals(8, 20), num_prompt=160, num_output=40)
-    return sim.run(25)
-
-
-def token_budget() -> Simulator:
-    """Long prompts behind a small budget, no chunked prefill room: they wait for the budget."""
-    sim = Simulator(num_blocks=4000, max_num_seqs=64, max_num_batched_tokens=256, cost=STORY_COST)
-    sim.add_requests(arrivals(16, 20), num_prompt=1000, num_output=20)
-    return sim.run(25)
-
-
-def preemption_storm() -> Simulator:
-    """Requests admitted together outgrow the cache and evict one another."""
-    sim = Simulator(num_blocks=200, max_num_seqs=64, max_num_batched_tokens=4096, cost=STORY_COST)
-    sim.add_requests([0.5] * 10, num_prompt=40, num_output=400)
-    return sim.run(30)
-
-
-def idle() -> Simulator:
-    """A few requests, then nothing for half a minute."""
-    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST)
-    sim.add_requests([1.0, 1.5, 2.0], num_prompt=64, num_output=20)
-    return sim.run(35)
-
-
-def healthy_but_slow() -> Simulator:
-    """A CPU-speed engine, one request at a time: multi-second requests, nothing wrong."""
-    sim = Simulator(num_blocks=800, max_num_seqs=8, max_num_batched_tokens=2048, cost=SLOW_COST)
-    sim.add_requests([1.0 + 8.0 * i for i in range(6)], num_prompt=500, num_output=40)
-    return sim.run(50)
-
-
-# scenario -> (make, true top cause): a finding kind, "waiting:<reason>", or None (no problem)
-SYNTHETIC: dict[str, tuple[Callable[[], Simulator], str | None]] = {
-    "healthy": (synthetic.healthy, None),
-    "story1 KV cliff": (synthetic.story1_kv_cliff, "kv_cliff"),
-    "story2 leak": (synthetic.story2_leak, "kv_leak"),
-    "stall": (synthetic.stalled, "stall"),
-    "story3 sequence limit": (lambda: synthetic.story3_bursty(4), "waiting:waiting_seq_limit"),
-    "KV capacity": (kv_capacity, "waiting:waiting_kv"),
-    "token budget": (token_budget, "waiting:waiting_budget"),
-    "preemption storm": (preemption_storm, "preemption_storm"),
-    "idle": (idle, None),
-    "healthy but slow": (healthy_but_slow, None),
-}
 REAL = {  # tests/scenarios/real_engine.py SCENARIOS -> true top cause
     "story1": "kv_cliff",
     "story2": "kv_leak",

@@ -75,7 +75,25 @@ WINDOW_DETECTORS = (
 assert detect_idle not in WINDOW_DETECTORS  # information, never a finding
 
 STALL = "stall"
+SPINNING = "spinning"
 DEAD = "dead"
+# Every kind a live finding can have (finding_kind, and the two from the status).
+FINDING_KINDS = (
+    "kv_saturation",
+    "kv_cliff",
+    "preemption_storm",
+    "waiting_kv",
+    "waiting_seq_limit",
+    "waiting_budget",
+    "waiting_other",
+    "waiting",
+    "long_prefill",
+    "kv_leak",
+    "stall",
+    "spinning",
+    "dead",
+    "telemetry_gap",
+)
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
 
 
@@ -99,9 +117,12 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
 def finding_kind(episode: Episode) -> str:
     """The finding's kind as /metrics and alerts name it: the episode's kind, and for waiting
     the reason (``waiting_kv``, ``waiting_seq_limit``, ``waiting_budget``, ``waiting_other``;
-    plain ``waiting`` when the source says no reason)."""
+    plain ``waiting`` when the source says no reason); ``spinning`` for a stall of iterations
+    that schedule nothing (a frozen loop is ``stall``, from the engine status)."""
     if episode.kind == "waiting":
         return episode.numbers.get("reason") or "waiting"
+    if episode.kind == STALL and "frozen_iteration" not in episode.numbers:
+        return SPINNING
     return episode.kind
 
 
@@ -322,11 +343,18 @@ class EngineFindings:
     # Status: stalled and dead
 
     def note_status(
-        self, status: str, now_ns: int, since_ns: int, waiting: int, running: int, pid: int
+        self,
+        status: str,
+        now_ns: int,
+        since_ns: int,
+        busy: tuple[int, int],
+        last_iteration: int,
+        pid: int,
     ) -> list[FindingEvent]:
         """The engine's status changed (the sidecar's: "running", "stalled", "dead", ...): a
         stall or death opens a finding, leaving it closes that finding. ``since_ns``: the last
-        progress (stalled) or the last message (dead), on ``now_ns``'s clock."""
+        progress (stalled) or the last message (dead), on ``now_ns``'s clock; ``busy``:
+        (waiting, running) now; ``last_iteration``: the last that made progress."""
         kind = STATUS_KINDS.get(status)
         events = [
             FindingEvent("closed", finding)
@@ -338,8 +366,9 @@ class EngineFindings:
             self._update_busy_cost(event.finding)
             self._close(event.finding)
         if kind and not any(finding.kind == kind for finding in self.open):
-            self._busy_max = (waiting, running)
-            events.append(FindingEvent("opened", self._open_status(kind, now_ns, since_ns, pid)))
+            self._busy_max = busy
+            finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid)
+            events.append(FindingEvent("opened", finding))
         if events:
             self._publish()
         return events
@@ -348,7 +377,9 @@ class EngineFindings:
         """Requests in flight while stalled (a stall's cost: the most of each at once)."""
         self._busy_max = (max(self._busy_max[0], waiting), max(self._busy_max[1], running))
 
-    def _open_status(self, kind: str, now_ns: int, since_ns: int, pid: int) -> LiveFinding:
+    def _open_status(
+        self, kind: str, now_ns: int, since_ns: int, last_iteration: int, pid: int
+    ) -> LiveFinding:
         stalled = kind == STALL
         finding = LiveFinding(
             engine_index=self.engine_index,
@@ -358,12 +389,13 @@ class EngineFindings:
             action=stall_setting(pid) if stalled else SILENCE_SETTING,
             start_ns=since_ns,
             end_ns=now_ns,
-            iteration=self._last_iteration(),
+            iteration=last_iteration,
             opened_ns=now_ns,
             start_wall_ns=self._wall_ns(since_ns),
             cost_label=COST_LABELS["stall"] if stalled else "unknown",
         )
         self._add_open(finding)
+        self._update_busy_cost(finding)
         self._status_evidence(finding)
         return finding
 
@@ -419,12 +451,4 @@ class EngineFindings:
         for message in reversed(self.messages):
             if type(message) is Heartbeat:
                 return ts_ns + message.wall_ns - message.ts_ns
-        return 0
-
-    def _last_iteration(self) -> int:
-        for message in reversed(self.messages):
-            if type(message) is Heartbeat:
-                return message.last_iteration
-            if message.num_prefill_tokens + message.num_decode_tokens:
-                return message.iteration
         return 0

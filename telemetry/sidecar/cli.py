@@ -142,6 +142,13 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
         f"{STALL_FLOOR_S:g} s)",
     )
     status.add_argument(
+        "--no-live-findings",
+        dest="live_findings",
+        action="store_false",
+        help="do not search each engine's newest messages for findings (KV capacity, "
+        "stalls, leaks, ...: the log's finding lines, iterscope_finding_* and /findings)",
+    )
+    status.add_argument(
         "--evict-after",
         type=float,
         default=EVICT_AFTER_S,
@@ -206,6 +213,7 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
         known_last_seqs=known_last_seqs(sinks),
         max_engines=args.max_engines,
         evict_after_s=args.evict_after,
+        live_findings=args.live_findings,
     )
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
         logger.warning(
@@ -284,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             from telemetry.sidecar.replay import replay
 
             ingest = replay(
-                args.replay, sinks, args.dead_after, args.stall_after, max_engines=args.max_engines
+                args.replay,
+                sinks,
+                args.dead_after,
+                args.stall_after,
+                max_engines=args.max_engines,
+                live_findings=args.live_findings,
             )
             stats = ingest.health
             logger.info(

@@ -296,8 +296,9 @@ class Ingest:
         finding; leaving it closes that finding."""
         view = state.view
         since_ns = state.last_message_ns if status is _DEAD else state.stall.last_progress_ns
+        busy = (view.num_waiting_reqs, view.num_running_reqs)
         events = state.findings.note_status(
-            status.value, now_ns, since_ns, view.num_waiting_reqs, view.num_running_reqs, view.pid
+            status.value, now_ns, since_ns, busy, view.last_iteration, view.pid
         )
         self._report_findings(state, events)
 

@@ -4,11 +4,13 @@ Prometheus asks for OpenMetrics first, and prometheus_client's OpenMetrics write
 ':' in sample names: with ``--vllm-compatible-names``, ``vllm:num_requests_running`` reached
 Prometheus as ``vllm_num_requests_running`` and vLLM's dashboards and rules found nothing.
 The text format keeps the names as they are, and it is what every Prometheus scrapes. Every
-path answers with the metrics, as prometheus_client's own server does.
+path answers with the metrics, as prometheus_client's own server does, but the JSON routes
+given to ``serve_metrics`` (``/findings``: the live findings).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -36,9 +38,31 @@ def text_format_only(app: Callable) -> Callable:
     return app_in_text_format
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
-    """Serve ``registry`` on http://host:port/ from a daemon thread (port 0: any free one);
-    IPv6 hosts work too. Stop it with shutdown() and server_close()."""
+def with_json_routes(app: Callable, routes: dict[str, Callable[[], object]]) -> Callable:
+    """The WSGI app, but each path of ``routes`` answers with its function's value as JSON."""
+
+    def app_with_routes(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        route = routes.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return app(environ, start_response)
+        body = json.dumps(route(), indent=1).encode()
+        start_response(
+            "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        )
+        return [body]
+
+    return app_with_routes
+
+
+def serve_metrics(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    json_routes: dict[str, Callable[[], object]] | None = None,
+) -> WSGIServer:
+    """Serve ``registry`` on http://host:port/ from a daemon thread (port 0: any free one),
+    and ``json_routes`` (path -> a function whose value is served as JSON); IPv6 hosts work
+    too. Stop it with shutdown() and server_close()."""
     family, _, _, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -46,7 +70,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServ
     class Server(ThreadingWSGIServer):
         address_family = family
 
-    app = text_format_only(make_wsgi_app(registry))
+    app = with_json_routes(text_format_only(make_wsgi_app(registry)), json_routes or {})
     server = make_server(address[0], port, app, Server, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -22,15 +22,22 @@ The window length is shortened to the time since the engine was first seen, so t
 window after a (re)start does not under-report. An engine prints nothing for a window in
 which it ran no iteration and had nothing running or waiting, and nothing once dead. When
 two or more engines print in a window, an aggregated line follows.
+
+Live findings (telemetry/analysis/live_findings.py) print as they happen: a WARNING when one
+opens (what, since when, the evidence, the action in the engine's own flags) and an INFO when
+it closes (how long, what it cost): two lines per finding at most.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from telemetry.analysis.findings import cost_text
+from telemetry.analysis.live_findings import FindingEvent
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_view import EngineStatus, EngineView, RecordTotals
 from telemetry.sidecar.iteration_line import format_iteration_line
@@ -90,6 +97,28 @@ def _facts_text(engine: EngineView) -> str:
     ]
     said = ", ".join(fact for fact in facts if fact)
     return f" ({said})" if said else ""
+
+
+def finding_line(event: FindingEvent) -> tuple[int, str]:
+    """(level, text) of a live finding's opening or closing line."""
+    finding = event.finding
+    head = f"Engine {finding.engine_index:03d}: {finding.title}"
+    since = (
+        time.strftime("%H:%M:%S", time.localtime(finding.start_wall_ns / 1e9))
+        if finding.start_wall_ns
+        else "?"
+    )
+    where = f"iteration {finding.iteration}, " if finding.iteration else ""
+    cost = f"{cost_text(finding.cost)} request-s {finding.cost_label}"
+    if event.what == "opened":
+        return logging.WARNING, (
+            f"{head} since {since} ({where}{finding.duration_s:.1f} s so far, {cost}): "
+            f"{finding.evidence}. Action: {finding.action}"
+        )
+    lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
+    return logging.INFO, (
+        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), cost {cost}{lower_bound}"
+    )
 
 
 def _log_to_logger(level: int, text: str) -> None:
@@ -228,6 +257,11 @@ class LogSink(Sink):
             self.emit(logging.DEBUG, text)  # every request under light load: not news
         else:
             self.emit(logging.INFO, text)  # connected, or recovered from stalled / dead
+
+    def on_finding(self, event: FindingEvent, engine: EngineView) -> None:
+        """A WARNING when a live finding opens (what, since when, evidence, the action), an
+        INFO when it closes (how long, what it cost): one line each per finding."""
+        self.emit(*finding_line(event))
 
     def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
         """Said once; what the engine's open window holds still gets its line."""

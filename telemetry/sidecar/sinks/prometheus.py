@@ -19,10 +19,11 @@ copied first, since ingest may add an engine meanwhile). Counters only ever add 
 non-negative counts a record carries, so they stay monotonic when an engine reconnects (seq
 and iteration restart at 1) and when a recording is replayed into the sidecar.
 
-The tables below (GAUGES, COUNTERS, HISTOGRAMS, SIDECAR_COUNTERS) name every series this sink
-serves, in exposition order; ``series_names()`` lists them as PromQL sees them, which the
-dashboards and alert rules are checked against (dashboards/metric_names.py), and
-docs/metrics.md lists every series with the record fields it comes from.
+The tables below (GAUGES, COUNTERS, HISTOGRAMS, FINDING_COUNTERS, SIDECAR_COUNTERS) name
+every series this sink serves, in exposition order; ``series_names()`` lists them as PromQL
+sees them, which the dashboards and alert rules are checked against
+(dashboards/metric_names.py), and docs/metrics.md lists every series with the record fields
+it comes from.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from telemetry.analysis.live_findings import FINDING_KINDS
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
@@ -91,6 +93,14 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("source", "device", "pid"),
     ),
     "sidecar_lag_seconds": ("Wall time at ingest - wall time the last message was sent.", ()),
+    "finding_active": (
+        "1 while a live finding of this kind is open on the engine, else 0 (every kind).",
+        ("kind",),
+    ),
+    "finding_info": (
+        "1 for each open live finding, with its title and the action that fixes it as labels.",
+        ("kind", "title", "action"),
+    ),
     "sidecar_up": ("1 while the sidecar serves this; absent when it is down.", ()),
     "sidecar_start_time_seconds": ("When the sidecar started (unix time).", ()),
     "sink_last_write_timestamp_seconds": (
@@ -179,6 +189,16 @@ COUNTERS: dict[str, tuple[str, CounterValue]] = {
         lambda m: m.engine.num_engine_conflicts,
     ),
 }
+# Live findings' counters per engine and kind: name (after the prefix, without _total) ->
+# (help, index into EngineFindings.totals[kind]).
+FINDING_COUNTERS: dict[str, tuple[str, int]] = {
+    "findings": ("Live findings opened.", 0),
+    "finding_cost_request_seconds": (
+        "Request-seconds the live findings cost (waiting, slowed or stalled; see "
+        "docs/diagnosis.md), growing while they are open.",
+        1,
+    ),
+}
 # Counters with a label of their own: requests by finish reason per engine; the sidecar's.
 FINISHED_COUNTER = "requests_finished"
 SIDECAR_COUNTERS = {
@@ -222,7 +242,7 @@ _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 def series_names() -> set[str]:
     """Every series this sink can serve, as PromQL names it (histograms as their _bucket,
     _sum and _count series, counters with _total), without the vLLM aliases."""
-    counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS}
+    counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS, *FINDING_COUNTERS}
     return (
         {PREFIX + name for name in GAUGES}
         | {f"{PREFIX}{name}_total" for name in counters}
@@ -382,10 +402,30 @@ class PrometheusSink(Sink):
     def serve(self, host: str, port: int) -> int:
         """Serve the registry on http://host:port/metrics in the text format; returns the bound
         port (0 = any)."""
-        self._server = serve_metrics(self.registry, host, port)
+        self._server = serve_metrics(
+            self.registry, host, port, json_routes={"/findings": self.findings_json}
+        )
         self.port = self._server.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
         return self.port
+
+    def findings_json(self) -> dict:
+        """``GET /findings``: each engine's status and its live findings (open first, then
+        the recently closed, newest first), for scripts and `iterscope top`."""
+        engines, findings = [], []
+        for index, metrics in sorted(list(self.engines.items())):
+            engine = metrics.engine
+            engines.append(
+                {
+                    "engine": index,
+                    "model_name": engine.model_name,
+                    "status": (engine.status or EngineStatus.IDLE).value,
+                    "live_findings": engine.findings is not None,
+                }
+            )
+            if engine.findings is not None:
+                findings += [finding.to_json() for finding in engine.findings.snapshot]
+        return {"engines": engines, "findings": findings}
 
     def close(self) -> None:
         if self._server is not None:
@@ -410,6 +450,7 @@ class MetricsCollector(Collector):
             *self.gauges(engines),
             *self.counters(engines),
             *self.histograms(engines),
+            *self.findings(engines),
             *self.sidecar_counters(),
             *self.sidecar_health(),
         ]
@@ -503,6 +544,29 @@ class MetricsCollector(Collector):
         disconnects = sidecar_counter("lane_disconnects")
         disconnects.add_metric(["", ""], health.num_lane_disconnects)
         yield disconnects
+
+    def findings(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
+        """Each engine's live findings (telemetry/analysis/live_findings.py), when on."""
+        active, info = gauge("finding_active"), gauge("finding_info")
+        counters = {
+            name: CounterMetricFamily(PREFIX + name, documentation, labels=[*LABELS, "kind"])
+            for name, (documentation, _) in FINDING_COUNTERS.items()
+        }
+        for metrics, labels in engines:
+            findings = metrics.engine.findings
+            if findings is None:
+                continue
+            snapshot, totals = findings.snapshot, dict(findings.totals)
+            open_kinds = {f.kind for f in snapshot if not f.closed}
+            for kind in FINDING_KINDS:
+                active.add_metric([*labels, kind], float(kind in open_kinds))
+            for finding in snapshot:
+                if not finding.closed:
+                    info.add_metric([*labels, finding.kind, finding.title, finding.action], 1)
+            for name, (_, index) in FINDING_COUNTERS.items():
+                for kind, values in totals.items():
+                    counters[name].add_metric([*labels, kind], values[index])
+        return [active, info, *counters.values()]
 
     def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():
