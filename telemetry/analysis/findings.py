@@ -171,9 +171,16 @@ def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]
 
 
 def _rank_key(finding: Finding) -> tuple[bool, float, bool, float]:
-    """Faults first, then the costliest; among equal costs (0 above all) one whose cost was
-    measured before one whose cost is unknown, then the longest."""
-    return finding.is_fault, finding.cost, finding.cost_label != "unknown", finding.total_time
+    return rank_key(finding.is_fault, finding.cost, finding.cost_label, finding.total_time)
+
+
+def rank_key(
+    is_fault: bool, cost: float, cost_label: str, total_time: float
+) -> tuple[bool, float, bool, float]:
+    """How findings rank (highest first; the live sidecar ranks its own by it too): faults
+    first, then the costliest; among equal costs (0 above all) one whose cost was measured
+    before one whose cost is unknown, then the longest."""
+    return is_fault, cost, cost_label != "unknown", total_time
 
 
 def cost_text(request_seconds: float) -> str:

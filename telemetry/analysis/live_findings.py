@@ -50,7 +50,13 @@ from telemetry.analysis.episodes import (
 )
 from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
 from telemetry.analysis.episodes.liveness import SILENCE_SETTING, detect_spinning, stall_setting
-from telemetry.analysis.findings import COST_LABELS, Finding, episode_cost
+from telemetry.analysis.findings import (
+    COST_LABELS,
+    FAULT_KINDS,
+    Finding,
+    episode_cost,
+    rank_key,
+)
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
@@ -165,6 +171,23 @@ class LiveFinding:
             "evidence": self.evidence,
             "action": self.action,
         }
+
+
+def rank_kinds(findings: list[LiveFinding]) -> list[str]:
+    """The kinds of ``findings``, ranked as `explain` ranks its findings (findings.rank_key:
+    faults first, then by the request-seconds all findings of the kind cost)."""
+    groups: dict[str, list] = {}
+    for finding in findings:
+        group = groups.setdefault(finding.kind, [0.0, 0.0, finding.cost_label])
+        group[0] += finding.cost
+        group[1] += finding.duration_s
+
+    def key(kind: str) -> tuple:
+        cost, total_time, cost_label = groups[kind]
+        is_fault = kind in FAULT_KINDS or kind == SPINNING  # a spinning loop is a stall
+        return rank_key(is_fault, cost, cost_label, total_time)
+
+    return sorted(groups, key=key, reverse=True)
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""Faults injected into a real engine from outside it: a forward pass that hangs, and a
-scheduler that keeps blocks of every finished request. The engine has no switch for either;
+"""Faults injected into a real engine from outside it: a forward pass that hangs, a device
+that is slow at every pass (no fault, but multi-second iterations), and a scheduler that keeps
+blocks of every finished request. The engine has no switch for either;
 tests wrap its parts instead.
 
     runner_class = stalling(FakeRunner, at_call=3, seconds=3.0)   # picklable: fine for the
+    runner_class = slowed(FakeRunner, seconds=2.5)                 # (every pass: slow, healthy)
     EngineCoreClient(config, load_fake_model, runner_class)        # engine-core process
     leak_blocks_per_finish(core, 2)                                # an in-process EngineCore
 """
@@ -41,6 +43,31 @@ def _build_stalling(runner_class: Any, at_call: int, seconds: float, *args: Any)
 def stalling(runner_class: Any, at_call: int, seconds: float) -> Any:
     """A ``runner_class`` for build_engine_core / EngineCoreClient whose runner stalls once."""
     return functools.partial(_build_stalling, runner_class, at_call, seconds)
+
+
+class SlowRunner:
+    """A runner whose every execute() takes ``seconds`` more: a healthy engine on a slow
+    device (a CPU prefilling long prompts), whose iterations take seconds each."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        self.inner = inner
+        self.seconds = seconds
+
+    def execute(self, scheduled: list) -> list:
+        time.sleep(self.seconds)
+        return self.inner.execute(scheduled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _build_slow(runner_class: Any, seconds: float, *args: Any) -> Any:
+    return SlowRunner(runner_class(*args), seconds)
+
+
+def slowed(runner_class: Any, seconds: float) -> Any:
+    """A ``runner_class`` whose runner takes ``seconds`` more for every forward pass."""
+    return functools.partial(_build_slow, runner_class, seconds)
 
 
 def leak_blocks_per_finish(core: Any, num_blocks: int) -> None:

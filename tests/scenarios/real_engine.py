@@ -32,7 +32,7 @@ from engine.runner import ModelRunner  # noqa: E402
 from engine.startup import build_engine_core  # noqa: E402
 from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
-from tests.helpers.faults import leak_blocks_per_finish, stalling  # noqa: E402
+from tests.helpers.faults import leak_blocks_per_finish, slowed, stalling  # noqa: E402
 
 # K and V x 2 layers x 2 KV heads x 16 x fp32: the scenarios run in float32 whatever the CPU
 # (--dtype auto picks bfloat16 where the CPU has it, which would double every KV size here)
@@ -75,12 +75,14 @@ def run_scenario(
     leak_blocks: int = 0,
     stall_at_call: int = 0,
     stall_s: float = 0.0,
+    slow_s: float = 0.0,
     **config: object,
 ) -> Path:
     """Run the arrivals to completion (then ``tail_s`` idle); return the recording's path.
 
     ``leak_blocks``: every finished request keeps that many blocks; ``stall_at_call``: that
-    forward pass first sleeps ``stall_s`` (0 = no fault)."""
+    forward pass first sleeps ``stall_s`` (0 = no fault); ``slow_s``: every forward pass
+    takes that much longer (a slow device, healthy)."""
     recording = out_dir / "recording.jsonl"
     sidecar_log = open(out_dir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
     sidecar = start_sidecar(
@@ -100,6 +102,8 @@ def run_scenario(
         )
         torch.set_num_threads(1)  # 2 shared cores: threads only fight over them
         runner_class = stalling(ModelRunner, stall_at_call, stall_s) if stall_at_call else None
+        if slow_s:
+            runner_class = slowed(ModelRunner, slow_s)
         core, _ = build_engine_core(
             engine_config, load_model=load_tiny_model, runner_class=runner_class
         )
@@ -169,6 +173,13 @@ def stalled(out_dir: Path) -> Path:
     return run_scenario(out_dir, bursty(20, 3.0, 32, 64), stall_at_call=40, stall_s=6.0)
 
 
+def healthy_but_slow(out_dir: Path) -> Path:
+    """Every forward pass takes 2.5 s more: a healthy engine on a slow device (iterations of
+    seconds, as vLLM's CPU build prefilling long prompts); nothing waits."""
+    arrivals = [Arrival(0.0, 32, 2), Arrival(0.0, 32, 2), Arrival(5.5, 32, 2)]
+    return run_scenario(out_dir, arrivals, slow_s=2.5, tail_s=2.5)
+
+
 def story3_bursty(out_dir: Path, max_num_seqs: int) -> Path:
     """6 requests at the start of each second for 3 s: batched with room to spare (this is
     also the healthy run), queued when max_num_seqs is 2."""
@@ -189,6 +200,7 @@ SCENARIOS = {
     "stall": stalled,
     "story3-batched": lambda out_dir: story3_bursty(out_dir, 32),
     "story3-queued": lambda out_dir: story3_bursty(out_dir, 2),
+    "healthy-but-slow": healthy_but_slow,
 }
 
 
