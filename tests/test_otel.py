@@ -1,5 +1,6 @@
 """OTel sink: spans received over the real OTLP wire format (protobuf over HTTP, and gRPC
-through the rotel collector), with the right names, parentage, attributes and times."""
+through the rotel collector), with the right names, parentage, attributes and times; a span per
+live finding, from the findings a real Ingest opens and closes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from telemetry.lane.record import (
     iteration_record,
 )
 from telemetry.lane.record import heartbeat as lane_heartbeat
+from telemetry.lane.recording import message_time_ns
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks import otel, otel_export
 from telemetry.sidecar.sinks.otel import OtelSink
 from telemetry.sidecar.sinks.otel_export import make_exporter
@@ -194,6 +198,164 @@ def test_records_before_first_heartbeat_are_held_then_placed_in_wall_time(receiv
     assert iteration.resource["iterscope.engine_index"] == 3
     assert iteration.start_ns == wall(MONO_BASE_NS + 2 * 10_000_000)
     assert iteration.end_ns - iteration.start_ns == 9_000_000
+
+
+# --- live findings --------------------------------------------------------------------------
+class FindingEvents(Sink):
+    """Every live finding event, as the OTel sink beside it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+
+    def on_finding(self, event, engine) -> None:
+        self.events.append((event.what, event.finding))
+
+
+def kv_stream(engine_index: int, kv_used: list[int], first_seq: int = 1) -> list:
+    """An engine decoding 4 requests, one 100 ms iteration per entry of ``kv_used`` (KV blocks
+    used of 1000; above 950, 2 more requests wait for KV), a heartbeat before every tenth;
+    consecutive seqs from ``first_seq``."""
+    messages, seq = [], first_seq
+    for iteration, used in enumerate(kv_used, 1):
+        start_ns = MONO_BASE_NS + iteration * 100_000_000
+        if iteration % 10 == 1:
+            messages.append(
+                lane_heartbeat(
+                    engine_index,
+                    seq,
+                    start_ns,
+                    start_ns + WALL_OFFSET_NS,
+                    last_iteration=iteration - 1,
+                    num_running_reqs=4,
+                    num_waiting_reqs=2 if used > 950 else 0,
+                    model_name="SmolLM2-135M",
+                    num_kv_blocks_total=1000,
+                )
+            )
+            seq += 1
+        messages.append(
+            iteration_record(
+                engine_index,
+                seq,
+                iteration,
+                start_ns=start_ns,
+                elapsed_ns=99_000_000,
+                num_decode_reqs=4,
+                num_decode_tokens=4,
+                num_running_reqs=4,
+                num_waiting_reqs=2 if used > 950 else 0,
+                num_waiting_kv_reqs=2 if used > 950 else 0,
+                num_kv_blocks_used=used,
+                num_kv_blocks_free=1000 - used,
+            )
+        )
+        seq += 1
+    return messages
+
+
+def feed(ingest: Ingest, messages: list) -> None:
+    """As a replay does: the clock is record time, a tick before each message."""
+    for message in messages:
+        now_ns = message_time_ns(message)
+        ingest.tick(now_ns)
+        ingest.on_message(message, now_ns)
+
+
+SATURATED, EASY = 970, 300
+
+
+def test_a_span_per_live_finding_closed_or_still_open_at_close(receiver):
+    """KV saturated (2 requests waiting) for 3 s, eased for 3 s, saturated again until the
+    sidecar stops: each stretch is a kv_saturation and a waiting_kv finding. The first two
+    close (their spans end where the findings end), the last two are open at close (their
+    spans end at the engine's last message, marked open); each span says what /findings says."""
+    sink, seen = http_sink(receiver.endpoint), FindingEvents()
+    ingest = Ingest([sink, seen])
+    messages = kv_stream(0, [SATURATED] * 30 + [EASY] * 30 + [SATURATED] * 30)
+    feed(ingest, messages)
+    ingest.close()
+    spans = [span for span in receiver.wait_for(4) if span.name.startswith("finding ")]
+    closed = [f for what, f in seen.events if what == "closed"]
+    still_open = [f for what, f in seen.events if what == "opened" and not f.closed]
+    assert sorted(f.kind for f in closed) == sorted(f.kind for f in still_open)
+    assert sorted(f.kind for f in closed) == ["kv_saturation", "waiting_kv"]
+    assert len(spans) == 4  # beside them: the saturated iterations, sampled
+    last_message_ns = message_time_ns(messages[-1])
+    assert all(f.end_ns < last_message_ns for f in still_open)  # searched a second ago
+    for finding in closed + still_open:
+        state = "closed" if finding.closed else "open"
+        (span,) = [
+            span
+            for span in by_name(spans, f"finding {finding.kind}")
+            if span.attributes["iterscope.finding.state"] == state
+        ]
+        end_ns = finding.end_ns if finding.closed else last_message_ns
+        assert (span.start_ns, span.end_ns) == (wall(finding.start_ns), wall(end_ns))
+        assert span.parent_span_id == "" and span.kind == SpanProto.SPAN_KIND_INTERNAL
+        assert span.attributes == {
+            "iterscope.engine_index": 0,
+            "iterscope.finding.kind": finding.kind,
+            "iterscope.finding.title": finding.title,
+            "iterscope.finding.state": state,
+            "iterscope.finding.start_iteration": 1 if finding.closed else 61,
+            "iterscope.finding.cost_request_seconds": pytest.approx(finding.cost),
+            "iterscope.finding.cost_label": finding.cost_label,
+            "iterscope.finding.evidence": finding.evidence,
+            "iterscope.finding.action": finding.action,
+            "iterscope.finding.truncated": False,
+        }
+        assert finding.cost > 0 and finding.evidence and finding.action
+        assert span.resource["iterscope.model"] == "SmolLM2-135M"
+    assert sink.sidecar_counters() == {"otel_spans_dropped": 0.0}
+
+
+def finding_spans(receiver: OtlpHttpReceiver, num_spans: int) -> list:
+    """The finding spans received, once there are ``num_spans`` of them."""
+
+    def received() -> list | None:
+        spans = [span for span in list(receiver.spans) if span.name.startswith("finding ")]
+        return spans if len(spans) >= num_spans else None
+
+    return wait_until(received, 20, f"{num_spans} finding spans")
+
+
+def test_findings_of_an_engine_no_longer_tracked_are_exported_open(receiver, monkeypatch):
+    """Engine 0 dies saturated; engine 1 takes its place (--max-engines 1): engine 0's open
+    findings (saturation, waiting, its death) are exported then, past the SDK's sampler, and
+    once only; engine 1 gets a tracer of its own (its resource names its model)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    sink = http_sink(receiver.endpoint)
+    ingest = Ingest([sink], dead_after_s=1.0, evict_after_s=1.0, max_engines=1)
+    first = kv_stream(0, [SATURATED] * 30)
+    feed(ingest, first)
+    last_ns = message_time_ns(first[-1])
+    for tick in range(1, 31):  # 3 s of silence: engine 0 is dead
+        ingest.tick(last_ns + tick * 100_000_000)
+    assert [f.kind for f in ingest.engines[0].findings.open][-1] == "dead"
+    now_ns = last_ns + 3_100_000_000
+    newcomer = lane_heartbeat(1, 1, now_ns, now_ns + WALL_OFFSET_NS, model_name="other")
+    ingest.on_message(newcomer, now_ns)
+    assert list(ingest.engines) == [1]
+    spans = finding_spans(receiver, 3)
+    assert sorted(span.name for span in spans) == [
+        "finding dead",
+        "finding kv_saturation",
+        "finding waiting_kv",
+    ]
+    assert {span.attributes["iterscope.finding.state"] for span in spans} == {"open"}
+    assert {span.resource["iterscope.model"] for span in spans} == {"SmolLM2-135M"}
+    (dead,) = by_name(spans, "finding dead")
+    assert dead.attributes["iterscope.finding.cost_label"] == "unknown"
+    assert dead.end_ns == wall(now_ns - 100_000_000)  # the last tick before the newcomer
+    ingest.on_message(record(2, engine_index=1, num_preemptions=1), now_ns)  # sampled
+    ingest.close()
+    assert len(finding_spans(receiver, 3)) == 3  # close() flushed: none exported twice
+    (iteration,) = [
+        span
+        for span in by_name(receiver.spans, "iteration")
+        if span.attributes["iterscope.engine_index"] == 1
+    ]
+    assert iteration.resource["iterscope.model"] == "other"
 
 
 def test_iteration_sampling_reasons():

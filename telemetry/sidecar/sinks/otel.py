@@ -1,5 +1,6 @@
 """The OpenTelemetry trace sink: one SERVER span tree per finished request, sampled iteration
-spans, exported over OTLP; also the sink's sidecar flags (``add_arguments``, ``build``).
+spans, one span per live finding, exported over OTLP; also the sink's sidecar flags
+(``add_arguments``, ``build``).
 
 What spans a record makes lives in otel_spans.py; how they leave the process (the OTLP
 exporter and the bounded queue one thread exports from) in otel_export.py. This module keeps
@@ -11,6 +12,12 @@ of an engine that arrive before its first heartbeat (no clock anchor, no model n
 held back, at most MAX_PENDING_RECORDS per engine, and replayed at that heartbeat (Ingest
 admits an engine only with a heartbeat, so this holds records only when the sink is fed by
 hand); a record that no longer fits counts as the spans it would have made.
+
+A live finding's span is made when it closes. Findings still open when the sidecar stops (or
+when their engine is no longer tracked) are exported then, ``iterscope.finding.state`` "open",
+ending at the last time seen of their engine: its newest message, or the finding's own end if
+later (a stall or death is extended to the last tick). The open findings are read from the
+engine view (``engine.findings.open``), never kept here a second time.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import collections
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from telemetry.analysis.live_findings import FindingEvent, LiveFinding
 from telemetry.lane.record import EVENT_FINISHED, Heartbeat, IterationRecord
+from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.otel_export import (
@@ -33,6 +42,7 @@ from telemetry.sidecar.sinks.otel_export import (
 from telemetry.sidecar.sinks.otel_spans import (
     EngineTracer,
     IterationSampling,
+    emit_finding_span,
     emit_iteration_span,
     emit_request_spans,
     request_span_count,
@@ -63,6 +73,7 @@ class OtelSink(Sink):
         self._service_name = service_name
         self._engines: dict[int, EngineTracer] = {}
         self._pending: dict[int, collections.deque[IterationRecord]] = {}
+        self._finding_views: dict[int, EngineView] = {}  # engines that had a finding
 
     # --- Sink protocol -------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord, engine: EngineView) -> None:
@@ -87,13 +98,44 @@ class OtelSink(Sink):
         for record in self._pending.pop(heartbeat.engine_index, ()):
             self.on_iteration(record, engine)
 
+    def on_finding(self, event: FindingEvent, engine: EngineView) -> None:
+        self._finding_views[engine.engine_index] = engine
+        if event.what == "closed":
+            self._emit_finding(event.finding, engine, event.finding.end_ns)
+
+    def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
+        """Its open findings are exported now (they will not close); a new engine of this
+        index gets a tracer of its own, with its own model in the resource."""
+        engine = self._finding_views.pop(engine_index, None)
+        if engine is not None:
+            self._emit_open_findings(engine)
+        self._engines.pop(engine_index, None)
+
     def close(self) -> None:
+        for engine in self._finding_views.values():
+            self._emit_open_findings(engine)
+        self._finding_views.clear()
         self.processor.force_flush(timeout_millis=5_000)
         self.processor.shutdown()
 
     def sidecar_counters(self) -> dict[str, float]:
         """Read by the Prometheus sink at scrape time."""
         return {"otel_spans_dropped": float(self.processor.num_dropped + self.num_pending_dropped)}
+
+    def _emit_open_findings(self, engine: EngineView) -> None:
+        findings = engine.findings
+        if findings is None:
+            return
+        last_seen_ns = message_time_ns(findings.messages[-1]) if findings.messages else 0
+        for finding in list(findings.open):
+            self._emit_finding(finding, engine, max(finding.end_ns, last_seen_ns))
+
+    def _emit_finding(self, finding: LiveFinding, engine: EngineView, end_ns: int) -> None:
+        tracer = self._engines.get(engine.engine_index)
+        if tracer is None:  # no heartbeat seen (Ingest admits none without): nowhere to place it
+            self.num_pending_dropped += 1
+            return
+        emit_finding_span(tracer, engine, finding, end_ns)
 
     def _hold(self, record: IterationRecord, num_spans: int) -> None:
         pending = self._pending.setdefault(record.engine_index, collections.deque())

@@ -11,7 +11,10 @@ engine view's clock anchor (telemetry/sidecar/engine_view.py):
       decode                                             first token ........... finish
       events: first_token, preempted (one per preemption)
 
-An iteration becomes one ``iteration`` span only when IterationSampling picks it. No prompt or
+An iteration becomes one ``iteration`` span only when IterationSampling picks it. A live finding
+(telemetry/analysis/live_findings.py) becomes one ``finding <kind>`` span over its episode
+when it closes, or when the sidecar stops while it is still open (``iterscope.finding.state``
+says which): a root span of its own, beside the requests it slowed. No prompt or
 output text is ever put in a span (records carry none). Invariant: request_span_count is the
 number of spans emit_request_spans makes, so spans dropped before export count exactly.
 Span, event and attribute names are user-facing (dashboards, queries): never rename them.
@@ -29,6 +32,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from telemetry.analysis.live_findings import LiveFinding
 from telemetry.lane.record import (
     FINISH_REASONS,
     UNKNOWN_PREFILL_REQS,
@@ -162,9 +166,10 @@ class EngineTracer:
     """One engine's tracers; their resource names the engine and its model.
 
     Request spans go through the SDK's sampler (OTEL_TRACES_SAMPLER, parent-based by default,
-    so a caller's sampling decision in its traceparent holds). Iteration spans have their own
-    provider that records every span it is given: IterationSampling already chose them (slow,
-    preempting, KV saturated), and a ratio sampler must not drop the one slow iteration.
+    so a caller's sampling decision in its traceparent holds). Iteration and finding spans
+    have their own provider that records every span it is given: IterationSampling or the
+    live findings already chose them (slow, preempting, KV saturated; a finding), and a ratio
+    sampler must not drop the one slow iteration or the cause of a slow minute.
     """
 
     def __init__(
@@ -175,11 +180,11 @@ class EngineTracer:
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer(TRACER_NAME)
-        iteration_provider = TracerProvider(
+        chosen_provider = TracerProvider(
             resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False
         )
-        iteration_provider.add_span_processor(processor)
-        self.iteration_tracer = iteration_provider.get_tracer(TRACER_NAME)
+        chosen_provider.add_span_processor(processor)
+        self.chosen_tracer = chosen_provider.get_tracer(TRACER_NAME)
 
 
 def emit_request_spans(
@@ -225,6 +230,33 @@ def emit_iteration_span(
 ) -> None:
     """One span over the iteration, ``reason`` saying why it was sampled."""
     start_ns = engine.to_wall_ns(record.start_ns)
-    engine_tracer.iteration_tracer.start_span(
+    engine_tracer.chosen_tracer.start_span(
         "iteration", start_time=start_ns, attributes=iteration_attributes(record, reason)
     ).end(end_time=start_ns + record.elapsed_ns)
+
+
+def finding_attributes(finding: LiveFinding) -> dict:
+    """What /findings says of a finding (LiveFinding.to_json), as ``iterscope.finding.*``."""
+    return {
+        "iterscope.engine_index": finding.engine_index,
+        "iterscope.finding.kind": finding.kind,
+        "iterscope.finding.title": finding.title,
+        "iterscope.finding.state": "closed" if finding.closed else "open",
+        "iterscope.finding.start_iteration": finding.iteration,
+        "iterscope.finding.cost_request_seconds": finding.cost,
+        "iterscope.finding.cost_label": finding.cost_label,
+        "iterscope.finding.evidence": finding.evidence,
+        "iterscope.finding.action": finding.action,
+        "iterscope.finding.truncated": finding.truncated,
+    }
+
+
+def emit_finding_span(
+    engine_tracer: EngineTracer, engine: EngineView, finding: LiveFinding, end_ns: int
+) -> None:
+    """One span from the finding's start to ``end_ns`` (engine time, converted to wall time
+    with the same anchor as the request spans, so the two line up)."""
+    start_ns = engine.to_wall_ns(finding.start_ns)
+    engine_tracer.chosen_tracer.start_span(
+        f"finding {finding.kind}", start_time=start_ns, attributes=finding_attributes(finding)
+    ).end(end_time=max(start_ns, engine.to_wall_ns(end_ns)))
