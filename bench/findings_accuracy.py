@@ -1,16 +1,16 @@
-"""How often `explain`'s finding 1 is the scenario's true top cause.
+"""How often finding 1 is the scenario's true top cause, for `explain` and for the live
+sidecar (its replay of the same recording: the Ingest a live sidecar runs, on record time).
 
     .venv/bin/python bench/findings_accuracy.py [--real]
 
-Each scenario states its true top cause: a finding kind (with the waiting reason for
-"waiting"), or None for a run with no problem (its finding 1, if any, must be information
-only). The synthetic scenarios (tests/scenarios/synthetic.py) run in a simulator with a known
+Each scenario states its true top cause: a finding kind as the live sidecar names it
+(telemetry/analysis/live_findings.py finding_kind: waiting with its reason, e.g.
+"waiting_kv"), or None for a run with no problem (then no problem finding may rank first).
+The synthetic scenarios (tests/scenarios/synthetic.py) run in a simulator with a known
 cost; ``--real`` adds the real-engine stories (tests/scenarios/real_engine.py: the engine core
-on a tiny model, recorded through a real sidecar, about a minute). Prints one line per
-scenario and the share right; the last line is one JSON object.
-
-The live sidecar does not compute findings yet (only its engine status); when it does, this
-script is where the two are compared.
+on a tiny model, recorded through a real sidecar, about a minute and a half). Both rank by
+the same rule (telemetry/analysis/findings.py rank_key). Prints one line per scenario and
+the shares; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -29,67 +29,89 @@ from scenarios.synthetic import SCENARIOS as SYNTHETIC  # noqa: E402
 
 from telemetry.analysis.episodes import detect_episodes  # noqa: E402
 from telemetry.analysis.findings import build_findings  # noqa: E402
-from telemetry.analysis.timeline import build_timelines, read_timelines  # noqa: E402
+from telemetry.analysis.live_findings import finding_kind, rank_kinds  # noqa: E402
+from telemetry.analysis.timeline import read_timelines  # noqa: E402
+from telemetry.sidecar.replay import replay  # noqa: E402
+from telemetry.sidecar.sink import Sink  # noqa: E402
 
 REAL = {  # tests/scenarios/real_engine.py SCENARIOS -> true top cause
     "story1": "kv_cliff",
     "story2": "kv_leak",
     "stall": "stall",
     "story3-batched": None,
-    "story3-queued": "waiting:waiting_seq_limit",
+    "story3-queued": "waiting_seq_limit",
+    "healthy-but-slow": None,
 }
 
 
-def top_cause(timeline) -> str | None:
-    """Finding 1 as a cause: its kind (and waiting reason), None when it is no problem."""
+def explain_top_cause(path: Path) -> str | None:
+    """explain's finding 1 as a kind; None when it found no problem."""
+    (timeline,) = read_timelines([path])[0].values()
     findings = build_findings(timeline, detect_episodes(timeline))
-    problems = [f for f in findings if f.worst.severity == "problem"]
-    if not problems:
-        return None
-    first = problems[0]
-    reason = first.worst.numbers.get("reason")
-    return f"{first.kind}:{reason}" if first.kind == "waiting" else first.kind
+    return finding_kind(findings[0].worst) if findings else None
 
 
-def real_scenarios(tmp: Path) -> dict[str, object]:
-    from scenarios import real_engine
+class LiveFindings(Sink):
+    def __init__(self) -> None:
+        self.findings: dict[int, object] = {}
 
-    timelines = {}
-    for name in REAL:
-        out = tmp / name
-        out.mkdir()
-        recording = real_engine.SCENARIOS[name](out)
-        (timelines[name],) = read_timelines([recording])[0].values()
-    return timelines
+    def on_finding(self, event, engine) -> None:
+        self.findings[id(event.finding)] = event.finding
+
+
+def live_top_cause(path: Path) -> str | None:
+    """The live sidecar's finding 1 over the run (its replay), ranked as explain ranks."""
+    sink = LiveFindings()
+    replay(path, [sink])
+    ranked = rank_kinds(list(sink.findings.values()))
+    return ranked[0] if ranked else None
+
+
+def recordings(tmp: Path, real: bool) -> list[tuple[str, str | None, Path]]:
+    runs = []
+    for name, (make, truth) in SYNTHETIC.items():
+        runs.append((f"synthetic {name}", truth, make().write(tmp / f"{len(runs)}.jsonl")))
+    if real:
+        from scenarios import real_engine
+
+        for name, truth in REAL.items():
+            out = tmp / name
+            out.mkdir()
+            runs.append((f"real {name}", truth, real_engine.SCENARIOS[name](out)))
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true", help="add the real-engine stories")
     args = parser.parse_args()
-    results = []
-    for name, (make, truth) in SYNTHETIC.items():
-        (timeline,) = build_timelines(make().messages).values()
-        results.append((f"synthetic {name}", truth, top_cause(timeline)))
-    if args.real:
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, timeline in real_scenarios(Path(tmp)).items():
-                results.append((f"real {name}", REAL[name], top_cause(timeline)))
-    for name, truth, got in results:
-        mark = "ok " if truth == got else "NO "
-        print(f"{mark} {name:32s} true: {truth or 'no problem':28s} explain: {got or 'no problem'}")
-    num_right = sum(truth == got for _, truth, got in results)
-    share = num_right / len(results)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [
+            (name, truth, explain_top_cause(path), live_top_cause(path))
+            for name, truth, path in recordings(Path(tmp), args.real)
+        ]
+    for name, truth, explain, live in results:
+        mark = "ok " if truth == explain == live else "NO "
+        print(
+            f"{mark} {name:32s} true: {truth or 'no problem':20s} explain: "
+            f"{explain or 'no problem':20s} live: {live or 'no problem'}"
+        )
+    num = len(results)
+    explain_right = sum(truth == explain for _, truth, explain, _ in results)
+    live_right = sum(truth == live for _, truth, _, live in results)
+    num_agree = sum(explain == live for _, _, explain, live in results)
     print(
-        f"explain's finding 1 is the true top cause in {num_right} of {len(results)} "
-        f"scenarios ({100 * share:.0f}%); the live sidecar computes no findings yet"
+        f"finding 1 is the true top cause: explain {explain_right} of {num}, the live sidecar "
+        f"{live_right} of {num}; they agree in {num_agree} of {num}"
     )
     print(
         json.dumps(
             {
-                "num_scenarios": len(results),
-                "explain_share": share,
-                "wrong": [name for name, truth, got in results if truth != got],
+                "num_scenarios": num,
+                "explain_share": explain_right / num,
+                "live_share": live_right / num,
+                "agree_share": num_agree / num,
+                "wrong": [name for name, truth, e, live in results if not truth == e == live],
             }
         )
     )

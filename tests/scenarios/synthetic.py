@@ -464,15 +464,16 @@ def healthy_but_slow() -> Simulator:
 
 
 # Each scenario with its true top cause (bench/findings_accuracy.py, tests/test_live_findings.py):
-# scenario -> (make, true top cause): a finding kind, "waiting:<reason>", or None (no problem)
+# scenario -> (make, true top cause): a finding kind as the live sidecar names it
+# (live_findings.finding_kind: waiting with its reason, e.g. "waiting_kv"), or None (no problem)
 SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "healthy": (healthy, None),
     "story1 KV cliff": (story1_kv_cliff, "kv_cliff"),
     "story2 leak": (story2_leak, "kv_leak"),
     "stall": (stalled, "stall"),
-    "story3 sequence limit": (lambda: story3_bursty(4), "waiting:waiting_seq_limit"),
-    "KV capacity": (kv_capacity, "waiting:waiting_kv"),
-    "token budget": (token_budget, "waiting:waiting_budget"),
+    "story3 sequence limit": (lambda: story3_bursty(4), "waiting_seq_limit"),
+    "KV capacity": (kv_capacity, "waiting_kv"),
+    "token budget": (token_budget, "waiting_budget"),
     "preemption storm": (preemption_storm, "preemption_storm"),
     "idle": (idle, None),
     "healthy but slow": (healthy_but_slow, None),
