@@ -1,6 +1,7 @@
 """`iterscope demo`, shortened: SmolLM2 behind the server and its sidecar, a ramping load that
-fills the small KV cache until requests wait, log lines, /metrics, a recording, the bench
-summary and the explain summary."""
+fills the small KV cache until requests wait, log lines, live findings as they open, /metrics,
+a recording, the bench summary and the explain summary, whose finding 1 the sidecar reported
+live."""
 
 from __future__ import annotations
 
@@ -78,6 +79,11 @@ def test_short_demo(tmp_path):
     assert re.search(r"Failed requests:\s+0\n", output)
     assert "Mean TTFT (ms):" in output
     assert "Engine 0, model smollm2 on CPU" in output  # the explain summary
+    # The sidecar said why while it happened, and explain's finding 1 is among what it said
+    assert re.search(r"\| WARNING .* Engine 000: .* since \S+ \(.*\)\. Action: ", output), output
+    first = re.search(r"^  1\. (.+?): \d+ times?, ", output, re.MULTILINE)
+    assert first, output
+    assert f"Engine 000: {first.group(1)} since " in output, output
     decoder = msgspec.json.Decoder(Message)
     records = [
         m

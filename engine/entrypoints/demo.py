@@ -1,10 +1,12 @@
 """`iterscope demo` (`make demo`): the whole product on the embedded default model, in ~2 min.
 
     iterscope serve (SmolLM2-135M on CPU, a deliberately small KV cache)
-      + its sidecar: 10 s log lines here, /metrics, a JSONL recording
+      + its sidecar: 10 s log lines here, live findings as they open and close (WARNING:
+      why requests wait or slow down, and what to change), /metrics, a JSONL recording
     iterscope bench's load, concurrency ramping 1 -> 2 -> 4 -> 8 until the KV cache is full
       and requests wait for it
-    then: the bench summary, and `iterscope explain` on the recording
+    then: the bench summary, and `iterscope explain` on the recording (its finding 1 is one
+      the sidecar reported live)
 
 The server's and the sidecar's output is shown as it comes, prefixed with "| ".
 """
