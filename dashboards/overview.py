@@ -1,9 +1,16 @@
-"""Overview: is the service healthy? Throughput, queues, KV usage, latency, engine state."""
+"""Overview: is the service healthy? Throughput, queues, KV usage, latency, engine state, and
+why now: the live findings open on each engine (what `iterscope explain` would say)."""
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import dashboard, statetimeline
-from grafana_foundation_sdk.models.dashboard import ValueMap, ValueMappingResult
+from grafana_foundation_sdk.builders import dashboard, statetimeline, table
+from grafana_foundation_sdk.models.common import TableAutoCellOptions
+from grafana_foundation_sdk.models.dashboard import (
+    DataTransformerConfig,
+    ValueMap,
+    ValueMappingResult,
+)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from dashboards.common import (
     DATASOURCE,
@@ -27,6 +34,8 @@ STATE_CODES = {
     "stalled": (2, "orange"),
     "dead": (3, "red"),
 }
+# The columns of the open findings table, in order: an engine, then what is wrong and the fix.
+FINDING_COLUMNS = ("instance", "engine", "kind", "title", "action")
 
 
 def engine_state_expr() -> str:
@@ -61,6 +70,53 @@ def engine_state() -> statetimeline.Panel:
         .mappings([mapping])
         .height(8)
         .span(12)
+    )
+
+
+def why_now() -> statetimeline.Panel:
+    """A row per engine and finding kind, drawn while a finding of that kind is open; kinds
+    never open in the time range have no row."""
+    expr = f"max by ({PER_ENGINE}, kind) ({series('iterscope_finding_active')} == 1)"
+    open_state = ValueMap(options={"1": ValueMappingResult(text="open", color="orange")})
+    return (
+        statetimeline.Panel()
+        .title("Why now")
+        .description(
+            "Per engine and kind, when a live finding (what iterscope explain would say of the "
+            "last minutes) was open: the cause of what the other panels show."
+        )
+        .datasource(DATASOURCE)
+        .with_target(query(expr, engine_legend("{{kind}}"), "A"))
+        .mappings([open_state])
+        .height(8)
+        .span(12)
+    )
+
+
+def open_findings() -> table.Panel:
+    """One row per open finding: its engine, kind, title and the action that fixes it."""
+    expr = f"max by ({', '.join(FINDING_COLUMNS)}) ({series('iterscope_finding_info')})"
+    target = query(expr, engine_legend(), "A").instant().format(PromQueryFormat.TABLE)
+    columns = DataTransformerConfig(
+        id_val="organize",
+        options={
+            "excludeByName": {"Time": True, "Value": True},
+            "indexByName": {name: index for index, name in enumerate(FINDING_COLUMNS)},
+        },
+    )
+    return (
+        table.Panel()
+        .title("Open findings")
+        .description(
+            "Each live finding open now, with its title and the one action that fixes it "
+            "(the IterscopeFinding alert quotes the same text)."
+        )
+        .datasource(DATASOURCE)
+        .with_target(target)
+        .transformations([columns])
+        .cell_options(TableAutoCellOptions(wrap_text=True))  # an action is a few lines long
+        .height(8)
+        .span(24)
     )
 
 
@@ -199,6 +255,8 @@ def build() -> dashboard.Dashboard:
     )
     panels = [
         engine_state(),
+        why_now(),
+        open_findings(),
         kv_usage(),
         token_throughput(),
         requests_running_waiting(),

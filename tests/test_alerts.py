@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ EXPECTED_ALERTS = {
     "IterscopeTTFTHigh",
     "IterscopeInterTokenLatencyHigh",
     "IterscopeHTTPErrors",
+    "IterscopeFinding",
 }
 # Where runbook_url points by default: the docs/runbooks/ of the project's repository.
 # deploy/alerting.yml replaces the base in the rules deploy/ ships (tests/test_deploy.py).
@@ -43,6 +45,13 @@ RUNBOOK_BASE_URL = "https://github.com/iterscope/iterscope/blob/main/docs/runboo
 # Series the alerts may read that are not the sidecar's: the API server's own HTTP series.
 API_SERIES = {"http_requests_total", "iterscope_api_sidecar_reachable"}  # the API port's own
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm on the dashboards", "## What to change")
+# Live finding kinds that IterscopeFinding leaves out, and the alert that pages for each.
+FINDING_KINDS_WITH_OWN_ALERT = {
+    "stall": "IterscopeEngineStalled",
+    "spinning": "IterscopeEngineStalled",
+    "dead": "IterscopeEngineDown",
+}
+KIND_MATCHER = re.compile(r'\bkind\s*(=~|!~|!=|=)\s*"([^"]*)"')
 # by/without clauses of aggregations and on/ignoring clauses of binary operators.
 LABEL_CLAUSE = re.compile(r"\b(by|without|on|ignoring)\s*\(([^)]*)\)")
 
@@ -58,14 +67,15 @@ def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
     return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-def load_rules() -> dict[str, dict]:
-    """Alert name -> rule, over every rule file (recording rules left out)."""
-    rules = {}
+def load_rules() -> dict[str, list[dict]]:
+    """Alert name -> its rules, over every rule file (recording rules left out). Most alerts
+    have one rule; IterscopeFinding has one per severity."""
+    rules: dict[str, list[dict]] = {}
     for path in RULE_FILES:
         for group in yaml.safe_load(path.read_text())["groups"]:
             for rule in group["rules"]:
                 if "alert" in rule:
-                    rules[rule["alert"]] = rule
+                    rules.setdefault(rule["alert"], []).append(rule)
     return rules
 
 
@@ -90,15 +100,15 @@ def test_every_alert_of_the_issue_exists():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_alert_is_documented(name):
-    rule = RULES[name]
-    annotations = rule["annotations"]
-    assert annotations["summary"]
-    assert "{{ $value" in annotations["description"], "description must show the current value"
-    runbook = runbook_of(annotations["runbook_url"]).read_text()
-    assert runbook.startswith(f"# {name}\n")
-    for section in RUNBOOK_SECTIONS:
-        assert section in runbook, f"{name} runbook lacks {section!r}"
-    assert rule["labels"]["severity"] in ("warning", "critical")
+    for rule in RULES[name]:
+        annotations = rule["annotations"]
+        assert annotations["summary"]
+        assert "{{ $value" in annotations["description"], "description must show the value"
+        runbook = runbook_of(annotations["runbook_url"]).read_text()
+        assert runbook.startswith(f"# {name}\n")
+        for section in RUNBOOK_SECTIONS:
+            assert section in runbook, f"{name} runbook lacks {section!r}"
+        assert rule["labels"]["severity"] in ("warning", "critical")
 
 
 def runbook_of(url: str) -> Path:
@@ -111,10 +121,11 @@ def runbook_of(url: str) -> Path:
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_runbook_url_is_absolute_and_opens_the_alerts_runbook(name):
     """Alertmanager and Grafana link runbook_url as it is: only an absolute URL opens."""
-    url = RULES[name]["annotations"]["runbook_url"]
-    assert re.fullmatch(r"https://[^/\s]+/\S+", url), url
-    assert runbook_of(url) == REPO / "docs" / "runbooks" / f"{name}.md"
-    assert runbook_of(url).is_file(), f"{url}: no runbook {runbook_of(url)}"
+    for rule in RULES[name]:
+        url = rule["annotations"]["runbook_url"]
+        assert re.fullmatch(r"https://[^/\s]+/\S+", url), url
+        assert runbook_of(url) == REPO / "docs" / "runbooks" / f"{name}.md"
+        assert runbook_of(url).is_file(), f"{url}: no runbook {runbook_of(url)}"
 
 
 def test_every_runbook_has_an_alert():
@@ -124,7 +135,8 @@ def test_every_runbook_has_an_alert():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_alert_reads_only_contract_metrics(name):
-    metrics = set(re.findall(r"(?<![:\w])(?:iterscope|http)_\w+", RULES[name]["expr"]))
+    exprs = " ".join(rule["expr"] for rule in RULES[name])
+    metrics = set(re.findall(r"(?<![:\w])(?:iterscope|http)_\w+", exprs))
     assert metrics and metrics <= SERIES_NAMES | API_SERIES, metrics - SERIES_NAMES
 
 
@@ -145,8 +157,9 @@ def test_each_alert_has_firing_and_not_firing_cases(name):
     assert any(not alerts for alerts in cases), f"{name}: no promtool case where it stays quiet"
 
 
-def promtool_test_with_expr(tmp_path: Path, name: str, expr: str) -> str:
-    """Run every promtool unit test on a copy of the rules where alert ``name`` has ``expr``.
+def promtool_test_with_expr(tmp_path: Path, name: str, rewrite: Callable[[str], str]) -> str:
+    """Run every promtool unit test on a copy of the rules where each rule of alert ``name``
+    has the expression ``rewrite(its expression)``.
 
     Returns promtool's output; fails the calling test if promtool passed all the same.
     """
@@ -155,14 +168,14 @@ def promtool_test_with_expr(tmp_path: Path, name: str, expr: str) -> str:
         for group in data["groups"]:
             for rule in group["rules"]:
                 if rule.get("alert") == name:
-                    rule["expr"] = expr
+                    rule["expr"] = rewrite(rule["expr"])
         (tmp_path / path.name).write_text(yaml.safe_dump(data))
     tests_dir = tmp_path / "tests"
     tests_dir.mkdir()
     for path in TEST_FILES:
         shutil.copy(path, tests_dir / path.name)
     result = run_promtool("test", "rules", *[p.name for p in TEST_FILES], cwd=tests_dir)
-    assert result.returncode != 0, f"promtool tests pass with {name}: {expr}"
+    assert result.returncode != 0, f"promtool tests pass with {name} rewritten"
     return result.stdout + result.stderr
 
 
@@ -170,7 +183,7 @@ def promtool_test_with_expr(tmp_path: Path, name: str, expr: str) -> str:
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_unit_tests_fail_when_the_alert_never_fires(name, tmp_path):
     """Replace one alert's expression with one that never fires: promtool must notice."""
-    assert name in promtool_test_with_expr(tmp_path, name, "vector(1) < 0")
+    assert name in promtool_test_with_expr(tmp_path, name, lambda expr: "vector(1) < 0")
 
 
 @pytest.mark.live
@@ -179,7 +192,7 @@ def test_unit_tests_fail_when_the_alert_merges_replicas(name, tmp_path):
     """Aggregate the instance label away (pods that each run engine 0 merged into one alert):
     the two-replica promtool tests must notice."""
     output = promtool_test_with_expr(
-        tmp_path, name, f"max without (instance) ({RULES[name]['expr']})"
+        tmp_path, name, lambda expr: f"max without (instance) ({expr})"
     )
     assert name in output and "replicas with engine 0" in output
 
@@ -187,14 +200,14 @@ def test_unit_tests_fail_when_the_alert_merges_replicas(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
 def test_alert_keeps_and_names_the_instance(name):
     """An engine is (instance, engine): a page must name the pod, and no clause may drop it."""
-    rule = RULES[name]
-    assert "{{ $labels.instance }}" in rule["annotations"]["summary"]
-    for clause, labels in LABEL_CLAUSE.findall(rule["expr"]):
-        names = {label.strip() for label in labels.split(",")}
-        if clause in ("by", "on"):
-            assert "instance" in names, f"{clause} ({labels}) drops instance"
-        else:
-            assert "instance" not in names, f"{clause} ({labels}) drops instance"
+    for rule in RULES[name]:
+        assert "{{ $labels.instance }}" in rule["annotations"]["summary"]
+        for clause, labels in LABEL_CLAUSE.findall(rule["expr"]):
+            names = {label.strip() for label in labels.split(",")}
+            if clause in ("by", "on"):
+                assert "instance" in names, f"{clause} ({labels}) drops instance"
+            else:
+                assert "instance" not in names, f"{clause} ({labels}) drops instance"
 
 
 def replica_cases(name: str) -> list[list[str]]:
@@ -225,9 +238,8 @@ def test_kv_panel_thresholds_are_the_alert_thresholds():
     from dashboards.common import KV_NEAR_FULL_RATIO, KV_SATURATED_RATIO
 
     def threshold(name: str) -> float:
-        match = re.search(
-            r"iterscope_kv_cache_usage_ratio(?:\[\w+\]\))? >= ([\d.]+)", RULES[name]["expr"]
-        )
+        (rule,) = RULES[name]
+        match = re.search(r"iterscope_kv_cache_usage_ratio(?:\[\w+\]\))? >= ([\d.]+)", rule["expr"])
         return float(match[1])
 
     assert threshold("IterscopeKVCacheNearFull") == KV_NEAR_FULL_RATIO
@@ -237,7 +249,8 @@ def test_kv_panel_thresholds_are_the_alert_thresholds():
 def test_kv_blocked_panel_threshold_is_the_alert_share():
     from dashboards.common import KV_BLOCKED_SHARE
 
-    expr = RULES["IterscopeKVCacheSaturated"]["expr"]
+    (rule,) = RULES["IterscopeKVCacheSaturated"]
+    expr = rule["expr"]
     match = re.search(
         r"increase\(iterscope_kv_blocked_iterations_total\[(\w+)\]\)\s*"
         r"> ([\d.]+) \* increase\(iterscope_iterations_total\[(\w+)\]\)",
@@ -245,6 +258,42 @@ def test_kv_blocked_panel_threshold_is_the_alert_share():
     )
     assert match and match[1] == match[3], expr
     assert float(match[2]) == KV_BLOCKED_SHARE
+
+
+def finding_kinds_selected(expr: str) -> set[str]:
+    """The live finding kinds an expression's one ``kind`` matcher selects (Prometheus
+    anchors regular expressions)."""
+    from telemetry.analysis.live_findings import FINDING_KINDS
+
+    ((op, value),) = KIND_MATCHER.findall(expr)
+    selected = {
+        kind
+        for kind in FINDING_KINDS
+        if (kind == value if "~" not in op else re.fullmatch(value, kind) is not None)
+    }
+    return set(FINDING_KINDS) - selected if op.startswith("!") else selected
+
+
+def test_finding_alert_places_every_finding_kind_once():
+    """Every live finding kind either has an IterscopeFinding rule, exactly one, critical for a
+    fault and warning for a tuning finding, or pages through an alert of its own (never both:
+    one page per cause)."""
+    from telemetry.analysis.findings import FAULT_KINDS
+    from telemetry.analysis.live_findings import FINDING_KINDS
+
+    severities: dict[str, list[str]] = {kind: [] for kind in FINDING_KINDS}
+    for rule in RULES["IterscopeFinding"]:
+        for kind in finding_kinds_selected(rule["expr"]):
+            severities[kind].append(rule["labels"]["severity"])
+    for kind, found in severities.items():
+        if kind in FINDING_KINDS_WITH_OWN_ALERT:
+            (own_rule,) = RULES[FINDING_KINDS_WITH_OWN_ALERT[kind]]
+            assert not found and own_rule["labels"]["severity"] == "critical", kind
+        else:
+            assert found == ["critical" if kind in FAULT_KINDS else "warning"], (kind, found)
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeFinding.md").read_text()
+    for kind in FINDING_KINDS:
+        assert f"`{kind}`" in runbook, f"the runbook says nothing of {kind}"
 
 
 def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):

@@ -165,6 +165,22 @@ def test_queries_group_by_instance_and_engine_where_engines_are_shown():
     )
 
 
+def test_overview_shows_why_now_and_each_open_findings_action():
+    """Issue #28: the live findings by engine and kind beside the engine state, and a table of
+    the open ones with the action that fixes each."""
+    panels = {panel["title"]: panel for panel in iter_panels(DASHBOARDS["overview"])}
+    (why_now,) = panels["Why now"]["targets"]
+    assert panels["Why now"]["type"] == "state-timeline"
+    assert why_now["expr"].startswith("max by (instance, engine, kind) (iterscope_finding_active{")
+    (target,) = panels["Open findings"]["targets"]
+    assert target["format"] == "table" and target["instant"]
+    (organize,) = panels["Open findings"]["transformations"]
+    index = organize["options"]["indexByName"]
+    columns = sorted(index, key=index.get)
+    assert columns == ["instance", "engine", "kind", "title", "action"]
+    assert target["expr"].startswith(f"max by ({', '.join(columns)}) (iterscope_finding_info{{")
+
+
 def test_user_stories_are_on_the_dashboards():
     """USER_STORIES.md: KV usage per engine, waiting by reason, batch composition, state, leaks."""
     by_dashboard: dict[str, str] = {}

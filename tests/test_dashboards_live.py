@@ -5,6 +5,9 @@ saturated.
 - every panel query of every dashboard, with the variables substituted by the values their own
   variable queries find, returns data through /api/v1/query;
 - IterscopeKVCacheSaturated reaches firing in /api/v1/alerts;
+- the sidecar's live findings of that saturation (KV waiting, preemptions) fill the Overview's
+  Why now and Open findings panels, and IterscopeFinding fires quoting the action that the
+  sidecar's /findings gives for the finding;
 - IterscopeEngineStalled (and IterscopeEngineDown) fire once the engine process is paused
   (SIGSTOP) with work waiting.
 
@@ -40,7 +43,7 @@ from engine.core_client import EngineCoreClient  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from tests.helpers.fake_runner import BLOCK_SIZE, FakeRunner, load_fake_model  # noqa: E402
 from tests.helpers.processes import start_metrics_sidecar, stop_process  # noqa: E402
-from tests.helpers.prom import PrometheusHandle, start_prometheus  # noqa: E402
+from tests.helpers.prom import PrometheusHandle, http_get_json, start_prometheus  # noqa: E402
 from tests.helpers.wait import wait_until  # noqa: E402
 
 ALERTS_DIR = REPO_ROOT / "dashboards" / "alerts"
@@ -185,6 +188,34 @@ def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout
     )
 
 
+def check_finding_alert(prometheus: PrometheusHandle, instance: str) -> None:
+    """IterscopeFinding fires for a finding the sidecar's /findings shows open, its
+    description quoting that finding's action. (A saturated cache also opens KV findings one
+    after another, each with its own action: the alert compared is one still open.)"""
+
+    def alert_of_an_open_finding() -> dict | None:
+        findings = http_get_json(f"http://{instance}/findings")["findings"]
+        open_findings = {(f["kind"], f["action"]) for f in findings if f["state"] == "open"}
+        for alert in prometheus.alerts():
+            labels = alert["labels"]
+            if (
+                labels["alertname"] == "IterscopeFinding"
+                and alert["state"] == "firing"
+                and (labels["kind"], labels["action"]) in open_findings
+            ):
+                return alert
+        return None
+
+    alert = prometheus.wait_until(
+        alert_of_an_open_finding, 30, "IterscopeFinding firing for a finding open in /findings"
+    )
+    labels = alert["labels"]
+    assert labels["instance"] == instance and labels["engine"] == "0"
+    assert labels["severity"] == "warning"  # the saturation's findings are tuning findings
+    assert alert["annotations"]["description"].endswith(f"Action: {labels['action']}")
+    assert alert["annotations"]["summary"].endswith(f"on {instance} (fake-llm): {labels['title']}")
+
+
 def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
     sidecar, port = start_metrics_sidecar(tmp_path, address)
@@ -204,6 +235,7 @@ def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
         assert float(alert["value"]) >= 0.95  # the KV usage ratio
         assert alert["annotations"]["runbook_url"].endswith("IterscopeKVCacheSaturated.md")
         check_every_panel_query(prometheus, instance, timeout_s=30)
+        check_finding_alert(prometheus, instance)
         assert feeder.num_finished > 0
         assert engine_state_code(prometheus) == 1  # running
 
