@@ -270,3 +270,14 @@ def test_turned_off_there_is_no_window_and_no_series(tmp_path):
     assert all(state.findings is None for state in ingest.engines.values())
     text = generate_latest(sink.registry).decode()
     assert "iterscope_finding_active{" not in text
+
+
+def test_more_closed_findings_than_are_served_are_not_opened_again(tmp_path, monkeypatch):
+    """A saturated engine closes many short findings a minute; those the window still shows
+    stay closed however few of them /findings keeps."""
+    make, _ = SCENARIOS["KV capacity"]  # 15 KV saturation episodes, 3 storms, a cliff
+    path = make().write(tmp_path / "recording.jsonl")
+    (timeline,) = read_timelines([path])[0].values()
+    monkeypatch.setattr(live_findings, "RECENT_CLOSED", 2)
+    live = replayed(path)
+    assert_same_findings(explained(timeline), live)

@@ -65,7 +65,7 @@ WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
 LOOKBACK_S = 60.0  # history kept with no finding open (a long prefill's baseline, a leak)
 EVALUATE_INTERVAL_S = 1.0
 MAX_EVALUATE_SHARE = 0.1
-RECENT_CLOSED = 32  # closed findings kept per engine (for /findings, and not to reopen them)
+RECENT_CLOSED = 32  # closed findings kept per engine, for /findings
 
 # explain's detectors over the window; stalls from heartbeats and silences are the status's.
 WINDOW_DETECTORS = (
@@ -212,6 +212,9 @@ class EngineFindings:
         self.messages: deque[IterationRecord | Heartbeat] = deque(maxlen=WINDOW_MESSAGES)
         self.open: list[LiveFinding] = []
         self.closed: deque[LiveFinding] = deque(maxlen=RECENT_CLOSED)
+        # Every closed finding the window may still show, oldest first, so that its episode
+        # is not opened again: as many as the window holds, whatever RECENT_CLOSED is.
+        self._closed_in_window: deque[LiveFinding] = deque()
         self.snapshot: tuple[LiveFinding, ...] = ()  # open, then closed newest first
         # kind -> [findings opened, request-seconds they cost]: only grow (Prometheus counters)
         self.totals: dict[str, list[float]] = {}
@@ -253,6 +256,9 @@ class EngineFindings:
             keep_from = min(keep_from, finding.start_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
             messages.popleft()
+        closed = self._closed_in_window
+        while closed and messages and closed[0].end_ns < message_time_ns(messages[0]):
+            closed.popleft()  # no episode in the window can overlap it any more
 
     def _timeline(self) -> EngineTimeline:
         records = [m for m in self.messages if type(m) is IterationRecord]
@@ -277,7 +283,7 @@ class EngineFindings:
             kind = finding_kind(episode)
             finding = self._match(self.open, kind, episode)
             if finding is None:
-                if self._match(self.closed, kind, episode) is not None:
+                if self._match(self._closed_in_window, kind, episode) is not None:
                     continue  # reported and closed: its cost is final
                 finding = self._open_from(tl, episode, kind, now_ns)
                 opened.append(FindingEvent("opened", finding))
@@ -465,6 +471,7 @@ class EngineFindings:
         finding.closed = True
         self.open.remove(finding)
         self.closed.appendleft(finding)
+        self._closed_in_window.append(finding)
 
     def _publish(self) -> None:
         self.snapshot = (*self.open, *self.closed)

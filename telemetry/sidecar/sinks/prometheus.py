@@ -560,9 +560,10 @@ class MetricsCollector(Collector):
             open_kinds = {f.kind for f in snapshot if not f.closed}
             for kind in FINDING_KINDS:
                 active.add_metric([*labels, kind], float(kind in open_kinds))
-            for finding in snapshot:
-                if not finding.closed:
-                    info.add_metric([*labels, finding.kind, finding.title, finding.action], 1)
+            # one series per distinct text: two open findings alike would be a duplicate
+            texts = dict.fromkeys((f.kind, f.title, f.action) for f in snapshot if not f.closed)
+            for text in texts:
+                info.add_metric([*labels, *text], 1)
             for name, (_, index) in FINDING_COUNTERS.items():
                 for kind, values in totals.items():
                     counters[name].add_metric([*labels, kind], values[index])
