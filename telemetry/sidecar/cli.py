@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.stall_after,
                 max_engines=args.max_engines,
                 live_findings=args.live_findings,
+                close_sinks=not args.serve_after_replay,
             )
             stats = ingest.health
             logger.info(
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.serve_after_replay:
                 wait_for_stop_signal()
+                ingest.close()
             return 0
         return run_live(args, sinks)
     except (ValueError, OSError, zmq.ZMQError) as error:

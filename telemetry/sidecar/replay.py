@@ -29,10 +29,12 @@ def replay(
     tick_interval_s: float = TICK_INTERVAL_S,
     max_engines: int = DEFAULT_MAX_ENGINES,
     live_findings: bool = True,
+    close_sinks: bool = True,
 ) -> Ingest:
     """Feed a recording through ``sinks`` in order; returns the Ingest (stats, engines).
 
-    The sinks are closed at the end.
+    The sinks are closed at the end, unless ``close_sinks`` is False: then the caller closes
+    them with ``Ingest.close()`` (`--serve-after-replay` keeps /metrics serving meanwhile).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"no recording at {path}")
@@ -62,5 +64,6 @@ def replay(
     if now_ns is not None:
         ingest.tick(now_ns)
         ingest.finish_findings(now_ns)
-    ingest.close()
+    if close_sinks:
+        ingest.close()
     return ingest
