@@ -20,6 +20,9 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          iteration starts, until that count falls back to 0, plus the time of
                          each iteration that admits them again (they recompute their prompt in
                          it); to the end of the recording if they never run again
+    preemption_storm     the same for the requests it preempted (at most its preemptions),
+                         counted from the iteration before its first preemption: waiting that
+                         was there before the storm is not the storm's, waiting it caused is
     long_prefill         decoding requests x the time their iteration took beyond the median
                          decode-only iteration (request-seconds slowed)
     stall                (waiting + running) x the stall's length, from the heartbeats
@@ -43,6 +46,7 @@ COST_LABELS = {
     "stall": "stalled",
     "telemetry_gap": "unknown",
     "kv_cliff": "delayed",
+    "preemption_storm": "delayed",
 }
 
 
@@ -137,13 +141,25 @@ def _slowed_request_seconds(tl: EngineTimeline, rows: slice, baseline_s: float) 
     return float((num_decode_reqs * extra).sum())
 
 
+EVICTING_KINDS = ("kv_cliff", "preemption_storm")  # they send running requests back to wait
+
+
+def eviction_baseline_row(tl: EngineTimeline, episode: Episode) -> int:
+    """The row whose waiting count the requests an evicting episode sent back to waiting are
+    counted above: a cliff's first row (its high point, before the eviction), the row before
+    a storm's first preemption."""
+    first = int(np.searchsorted(tl.col("start_ns"), episode.start_ns, side="left"))
+    return max(first - 1, 0) if episode.kind == "preemption_storm" else first
+
+
 def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     """Request-seconds the episode cost (see the module's docstring)."""
     if episode.kind == "telemetry_gap":
         return 0.0
-    if episode.kind == "kv_cliff":
-        first = int(np.searchsorted(tl.col("start_ns"), episode.start_ns, side="left"))
-        return _evicted_request_seconds(tl, first, episode.numbers["num_evicted"])
+    if episode.kind in EVICTING_KINDS:
+        first = eviction_baseline_row(tl, episode)
+        num_evicted = episode.numbers.get("num_evicted", episode.numbers.get("num_preemptions"))
+        return _evicted_request_seconds(tl, first, num_evicted)
     if episode.kind == "stall" and "max_running_reqs" in episode.numbers:
         busy = episode.numbers["max_waiting_reqs"] + episode.numbers["max_running_reqs"]
         return busy * episode.duration_time

@@ -52,9 +52,11 @@ from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
 from telemetry.analysis.episodes.liveness import SILENCE_SETTING, detect_spinning, stall_setting
 from telemetry.analysis.findings import (
     COST_LABELS,
+    EVICTING_KINDS,
     FAULT_KINDS,
     Finding,
     episode_cost,
+    eviction_baseline_row,
     rank_key,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -107,8 +109,8 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
     """(records, seconds, idle ends it) for an episode of ``kind``: its finding closes after
     that many records and seconds past its last row without growth, as long as `explain`
     would still merge a new stretch into it; and, where the third is true, as soon as a
-    heartbeat says nothing waits or runs (the KV kinds are about the cache, which an idle
-    engine does not change)."""
+    heartbeat says nothing waits or runs (KV saturation and a leak are about the cache, which
+    an idle engine does not change)."""
     if kind == "waiting":
         return 3, 0.0, True  # true_runs(max_gap=2)
     if kind == "kv_saturation":
@@ -117,7 +119,7 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
         return LEAK_MAX_GAP + 1, LOOKBACK_S, False
     if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
         return 1, max(th.storm_window_time, th.gap_merge_time), True
-    return 1, 0.0, kind != "kv_cliff"  # a KV cliff, a spinning stall: one row without it
+    return 1, 0.0, True  # a KV cliff, a spinning stall: one row without it
 
 
 def finding_kind(episode: Episode) -> str:
@@ -345,28 +347,28 @@ class EngineFindings:
 
     def _has_ended(self, tl: EngineTimeline, finding: LiveFinding) -> bool:
         """No growth for as long as explain would still merge (close_after), or (for the
-        kinds about requests) nothing in flight since, as the latest heartbeat says. A KV cliff ends
-        once the requests it evicted are back: its cost grows until then."""
+        kinds about requests) nothing in flight since, as the latest heartbeat says. A KV
+        cliff or a preemption storm grows no more but still costs until the requests it
+        evicted are back (findings.py): it ends then, or when the engine is idle."""
         episode = finding.source_episode
-        if finding.kind == "kv_cliff" and episode is not None:
-            row = int(tl.col("start_ns").searchsorted(episode.start_ns))
-            waiting = tl.col("num_waiting_reqs")
-            if row < tl.num_iterations and waiting[-1] > waiting[row]:
-                return False
         kind = episode.kind if episode else finding.kind
         rows, seconds, idle_ends = close_after(kind, self.thresholds)
-        starts = tl.col("start_ns")
-        num_after = tl.num_iterations - int(starts.searchsorted(finding.end_ns, side="right"))
-        quiet_ns = tl.last_ns - finding.end_ns
-        if num_after >= rows and quiet_ns > seconds * NS_PER_S:
-            return True
         last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
-        return (
+        if (
             idle_ends
             and last_heartbeat is not None
             and last_heartbeat.ts_ns > finding.end_ns
             and last_heartbeat.num_waiting_reqs + last_heartbeat.num_running_reqs == 0
-        )
+        ):
+            return True
+        if episode is not None and episode.kind in EVICTING_KINDS:
+            row = eviction_baseline_row(tl, episode)
+            waiting = tl.col("num_waiting_reqs")
+            if row < tl.num_iterations and waiting[-1] > waiting[row]:
+                return False
+        starts = tl.col("start_ns")
+        num_after = tl.num_iterations - int(starts.searchsorted(finding.end_ns, side="right"))
+        return num_after >= rows and tl.last_ns - finding.end_ns > seconds * NS_PER_S
 
     # ---------------------------------------------------------------------------------------
     # Status: stalled and dead

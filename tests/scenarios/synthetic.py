@@ -443,9 +443,10 @@ def token_budget() -> Simulator:
 
 
 def preemption_storm() -> Simulator:
-    """Requests admitted together outgrow the cache and evict one another."""
+    """Requests admitted together outgrow the cache and evict one another: 24 requests of
+    440 tokens at most, 7 of which fit in the cache at their peak (28 preemptions)."""
     sim = Simulator(num_blocks=200, max_num_seqs=64, max_num_batched_tokens=4096, cost=STORY_COST)
-    sim.add_requests([0.5] * 10, num_prompt=40, num_output=400)
+    sim.add_requests([0.5] * 24, num_prompt=40, num_output=400)
     return sim.run(30)
 
 
