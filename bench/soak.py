@@ -17,7 +17,9 @@ sidecar (body and header timeouts 2 s, so slow clients resolve quickly) and runs
 Then, with the server idle, it checks: /health answers ok; the API port's /metrics counts
 requests by route and status class exactly as the clients saw them; every KV block of the
 engine is free again; the sidecar's records_dropped_total is 0; the frontend's RSS is back
-within --rss-margin-mib of its size after warm-up. The last line of output is one JSON object
+within --rss-margin-mib of its size after warm-up; the sidecar's live findings opened no fault
+(stall, spinning, leak, dead) and each opened once per condition: as many by kind as `explain`
+finds episodes in the run's recording (none flapped). The last line of output is one JSON object
 with the figures; the exit status is 0 when every check held.
 """
 
@@ -45,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.vllm_server import stop_server  # noqa: E402
+from telemetry.analysis.episodes import detect_episodes  # noqa: E402
+from telemetry.analysis.live_findings import finding_kind  # noqa: E402
+from telemetry.analysis.timeline import read_timelines  # noqa: E402
 
 MODEL = "tiny-llama"
 BODY_TIMEOUT_S = 2
@@ -324,13 +329,24 @@ async def worker(ctx: Context, deadline: float) -> None:
 # The server and what it reports ------------------------------------------------------------
 
 
-def start_serve(log_path: Path, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """`iterscope serve` on the tiny model, in a session of its own; (process, base URL)."""
+def start_serve(
+    log_path: Path, record_path: Path, timeout_s: float = 180
+) -> tuple[subprocess.Popen, str]:
+    """`iterscope serve` on the tiny model, in a session of its own, its sidecar recording to
+    ``record_path``; (process, base URL)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    command = [sys.executable, "-m", "engine.entrypoints.cli", "serve", *SERVE_FLAGS]
+    command = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        *SERVE_FLAGS,
+        "--record",
+        str(record_path),
+    ]
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
@@ -439,7 +455,9 @@ async def load(base_url: str, pid: int, args: argparse.Namespace, tally: Tally) 
     return baseline, peak[0]
 
 
-def final_checks(base_url: str, pid: int, tally: Tally, baseline: int, margin: int) -> dict:
+def final_checks(
+    base_url: str, pid: int, tally: Tally, baseline: int, margin: int, record_path: Path
+) -> dict:
     """The figures of the idle server after the load, and which checks held."""
     health = wait_idle(base_url)
     counted = poll(lambda: counted_requests(scrape(base_url)), lambda c: c == tally.seen, 10)
@@ -463,7 +481,10 @@ def final_checks(base_url: str, pid: int, tally: Tally, baseline: int, margin: i
         "no_records_dropped": dropped == 0,
         "rss_within_margin": rss_end <= baseline + margin,
     }
+    findings = finding_checks(samples, record_path)
+    checks.update(findings.pop("checks"))
     return {
+        **findings,
         "health": health,
         "kv_blocks_free": kv_free,
         "kv_blocks_capacity": kv_capacity,
@@ -472,6 +493,43 @@ def final_checks(base_url: str, pid: int, tally: Tally, baseline: int, margin: i
         "status_seen": by_route(tally.seen),
         "status_counted": by_route(counted),
         "checks": checks,
+    }
+
+
+FAULT_KINDS = ("stall", "spinning", "kv_leak", "dead")  # a healthy run must open none
+
+
+def live_finding_counts(samples: list) -> dict[str, int]:
+    """Live findings the sidecar opened over the run, by kind (iterscope_findings_total)."""
+    return {
+        s.labels["kind"]: int(s.value)
+        for s in samples
+        if s.name == "iterscope_findings_total" and s.labels.get("engine") == "0" and s.value
+    }
+
+
+def explained_counts(record_path: Path) -> dict[str, int]:
+    """explain's problem episodes in the run's recording, by the kind the sidecar names them:
+    one live finding per episode means none opened twice for one condition (no flapping)."""
+    counts: Counter = Counter()
+    for timeline in read_timelines([record_path])[0].values():
+        for episode in detect_episodes(timeline):
+            if episode.severity == "info":
+                continue
+            silence = episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
+            counts["dead" if silence else finding_kind(episode)] += 1
+    return dict(sorted(counts.items()))
+
+
+def finding_checks(samples: list, record_path: Path) -> dict:
+    live, explained = live_finding_counts(samples), explained_counts(record_path)
+    return {
+        "live_findings": dict(sorted(live.items())),
+        "explained_findings": explained,
+        "checks": {
+            "no_fault_findings": not set(live) & set(FAULT_KINDS),
+            "findings_as_explain": live == explained,
+        },
     }
 
 
@@ -503,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="iterscope-soak-") as directory:
         log_path = Path(directory) / "serve.log"
-        server, base_url = start_serve(log_path)
+        record_path = Path(directory) / "soak.jsonl"
+        server, base_url = start_serve(log_path, record_path)
         print(
             f"serve on {base_url} (pid {server.pid}); {args.minutes:g} minutes, "
             f"{args.concurrency} clients",
@@ -512,7 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             baseline, peak = asyncio.run(load(base_url, server.pid, args, tally))
             figures = final_checks(
-                base_url, server.pid, tally, baseline, int(args.rss_margin_mib * 2**20)
+                base_url,
+                server.pid,
+                tally,
+                baseline,
+                int(args.rss_margin_mib * 2**20),
+                record_path,
             )
         finally:
             stop_server(server)
