@@ -283,3 +283,34 @@ def test_more_closed_findings_than_are_served_are_not_opened_again(tmp_path, mon
     monkeypatch.setattr(live_findings, "RECENT_CLOSED", 2)
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
+
+
+def test_an_engine_on_another_host_is_stalled_on_its_own_clock():
+    """The sidecar's clock and a remote engine's monotonic clock share no origin: a stall
+    (judged on the sidecar's clock) is placed on the engine's, like every other finding."""
+    from telemetry.lane.record import heartbeat
+    from telemetry.sidecar.ingest import Ingest
+
+    engine_s, sidecar_s, wall_s = 5_000_000.0, 100.0, 1_700_000_000.0  # three clocks
+    sink = Findings()
+    ingest = Ingest([sink])
+
+    def at(second: float, message) -> None:
+        ingest.on_message(message, int((sidecar_s + second) * NS_PER_S))
+        ingest.tick(int((sidecar_s + second) * NS_PER_S) + 1)
+
+    def beat(seq: int, second: float):
+        ts = int((engine_s + second) * NS_PER_S)
+        return heartbeat(0, seq, ts, ts + int((wall_s - engine_s) * NS_PER_S), num_running_reqs=2)
+
+    at(0.0, beat(1, 0.0))
+    (record,) = records(1, every_s=1.0, start_s=engine_s + 0.5)
+    record.msg_seq = 2
+    at(0.5, record)
+    for second in range(1, 12):  # heartbeats with work, no iteration: stalled after 5 s
+        at(second, beat(second + 2, second))
+    (stall,) = [f for f in sink.findings if f.kind == "stall"]
+    assert stall.start_ns == pytest.approx((engine_s + 0.5) * NS_PER_S, abs=1e7)
+    assert stall.start_wall_ns == pytest.approx((wall_s + 0.5) * NS_PER_S, abs=1e7)
+    assert stall.end_ns == pytest.approx((engine_s + 11) * NS_PER_S, abs=1e7)
+    assert stall.iteration == 1 and stall.cost == pytest.approx(2 * 10.5, rel=0.02)

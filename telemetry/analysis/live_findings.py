@@ -229,10 +229,12 @@ class EngineFindings:
     # ---------------------------------------------------------------------------------------
     # The window
 
-    def evaluate(self, now_ns: int, force: bool = False) -> list[FindingEvent]:
+    def evaluate(self, now_ns: int, skew_ns: int = 0, force: bool = False) -> list[FindingEvent]:
         """Search the window if it has news and it is time (``force``: now, e.g. at the end
-        of a replay); returns the findings opened and closed, in that order."""
-        self._extend_status_findings(now_ns)
+        of a replay); returns the findings opened and closed, in that order. ``now_ns`` is
+        the sidecar's clock, ``skew_ns`` that clock minus the engine's (findings keep engine
+        time; the two differ for an engine on another host)."""
+        self._extend_status_findings(now_ns - skew_ns)
         events: list[FindingEvent] = []
         newest = self.messages[-1] if self.messages else None
         if newest is self._newest_searched or (now_ns < self._next_search_ns and not force):
@@ -381,11 +383,14 @@ class EngineFindings:
         busy: tuple[int, int],
         last_iteration: int,
         pid: int,
+        skew_ns: int = 0,
     ) -> list[FindingEvent]:
         """The engine's status changed (the sidecar's: "running", "stalled", "dead", ...): a
         stall or death opens a finding, leaving it closes that finding. ``since_ns``: the last
-        progress (stalled) or the last message (dead), on ``now_ns``'s clock; ``busy``:
-        (waiting, running) now; ``last_iteration``: the last that made progress."""
+        progress (stalled) or the last message (dead), on ``now_ns``'s clock (the sidecar's;
+        ``skew_ns``: it minus the engine's); ``busy``: (waiting, running) now;
+        ``last_iteration``: the last that made progress."""
+        opened_ns, now_ns, since_ns = now_ns, now_ns - skew_ns, since_ns - skew_ns
         kind = STATUS_KINDS.get(status)
         events = [
             FindingEvent("closed", finding)
@@ -399,6 +404,7 @@ class EngineFindings:
         if kind and not any(finding.kind == kind for finding in self.open):
             self._busy_max = busy
             finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid)
+            finding.opened_ns = opened_ns
             events.append(FindingEvent("opened", finding))
         if events:
             self._publish()

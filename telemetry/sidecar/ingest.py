@@ -42,6 +42,7 @@ from telemetry.lane.record import (
     Message,
     make_decoder,
 )
+from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S, EngineRoster
 from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP, EngineTracker, drops_are_plausible
 from telemetry.sidecar.engine_view import EngineStatus
@@ -188,6 +189,9 @@ class Ingest:
         view.num_messages += 1
         if num_lost > 0:
             view.num_dropped_total += num_lost
+        remember = state.remember  # the findings' window: before a status change reads it
+        if remember is not None:
+            remember(message)
         # The sinks' loops inlined (not self._call): this runs once per message.
         if is_heartbeat:
             view.take_anchor(message)
@@ -204,9 +208,6 @@ class Ingest:
                 except Exception:
                     self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
-        remember = state.remember
-        if remember is not None:
-            remember(message)
 
     def _meet(
         self, message: Message, is_heartbeat: bool, now_ns: int
@@ -298,7 +299,7 @@ class Ingest:
         since_ns = state.last_message_ns if status is _DEAD else state.stall.last_progress_ns
         busy = (view.num_waiting_reqs, view.num_running_reqs)
         events = state.findings.note_status(
-            status.value, now_ns, since_ns, busy, view.last_iteration, view.pid
+            status.value, now_ns, since_ns, busy, view.last_iteration, view.pid, _skew_ns(state)
         )
         self._report_findings(state, events)
 
@@ -320,7 +321,7 @@ class Ingest:
             return
         if state.view.status is EngineStatus.STALLED:
             findings.note_busy(state.view.num_waiting_reqs, state.view.num_running_reqs)
-        self._report_findings(state, findings.evaluate(now_ns, force))
+        self._report_findings(state, findings.evaluate(now_ns, _skew_ns(state), force))
 
     def finish_findings(self, now_ns: int) -> None:
         """Search every engine's window once more, whatever the time (a replay's end)."""
@@ -329,3 +330,10 @@ class Ingest:
 
     def close(self) -> None:
         self._call(self._close)
+
+
+def _skew_ns(state: EngineTracker) -> int:
+    """The ingest clock minus the engine's own (they differ for an engine on another host),
+    from its newest message: when it happened, when it was ingested."""
+    messages = state.findings.messages
+    return state.last_message_ns - message_time_ns(messages[-1]) if messages else 0
