@@ -314,3 +314,24 @@ def test_an_engine_on_another_host_is_stalled_on_its_own_clock():
     assert stall.start_wall_ns == pytest.approx((wall_s + 0.5) * NS_PER_S, abs=1e7)
     assert stall.end_ns == pytest.approx((engine_s + 11) * NS_PER_S, abs=1e7)
     assert stall.iteration == 1 and stall.cost == pytest.approx(2 * 10.5, rel=0.02)
+
+
+def test_the_search_budget_is_shared_by_the_engines_and_paces_the_searches():
+    from telemetry.lane.record import heartbeat
+    from telemetry.sidecar.ingest import Ingest
+
+    ingest = Ingest([])
+    for index in range(4):
+        ingest.on_message(heartbeat(index, 1, NS_PER_S, NS_PER_S), NS_PER_S)
+    shares = [state.findings.search_share for state in ingest.engines.values()]
+    assert shares == [live_findings.MAX_EVALUATE_SHARE / 4] * 4
+    findings = EngineFindings(0)
+    findings.search_share = 1e-12  # any search took far longer than this share allows
+    batch = records(20, every_s=0.1)
+    findings.messages.extend(batch[:10])
+    findings.evaluate(200 * NS_PER_S)
+    findings.messages.extend(batch[10:])
+    findings.evaluate(300 * NS_PER_S)  # new messages, 100 s later: still too soon
+    assert findings.num_searches == 1
+    findings.evaluate(300 * NS_PER_S, force=True)
+    assert findings.num_searches == 2

@@ -19,8 +19,9 @@ messages at most; it keeps LOOKBACK_S of history, and more while a finding is op
 start), so a finding is costed as `explain` costs it unless it outlasts WINDOW_MESSAGES (then
 its cost is that of its newest part, a lower bound: ``truncated``). Searching costs time in
 proportion to the window: an engine's window is searched every EVALUATE_INTERVAL_S at most,
-and never more than MAX_EVALUATE_SHARE of the time (the next search waits 1/share times as
-long as the last one took).
+and all engines' searches together take no more than MAX_EVALUATE_SHARE of the time (each
+engine's next search waits as long as its last one took, times the number of engines, divided
+by that share).
 
 Invariant: one thread (the sidecar's ingest thread) calls everything here; a reader on another
 thread (a /findings request, a scrape) reads ``snapshot()``, a list built whole then swapped.
@@ -222,6 +223,9 @@ class EngineFindings:
         self.totals: dict[str, list[float]] = {}
         self.num_searches = 0
         self.search_time_s = 0.0
+        # Of the thread's time, what this engine's searches may take: MAX_EVALUATE_SHARE
+        # divided among the engines one sidecar tracks (its Ingest sets it).
+        self.search_share = MAX_EVALUATE_SHARE
         self._newest_searched: object = None
         self._next_search_ns = 0
         self._busy_max = (0, 0)  # (waiting, running) at most during a stall
@@ -245,7 +249,7 @@ class EngineFindings:
         self._newest_searched = newest
         self.num_searches += 1
         self.search_time_s += took_s
-        wait_s = max(EVALUATE_INTERVAL_S, took_s / MAX_EVALUATE_SHARE)
+        wait_s = max(EVALUATE_INTERVAL_S, took_s / self.search_share)
         self._next_search_ns = now_ns + int(wait_s * NS_PER_S)
         if events:
             self._publish()

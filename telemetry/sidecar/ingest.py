@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from telemetry.analysis.live_findings import MAX_EVALUATE_SHARE
 from telemetry.analysis.stall_rule import DEAD_AFTER_S
 from telemetry.lane.frame_checks import classify_undecodable
 from telemetry.lane.record import (
@@ -228,6 +229,9 @@ class Ingest:
         state, num_lost = roster.meet(message, now_ns)
         if self._live_findings:
             state.start_findings()
+            share = MAX_EVALUATE_SHARE / len(self.engines)  # of the time, shared by all
+            for tracker in self.engines.values():
+                tracker.findings.search_share = share
         return state, num_lost
 
     def _note_iteration(self, state: EngineTracker, record: IterationRecord, now_ns: int) -> None:
