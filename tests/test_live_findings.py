@@ -335,3 +335,64 @@ def test_the_search_budget_is_shared_by_the_engines_and_paces_the_searches():
     assert findings.num_searches == 1
     findings.evaluate(300 * NS_PER_S, force=True)
     assert findings.num_searches == 2
+
+
+class FindingsWatcher:
+    """Polls a live sidecar's /findings every 50 ms from a thread: when each finding (kind,
+    since) was first served, in wall time."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.url = f"http://127.0.0.1:{port}/findings"
+        self.first_seen: dict[tuple[str, float], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import time
+
+        while not self._stop.wait(0.05):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as answer:
+                    body = json.load(answer)
+            except OSError:
+                continue  # not serving yet, or gone
+            now = time.time()
+            for finding in body["findings"]:
+                self.first_seen.setdefault((finding["kind"], finding["since_unix"]), now)
+
+    def stop(self) -> dict[tuple[str, float], float]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.first_seen
+
+
+@pytest.mark.live
+@pytest.mark.parametrize(
+    ("story", "kind"),
+    [
+        (lambda out, port: real_engine.stalled(out, metrics_port=port), "stall"),
+        (
+            lambda out, port: real_engine.story3_bursty(out, 2, metrics_port=port),
+            "waiting_seq_limit",
+        ),
+    ],
+    ids=["stall", "story3-queued"],
+)
+def test_a_live_sidecar_opens_the_finding_in_time_on_the_real_engine(story, kind, tmp_path):
+    """Injected into the real engine, a stall and a queue behind --max-num-seqs are served on
+    /findings within their minimum time + 2 s of the condition starting (its since time)."""
+    from tests.helpers.net import free_port
+
+    port = free_port()
+    watcher = FindingsWatcher(port)
+    try:
+        story(tmp_path, port)
+    finally:
+        first_seen = watcher.stop()
+    delays = {key: seen - key[1] for key, seen in first_seen.items() if key[0] == kind}
+    assert len(delays) == 1, first_seen
+    (delay,) = delays.values()
+    assert 0 < delay <= MIN_TIME_S[kind] + 2.0, delay

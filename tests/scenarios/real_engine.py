@@ -76,17 +76,25 @@ def run_scenario(
     stall_at_call: int = 0,
     stall_s: float = 0.0,
     slow_s: float = 0.0,
+    metrics_port: int = 0,
     **config: object,
 ) -> Path:
     """Run the arrivals to completion (then ``tail_s`` idle); return the recording's path.
 
     ``leak_blocks``: every finished request keeps that many blocks; ``stall_at_call``: that
     forward pass first sleeps ``stall_s`` (0 = no fault); ``slow_s``: every forward pass
-    takes that much longer (a slow device, healthy)."""
+    takes that much longer (a slow device, healthy); ``metrics_port``: the sidecar serves
+    /metrics and /findings there (0: it serves nothing)."""
     recording = out_dir / "recording.jsonl"
     sidecar_log = open(out_dir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
     sidecar = start_sidecar(
-        ["--record", str(recording), "--no-metrics", "--log-interval", "2"],
+        [
+            "--record",
+            str(recording),
+            *(["--metrics-port", str(metrics_port)] if metrics_port else ["--no-metrics"]),
+            "--log-interval",
+            "2",
+        ],
         stdout=sidecar_log,
         stderr=sidecar_log,
     )
@@ -167,10 +175,10 @@ def story2_leak(out_dir: Path) -> Path:
     return run_scenario(out_dir, bursty(20, 4.0, 48, 16), num_kv_blocks=256, leak_blocks=2)
 
 
-def stalled(out_dir: Path) -> Path:
+def stalled(out_dir: Path, **options: object) -> Path:
     """The loop sleeps 6 s inside one iteration while requests wait (heartbeats go on): past
     the 5 s floor of the stall threshold the live sidecar and `explain` share."""
-    return run_scenario(out_dir, bursty(20, 3.0, 32, 64), stall_at_call=40, stall_s=6.0)
+    return run_scenario(out_dir, bursty(20, 3.0, 32, 64), stall_at_call=40, stall_s=6.0, **options)
 
 
 def healthy_but_slow(out_dir: Path) -> Path:
@@ -180,13 +188,13 @@ def healthy_but_slow(out_dir: Path) -> Path:
     return run_scenario(out_dir, arrivals, slow_s=2.5, tail_s=2.5)
 
 
-def story3_bursty(out_dir: Path, max_num_seqs: int) -> Path:
+def story3_bursty(out_dir: Path, max_num_seqs: int, **options: object) -> Path:
     """6 requests at the start of each second for 3 s: batched with room to spare (this is
     also the healthy run), queued when max_num_seqs is 2. Each forward pass takes 15 ms more,
     a GPU's pace: the tiny model alone takes well under a millisecond, and queued requests
     would wait too briefly for a waiting episode (1 s)."""
     arrivals = [Arrival(second, 64, 30) for second in range(3) for _ in range(6)]
-    return run_scenario(out_dir, arrivals, max_num_seqs=max_num_seqs, slow_s=0.015)
+    return run_scenario(out_dir, arrivals, max_num_seqs=max_num_seqs, slow_s=0.015, **options)
 
 
 def story4_sweep(out_dir: Path) -> Path:
