@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -213,6 +214,15 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
     assert "--kv-cache-memory-bytes" in first["action"]
     assert "--kv-cache-memory " not in first["action"] + " "  # our engine's flag, not vLLM's
     assert not [f for f in engine["findings"] if f["kind"] == "stall"]
+    # The live sidecar said so as it happened, in vLLM's flags, and nothing was stalled
+    url = f"http://127.0.0.1:{kv_stack['metrics_port']}/findings"
+    live = json.loads(urllib.request.urlopen(url, timeout=10).read())["findings"]
+    waiting = [f for f in live if f["kind"] == "waiting_kv"]
+    assert waiting, live
+    for finding in waiting:
+        assert "--kv-cache-memory-bytes" in finding["action"], finding
+        assert "--kv-cache-memory " not in finding["action"] + " "
+    assert not [f for f in live if f["kind"] in ("stall", "spinning", "dead", "kv_leak")], live
 
 
 def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
