@@ -120,6 +120,24 @@ def test_replay_prints_the_lines_the_live_run_printed(tmp_path):
     assert sum(e.view.num_dropped_total for e in ingest.engines.values()) > 0
 
 
+def test_replay_leaves_the_sinks_open_when_asked(tmp_path):
+    """--serve-after-replay serves what was replayed: its sinks stay open until the caller
+    closes them (they were closed at the replay's end, the /metrics server with them)."""
+    live(run_messages(), tmp_path / "rec.jsonl")
+    closed = []
+
+    class Closes(LogSink):
+        def close(self) -> None:
+            closed.append(True)
+
+    ingest = replay(tmp_path / "rec.jsonl", [Closes(emit=Lines())], close_sinks=False)
+    assert closed == []
+    ingest.close()
+    assert closed == [True]
+    replay(tmp_path / "rec.jsonl", [Closes(emit=Lines())])
+    assert closed == [True, True]
+
+
 def test_rotation_keeps_a_bounded_number_of_bounded_files(tmp_path):
     path = tmp_path / "rec.jsonl"
     messages = run_messages(num_engines=1, seconds=20)
