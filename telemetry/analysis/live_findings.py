@@ -11,7 +11,8 @@ engine status instead, itself decided by the rule `explain` replays (stall_rule.
 A finding opens when its episode first appears in the window (each detector's minimum time or
 count is its minimum: 10 iterations of KV >= 95%, waiting for 1 s and 10 iterations, ...) and
 closes when the episode stopped growing for as long as `explain` would still merge a new
-stretch into it (CLOSE_AFTER: rows and seconds per kind), so one condition opens one finding.
+stretch into it (close_after: records and seconds per kind), so one condition opens one
+finding.
 A closed finding that its episode later extends is not opened again: its cost is final.
 
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
@@ -24,7 +25,8 @@ engine's next search waits as long as its last one took, times the number of eng
 by that share).
 
 Invariant: one thread (the sidecar's ingest thread) calls everything here; a reader on another
-thread (a /findings request, a scrape) reads ``snapshot()``, a list built whole then swapped.
+thread (a /findings request, a scrape) reads ``snapshot``, a tuple built whole then swapped,
+and ``totals``; the findings in it are updated in place, one number at a time.
 """
 
 from __future__ import annotations
