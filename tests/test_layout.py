@@ -4,7 +4,9 @@
     engine                         -> engine, telemetry's record and publisher
     telemetry.lane                 -> the lane only
     telemetry.sidecar              -> the lane, the sidecar and analysis (the rules it shares
-                                      with `explain`, so live and offline findings agree)
+                                      with `explain`, so live and offline findings agree), and
+                                      of the sources only the FPM mapping (its own ingest
+                                      feeds FPM producers in; it imports nothing foreign)
     telemetry.analysis             -> the lane and analysis (never the sidecar)
     telemetry.sources              -> the lane and sources
 
@@ -38,6 +40,7 @@ MAY_IMPORT: dict[str, set[str]] = {  # layer -> the layers it may import
     "telemetry.sources": {"telemetry.lane", "telemetry.sources"},
 }
 ENGINE_MAY_IMPORT_FROM_LANE = ("telemetry.lane.record", "telemetry.lane.publisher")
+SIDECAR_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm",)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -72,6 +75,10 @@ def layer_of(module: str) -> str:
 
 def may_import(layer: str, target: str) -> bool:
     if layer == "engine" and any(within(target, m) for m in ENGINE_MAY_IMPORT_FROM_LANE):
+        return True
+    if layer == "telemetry.sidecar" and any(
+        within(target, m) for m in SIDECAR_MAY_IMPORT_FROM_SOURCES
+    ):
         return True
     return layer_of(target) in MAY_IMPORT[layer]
 
@@ -113,6 +120,22 @@ def test_the_check_catches_a_layer_that_reaches_up(tmp_path):
         "engine.core (engine) imports engine.entrypoints.serve",
         "telemetry.analysis.plot (telemetry.analysis) imports "
         "telemetry.sidecar.sinks.prometheus.PrometheusSink",
+    ]
+
+
+def test_the_sidecar_may_import_the_fpm_mapping_and_no_other_source(tmp_path):
+    """The one source the sidecar may import is the FPM mapping (no foreign import); a vLLM
+    source, which imports vllm, stays out of reach."""
+    (tmp_path / "telemetry" / "sidecar").mkdir(parents=True)
+    (tmp_path / "telemetry" / "sidecar" / "fpm_engines.py").write_text(
+        "from telemetry.sources.fpm import decode_frames\n"
+        "from telemetry.sources.vllm_records import RecordMaker\n"
+        "import telemetry.sources.fpm_extra\n"
+    )
+    assert violations(tmp_path) == [
+        "telemetry.sidecar.fpm_engines (telemetry.sidecar) imports "
+        "telemetry.sources.vllm_records.RecordMaker",
+        "telemetry.sidecar.fpm_engines (telemetry.sidecar) imports telemetry.sources.fpm_extra",
     ]
 
 

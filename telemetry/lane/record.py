@@ -62,17 +62,24 @@ EVENT_FINISHED = 2
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # Heartbeat.source: who fills the messages (our engine, vLLM's engine core through our
-# scheduler subclass, vLLM's API server through our stat-logger plugin)
+# scheduler subclass, vLLM's API server through our stat-logger plugin, a forward-pass
+# metrics producer through the sidecar's FPM ingest: "fpm", or "fpm-<producer>" where the
+# operator said which, telemetry/sources/fpm.py)
 SOURCE_ITERSCOPE = "iterscope"
 SOURCE_VLLM_SCHEDULER = "vllm-scheduler"
 SOURCE_VLLM_STAT_LOGGER = "vllm-stat-logger"
-SOURCES = (SOURCE_ITERSCOPE, SOURCE_VLLM_SCHEDULER, SOURCE_VLLM_STAT_LOGGER)
+SOURCE_FPM = "fpm"
+SOURCES = (SOURCE_ITERSCOPE, SOURCE_VLLM_SCHEDULER, SOURCE_VLLM_STAT_LOGGER, SOURCE_FPM)
 
 # IterationRecord.unknown bits: fields the source does not give (sent as 0, shown as unknown)
 UNKNOWN_PREFILL_REQS = 1  # num_prefill_reqs
 UNKNOWN_ELAPSED = 2  # elapsed_ns (start_ns is then when the source saw the iteration end)
 UNKNOWN_WAITING_REASONS = 4  # num_waiting_{kv,seq_limit,budget,other}_reqs
 UNKNOWN_KV_TOKENS = 8  # num_kv_tokens
+# Set by sources that give none of these at all (FPM); readers that predate a bit ignore it.
+UNKNOWN_KV_BLOCKS = 16  # num_kv_blocks_used, num_kv_blocks_free
+UNKNOWN_PREEMPTIONS = 32  # num_preemptions
+UNKNOWN_MILESTONES = 64  # milestones: the source reports no request lifecycles
 
 
 class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=False):
