@@ -248,3 +248,14 @@ def test_a_producer_ingest_let_go_is_met_again_with_a_fresh_numbering():
     engines.on_frames(busy_frames(5, worker_id="new"), 401 * S)
     assert engines.num_producers == 1
     assert ingest.engines[1].view.num_dropped_total == 4
+
+
+def test_the_sidecar_refuses_an_fpm_endpoint_it_cannot_subscribe_to(tmp_path, capsys):
+    from telemetry.sidecar.cli import main
+
+    lane = f"ipc://{tmp_path / 'lane'}"
+    argv = ["--address", lane, "--no-metrics", "--no-log", "--fpm", "http://127.0.0.1:1"]
+    assert main(argv) == 2
+    assert "ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
+    assert main(["--replay", str(tmp_path / "r.jsonl"), "--fpm", "tcp://127.0.0.1:1"]) == 2
+    assert "cannot go with --replay" in capsys.readouterr().err

@@ -26,9 +26,12 @@ import zmq
 from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.lane.publisher import default_address
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
+from telemetry.sidecar.fpm_engines import FpmEngines
+from telemetry.sidecar.fpm_socket import FpmSubscriber
 from telemetry.sidecar.ingest import DEAD_AFTER_S, Ingest
 from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, LaneLoop, check_address
 from telemetry.sidecar.sink import Sink
+from telemetry.sources.fpm import PRODUCERS
 
 SINK_MODULES = (
     "telemetry.sidecar.sinks.log",
@@ -123,6 +126,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
         action="store_true",
         help="with --replay: serve /metrics of the replayed state until Ctrl-C",
     )
+    add_fpm_arguments(parser)
     status = parser.add_argument_group("engine status")
     status.add_argument(
         "--dead-after",
@@ -163,6 +167,42 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     for module in sink_modules:
         module.add_arguments(parser)
     return parser
+
+
+def add_fpm_arguments(parser: argparse.ArgumentParser) -> None:
+    """Forward-pass metrics producers as engines (docs/fpm.md)."""
+    fpm = parser.add_argument_group("forward-pass metrics (FPM: SGLang, Dynamo; docs/fpm.md)")
+    fpm.add_argument(
+        "--fpm",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="subscribe to an FPM producer's PUB socket (tcp://HOST:PORT or ipc://PATH); "
+        "each (worker_id, dp_rank) becomes an engine (repeatable; default none)",
+    )
+    fpm.add_argument(
+        "--fpm-model",
+        default="",
+        metavar="NAME",
+        help="the model name of the FPM engines (default: each one's worker id)",
+    )
+    fpm.add_argument(
+        "--fpm-producer",
+        choices=list(PRODUCERS),
+        default="unknown",
+        help="who publishes the FPM messages, which says what their wall_time measures "
+        "(kept in each engine's source; default: %(default)s)",
+    )
+
+
+def build_fpm_subscribers(args: argparse.Namespace, ingest: Ingest) -> list[FpmSubscriber]:
+    """The FPM subscriber feeding ``ingest``, if --fpm names any endpoint."""
+    if not args.fpm:
+        return []
+    engines = FpmEngines(ingest, args.fpm_model, args.fpm_producer)
+    subscriber = FpmSubscriber(args.fpm, engines, rcvhwm=args.rcvhwm)
+    logger.info("subscribed to FPM producers on %s", ", ".join(args.fpm))
+    return [subscriber]
 
 
 def build_sinks(sink_modules: list[ModuleType], args: argparse.Namespace) -> list[Sink]:
@@ -222,7 +262,12 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
             address,
         )
     sidecar = LaneLoop(
-        address, ingest, bind=args.bind, rcvhwm=args.rcvhwm, curve_keys_dir=args.curve_keys_dir
+        address,
+        ingest,
+        bind=args.bind,
+        rcvhwm=args.rcvhwm,
+        curve_keys_dir=args.curve_keys_dir,
+        subscribers=build_fpm_subscribers(args, ingest),
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sidecar.stop())
@@ -287,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.replay and not args.serve_after_replay and hasattr(args, "no_metrics"):
             args.no_metrics = True
+        if args.replay and args.fpm:
+            raise ValueError("--fpm subscribes to live producers; it cannot go with --replay")
         sinks = build_sinks(sink_modules, args)
         if args.replay:
             from telemetry.sidecar.replay import replay

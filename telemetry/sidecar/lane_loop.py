@@ -14,12 +14,16 @@ Invariants:
   sending a frame over GUARD_FRAME_BYTES is cut off as soon as the frame's size is read.
 - On stop, what ZMQ already received is ingested (for up to DRAIN_LIMIT_S) before the
   socket closes: no later message could report that gap.
+- Other sockets feeding the same Ingest (``subscribers``: the FPM subscriber,
+  telemetry/sidecar/fpm_socket.py) are polled, drained and closed by this thread too.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import zmq
 
@@ -47,6 +51,16 @@ def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
             )
 
 
+class Subscriber(Protocol):
+    """Another socket feeding the Ingest (the FPM subscriber): polled beside the lane's."""
+
+    socket: zmq.Socket
+
+    def receive_batch(self, now_ns: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class LaneLoop:
     """A PULL socket feeding an Ingest, with ticks, until ``stop()``. One thread runs ``run()``."""
 
@@ -59,11 +73,14 @@ class LaneLoop:
         tick_interval_s: float = TICK_INTERVAL_S,
         context: zmq.Context | None = None,
         curve_keys_dir: str | None = None,
+        subscribers: Sequence[Subscriber] = (),
     ) -> None:
         """``curve_keys_dir``: accept only engines holding CURVE keys listed there (tcp lanes
-        across hosts; see telemetry/lane/curve.py)."""
+        across hosts; see telemetry/lane/curve.py). ``subscribers``: other sockets feeding
+        ``ingest``, polled here and closed when ``run()`` returns."""
         self.address = address
         self.ingest = ingest
+        self._subscribers = list(subscribers)
         self._tick_interval_ns = int(tick_interval_s * 1e9)
         self._stopped = threading.Event()
         self._context = context or zmq.Context.instance()
@@ -91,6 +108,8 @@ class LaneLoop:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        for subscriber in self._subscribers:
+            poller.register(subscriber.socket, zmq.POLLIN)
         poll_ms = max(1, self._tick_interval_ns // 1_000_000)
         next_tick_ns = time.monotonic_ns()
         try:
@@ -100,6 +119,9 @@ class LaneLoop:
                     self._receive_batch(time.monotonic_ns())
                 if monitor in ready:
                     self._count_disconnects()
+                for subscriber in self._subscribers:
+                    if subscriber.socket in ready:
+                        subscriber.receive_batch(time.monotonic_ns())
                 now_ns = time.monotonic_ns()
                 if now_ns >= next_tick_ns:
                     self.ingest.tick(now_ns)
@@ -110,6 +132,8 @@ class LaneLoop:
             socket.disable_monitor()
             monitor.close(linger=0)
             socket.close(linger=0)
+            for subscriber in self._subscribers:
+                subscriber.close()
             if self._curve:
                 from telemetry.lane.curve import stop_server_auth
 
@@ -138,9 +162,11 @@ class LaneLoop:
         """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the
         socket would drop it, and no later message could report that gap."""
         deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
-        while (now_ns := time.monotonic_ns()) < deadline_ns:
-            if self._receive_batch(now_ns) < RECV_BATCH:
-                return
+        receivers = [self._receive_batch] + [s.receive_batch for s in self._subscribers]
+        for receive_batch in receivers:
+            while (now_ns := time.monotonic_ns()) < deadline_ns:
+                if receive_batch(now_ns) < RECV_BATCH:
+                    break
 
     def stop(self) -> None:
         """Ask ``run()`` to return (safe from a signal handler or another thread)."""

@@ -1,0 +1,101 @@
+"""A real `iterscope sidecar --fpm` process subscribed to a pyzmq PUB socket that publishes
+hand-built FPM frames as SGLang does: /metrics, engine status from heartbeats and silence,
+losses from seq gaps, and the recording read back by `iterscope explain`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import zmq
+
+from telemetry.lane.record import Heartbeat, IterationRecord, Message
+from telemetry.sidecar.process import start_sidecar
+from tests.helpers import REPO
+from tests.helpers.fpm import busy_frames, idle_frames
+from tests.helpers.prom import scrape, total
+from tests.helpers.wait import wait_until
+
+
+def engine_state(url: str, state: str) -> float:
+    return total(scrape(url), "iterscope_engine_state", engine="0", state=state)
+
+
+def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path):
+    endpoint = f"ipc://{tmp_path / 'fpm.sock'}"
+    recording = tmp_path / "run.jsonl"
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(endpoint)
+    args = ["--fpm", endpoint, "--fpm-model", "qwen-fpm", "--fpm-producer", "sglang"]
+    args += ["--record", str(recording), "--metrics-port", "0", "--no-log", "--dead-after", "2"]
+    with open(tmp_path / "sidecar.log", "wb") as log:
+        sidecar = start_sidecar(args, stderr=log)
+    seq = 0
+
+    def publish(frames_of) -> None:
+        nonlocal seq
+        publisher.send_multipart(frames_of(seq, worker_id="sglang-0"))
+        seq += 1
+
+    try:
+        url = sidecar.metrics_url
+        # PUB/SUB: what is published before the subscription is up is lost, so heartbeat
+        # until the engine shows, as a producer does while idle.
+        wait_until(
+            lambda: publish(idle_frames) or engine_state(url, "idle") == 1,
+            30,
+            "the FPM engine to appear idle",
+            interval_s=0.2,
+        )
+        for _ in range(20):
+            publish(busy_frames)
+        seq += 5  # five messages the sidecar never sees
+        for _ in range(10):
+            publish(busy_frames)
+        samples = wait_until(
+            lambda: (s := scrape(url)) and total(s, "iterscope_iterations_total") == 30 and s,
+            10,
+            "30 iterations in /metrics",
+        )
+        assert total(samples, "iterscope_requests_waiting", engine="0") == 4
+        assert total(samples, "iterscope_records_dropped_total", engine="0") == 5
+        assert total(samples, "iterscope_prompt_tokens_total", engine="0") == 30 * 128
+        assert total(samples, "iterscope_engine_state", engine="0", state="running") == 1
+        wait_until(
+            lambda: publish(idle_frames) or engine_state(url, "idle") == 1,
+            10,
+            "the engine idle again on heartbeats",
+            interval_s=0.2,
+        )
+        publisher.close(linger=0)  # the producer goes away: silence
+        wait_until(lambda: engine_state(url, "dead") == 1, 10, "the engine dead", interval_s=0.2)
+    finally:
+        publisher.close(linger=0)
+        context.term()
+        assert sidecar.stop() == 0
+    messages = [
+        msgspec.json.decode(line, type=Message) for line in recording.read_text().splitlines()
+    ]
+    records = [m for m in messages if type(m) is IterationRecord]
+    heartbeats = [m for m in messages if type(m) is Heartbeat]
+    assert len(records) == 30
+    assert heartbeats[0].msg_seq == 1 and heartbeats[0].source == "fpm-sglang"
+    assert {h.model_name for h in heartbeats} == {"qwen-fpm"}
+    explain = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", "explain", str(recording), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert explain.returncode == 0, explain.stderr
+    (engine,) = json.loads(explain.stdout)["engines"]
+    assert engine["facts"] == {"model_name": "qwen-fpm", "source": "fpm-sglang"}
+    assert engine["summary"]["num_iterations"] == 30
+    assert engine["summary"]["num_context_tokens"] == 30 * 128
+    assert engine["summary"]["max_waiting_reqs"] == 4
+    (gap,) = [f for f in engine["findings"] if f["kind"] == "telemetry_gap"]
+    assert gap["worst"]["numbers"]["num_lost"] == 5
