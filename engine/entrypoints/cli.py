@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("telemetry.sidecar.cli", "ingest telemetry records: logs, /metrics, traces"),
     "bench": ("engine.entrypoints.bench_client", "load generator like `vllm bench serve`"),
     "explain": ("telemetry.analysis.explain", "episodes and a summary from a recording"),
+    "timeline": ("telemetry.analysis.timeline_command", "a recording as a Perfetto trace"),
     "top": ("telemetry.sidecar.top", "a running sidecar's engines and open findings, live"),
     "tune": ("telemetry.analysis.tune", "recommend max_num_batched_tokens / max_num_seqs"),
     "kv-plan": ("engine.entrypoints.kv_plan", "how many tokens and requests fit in KV memory"),

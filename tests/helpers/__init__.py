@@ -9,6 +9,7 @@
     lane          lane messages made by hand (records, heartbeats) and a sink that records calls
     sink_feed     feeding a sink by hand the way Ingest does
     otel          an OTLP/HTTP receiver that decodes the spans it is sent
+    perfetto_reader  a Perfetto trace read back with perfetto's protos (tracks, slices, counters)
     fake_runner   a deterministic fake model for the engine core
     faults        faults injected from outside the engine (a stall, a block leak)
     parity        our decoder against transformers on tiny random models

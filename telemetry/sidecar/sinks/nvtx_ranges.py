@@ -25,7 +25,8 @@ Event attributes are built once and reused; only message and payload change per 
 Each line becomes a registered string (nvtx._lib.lib.RegisteredString, created directly
 because ``Domain.get_registered_string`` caches every string forever). Both modes draw the
 same ranges and counters under the same names (the domain, categories, counter names and
-range text are what users filter on in Nsight Systems). The sidecar flags of both modes
+range text are what users filter on in Nsight Systems; the names are telemetry/analysis/
+track_names.py's, which the Perfetto trace uses too). The sidecar flags of both modes
 (``add_arguments``, ``build``) are here too.
 """
 
@@ -39,29 +40,25 @@ import time
 import nvtx
 from nvtx._lib.lib import DummyDomain, RegisteredString
 
+from telemetry.analysis.track_names import (
+    DOMAIN,
+    KV_USAGE,
+    RUNNING,
+    WAITING,
+    counter_name,
+    engine_category,
+)
 from telemetry.lane.record import IterationRecord
 from telemetry.sidecar.engine_view import EngineView, record_kv_usage_ratio
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.nvtx_pacer import START, RangePacer
 
-DOMAIN = "iterscope"
 RANGE_COLOR = 0xFF76B900  # ARGB
 DEFAULT_DELAY_MS = 50.0
-KV_USAGE = "KV cache usage (%)"
-RUNNING = "running requests"
-WAITING = "waiting requests"
 KV_USAGE_SEMANTICS = nvtx.CounterSemantics(unit="%", min=0.0, max=100.0)
 # Every engine's counters as (name, dtype, semantics), in the order counter_values samples them.
 COUNTERS = ((KV_USAGE, float, KV_USAGE_SEMANTICS), (RUNNING, int, None), (WAITING, int, None))
-
-
-def engine_category(engine_index: int) -> str:
-    return f"engine {engine_index}"
-
-
-def counter_name(engine_index: int, what: str) -> str:
-    return f"{engine_category(engine_index)}: {what}"
 
 
 def counter_values(record: IterationRecord) -> tuple[float, int, int]:
