@@ -307,8 +307,8 @@ class TraceWriter:
         kinds = batch_kind_iids(tl).tolist()
         args = iteration_arg_rows(tl)
         unknown = unknown_texts(tl)
-        ints = [c.values.tolist() for c in counters if not c.is_double]
-        doubles = [c.values.tolist() for c in counters if c.is_double]
+        ints = counter_rows([c for c in counters if not c.is_double], len(starts))
+        doubles = counter_rows([c for c in counters if c.is_double], len(starts))
         for i, (start_ns, end_ns) in enumerate(zip(starts, ends, strict=True)):
             begin = self._packet()
             begin.timestamp = start_ns
@@ -331,8 +331,8 @@ class TraceWriter:
             end.sequence_flags = NEEDS_STATE
             event = end.track_event
             event.type = SLICE_END
-            event.extra_counter_values.extend([values[i] for values in ints])
-            event.extra_double_counter_values.extend([values[i] for values in doubles])
+            event.extra_counter_values.extend(ints[i])
+            event.extra_double_counter_values.extend(doubles[i])
         self.counts.num_iterations += len(starts)
         self.counts.num_counter_samples += len(starts) * len(counters)
 
@@ -438,6 +438,13 @@ def drawn_ends(tl: EngineTimeline) -> np.ndarray:
     if len(ends) > 1:
         ends[:-1] = np.minimum(ends[:-1], tl.col("start_ns")[1:])
     return ends
+
+
+def counter_rows(counters: list[Counter], num_iterations: int) -> list[list]:
+    """Each iteration's samples of ``counters``, in that order."""
+    if not counters:
+        return [[] for _ in range(num_iterations)]
+    return np.stack([c.values for c in counters], axis=1).tolist()
 
 
 def iteration_arg_rows(tl: EngineTimeline) -> list[list[int]]:
