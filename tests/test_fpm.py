@@ -259,3 +259,14 @@ def test_the_sidecar_refuses_an_fpm_endpoint_it_cannot_subscribe_to(tmp_path, ca
     assert "ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
     assert main(["--replay", str(tmp_path / "r.jsonl"), "--fpm", "tcp://127.0.0.1:1"]) == 2
     assert "cannot go with --replay" in capsys.readouterr().err
+
+
+def test_requests_queued_with_nothing_scheduled_make_the_engine_stalled():
+    captured = Captured()
+    ingest = Ingest([captured.sink], dead_after_s=5.0, stall_after_s=2.0, live_findings=False)
+    engines = FpmEngines(ingest, wall_clock=lambda: WALL_NS)
+    engines.on_frames(busy_frames(0), S)
+    for seq in range(1, 5):  # one a second: alive, work queued, no token scheduled
+        engines.on_frames(fpm_frames(seq, queued={"num_prefill_requests": 2}), (1 + seq) * S)
+        ingest.tick((1 + seq) * S)
+    assert ingest.engines[0].view.status is EngineStatus.STALLED
