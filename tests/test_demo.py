@@ -1,7 +1,7 @@
 """`iterscope demo`, shortened: SmolLM2 behind the server and its sidecar, a ramping load that
 fills the small KV cache until requests wait, log lines, live findings as they open, /metrics,
 a recording, the bench summary and the explain summary, whose finding 1 the sidecar reported
-live."""
+live, and the recording's Perfetto timeline next to it, named with how to open it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from telemetry.lane.record import IterationRecord, Message
 from tests.helpers import REPO
+from tests.helpers.perfetto_reader import read_trace
 
 pytestmark = pytest.mark.live
 
@@ -94,3 +95,19 @@ def test_short_demo(tmp_path):
     assert max(r.num_kv_blocks_used for r in records) >= 0.9 * (
         records[-1].num_kv_blocks_used + records[-1].num_kv_blocks_free
     )
+    # The timeline: next to the recording, named with how to open it, every iteration in it
+    trace_path = record_path.with_suffix(".pftrace")
+    assert f">>> timeline written to {trace_path} (" in output, output
+    assert "open https://ui.perfetto.dev and drop the file on it" in output
+    trace = read_trace(trace_path)
+    (process_uuid,) = trace.processes()
+    iterations = trace.slices[trace.track_named("iterations", process_uuid)]
+    assert sorted(s.args["iteration"] for s in iterations) == sorted(r.iteration for r in records)
+    finished = {m.request_id for r in records for m in r.milestones}
+    drawn = {
+        s.name.removeprefix("request ")
+        for lane in trace.children(process_uuid, "requests ")
+        for s in trace.slices[lane]
+        if s.depth == 0
+    }
+    assert drawn == finished and finished

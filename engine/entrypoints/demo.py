@@ -5,8 +5,9 @@
       why requests wait or slow down, and what to change), /metrics, a JSONL recording
     iterscope bench's load, concurrency ramping 1 -> 2 -> 4 -> 8 until the KV cache is full
       and requests wait for it
-    then: the bench summary, and `iterscope explain` on the recording (its finding 1 is one
-      the sidecar reported live)
+    then: the bench summary, `iterscope explain` on the recording (its finding 1 is one
+      the sidecar reported live), and `iterscope timeline`'s Perfetto trace of the recording,
+      written next to it (docs/timeline.md)
 
 The server's and the sidecar's output is shown as it comes, prefixed with "| ".
 """
@@ -181,6 +182,24 @@ def explain(record_path: Path) -> None:
             print(line)
 
 
+def timeline(record_path: Path) -> None:
+    """`iterscope timeline`: the recording as a Perfetto trace next to it, and how to open it."""
+    from telemetry.analysis.timeline_command import VIEWER_URL, TimelineError, convert
+
+    trace_path = record_path.with_suffix(".pftrace")
+    try:
+        counts, _ = convert([record_path], trace_path)
+    except TimelineError as error:
+        print(f"\n>>> no timeline: {error}", flush=True)
+        return
+    print(
+        f"\n>>> timeline written to {trace_path} ({counts.num_iterations} iterations, "
+        f"{counts.num_requests} requests, {counts.num_findings} findings): open {VIEWER_URL} "
+        "and drop the file on it (the browser reads it locally; nothing is uploaded)",
+        flush=True,
+    )
+
+
 def parse_ramp(text: str) -> list[int]:
     try:
         steps = [int(step) for step in text.split(",") if step.strip()]
@@ -314,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         output.thread.join(timeout=5)
     print("\n" + bench_summary.format_summary(metrics), flush=True)
     explain(record_path)
+    timeline(record_path)
     print(
         f"\n>>> recording kept at {record_path}: replay it with `iterscope sidecar --replay "
         f"{record_path}`, analyse it with `iterscope explain` or `iterscope tune`",
