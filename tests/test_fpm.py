@@ -270,3 +270,33 @@ def test_requests_queued_with_nothing_scheduled_make_the_engine_stalled():
         engines.on_frames(fpm_frames(seq, queued={"num_prefill_requests": 2}), (1 + seq) * S)
         ingest.tick((1 + seq) * S)
     assert ingest.engines[0].view.status is EngineStatus.STALLED
+
+
+def test_what_fpm_does_not_report_is_said_so_not_shown_as_zero(tmp_path):
+    """KV blocks and preemptions: absent from /metrics, "not reported" in the log line and
+    in explain's summary, never 0% or 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry.analysis.summary import format_summary, summarize
+    from telemetry.analysis.timeline import read_timelines
+    from telemetry.sidecar.sinks.jsonl import JsonlSink
+    from telemetry.sidecar.sinks.prometheus import PrometheusSink
+    from telemetry.sidecar.sinks.throughput_line import engine_figures, format_engine_line
+
+    prometheus = PrometheusSink(CollectorRegistry())
+    recording = JsonlSink(str(tmp_path / "rec.jsonl"))
+    ingest = Ingest([prometheus, recording], live_findings=False)
+    engines = FpmEngines(ingest, wall_clock=lambda: WALL_NS, producer="sglang")
+    for seq in range(5):
+        engines.on_frames(busy_frames(seq), (seq + 1) * S)
+    ingest.close()
+    text = generate_latest(prometheus.registry).decode()
+    for name in ("kv_cache_usage_ratio", "kv_blocks_used", "preemptions_total"):
+        assert f"iterscope_{name}{{" not in text, name
+    assert 'iterscope_iterations_total{engine="0"' in text
+    view = ingest.engines[0].view
+    line = format_engine_line(engine_figures(view, view.totals, 10.0))
+    assert "KV cache usage: not reported" in line
+    (timeline,) = read_timelines([tmp_path / "rec.jsonl"])[0].values()
+    summary_text = "\n".join(format_summary(summarize(timeline)))
+    assert "KV cache: not reported by the source; preemptions not reported" in summary_text

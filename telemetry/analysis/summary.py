@@ -8,6 +8,7 @@ milestones (arrival -> first scheduled -> first token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -15,7 +16,12 @@ import numpy as np
 from telemetry.analysis.episodes import pct, secs
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import plural
-from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN
+from telemetry.lane.record import (
+    EVENT_FINISHED,
+    EVENT_FIRST_TOKEN,
+    UNKNOWN_KV_BLOCKS,
+    UNKNOWN_PREEMPTIONS,
+)
 
 # The keys of Summary.waiting_reason_shares, by WAIT_REASONS name: what `explain --json`
 # scripts read, kept as they were when the text began naming limits by their flags.
@@ -58,9 +64,9 @@ class Summary:
     waiting_share: float
     max_waiting_reqs: int
     waiting_reason_shares: dict
-    mean_kv_usage: float
-    peak_kv_usage: float
-    num_preemptions: int
+    mean_kv_usage: float | None  # None: the source does not report KV blocks (FPM)
+    peak_kv_usage: float | None
+    num_preemptions: int | None  # None: the source does not report preemptions (FPM)
     prefix_hit_rate: float
     num_finished_reqs: int
     num_timed_reqs: int  # requests whose first token is recorded: the quantiles below are theirs
@@ -140,9 +146,11 @@ def summarize(tl: EngineTimeline) -> Summary:
         }
         if tl.waiting_reasons_known
         else {},
-        mean_kv_usage=float(tl.kv_usage.mean()) if tl.num_iterations else 0.0,
-        peak_kv_usage=float(tl.kv_usage.max()) if tl.num_iterations else 0.0,
-        num_preemptions=int(tl.col("num_preemptions").sum()),
+        mean_kv_usage=_if_known(tl, UNKNOWN_KV_BLOCKS, lambda: float(tl.kv_usage.mean())),
+        peak_kv_usage=_if_known(tl, UNKNOWN_KV_BLOCKS, lambda: float(tl.kv_usage.max())),
+        num_preemptions=_if_known(
+            tl, UNKNOWN_PREEMPTIONS, lambda: int(tl.col("num_preemptions").sum())
+        ),
         prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else 0.0,
         num_finished_reqs=num_finished,
         num_timed_reqs=len(queue_times),
@@ -225,8 +233,23 @@ def format_summary(s: Summary) -> list[str]:
         f"{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
-        f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}; preemptions "
-        f"{s.num_preemptions}; prefix cache hit rate {pct(s.prefix_hit_rate)}",
+        f"{_kv_text(s)}; preemptions "
+        f"{'not reported' if s.num_preemptions is None else s.num_preemptions}; "
+        f"prefix cache hit rate {pct(s.prefix_hit_rate)}",
         f"requests: {s.num_finished_reqs} finished; {_request_times_line(s)}",
         f"batched or queued? {s.verdict}",
     ]
+
+
+def _if_known(tl: EngineTimeline, unknown_bits: int, value: Callable[[], float]) -> float | None:
+    """``value()`` when every record gives the fields of ``unknown_bits``, else None (a
+    figure the source does not report is not 0); 0 for a recording without records."""
+    if not tl.num_iterations:
+        return 0
+    return value() if bool(tl.known(unknown_bits).all()) else None
+
+
+def _kv_text(s: Summary) -> str:
+    if s.mean_kv_usage is None or s.peak_kv_usage is None:
+        return "KV cache: not reported by the source"
+    return f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}"

@@ -167,6 +167,12 @@ class EngineView:
             return 0, self.heartbeat_kv_blocks_total
         return record.num_kv_blocks_used, record.num_kv_blocks_used + record.num_kv_blocks_free
 
+    def reports(self, unknown_bits: int) -> bool:
+        """Whether the engine's source gives the fields of ``unknown_bits`` (record.UNKNOWN_*),
+        as its latest record says; True before any record."""
+        record = self.last_record
+        return record is None or not record.unknown & unknown_bits
+
     @property
     def kv_usage_ratio(self) -> float:
         return kv_usage_ratio(*self.kv_blocks())

@@ -49,7 +49,9 @@ from telemetry.lane.record import (
     EVENT_FIRST_TOKEN,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
+    UNKNOWN_KV_BLOCKS,
     UNKNOWN_KV_TOKENS,
+    UNKNOWN_PREEMPTIONS,
     UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
@@ -188,6 +190,11 @@ COUNTERS: dict[str, tuple[str, CounterValue]] = {
         "Times two live engine processes were seen publishing under this engine index.",
         lambda m: m.engine.num_engine_conflicts,
     ),
+}
+# Counters a source may not report (record.UNKNOWN_* bits): absent for its engines, not 0.
+UNREPORTED_COUNTERS = {
+    "preemptions": UNKNOWN_PREEMPTIONS,
+    "kv_blocked_iterations": UNKNOWN_WAITING_REASONS,
 }
 # Live findings' counters per engine and kind: name (after the prefix, without _total) ->
 # (help, index into EngineFindings.totals[kind]).
@@ -488,11 +495,12 @@ class MetricsCollector(Collector):
             else:
                 for reason, field in WAITING_REASONS:
                     by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
-            blocks_used, blocks_total = engine.kv_blocks()
-            usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
-            used.add_metric(labels, blocks_used)
-            free.add_metric(labels, blocks_total - blocks_used)
-            total.add_metric(labels, blocks_total)
+            if engine.reports(UNKNOWN_KV_BLOCKS):  # absent where the source does not say
+                blocks_used, blocks_total = engine.kv_blocks()
+                usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
+                used.add_metric(labels, blocks_used)
+                free.add_metric(labels, blocks_total - blocks_used)
+                total.add_metric(labels, blocks_total)
             if record is None or is_known(record, UNKNOWN_KV_TOKENS):
                 kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
             if engine.pid:
@@ -522,8 +530,10 @@ class MetricsCollector(Collector):
     def counters(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, value_of) in COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            unknown_bits = UNREPORTED_COUNTERS.get(name, 0)
             for metrics, labels in engines:
-                family.add_metric(labels, value_of(metrics))
+                if metrics.engine.reports(unknown_bits):
+                    family.add_metric(labels, value_of(metrics))
             yield family
         finished = CounterMetricFamily(
             PREFIX + FINISHED_COUNTER, "Requests finished.", labels=[*LABELS, "finish_reason"]

@@ -10,7 +10,8 @@ engine and one window, the aggregate of several engines, and its text, vLLM's ow
     generation throughput   generation tokens / window length
     Running, Waiting        the engine view's queues (its latest record or heartbeat)
     KV cache usage          the engine view's KV blocks: used / (used + free) of the latest
-                            record, 0 of the heartbeat's total before one
+                            record, 0 of the heartbeat's total before one; "not reported"
+                            for a source that does not say (FPM)
     Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
     Preemptions             sum over the window, shown only when non-zero
 The aggregated line ("N Engines Aggregated") adds rates and queues up; its ratios are of the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from telemetry.lane.record import UNKNOWN_KV_BLOCKS
 from telemetry.sidecar.engine_view import EngineView, RecordTotals, kv_usage_percent
 
 
@@ -40,6 +42,7 @@ class LineFigures:
     num_prefix_hit_tokens: int
     num_preemptions: int
     device_name: str
+    kv_reported: bool = True  # False: the source does not report KV blocks (FPM)
 
 
 def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float) -> LineFigures:
@@ -59,6 +62,7 @@ def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float)
         num_prefix_hit_tokens=counts.num_prefix_hit_tokens,
         num_preemptions=counts.num_preemptions,
         device_name=engine.device_name,
+        kv_reported=engine.reports(UNKNOWN_KV_BLOCKS),
     )
 
 
@@ -76,12 +80,14 @@ def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
         num_prefix_hit_tokens=sum(f.num_prefix_hit_tokens for f in lines),
         num_preemptions=sum(f.num_preemptions for f in lines),
         device_name=lines[0].device_name,
+        kv_reported=all(f.kv_reported for f in lines),
     )
 
 
 def format_engine_line(figures: LineFigures) -> str:
     """The line's text, word for word vLLM's (the log sink is vLLM-compatible)."""
     kv_usage = kv_usage_percent(figures.num_kv_blocks_used, figures.num_kv_blocks_total)
+    kv_text = f"{kv_usage:.1f}%" if figures.kv_reported else "not reported"
     queries = figures.num_prefix_query_tokens
     hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
     line = (
@@ -89,7 +95,7 @@ def format_engine_line(figures: LineFigures) -> str:
         f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
         f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
         f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
-        f"{figures.device_name or 'GPU'} KV cache usage: {kv_usage:.1f}%, "
+        f"{figures.device_name or 'GPU'} KV cache usage: {kv_text}, "
         f"Prefix cache hit rate: {hit_rate:.1f}%"
     )
     if figures.num_preemptions:
