@@ -39,6 +39,7 @@ SINK_MODULES = (
     "telemetry.sidecar.sinks.prometheus",
     "telemetry.sidecar.sinks.otel",
     "telemetry.sidecar.sinks.nvtx_ranges",
+    "telemetry.sidecar.sinks.perfetto_timeline",
 )
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
