@@ -29,6 +29,7 @@ def test_the_live_trace_is_the_one_iterscope_timeline_draws_from_the_same_messag
     sink = PerfettoTimelineSink(tmp_path / "live.pftrace", interval_s=HOUR_S)
     send(sink, *sim.messages)
     sink.close()
+    assert sink.last_write_time > 0 and sink.num_lines_lost == 0
     recording = sim.write(tmp_path / "rec.jsonl")
     assert timeline_main([str(recording), "-o", str(tmp_path / "offline.pftrace")]) == 0
     live = read_trace(tmp_path / "live.pftrace")
@@ -85,7 +86,8 @@ def test_ingest_never_waits_for_a_stuck_writer(tmp_path, monkeypatch):
     assert finished_while_stuck  # 200 messages taken past a writer stuck for good
     # 50 held for the writer, 150 dropped and counted; then, the writes failing, the 51
     # messages held for the next try are cut to max_pending: one more
-    assert sink.num_dropped == 150 + 1
+    assert sink.num_lines_lost == 150 + 1
+    assert sink.last_write_time == 0.0  # no write succeeded
     assert sink.num_write_errors >= 1
 
 

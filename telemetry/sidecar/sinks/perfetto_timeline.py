@@ -13,7 +13,8 @@ the JSONL recording's:
 Ingest never waits for the trace: ``on_iteration`` and ``on_heartbeat`` append the message to
 a list under a lock held only for that append, and a writer thread of the sink's own swaps the
 list out and writes. While the writer is behind by ``max_pending`` messages, newer ones are
-dropped and counted (``num_dropped``). Each write goes to a temporary file renamed over the
+dropped and counted (``num_lines_lost``, with ``last_write_time`` the sink's health series in
+/metrics, docs/metrics.md "Sidecar health"). Each write goes to a temporary file renamed over the
 current one, so a reader never sees half a trace; while writes fail (a full disk), the
 current file's messages are kept for the next try, at most ``max_pending`` of them (the oldest
 beyond that are dropped and counted). A file that reached ``max_bytes`` is kept and a new one
@@ -31,6 +32,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from telemetry.analysis.perfetto_trace import write_trace
@@ -72,7 +74,8 @@ class PerfettoTimelineSink(Sink):
         self.max_files = max_files
         self.interval_s = interval_s
         self.max_pending = max_pending
-        self.num_dropped = 0  # messages the writer was too far behind to take
+        # Health (Sink): num_lines_lost, the messages dropped (counted under _pending_lock,
+        # by either thread), and last_write_time, in /metrics as the JSONL sink's are.
         self.num_write_errors = 0
         self._pending: list[IterationRecord | Heartbeat] = []
         self._pending_lock = threading.Lock()
@@ -85,7 +88,7 @@ class PerfettoTimelineSink(Sink):
     def _append(self, message: IterationRecord | Heartbeat, engine: EngineView) -> None:
         with self._pending_lock:
             if len(self._pending) >= self.max_pending:
-                self.num_dropped += 1
+                self.num_lines_lost += 1
                 return
             self._pending.append(message)
 
@@ -103,8 +106,9 @@ class PerfettoTimelineSink(Sink):
             self._file_messages += arrived
             excess = len(self._file_messages) - self.max_pending
             if excess > 0:  # writes keep failing: hold no more than max_pending
-                self.num_dropped += excess
                 del self._file_messages[:excess]
+                with self._pending_lock:
+                    self.num_lines_lost += excess
             num_bytes = self._write_current()
             if num_bytes >= self.max_bytes:
                 self._rotate()
@@ -118,6 +122,7 @@ class PerfettoTimelineSink(Sink):
             with handle:
                 counts = write_trace(build_timelines(self._file_messages), handle)
             os.replace(handle.name, self.path)
+            self.last_write_time = time.time()
         finally:
             if os.path.exists(handle.name):
                 os.unlink(handle.name)
