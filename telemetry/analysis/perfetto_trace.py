@@ -284,7 +284,7 @@ class TraceWriter:
         packet = self._packet()
         packet.timestamp = tl.first_ns
         packet.trusted_packet_sequence_id = sequence_id
-        packet.sequence_flags = CLEARED
+        packet.sequence_flags = CLEARED | NEEDS_STATE  # as Perfetto documents a first packet
         defaults = packet.trace_packet_defaults.track_event_defaults
         defaults.track_uuid = iterations_uuid
         for counter, uuid in zip(counters, counter_uuids, strict=True):
