@@ -18,9 +18,10 @@ Then, with the server idle, it checks: /health answers ok; the API port's /metri
 requests by route and status class exactly as the clients saw them; every KV block of the
 engine is free again; the sidecar's records_dropped_total is 0; the frontend's RSS is back
 within --rss-margin-mib of its size after warm-up; the sidecar's live findings opened no fault
-(stall, spinning, leak, dead) and each opened once per condition: as many by kind as `explain`
-finds episodes in the run's recording (none flapped). The last line of output is one JSON object
-with the figures; the exit status is 0 when every check held.
+(stall, spinning, leak, dead) and each opened once per condition: by kind, as many (within 5%,
+FINDINGS_SLACK) as `explain` finds episodes in the run's recording (none flapped). The last
+line of output is one JSON object with the figures; the exit status is 0 when every check
+held.
 """
 
 from __future__ import annotations
@@ -497,6 +498,10 @@ def final_checks(
 
 
 FAULT_KINDS = ("stall", "spinning", "kv_leak", "dead")  # a healthy run must open none
+# Live and explain may differ by this share of a kind's findings: a long prefill's baseline is
+# the median decode-only iteration of the live window, of the whole recording for explain
+# (docs/diagnosis.md, "Live findings"). A finding that flapped would open about twice as often.
+FINDINGS_SLACK = 0.05
 
 
 def live_finding_counts(samples: list) -> dict[str, int]:
@@ -528,7 +533,10 @@ def finding_checks(samples: list, record_path: Path) -> dict:
         "explained_findings": explained,
         "checks": {
             "no_fault_findings": not set(live) & set(FAULT_KINDS),
-            "findings_as_explain": live == explained,
+            "findings_as_explain": all(
+                abs(live.get(kind, 0) - explained.get(kind, 0)) <= FINDINGS_SLACK * count + 1
+                for kind, count in {**live, **explained}.items()
+            ),
         },
     }
 
