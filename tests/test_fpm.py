@@ -300,3 +300,10 @@ def test_what_fpm_does_not_report_is_said_so_not_shown_as_zero(tmp_path):
     (timeline,) = read_timelines([tmp_path / "rec.jsonl"])[0].values()
     summary_text = "\n".join(format_summary(summarize(timeline)))
     assert "KV cache: not reported by the source; preemptions not reported" in summary_text
+
+
+def test_every_fpm_message_counts_as_a_frame_decodable_or_not():
+    ingest, engines, _ = feed()
+    engines.on_frames(busy_frames(0), S)
+    engines.on_frames([b"", b"\x00" * 8, b"not msgpack"], S)
+    assert ingest.health.num_frames == 2 and ingest.health.num_undecodable_total == 1

@@ -79,6 +79,7 @@ class FpmEngines:
     def on_frames(self, frames: list[bytes], now_ns: int) -> None:
         """One FPM message's frames, received at ``now_ns``: decoded, numbered, ingested;
         or counted as undecodable or rejected by reason."""
+        self._ingest.count_frame()
         decoded = decode_frames(frames)
         if isinstance(decoded, str):
             self._ingest.count_undecodable(decoded)

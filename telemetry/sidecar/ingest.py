@@ -128,6 +128,11 @@ class Ingest:
             return
         self.on_message(message, now_ns)
 
+    def count_frame(self) -> None:
+        """A message received by another input than the lane (an FPM subscription), which
+        hands Ingest decoded messages: counted as a frame as on_frame counts the lane's."""
+        self.health.num_frames += 1
+
     def count_undecodable(self, reason: str) -> None:
         self.health.num_undecodable[reason] += 1
 
