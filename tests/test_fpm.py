@@ -307,3 +307,27 @@ def test_every_fpm_message_counts_as_a_frame_decodable_or_not():
     engines.on_frames(busy_frames(0), S)
     engines.on_frames([b"", b"\x00" * 8, b"not msgpack"], S)
     assert ingest.health.num_frames == 2 and ingest.health.num_undecodable_total == 1
+
+
+def test_data_parallel_ranks_are_consecutive_ports_of_tcp_endpoints(tmp_path, capsys):
+    from telemetry.sidecar.cli import main
+    from telemetry.sidecar.fpm_socket import endpoints_by_rank
+
+    assert endpoints_by_rank(["tcp://h:5557", "tcp://[::1]:6000"], 2) == [
+        "tcp://h:5557",
+        "tcp://h:5558",
+        "tcp://[::1]:6000",
+        "tcp://[::1]:6001",
+    ]
+    assert endpoints_by_rank(["ipc:///x"], 1) == ["ipc:///x"]
+    for endpoints, ranks, words in (
+        (["ipc:///x"], 2, "needs tcp://HOST:PORT"),
+        (["tcp://h:65535"], 2, "past port 65535"),
+        (["tcp://h:1"], 0, "at least 1"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            endpoints_by_rank(endpoints, ranks)
+    lane = f"ipc://{tmp_path / 'lane'}"
+    argv = ["--address", lane, "--no-metrics", "--no-log", "--fpm", "ipc:///x"]
+    assert main([*argv, "--fpm-dp-ranks", "4"]) == 2
+    assert "needs tcp://HOST:PORT" in capsys.readouterr().err

@@ -99,3 +99,44 @@ def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path
     assert engine["summary"]["max_waiting_reqs"] == 4
     (gap,) = [f for f in engine["findings"] if f["kind"] == "telemetry_gap"]
     assert gap["worst"]["numbers"]["num_lost"] == 5
+
+
+def test_one_endpoint_per_data_parallel_rank_from_one_flag(tmp_path):
+    """--fpm-dp-ranks 2: tcp://HOST:PORT and PORT+1, one producer bound on each."""
+    from tests.helpers.net import free_port
+
+    context = zmq.Context()
+    while True:  # two free ports in a row
+        port = free_port()
+        publishers = []
+        try:
+            for rank in range(2):
+                publishers.append(context.socket(zmq.PUB))
+                publishers[-1].bind(f"tcp://127.0.0.1:{port + rank}")
+            break
+        except zmq.ZMQError:
+            for socket in publishers:
+                socket.close(linger=0)
+    args = ["--fpm", f"tcp://127.0.0.1:{port}", "--fpm-dp-ranks", "2"]
+    args += ["--metrics-port", "0", "--no-log"]
+    with open(tmp_path / "sidecar.log", "wb") as log:
+        sidecar = start_sidecar(args, stderr=log)
+    seqs = [0, 0]
+
+    def both_seen() -> bool:
+        for rank, publisher in enumerate(publishers):
+            publisher.send_multipart(idle_frames(seqs[rank], worker_id="w", dp_rank=rank))
+            seqs[rank] += 1
+        samples = scrape(sidecar.metrics_url)
+        return all(
+            total(samples, "iterscope_engine_state", engine=str(i), state="idle") == 1
+            for i in range(2)
+        )
+
+    try:
+        wait_until(both_seen, 30, "an engine per data-parallel rank", interval_s=0.2)
+    finally:
+        sidecar.stop()
+        for socket in publishers:
+            socket.close(linger=0)
+        context.term()

@@ -27,7 +27,7 @@ from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WIN
 from telemetry.lane.publisher import default_address
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
 from telemetry.sidecar.fpm_engines import FpmEngines
-from telemetry.sidecar.fpm_socket import FpmSubscriber
+from telemetry.sidecar.fpm_socket import FpmSubscriber, endpoints_by_rank
 from telemetry.sidecar.ingest import DEAD_AFTER_S, Ingest
 from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, LaneLoop, check_address
 from telemetry.sidecar.sink import Sink
@@ -182,6 +182,14 @@ def add_fpm_arguments(parser: argparse.ArgumentParser) -> None:
         "each (worker_id, dp_rank) becomes an engine (repeatable; default none)",
     )
     fpm.add_argument(
+        "--fpm-dp-ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each tcp:// --fpm endpoint is the first of N ports, one per data-parallel rank "
+        "(PORT, PORT+1, ...), for producers that bind one per rank (default: %(default)s)",
+    )
+    fpm.add_argument(
         "--fpm-model",
         default="",
         metavar="NAME",
@@ -200,9 +208,10 @@ def build_fpm_subscribers(args: argparse.Namespace, ingest: Ingest) -> list[FpmS
     """The FPM subscriber feeding ``ingest``, if --fpm names any endpoint."""
     if not args.fpm:
         return []
+    endpoints = endpoints_by_rank(args.fpm, args.fpm_dp_ranks)
     engines = FpmEngines(ingest, args.fpm_model, args.fpm_producer)
-    subscriber = FpmSubscriber(args.fpm, engines, rcvhwm=args.rcvhwm)
-    logger.info("subscribed to FPM producers on %s", ", ".join(args.fpm))
+    subscriber = FpmSubscriber(endpoints, engines, rcvhwm=args.rcvhwm)
+    logger.info("subscribed to FPM producers on %s", ", ".join(endpoints))
     return [subscriber]
 
 

@@ -25,6 +25,29 @@ from telemetry.sidecar.ingest import MAX_FRAME_BYTES
 from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, RECV_BATCH, check_address
 
 
+def endpoints_by_rank(endpoints: Sequence[str], num_dp_ranks: int) -> list[str]:
+    """Each tcp://HOST:PORT endpoint as the ``num_dp_ranks`` endpoints PORT, PORT+1, ... of
+    a producer that binds one port per data-parallel rank; ValueError for an ipc:// one
+    (no port to add a rank to) or a port past 65535."""
+    if num_dp_ranks < 1:
+        raise ValueError(f"--fpm-dp-ranks must be at least 1, got {num_dp_ranks}")
+    if num_dp_ranks == 1:
+        return list(endpoints)
+    expanded = []
+    for endpoint in endpoints:
+        host, sep, port = endpoint.rpartition(":")
+        if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+            raise ValueError(
+                f"--fpm-dp-ranks {num_dp_ranks} needs tcp://HOST:PORT endpoints (one port per "
+                f"rank from PORT on), got {endpoint!r}"
+            )
+        last_port = int(port) + num_dp_ranks - 1
+        if last_port > 65535:
+            raise ValueError(f"{endpoint!r} with {num_dp_ranks} ranks runs past port 65535")
+        expanded += [f"{host}:{rank_port}" for rank_port in range(int(port), last_port + 1)]
+    return expanded
+
+
 class FpmSubscriber:
     """A SUB socket on the FPM endpoints feeding FpmEngines; ``receive_batch`` from the
     LaneLoop's thread only."""
