@@ -22,7 +22,7 @@ import zmq
 
 from telemetry.sidecar.fpm_engines import FpmEngines
 from telemetry.sidecar.ingest import MAX_FRAME_BYTES
-from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, RECV_BATCH, check_address
+from telemetry.sidecar.lane_loop import DEFAULT_RCVHWM, check_address, receive_batch
 
 
 def endpoints_by_rank(endpoints: Sequence[str], num_dp_ranks: int) -> list[str]:
@@ -74,14 +74,7 @@ class FpmSubscriber:
 
     def receive_batch(self, now_ns: int) -> int:
         """Ingest up to RECV_BATCH messages already received, stamped ``now_ns``; how many."""
-        recv, on_frames = self.socket.recv_multipart, self.engines.on_frames
-        for num_received in range(RECV_BATCH):
-            try:
-                frames = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return num_received
-            on_frames(frames, now_ns)
-        return RECV_BATCH
+        return receive_batch(self.socket.recv_multipart, self.engines.on_frames, now_ns)
 
     def close(self) -> None:
         self.socket.close(linger=0)

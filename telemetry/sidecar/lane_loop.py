@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import zmq
 
@@ -33,6 +33,7 @@ GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off 
 DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
 RECV_BATCH = 4096
 DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
+T = TypeVar("T")
 
 
 def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
@@ -59,6 +60,18 @@ class Subscriber(Protocol):
     def receive_batch(self, now_ns: int) -> int: ...
 
     def close(self) -> None: ...
+
+
+def receive_batch(recv: Callable[[int], T], handle: Callable[[T, int], object], now_ns: int) -> int:
+    """Hand up to RECV_BATCH messages already received (``recv(zmq.NOBLOCK)``: a socket's
+    recv or recv_multipart) to ``handle``, each stamped ``now_ns``; how many there were."""
+    for num_received in range(RECV_BATCH):
+        try:
+            message = recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return num_received
+        handle(message, now_ns)
+    return RECV_BATCH
 
 
 class LaneLoop:
@@ -141,14 +154,7 @@ class LaneLoop:
 
     def _receive_batch(self, now_ns: int) -> int:
         """Ingest up to RECV_BATCH frames already received, stamped ``now_ns``; how many."""
-        recv, on_frame = self._socket.recv, self.ingest.on_frame
-        for num_received in range(RECV_BATCH):
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return num_received
-            on_frame(frame, now_ns)
-        return RECV_BATCH
+        return receive_batch(self._socket.recv, self.ingest.on_frame, now_ns)
 
     def _count_disconnects(self) -> None:
         while True:
@@ -163,9 +169,9 @@ class LaneLoop:
         socket would drop it, and no later message could report that gap."""
         deadline_ns = time.monotonic_ns() + int(DRAIN_LIMIT_S * 1e9)
         receivers = [self._receive_batch] + [s.receive_batch for s in self._subscribers]
-        for receive_batch in receivers:
+        for receive in receivers:
             while (now_ns := time.monotonic_ns()) < deadline_ns:
-                if receive_batch(now_ns) < RECV_BATCH:
+                if receive(now_ns) < RECV_BATCH:
                     break
 
     def stop(self) -> None:
