@@ -310,12 +310,7 @@ class TraceWriter:
         ints = counter_rows([c for c in counters if not c.is_double], len(starts))
         doubles = counter_rows([c for c in counters if c.is_double], len(starts))
         for i, (start_ns, end_ns) in enumerate(zip(starts, ends, strict=True)):
-            begin = self._packet()
-            begin.timestamp = start_ns
-            begin.trusted_packet_sequence_id = sequence_id
-            begin.sequence_flags = NEEDS_STATE
-            event = begin.track_event
-            event.type = SLICE_BEGIN
+            event = self._event_packet(start_ns, sequence_id, SLICE_BEGIN).track_event
             event.name_iid = kinds[i]
             add = event.debug_annotations.add
             for iid, value in zip(ITERATION_ARG_IIDS, args[i], strict=True):
@@ -325,12 +320,7 @@ class TraceWriter:
                 add(name_iid=ELAPSED_IID, double_value=cut_ms[i])
             if unknown[i]:
                 add(name_iid=UNKNOWN_IID, string_value=unknown[i])
-            end = self._packet()
-            end.timestamp = end_ns
-            end.trusted_packet_sequence_id = sequence_id
-            end.sequence_flags = NEEDS_STATE
-            event = end.track_event
-            event.type = SLICE_END
+            event = self._event_packet(end_ns, sequence_id, SLICE_END).track_event
             event.extra_counter_values.extend(ints[i])
             event.extra_double_counter_values.extend(doubles[i])
         self.counts.num_iterations += len(starts)
@@ -365,7 +355,7 @@ class TraceWriter:
             self._event(ts_ns, kind, event_phase, sequence_id, track_uuid)
 
     def _event(self, ts_ns: int, kind: int, phase: Phase, sequence_id: int, track_uuid: int):
-        event = self._event_packet(ts_ns, sequence_id, track_uuid, kind).track_event
+        event = self._event_packet(ts_ns, sequence_id, kind, track_uuid).track_event
         if kind == SLICE_END:
             return
         _set_name(event, phase.name)
@@ -377,13 +367,18 @@ class TraceWriter:
                 annotation.name = name
             _set_arg(annotation, value)
 
-    def _event_packet(self, ts_ns: int, sequence_id: int, track_uuid: int, kind: int):
+    def _event_packet(
+        self, ts_ns: int, sequence_id: int, kind: int, track_uuid: int | None = None
+    ) -> TracePacket:
+        """A track event of ``kind`` at ``ts_ns`` in the sequence; on ``track_uuid``, or on
+        the sequence's default track (the iterations') when None, which saves its bytes."""
         packet = self._packet()
         packet.timestamp = ts_ns
         packet.trusted_packet_sequence_id = sequence_id
         packet.sequence_flags = NEEDS_STATE
         packet.track_event.type = kind
-        packet.track_event.track_uuid = track_uuid
+        if track_uuid is not None:
+            packet.track_event.track_uuid = track_uuid
         return packet
 
     # --- findings ----------------------------------------------------------------------
