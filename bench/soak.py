@@ -521,8 +521,7 @@ def explained_counts(record_path: Path) -> dict[str, int]:
         for episode in detect_episodes(timeline):
             if episode.severity == "info":
                 continue
-            silence = episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
-            counts["dead" if silence else finding_kind(episode)] += 1
+            counts[finding_kind(episode)] += 1
     return dict(sorted(counts.items()))
 
 

@@ -65,9 +65,7 @@ def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) ->
     for episode in detect_episodes(timeline, thresholds):
         if episode.severity == INFO:
             continue
-        kind = finding_kind(episode)
-        if kind == "telemetry_gap" and "silent_time_s" in episode.numbers:
-            kind = "dead"  # live, a silence is the engine status dead
+        kind = finding_kind(episode)  # a silence is "dead", as live
         row = int(timeline.col("start_ns").searchsorted(episode.start_ns))
         iteration = int(timeline.col("iteration")[row]) if row < timeline.num_iterations else 0
         if kind == "stall" and "frozen_iteration" in episode.numbers:

@@ -125,11 +125,20 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
     return 1, 0.0, True  # a KV cliff, a spinning stall: one row without it
 
 
+def is_silence(episode: Episode) -> bool:
+    """A silence `explain` finds after the fact: live, the dead finding is that silence."""
+    return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
+
+
 def finding_kind(episode: Episode) -> str:
     """The finding's kind as /metrics and alerts name it: the episode's kind, and for waiting
     the reason (``waiting_kv``, ``waiting_seq_limit``, ``waiting_budget``, ``waiting_other``;
     plain ``waiting`` when the source says no reason); ``spinning`` for a stall of iterations
-    that schedule nothing (a frozen loop is ``stall``, from the engine status)."""
+    that schedule nothing (a frozen loop is ``stall``, from the engine status); ``dead`` for
+    a silence, which `explain` finds once the engine speaks again and the sidecar as the
+    engine status dead."""
+    if is_silence(episode):
+        return DEAD
     if episode.kind == "waiting":
         return episode.numbers.get("reason") or "waiting"
     if episode.kind == STALL and "frozen_iteration" not in episode.numbers:
@@ -201,11 +210,6 @@ class FindingEvent:
 
     what: str  # "opened" | "closed"
     finding: LiveFinding
-
-
-def _is_silence(episode: Episode) -> bool:
-    """A silence `explain` finds after the fact: live, the dead finding is that silence."""
-    return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
 
 
 class EngineFindings:
@@ -284,7 +288,7 @@ class EngineFindings:
                 episode
                 for detector in WINDOW_DETECTORS
                 for episode in detector(tl, th)
-                if episode.severity != INFO and not _is_silence(episode)
+                if episode.severity != INFO and not is_silence(episode)
             ),
             key=lambda e: (e.start_ns, e.kind),
         )
