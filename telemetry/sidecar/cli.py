@@ -40,6 +40,7 @@ SINK_MODULES = (
     "telemetry.sidecar.sinks.otel",
     "telemetry.sidecar.sinks.nvtx_ranges",
     "telemetry.sidecar.sinks.perfetto_timeline",
+    "telemetry.sidecar.sinks.fpm_publisher",
 )
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -342,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.replay and not args.serve_after_replay and hasattr(args, "no_metrics"):
             args.no_metrics = True
-        if args.replay and args.fpm:
-            raise ValueError("--fpm subscribes to live producers; it cannot go with --replay")
+        if args.replay and (args.fpm or args.fpm_port is not None):
+            raise ValueError(
+                "--fpm and --fpm-port serve live engines: they cannot go with --replay"
+            )
         sinks = build_sinks(sink_modules, args)
         if args.replay:
             from telemetry.sidecar.replay import replay
