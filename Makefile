@@ -11,7 +11,13 @@ VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
 
-.PHONY: demo test test-fast lint dashboards bench prometheus alertmanager vllm clean
+# The FPM producers' own modules, for tests/test_fpm_producers_live.py (docs/fpm.md).
+FPM_WHEELS  := .cache/fpm-wheels
+SGLANG_VER  := 0.5.23
+DYNAMO_VER  := 1.6.1
+FPM_STAMP   := $(FPM_WHEELS)/.installed-$(SGLANG_VER)-$(DYNAMO_VER)
+
+.PHONY: demo test test-fast lint dashboards bench prometheus alertmanager vllm fpm-wheels clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -61,6 +67,17 @@ $(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py engine/model/gguf_fi
 
 vllm: $(VLLM_STAMP) $(HF_MODEL)/config.json
 
+# SGLang's and Dynamo's wheels, unpacked into a directory of their own with no dependencies
+# (sglang 39 MB, ai-dynamo 4 MB): the tests load the two FPM modules by file path, since
+# sglang's package __init__ imports torch and the tests need neither package whole.
+$(FPM_STAMP): | $(STAMP)
+	rm -rf $(FPM_WHEELS)
+	$(PY) -m pip install -q --no-deps --target $(FPM_WHEELS) \
+	  sglang==$(SGLANG_VER) ai-dynamo==$(DYNAMO_VER)
+	touch $@
+
+fpm-wheels: $(STAMP) $(FPM_STAMP)
+
 # Prometheus and promtool from Debian, for the tests that run a real Prometheus.
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || \
@@ -79,7 +96,7 @@ alertmanager:
 demo: $(STAMP)
 	$(PY) -m engine.entrypoints.cli demo $(ARGS)
 
-test: $(STAMP) prometheus alertmanager vllm
+test: $(STAMP) prometheus alertmanager vllm fpm-wheels
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
