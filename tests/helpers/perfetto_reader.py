@@ -1,7 +1,9 @@
 """A Perfetto trace read back with perfetto's own protos, the way its trace processor reads
 TrackEvents: interned names and track defaults per packet sequence, slices from BEGIN/END
 pairs per track (nested ones with their depth), counter samples from counter_value and the
-extra counter values of any event.
+extra counter values of any event, timestamps of a sequence-scoped incremental clock (a clock
+snapshot's is_incremental, the packet's or the defaults' timestamp_clock_id) each added to the
+one before, from the snapshot's value.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class _Sequence:
         self.track_uuid = 0
         self.extra_uuids: list[int] = []
         self.extra_double_uuids: list[int] = []
+        self.clock_id = 0  # the defaults' timestamp_clock_id
+        self.incremental_clocks: dict[int, int] = {}  # clock id -> its latest timestamp
 
 
 def read_trace(path: Path) -> ReadTrace:
@@ -74,8 +78,9 @@ def read_trace(path: Path) -> ReadTrace:
             continue
         sequence = sequences.setdefault(packet.trusted_packet_sequence_id, _Sequence())
         _take_state(packet, sequence)
+        ts_ns = _timestamp(packet, sequence)
         if packet.HasField("track_event"):
-            _take_event(read, sequence, open_slices, packet.timestamp, packet.track_event)
+            _take_event(read, sequence, open_slices, ts_ns, packet.track_event)
     assert not any(open_slices.values()), "slices never ended"
     return read
 
@@ -87,11 +92,28 @@ def _take_state(packet, sequence: _Sequence) -> None:
         sequence.event_names[entry.iid] = entry.name
     for entry in packet.interned_data.debug_annotation_names:
         sequence.arg_names[entry.iid] = entry.name
+    for clock in packet.clock_snapshot.clocks:
+        if clock.is_incremental:
+            assert clock.unit_multiplier_ns in (0, 1), "only ns clocks are read"
+            sequence.incremental_clocks[clock.clock_id] = clock.timestamp
     if packet.HasField("trace_packet_defaults"):
+        sequence.clock_id = packet.trace_packet_defaults.timestamp_clock_id
         defaults = packet.trace_packet_defaults.track_event_defaults
         sequence.track_uuid = defaults.track_uuid
         sequence.extra_uuids = list(defaults.extra_counter_track_uuids)
         sequence.extra_double_uuids = list(defaults.extra_double_counter_track_uuids)
+
+
+def _timestamp(packet, sequence: _Sequence) -> int:
+    """The packet's time on the trace's clock (the snapshots here map each incremental clock
+    to it one to one)."""
+    clock_id = packet.timestamp_clock_id or sequence.clock_id
+    if clock_id not in sequence.incremental_clocks:
+        assert not clock_id or packet.HasField("clock_snapshot"), f"unknown clock {clock_id}"
+        return packet.timestamp
+    if packet.HasField("timestamp"):
+        sequence.incremental_clocks[clock_id] += packet.timestamp
+    return sequence.incremental_clocks[clock_id]
 
 
 def _take_event(read: ReadTrace, sequence: _Sequence, open_slices, ts_ns: int, event) -> None:
