@@ -15,7 +15,7 @@ HF_MODEL   := .models/smollm2-hf
 FPM_WHEELS  := .cache/fpm-wheels
 SGLANG_VER  := 0.5.23
 DYNAMO_VER  := 1.6.1
-FPM_STAMP   := $(FPM_WHEELS)/.installed-$(SGLANG_VER)-$(DYNAMO_VER)
+FPM_STAMP   := $(FPM_WHEELS)/.installed-sglang-$(SGLANG_VER)-dynamo-$(DYNAMO_VER)-with-runtime
 
 .PHONY: demo test test-fast lint dashboards bench prometheus alertmanager vllm fpm-wheels clean
 
@@ -68,12 +68,15 @@ $(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py engine/model/gguf_fi
 vllm: $(VLLM_STAMP) $(HF_MODEL)/config.json
 
 # SGLang's and Dynamo's wheels, unpacked into a directory of their own with no dependencies
-# (sglang 39 MB, ai-dynamo 4 MB): the tests load the two FPM modules by file path, since
-# sglang's package __init__ imports torch and the tests need neither package whole.
+# (sglang 39 MB, ai-dynamo 4 MB, ai-dynamo-runtime 75 MB): the tests load the two FPM schema
+# modules by file path (sglang's package __init__ imports torch; neither package is needed
+# whole), and put the directory on the PYTHONPATH of a `vllm serve` from .vllm-venv that runs
+# Dynamo's instrumented scheduler (ai-dynamo-runtime: its logging, a Rust extension). Nothing
+# here is on the test process's path: ai-dynamo registers pytest plugins.
 $(FPM_STAMP): | $(STAMP)
 	rm -rf $(FPM_WHEELS)
 	$(PY) -m pip install -q --no-deps --target $(FPM_WHEELS) \
-	  sglang==$(SGLANG_VER) ai-dynamo==$(DYNAMO_VER)
+	  sglang==$(SGLANG_VER) ai-dynamo==$(DYNAMO_VER) ai-dynamo-runtime==$(DYNAMO_VER)
 	touch $@
 
 fpm-wheels: $(STAMP) $(FPM_STAMP)

@@ -1,14 +1,17 @@
 """Real FPM producers and consumers against the sidecar, not re-implementations: SGLang's own
 publisher (its ``forward_pass_metrics`` module from the pinned ``sglang`` wheel, in a process
-of its own) feeding ``iterscope sidecar --fpm``, and Dynamo's own decoder (the pinned
-``ai-dynamo`` wheel) reading what ``iterscope serve --sidecar-arg=--fpm-port=PORT``
-publishes. `make fpm-wheels` (part of `make test`) unpacks both wheels into .cache/fpm-wheels;
-the modules are loaded by file path (sglang's package __init__ imports torch)."""
+of its own) and Dynamo's instrumented vLLM scheduler (the pinned ``ai-dynamo`` and
+``ai-dynamo-runtime`` wheels, in a real `vllm serve` of the CPU build) feeding ``iterscope
+sidecar --fpm``, and Dynamo's own decoder reading what ``iterscope serve
+--sidecar-arg=--fpm-port=PORT`` publishes. `make fpm-wheels` (part of `make test`) unpacks the
+wheels into .cache/fpm-wheels; the schema modules are loaded by file path (sglang's package
+__init__ imports torch), and the directory is on the PYTHONPATH of `vllm serve` only."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +20,10 @@ from pathlib import Path
 from types import ModuleType
 
 import msgspec
+import openai
 import zmq
 
+from bench.vllm_server import BEST_CPU_FLAGS, engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import Heartbeat, IterationRecord, Message
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers import REPO
@@ -122,7 +127,7 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
     try:
         producer.do("idle")
         wait_until(lambda: state_of(url, "idle") == 1, 20, "the SGLang engine idle")
-        deadline = time.monotonic() + 3.5  # past --dead-after, on heartbeats alone
+        deadline = time.monotonic() + 2.8  # past --dead-after, on heartbeats alone
         while time.monotonic() < deadline:
             assert state_of(url, "idle") == 1
             time.sleep(0.25)
@@ -156,7 +161,7 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
             "5 more iterations from the restarted producer",
         )
         assert total(samples, "iterscope_records_dropped_total", engine="0") < 10
-        assert total(samples, "iterscope_engine_info", engine="1") == 0  # no second engine
+        assert total(samples, "iterscope_engine_state", engine="1") == 0  # no second engine
         producer.kill()
         wait_until(lambda: state_of(url, "dead") == 1, 10, "killed: dead")
     finally:
@@ -246,3 +251,51 @@ def test_dynamos_decoder_reads_what_iterscope_serve_publishes_with_fpm_port(tmp_
     assert last.scheduled_requests == dynamo.ScheduledRequestMetrics()
     assert last.queued_requests == dynamo.QueuedRequestMetrics()  # idle: all zero
     assert 0.8 < interval_s < 2.0
+
+
+def test_dynamos_instrumented_vllm_scheduler_feeds_the_sidecar_from_a_real_vllm(tmp_path):
+    """Dynamo's scheduler heartbeats after any second without a message: idle on heartbeats;
+    one request's iterations counted as vLLM served them; its engine core killed: dead."""
+    if not (FPM_WHEELS / "dynamo" / "vllm" / "instrumented_scheduler.py").exists():
+        raise AssertionError(f"{FPM_WHEELS} lacks ai-dynamo: `make fpm-wheels` unpacks it")
+    fpm_port, api_port = free_port(), free_port()
+    args = ["--fpm", f"tcp://127.0.0.1:{fpm_port}", "--fpm-producer", "dynamo-vllm"]
+    args += ["--metrics-port", "0", "--no-log", "--dead-after", "2"]
+    sidecar = start_sidecar(args)
+    url = sidecar.metrics_url
+    env = {
+        "PYTHONPATH": str(FPM_WHEELS),
+        "DYN_FORWARDPASS_METRIC_PORT": str(fpm_port),
+        "DYN_FPM_WORKER_ID": "dynamo-w",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    scheduler = "dynamo.vllm.instrumented_scheduler.InstrumentedScheduler"
+    flags = (*BEST_CPU_FLAGS, "--scheduler-cls", scheduler)
+    server = start_vllm(api_port, env, tmp_path / "vllm.log", flags)
+    try:
+        wait_until(lambda: state_of(url, "idle") == 1, 30, "Dynamo's vLLM engine idle")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none")
+        usage = client.completions.create(model="smollm2", prompt="Hello there", max_tokens=12)
+        assert usage.usage is not None
+        num_prompt_tokens, num_output_tokens = (
+            usage.usage.prompt_tokens,
+            usage.usage.completion_tokens,
+        )
+        samples = wait_until(
+            lambda: (
+                (s := scrape(url))
+                and total(s, "iterscope_iterations_total") == num_output_tokens
+                and s
+            ),
+            10,
+            "one iteration per output token",
+        )
+        # the prefill makes the first token; each later token is one decode
+        assert total(samples, "iterscope_prompt_tokens_total") == num_prompt_tokens
+        assert total(samples, "iterscope_generation_tokens_total") == num_output_tokens - 1
+        wait_until(lambda: state_of(url, "idle") == 1, 10, "idle again on heartbeats")
+        os.kill(engine_core_pid(server.pid), signal.SIGKILL)
+        wait_until(lambda: state_of(url, "dead") == 1, 15, "its engine core killed: dead")
+    finally:
+        stop_server(server)
+        assert sidecar.stop() == 0
