@@ -8,6 +8,7 @@ import math
 
 import msgspec
 import pytest
+import zmq
 
 from telemetry.lane.record import (
     UNKNOWN_ELAPSED,
@@ -23,9 +24,11 @@ from telemetry.lane.record import (
 from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.fpm_engines import FpmEngines
+from telemetry.sidecar.fpm_socket import FpmSubscriber
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sources.fpm import decode_frames, is_heartbeat, to_record
 from tests.helpers.fpm import busy_frames, fpm_frames, idle_frames
+from tests.helpers.wait import wait_until
 
 S = 1_000_000_000
 WALL_NS = 1_700_000_000 * S
@@ -331,3 +334,35 @@ def test_data_parallel_ranks_are_consecutive_ports_of_tcp_endpoints(tmp_path, ca
     argv = ["--address", lane, "--no-metrics", "--no-log", "--fpm", "ipc:///x"]
     assert main([*argv, "--fpm-dp-ranks", "4"]) == 2
     assert "needs tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_messages_of_any_frame_count_are_received_whole_over_a_real_socket(tmp_path):
+    """The subscriber reads each message's frames by their own more flag: one of 1 frame and
+    one of 5 are refused whole, and the message after them is read from its first frame."""
+    ingest, engines, messages = feed()
+
+    def record_after(subscriber) -> bool:
+        subscriber.receive_batch(S)
+        return type(messages[-1]) is IterationRecord
+
+    endpoint = f"ipc://{tmp_path / 'fpm.sock'}"
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(endpoint)
+    subscriber = FpmSubscriber([endpoint], engines, context)
+    try:
+        wait_until(
+            lambda: publisher.send_multipart(idle_frames(0)) or subscriber.receive_batch(S),
+            10,
+            "the subscription to join",
+        )
+        publisher.send_multipart([b"junk"])
+        publisher.send_multipart([b"", b"1" * 8, b"a", b"b", b"c"])
+        publisher.send_multipart(busy_frames(1))
+        wait_until(lambda: record_after(subscriber), 10, "the record after the bad frames")
+    finally:
+        subscriber.close()
+        publisher.close(linger=0)
+        context.term()
+    assert ingest.health.num_undecodable["malformed"] == 2
+    assert type(messages[-1]) is IterationRecord and messages[-1].num_prefill_tokens == 128
