@@ -298,7 +298,8 @@ def serve_under_load(
     out: Path, name: str, num_prompts: int, wrapper: list[str] = (), *serve_args: str
 ) -> dict:
     """`iterscope serve --device cuda` (under ``wrapper``, e.g. nsys) loaded by `iterscope
-    bench`; its log lines, /metrics and `iterscope explain` on its recording."""
+    bench`; its log lines, /metrics and `iterscope explain` on its recording. Under a wrapper
+    the stop waits longer: nsys writes its report then."""
     record = out / f"{name}.jsonl"
     port = 18123
     serve_cmd = [*wrapper, *CLI, "serve", "--device", "cuda", "--port", str(port)]
@@ -324,7 +325,7 @@ def serve_under_load(
                 metrics = r.read().decode()
         finally:
             os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=60)
+            proc.wait(timeout=180 if wrapper else 60)
     log_text = log_path.read_text()
     explain = subprocess.run(
         [*CLI, "explain", str(record)], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -352,11 +353,12 @@ def serve_under_load(
 
 
 def find_nsys() -> str | None:
+    """nsys on PATH, else one bundled with an Nsight install (Nsight Compute ships one)."""
     found = shutil.which("nsys")
     if found:
         return found
-    for root in ("/opt/nvidia", "/usr/local/cuda", "/usr/local"):
-        for path in sorted(Path(root).glob("**/bin/nsys")) if Path(root).exists() else ():
+    for pattern in ("/opt/nvidia/*/bin/nsys", "/opt/nvidia/*/*/host/target-linux-x64/nsys"):
+        for path in sorted(Path("/").glob(pattern.lstrip("/"))):
             return str(path)
     return None
 

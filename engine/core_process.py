@@ -17,7 +17,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -60,7 +62,13 @@ def run_engine_core(
     load_model: Any = None,
     runner_class: Any = None,
 ) -> None:
-    """Entry point of the engine-core process (also usable in a thread for debugging)."""
+    """Entry point of the engine-core process (also usable in a thread for debugging).
+
+    Ctrl-C in a terminal reaches the whole process group: the engine ignores it and lets its
+    client shut it down (Shutdown, SIGTERM, or the client's death, which the loop notices),
+    so a stopped server prints no engine traceback and loses no outputs in flight."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     counter = _LogRecordCounter()
     if config.test_count_log_records:
         logging.getLogger().addHandler(counter)

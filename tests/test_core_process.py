@@ -194,6 +194,24 @@ def test_graceful_shutdown_aborts_what_is_left():
         client.add_request([1, 2], greedy(2))
 
 
+def test_ctrl_c_to_the_process_group_leaves_shutdown_to_the_client():
+    """A terminal's Ctrl-C signals every process of the group; the engine must not die of it
+    (with a KeyboardInterrupt traceback) before its client shuts it down in order."""
+    client = start_client()
+    try:
+        stream = client.add_request([1, 2, 3], greedy(40))
+        first = stream.get(timeout=10).new_token_ids
+        os.kill(client.process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert client.process.is_alive()
+        tokens, reason = collect(stream)
+        assert first + tokens == reference_output([1, 2, 3], 40, MAX_MODEL_LEN, ignore_eos=True)
+        assert reason == "length"
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
+
+
 def test_engine_death_wakes_every_waiter():
     client = start_client()
     try:

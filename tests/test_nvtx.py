@@ -65,6 +65,12 @@ sink.close()
 """
 
 
+def child_pythonpath() -> str:
+    """The repository first, then whatever PYTHONPATH already names (where the packages are on
+    a machine that installs them with --target, as bench/gpu_check.sh does)."""
+    return os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+
+
 def nvtx_include_dir() -> Path:
     spec = importlib.util.find_spec("nvidia")
     for root in spec.submodule_search_locations if spec else ():
@@ -141,7 +147,7 @@ def run_with_capture(
         os.environ,
         NVTX_INJECTION64_PATH=str(library),
         NVTX_CAPTURE_PATH=str(capture_path),
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=child_pythonpath(),
     )
     subprocess.run([sys.executable, "-c", script, *args], check=True, env=env, cwd=REPO, timeout=60)
     return [line.split("\t") for line in capture_path.read_text().splitlines()]
@@ -534,7 +540,7 @@ def run_writer_sink(
     records_path = tmp_path / "records.msgpack"
     records_path.write_bytes(msgspec.msgpack.encode(records))
     capture_path = tmp_path / "nvtxw.tsv"
-    env = dict(os.environ, ITERSCOPE_NVTXW_CAPTURE=str(capture_path), PYTHONPATH=str(REPO))
+    env = dict(os.environ, ITERSCOPE_NVTXW_CAPTURE=str(capture_path), PYTHONPATH=child_pythonpath())
     subprocess.run(
         [sys.executable, "-c", FEED_WRITER_SINK, str(backend), config, str(records_path)],
         check=True,
