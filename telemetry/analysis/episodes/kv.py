@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from telemetry.analysis.episodes.episode import (
     INFO,
@@ -123,7 +124,7 @@ def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     running, waiting = tl.col("num_running_reqs"), tl.col("num_waiting_reqs")
     window = th.kv_cliff_max_iterations
     candidates = []
-    for i in range(1, tl.num_iterations):
+    for i in _possible_cliff_ends(usage, window, th):
         lookback = slice(max(0, i - window), i)
         high = max(0, i - window) + int(np.argmax(usage[lookback]))
         if usage[high] < th.kv_cliff_high_ratio or usage[high] - usage[i] < th.kv_cliff_min_drop:
@@ -141,6 +142,17 @@ def detect_kv_cliff(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         last_end = low
         episodes.append(_kv_cliff_episode(tl, high, low))
     return episodes
+
+
+def _possible_cliff_ends(usage: np.ndarray, window: int, th: Thresholds) -> list[int]:
+    """The iterations i >= 1 whose highest usage in the ``window`` before them is high enough
+    and far enough above theirs (what detect_kv_cliff checks first), found with numpy."""
+    if len(usage) < 2:
+        return []
+    padded = np.concatenate([np.full(window - 1, -np.inf), usage[:-1]])
+    highest = sliding_window_view(padded, window).max(axis=1)  # over usage[i - window : i]
+    possible = (highest >= th.kv_cliff_high_ratio) & (highest - usage[1:] >= th.kv_cliff_min_drop)
+    return (np.flatnonzero(possible) + 1).tolist()
 
 
 def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
