@@ -163,6 +163,7 @@ BOOL_VALUE = _tag(DebugAnnotation, "bool_value", wire.VARINT)
 INT_VALUE = _tag(DebugAnnotation, "int_value", wire.VARINT)
 DOUBLE_VALUE = _tag(DebugAnnotation, "double_value", wire.FIXED64)
 STRING_VALUE = _tag(DebugAnnotation, "string_value", wire.LENGTH_DELIMITED)
+INTERNED_ARG_NAMES = {name: ARG_NAME_IID + wire.varint(iid) for name, iid in ARG_IIDS.items()}
 EVENT_TYPES = {kind: EVENT_TYPE + wire.varint(kind) for kind in (SLICE_BEGIN, SLICE_END, INSTANT)}
 
 
@@ -485,12 +486,15 @@ def incremental_times(first_ns: int, starts: np.ndarray, ends: np.ndarray) -> np
 
 # --- requests and findings: a packet per event -------------------------------------------
 class EventWriter:
-    """Slice begins, ends and instants on lane tracks, in one sequence, at absolute times."""
+    """Slice begins, ends and instants on lane tracks, in one sequence, at absolute times.
+    Each event's TrackEvent is encoded as it comes; the packets around them (timestamps,
+    lengths) with numpy, EVENTS_PER_WRITE at a time."""
 
     def __init__(self, writer: TraceWriter, sequence_id: int) -> None:
         self.writer = writer
         self.sequence = SEQUENCE_ID + wire.varint(sequence_id)
-        self.pending: list[bytes] = []
+        self.times: list[int] = []
+        self.events: list[bytes] = []
         writer._message(_interning_packet(sequence_id))
 
     def request(self, request: RequestPhases, track_uuid: int) -> None:
@@ -505,29 +509,43 @@ class EventWriter:
         events = slice_events(whole)
         events += [(ts_ns, INSTANT, PREEMPTED) for ts_ns in request.milestone.preempted_ns]
         events.sort(key=lambda event: event[0])  # stable: nesting kept at equal times
-        self.events(events, track_uuid)
+        self.add(events, track_uuid)
 
     def slice(self, phase: Phase, track_uuid: int) -> None:
-        self.events(slice_events(phase), track_uuid)
+        self.add(slice_events(phase), track_uuid)
 
-    def events(self, events: list[tuple[int, int, Phase]], track_uuid: int) -> None:
+    def add(self, events: list[tuple[int, int, Phase]], track_uuid: int) -> None:
         track = TRACK_UUID + wire.varint(track_uuid)
+        end = EVENT_TYPES[SLICE_END] + track
         for ts_ns, kind, phase in events:
-            event = EVENT_TYPES[kind] + track
-            if kind != SLICE_END:
-                event += event_name(phase.name) + b"".join(
-                    annotation(name, value) for name, value in phase.args.items()
-                )
-            body = TIMESTAMP + wire.varint(ts_ns) + self.sequence
-            self.pending.append(
-                wire.length_delimited(PACKET, body + wire.length_delimited(TRACK_EVENT, event))
-            )
-        if len(self.pending) >= EVENTS_PER_WRITE:
+            self.times.append(ts_ns)
+            if kind == SLICE_END:
+                self.events.append(end)
+            else:
+                self.events.append(EVENT_TYPES[kind] + track + phase_bytes(phase))
+        if len(self.events) >= EVENTS_PER_WRITE:
             self.flush()
 
     def flush(self) -> None:
-        self.writer.write(b"".join(self.pending))
-        self.pending = []
+        n = len(self.events)
+        if not n:
+            return
+        body = [
+            wire.constant(TIMESTAMP, n),
+            wire.varint_column(np.array(self.times, np.int64)),
+            wire.constant(self.sequence, n),
+            *wire.length_delimited_columns(TRACK_EVENT, [wire.bytes_column(self.events)]),
+        ]
+        self.writer.write(wire.join_rows(wire.length_delimited_columns(PACKET, body)))
+        self.times, self.events = [], []
+
+
+def phase_bytes(phase: Phase) -> bytes:
+    """A slice's name and args, as a TrackEvent's fields."""
+    encoded = event_name(phase.name)
+    for name, value in phase.args.items():
+        encoded += annotation(name, value)
+    return encoded
 
 
 def event_name(name: str) -> bytes:
@@ -538,10 +556,7 @@ def event_name(name: str) -> bytes:
 
 def annotation(name: str, value: object) -> bytes:
     """A debug annotation: its name (interned where it can be) and its value by type."""
-    if name in ARG_IIDS:
-        encoded = ARG_NAME_IID + wire.varint(ARG_IIDS[name])
-    else:
-        encoded = wire.length_delimited(ARG_NAME, name.encode())
+    encoded = INTERNED_ARG_NAMES.get(name) or wire.length_delimited(ARG_NAME, name.encode())
     if isinstance(value, bool):
         encoded += BOOL_VALUE + wire.varint(int(value))
     elif isinstance(value, int):

@@ -6,9 +6,9 @@ Two ways to build the same bytes:
 * many messages at once, with numpy: a message is a list of ``Column``s (each a matrix of
   bytes with a length per row), one row per message; ``join_rows`` lays every row's columns
   end to end. ``varint_column`` and ``double_column`` encode a value per row, ``constant``
-  repeats fixed bytes, ``optional`` drops a row's columns where a field is absent and
-  ``length_delimited_columns`` wraps a row's columns as a length-delimited field (a nested
-  message, or a packet in the trace).
+  repeats fixed bytes, ``bytes_column`` and ``lookup_column`` take bytes encoded already,
+  ``optional`` drops a row's columns where a field is absent and ``length_delimited_columns``
+  wraps a row's columns as a length-delimited field (a nested message, or a trace's packet).
 
 Only what a trace needs: varint, fixed64 (a double) and length-delimited fields; a negative
 integer is written as protobuf writes an int64 (its 64-bit two's complement, 10 bytes).
@@ -97,6 +97,15 @@ def lookup_column(codes: np.ndarray, table: list[bytes]) -> Column:
         data[i, : len(value)] = np.frombuffer(value, np.uint8)
     lengths = np.array([len(value) for value in table], np.int64)
     return Column(data[codes], lengths[codes])
+
+
+def bytes_column(values: list[bytes]) -> Column:
+    """Row i holds ``values[i]``."""
+    lengths = np.fromiter(map(len, values), np.int64, len(values))
+    flat = np.frombuffer(b"".join(values) + b"\0", np.uint8)  # a byte to point the padding at
+    starts = np.cumsum(lengths) - lengths
+    offsets = starts[:, None] + np.arange(int(lengths.max(initial=1)))
+    return Column(flat[np.minimum(offsets, len(flat) - 1)], lengths)
 
 
 def field_columns(field_tag: bytes, value: Column) -> Rows:
