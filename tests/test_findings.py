@@ -104,6 +104,22 @@ def test_story3_queued_action_raises_max_num_seqs():
     assert value > 4 and "(now 4)" in action
 
 
+def test_queued_action_on_a_flat_step_cost_raises_in_steps_not_to_the_extrapolation():
+    """A GPU decode step costs about the same at batch 1 and 256 (it is launch-bound), so
+    tune's fit allows hundreds of requests from a recording that never decoded more than 4:
+    the action raises the limit to twice what was seen and says the rest is extrapolated."""
+    flat = Cost(base_time=0.010, context_token_time=2e-6, generation_token_time=1e-7)
+    sim = Simulator(num_blocks=20000, max_num_seqs=4, max_num_batched_tokens=2048, cost=flat)
+    sim.add_requests(arrivals(60, 20, seed=3), num_prompt=200, num_output=100)
+    sim.run(25)
+    _, (finding,) = findings_of(sim)
+    timeline = build_timelines(sim.messages)[0]
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith("Set --max-num-seqs 8 (now 4): ") and "extrapolated" in action
+    allowed = int(action.split(" allows ")[1].split(",")[0])
+    assert allowed > 8
+
+
 def test_waiting_cost_matches_the_requests_queue_time():
     """Little's law: requests waiting x time = the sum of each request's time in the queue."""
     sim = synthetic.story3_bursty(4)

@@ -24,6 +24,7 @@ from telemetry.analysis.words import plural
 KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
 KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
 MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default first
+SEQS_STEP = 2  # an action raises --max-num-seqs at most this many times what was recorded
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
@@ -100,6 +101,14 @@ def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
             f"Keep --max-num-seqs at {current}: {tuned} allows "
             f"{rec.max_num_seqs} ({rec.limited_by}); send fewer concurrent requests or add an "
             "engine."
+        )
+    seen = max(rec.decode_reqs_seen, current or 0)
+    if rec.max_num_seqs > SEQS_STEP * seen > 0:
+        return (
+            f"Set --max-num-seqs {SEQS_STEP * seen}{_now(current)}: {tuned} allows "
+            f"{rec.max_num_seqs}, but the recording never decoded more than "
+            f"{plural(rec.decode_reqs_seen, 'request')} at once, so that is extrapolated; "
+            "raise it in steps and re-record."
         )
     return f"Set --max-num-seqs {rec.max_num_seqs}{_now(current)}, from {tuned}."
 

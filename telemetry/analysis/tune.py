@@ -179,6 +179,7 @@ class Recommendation:
     generation_throughput: float
     prompt_throughput: float
     limited_by: str
+    decode_reqs_seen: int = 0  # the most decoding requests in one recorded iteration
     notes: list[str] = field(default_factory=list)
 
 
@@ -220,6 +221,7 @@ def recommend(
         generation_throughput=max_num_seqs / decode_time,
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
+        decode_reqs_seen=fit.max_decode_reqs_seen,
         notes=_extrapolation_notes(fit, max_num_seqs, budget),
     )
 
