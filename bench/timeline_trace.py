@@ -1,6 +1,7 @@
 """`iterscope timeline`'s trace: size and write rate for one hour of a busy engine.
 
     .venv/bin/python bench/timeline_trace.py [--seconds 3600] [--rate 100] [--concurrency 32]
+        [--repeat 3] [--before REV]
 
 Synthetic records, built directly (no simulator, no recording file): ``--rate`` iterations
 per second for ``--seconds``, ``--concurrency`` requests always running (each 512 prompt tokens
@@ -11,13 +12,22 @@ written as a Perfetto trace (telemetry/analysis/perfetto_trace.py, findings sear
 into a temporary file; the findings search (explain's detectors) is also timed alone.
 Goals (issue #30): under 50 MB, at least 200,000 iterations/s.
 
+Before and after, side by side: ``--before REV`` (default: the last commit whose writer built
+protobuf objects with perfetto's TraceProtoBuilder) loads that commit's perfetto_trace.py from
+git and writes the same timeline with it, alternating with the current writer ``--repeat``
+times each; the median of each is reported (the machine may be shared: medians of alternating
+runs compare two writers under the same load). ``--before ''`` skips it.
+
 The last line of output is one JSON object with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +52,7 @@ PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2048
+OBJECT_BUILT_WRITER = "14452ea"  # the last commit with the TraceProtoBuilder writer
 
 
 def _milestone(request_id: str, arrival_ns: int, first_ns: int, now_ns: int, done: bool):
@@ -106,12 +117,44 @@ def build_records(seconds: float, rate: float, concurrency: int) -> list[Iterati
     return records
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3600.0)
-    parser.add_argument("--rate", type=float, default=100.0, help="iterations per second")
-    parser.add_argument("--concurrency", type=int, default=32)
-    args = parser.parse_args()
+def writer_at(rev: str):
+    """perfetto_trace.py as it was at git revision ``rev``, loaded as a module of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:telemetry/analysis/perfetto_trace.py"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"perfetto_trace_{rev}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"perfetto_trace_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed_write(write, timeline: EngineTimeline) -> tuple[float, object]:
+    """Seconds to write the timeline with ``write`` (write_trace) into a temporary file."""
+    with tempfile.TemporaryFile() as out:
+        started = time.perf_counter()
+        counts = write({0: timeline}, out)
+        return time.perf_counter() - started, counts
+
+
+def figures_of(label: str, seconds: list[float], counts) -> dict:
+    write_s = statistics.median(seconds)
+    return {
+        f"{label}trace_mb": counts.num_bytes / 1e6,
+        f"{label}bytes_per_iteration": counts.num_bytes / counts.num_iterations,
+        f"{label}write_s": write_s,
+        f"{label}write_s_runs": seconds,
+        f"{label}iterations_per_s": counts.num_iterations / write_s,
+    }
+
+
+def build_timeline(args: argparse.Namespace) -> EngineTimeline:
     records = build_records(args.seconds, args.rate, args.concurrency)
     beats = [
         heartbeat(
@@ -125,11 +168,26 @@ def main() -> None:
             num_kv_blocks_total=NUM_BLOCKS,
         )
     ]
-    timeline = EngineTimeline(0, records, beats)
-    with tempfile.TemporaryFile() as out:
-        started = time.perf_counter()
-        counts = write_trace({0: timeline}, out)
-        write_s = time.perf_counter() - started
+    return EngineTimeline(0, records, beats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3600.0)
+    parser.add_argument("--rate", type=float, default=100.0, help="iterations per second")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3, help="writes of each writer")
+    parser.add_argument("--before", default=OBJECT_BUILT_WRITER, metavar="REV")
+    args = parser.parse_args()
+    timeline = build_timeline(args)
+    before = writer_at(args.before) if args.before else None
+    seconds, before_seconds = [], []
+    for _ in range(args.repeat):
+        if before is not None:
+            write_s, before_counts = timed_write(before.write_trace, timeline)
+            before_seconds.append(write_s)
+        write_s, counts = timed_write(write_trace, timeline)
+        seconds.append(write_s)
     started = time.perf_counter()
     list(finding_slices(timeline, Thresholds()))
     findings_s = time.perf_counter() - started
@@ -138,20 +196,29 @@ def main() -> None:
         "requests": counts.num_requests,
         "counter_samples": counts.num_counter_samples,
         "findings": counts.num_findings,
-        "trace_mb": counts.num_bytes / 1e6,
-        "bytes_per_iteration": counts.num_bytes / counts.num_iterations,
-        "write_s": write_s,
-        "iterations_per_s": counts.num_iterations / write_s,
+        **figures_of("", seconds, counts),
         "findings_search_s": findings_s,
         "goal_mb": 50,
         "goal_iterations_per_s": 200_000,
     }
+    if before is not None:
+        figures |= {
+            "before_rev": args.before,
+            **figures_of("before_", before_seconds, before_counts),
+        }
+        print(
+            f"before ({args.before}, object-built): {figures['before_trace_mb']:.1f} MB "
+            f"({figures['before_bytes_per_iteration']:.0f} B/iteration), "
+            f"{figures['before_iterations_per_s']:,.0f} iterations/s "
+            f"(median of {args.repeat} writes: {figures['before_write_s']:.2f} s)"
+        )
     print(
         f"{counts.num_iterations:,} iterations, {counts.num_requests:,} requests, "
         f"{counts.num_findings} findings: {figures['trace_mb']:.1f} MB "
         f"({figures['bytes_per_iteration']:.0f} B/iteration; goal < 50 MB), written in "
-        f"{write_s:.1f} s = {figures['iterations_per_s']:,.0f} iterations/s (goal >= 200,000), "
-        f"of which explain's findings search {findings_s:.1f} s"
+        f"{figures['write_s']:.2f} s = {figures['iterations_per_s']:,.0f} iterations/s "
+        f"(median of {args.repeat}; goal >= 200,000), explain's findings search alone "
+        f"{findings_s:.2f} s"
     )
     print(json.dumps(figures, sort_keys=True))
 
