@@ -11,8 +11,10 @@ measured runs of `vllm bench serve --backend openai-chat`, random 256 in / 128 o
 64 prompts, max concurrency 16, ignore_eos; every run has prompts of its own (warm-up
 included), the same ones for both servers, so no run is served from an earlier one's prefix
 cache. Printed per server: output tok/s, TTFT and TPOT
-(mean, p99), each the mean over the rounds; then iterscope / vLLM ratios (throughput: higher
-is better; latencies: lower is better). The last line is one JSON object with the figures.
+(mean, p99), each the mean over the rounds, and output tok/s as a share of this machine's
+roofline bound for the load (bench/roofline.py, measured first); then iterscope / vLLM ratios
+(throughput: higher is better; latencies: lower is better). The last line is one JSON object
+with the figures, the CPU kind among them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.roofline import roofline  # noqa: E402
 from bench.vllm_server import (  # noqa: E402
     BENCH_LOAD,
     BEST_CPU_FLAGS,
@@ -124,6 +127,12 @@ def main() -> None:
         help="an extra `iterscope serve` flag (repeatable; default none)",
     )
     args = parser.parse_args()
+    limits = roofline()  # first, with the machine to itself
+    bound = limits["serving"]["output_tokens_per_s"]
+    print(
+        f"{limits['cpu']} ({', '.join(limits['cpu_flags'])}): at most {bound:.1f} output tok/s "
+        f"for this load in {limits['dtype']} (bench/roofline.py)"
+    )
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         vllm = measure(
@@ -141,11 +150,14 @@ def main() -> None:
             tmp,
         )
     ratios = {f"{figure}_ratio": ours[figure] / vllm[figure] for figure in FIGURES}
+    for figures in (vllm, ours):
+        figures["roofline_share"] = round(figures["output_throughput"] / bound, 3)
     for name, figures in (("vLLM", vllm), ("iterscope", ours)):
         print(
             f"{name:>9}: {figures['output_throughput']:.1f} output tok/s, TTFT mean "
             f"{figures['mean_ttft_ms']:.0f} ms p99 {figures['p99_ttft_ms']:.0f} ms, TPOT mean "
-            f"{figures['mean_tpot_ms']:.1f} ms p99 {figures['p99_tpot_ms']:.1f} ms"
+            f"{figures['mean_tpot_ms']:.1f} ms p99 {figures['p99_tpot_ms']:.1f} ms, "
+            f"{figures['roofline_share']:.1%} of the roofline bound"
         )
     print(
         f"iterscope / vLLM: throughput {ratios['output_throughput_ratio']:.2f}x, TTFT mean "
@@ -158,6 +170,9 @@ def main() -> None:
                 "iterscope": ours,
                 "iterscope_args": args.iterscope_arg,
                 "rounds": args.rounds,
+                "cpu": limits["cpu"],
+                "cpu_flags": limits["cpu_flags"],
+                "roofline": limits,
                 **ratios,
             }
         )

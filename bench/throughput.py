@@ -1,7 +1,7 @@
 """Offline throughput: iterscope's engine core versus transformers' batched generate, same run.
 
     .venv/bin/python bench/throughput.py [--num-prompts 64 --input-len 256 --output-len 128]
-        [--max-num-seqs 32] [--dtype bfloat16] [--hf-batch-size 16] [--threads N]
+        [--max-num-seqs 32] [--dtype auto] [--hf-batch-size 16] [--threads N]
         [--device cpu|cuda]
 
 Workload: SmolLM2-135M (the embedded GGUF), N prompts of random token ids (fresh
@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from engine.auto_dtype import auto_dtype
 from engine.config import EngineConfig
 from engine.model.loader import load_model
 from engine.request import Request, SamplingParams
@@ -100,7 +101,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto: the device's native dtype, as `iterscope serve --dtype auto` picks it",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -109,6 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(args.device)[0]
     prompts = random_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     print(
         f"workload: {args.num_prompts} prompts x {args.input_len} input x {args.output_len} "
