@@ -7,7 +7,7 @@ from scenarios.synthetic import SCENARIOS
 
 from telemetry.analysis.timeline_command import main as timeline_main
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.lane.recording import rotated_path
+from telemetry.lane.recording import message_time_ns, rotated_path
 from telemetry.sidecar import cli as sidecar_cli
 from telemetry.sidecar.sinks import perfetto_timeline
 from telemetry.sidecar.sinks.perfetto_timeline import PerfettoTimelineSink
@@ -63,11 +63,50 @@ def test_files_rotate_by_size_and_each_is_a_complete_trace(tmp_path):
     assert len(drawn) < len(records)  # the oldest files were deleted
 
 
+def findings_of(trace):
+    return [
+        s
+        for uuid in trace.processes()
+        for lane in trace.children(uuid, "findings ")
+        for s in trace.slices[lane]
+    ]
+
+
+def test_a_finding_that_spans_a_rotation_is_whole_in_the_file_where_it_ends(tmp_path):
+    """The scenario's 24 s of waiting: the first file ends in its middle and draws it cut
+    there; the next draws it whole, from its start in the first, marked as continued."""
+    sim = SCENARIOS["token budget"][0]()
+    recording = sim.write(tmp_path / "rec.jsonl")
+    assert timeline_main([str(recording), "-o", str(tmp_path / "offline.pftrace")]) == 0
+    (whole,) = findings_of(read_trace(tmp_path / "offline.pftrace"))
+    middle_ns = (whole.start_ns + whole.end_ns) // 2
+    split = next(i for i, m in enumerate(sim.messages) if message_time_ns(m) >= middle_ns)
+    path = tmp_path / "live.pftrace"
+    sink = PerfettoTimelineSink(path, max_bytes=1, max_files=2, interval_s=HOUR_S)
+    send(sink, *sim.messages[:split])
+    sink.write()  # the first file, full at once: rotated
+    sink.max_bytes = 1 << 30  # the second stays current
+    send(sink, *sim.messages[split:])
+    sink.close()
+
+    (cut,) = findings_of(read_trace(rotated_path(path, 1)))
+    assert (cut.name, cut.start_ns) == (whole.name, whole.start_ns)
+    assert cut.end_ns < middle_ns and "continued" not in cut.args
+    (continued,) = findings_of(read_trace(path))
+    assert (continued.name, continued.start_ns, continued.end_ns) == (
+        whole.name,
+        whole.start_ns,
+        whole.end_ns,
+    )
+    assert continued.args["continued"].startswith("began in the file before; drawn whole")
+    assert continued.args["action"] == whole.args["action"]
+
+
 def test_ingest_never_waits_for_a_stuck_writer(tmp_path, monkeypatch):
     released = threading.Event()
     entered = threading.Event()
 
-    def stuck_write_trace(timelines, out, thresholds=None):
+    def stuck_write_trace(timelines, out, thresholds=None, earlier=None):
         entered.set()
         released.wait()
         raise OSError("the disk went away")

@@ -124,7 +124,18 @@ REQUEST_ARGS = (
     "chunk_index",
     "num_tokens",
 )
-FINDING_ARGS = ("title", "evidence", "action", "cost_request_s", "cost_label", "explanation")
+CONTINUED_ARG = "continued"  # a finding that began before its trace file (EarlierFile)
+FINDING_ARGS = (
+    "title",
+    "evidence",
+    "action",
+    "cost_request_s",
+    "cost_label",
+    "explanation",
+    CONTINUED_ARG,
+)
+CONTINUED_WHOLE = "began in the file before; drawn whole, from its start there"
+CONTINUED_CUT = "began before the file before; drawn from that file's start"
 # Names interned once per sequence (iid = position + 1); other names are written out.
 EVENT_NAMES = (*BATCH_KINDS, "queued", "preempted")  # a request's prefill, decode: BATCH_KINDS
 ARG_NAMES = tuple(
@@ -240,12 +251,30 @@ def preemptions_per_second(tl: EngineTimeline) -> np.ndarray:
     return per_second
 
 
+@dataclass
+class EarlierFile:
+    """What came before a trace file (the sidecar's previous file, at a rotation), so that a
+    finding spanning both is drawn whole in the file where it ends: findings are detected over
+    ``timeline`` (the engine's messages of both files) and drawn if they end after ``end_ns``
+    (the earlier file's last message, where it drew them cut); one that began before is
+    marked in its ``continued`` arg."""
+
+    timeline: EngineTimeline
+    end_ns: int
+
+
 class TraceWriter:
     """Writes engines' timelines to a binary file as one Perfetto trace."""
 
-    def __init__(self, out: BinaryIO, thresholds: Thresholds | None = None) -> None:
+    def __init__(
+        self,
+        out: BinaryIO,
+        thresholds: Thresholds | None = None,
+        earlier: dict[int, EarlierFile] | None = None,
+    ) -> None:
         self.out = out
         self.thresholds = thresholds or Thresholds()
+        self.earlier = earlier or {}
         self.counts = TraceCounts()
         self._next_uuid = 1
 
@@ -361,7 +390,12 @@ class TraceWriter:
 
     # --- findings ----------------------------------------------------------------------
     def _findings(self, tl: EngineTimeline, events: EventWriter, process_uuid: int) -> None:
-        slices = sorted(finding_slices(tl, self.thresholds), key=lambda s: s.start_ns)
+        earlier = self.earlier.get(tl.engine_index)
+        if earlier is None:
+            found = list(finding_slices(tl, self.thresholds))
+        else:
+            found = continued_findings(earlier, self.thresholds)
+        slices = sorted(found, key=lambda s: s.start_ns)
         lanes = assign_lanes([(s.start_ns, s.end_ns) for s in slices])
         lane_uuids = self._lanes(process_uuid, "findings", lanes)
         for finding_slice, lane in zip(slices, lanes, strict=True):
@@ -577,10 +611,14 @@ def _annotation(name: str, kind: type, value: object) -> bytes:
 
 
 def write_trace(
-    timelines: dict[int, EngineTimeline], out: BinaryIO, thresholds: Thresholds | None = None
+    timelines: dict[int, EngineTimeline],
+    out: BinaryIO,
+    thresholds: Thresholds | None = None,
+    earlier: dict[int, EarlierFile] | None = None,
 ) -> TraceCounts:
-    """Every engine of ``timelines`` into ``out`` as one Perfetto trace."""
-    writer = TraceWriter(out, thresholds)
+    """Every engine of ``timelines`` into ``out`` as one Perfetto trace (the findings of an
+    engine in ``earlier`` over its earlier file too: see EarlierFile)."""
+    writer = TraceWriter(out, thresholds, earlier)
     with cyclic_gc_paused():
         for tl in timelines.values():
             writer.write_engine(tl)
@@ -702,6 +740,20 @@ def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Phase
                 "explanation": episode.explanation,
             }
             yield Phase(f"finding {finding.kind}", episode.start_ns, episode.end_ns, args)
+
+
+def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Phase]:
+    """The findings over both files that end after the earlier file; each that began before
+    it ended is marked, as whole or as cut at the start of the messages held."""
+    found = []
+    for finding in finding_slices(earlier.timeline, thresholds):
+        if finding.end_ns <= earlier.end_ns:
+            continue  # drawn whole in the earlier file
+        if finding.start_ns <= earlier.end_ns:
+            whole = finding.start_ns > earlier.timeline.first_ns
+            finding.args[CONTINUED_ARG] = CONTINUED_WHOLE if whole else CONTINUED_CUT
+        found.append(finding)
+    return found
 
 
 def slice_events(phase: Phase) -> list[tuple[int, int, Phase]]:

@@ -18,7 +18,10 @@ dropped and counted (``num_lines_lost``, with ``last_write_time`` the sink's hea
 current one, so a reader never sees half a trace; while writes fail (a full disk), the
 current file's messages are kept for the next try, at most ``max_pending`` of them (the oldest
 beyond that are dropped and counted). A file that reached ``max_bytes`` is kept and a new one
-starts, holding each engine's latest heartbeat first (its facts and clock).
+starts, holding each engine's latest heartbeat first (its facts and clock). The full file's
+messages are kept too, for the findings of the next: they are detected over both files and a
+finding that spans the rotation is drawn whole in the file where it ends, marked
+``continued`` (perfetto_trace.EarlierFile); the full file drew it cut at its end.
 
 A write costs what `iterscope timeline` costs for the current file's messages (docs/
 performance.md, "Timeline"): the default 8 MiB file (about 60,000 iterations with their
@@ -35,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from telemetry.analysis.perfetto_trace import write_trace
+from telemetry.analysis.perfetto_trace import EarlierFile, write_trace
 from telemetry.analysis.timeline import build_timelines
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import rotated_path
@@ -80,6 +83,8 @@ class PerfettoTimelineSink(Sink):
         self._pending: list[IterationRecord | Heartbeat] = []
         self._pending_lock = threading.Lock()
         self._file_messages: list[IterationRecord | Heartbeat] = []  # the writer's own
+        self._earlier_messages: list[IterationRecord | Heartbeat] = []  # the file before's
+        self._earlier_end_ns: dict[int, int] = {}  # each engine's last message in it
         self._write_lock = threading.Lock()  # one write at a time (the thread, or close)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="timeline-writer", daemon=True)
@@ -120,7 +125,8 @@ class PerfettoTimelineSink(Sink):
         )
         try:
             with handle:
-                counts = write_trace(build_timelines(self._file_messages), handle)
+                timelines = build_timelines(self._file_messages)
+                counts = write_trace(timelines, handle, earlier=self._earlier_files())
             os.replace(handle.name, self.path)
             self.last_write_time = time.time()
         finally:
@@ -128,9 +134,21 @@ class PerfettoTimelineSink(Sink):
                 os.unlink(handle.name)
         return counts.num_bytes
 
+    def _earlier_files(self) -> dict[int, EarlierFile]:
+        """Each engine's messages of the file before and this one, for the findings."""
+        if not self._earlier_messages:
+            return {}
+        both = build_timelines(self._earlier_messages + self._file_messages)
+        return {
+            engine: EarlierFile(both[engine], end_ns)
+            for engine, end_ns in self._earlier_end_ns.items()
+            if engine in both
+        }
+
     def _rotate(self) -> None:
         """Keep the full file as .1 (older ones move up, the oldest goes); the next file
-        starts with each engine's latest heartbeat."""
+        starts with each engine's latest heartbeat, its findings with the full file's
+        messages."""
         rotated_path(self.path, self.max_files - 1).unlink(missing_ok=True)
         for generation in range(self.max_files - 2, -1, -1):
             source = rotated_path(self.path, generation)
@@ -140,6 +158,10 @@ class PerfettoTimelineSink(Sink):
         for message in self._file_messages:
             if isinstance(message, Heartbeat):
                 latest[message.engine_index] = message
+        self._earlier_messages = self._file_messages
+        self._earlier_end_ns = {
+            engine: tl.last_ns for engine, tl in build_timelines(self._file_messages).items()
+        }
         self._file_messages = list(latest.values())
 
     def _run(self) -> None:
