@@ -244,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  over tcp, from the queue: {figures['over_tcp_queued_messages_per_s']:,} messages/s "
         "(the producer done first: the sidecar's own limit)"
     )
-    print(f"  bare SUB:   {figures['bare_sub_messages_per_s']:,} messages/s (the floor)")
+    print(
+        f"  bare SUB:   {figures['bare_sub_messages_per_s']:,} messages/s "
+        "(bounded by the producer's sends)"
+    )
     print(json.dumps(figures))
     return 0
 
