@@ -4,6 +4,7 @@ silences (lost messages, a frozen or restarted process)."""
 from __future__ import annotations
 
 from itertools import pairwise
+from operator import attrgetter
 
 import numpy as np
 
@@ -268,22 +269,27 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     segments = _seq_segments(sorted([*tl.records, *tl.heartbeats], key=message_time_ns))
     holes, silences = [], []
     for segment in segments:
-        by_seq = sorted(segment, key=lambda m: m.msg_seq)
+        by_seq = sorted(segment, key=attrgetter("msg_seq"))
         holes += [
             (a, b, b.msg_seq - a.msg_seq - 1)
             for a, b in pairwise(by_seq)
             if b.msg_seq > a.msg_seq + 1
         ]
+    silence_ns = th.silence_min_time * NS_PER_S
     for number, segment in enumerate(segments):
-        previous = segments[number - 1][-1] if number else None
-        for before, after in pairwise([previous, *segment]):
-            if before is None:
-                continue
-            gap_ns = message_time_ns(after) - message_time_ns(before)
+        messages = [segments[number - 1][-1], *segment] if number else segment
+        times = [message_time_ns(m) for m in messages]
+        for i in _gaps_at_least(times, silence_ns):  # messages[i] -> messages[i + 1]
+            before, after = messages[i], messages[i + 1]
             lost = after.msg_seq > before.msg_seq + 1 and after is not segment[0]
-            if gap_ns >= th.silence_min_time * NS_PER_S and not lost:
+            if not lost:
                 silences.append((before, after, after is segment[0]))
     return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
+
+
+def _gaps_at_least(times_ns: list[int], gap_ns: float) -> list[int]:
+    """The indexes i where times_ns[i + 1] - times_ns[i] >= gap_ns."""
+    return np.flatnonzero(np.diff(np.array(times_ns, np.int64)) >= gap_ns).tolist()
 
 
 def _seq_segments(messages: list) -> list[list]:
