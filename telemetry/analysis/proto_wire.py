@@ -27,6 +27,7 @@ LENGTH_DELIMITED = 2
 MASK_64 = (1 << 64) - 1
 MAX_VARINT_BYTES = 10
 _SMALL = [bytes([value]) for value in range(128)]
+_VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, MAX_VARINT_BYTES)], np.uint64)
 
 
 def varint(value: int) -> bytes:
@@ -73,9 +74,7 @@ def constant(value: bytes, num_rows: int) -> Column:
 def varint_column(values: np.ndarray) -> Column:
     """Each value as a varint, as ``varint`` writes it."""
     unsigned = np.asarray(values).astype(np.int64).view(np.uint64)
-    num_bytes = np.ones(len(unsigned), np.int64)
-    for k in range(1, MAX_VARINT_BYTES):
-        num_bytes += (unsigned >> np.uint64(7 * k)) != 0
+    num_bytes = 1 + np.searchsorted(_VARINT_LIMITS, unsigned, side="right")
     width = int(num_bytes.max(initial=1))
     shifts = np.uint64(7) * np.arange(width, dtype=np.uint64)
     groups = ((unsigned[:, None] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
