@@ -46,6 +46,7 @@ import functools
 import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import BinaryIO
 
 import numpy as np
@@ -543,23 +544,38 @@ class EventWriter:
             request_args(request),
             request.phases,
         )
-        events = slice_events(whole)
-        events += [(ts_ns, INSTANT, PREEMPTED) for ts_ns in request.milestone.preempted_ns]
-        events.sort(key=lambda event: event[0])  # stable: nesting kept at equal times
-        self.add(events, track_uuid)
+        track = TRACK_UUID + wire.varint(track_uuid)
+        first = len(self.times)
+        self._phase(whole, track)
+        if request.milestone.preempted_ns:
+            self._instants(first, request.milestone.preempted_ns, track)
+        self._flush_when_full()
 
     def slice(self, phase: Phase, track_uuid: int) -> None:
-        self.add(slice_events(phase), track_uuid)
+        self._phase(phase, TRACK_UUID + wire.varint(track_uuid))
+        self._flush_when_full()
 
-    def add(self, events: list[tuple[int, int, Phase]], track_uuid: int) -> None:
-        track = TRACK_UUID + wire.varint(track_uuid)
-        end = EVENT_TYPES[SLICE_END] + track
-        for ts_ns, kind, phase in events:
-            self.times.append(ts_ns)
-            if kind == SLICE_END:
-                self.events.append(end)
-            else:
-                self.events.append(EVENT_TYPES[kind] + track + phase_bytes(phase))
+    def _phase(self, phase: Phase, track: bytes) -> None:
+        """The phase's begin, its children's events, its end: in time order, as
+        request_phases keeps children inside their parent and after one another."""
+        self.times.append(phase.start_ns)
+        self.events.append(EVENT_TYPES[SLICE_BEGIN] + track + phase_bytes(phase))
+        for child in phase.children:
+            self._phase(child, track)
+        self.times.append(phase.end_ns)
+        self.events.append(EVENT_TYPES[SLICE_END] + track)
+
+    def _instants(self, first: int, times_ns: list[int], track: bytes) -> None:
+        """PREEMPTED marks at ``times_ns`` among the events from ``first`` on, in time order
+        (after the events at the same time)."""
+        mark = EVENT_TYPES[INSTANT] + track + phase_bytes(PREEMPTED)
+        events = list(zip(self.times[first:], self.events[first:], strict=True))
+        events += [(ts_ns, mark) for ts_ns in times_ns]
+        events.sort(key=itemgetter(0))  # stable
+        self.times[first:] = [ts_ns for ts_ns, _ in events]
+        self.events[first:] = [event for _, event in events]
+
+    def _flush_when_full(self) -> None:
         if len(self.events) >= EVENTS_PER_WRITE:
             self.flush()
 
@@ -754,13 +770,3 @@ def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Pha
             finding.args[CONTINUED_ARG] = CONTINUED_WHOLE if whole else CONTINUED_CUT
         found.append(finding)
     return found
-
-
-def slice_events(phase: Phase) -> list[tuple[int, int, Phase]]:
-    """(time, SLICE_BEGIN or SLICE_END, phase) of a phase and its children, nested, in time
-    order (request_phases keeps children inside their parent and after one another)."""
-    events = [(phase.start_ns, SLICE_BEGIN, phase)]
-    for child in phase.children:
-        events += slice_events(child)
-    events.append((phase.end_ns, SLICE_END, phase))
-    return events
