@@ -1,8 +1,9 @@
 """The hand-encoded trace (proto_wire.py, perfetto_trace.py) reads back as the trace built with
 perfetto's own TraceProtoBuilder did, and its encoder writes what protobuf writes.
 
-tests/data/timeline_golden holds three scenario recordings and the traces that the earlier,
-object-built writer made of them (gzip): each recording is converted again and both traces
+tests/data/timeline_golden holds three scenario recordings, a small one with preempted requests
+(their marks among their phases), and the traces that the earlier, object-built writer
+(commit 14452ea) made of them (gzip): each recording is converted again and both traces
 are read with perfetto's protos (tests/helpers/perfetto_reader.py) and compared track by track:
 names, slices with their times, depths and args, instants, counter samples.
 """
@@ -22,7 +23,7 @@ from telemetry.analysis.timeline_command import main
 from tests.helpers.perfetto_reader import read_trace
 
 GOLDEN = Path(__file__).parent / "data" / "timeline_golden"
-RECORDINGS = ["story1_KV_cliff", "KV_capacity", "preemption_storm"]
+RECORDINGS = ["story1_KV_cliff", "KV_capacity", "preemption_storm", "preemptions"]
 
 
 def by_name(trace):
@@ -53,8 +54,11 @@ def test_the_trace_reads_back_as_the_object_built_one_did(recording, tmp_path):
     before.write_bytes(gzip.decompress((GOLDEN / f"{recording}.pftrace.gz").read_bytes()))
     after = tmp_path / "after.pftrace"
     assert main([str(source), "-o", str(after)]) == 0
-    assert by_name(read_trace(after)) == by_name(read_trace(before))
-    assert after.stat().st_size < before.stat().st_size
+    drawn = by_name(read_trace(after))
+    assert drawn == by_name(read_trace(before))
+    assert any(what == "instants" for what, _ in drawn[0]) == (recording == "preemptions")
+    if recording != "preemptions":  # a few packets: the clock snapshot outweighs the savings
+        assert after.stat().st_size < 0.95 * before.stat().st_size
 
 
 def test_varints_are_protobuf_s():
