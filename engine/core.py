@@ -81,6 +81,7 @@ class EngineCore:
         self.publisher = publisher or NullPublisher()
         self.markers = make_markers(config.nvtx_markers)
         self.requests: dict[str, Request] = {}
+        self.startup_notes: list[str] = []  # start-up's lines after the KV plan (CUDA graphs)
         self.iteration = 0
         self.num_scheduled_reqs = 0  # in the last iteration; 0 with work left = blocked
         self._pending_milestones: list[RequestMilestone] = []
@@ -195,8 +196,8 @@ class EngineCore:
         )
 
     def startup_lines(self) -> list[str]:
-        """What start-up logged: the dtype and why, then the KV plan."""
-        return [self.config.dtype_choice()[1], *self.kv_plan.startup_lines()]
+        """What start-up logged: the dtype and why, the KV plan, then any notes."""
+        return [self.config.dtype_choice()[1], *self.kv_plan.startup_lines(), *self.startup_notes]
 
     def facts(self, model_name: str) -> dict[str, Any]:
         """Static Heartbeat fields."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata, PrefillSpan, gather_rows
+from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.loader import LoadedModel
 from engine.request import Request
 from engine.sampler import Sampler
@@ -72,6 +73,20 @@ class ModelRunner:
         shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self.sampler = Sampler(eos_token_ids=cfg.eos_token_ids)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> list[int] | None:
+        """On CUDA with the Triton decode kernels: capture decode-only steps of up to
+        ``max_batch`` requests as CUDA graphs (engine/model/cuda_graphs.py); the batch buckets
+        captured, or None where they cannot be used."""
+        if self.device.type != "cuda" or self.decoder.attention.triton is None:
+            return None
+        max_blocks = -(-max_model_len // self.block_size)
+        with torch.inference_mode():  # the static inputs too: steps fill them in this mode
+            graphs = DecodeGraphs(self.decoder, self.kv_cache, max_batch, max_blocks)
+            graphs.capture()
+        self.decode_graphs = graphs
+        return graphs.buckets
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
@@ -106,6 +121,10 @@ class ModelRunner:
         return results
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(inputs.meta) if graphs is not None else None
+        if bucket is not None:
+            return graphs.replay(inputs.input_ids, inputs.positions, inputs.meta, bucket)
         return self.decoder.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> StepInputs:

@@ -47,7 +47,7 @@ def _add_setting_argument(group: argparse._ArgumentGroup, setting: Field) -> Non
     meta = setting.metadata
     if setting.type == "bool":  # a switch; --no-... turns a setting that is on by default off
         action = "store_false" if meta["negate"] else "store_true"
-        default_text = "on" if setting.default else "off"
+        default_text = meta["default_text"] or ("on" if setting.default else "off")
         group.add_argument(
             meta["flag"],
             dest=setting.name,

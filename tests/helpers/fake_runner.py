@@ -85,6 +85,10 @@ class FakeRunner:
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.num_calls = 0
 
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """As ModelRunner's on a device without CUDA graphs: none captured."""
+        return None
+
     def _slot(self, request: Request, position: int) -> int:
         block_id = request.block_ids[position // self.block_size]
         return block_id * self.block_size + position % self.block_size
