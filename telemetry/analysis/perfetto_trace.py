@@ -304,7 +304,8 @@ class TraceWriter:
         self.out.write(data)
         self.counts.num_bytes += len(data)
 
-    def _message(self, packet: TracePacket) -> None:
+    def write_message(self, packet: TracePacket) -> None:
+        """A packet built with perfetto's protos (descriptors, a sequence's first packets)."""
         self.write(wire.length_delimited(PACKET, packet.SerializeToString()))
 
     def _uuid(self) -> int:
@@ -319,7 +320,7 @@ class TraceWriter:
         descriptor.process.pid = tl.engine_index + 1  # engines may share a real pid (vLLM DP)
         descriptor.process.process_name = process_name(tl)
         descriptor.process.process_labels.extend(process_labels(tl))
-        self._message(packet)
+        self.write_message(packet)
         return descriptor.uuid
 
     def _track(self, parent_uuid: int, name: str) -> int:
@@ -344,11 +345,18 @@ class TraceWriter:
             descriptor.counter.unit = counter.unit
             if counter.unit_name:
                 descriptor.counter.unit_name = counter.unit_name
-        self._message(packet)
+        self.write_message(packet)
         return descriptor.uuid
 
     # --- iterations --------------------------------------------------------------------
-    def _start_iterations(self, tl, sequence_id, iterations_uuid, counters, counter_uuids) -> None:
+    def _start_iterations(
+        self,
+        tl: EngineTimeline,
+        sequence_id: int,
+        iterations_uuid: int,
+        counters: list[Counter],
+        counter_uuids: list[int],
+    ) -> None:
         """The sequence's clock (incremental from ``tl.first_ns``), interned names and
         defaults: the iterations track, the counter tracks and that clock."""
         clock = TracePacket(timestamp=tl.first_ns, trusted_packet_sequence_id=sequence_id)
@@ -357,7 +365,7 @@ class TraceWriter:
         clock.clock_snapshot.clocks.add(
             clock_id=INCREMENTAL_CLOCK, timestamp=tl.first_ns, is_incremental=True
         )
-        self._message(clock)
+        self.write_message(clock)
         packet = _interning_packet(sequence_id, NEEDS_STATE)  # cleared by the clock's packet
         packet.trace_packet_defaults.timestamp_clock_id = INCREMENTAL_CLOCK
         defaults = packet.trace_packet_defaults.track_event_defaults
@@ -367,7 +375,7 @@ class TraceWriter:
                 defaults.extra_double_counter_track_uuids.append(uuid)
             else:
                 defaults.extra_counter_track_uuids.append(uuid)
-        self._message(packet)
+        self.write_message(packet)
 
     def _iterations(self, tl: EngineTimeline, sequence_id: int, counters: list[Counter]) -> None:
         """Two packets an iteration (see the module doc), encoded a chunk at a time."""
@@ -461,7 +469,6 @@ class IterationColumns:
 def iteration_packets(columns: IterationColumns, sequence_id: int) -> bytes:
     """Each iteration's begin and end packets, iteration after iteration."""
     n = len(columns.kinds)
-    header = wire.constant(wire.varint(sequence_id), n)
     begin_event = [
         wire.constant(EVENT_TYPES[SLICE_BEGIN] + NAME_IID, n),
         wire.varint_column(columns.kinds),
@@ -473,8 +480,7 @@ def iteration_packets(columns: IterationColumns, sequence_id: int) -> bytes:
         body = [
             wire.constant(TIMESTAMP, n),
             wire.varint_column(time),
-            wire.constant(SEQUENCE_ID, n),
-            header,
+            wire.constant(SEQUENCE_ID + wire.varint(sequence_id), n),
             *wire.length_delimited_columns(TRACK_EVENT, event),
         ]
         packets += wire.length_delimited_columns(PACKET, body)
@@ -486,10 +492,12 @@ def iteration_annotations(columns: IterationColumns) -> wire.Rows:
     n = len(columns.kinds)
     annotations = []
     for (name, _), values in zip(ITERATION_ARGS, columns.args.T, strict=True):
-        value = [wire.constant(ARG_NAME_IID + wire.varint(ARG_IIDS[name]) + INT_VALUE, n)]
-        value.append(wire.varint_column(values))
-        annotation = wire.length_delimited_columns(ANNOTATION, value)
-        annotations += wire.optional(annotation, values != 0)
+        named_value = [
+            wire.constant(ARG_NAME_IID + wire.varint(ARG_IIDS[name]) + INT_VALUE, n),
+            wire.varint_column(values),
+        ]
+        arg = wire.length_delimited_columns(ANNOTATION, named_value)
+        annotations += wire.optional(arg, values != 0)
     elapsed = [
         wire.constant(ARG_NAME_IID + wire.varint(ARG_IIDS[ELAPSED_ARG]) + DOUBLE_VALUE, n),
         wire.double_column(columns.cut_ms),
@@ -533,7 +541,7 @@ class EventWriter:
         self.sequence = SEQUENCE_ID + wire.varint(sequence_id)
         self.times: list[int] = []
         self.events: list[bytes] = []
-        writer._message(_interning_packet(sequence_id))
+        writer.write_message(_interning_packet(sequence_id))
 
     def request(self, request: RequestPhases, track_uuid: int) -> None:
         """The request's slice, its phases nested in it, and its preemptions."""
