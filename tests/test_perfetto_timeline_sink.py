@@ -2,6 +2,7 @@
 the same trace `iterscope timeline` draws from the same messages, never holding up ingest."""
 
 import threading
+from itertools import pairwise
 
 from scenarios.synthetic import SCENARIOS
 
@@ -72,34 +73,60 @@ def findings_of(trace):
     ]
 
 
-def test_a_finding_that_spans_a_rotation_is_whole_in_the_file_where_it_ends(tmp_path):
-    """The scenario's 24 s of waiting: the first file ends in its middle and draws it cut
-    there; the next draws it whole, from its start in the first, marked as continued."""
+def live_files(tmp_path, messages, splits):
+    """The messages fed to a sink that rotates at each index in ``splits``: its files, the
+    oldest first."""
+    path = tmp_path / "live.pftrace"
+    sink = PerfettoTimelineSink(path, max_bytes=1, max_files=len(splits) + 1, interval_s=HOUR_S)
+    for start, end in pairwise([0, *splits]):
+        send(sink, *messages[start:end])
+        sink.write()  # a file, full at once: rotated
+    sink.max_bytes = 1 << 30  # the last stays current
+    send(sink, *messages[splits[-1] :])
+    sink.close()
+    return [read_trace(rotated_path(path, n)) for n in range(len(splits), -1, -1)]
+
+
+def waiting_scenario(tmp_path):
+    """The token-budget scenario's messages and its one finding, 24 s of waiting, as
+    `iterscope timeline` draws it from the whole recording."""
     sim = SCENARIOS["token budget"][0]()
     recording = sim.write(tmp_path / "rec.jsonl")
     assert timeline_main([str(recording), "-o", str(tmp_path / "offline.pftrace")]) == 0
     (whole,) = findings_of(read_trace(tmp_path / "offline.pftrace"))
-    middle_ns = (whole.start_ns + whole.end_ns) // 2
-    split = next(i for i, m in enumerate(sim.messages) if message_time_ns(m) >= middle_ns)
-    path = tmp_path / "live.pftrace"
-    sink = PerfettoTimelineSink(path, max_bytes=1, max_files=2, interval_s=HOUR_S)
-    send(sink, *sim.messages[:split])
-    sink.write()  # the first file, full at once: rotated
-    sink.max_bytes = 1 << 30  # the second stays current
-    send(sink, *sim.messages[split:])
-    sink.close()
+    return sim.messages, whole
 
-    (cut,) = findings_of(read_trace(rotated_path(path, 1)))
+
+def split_at(messages, ts_ns):
+    return next(i for i, m in enumerate(messages) if message_time_ns(m) >= ts_ns)
+
+
+def test_a_finding_that_spans_a_rotation_is_whole_in_the_file_where_it_ends(tmp_path):
+    """The first file ends in the middle of the waiting and draws it cut there; the next
+    draws it whole, from its start in the first, marked as continued."""
+    messages, whole = waiting_scenario(tmp_path)
+    middle_ns = (whole.start_ns + whole.end_ns) // 2
+    first, second = live_files(tmp_path, messages, [split_at(messages, middle_ns)])
+    (cut,) = findings_of(first)
     assert (cut.name, cut.start_ns) == (whole.name, whole.start_ns)
     assert cut.end_ns < middle_ns and "continued" not in cut.args
-    (continued,) = findings_of(read_trace(path))
-    assert (continued.name, continued.start_ns, continued.end_ns) == (
-        whole.name,
-        whole.start_ns,
-        whole.end_ns,
-    )
+    (continued,) = findings_of(second)
+    drawn = (continued.name, continued.start_ns, continued.end_ns)
+    assert drawn == (whole.name, whole.start_ns, whole.end_ns)
     assert continued.args["continued"].startswith("began in the file before; drawn whole")
     assert continued.args["action"] == whole.args["action"]
+
+
+def test_a_finding_longer_than_a_file_says_it_began_earlier_still(tmp_path):
+    """Rotations at a third and two thirds of the waiting: the last file draws it from the
+    start of the file before, and says it began before that."""
+    messages, whole = waiting_scenario(tmp_path)
+    length_ns = whole.end_ns - whole.start_ns
+    splits = [split_at(messages, whole.start_ns + k * length_ns // 3) for k in (1, 2)]
+    *_, last = live_files(tmp_path, messages, splits)
+    (continued,) = findings_of(last)
+    assert continued.start_ns > whole.start_ns and continued.end_ns == whole.end_ns
+    assert continued.args["continued"].startswith("began before the file before")
 
 
 def test_ingest_never_waits_for_a_stuck_writer(tmp_path, monkeypatch):

@@ -769,12 +769,14 @@ def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Phase
 def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Phase]:
     """The findings over both files that end after the earlier file; each that began before
     it ended is marked, as whole or as cut at the start of the messages held."""
+    tl = earlier.timeline
+    first_ns = int(tl.col("start_ns")[0]) if tl.num_iterations else tl.first_ns
     found = []
-    for finding in finding_slices(earlier.timeline, thresholds):
+    for finding in finding_slices(tl, thresholds):
         if finding.end_ns <= earlier.end_ns:
             continue  # drawn whole in the earlier file
         if finding.start_ns <= earlier.end_ns:
-            whole = finding.start_ns > earlier.timeline.first_ns
+            whole = finding.start_ns > first_ns  # not where the messages held begin
             finding.args[CONTINUED_ARG] = CONTINUED_WHOLE if whole else CONTINUED_CUT
         found.append(finding)
     return found
