@@ -19,6 +19,7 @@ import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.cuda_graphs import NO_SLOT, DecodeGraphs, StaticInputs, batch_buckets
+from tests.helpers.processes import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +114,7 @@ def test_padded_forward_matches_the_eager_step_with_the_triton_kernels_interpret
     done = subprocess.run(
         [sys.executable, "-c", PADDED_FORWARD],
         cwd=ROOT,
-        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath()),
         capture_output=True,
         text=True,
         timeout=240,

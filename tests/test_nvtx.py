@@ -25,6 +25,7 @@ from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks import nvtx_ranges
 from telemetry.sidecar.sinks.nvtx_pacer import END, START, RangePacer
+from tests.helpers.processes import child_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURE_SOURCE = REPO / "tests" / "nvtx_capture" / "nvtx_capture.c"
@@ -63,12 +64,6 @@ for first in range(0, len(records), batch):
         sink.on_iteration(record, EngineView(record.engine_index))
 sink.close()
 """
-
-
-def child_pythonpath() -> str:
-    """The repository first, then whatever PYTHONPATH already names (where the packages are on
-    a machine that installs them with --target, as bench/gpu_check.sh does)."""
-    return os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
 
 def nvtx_include_dir() -> Path:

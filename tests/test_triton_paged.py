@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.processes import child_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"decode-fp32": 5, "decode-16bit": 4, "decode-split": 5, "store": 4}
 NUM_SM90_COMPILES = 12
@@ -128,8 +130,7 @@ def test_store_rejects_bad_arguments():
 
 
 def _run_group(group: str, device: str, interpret: bool) -> None:
-    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": python_path}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
@@ -156,8 +157,7 @@ def test_interpreted_on_cpu(group):
 def test_compiles_for_sm90_without_a_gpu(tmp_path):
     """Triton lowers every kernel variant to a cubin for sm_90 (H100/H200) with its bundled
     ptxas; no GPU is needed to compile, only to run."""
-    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": python_path, "TRITON_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "TRITON_CACHE_DIR": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(
         [sys.executable, __file__, "compile", "sm90"],

@@ -62,12 +62,19 @@ def rss_bytes(pid: int | str = "self") -> int:
 METRICS_URL_LINE = r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics"
 
 
+def child_pythonpath() -> str:
+    """A child process's PYTHONPATH: the repository first, then whatever PYTHONPATH already
+    names (where the packages are on a machine that installs them with --target, as
+    bench/gpu_check.sh does)."""
+    return os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+
+
 def start_metrics_sidecar(
     tmp_path: Path, address: str, *extra_args: str
 ) -> tuple[subprocess.Popen, int]:
     """`iterscope sidecar` on the lane with /metrics on a free port; (process, port)."""
     log_path = tmp_path / "sidecar.log"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OTEL_SDK_DISABLED="true", PYTHONPATH=child_pythonpath())
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
             [
