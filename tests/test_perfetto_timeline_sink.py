@@ -43,7 +43,7 @@ def test_the_live_trace_is_the_one_iterscope_timeline_draws_from_the_same_messag
 def test_files_rotate_by_size_and_each_is_a_complete_trace(tmp_path):
     sim = SCENARIOS["healthy"][0]()
     path = tmp_path / "live.pftrace"
-    sink = PerfettoTimelineSink(path, max_bytes=18_000, max_files=3, interval_s=HOUR_S)
+    sink = PerfettoTimelineSink(path, max_bytes=20_000, max_files=3, interval_s=HOUR_S)
     records = [m for m in sim.messages if isinstance(m, IterationRecord)]
     first_heartbeat = next(m for m in sim.messages if isinstance(m, Heartbeat))
     for start in range(0, len(sim.messages), 100):  # the writer's turns, 100 messages apart

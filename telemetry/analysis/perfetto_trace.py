@@ -291,7 +291,7 @@ class TraceWriter:
         events = EventWriter(self, 2 * tl.engine_index + 2)
         self._requests(tl, events, process_uuid)
         self._findings(tl, events, process_uuid)
-        events.flush()
+        events.write()
         self.counts.num_engines += 1
 
     def close(self) -> TraceCounts:
@@ -359,15 +359,7 @@ class TraceWriter:
     ) -> None:
         """The sequence's clock (incremental from ``tl.first_ns``), interned names and
         defaults: the iterations track, the counter tracks and that clock."""
-        clock = TracePacket(timestamp=tl.first_ns, trusted_packet_sequence_id=sequence_id)
-        clock.sequence_flags = CLEARED | NEEDS_STATE  # as Perfetto documents a first packet
-        clock.clock_snapshot.clocks.add(clock_id=TRACE_CLOCK, timestamp=tl.first_ns)
-        clock.clock_snapshot.clocks.add(
-            clock_id=INCREMENTAL_CLOCK, timestamp=tl.first_ns, is_incremental=True
-        )
-        self.write_message(clock)
-        packet = _interning_packet(sequence_id, NEEDS_STATE)  # cleared by the clock's packet
-        packet.trace_packet_defaults.timestamp_clock_id = INCREMENTAL_CLOCK
+        clock, packet = sequence_start(sequence_id, tl.first_ns)
         defaults = packet.trace_packet_defaults.track_event_defaults
         defaults.track_uuid = iterations_uuid
         for counter, uuid in zip(counters, counter_uuids, strict=True):
@@ -375,6 +367,7 @@ class TraceWriter:
                 defaults.extra_double_counter_track_uuids.append(uuid)
             else:
                 defaults.extra_counter_track_uuids.append(uuid)
+        self.write_message(clock)
         self.write_message(packet)
 
     def _iterations(self, tl: EngineTimeline, sequence_id: int, counters: list[Counter]) -> None:
@@ -412,15 +405,24 @@ class TraceWriter:
         self.counts.num_findings += len(slices)
 
 
-def _interning_packet(sequence_id: int, flags: int = CLEARED | NEEDS_STATE) -> TracePacket:
-    """A packet that interns EVENT_NAMES and ARG_NAMES on the sequence (by default the first,
-    clearing its state)."""
-    packet = TracePacket(trusted_packet_sequence_id=sequence_id, sequence_flags=flags)
+def sequence_start(sequence_id: int, first_ns: int) -> tuple[TracePacket, TracePacket]:
+    """A sequence's first two packets: one that clears its state and snapshots its clock,
+    incremental from ``first_ns`` (the first packet after it carries the time since then,
+    each other the time since the packet before), and one that interns EVENT_NAMES and
+    ARG_NAMES and makes that clock the sequence's default (the caller adds its defaults)."""
+    clock = TracePacket(timestamp=first_ns, trusted_packet_sequence_id=sequence_id)
+    clock.sequence_flags = CLEARED | NEEDS_STATE  # as Perfetto documents a first packet
+    clock.clock_snapshot.clocks.add(clock_id=TRACE_CLOCK, timestamp=first_ns)
+    clock.clock_snapshot.clocks.add(
+        clock_id=INCREMENTAL_CLOCK, timestamp=first_ns, is_incremental=True
+    )
+    packet = TracePacket(trusted_packet_sequence_id=sequence_id, sequence_flags=NEEDS_STATE)
     for name, iid in EVENT_IIDS.items():
         packet.interned_data.event_names.add(iid=iid, name=name)
     for name, iid in ARG_IIDS.items():
         packet.interned_data.debug_annotation_names.add(iid=iid, name=name)
-    return packet
+    packet.trace_packet_defaults.timestamp_clock_id = INCREMENTAL_CLOCK
+    return clock, packet
 
 
 # --- iteration packets, encoded with numpy -----------------------------------------------
@@ -532,16 +534,16 @@ def incremental_times(first_ns: int, starts: np.ndarray, ends: np.ndarray) -> np
 
 # --- requests and findings: a packet per event -------------------------------------------
 class EventWriter:
-    """Slice begins, ends and instants on lane tracks, in one sequence, at absolute times.
-    Each event's TrackEvent is encoded as it comes; the packets around them (timestamps,
-    lengths) with numpy, EVENTS_PER_WRITE at a time."""
+    """Slice begins, ends and instants on lane tracks, in one sequence with an incremental
+    clock. Each event's TrackEvent is encoded as it comes; ``write`` puts the events in time
+    order (each track's in the order they came) and frames their packets (timestamps, lengths)
+    with numpy, EVENTS_PER_WRITE at a time."""
 
     def __init__(self, writer: TraceWriter, sequence_id: int) -> None:
         self.writer = writer
-        self.sequence = SEQUENCE_ID + wire.varint(sequence_id)
+        self.sequence_id = sequence_id
         self.times: list[int] = []
         self.events: list[bytes] = []
-        writer.write_message(_interning_packet(sequence_id))
 
     def request(self, request: RequestPhases, track_uuid: int) -> None:
         """The request's slice, its phases nested in it, and its preemptions."""
@@ -557,11 +559,9 @@ class EventWriter:
         self._phase(whole, track)
         if request.milestone.preempted_ns:
             self._instants(first, request.milestone.preempted_ns, track)
-        self._flush_when_full()
 
     def slice(self, phase: Phase, track_uuid: int) -> None:
         self._phase(phase, TRACK_UUID + wire.varint(track_uuid))
-        self._flush_when_full()
 
     def _phase(self, phase: Phase, track: bytes) -> None:
         """The phase's begin, its children's events, its end: in time order, as
@@ -583,22 +583,26 @@ class EventWriter:
         self.times[first:] = [ts_ns for ts_ns, _ in events]
         self.events[first:] = [event for _, event in events]
 
-    def _flush_when_full(self) -> None:
-        if len(self.events) >= EVENTS_PER_WRITE:
-            self.flush()
-
-    def flush(self) -> None:
-        n = len(self.events)
-        if not n:
+    def write(self) -> None:
+        """The sequence: its first packets, then every event in time order."""
+        if not self.events:
             return
-        body = [
-            wire.constant(TIMESTAMP, n),
-            wire.varint_column(np.array(self.times, np.int64)),
-            wire.constant(self.sequence, n),
-            *wire.length_delimited_columns(TRACK_EVENT, [wire.bytes_column(self.events)]),
-        ]
-        self.writer.write(wire.join_rows(wire.length_delimited_columns(PACKET, body)))
-        self.times, self.events = [], []
+        times = np.array(self.times, np.int64)
+        order = np.argsort(times, kind="stable")
+        for packet in sequence_start(self.sequence_id, int(times[order[0]])):
+            self.writer.write_message(packet)
+        deltas = np.diff(times[order], prepend=times[order[0]])
+        sequence = SEQUENCE_ID + wire.varint(self.sequence_id)
+        for start in range(0, len(order), EVENTS_PER_WRITE):
+            rows = order[start : start + EVENTS_PER_WRITE].tolist()
+            events = wire.bytes_column([self.events[i] for i in rows])
+            body = [
+                wire.constant(TIMESTAMP, len(rows)),
+                wire.varint_column(deltas[start : start + len(rows)]),
+                wire.constant(sequence, len(rows)),
+                *wire.length_delimited_columns(TRACK_EVENT, [events]),
+            ]
+            self.writer.write(wire.join_rows(wire.length_delimited_columns(PACKET, body)))
 
 
 def phase_bytes(phase: Phase) -> bytes:
