@@ -22,16 +22,18 @@ next one starts (an asynchronous scheduler) is drawn up to that start, its true 
 ``elapsed_ms``. A count the source did not give (record.UNKNOWN_*) is named in the
 iteration's ``unknown`` arg and its counter track is not drawn, never shown as 0.
 
-Encoding: two trusted packet sequences per engine, each opened by a packet that clears the
-incremental state and interns the slice and argument names.
+Encoding: two trusted packet sequences per engine, each opened by a packet that clears its
+incremental state and snapshots a clock of its own, incremental (each packet carries the time
+since the packet before, 3-4 bytes instead of 7-8, ticking from the snapshot's value, which
+ties it to the trace's clock one to one), then a packet that interns the slice and argument
+names and makes that clock the default (sequence_start).
 
-* Iterations: the sequence's defaults are the iterations track, the counter tracks and an
-  incremental clock (a clock snapshot ties it to the trace's clock at the engine's first
-  timestamp), so an iteration is two small packets: a slice begin with its args and a slice
-  end carrying every counter's sample, each stamped with the time since the packet before.
-  These are encoded for all iterations at once with numpy (proto_wire.py).
-* Requests and findings: a packet per slice begin, end or instant, on its lane's track, at its
-  absolute time, encoded one by one.
+* Iterations: the sequence's defaults are also the iterations track and the counter tracks, so
+  an iteration is two small packets: a slice begin with its args and a slice end carrying every
+  counter's sample. These are encoded for all iterations at once with numpy (proto_wire.py).
+* Requests and findings: a packet per slice begin, end or instant, on its lane's track; each
+  TrackEvent is encoded one by one, then the events are put in time order and their packets
+  framed with numpy.
 
 Track descriptors and the sequences' first packets are built with perfetto's protos.
 Every packet after a sequence's first omits SEQ_NEEDS_INCREMENTAL_STATE: the trace processor
