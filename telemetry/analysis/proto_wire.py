@@ -129,5 +129,7 @@ def length_delimited_columns(field_tag: bytes, columns: Rows) -> Rows:
 def join_rows(columns: Rows) -> bytes:
     """Row 0's columns in order, then row 1's, ...: every row's bytes, end to end."""
     data = np.hstack([c.data for c in columns])
-    present = np.hstack([np.arange(c.data.shape[1]) < c.lengths[:, None] for c in columns])
-    return data[present].tobytes()
+    widths = [c.data.shape[1] for c in columns]
+    position = np.concatenate([np.arange(width) for width in widths])  # in its column
+    lengths = np.repeat(np.stack([c.lengths for c in columns], axis=1), widths, axis=1)
+    return data[position < lengths].tobytes()
