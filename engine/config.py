@@ -1,7 +1,7 @@
 """EngineConfig: every setting of the engine core, checked once when it is built.
 
 Defaults suit a 2-core CPU running SmolLM2-135M: blocks of 16 tokens, at most 32 running
-requests, 2048 tokens per iteration and a 512 MiB KV cache. On CUDA the KV budget is
+requests (256 on CUDA), 2048 tokens per iteration and a 512 MiB KV cache. On CUDA the KV budget is
 ``gpu_memory_utilization`` of the card minus the weights and the activation peak measured
 at start-up (engine/activation_profile.py), unless ``kv_cache_memory_bytes`` sets it
 outright.
@@ -34,6 +34,9 @@ from telemetry.lane.record import MAX_ENGINE_INDEX
 DEVICES = ("cpu", "cuda")
 MAX_BLOCK_SIZE = 256
 DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+# A GPU decodes 256 requests in about the time of one (docs/performance.md: 2.2 ms at batch 1,
+# 5.5 ms at 256 on an H200 with CUDA graphs); 256 is vLLM's default on GPUs short of H100s.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 
 
@@ -68,8 +71,13 @@ class EngineConfig:
     block_size: int = setting(
         16, "--block-size", "tokens per KV cache block", PowerOfTwo(MAX_BLOCK_SIZE), "N"
     )
-    max_num_seqs: int = setting(
-        32, "--max-num-seqs", "most requests running at once", WholeNumber(1), "N"
+    max_num_seqs: int | None = setting(
+        None,
+        "--max-num-seqs",
+        "most requests running at once",
+        WholeNumber(1),
+        "N",
+        default_text=", ".join(f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_NUM_SEQS.items()),
     )
     max_num_batched_tokens: int = setting(
         2048, "--max-num-batched-tokens", "most tokens in one iteration", WholeNumber(1), "N"
@@ -156,6 +164,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._check_types()
         self._check_kinds()
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS[self.device]
         self.dtype = DTYPE.canonical(self.dtype)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(

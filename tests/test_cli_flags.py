@@ -126,6 +126,19 @@ def test_the_engine_flags_are_the_configs_fields_with_its_defaults():
     assert serve_args.engine_config(args, None) == EngineConfig()
 
 
+def test_max_num_seqs_defaults_by_device_unless_given():
+    """32 on CPU, 256 on CUDA (a GPU step costs about the same at either batch); a value
+    given is kept on either device."""
+    parser = serve_args.build_parser()
+
+    def seqs(*argv: str) -> int:
+        return serve_args.engine_config(parser.parse_args(list(argv)), None).max_num_seqs
+
+    assert (seqs(), seqs("--device", "cuda")) == (32, 256)
+    assert seqs("--device", "cuda", "--max-num-seqs", "8") == 8
+    assert seqs("--max-num-seqs", "300", "--max-num-batched-tokens", "4096") == 300
+
+
 def test_a_flag_and_the_config_refuse_a_value_with_the_same_words(capsys):
     """The CLI reads a flag with the kind the config checks the field with."""
     from engine.config import EngineConfig

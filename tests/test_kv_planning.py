@@ -127,13 +127,19 @@ def test_parse_memory_size_rejects_garbage(text):
         ),
         ({"dtype": "int3"}, r"dtype \(--dtype\) must be auto, float32, bfloat16 or float16"),
         ({"device": "tpu"}, r"device \(--device\) must be cpu or cuda, got 'tpu'"),
-        ({"max_num_seqs": 2.5}, r"max_num_seqs \(--max-num-seqs\) must be int, got 2.5 \(float\)"),
+        (
+            {"max_num_seqs": 2.5},
+            r"max_num_seqs \(--max-num-seqs\) must be int or None, got 2.5 \(float\)",
+        ),
         ({"block_size": 16.0}, r"block_size \(--block-size\) must be int, got 16.0 \(float\)"),
         (
             {"max_num_batched_tokens": float("inf")},
             r"max_num_batched_tokens \(--max-num-batched-tokens\) must be int",
         ),
-        ({"max_num_seqs": True}, r"max_num_seqs \(--max-num-seqs\) must be int, got True \(bool\)"),
+        (
+            {"max_num_seqs": True},
+            r"max_num_seqs \(--max-num-seqs\) must be int or None, got True \(bool\)",
+        ),
         ({"enable_chunked_prefill": "no"}, "enable_chunked_prefill must be bool, got 'no'"),
         (
             {"max_model_len": "4096"},
