@@ -416,7 +416,7 @@ def sequence_start(sequence_id: int, first_ns: int) -> tuple[TracePacket, TraceP
     clock.sequence_flags = CLEARED | NEEDS_STATE  # as Perfetto documents a first packet
     clock.clock_snapshot.clocks.add(clock_id=TRACE_CLOCK, timestamp=first_ns)
     clock.clock_snapshot.clocks.add(
-        clock_id=INCREMENTAL_CLOCK, timestamp=first_ns, is_incremental=True
+        clock_id=INCREMENTAL_CLOCK, timestamp=first_ns, is_incremental=True, unit_multiplier_ns=1
     )
     packet = TracePacket(trusted_packet_sequence_id=sequence_id, sequence_flags=NEEDS_STATE)
     for name, iid in EVENT_IIDS.items():
