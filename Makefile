@@ -125,4 +125,4 @@ stack:
 	docker compose -f deploy/compose/docker-compose.yml up --build -d
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(FPM_WHEELS) .models .pytest_cache .ruff_cache

@@ -64,6 +64,9 @@ def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path
         assert total(samples, "iterscope_records_dropped_total", engine="0") == 5
         assert total(samples, "iterscope_prompt_tokens_total", engine="0") == 30 * 128
         assert total(samples, "iterscope_engine_state", engine="0", state="running") == 1
+        assert total(samples, "iterscope_fpm_decode_kv_tokens", engine="0") == 600
+        assert total(samples, "iterscope_fpm_decode_kv_tokens_variance", engine="0") == 25.0
+        assert total(samples, "iterscope_fpm_queued_prefill_tokens", engine="0") == 900
         wait_until(
             lambda: publish(idle_frames) or engine_state(url, "idle") == 1,
             10,
@@ -82,6 +85,9 @@ def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path
     records = [m for m in messages if type(m) is IterationRecord]
     heartbeats = [m for m in messages if type(m) is Heartbeat]
     assert len(records) == 30
+    assert {(r.fpm.num_decode_kv_tokens, r.fpm.num_queued_prefill_tokens) for r in records} == {
+        (600, 900)
+    }
     assert heartbeats[0].msg_seq == 1 and heartbeats[0].source == "fpm-sglang"
     assert {h.model_name for h in heartbeats} == {"qwen-fpm"}
     explain = subprocess.run(

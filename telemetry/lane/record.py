@@ -24,8 +24,11 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
-  ``model_elapsed_ns``, the Heartbeat's ``source``) come last with a default, so frames of
-  older senders still decode.
+  ``model_elapsed_ns``, ``fpm``, the Heartbeat's ``source``) come last with a default, so
+  frames of older senders still decode, and readers that predate a field ignore it (msgspec
+  skips an array-like frame's extra trailing elements).
+- ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
+  (FpmFigures); None for every other source, which costs our engine's frame one byte.
 
 Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
 sets and make every other count 0. The defaults live in these factories, not on the Structs:
@@ -52,6 +55,8 @@ MAX_ENGINE_INDEX = 4095  # the sidecar drops other indexes (bounds the state gar
 # Counts and times are never negative: the typed decoder rejects a frame that says otherwise
 # (counted as malformed), so garbage cannot make a Prometheus counter go down.
 Count = Annotated[int, msgspec.Meta(ge=0)]
+# A variance of token counts: finite (NaN and infinities fail), tokens squared.
+Variance = Annotated[float, msgspec.Meta(ge=0.0, le=1e18)]
 
 # RequestMilestone.event bits
 EVENT_FIRST_TOKEN = 1
@@ -108,6 +113,23 @@ class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     prefill_chunks: list[tuple[int, int, int]] = []
 
 
+class FpmFigures(msgspec.Struct, array_like=True, gc=False):
+    """What an FPM message carries beyond the record's fields (telemetry/sources/fpm.py): the
+    KV split between the batch's prefills and decodes, the spread of request sizes, and the
+    size of what waits. Variances are over the requests, in tokens squared."""
+
+    num_prefill_kv_tokens: Count  # KV the scheduled prefills already held (prefix, chunks)
+    num_decode_kv_tokens: Count  # the scheduled decodes' context (prompt + output so far)
+    var_prefill_length: Variance
+    var_decode_kv_tokens: Variance
+    num_queued_prefill_reqs: Count
+    num_queued_prefill_tokens: Count
+    var_queued_prefill_length: Variance
+    num_queued_decode_reqs: Count  # preempted decodes waiting to resume
+    num_queued_decode_kv_tokens: Count
+    var_queued_decode_kv_tokens: Variance
+
+
 class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATION):
     """One engine-core iteration (schedule + forward + update), filled from scheduler counts."""
 
@@ -144,6 +166,7 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     # senders). Ours: the runner's execute; vLLM's scheduler source: schedule() returned ->
     # update_from_output() called.
     model_elapsed_ns: Count = 0
+    fpm: FpmFigures | None = None  # FPM producers only (see the module doc)
 
 
 def is_known(record: IterationRecord, unknown_bit: int) -> bool:

@@ -31,6 +31,8 @@ message (SGLang only while idle).
                                      + sum_decode_kv_tokens: what the batch holds in KV
     elapsed_ns                       wall_time (its meaning depends on the producer:
                                      PRODUCERS); model_elapsed_ns too where it is GPU time
+    fpm                              the rest (FpmFigures): the batch's prefill and decode
+                                     KV tokens, the variances, the queued requests' sizes
     unknown                          waiting reasons, KV blocks, preemptions, milestones
 
 The message carries no timestamp and no engine index: the caller places the record on its
@@ -50,7 +52,9 @@ from telemetry.lane.record import (
     UNKNOWN_MILESTONES,
     UNKNOWN_PREEMPTIONS,
     UNKNOWN_WAITING_REASONS,
+    FpmFigures,
     IterationRecord,
+    Variance,
     iteration_record,
 )
 
@@ -74,7 +78,6 @@ GPU_TIME_PRODUCERS = ("sglang", "vllm")  # wall_time is the model's part of the 
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]  # NaN and infinities fail too
-Variance = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class ScheduledRequests(msgspec.Struct, gc=False):
@@ -211,6 +214,24 @@ def to_record(
             + scheduled.sum_decode_kv_tokens
         ),
         unknown=FPM_UNKNOWN,
+        fpm=figures(message),
+    )
+
+
+def figures(message: ForwardPassMetrics) -> FpmFigures:
+    """What the message says beyond the record's fields."""
+    scheduled, queued = message.scheduled_requests, message.queued_requests
+    return FpmFigures(
+        num_prefill_kv_tokens=scheduled.sum_prefill_kv_tokens,
+        num_decode_kv_tokens=scheduled.sum_decode_kv_tokens,
+        var_prefill_length=scheduled.var_prefill_length,
+        var_decode_kv_tokens=scheduled.var_decode_kv_tokens,
+        num_queued_prefill_reqs=queued.num_prefill_requests,
+        num_queued_prefill_tokens=queued.sum_prefill_tokens,
+        var_queued_prefill_length=queued.var_prefill_length,
+        num_queued_decode_reqs=queued.num_decode_requests,
+        num_queued_decode_kv_tokens=queued.sum_decode_kv_tokens,
+        var_queued_decode_kv_tokens=queued.var_decode_kv_tokens,
     )
 
 

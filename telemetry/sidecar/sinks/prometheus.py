@@ -110,6 +110,52 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("sink",),
     ),
 }
+# Gauges of forward-pass-metrics producers only (``iterscope sidecar --fpm``): what their
+# messages say beyond the record's fields (record.FpmFigures), from the latest record; 0 once
+# the engine has no work (its heartbeats say nothing is scheduled or queued); absent for the
+# engines whose records carry no FPM figures. Name (after the prefix) -> (help, field).
+FPM_GAUGES: dict[str, tuple[str, str]] = {
+    "fpm_prefill_kv_tokens": (
+        "KV tokens the scheduled prefill requests already held (prefix hits, earlier chunks).",
+        "num_prefill_kv_tokens",
+    ),
+    "fpm_decode_kv_tokens": (
+        "Context tokens (prompt and output so far) of the scheduled decode requests.",
+        "num_decode_kv_tokens",
+    ),
+    "fpm_prefill_length_variance": (
+        "Variance of the scheduled prefill requests' prompt lengths (tokens squared).",
+        "var_prefill_length",
+    ),
+    "fpm_decode_kv_tokens_variance": (
+        "Variance of the scheduled decode requests' context lengths (tokens squared).",
+        "var_decode_kv_tokens",
+    ),
+    "fpm_queued_prefill_requests": (
+        "Requests waiting for their prefill.",
+        "num_queued_prefill_reqs",
+    ),
+    "fpm_queued_prefill_tokens": (
+        "Prompt tokens of the requests waiting for their prefill.",
+        "num_queued_prefill_tokens",
+    ),
+    "fpm_queued_prefill_length_variance": (
+        "Variance of the waiting requests' prompt lengths (tokens squared).",
+        "var_queued_prefill_length",
+    ),
+    "fpm_queued_decode_requests": (
+        "Decode requests waiting to resume (preempted).",
+        "num_queued_decode_reqs",
+    ),
+    "fpm_queued_decode_kv_tokens": (
+        "Context tokens of the decode requests waiting to resume.",
+        "num_queued_decode_kv_tokens",
+    ),
+    "fpm_queued_decode_kv_tokens_variance": (
+        "Variance of the waiting decode requests' context lengths (tokens squared).",
+        "var_queued_decode_kv_tokens",
+    ),
+}
 # Bucket bounds read best as rows of numbers: left as written by the formatter.
 # fmt: off
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -216,6 +262,7 @@ SIDECAR_COUNTERS = {
     "sink_errors": "Calls on the sink that raised (ingest went on).",
     "sink_lines_lost": "Messages the sink accepted but gave up writing.",
     "otel_spans_dropped": "Sidecar counter otel_spans_dropped.",
+    "fpm_messages_published": "FPM messages handed to the --fpm-port socket (docs/fpm.md).",
 }
 # --vllm-compatible-names: vLLM name -> (our name, label renames). Counters without _total.
 VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
@@ -251,7 +298,7 @@ def series_names() -> set[str]:
     _sum and _count series, counters with _total), without the vLLM aliases."""
     counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS, *FINDING_COUNTERS}
     return (
-        {PREFIX + name for name in GAUGES}
+        {PREFIX + name for name in (*GAUGES, *FPM_GAUGES)}
         | {f"{PREFIX}{name}_total" for name in counters}
         | {
             f"{PREFIX}{name}_{suffix}"
@@ -455,6 +502,7 @@ class MetricsCollector(Collector):
         ]
         families = [
             *self.gauges(engines),
+            *fpm_gauges(engines),
             *self.counters(engines),
             *self.histograms(engines),
             *self.findings(engines),
@@ -623,6 +671,21 @@ class MetricsCollector(Collector):
             if peer.last_write_time:
                 last_write.add_metric(labels, peer.last_write_time)
         return [up, started, errors, lost, last_write]
+
+
+def fpm_gauges(engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
+    """FPM_GAUGES, with a sample for each engine whose latest record has FPM figures."""
+    reporting = []
+    for metrics, labels in engines:
+        engine = metrics.engine
+        record = engine.last_record
+        if record is not None and record.fpm is not None:
+            reporting.append((record.fpm, engine.has_work, labels))
+    for name, (documentation, field) in FPM_GAUGES.items():
+        family = GaugeMetricFamily(PREFIX + name, documentation, labels=LABELS)
+        for figures, has_work, labels in reporting:
+            family.add_metric(labels, getattr(figures, field) if has_work else 0)
+        yield family
 
 
 def gauge(name: str) -> GaugeMetricFamily:

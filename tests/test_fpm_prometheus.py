@@ -1,0 +1,100 @@
+"""The Prometheus series of FPM: the gauges of what FPM producers say beyond the record's
+fields (only for engines whose records carry them), and the counter of ``--fpm-port``."""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.lane.record import IterationRecord, make_decoder, make_encoder
+from telemetry.sidecar.sinks import prometheus
+from telemetry.sidecar.sinks.fpm_publisher import FpmPublisherSink
+from telemetry.sidecar.sinks.prometheus import FPM_GAUGES, PrometheusSink
+from telemetry.sources.fpm import decode_frames, to_record
+from tests.helpers.fpm import busy_frames
+from tests.helpers.lane import heartbeat, synthetic_record
+from tests.helpers.sink_feed import health_of, send
+
+S = 1_000_000_000
+# busy_frames' message, as the gauges show it
+BUSY_GAUGES = {
+    "iterscope_fpm_prefill_kv_tokens": 32,
+    "iterscope_fpm_decode_kv_tokens": 600,
+    "iterscope_fpm_prefill_length_variance": 0.0,
+    "iterscope_fpm_decode_kv_tokens_variance": 25.0,
+    "iterscope_fpm_queued_prefill_requests": 3,
+    "iterscope_fpm_queued_prefill_tokens": 900,
+    "iterscope_fpm_queued_prefill_length_variance": 0.0,
+    "iterscope_fpm_queued_decode_requests": 1,
+    "iterscope_fpm_queued_decode_kv_tokens": 0,
+    "iterscope_fpm_queued_decode_kv_tokens_variance": 0.0,
+}
+
+
+def fpm_record(engine_index: int, msg_seq: int) -> IterationRecord:
+    decoded = decode_frames(busy_frames(0))
+    assert not isinstance(decoded, str)
+    return to_record(decoded[1], engine_index, msg_seq, msg_seq - 1, 10 * S, "sglang")
+
+
+def families(registry: CollectorRegistry) -> dict[str, dict[tuple, float]]:
+    """{family name: {sorted labels: value}} through the text exposition and its parser."""
+    text = generate_latest(registry).decode()
+    return {
+        family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+        for family in text_string_to_metric_families(text)
+    }
+
+
+def engine_values(scraped: dict, engine: str) -> dict[str, float]:
+    return {
+        name: value
+        for name in BUSY_GAUGES
+        for labels, value in scraped[name].items()
+        if dict(labels)["engine"] == engine
+    }
+
+
+def test_an_fpm_engine_has_its_figures_as_gauges_and_our_engine_has_none():
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(1, engine_index=0), fpm_record(0, 2))
+    send(sink, heartbeat(1, engine_index=1), synthetic_record(1, 1, 5 * S, S))
+    scraped = families(registry)
+    assert {f"iterscope_{name}" for name in FPM_GAUGES} == set(BUSY_GAUGES)
+    assert engine_values(scraped, "0") == BUSY_GAUGES
+    assert engine_values(scraped, "1") == {}  # no series, not 0
+
+
+def test_the_fpm_gauges_read_zero_once_the_producer_heartbeats_idle():
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(1, engine_index=0), fpm_record(0, 2))
+    send(sink, heartbeat(3, engine_index=0))  # nothing waiting or running
+    assert engine_values(families(registry), "0") == dict.fromkeys(BUSY_GAUGES, 0)
+
+
+def test_the_figures_go_through_the_lane_encoding_and_old_lines_still_decode():
+    record = fpm_record(0, 2)
+    assert make_decoder().decode(make_encoder().encode(record)) == record
+    line = msgspec.json.encode(record)
+    assert msgspec.json.decode(line, type=IterationRecord) == record
+    older = msgspec.json.encode(msgspec.json.decode(line)[:-1])  # a line from before `fpm`
+    assert msgspec.json.decode(older, type=IterationRecord).fpm is None
+
+
+def test_the_published_fpm_messages_counter_is_served_with_its_documented_help(tmp_path):
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    publisher = FpmPublisherSink(f"ipc://{tmp_path / 'out.sock'}", "w", 10)
+    try:
+        health_of(sink, [sink, publisher])
+        send(publisher, heartbeat(1, engine_index=0), synthetic_record(0, 1, 5 * S, S))
+        text = generate_latest(registry).decode()
+    finally:
+        publisher.close()
+    help_text = prometheus.SIDECAR_COUNTERS["fpm_messages_published"]
+    assert f"# HELP iterscope_fpm_messages_published_total {help_text}" in text
+    assert 'iterscope_fpm_messages_published_total{engine="",model_name=""} 1.0' in text
+    assert "iterscope_fpm_messages_published_total" in prometheus.series_names()
