@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -117,8 +118,9 @@ def build_records(seconds: float, rate: float, concurrency: int) -> list[Iterati
     return records
 
 
-def writer_at(rev: str):
-    """perfetto_trace.py as it was at git revision ``rev``, loaded as a module of its own."""
+def writer_at(rev: str) -> ModuleType:
+    """perfetto_trace.py as it was at git revision ``rev``, loaded as a module of its own
+    (over the current modules it imports: explain's detectors are today's)."""
     source = subprocess.run(
         ["git", "show", f"{rev}:telemetry/analysis/perfetto_trace.py"],
         cwd=REPO_ROOT,
@@ -126,12 +128,13 @@ def writer_at(rev: str):
         text=True,
         check=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / f"perfetto_trace_{rev}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"perfetto_trace_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"perfetto_trace_{rev}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"perfetto_trace_{rev}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
     return module
 
 
