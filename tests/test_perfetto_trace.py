@@ -317,3 +317,32 @@ def test_several_engines_are_several_processes(tmp_path):
     assert len({d.process.pid for d in trace.processes().values()}) == 2
     for process_uuid in trace.processes():
         assert len(trace.slices[trace.track_named("iterations", process_uuid)]) == 1
+
+
+@pytest.mark.parametrize("story", ["token budget", "preemption storm"])
+def test_each_first_token_has_an_arrow_from_its_iteration_to_its_decode(story, tmp_path):
+    """The optional flow: from the iteration that produced a request's first token (the last
+    to start at or before it) to the request's decode slice, one arrow per request."""
+    recording = SCENARIOS[story][0]().write(tmp_path / "rec.jsonl")
+    trace = convert(recording, tmp_path)
+    tl = read_timelines([recording])[0][0]
+    (process_uuid,) = trace.processes()
+    iterations_uuid = trace.track_named("iterations", process_uuid)
+    starts = tl.col("start_ns")
+    milestones = {m.request_id: m for r in tl.records for m in r.milestones}
+    expected = {
+        request_id: int(starts[starts <= m.first_token_ns][-1])
+        for request_id, m in milestones.items()
+        if m.first_token_ns and m.first_token_ns >= starts[0]
+    }
+    assert expected, "no first token: the check below proves nothing"
+    arrows = {}
+    for (tail_track, tail), (head_track, head) in trace.flows.values():
+        assert (tail_track, head.name) == (iterations_uuid, "decode")
+        request = next(
+            s
+            for s in trace.slices[head_track]
+            if s.depth == 0 and s.start_ns <= head.start_ns <= s.end_ns
+        )
+        arrows[request.name.removeprefix("request ")] = tail.start_ns
+    assert arrows == expected

@@ -16,6 +16,8 @@ Nsight Systems too):
                       ran at once
     findings          lanes "findings 1", ...: a slice per episode of each finding explain
                       reports (the same detectors, costs and actions), the action in its args
+    flows             an arrow per request from the iteration that produced its first token
+                      (the last to start at or before it) to the request's decode slice
 
 Slices of one track never overlap: an iteration that a source reports as ending after the
 next one starts (an asynchronous scheduler) is drawn up to that start, its true length in
@@ -174,6 +176,8 @@ NAME = _tag(TrackEvent, "name", wire.LENGTH_DELIMITED)
 ANNOTATION = _tag(TrackEvent, "debug_annotations", wire.LENGTH_DELIMITED)
 COUNTER_VALUE = _tag(TrackEvent, "extra_counter_values", wire.VARINT)
 DOUBLE_COUNTER_VALUE = _tag(TrackEvent, "extra_double_counter_values", wire.FIXED64)
+FLOW_ID = _tag(TrackEvent, "flow_ids", wire.FIXED64)
+TERMINATING_FLOW_ID = _tag(TrackEvent, "terminating_flow_ids", wire.FIXED64)
 ARG_NAME_IID = _tag(DebugAnnotation, "name_iid", wire.VARINT)
 ARG_NAME = _tag(DebugAnnotation, "name", wire.LENGTH_DELIMITED)
 BOOL_VALUE = _tag(DebugAnnotation, "bool_value", wire.VARINT)
@@ -280,6 +284,7 @@ class TraceWriter:
         self.earlier = earlier or {}
         self.counts = TraceCounts()
         self._next_uuid = 1
+        self._next_flow_id = 1
 
     def write_engine(self, tl: EngineTimeline) -> None:
         """Every iteration, counter sample, request and finding of one engine."""
@@ -287,11 +292,14 @@ class TraceWriter:
         iterations_uuid = self._track(process_uuid, "iterations")
         counters = engine_counters(tl)
         counter_uuids = [self._counter_track(process_uuid, c) for c in counters]
+        requests = engine_requests(tl)
+        flow_ids, flows = first_token_flows(tl, requests, self._next_flow_id)
+        self._next_flow_id += len(requests)
         iteration_sequence = 2 * tl.engine_index + 1
         self._start_iterations(tl, iteration_sequence, iterations_uuid, counters, counter_uuids)
-        self._iterations(tl, iteration_sequence, counters)
+        self._iterations(tl, iteration_sequence, counters, flows)
         events = EventWriter(self, 2 * tl.engine_index + 2)
-        self._requests(tl, events, process_uuid)
+        self._requests(requests, flow_ids, events, process_uuid)
         self._findings(tl, events, process_uuid)
         events.write()
         self.counts.num_engines += 1
@@ -372,9 +380,11 @@ class TraceWriter:
         self.write_message(clock)
         self.write_message(packet)
 
-    def _iterations(self, tl: EngineTimeline, sequence_id: int, counters: list[Counter]) -> None:
+    def _iterations(
+        self, tl: EngineTimeline, sequence_id: int, counters: list[Counter], flows: list[bytes]
+    ) -> None:
         """Two packets an iteration (see the module doc), encoded a chunk at a time."""
-        columns = IterationColumns.of(tl, counters)
+        columns = IterationColumns.of(tl, counters, flows)
         for start in range(0, tl.num_iterations, ITERATIONS_PER_CHUNK):
             chunk = columns.rows(slice(start, start + ITERATIONS_PER_CHUNK))
             self.write(iteration_packets(chunk, sequence_id))
@@ -382,14 +392,17 @@ class TraceWriter:
         self.counts.num_counter_samples += tl.num_iterations * len(counters)
 
     # --- requests ----------------------------------------------------------------------
-    def _requests(self, tl: EngineTimeline, events: EventWriter, process_uuid: int) -> None:
-        milestones = latest_milestones(m for r in tl.records for m in r.milestones)
-        recording_end_ns = tl.last_ns
-        requests = [request_phases(m, recording_end_ns) for m in milestones]
+    def _requests(
+        self,
+        requests: list[RequestPhases],
+        flow_ids: list[int],
+        events: EventWriter,
+        process_uuid: int,
+    ) -> None:
         lanes = assign_lanes([(r.start_ns, r.end_ns) for r in requests])
         lane_uuids = self._lanes(process_uuid, "requests", lanes)
-        for request, lane in zip(requests, lanes, strict=True):
-            events.request(request, lane_uuids[lane])
+        for request, lane, flow_id in zip(requests, lanes, flow_ids, strict=True):
+            events.request(request, lane_uuids[lane], flow_id)
         self.counts.num_requests += len(requests)
 
     # --- findings ----------------------------------------------------------------------
@@ -440,9 +453,12 @@ class IterationColumns:
     unknown_table: list[bytes]  # the encoded ``unknown`` args ("" first: no arg)
     int_counters: np.ndarray  # (n, int counters)
     double_counters: np.ndarray  # (n, double counters)
+    flows: list[bytes]  # the flow_ids fields of the first tokens each produced
 
     @classmethod
-    def of(cls, tl: EngineTimeline, counters: list[Counter]) -> IterationColumns:
+    def of(
+        cls, tl: EngineTimeline, counters: list[Counter], flows: list[bytes]
+    ) -> IterationColumns:
         starts, ends = tl.col("start_ns"), drawn_ends(tl)
         cut_ms = np.where(ends < tl.col("end_ns"), tl.col("elapsed_ns") / 1e6, 0.0)
         codes, table = unknown_annotations(tl)
@@ -455,6 +471,7 @@ class IterationColumns:
             table,
             counter_matrix([c for c in counters if not c.is_double], len(starts), np.int64),
             counter_matrix([c for c in counters if c.is_double], len(starts), np.float64),
+            flows,
         )
 
     def rows(self, rows: slice) -> IterationColumns:
@@ -467,6 +484,7 @@ class IterationColumns:
             self.unknown_table,
             self.int_counters[rows],
             self.double_counters[rows],
+            self.flows[rows],
         )
 
 
@@ -477,6 +495,7 @@ def iteration_packets(columns: IterationColumns, sequence_id: int) -> bytes:
         wire.constant(EVENT_TYPES[SLICE_BEGIN] + NAME_IID, n),
         wire.varint_column(columns.kinds),
         *iteration_annotations(columns),
+        wire.bytes_column(columns.flows),
     ]
     end_event = [wire.constant(EVENT_TYPES[SLICE_END], n), *counter_values(columns)]
     packets = []
@@ -523,6 +542,31 @@ def counter_values(columns: IterationColumns) -> wire.Rows:
     return values
 
 
+def engine_requests(tl: EngineTimeline) -> list[RequestPhases]:
+    """Each request's phases, from its newest milestone, by arrival."""
+    milestones = latest_milestones(m for r in tl.records for m in r.milestones)
+    recording_end_ns = tl.last_ns
+    return [request_phases(m, recording_end_ns) for m in milestones]
+
+
+def first_token_flows(
+    tl: EngineTimeline, requests: list[RequestPhases], first_id: int
+) -> tuple[list[int], list[bytes]]:
+    """The arrows from iterations to the first tokens they produced: each request's flow id
+    (``first_id`` + its index; 0: none, no first token or none after the first iteration's
+    start) and each iteration's flow_ids fields (the arrows' tails: the last iteration to start
+    at or before the token); the request's decode slice terminates its flow."""
+    first_tokens = np.array([r.milestone.first_token_ns for r in requests], np.int64)
+    rows = np.searchsorted(tl.col("start_ns"), first_tokens, side="right") - 1
+    flow_ids = [0] * len(requests)
+    flows = [b""] * tl.num_iterations
+    has_flow = (first_tokens > 0) & (rows >= 0)
+    for index, row in zip(np.flatnonzero(has_flow).tolist(), rows[has_flow].tolist(), strict=True):
+        flow_ids[index] = first_id + index
+        flows[row] += FLOW_ID + wire.fixed64(first_id + index)
+    return flow_ids, flows
+
+
 def incremental_times(first_ns: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """(begin, end) of each iteration as the incremental clock has them: each the time since
     the one before (the first since ``first_ns``, the clock's snapshot)."""
@@ -547,8 +591,9 @@ class EventWriter:
         self.times: list[int] = []
         self.events: list[bytes] = []
 
-    def request(self, request: RequestPhases, track_uuid: int) -> None:
-        """The request's slice, its phases nested in it, and its preemptions."""
+    def request(self, request: RequestPhases, track_uuid: int, flow_id: int) -> None:
+        """The request's slice, its phases nested in it (its decode slice ends the flow
+        ``flow_id`` from the iteration of its first token; 0: none), and its preemptions."""
         whole = Phase(
             f"request {request.milestone.request_id}",
             request.start_ns,
@@ -558,20 +603,25 @@ class EventWriter:
         )
         track = TRACK_UUID + wire.varint(track_uuid)
         first = len(self.times)
-        self._phase(whole, track)
+        flow = TERMINATING_FLOW_ID + wire.fixed64(flow_id) if flow_id else b""
+        self._phase(whole, track, flow)
         if request.milestone.preempted_ns:
             self._instants(first, request.milestone.preempted_ns, track)
 
     def slice(self, phase: Phase, track_uuid: int) -> None:
         self._phase(phase, TRACK_UUID + wire.varint(track_uuid))
 
-    def _phase(self, phase: Phase, track: bytes) -> None:
+    def _phase(self, phase: Phase, track: bytes, decode_flow: bytes = b"") -> None:
         """The phase's begin, its children's events, its end: in time order, as
-        request_phases keeps children inside their parent and after one another."""
+        request_phases keeps children inside their parent and after one another; a
+        ``decode`` phase's begin carries ``decode_flow``."""
+        event = EVENT_TYPES[SLICE_BEGIN] + track + phase_bytes(phase)
+        if phase.name == "decode":
+            event += decode_flow
         self.times.append(phase.start_ns)
-        self.events.append(EVENT_TYPES[SLICE_BEGIN] + track + phase_bytes(phase))
+        self.events.append(event)
         for child in phase.children:
-            self._phase(child, track)
+            self._phase(child, track, decode_flow)
         self.times.append(phase.end_ns)
         self.events.append(EVENT_TYPES[SLICE_END] + track)
 

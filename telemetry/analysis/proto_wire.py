@@ -10,8 +10,8 @@ Two ways to build the same bytes:
   ``optional`` drops a row's columns where a field is absent and ``length_delimited_columns``
   wraps a row's columns as a length-delimited field (a nested message, or a trace's packet).
 
-Only what a trace needs: varint, fixed64 (a double) and length-delimited fields; a negative
-integer is written as protobuf writes an int64 (its 64-bit two's complement, 10 bytes).
+Only what a trace needs: varint, fixed64 (a double, a flow id) and length-delimited fields; a
+negative integer is written as protobuf writes an int64 (its 64-bit two's complement, 10 bytes).
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ def length_delimited(field_tag: bytes, payload: bytes) -> bytes:
 
 def double(value: float) -> bytes:
     return struct.pack("<d", value)
+
+
+def fixed64(value: int) -> bytes:
+    return struct.pack("<Q", value)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A Perfetto trace read back with perfetto's own protos, the way its trace processor reads
 TrackEvents: interned names and track defaults per packet sequence, slices from BEGIN/END
 pairs per track (nested ones with their depth), counter samples from counter_value and the
-extra counter values of any event, timestamps of a sequence-scoped incremental clock (a clock
+extra counter values of any event, flows as the slices that name each flow id (flow_ids,
+terminating_flow_ids) in packet order, timestamps of a sequence-scoped incremental clock (a clock
 snapshot's is_incremental, the packet's or the defaults' timestamp_clock_id) each added to the
 one before, from the snapshot's value.
 """
@@ -30,6 +31,7 @@ class ReadTrace:
     instants: dict = field(default_factory=dict)  # track uuid -> [Slice]
     counters: dict = field(default_factory=dict)  # track uuid -> [(ts_ns, value)]
     timestamps: dict = field(default_factory=dict)  # track uuid -> [ts_ns] in packet order
+    flows: dict = field(default_factory=dict)  # flow id -> [(track uuid, Slice)]: its slices
 
     def track_named(self, name: str, parent_uuid: int | None = None) -> int:
         uuids = [
@@ -138,6 +140,8 @@ def _take_event(read: ReadTrace, sequence: _Sequence, open_slices, ts_ns: int, e
         (a.name or sequence.arg_names[a.name_iid]): _arg_value(a) for a in event.debug_annotations
     }
     new = Slice(name, ts_ns, depth=len(stack), args=args)
+    for flow_id in [*event.flow_ids, *event.terminating_flow_ids]:
+        read.flows.setdefault(flow_id, []).append((track, new))
     if event.type == TrackEvent.TYPE_INSTANT:
         new.end_ns = ts_ns
         read.instants.setdefault(track, []).append(new)
