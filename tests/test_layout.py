@@ -5,9 +5,13 @@
     telemetry.lane                 -> the lane only
     telemetry.sidecar              -> the lane, the sidecar and analysis (the rules it shares
                                       with `explain`, so live and offline findings agree), and
-                                      of the sources only the FPM mapping (its own ingest
-                                      feeds FPM producers in; it imports nothing foreign)
-    telemetry.analysis             -> the lane and analysis (never the sidecar)
+                                      of the sources only the FPM mapping and numbering (its
+                                      own ingest feeds FPM producers in; they import nothing
+                                      foreign)
+    telemetry.analysis             -> the lane and analysis (never the sidecar), and of the
+                                      sources only the reader of Dynamo's FPM recordings
+                                      (`explain` and `tune` read them; it shares the mapping
+                                      and numbering with the live ingest)
     telemetry.sources              -> the lane and sources
 
 Every import counts, also one inside a function (the commands import lazily). And no module
@@ -40,7 +44,8 @@ MAY_IMPORT: dict[str, set[str]] = {  # layer -> the layers it may import
     "telemetry.sources": {"telemetry.lane", "telemetry.sources"},
 }
 ENGINE_MAY_IMPORT_FROM_LANE = ("telemetry.lane.record", "telemetry.lane.publisher")
-SIDECAR_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm",)
+SIDECAR_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm", "telemetry.sources.fpm_streams")
+ANALYSIS_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm_taps",)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -78,6 +83,10 @@ def may_import(layer: str, target: str) -> bool:
         return True
     if layer == "telemetry.sidecar" and any(
         within(target, m) for m in SIDECAR_MAY_IMPORT_FROM_SOURCES
+    ):
+        return True
+    if layer == "telemetry.analysis" and any(
+        within(target, m) for m in ANALYSIS_MAY_IMPORT_FROM_SOURCES
     ):
         return True
     return layer_of(target) in MAY_IMPORT[layer]
