@@ -73,11 +73,13 @@ def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: in
     order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
     thresholds = [0] * len(times_ns)
     events = sorted(
-        [(int(end), 0, row) for row, end in enumerate(tl.col("end_ns"))]
+        [(end, 0, row) for row, end in enumerate(tl.col("end_ns").tolist())]
         + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats)]
     )
-    scheduled = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
-    in_flight = tl.col("num_waiting_reqs") + tl.col("num_running_reqs")
+    # Python lists: the loop reads one element at a time, which numpy makes slow.
+    scheduled = (tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")).tolist()
+    in_flight = (tl.col("num_waiting_reqs") + tl.col("num_running_reqs")).tolist()
+    iterations = tl.col("iteration").tolist()
     had_work, last_iteration, last_message_ns, next_query = False, 0, None, 0
     for time_ns, is_heartbeat, index in events:
         while next_query < len(order) and times_ns[order[next_query]] <= time_ns:
@@ -92,7 +94,7 @@ def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: in
         else:
             progress = bool(scheduled[index])
             if progress:
-                last_iteration = max(last_iteration, int(tl.col("iteration")[index]))
+                last_iteration = max(last_iteration, iterations[index])
             work_after = bool(in_flight[index])
         if progress:
             rule.note_progress(time_ns, had_work, was_silent)
