@@ -9,9 +9,9 @@
                                       own ingest feeds FPM producers in; they import nothing
                                       foreign)
     telemetry.analysis             -> the lane and analysis (never the sidecar), and of the
-                                      sources only the reader of Dynamo's FPM recordings
-                                      (`explain` and `tune` read them; it shares the mapping
-                                      and numbering with the live ingest)
+                                      sources only the FPM mapping and the reader of Dynamo's
+                                      FPM recordings (`explain` and `tune` read them; it
+                                      shares the mapping and numbering with the live ingest)
     telemetry.sources              -> the lane and sources
 
 Every import counts, also one inside a function (the commands import lazily). And no module
@@ -45,7 +45,7 @@ MAY_IMPORT: dict[str, set[str]] = {  # layer -> the layers it may import
 }
 ENGINE_MAY_IMPORT_FROM_LANE = ("telemetry.lane.record", "telemetry.lane.publisher")
 SIDECAR_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm", "telemetry.sources.fpm_streams")
-ANALYSIS_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm_taps",)
+ANALYSIS_MAY_IMPORT_FROM_SOURCES = ("telemetry.sources.fpm", "telemetry.sources.fpm_taps")
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -5,7 +5,9 @@ an IterationRecord or Heartbeat (tagged arrays). It may span rotated files (``re
 ... are read along with ``rec.jsonl``) and several engines; messages are grouped by engine and
 ordered by record time, so files can be given in any order, and a message read twice counts
 once. Lines that do not decode (a line cut by a crash, another schema version) are
-counted and skipped.
+counted and skipped. Dynamo's FPM recordings are read too (telemetry/sources/fpm_taps.py),
+with lines saying how they were captured and what their iteration times are
+(telemetry/analysis/fpm_recording.py).
 
 ``--follow`` reads the files as the sidecar writes them (rotated files created meanwhile
 included) and prints each episode as it appears (and again when it ends), so a running engine
@@ -26,6 +28,12 @@ from pathlib import Path
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.explain_report import format_engine, format_episode, report_json
+from telemetry.analysis.fpm_recording import (
+    add_fpm_producer_argument,
+    capture_json,
+    capture_lines,
+    wall_time_line,
+)
 from telemetry.analysis.timeline import EngineTimeline, build_timelines, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.recording import RecordingReader
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw KV usage, queues, tokens, iteration time; episodes shaded",
     )
     parser.add_argument("--engine", type=int, help="only this engine index")
+    add_fpm_producer_argument(parser)
     parser.add_argument(
         "--follow",
         action="store_true",
@@ -175,25 +184,33 @@ def main(argv: list[str] | None = None) -> int:
             args.recordings, thresholds, args.interval, args.max_time, engine_index=args.engine
         )
     try:
-        timelines, num_messages, num_bad = read_timelines(args.recordings)
-    except FileNotFoundError as error:
+        timelines, num_messages, num_bad = read_timelines(args.recordings, args.fpm_producer)
+    except (FileNotFoundError, ValueError) as error:
         print(f"iterscope explain: {error}", file=sys.stderr)
         return 2
     timelines = _only_engine(timelines, args.engine)
     if not timelines:
         print("iterscope explain: no telemetry message found in the recording", file=sys.stderr)
         return 1
+    capture = next(iter(timelines.values())).capture
     if args.json:
-        print(json.dumps(report_json(timelines, thresholds), indent=2))
+        report = report_json(timelines, thresholds)
+        if capture is not None:
+            report["fpm_recording"] = capture_json(capture, list(timelines.values()))
+        print(json.dumps(report, indent=2))
     else:
         print(
             f"iterscope explain: {plural(len(args.recordings), 'file')}, "
             f"{plural(num_messages, 'message')} ({plural(num_bad, 'unreadable line')}), "
             f"{plural(len(timelines), 'engine')}\n"
         )
+        if capture is not None:
+            print("\n".join(capture_lines(capture, list(timelines.values()))) + "\n")
         for tl in timelines.values():
             episodes = detect_episodes(tl, thresholds)
-            print("\n".join(format_engine(tl, episodes, thresholds, args.all)) + "\n")
+            lines = format_engine(tl, episodes, thresholds, args.all)
+            time_line = wall_time_line(tl)
+            print("\n".join(lines + ([f"  note: {time_line}"] if time_line else [])) + "\n")
     if args.plot:
         from telemetry.analysis.plot import plot_timelines
 

@@ -4,7 +4,8 @@ Everything ``explain``, ``tune`` and the episode detectors read goes through Eng
 record columns under the record's own field names (RECORD_FIELDS), static facts from
 heartbeats (FACT_FIELDS), record time to wall time through heartbeat anchors, and the reasons
 requests wait (WAIT_REASONS). ``build_timelines`` splits a recording's messages by engine;
-``read_timelines`` reads a recording's files into them.
+``read_timelines`` reads a recording's files into them: iterscope's JSONL, or Dynamo's FPM
+recordings (telemetry/sources/fpm_taps.py), whose timelines say how they were captured.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from telemetry.lane.record import (
     IterationRecord,
 )
 from telemetry.lane.recording import read_recording
+from telemetry.sources.fpm_taps import TapCapture, is_tap, read_tap
 
 NS_PER_S = 1_000_000_000
 
@@ -46,6 +48,7 @@ class EngineTimeline:
         self._anchor_offset_ns = [h.wall_ns - h.ts_ns for h in self.heartbeats]
         self.columns = _record_columns(self.records)
         self.facts = _latest_facts(self.heartbeats)
+        self.capture: TapCapture | None = None  # a Dynamo FPM recording's; None: iterscope's
 
     @property
     def num_iterations(self) -> int:
@@ -228,13 +231,22 @@ WAIT_REASONS = {
 }
 
 
-def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], int, int]:
+def read_timelines(
+    paths: list[str | Path], fpm_producer: str = "unknown"
+) -> tuple[dict[int, EngineTimeline], int, int]:
     """(timelines by engine index, number of messages, number of unreadable lines).
 
-    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too."""
+    A file's rotated predecessors (``rec.jsonl.1``, ...) are read too. Dynamo's FPM
+    recordings are read alone (ValueError beside iterscope's), ``fpm_producer`` saying what
+    their wall_time means (telemetry.sources.fpm.PRODUCERS)."""
     missing = [str(p) for p in paths if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
+    taps = [is_tap(p) for p in paths]
+    if any(taps):
+        if not all(taps):
+            raise ValueError("Dynamo's FPM recordings are read alone, not with iterscope's")
+        return _read_tap_timelines(paths, fpm_producer)
     messages, num_bad_lines = [], 0
     for item in read_recording(paths):
         if isinstance(item, str):
@@ -242,3 +254,14 @@ def read_timelines(paths: list[str | Path]) -> tuple[dict[int, EngineTimeline], 
         else:
             messages.append(item)
     return build_timelines(messages), len(messages), num_bad_lines
+
+
+def _read_tap_timelines(
+    paths: list[str | Path], producer: str
+) -> tuple[dict[int, EngineTimeline], int, int]:
+    """read_timelines of Dynamo's FPM recordings; the count is of FPM messages."""
+    tap = read_tap(paths, producer)
+    timelines = build_timelines(tap.messages)
+    for timeline in timelines.values():
+        timeline.capture = tap.capture
+    return timelines, tap.num_fpm_messages, tap.num_bad_lines

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
+from telemetry.analysis.fpm_recording import add_fpm_producer_argument, tune_lines
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
@@ -299,7 +300,7 @@ def format_report(
         f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms; prefill "
         f"{rec.prompt_throughput:.0f} tokens/s at a full budget",
     ]
-    lines += [f"  note: {note}" for note in rec.notes]
+    lines += [f"  note: {note}" for note in [*rec.notes, *tune_lines(tl)]]
     return lines
 
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill tokens an iteration must still fit beside a full decode batch (default 512)",
     )
     parser.add_argument("--engine", type=int, help="only this engine index")
+    add_fpm_producer_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     return parser
 
@@ -330,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         print("iterscope tune: --itl-target must be > 0 and --min-chunk >= 0", file=sys.stderr)
         return 2
     try:
-        timelines, _, _ = read_timelines(args.recordings)
-    except FileNotFoundError as error:
+        timelines, _, _ = read_timelines(args.recordings, args.fpm_producer)
+    except (FileNotFoundError, ValueError) as error:
         print(f"iterscope tune: {error}", file=sys.stderr)
         return 2
     if args.engine is not None:
@@ -347,7 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         results.append(
-            {"engine_index": tl.engine_index, "fit": fit.to_json(), "recommendation": asdict(rec)}
+            {
+                "engine_index": tl.engine_index,
+                "fit": fit.to_json(),
+                "recommendation": asdict(rec),
+                "fpm_notes": tune_lines(tl),
+            }
         )
         if not args.json:
             print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))

@@ -194,14 +194,14 @@ def to_record(
     monotonic clock): it started ``wall_time`` before that. ``producer`` (PRODUCERS) says
     whether wall_time is the model's GPU time as well."""
     scheduled = message.scheduled_requests
-    elapsed_ns = round(message.wall_time * NS_PER_S)
+    elapsed = elapsed_ns(message)
     return iteration_record(
         engine_index,
         msg_seq,
         iteration,
-        start_ns=max(0, received_ns - elapsed_ns),
-        elapsed_ns=elapsed_ns,
-        model_elapsed_ns=elapsed_ns if producer in GPU_TIME_PRODUCERS else 0,
+        start_ns=start_ns(message, received_ns),
+        elapsed_ns=elapsed,
+        model_elapsed_ns=elapsed if producer in GPU_TIME_PRODUCERS else 0,
         num_prefill_reqs=scheduled.num_prefill_requests,
         num_prefill_tokens=scheduled.sum_prefill_tokens,
         num_decode_reqs=scheduled.num_decode_requests,
@@ -216,6 +216,17 @@ def to_record(
         unknown=FPM_UNKNOWN,
         fpm=figures(message),
     )
+
+
+def elapsed_ns(message: ForwardPassMetrics) -> int:
+    """The message's ``wall_time`` in ns."""
+    return round(message.wall_time * NS_PER_S)
+
+
+def start_ns(message: ForwardPassMetrics, received_ns: int) -> int:
+    """When the message's iteration started on the receiver's clock: ``wall_time`` before
+    its receipt (the receipt itself for a heartbeat, whose wall_time is 0)."""
+    return max(0, received_ns - elapsed_ns(message))
 
 
 def figures(message: ForwardPassMetrics) -> FpmFigures:
@@ -238,3 +249,12 @@ def figures(message: ForwardPassMetrics) -> FpmFigures:
 def source_name(producer: str) -> str:
     """The engine's ``source`` fact: 'fpm', with the producer where the operator said it."""
     return SOURCE_FPM if producer == "unknown" else f"{SOURCE_FPM}-{producer}"
+
+
+def producer_of(source: str) -> str | None:
+    """The producer an engine's ``source`` fact names (source_name's inverse): 'unknown' for
+    'fpm'; None when the engine is no FPM producer."""
+    if source == SOURCE_FPM:
+        return "unknown"
+    producer = source.removeprefix(f"{SOURCE_FPM}-")
+    return producer if producer != source and producer in PRODUCERS else None

@@ -25,7 +25,9 @@ Invariants:
   'seq_jump', nothing is sent, the producer's numbering is left as it was.
 - State is bounded by ``engines``: a producer whose engine the receiver did not admit (or
   removed since) is forgotten here; 'engine_limit' when no index is free.
-- Times are the caller's (``now_ns``, the receipt); FPM carries none.
+- Times are the caller's (``now_ns``, the receipt); FPM carries none. A heartbeat is placed
+  where its message's iteration started (fpm.start_ns), so the one that introduces a
+  producer with a busy message comes before that message's record in time too.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from telemetry.sources.fpm import (
     num_running_reqs,
     num_waiting_reqs,
     source_name,
+    start_ns,
     to_record,
 )
 
@@ -163,12 +166,14 @@ class FpmStreams:
         num_lost: int,
     ) -> Heartbeat:
         """Progress from the producer's last record, queues from ``message`` (all zero for
-        the producer's own heartbeat), the clock anchor read now, the facts."""
+        the producer's own heartbeat), the clock anchor read now (at the iteration's start),
+        the facts."""
+        ts_ns = start_ns(message, now_ns)
         return heartbeat(
             producer.engine_index,
             producer.msg_seq,
-            now_ns,
-            self._wall_clock(),
+            ts_ns,
+            self._wall_clock() - (now_ns - ts_ns),
             last_iteration=producer.iteration,
             num_waiting_reqs=num_waiting_reqs(message),
             num_running_reqs=num_running_reqs(message),
