@@ -24,14 +24,14 @@ from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sinks.jsonl import JsonlSink
 from telemetry.sources.fpm_taps import read_tap
 from tests.helpers import REPO
-from tests.helpers.dynamo_fpm_recorder import BASE_S, DECODE_REQ_S, PREFILL_TOKEN_S
+from tests.helpers.dynamo_fpm_recorder import BASE_S, DECODE_REQ_S, NUM_BUSY, PREFILL_TOKEN_S
 from tests.helpers.fpm import fpm_frames
 
 DATA = REPO / "tests" / "data" / "dynamo_fpm"
 RECEIVED = DATA / "recv.jsonl"
 FULL = next((DATA / "full").glob("*.jsonl.gz"))
 SAMPLED = next((DATA / "sampled").glob("*.jsonl.gz"))
-NUM_BUSY = 48  # the workload's iterations (two busy phases), each followed by idle heartbeats
+NUM_ITERATIONS = 2 * NUM_BUSY  # the workload's two busy phases, each followed by heartbeats
 
 
 def engine_of(path: Path, producer: str = "unknown"):
@@ -42,7 +42,7 @@ def engine_of(path: Path, producer: str = "unknown"):
 @pytest.mark.parametrize("path", [RECEIVED, FULL], ids=["recv-output", "full-trace"])
 def test_every_message_of_a_full_recording_becomes_a_record_or_heartbeat(path):
     timeline = engine_of(path, "dynamo-vllm")
-    assert timeline.num_iterations == NUM_BUSY
+    assert timeline.num_iterations == NUM_ITERATIONS
     assert timeline.facts == {"model_name": "dynamo-w0", "source": "fpm-dynamo-vllm"}
     assert timeline.capture.mode in ("received", "full")
     assert (timeline.col("elapsed_ns") > 0).all()
@@ -54,7 +54,7 @@ def test_every_message_of_a_full_recording_becomes_a_record_or_heartbeat(path):
 def test_a_sampled_trace_numbers_its_samples_without_losses():
     tap = read_tap([SAMPLED])
     records = [m for m in tap.messages if type(m) is not Heartbeat]
-    assert tap.capture.mode == "sampled" and 5 < len(records) < NUM_BUSY
+    assert tap.capture.mode == "sampled" and 5 < len(records) < NUM_ITERATIONS
     assert 0.09 < tap.capture.sample_interval_s < 0.2  # DYN_FPM_SAMPLE_INTERVAL_MS=100
     assert [m.msg_seq for m in tap.messages] == list(range(1, len(tap.messages) + 1))
     assert all(m.num_dropped == 0 for m in tap.messages)
