@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
-from telemetry.lane.record import MAX_ENGINE_INDEX, Heartbeat, Message, heartbeat
+from telemetry.lane.record import MAX_ENGINE_INDEX, Message, heartbeat
 from telemetry.sources.fpm import (
     ForwardPassMetrics,
     is_heartbeat,
@@ -154,22 +154,12 @@ class FpmStreams:
         now_ns: int,
         num_lost: int,
     ) -> None:
-        producer.msg_seq += 1
-        self._send(self._heartbeat(producer, key, message, now_ns, num_lost), now_ns)
-
-    def _heartbeat(
-        self,
-        producer: _Producer,
-        key: tuple[str, int],
-        message: ForwardPassMetrics,
-        now_ns: int,
-        num_lost: int,
-    ) -> Heartbeat:
         """Progress from the producer's last record, queues from ``message`` (all zero for
         the producer's own heartbeat), the clock anchor read now (at the iteration's start),
         the facts."""
+        producer.msg_seq += 1
         ts_ns = start_ns(message, now_ns)
-        return heartbeat(
+        beat = heartbeat(
             producer.engine_index,
             producer.msg_seq,
             ts_ns,
@@ -181,6 +171,7 @@ class FpmStreams:
             model_name=self._model_name or key[0],
             source=self._source,
         )
+        self._send(beat, now_ns)
 
     def _send_record(
         self, producer: _Producer, message: ForwardPassMetrics, now_ns: int, num_lost: int
