@@ -120,6 +120,8 @@ def test_dynamo_recordings_are_read_alone(tmp_path, capsys):
     assert "read alone" in capsys.readouterr().err
     mixed = [str(RECEIVED), str(shutil.copy(FULL, tmp_path / FULL.name))]
     assert tune.main([*mixed, "--itl-target", "50ms"]) == 2
+    assert explain.main([str(FULL), "--follow", "--max-time", "1s"]) == 2
+    assert "--follow reads iterscope's recordings only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", [RECEIVED, FULL, SAMPLED], ids=["recv", "full", "sampled"])

@@ -37,6 +37,7 @@ from telemetry.analysis.fpm_recording import (
 from telemetry.analysis.timeline import EngineTimeline, build_timelines, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.recording import RecordingReader
+from telemetry.sources.fpm_taps import is_tap
 
 # --------------------------------------------------------------------------------------------
 # Follow mode
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     thresholds = Thresholds(stall_after=args.stall_after)
     if args.follow:
+        if any(p.is_file() and is_tap(p) for p in args.recordings):
+            print("iterscope explain: --follow reads iterscope's recordings only", file=sys.stderr)
+            return 2
         return follow(
             args.recordings, thresholds, args.interval, args.max_time, engine_index=args.engine
         )

@@ -92,9 +92,8 @@ class Tap:
 def is_tap(path: str | Path) -> bool:
     """Whether ``path`` is one of Dynamo's FPM recordings (else an iterscope recording, whose
     lines are JSON arrays): a gzip file, or a first line that is a JSON object."""
-    with open(path, "rb") as file:
-        start = file.read(2)
-        return start == GZIP_MAGIC or start[:1] == b"{"
+    head = _head(path)
+    return head == GZIP_MAGIC or head[:1] == b"{"
 
 
 def read_tap(paths: Iterable[str | Path], producer: str = "unknown") -> Tap:
@@ -121,9 +120,13 @@ def read_tap(paths: Iterable[str | Path], producer: str = "unknown") -> Tap:
     return tap
 
 
-def _is_gzip(path: Path) -> bool:
+def _head(path: str | Path) -> bytes:
     with open(path, "rb") as file:
-        return file.read(2) == GZIP_MAGIC
+        return file.read(len(GZIP_MAGIC))
+
+
+def _is_gzip(path: Path) -> bool:
+    return _head(path) == GZIP_MAGIC
 
 
 def _mode(modes: set[str]) -> str:
