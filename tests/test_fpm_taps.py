@@ -137,22 +137,23 @@ def test_tune_fits_dynamos_recordings_to_the_workloads_costs(path, capsys):
     assert ("sampled" in " ".join(result["fpm_notes"])) == (path == SAMPLED)
 
 
-def fpm_ingest_recording(path: Path, producer: str) -> Path:
+def fpm_ingest_recording(path: Path, producer: str, kv_token_s: float = 0.0) -> Path:
     """A recording made by the sidecar's FPM ingest (FpmEngines into Ingest and the JSONL
     sink), of 30 iterations whose wall_time is 3 ms + 10 us a prefill token + 0.2 ms a
-    decode."""
+    decode + ``kv_token_s`` a decode KV token (contexts of 100, 150 or 200 tokens)."""
     recording = JsonlSink(str(path))
     ingest = Ingest([recording], live_findings=False)
     engines = FpmEngines(ingest, model_name="m", producer=producer)
     for seq in range(30):
         prefill, decode = 64 * (seq % 5), 1 + seq % 7
+        decode_kv = decode * (100 + 50 * (seq % 3))
         scheduled = {
             "num_prefill_requests": 1 if prefill else 0,
             "sum_prefill_tokens": prefill,
             "num_decode_requests": decode,
-            "sum_decode_kv_tokens": 100 * decode,
+            "sum_decode_kv_tokens": decode_kv,
         }
-        wall_time = 0.003 + 1e-5 * prefill + 2e-4 * decode
+        wall_time = 0.003 + 1e-5 * prefill + 2e-4 * decode + kv_token_s * decode_kv
         received_ns = (seq + 1) * 10**8
         engines.on_frames(fpm_frames(seq, scheduled=scheduled, wall_time=wall_time), received_ns)
     ingest.close()
@@ -183,3 +184,17 @@ def test_a_producer_met_mid_load_shows_no_phantom_gap(tmp_path, capsys):
     path = fpm_ingest_recording(tmp_path / "fpm.jsonl", "sglang")
     (engine,) = explain_json(capsys, str(path))["engines"]
     assert not [f for f in engine["findings"] if f["kind"] == "telemetry_gap"]
+
+
+def test_tune_fits_the_decode_context_of_fpm_engines_and_predicts_with_its_mean(tmp_path, capsys):
+    path = fpm_ingest_recording(tmp_path / "fpm.jsonl", "dynamo-vllm", kv_token_s=1e-6)
+    assert tune.main([str(path), "--itl-target", "40ms", "--min-chunk", "256", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["engines"]
+    fit, recommendation = result["fit"], result["recommendation"]
+    assert fit["coefficients"]["decode_kv_tokens"] == pytest.approx(1e-6, rel=1e-3)
+    assert fit["coefficients"]["gen_tokens"] == pytest.approx(2e-4, rel=1e-3)
+    context = fit["decode_context_tokens"]
+    assert 100 < context < 200
+    decode_request_s = 2e-4 + 1e-6 * context  # its token and its context
+    room_s = 0.040 - 0.003 - 1e-5 * 256
+    assert recommendation["max_num_seqs"] == int(room_s // decode_request_s)

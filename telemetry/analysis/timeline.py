@@ -116,8 +116,9 @@ class EngineTimeline:
         return ts_ns + self._anchor_offset_ns[nearest]
 
 
-# The record fields kept as columns, under the record's own names. Two more are derived:
-# ``end_ns`` (start_ns + elapsed_ns) and ``num_finished_reqs`` (finish milestones).
+# The record fields kept as columns, under the record's own names. Three more are derived:
+# ``end_ns`` (start_ns + elapsed_ns), ``num_finished_reqs`` (finish milestones) and
+# ``num_decode_kv_tokens`` (the decodes' context, from an FPM record's ``fpm``; else 0).
 RECORD_FIELDS = (
     "iteration",
     "start_ns",
@@ -146,6 +147,11 @@ def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
         for name in RECORD_FIELDS
     }
     columns["end_ns"] = columns["start_ns"] + columns["elapsed_ns"]
+    columns["num_decode_kv_tokens"] = np.fromiter(
+        (r.fpm.num_decode_kv_tokens if r.fpm else 0 for r in records),
+        dtype=np.int64,
+        count=len(records),
+    )
     columns["num_finished_reqs"] = np.fromiter(
         (sum(1 for m in r.milestones if m.event & EVENT_FINISHED) for r in records),
         dtype=np.int64,

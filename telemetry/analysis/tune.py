@@ -5,8 +5,13 @@ the iterations it is part of. We fit, by least squares over the recorded iterati
 
     iteration_time = base + prefill_token_time * prefill_tokens
                      + decode_token_time * decode_tokens + prefill_req_time * prefill_requests
+                     + decode_kv_token_time * decode_kv_tokens
 
-(decode requests equal decode tokens, one each, so they share one term), then choose:
+(decode requests equal decode tokens, one each, so they share one term; decode KV tokens, the
+decoding requests' context that attention reads, only where the records say it: FPM engines,
+whose predictions then put the recording's mean context behind each decoding request). A
+feature that never varies, or varies only as a combination of the others, is left out. Then
+choose:
 
 - max_num_seqs: the most decoding requests whose decode-only iteration, plus a prefill chunk of
   ``--min-chunk`` tokens, stays within the target; never more than fit in the KV cache at the
@@ -39,6 +44,7 @@ FEATURES = {
     "prefill_tokens": "num_prefill_tokens",
     "decode_tokens": "num_decode_tokens",
     "prefill_reqs": "num_prefill_reqs",
+    "decode_kv_tokens": "num_decode_kv_tokens",  # FPM engines only; 0 (left out) elsewhere
 }
 # What `tune --json` calls them, which scripts read (the names from before the vocabulary
 # was prefill/decode, kept at this boundary): coefficients, and the Fit fields renamed since.
@@ -68,6 +74,7 @@ class Fit:
     num_outliers: int
     max_tokens_seen: int
     max_decode_reqs_seen: int
+    decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
 
     def predict(
         self, prefill_tokens: float = 0, decode_tokens: float = 0, prefill_reqs: float = 0
@@ -76,22 +83,29 @@ class Fit:
             "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens,
             "prefill_reqs": prefill_reqs,
+            "decode_kv_tokens": decode_tokens * self.decode_context_tokens,
         }
         return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
+
+    @property
+    def decode_request_time(self) -> float:
+        """What one more decoding request costs an iteration (its token and its context)."""
+        return self.predict(decode_tokens=1) - self.base_time
 
     def to_json(self) -> dict:
         """As `tune --json` prints it (JSON_NAMES)."""
         data = {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
         data["coefficients"] = {
-            JSON_NAMES[name]: value for name, value in self.coefficients.items()
+            JSON_NAMES.get(name, name): value for name, value in self.coefficients.items()
         }
         return data
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, float]:
-    """Fit with an intercept; features whose coefficient comes out negative (noise, or a
-    feature that never varies) are dropped and the rest refitted, so costs are never < 0."""
-    names = [n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0]
+    """Fit with an intercept; features that never vary or vary only as a combination of the
+    others are left out, and features whose coefficient comes out negative (noise) are
+    dropped and the rest refitted, so costs are never < 0."""
+    names = _independent([n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0], x)
     while True:
         columns = [FEATURE_NAMES.index(n) for n in names]
         design = np.column_stack([np.ones(len(y)), x[:, columns]])
@@ -103,6 +117,18 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
                 **dict(zip(names, map(float, solution[1:]), strict=True)),
             }
         names.remove(negative[0])
+
+
+def _independent(names: list[str], x: np.ndarray) -> list[str]:
+    """``names`` in order, each kept only if its column adds to the rank of those kept (with
+    the intercept): a decode context that is a fixed multiple of the decode count, say."""
+    kept: list[str] = []
+    for name in names:
+        columns = [FEATURE_NAMES.index(n) for n in [*kept, name]]
+        design = np.column_stack([np.ones(len(x)), x[:, columns]])
+        if np.linalg.matrix_rank(design) == len(columns) + 1:
+            kept.append(name)
+    return kept
 
 
 def _untimed_hint(tl: EngineTimeline) -> str:
@@ -144,7 +170,15 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         num_outliers=int((~keep).sum()),
         max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
+        decode_context_tokens=_decode_context(x),
     )
+
+
+def _decode_context(x: np.ndarray) -> float:
+    """Mean decode KV tokens per decoding request over the fit's rows (0 without any)."""
+    decode_tokens = x[:, FEATURE_NAMES.index("decode_tokens")].sum()
+    decode_kv_tokens = x[:, FEATURE_NAMES.index("decode_kv_tokens")].sum()
+    return float(decode_kv_tokens / decode_tokens) if decode_tokens else 0.0
 
 
 def _predict(solution: dict[str, float], x: np.ndarray) -> np.ndarray:
@@ -188,7 +222,7 @@ def recommend(
     fit: Fit, itl_target: float, min_chunk_tokens: int = 512, kv_seqs: int | None = None
 ) -> Recommendation:
     """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds)."""
-    decode_token_time = fit.coefficients.get("decode_tokens", 0.0)
+    decode_token_time = fit.decode_request_time
     prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
     fixed_time = fit.base_time + fit.coefficients.get("prefill_reqs", 0.0)
     room_time = itl_target - fixed_time - prefill_token_time * min_chunk_tokens
@@ -262,6 +296,7 @@ def format_report(
             ("prefill_tokens", "prefill token"),
             ("decode_tokens", "decode token"),
             ("prefill_reqs", "prefill request"),
+            ("decode_kv_tokens", "decode KV token"),
         )
         if name in fit.coefficients
     )
@@ -272,6 +307,11 @@ def format_report(
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
         f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
     ]
+    if "decode_kv_tokens" in fit.coefficients:
+        lines.append(
+            f"  predictions put the recording's mean decode context behind each decoding "
+            f"request: {fit.decode_context_tokens:.0f} KV tokens"
+        )
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
     if current_seqs and current_budget:
