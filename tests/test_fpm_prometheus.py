@@ -8,8 +8,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.lane.record import IterationRecord, make_decoder, make_encoder
+from telemetry.sidecar.fpm_engines import FpmEngines
+from telemetry.sidecar.ingest import Ingest
+from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks import prometheus
 from telemetry.sidecar.sinks.fpm_publisher import FpmPublisherSink
+from telemetry.sidecar.sinks.jsonl import JsonlSink
 from telemetry.sidecar.sinks.prometheus import FPM_GAUGES, PrometheusSink
 from telemetry.sources.fpm import decode_frames, to_record
 from tests.helpers.fpm import busy_frames
@@ -118,3 +122,15 @@ def test_the_published_fpm_messages_counter_is_served_with_its_documented_help(t
     assert f"# HELP iterscope_fpm_messages_published_total {help_text}" in text
     assert 'iterscope_fpm_messages_published_total{engine="",model_name=""} 1.0' in text
     assert "iterscope_fpm_messages_published_total" in prometheus.series_names()
+
+
+def test_a_replayed_fpm_recording_serves_the_same_gauges(tmp_path):
+    recording = JsonlSink(str(tmp_path / "rec.jsonl"))
+    ingest = Ingest([recording], live_findings=False)
+    engines = FpmEngines(ingest, producer="sglang")
+    for seq in range(5):
+        engines.on_frames(busy_frames(seq), (seq + 1) * S)
+    ingest.close()
+    registry = CollectorRegistry()
+    replay(tmp_path / "rec.jsonl", [PrometheusSink(registry)], live_findings=False)
+    assert engine_values(families(registry), "0") == BUSY_GAUGES
