@@ -198,3 +198,25 @@ def test_tune_fits_the_decode_context_of_fpm_engines_and_predicts_with_its_mean(
     decode_request_s = 2e-4 + 1e-6 * context  # its token and its context
     room_s = 0.040 - 0.003 - 1e-5 * 256
     assert recommendation["max_num_seqs"] == int(room_s // decode_request_s)
+
+
+def in_component(trace_line: bytes, component: str, ms: int) -> bytes:
+    """The trace line from another component of the same process, ``ms`` later."""
+    line = json.loads(later(trace_line, ms))
+    line["event"]["source"]["component"] = component
+    return json.dumps(line).encode() + b"\n"
+
+
+def test_two_components_with_one_worker_id_are_two_engines(tmp_path):
+    """Dynamo keys a trace's stream by its component too (a process may serve two)."""
+    lines = gzip.decompress(FULL.read_bytes()).splitlines(keepends=True)
+    segment = tmp_path / "trace.p.000000.jsonl.gz"
+    other = [in_component(line, "prefill", 1) for line in lines]
+    interleaved = [line for pair in zip(lines, other, strict=True) for line in pair]
+    segment.write_bytes(gzip.compress(b"".join(interleaved)))
+    timelines = read_timelines([segment])[0]
+    assert sorted(tl.facts["model_name"] for tl in timelines.values()) == [
+        "iterscope.prefill/dynamo-w0",
+        "iterscope.worker/dynamo-w0",
+    ]
+    assert [tl.num_iterations for tl in timelines.values()] == [NUM_ITERATIONS] * 2

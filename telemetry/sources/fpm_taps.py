@@ -23,7 +23,8 @@ lib/llm/src/fpm_trace/sink.rs with lib/llm/src/telemetry/jsonl_gz.rs.)
 
 Each FPM map is mapped and numbered as the live sidecar does (telemetry/sources/fpm.py,
 fpm_streams.py): one engine per (worker_id, dp_rank), its all-zero messages heartbeats, a
-counter_id going back a restart. Times are the recorder's unix clock (monotonic = wall). In a
+counter_id going back a restart; a trace of several components puts the component into the
+worker id, as Dynamo keys its streams. Times are the recorder's unix clock (monotonic = wall). In a
 sampled trace the skipped counter_ids are iterations not sampled, not losses, so a stream's
 samples are numbered one after another; elsewhere a gap in counter_id counts as lost messages.
 """
@@ -35,6 +36,7 @@ import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -57,11 +59,17 @@ class _Received(msgspec.Struct):
     metrics: ForwardPassMetrics
 
 
+class _TraceSource(msgspec.Struct, frozen=True):
+    namespace: str = ""
+    component: str = ""
+
+
 class _TraceEvent(msgspec.Struct):
     schema: str
     capture_mode: str
     observed_at_unix_ms: int
     fpm: ForwardPassMetrics
+    source: _TraceSource = _TraceSource()
 
 
 class _TraceLine(msgspec.Struct):
@@ -110,8 +118,9 @@ def read_tap(paths: Iterable[str | Path], producer: str = "unknown") -> Tap:
                 num_bad += 1
             else:
                 entries.append(item)
-                modes.add(item[2])
-    entries.sort(key=lambda entry: entry[0])  # stable: a stream keeps its order
+                modes.add(item.mode)
+    entries.sort(key=lambda entry: entry.time_ns)  # stable: a stream keeps its order
+    _scope_worker_ids(entries)
     capture = TapCapture(
         TRACE_SCHEMA if gzipped == {True} else "recv_forward_pass_metrics --output", _mode(modes)
     )
@@ -135,7 +144,13 @@ def _mode(modes: set[str]) -> str:
     return modes.pop() if modes else RECEIVED
 
 
-Entry = tuple[int, ForwardPassMetrics, str]  # (unix ns, message, capture mode)
+class Entry(NamedTuple):
+    """One FPM message of a recording."""
+
+    time_ns: int  # unix
+    message: ForwardPassMetrics
+    mode: str  # RECEIVED, FULL or SAMPLED
+    scope: str = ""  # a trace's namespace.component, which Dynamo keys a stream by too
 
 
 def _entries(path: Path) -> Iterator[Entry | str]:
@@ -163,7 +178,7 @@ def _received_entry(decoder: msgspec.json.Decoder, line: bytes) -> Entry | str:
         item = decoder.decode(line)
     except msgspec.DecodeError:
         return "malformed"
-    return _checked(item.received_at_ns, item.metrics, RECEIVED)
+    return _checked(Entry(item.received_at_ns, item.metrics, RECEIVED))
 
 
 def _trace_entry(decoder: msgspec.json.Decoder, line: bytes | str) -> Entry | str:
@@ -175,13 +190,25 @@ def _trace_entry(decoder: msgspec.json.Decoder, line: bytes | str) -> Entry | st
         return "malformed"
     if event.schema != TRACE_SCHEMA or event.capture_mode not in (FULL, SAMPLED):
         return "version"
-    return _checked(event.observed_at_unix_ms * NS_PER_MS, event.fpm, event.capture_mode)
+    scope = f"{event.source.namespace}.{event.source.component}"
+    return _checked(
+        Entry(event.observed_at_unix_ms * NS_PER_MS, event.fpm, event.capture_mode, scope)
+    )
 
 
-def _checked(time_ns: int, message: ForwardPassMetrics, mode: str) -> Entry | str:
-    if message.version != FPM_VERSION:
+def _checked(entry: Entry) -> Entry | str:
+    if entry.message.version != FPM_VERSION:
         return "version"
-    return (time_ns, message, mode) if time_ns > 0 else "malformed"
+    return entry if entry.time_ns > 0 else "malformed"
+
+
+def _scope_worker_ids(entries: list[Entry]) -> None:
+    """Where a trace holds several components, Dynamo keys a stream by (component,
+    worker_id, dp_rank): the component goes into the worker id so their streams stay apart
+    (two components of one process may share a worker id)."""
+    if len({entry.scope for entry in entries}) > 1:
+        for entry in entries:
+            entry.message.worker_id = f"{entry.scope}/{entry.message.worker_id}"
 
 
 class _Collected:
@@ -209,7 +236,7 @@ def _number(tap: Tap, entries: list[Entry], producer: str) -> None:
         wall_clock=lambda: collected.now_ns,
     )
     seqs = _SampleSeqs() if tap.capture.mode == SAMPLED else None
-    for time_ns, message, _ in entries:
+    for time_ns, message, _, _ in entries:
         collected.now_ns = time_ns
         seq = message.counter_id if seqs is None else seqs.next(message)
         streams.on_message(seq, message, time_ns)
@@ -237,7 +264,7 @@ class _SampleSeqs:
         """The median time between consecutive samples of one stream."""
         last: dict[tuple[str, int], int] = {}
         intervals = []
-        for time_ns, message, _ in entries:
+        for time_ns, message, _, _ in entries:
             key = (message.worker_id, message.dp_rank)
             if key in last:
                 intervals.append((time_ns - last[key]) / 1e9)
