@@ -276,8 +276,8 @@ def test_requests_queued_with_nothing_scheduled_make_the_engine_stalled():
 
 
 def test_what_fpm_does_not_report_is_said_so_not_shown_as_zero(tmp_path):
-    """KV blocks and preemptions: absent from /metrics, "not reported" in the log line and
-    in explain's summary, never 0% or 0."""
+    """KV blocks, preemptions and the prefix cache: absent from /metrics, "not reported" in
+    the log line and in explain's summary, never 0% or 0."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from telemetry.analysis.summary import format_summary, summarize
@@ -294,15 +294,24 @@ def test_what_fpm_does_not_report_is_said_so_not_shown_as_zero(tmp_path):
         engines.on_frames(busy_frames(seq), (seq + 1) * S)
     ingest.close()
     text = generate_latest(prometheus.registry).decode()
-    for name in ("kv_cache_usage_ratio", "kv_blocks_used", "preemptions_total"):
+    for name in (
+        "kv_cache_usage_ratio",
+        "kv_blocks_used",
+        "preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ):
         assert f"iterscope_{name}{{" not in text, name
     assert 'iterscope_iterations_total{engine="0"' in text
     view = ingest.engines[0].view
     line = format_engine_line(engine_figures(view, view.totals, 10.0))
-    assert "KV cache usage: not reported" in line
+    assert "KV cache usage: not reported, Prefix cache hit rate: not reported" in line
     (timeline,) = read_timelines([tmp_path / "rec.jsonl"])[0].values()
     summary_text = "\n".join(format_summary(summarize(timeline)))
-    assert "KV cache: not reported by the source; preemptions not reported" in summary_text
+    assert (
+        "KV cache: not reported by the source; preemptions not reported; "
+        "prefix cache hit rate not reported"
+    ) in summary_text
 
 
 def test_every_fpm_message_counts_as_a_frame_decodable_or_not():

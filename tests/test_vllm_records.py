@@ -246,5 +246,6 @@ def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
     (waiting,) = [episode for episode in episodes if episode.kind == "waiting"]
     assert "reason not reported" in waiting.title
     assert "KV capacity" not in waiting.evidence
+    assert "reasons: not reported by the source;" in waiting.evidence
     summary = " ".join(format_summary(summarize(timeline)))
     assert "reasons not reported by the source" in summary

@@ -21,6 +21,7 @@ from telemetry.lane.record import (
     EVENT_FIRST_TOKEN,
     UNKNOWN_KV_BLOCKS,
     UNKNOWN_PREEMPTIONS,
+    UNKNOWN_PREFIX_CACHE,
 )
 
 # The keys of Summary.waiting_reason_shares, by WAIT_REASONS name: what `explain --json`
@@ -67,7 +68,7 @@ class Summary:
     mean_kv_usage: float | None  # None: the source does not report KV blocks (FPM)
     peak_kv_usage: float | None
     num_preemptions: int | None  # None: the source does not report preemptions (FPM)
-    prefix_hit_rate: float
+    prefix_hit_rate: float | None  # None: the source does not report prefix-cache figures
     num_finished_reqs: int
     num_timed_reqs: int  # requests whose first token is recorded: the quantiles below are theirs
     queue_time_p50: float
@@ -151,7 +152,9 @@ def summarize(tl: EngineTimeline) -> Summary:
         num_preemptions=_if_known(
             tl, UNKNOWN_PREEMPTIONS, lambda: int(tl.col("num_preemptions").sum())
         ),
-        prefix_hit_rate=prefix_hits / prefix_queries if prefix_queries else 0.0,
+        prefix_hit_rate=_if_known(
+            tl, UNKNOWN_PREFIX_CACHE, lambda: prefix_hits / max(prefix_queries, 1)
+        ),
         num_finished_reqs=num_finished,
         num_timed_reqs=len(queue_times),
         queue_time_p50=_quantile(queue_times, 0.5),
@@ -235,7 +238,8 @@ def format_summary(s: Summary) -> list[str]:
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"{_kv_text(s)}; preemptions "
         f"{'not reported' if s.num_preemptions is None else s.num_preemptions}; "
-        f"prefix cache hit rate {pct(s.prefix_hit_rate)}",
+        "prefix cache hit rate "
+        + ("not reported" if s.prefix_hit_rate is None else pct(s.prefix_hit_rate)),
         f"requests: {s.num_finished_reqs} finished; {_request_times_line(s)}",
         f"batched or queued? {s.verdict}",
     ]

@@ -85,6 +85,7 @@ UNKNOWN_KV_TOKENS = 8  # num_kv_tokens
 UNKNOWN_KV_BLOCKS = 16  # num_kv_blocks_used, num_kv_blocks_free
 UNKNOWN_PREEMPTIONS = 32  # num_preemptions
 UNKNOWN_MILESTONES = 64  # milestones: the source reports no request lifecycles
+UNKNOWN_PREFIX_CACHE = 128  # num_prefix_query_tokens, num_prefix_hit_tokens
 
 
 class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=False):

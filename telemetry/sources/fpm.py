@@ -51,6 +51,7 @@ from telemetry.lane.record import (
     UNKNOWN_KV_BLOCKS,
     UNKNOWN_MILESTONES,
     UNKNOWN_PREEMPTIONS,
+    UNKNOWN_PREFIX_CACHE,
     UNKNOWN_WAITING_REASONS,
     FpmFigures,
     IterationRecord,
@@ -63,7 +64,13 @@ SEQ_BYTES = 8
 MAX_PAYLOAD_BYTES = 1 << 16  # a message is about 400 bytes; anything far above is not FPM
 NS_PER_S = 1_000_000_000
 # Every field FPM does not carry, marked unknown on every record (shown as unknown, never 0).
-FPM_UNKNOWN = UNKNOWN_WAITING_REASONS | UNKNOWN_KV_BLOCKS | UNKNOWN_PREEMPTIONS | UNKNOWN_MILESTONES
+FPM_UNKNOWN = (
+    UNKNOWN_WAITING_REASONS
+    | UNKNOWN_KV_BLOCKS
+    | UNKNOWN_PREEMPTIONS
+    | UNKNOWN_MILESTONES
+    | UNKNOWN_PREFIX_CACHE  # sum_prefill_kv_tokens mixes prefix hits with earlier chunks
+)
 
 # What wall_time measures, per producer (docs/fpm.md). The producer is not on the wire: the
 # operator says it (iterscope sidecar --fpm-producer).

@@ -91,7 +91,8 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     )
     if not tl.waiting_reasons_known:
         label, cause = "reason not reported", "of a limit the source does not name"
-        split = "not reported by the source (vLLM does not say why requests wait)"
+        source = tl.facts.get("source")
+        split = "not reported by the source" + (f" ({source})" if source else "")
     peak_usage = float(tl.kv_usage[span].max())
     return span_episode(
         tl,

@@ -52,6 +52,7 @@ from telemetry.lane.record import (
     UNKNOWN_KV_BLOCKS,
     UNKNOWN_KV_TOKENS,
     UNKNOWN_PREEMPTIONS,
+    UNKNOWN_PREFIX_CACHE,
     UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
@@ -241,6 +242,8 @@ COUNTERS: dict[str, tuple[str, CounterValue]] = {
 UNREPORTED_COUNTERS = {
     "preemptions": UNKNOWN_PREEMPTIONS,
     "kv_blocked_iterations": UNKNOWN_WAITING_REASONS,
+    "prefix_cache_queries": UNKNOWN_PREFIX_CACHE,
+    "prefix_cache_hits": UNKNOWN_PREFIX_CACHE,
 }
 # Live findings' counters per engine and kind: name (after the prefix, without _total) ->
 # (help, index into EngineFindings.totals[kind]).

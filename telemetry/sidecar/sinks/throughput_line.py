@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from telemetry.lane.record import UNKNOWN_KV_BLOCKS
+from telemetry.lane.record import UNKNOWN_KV_BLOCKS, UNKNOWN_PREFIX_CACHE
 from telemetry.sidecar.engine_view import EngineView, RecordTotals, kv_usage_percent
 
 
@@ -43,6 +43,7 @@ class LineFigures:
     num_preemptions: int
     device_name: str
     kv_reported: bool = True  # False: the source does not report KV blocks (FPM)
+    prefix_reported: bool = True  # False: nor prefix-cache queries and hits (FPM)
 
 
 def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float) -> LineFigures:
@@ -63,6 +64,7 @@ def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float)
         num_preemptions=counts.num_preemptions,
         device_name=engine.device_name,
         kv_reported=engine.reports(UNKNOWN_KV_BLOCKS),
+        prefix_reported=engine.reports(UNKNOWN_PREFIX_CACHE),
     )
 
 
@@ -81,6 +83,7 @@ def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
         num_preemptions=sum(f.num_preemptions for f in lines),
         device_name=lines[0].device_name,
         kv_reported=all(f.kv_reported for f in lines),
+        prefix_reported=all(f.prefix_reported for f in lines),
     )
 
 
@@ -90,13 +93,14 @@ def format_engine_line(figures: LineFigures) -> str:
     kv_text = f"{kv_usage:.1f}%" if figures.kv_reported else "not reported"
     queries = figures.num_prefix_query_tokens
     hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
+    hit_text = f"{hit_rate:.1f}%" if figures.prefix_reported else "not reported"
     line = (
         f"{figures.label}: "
         f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
         f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
         f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
         f"{figures.device_name or 'GPU'} KV cache usage: {kv_text}, "
-        f"Prefix cache hit rate: {hit_rate:.1f}%"
+        f"Prefix cache hit rate: {hit_text}"
     )
     if figures.num_preemptions:
         line += f", Preemptions: {figures.num_preemptions}"
