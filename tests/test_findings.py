@@ -217,6 +217,24 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
+def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cost(monkeypatch):
+    """On a CPU whose prompts cost far more per token than decodes, tune can hold a latency
+    target only with a budget of 16 tokens and 10 sequences; the engine refuses a budget below
+    --max-num-seqs, so the action names both, and what it costs the time to first token."""
+    from telemetry.analysis import actions
+    from telemetry.analysis.tune import Recommendation
+
+    sim = long_prefill_sim()  # --max-num-seqs 64, --max-num-batched-tokens 2048
+    timeline, (finding,) = findings_of(sim)
+    tight = Recommendation(0.0677, 10, 16, 0.018, 0.064, 554.0, 272.0, "latency target", 10)
+    monkeypatch.setattr(actions, "_tuned", lambda tl, th: (tight, "`iterscope tune ...`"))
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith(
+        "Set --max-num-batched-tokens 16 (now 2048) and --max-num-seqs 10 (now 64) together"
+    )
+    assert "272 tokens/s at most, so time to first token grows" in action
+
+
 PLACEHOLDERS = {
     "RECORDING": "rec.jsonl",
     "DIR": "model",

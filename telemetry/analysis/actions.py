@@ -88,6 +88,14 @@ def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
             f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
             f"{value}, so a latency target that loose does not call for a change."
         )
+    seqs = tl.facts.get("max_num_seqs")
+    if seqs and value < seqs:  # the engine refuses a budget below its sequence limit
+        return (
+            f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
+            f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}; prompts are then "
+            f"computed at {rec.prompt_throughput:.0f} tokens/s at most, so time to first "
+            "token grows: keep both if it matters more than inter-token latency."
+        )
     return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}."
 
 
