@@ -10,7 +10,7 @@ Side by side in one run, alternating blocks of iterations:
            terminal cost is counted: the comparison favours logging)
 Each call is timed alone with perf_counter_ns; the timer's own cost is printed too.
 
-    .venv/bin/python bench/telemetry_cost.py [--iterations 200000]
+    .venv/bin/python bench/telemetry_cost.py [--iterations 200000] [--pace-us 0]
 
 The last line is one JSON object with the figures.
 """
@@ -90,12 +90,19 @@ def logging_iteration(logger: logging.Logger, iteration: int, start_ns: int) -> 
     )
 
 
-def time_block(function, target, first_iteration: int, samples: list[int]) -> None:
+def time_block(
+    function, target, first_iteration: int, samples: list[int], pace_s: float = 0.0
+) -> None:
+    """BLOCK calls, each timed alone; ``pace_s`` > 0 sleeps that long after each (the GIL
+    released, as a forward pass in torch releases it), so the sender thread does its work
+    between iterations as it does beside a real engine."""
     clock = time.perf_counter_ns
     for iteration in range(first_iteration, first_iteration + BLOCK):
         start = clock()
         function(target, iteration, start)
         samples.append(clock() - start)
+        if pace_s:
+            time.sleep(pace_s)
 
 
 def timer_overhead_ns() -> float:
@@ -138,6 +145,13 @@ def record_sizes() -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=200_000, help="per method")
+    parser.add_argument(
+        "--pace-us",
+        type=float,
+        default=0.0,
+        help="sleep this long after each timed call, the GIL released as in a forward pass "
+        "(default 0: back to back, records far faster than any engine makes them)",
+    )
     args = parser.parse_args(argv)
     logger = logging.getLogger("bench.engine")
     logger.propagate = False
@@ -154,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         lane_cpu_ns = logging_cpu_ns = 0
         for block in range(max(1, args.iterations // BLOCK)):
             cpu_start = time.process_time_ns()
-            time_block(lane_iteration, publisher, 1 + block * BLOCK, lane)
+            time_block(lane_iteration, publisher, 1 + block * BLOCK, lane, args.pace_us / 1e6)
             publisher.flush()  # the sender thread's encode + send, counted in CPU time
             lane_cpu_ns += time.process_time_ns() - cpu_start
             cpu_start = time.process_time_ns()
-            time_block(logging_iteration, logger, 1 + block * BLOCK, logged)
+            time_block(logging_iteration, logger, 1 + block * BLOCK, logged, args.pace_us / 1e6)
             logging_cpu_ns += time.process_time_ns() - cpu_start
         num_dropped = publisher.num_dropped_total
     finally:
@@ -174,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "logging_cpu_per_iteration_ns": logging_cpu_ns / len(logged),
         "timer_overhead_ns": timer_overhead_ns(),
         "num_iterations_each": len(lane),
+        "pace_us": args.pace_us,
         "lane_num_dropped": num_dropped,
         **record_sizes(),
     }
