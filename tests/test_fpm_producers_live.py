@@ -3,7 +3,7 @@ publisher (its ``forward_pass_metrics`` module from the pinned ``sglang`` wheel,
 of its own) and Dynamo's instrumented vLLM scheduler (the pinned ``ai-dynamo`` and
 ``ai-dynamo-runtime`` wheels, in a real `vllm serve` of the CPU build) feeding ``iterscope
 sidecar --fpm``, and Dynamo's own decoder reading what ``iterscope serve
---sidecar-arg=--fpm-port=PORT`` publishes. `make fpm-wheels` (part of `make test`) unpacks the
+--fpm-port PORT`` publishes. `make fpm-wheels` (part of `make test`) unpacks the
 wheels into .cache/fpm-wheels; the schema modules are loaded by file path (sglang's package
 __init__ imports torch), and the directory is on the PYTHONPATH of `vllm serve` only."""
 
@@ -220,7 +220,7 @@ def test_dynamos_decoder_reads_what_iterscope_serve_publishes_with_fpm_port(tmp_
         busy_at = [i for i, (_, metrics, _) in enumerate(received) if metrics.wall_time > 0]
         return bool(busy_at) and busy_at[-1] < len(received) - 1
 
-    sidecar_args = [f"--sidecar-arg=--fpm-port={port}", "--sidecar-arg=--fpm-worker-id=it-w"]
+    sidecar_args = [f"--fpm-port={port}", "--sidecar-arg=--fpm-worker-id=it-w"]
     try:
         with tiny_server(tmp_path, *sidecar_args) as server:
             wait_until(lambda: receive(100), 20, "a heartbeat on the FPM port")

@@ -197,6 +197,8 @@ def test_the_model_as_first_argument_and_the_served_name_as_vllm_serve_takes_the
     config = engine_config(args, None)
     assert (config.model, config.served_model_name) == (TINY_MODEL, "my-llm")
     assert sidecar_arguments(args) == ["--vllm-compatible-names"]
+    args = parser.parse_args([TINY_MODEL, "--fpm-port", "20380"])
+    assert sidecar_arguments(args) == ["--fpm-port=20380"]
     args = parser.parse_args([TINY_MODEL, "--model", TINY_MODEL])
     resolve_model_argument(parser, args)
     assert args.model == TINY_MODEL

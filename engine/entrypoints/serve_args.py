@@ -182,6 +182,14 @@ def _add_sidecar_shortcuts(parser: argparse.ArgumentParser) -> None:
         "(default: no recording)",
     )
     group.add_argument(
+        "--fpm-port",
+        type=arg_types.port,
+        default=None,
+        metavar="PORT",
+        help="the sidecar publishes forward-pass metrics (FPM, as SGLang and Dynamo do) on "
+        "tcp://*:PORT for Dynamo's planner and other FPM consumers; docs/fpm.md (default off)",
+    )
+    group.add_argument(
         "--vllm-compatible-names",
         action="store_true",
         help="the sidecar's /metrics also has vLLM's series names "
@@ -205,6 +213,8 @@ def sidecar_arguments(args: argparse.Namespace) -> list[str]:
         extra.append(f"--metrics-port={args.metrics_port}")
     if args.record is not None:
         extra.append(f"--record={args.record}")
+    if args.fpm_port is not None:
+        extra.append(f"--fpm-port={args.fpm_port}")
     if args.vllm_compatible_names:
         extra.append("--vllm-compatible-names")
     return extra
