@@ -40,6 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sidecar_ingest import watch  # noqa: E402  (the same wait, 30 s without a frame)
 from telemetry.sidecar.fpm_encode import frames, idle_message  # noqa: E402
 from telemetry.sidecar.fpm_engines import FpmEngines  # noqa: E402
 from telemetry.sidecar.fpm_socket import FpmSubscriber  # noqa: E402
@@ -54,7 +55,6 @@ from telemetry.sources.fpm import (  # noqa: E402
 HEARTBEAT_EVERY = 1000
 CLOCK_EVERY = 1000
 INGEST_CORE, PRODUCER_CORE = 0, 1
-STUCK_AFTER_S = 30.0  # over tcp: no message for this long, some missing: give up
 
 
 # A mixed iteration: a prefill chunk of 128 tokens on 32 cached, 6 decodes holding 600.
@@ -169,22 +169,6 @@ def over_tcp_rate(num_messages: int, directory: str, queued: bool) -> dict[str, 
         "num_dropped": float(ingest.engines[0].view.num_dropped_total),
         "sent_per_s": sent_per_s,
     }
-
-
-def watch(ingest: Ingest, num_messages: int, loop: LaneLoop, times: dict[str, float]) -> None:
-    """Times the first and the last message in; stops the loop after the last."""
-    while ingest.health.num_frames == 0:
-        time.sleep(0.0005)
-    times["first"] = time.perf_counter()
-    num_seen, seen_at = 0, time.perf_counter()
-    while ingest.health.num_frames < num_messages:
-        time.sleep(0.001)
-        if ingest.health.num_frames > num_seen:
-            num_seen, seen_at = ingest.health.num_frames, time.perf_counter()
-        elif time.perf_counter() - seen_at > STUCK_AFTER_S:
-            break  # reported by the caller
-    times["last"] = time.perf_counter()
-    loop.stop()
 
 
 def bare_sub_rate(num_messages: int) -> dict[str, float]:

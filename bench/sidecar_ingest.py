@@ -171,6 +171,23 @@ def send_frames(address: str, num_records: int) -> None:
     context.term()  # waits until the frames still queued here (beyond the HWMs) are sent
 
 
+def watch(ingest: Ingest, num_frames: int, loop: LaneLoop, times: dict[str, float]) -> None:
+    """Times the first and the last frame in; stops the loop after the last, or after
+    STUCK_AFTER_S without a new frame (the caller reports what is missing)."""
+    while ingest.health.num_frames == 0:
+        time.sleep(0.0005)
+    times["first"] = time.perf_counter()
+    num_seen, seen_at = 0, time.perf_counter()
+    while ingest.health.num_frames < num_frames:
+        time.sleep(0.001)
+        if ingest.health.num_frames > num_seen:
+            num_seen, seen_at = ingest.health.num_frames, time.perf_counter()
+        elif time.perf_counter() - seen_at > STUCK_AFTER_S:
+            break
+    times["last"] = time.perf_counter()
+    loop.stop()
+
+
 def over_ipc_rate(num_records: int, num_frames: int, directory: str, live_findings: bool) -> Pass:
     address = f"ipc://{directory}/lane.sock"
     ingest = make_ingest(directory, live_findings)
@@ -180,22 +197,7 @@ def over_ipc_rate(num_records: int, num_frames: int, directory: str, live_findin
     )
     sender.start()
     times: dict[str, float] = {}
-
-    def watch() -> None:
-        while ingest.health.num_frames == 0:
-            time.sleep(0.0005)
-        times["first"] = time.perf_counter()
-        num_seen, seen_at = 0, time.perf_counter()
-        while ingest.health.num_frames < num_frames:
-            time.sleep(0.001)
-            if ingest.health.num_frames > num_seen:
-                num_seen, seen_at = ingest.health.num_frames, time.perf_counter()
-            elif time.perf_counter() - seen_at > STUCK_AFTER_S:
-                break  # reported below
-        times["last"] = time.perf_counter()
-        sidecar.stop()
-
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=watch, args=(ingest, num_frames, sidecar, times))
     watcher.start()
     start_cpu = time.thread_time()  # run() waits in poll, which takes no CPU time
     sidecar.run()

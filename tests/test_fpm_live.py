@@ -4,17 +4,13 @@ losses from seq gaps, and the recording read back by `iterscope explain`."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import msgspec
 import zmq
 
 from telemetry.lane.record import Heartbeat, IterationRecord, Message
 from telemetry.sidecar.process import start_sidecar
-from tests.helpers import REPO
 from tests.helpers.fpm import busy_frames, idle_frames
+from tests.helpers.processes import explain_engines
 from tests.helpers.prom import scrape, total
 from tests.helpers.wait import wait_until
 
@@ -90,15 +86,7 @@ def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path
     }
     assert heartbeats[0].msg_seq == 1 and heartbeats[0].source == "fpm-sglang"
     assert {h.model_name for h in heartbeats} == {"qwen-fpm"}
-    explain = subprocess.run(
-        [sys.executable, "-m", "engine.entrypoints.cli", "explain", str(recording), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert explain.returncode == 0, explain.stderr
-    (engine,) = json.loads(explain.stdout)["engines"]
+    (engine,) = explain_engines(recording)
     assert engine["facts"] == {"model_name": "qwen-fpm", "source": "fpm-sglang"}
     assert engine["summary"]["num_iterations"] == 30
     assert engine["summary"]["num_context_tokens"] == 30 * 128

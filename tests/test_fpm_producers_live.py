@@ -10,7 +10,6 @@ __init__ imports torch), and the directory is on the PYTHONPATH of `vllm serve` 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from telemetry.lane.record import Heartbeat, IterationRecord, Message
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers import REPO
 from tests.helpers.net import free_port
+from tests.helpers.processes import explain_engines
 from tests.helpers.prom import scrape, total
 from tests.helpers.serve import tiny_server
 from tests.helpers.wait import wait_until
@@ -180,15 +180,7 @@ def check_recording(recording: Path) -> None:
     assert len(records) == 45
     assert {h.source for h in messages if type(h) is Heartbeat} == {"fpm-sglang"}
     assert {r.elapsed_ns for r in records} == {20_000_000}
-    explain = subprocess.run(
-        [sys.executable, "-m", "engine.entrypoints.cli", "explain", str(recording), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert explain.returncode == 0, explain.stderr
-    (engine,) = json.loads(explain.stdout)["engines"]
+    (engine,) = explain_engines(recording)
     assert engine["facts"] == {"model_name": "qwen", "source": "fpm-sglang"}
     assert engine["summary"]["num_iterations"] == 45
 

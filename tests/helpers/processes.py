@@ -62,6 +62,21 @@ def rss_bytes(pid: int | str = "self") -> int:
 METRICS_URL_LINE = r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics"
 
 
+def explain_engines(recording: Path) -> list[dict]:
+    """`iterscope explain RECORDING --json` run as a user runs it; its engines."""
+    import json
+
+    explain = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", "explain", str(recording), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert explain.returncode == 0, explain.stderr
+    return json.loads(explain.stdout)["engines"]
+
+
 def child_pythonpath() -> str:
     """A child process's PYTHONPATH: the repository first, then whatever PYTHONPATH already
     names (where the packages are on a machine that installs them with --target, as
