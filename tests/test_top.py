@@ -159,9 +159,9 @@ FINDINGS = {
 }
 
 
-def two_scrapes() -> tuple[Scrape, Scrape]:
+def two_scrapes(status: EngineStatus = EngineStatus.RUNNING) -> tuple[Scrape, Scrape]:
     """Iterations 0..9, 50 ms apart, with a first token after 5 s; two seconds later 10..29,
-    10 ms apart, with first tokens after 30, 40 and 400 ms."""
+    10 ms apart, with first tokens after 30, 40 and 400 ms; the engine's status then."""
     registry = CollectorRegistry()
     sink = PrometheusSink(registry)
     send(sink, heartbeat(0, 0, 500 * MS, 1_700_000_000 * 10**9, model_name="tiny",
@@ -175,6 +175,7 @@ def two_scrapes() -> tuple[Scrape, Scrape]:
         sink,
         decode_record(30, 1_660, first_token("a", 30), first_token("b", 40), first_token("c", 400)),
     )
+    set_status(sink, 0, status, 0)
     return before, scrape_of(sink, registry, 12.0, FINDINGS)
 
 
@@ -202,6 +203,16 @@ def quantiles_ms(lines: list[str], name: str) -> tuple[float, float]:
     words = line.split()
     assert words[1::3] == ["p50", "p99"] and words[3::3] == ["ms", "ms"], line
     return float(words[2]), float(words[5])
+
+
+def test_a_dead_engines_gauges_say_they_are_what_it_last_reported():
+    before, after = two_scrapes(EngineStatus.DEAD)
+    lines = top.frame("u", before, after, width=None).splitlines()
+    assert "engine 000  tiny  dead" in lines
+    stale = "  (last reported, before it went silent)"
+    assert f"  waiting     3 (seq_limit 3){stale}" in lines
+    assert f"  KV cache    25.0% used{stale}" in lines
+    assert "  waiting     3 (seq_limit 3)" in top.frame("u", *two_scrapes(), None).splitlines()
 
 
 def test_the_first_frame_says_n_a_and_a_quiet_window_says_dash():

@@ -168,13 +168,16 @@ def engine_lines(index: int, before: Scrape | None, after: Scrape, width: int | 
     samples = after.engines[index]
     previous = before.engines.get(index) if before is not None else None
     window_s = after.time_s - before.time_s if before is not None else 0.0
+    status = _status(samples)
+    # A dead engine's gauges hold what it last reported, not what it holds now.
+    stale = "  (last reported, before it went silent)" if status == "dead" else ""
     lines = [
-        f"engine {index:03d}  {after.model_names.get(index) or '?'}  {_status(samples)}",
+        f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status}",
         f"  iterations  {_rate(previous, samples, window_s)}",
         f"  batch       {_running(samples)} running, "
-        f"{_decode_batch(previous, samples)} decoding per iteration",
-        f"  waiting     {_waiting(samples)}",
-        f"  KV cache    {_kv_usage(samples)} used",
+        f"{_decode_batch(previous, samples)} decoding per iteration{stale}",
+        f"  waiting     {_waiting(samples)}{stale}",
+        f"  KV cache    {_kv_usage(samples)} used{stale}",
         f"  TTFT        {_quantiles(previous, samples, 'time_to_first_token_seconds')}",
         f"  ITL         {_quantiles(previous, samples, 'inter_token_latency_seconds')}",
     ]
