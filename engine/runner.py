@@ -56,6 +56,9 @@ class _FlatLayout:
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
 
 
+PAD_WASTE = 8  # batched fresh chunks may differ in length by 1/8 of the longest
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, device: str) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -212,7 +215,7 @@ class ModelRunner:
             span = self._prefill_span(flat_start, request_blocks, span_positions)
             if spans and _can_batch(spans[-1], span):
                 spans[-1].token_end = span.token_end
-                spans[-1].num_seqs += 1
+                spans[-1].lengths += span.lengths
             else:
                 spans.append(span)
             if end == len(request.token_ids):
@@ -247,7 +250,9 @@ class ModelRunner:
         """A chunk from position 0 attends to itself; a later one reads [0, end) from the cache."""
         start, end = int(span_positions[0]), int(span_positions[-1]) + 1
         span = PrefillSpan(flat_start, flat_start + end - start)
-        if start > 0:
+        if start == 0:
+            span.lengths = [end]
+        else:
             span.kv_rows = gather_rows(request_blocks, self.num_kv_heads).to(self.device)
             span.kv_len = end
             span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(self.device)
@@ -274,8 +279,10 @@ class ModelRunner:
 
 
 def _can_batch(previous: PrefillSpan, span: PrefillSpan) -> bool:
-    """Fresh chunks of equal length next to each other share one attention call."""
+    """Fresh chunks next to each other share one attention call when padding each to the
+    longest wastes at most 1/PAD_WASTE of it (a chat template's prompts differ by a few
+    tokens: one call instead of one per prompt and query chunk, in every layer)."""
     if previous.kv_rows is not None or span.kv_rows is not None:
         return False
-    previous_len = (previous.token_end - previous.token_start) // previous.num_seqs
-    return span.token_end - span.token_start == previous_len
+    lengths = previous.lengths + span.lengths
+    return max(lengths) - min(lengths) <= max(lengths) // PAD_WASTE

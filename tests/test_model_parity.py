@@ -136,15 +136,16 @@ def test_mixed_batch_of_prefill_chunk_and_decodes(pair, decode_backend):
     assert ours.decoder.attention.decode_backend == decode_backend
 
 
-def test_equal_length_fresh_prompts_batched_in_one_call(pair, fresh_prefill_path):
-    """Fresh prompts of equal length share one attention call; a different length does not."""
+def test_close_length_fresh_prompts_batched_in_one_call(pair, fresh_prefill_path):
+    """Fresh prompts of equal or close lengths (padded to the longest) share one attention
+    call; one too much shorter does not; every position matches the reference."""
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     free = shuffled_blocks(4)
-    seqs = [random_tokens(20 + i, n) for i, n in enumerate([12, 12, 12, 9])]
+    seqs = [random_tokens(20 + i, n) for i, n in enumerate([12, 12, 11, 9])]
     step = [(make_request(f"r{i}", s, free), len(s)) for i, s in enumerate(seqs)]
     spans = runner.prepare(step).meta.prefills
-    shapes = [(span.num_seqs, span.token_end - span.token_start) for span in spans]
-    assert shapes == [(3, 36), (1, 9)]
+    shapes = [(span.lengths, span.token_end - span.token_start) for span in spans]
+    assert shapes == [([12, 12, 11], 35), ([9], 9)]
     for got, seq in zip(runner.compute_logits(step), seqs, strict=True):
         torch.testing.assert_close(got, reference_logits(ref, seq), atol=ATOL, rtol=0)

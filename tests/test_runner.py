@@ -61,6 +61,33 @@ def test_batching_and_chunking_do_not_change_tokens(tiny):
     assert [r.output_token_ids for r in together] == alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fresh_prompts_of_close_lengths_share_one_padded_attention_call(dtype):
+    """Prompts of 60, 56 and 63 tokens in one step are one span (padded to 63 in attention),
+    and every position's logits are those of each prompt computed alone; 40 tokens is too
+    short to pad to 63, so it gets a span of its own."""
+    model = build_tiny_model("llama", seed=5, dtype=dtype)
+    greedy = SamplingParams(temperature=0)
+    lengths = (60, 56, 63, 40)
+
+    def scheduled(runner: ModelRunner) -> list[tuple[Request, int]]:
+        requests = [new_request(f"r{i}", n, greedy, seed=i) for i, n in enumerate(lengths)]
+        for i, request in enumerate(requests):
+            request.block_ids = list(range(20 * i, 20 * i + 16))
+        return [(request, len(request.token_ids)) for request in requests]
+
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    together = scheduled(runner)
+    spans = runner.prepare(together).meta.prefills
+    assert [span.lengths for span in spans] == [[60, 56, 63], [40]]
+    batched = runner.compute_logits(together)
+    alone = [ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, "cpu").compute_logits([one])[0]
+             for one in scheduled(runner)]  # fmt: skip
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    for got, want in zip(batched, alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 def test_execute_reads_requests_without_changing_them(tiny):
     runner = ModelRunner(tiny, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     request = new_request("a", 10, SamplingParams(temperature=0), seed=0)

@@ -22,9 +22,9 @@ Decode tokens (one new token per request) are attended together, by one of three
                 request's length.
 Each prefill request (q_len > 1, maybe on top of a cached prefix or earlier
 chunks) is attended on its own with a causal mask aligned to its last position; fresh prompts
-of equal length (from position 0) share one call, batched matmuls with a causal bias up to
-PLAIN_PREFILL_MAX_LEN tokens and SDPA above. New K/V are written to the cache first, so every
-query sees its own key.
+(from position 0) of equal or close lengths (runner.PAD_WASTE) share one call, padded to the
+longest, batched matmuls with a causal bias up to PLAIN_PREFILL_MAX_LEN tokens and SDPA above.
+New K/V are written to the cache first, so every query sees its own key.
 """
 
 from __future__ import annotations
@@ -206,9 +206,23 @@ class PagedAttention:
     def _fresh_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """num_seqs equal-length chunks from position 0, causal, in one call: [T, H, D]."""
-        n = span.num_seqs
-        length = q.shape[0] // n
+        """The span's chunks from position 0, causal, in one call: [T, H, D]. Chunks of
+        unequal lengths are padded to the longest at their ends (rows gathered by
+        padded_rows): a real query never sees a padded key, which comes after it, and the
+        padded queries' outputs are dropped."""
+        lengths = span.lengths
+        if min(lengths) == max(lengths):
+            return self._causal(q, k, v, len(lengths), lengths[0])
+        if span.padding is None:  # once per step: every layer reuses it
+            span.padding = padded_rows(lengths, q.device)
+        rows, real = span.padding
+        padded = self._causal(q[rows], k[rows], v[rows], len(lengths), max(lengths))
+        return padded[real]
+
+    def _causal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int
+    ) -> torch.Tensor:
+        """n chunks of ``length`` tokens back to back, each causal from position 0."""
         if length <= PLAIN_PREFILL_MAX_LEN:
             return self._plain_causal(q, k, v, n, length)
         out = F.scaled_dot_product_attention(
@@ -273,6 +287,18 @@ class PagedAttention:
             enable_gqa=self.group_size > 1,
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def padded_rows(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For chunks of ``lengths`` tokens back to back: the rows that lay them out padded to the
+    longest (a pad repeats its chunk's last token), and which padded rows are real."""
+    longest = max(lengths)
+    positions = torch.arange(longest)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    ends = torch.tensor(lengths)
+    rows = starts[:, None] + torch.minimum(positions[None, :], ends[:, None] - 1)
+    real = (positions[None, :] < ends[:, None]).flatten()
+    return rows.flatten().to(device), real.nonzero().flatten().to(device)
 
 
 def _triton_kernels(device: torch.device) -> ModuleType | None:

@@ -17,7 +17,7 @@ check_decode_tables verifies them every step before it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +27,9 @@ class PrefillSpan:
     """One request's chunk of q_len > 1 tokens at flat indices [token_start, token_end).
 
     kv_rows is None when the chunk starts at position 0: its keys are exactly the chunk's own
-    fresh K/V, so plain causal attention applies; then num_seqs > 1 means the span holds that
-    many such chunks of equal length back to back, attended in one batched call. Otherwise
+    fresh K/V, so plain causal attention applies; then the span may hold several such chunks
+    back to back, of the lengths in ``lengths`` (equal, or close enough that padding each to
+    the longest costs little), attended in one batched call. Otherwise
     kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
     block) of the request's blocks, kv_len = the chunk's end position, and mask[i, j] says
     query i may see position j.
@@ -36,7 +37,8 @@ class PrefillSpan:
 
     token_start: int
     token_end: int
-    num_seqs: int = 1
+    lengths: list[int] = field(default_factory=list)  # fresh chunks' lengths, in order
+    padding: tuple[torch.Tensor, torch.Tensor] | None = None  # attention's, for unequal lengths
     kv_rows: torch.Tensor | None = None
     kv_len: int = 0
     mask: torch.Tensor | None = None
