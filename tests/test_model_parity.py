@@ -65,8 +65,9 @@ def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tens
 
 @pytest.fixture(params=["plain", "plain_in_chunks", "sdpa"])
 def fresh_prefill_path(request, monkeypatch):
-    """Fresh prompts through batched matmuls (short; in query chunks of 5 positions, the last
-    one partial), or SDPA (longer than the limit)."""
+    """Prefills (fresh prompts, and chunks over their cached context) through batched
+    matmuls (short; in query chunks of 5 positions, the last one partial), or SDPA (longer
+    than the limit)."""
     if request.param == "plain_in_chunks":
         monkeypatch.setattr(attention_module, "QUERY_CHUNK", 5)
     if request.param == "sdpa":
@@ -93,7 +94,7 @@ def test_full_prefill(pair, fresh_prefill_path):
     torch.testing.assert_close(logits, reference_logits(ref, tokens), atol=ATOL, rtol=0)
 
 
-def test_chunked_prefill(pair):
+def test_chunked_prefill(pair, fresh_prefill_path):
     ours, ref = pair
     runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     tokens = random_tokens(1)

@@ -20,8 +20,9 @@ Decode tokens (one new token per request) are attended together, by one of three
   "torch"       otherwise, and the reference: the blocks are gathered into one
                 [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
                 request's length.
-Each prefill request (q_len > 1, maybe on top of a cached prefix or earlier
-chunks) is attended on its own with a causal mask aligned to its last position; fresh prompts
+Each prefill request (q_len > 1) on top of a cached prefix or earlier chunks is attended on
+its own over its context gathered from the cache (batched matmuls up to PLAIN_PREFILL_MAX_LEN
+positions of context, SDPA with a mask aligned to its last position above); fresh prompts
 (from position 0) of equal or close lengths (runner.PAD_WASTE) share one call, padded to the
 longest, batched matmuls with a causal bias up to PLAIN_PREFILL_MAX_LEN tokens and SDPA above.
 New K/V are written to the cache first, so every query sees its own key.
@@ -150,7 +151,10 @@ class PagedAttention:
             else:
                 keys = self._gather(key_cache, span.kv_rows)[:, : span.kv_len]
                 values = self._gather(value_cache, span.kv_rows)[:, : span.kv_len]
-                out[start:end] = self._prefill(q[start:end], keys, values, span.mask)
+                if span.kv_len <= PLAIN_PREFILL_MAX_LEN:
+                    out[start:end] = self._plain_cached(q[start:end], keys, values)
+                else:
+                    out[start:end] = self._prefill(q[start:end], keys, values, span.mask)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(
@@ -239,8 +243,7 @@ class PagedAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int
     ) -> torch.Tensor:
         """Causal attention of n sequences of `length` tokens by batched matmuls. Each KV head's
-        group of query heads is stacked position-major (row p * G + g: head g at position p),
-        and QUERY_CHUNK positions at a time attend only to the keys up to their last one."""
+        group of query heads is stacked position-major (row p * G + g: head g at position p)."""
         if self.widen_plain_prefill and q.dtype == torch.bfloat16:
             return self._plain_causal(q.float(), k.float(), v.float(), n, length).to(q.dtype)
         kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
@@ -248,18 +251,49 @@ class PagedAttention:
         grouped_q = grouped_q.reshape(n * kvh, length * group, dim)
         keys = k.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
         values = v.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
+        out = self._grouped_causal(grouped_q, keys, values, length, 0)
+        return out.view(n, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
+
+    def _plain_cached(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """One chunk q [L, H, D] at the end of its context, keys/values [KVH, context, D]
+        gathered from the cache (its cached prefix and its own new K/V), by the same batched
+        matmuls as a fresh prompt: the chunk's positions start at context - L."""
+        if self.widen_plain_prefill and q.dtype == torch.bfloat16:
+            return self._plain_cached(q.float(), keys.float(), values.float()).to(q.dtype)
+        kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
+        length = q.shape[0]
+        grouped_q = q.reshape(length, kvh, group, dim).transpose(0, 1)
+        grouped_q = grouped_q.reshape(kvh, length * group, dim)
+        out = self._grouped_causal(grouped_q, keys, values, length, keys.shape[1] - length)
+        return out.view(kvh, length, group, dim).transpose(0, 1).reshape(q.shape)
+
+    def _grouped_causal(
+        self,
+        grouped_q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: int,
+        offset: int,
+    ) -> torch.Tensor:
+        """grouped_q [B * KVH, length * G, D] at positions offset, offset + 1, ...; keys and
+        values [B * KVH, >= offset + length, D]. QUERY_CHUNK positions at a time attend only
+        to the keys up to their last one."""
+        group = self.group_size
         out = torch.empty_like(grouped_q)
         for start in range(0, length, QUERY_CHUNK):
             end = min(start + QUERY_CHUNK, length)
             rows = slice(start * group, end * group)
+            last = offset + end
             scores = torch.baddbmm(
-                self._causal_bias(start, end, q),
+                self._causal_bias(offset + start, last, grouped_q),
                 grouped_q[:, rows],
-                keys[:, :end].transpose(1, 2),
+                keys[:, :last].transpose(1, 2),
                 alpha=self.scale,
             )
-            out[:, rows] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])
-        return out.view(n, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
+            out[:, rows] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :last])
+        return out
 
     def _causal_bias(self, start: int, end: int, like: torch.Tensor) -> torch.Tensor:
         """[(end - start) * G, end]: row (p - start) * G + g is 0 where position p may see the
