@@ -430,3 +430,38 @@ def test_wrapped_lines_never_split_a_flag():
     assert all(
         word.startswith("--") or word in ("do", "Raise") for line in lines for word in line.split()
     )
+
+
+def recording_of(path, pid: int, first_ms: int, restart_pid: int = 0):
+    """A recording of engine 0: a heartbeat of process ``pid``, 20 decode iterations; with
+    ``restart_pid``, a heartbeat of that process and 20 more (the engine restarted)."""
+    from telemetry.lane.record import heartbeat, iteration_record
+
+    ms = 1_000_000
+    lines = []
+    for number, process in enumerate(p for p in (pid, restart_pid) if p):
+        start = first_ms + 1_000 * number
+        lines.append(heartbeat(0, 40 * number + 1, start * ms, start * ms, pid=process))
+        lines += [
+            iteration_record(0, 40 * number + 2 + i, i + 1, start_ns=(start + 10 * i) * ms,
+                             elapsed_ns=8 * ms, num_decode_reqs=2, num_decode_tokens=2,
+                             num_running_reqs=2)
+            for i in range(20)
+        ]  # fmt: skip
+    path.write_bytes(b"".join(msgspec.json.encode(message) + b"\n" for message in lines))
+    return path
+
+
+def test_two_engines_that_share_an_index_are_refused_not_drawn_as_one(tmp_path, capsys):
+    """Two runs' recordings (engine 0 each, other processes) would interleave two engines'
+    iterations on one timeline: refused with both files named. One engine's recording
+    continued in a second file, or restarted within one, is one engine."""
+    first = recording_of(tmp_path / "vllm.jsonl", pid=100, first_ms=0)
+    second = recording_of(tmp_path / "ours.jsonl", pid=200, first_ms=500_000)
+    assert main([str(first), str(second)]) == 2
+    error = capsys.readouterr().err
+    assert f"engine 0 of {first} (pid 100) and engine 0 of {second} (pid 200)" in error
+    continued = recording_of(tmp_path / "day2.jsonl", pid=100, first_ms=1_000)
+    assert len(read_timelines([first, continued])[0]) == 1
+    restarted = recording_of(tmp_path / "restart.jsonl", pid=300, first_ms=0, restart_pid=301)
+    assert len(read_timelines([restarted])[0]) == 1

@@ -11,6 +11,7 @@ recordings (telemetry/sources/fpm_taps.py), whose timelines say how they were ca
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -24,7 +25,7 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
 )
-from telemetry.lane.recording import read_recording
+from telemetry.lane.recording import read_file, recording_groups
 from telemetry.sources.fpm_taps import TapCapture, is_tap, read_tap
 
 NS_PER_S = 1_000_000_000
@@ -254,12 +255,32 @@ def read_timelines(
             raise ValueError("Dynamo's FPM recordings are read alone, not with iterscope's")
         return _read_tap_timelines(paths, fpm_producer)
     messages, num_bad_lines = [], 0
-    for item in read_recording(paths):
-        if isinstance(item, str):
-            num_bad_lines += 1
-        else:
+    pids: dict[int, dict[str, set[int]]] = {}  # engine index -> path given -> its pids
+    for given, files in recording_groups(paths):
+        for item in (item for file in files for item in read_file(file)):
+            if isinstance(item, str):
+                num_bad_lines += 1
+                continue
             messages.append(item)
+            if type(item) is Heartbeat and item.pid:
+                pids.setdefault(item.engine_index, {}).setdefault(given, set()).add(item.pid)
+    _refuse_two_engines_as_one(pids)
     return build_timelines(messages), len(messages), num_bad_lines
+
+
+def _refuse_two_engines_as_one(pids: dict[int, dict[str, set[int]]]) -> None:
+    """ValueError where two recordings given hold an engine of the same index whose processes
+    have nothing in common (two runs, two hosts): drawn as one engine, their iterations would
+    interleave on two unrelated clocks. An engine restarted within one recording, or a
+    recording continued in another file by the same engine, is one engine."""
+    for index, by_path in sorted(pids.items()):
+        for (path_a, pids_a), (path_b, pids_b) in itertools.combinations(by_path.items(), 2):
+            if not pids_a & pids_b:
+                raise ValueError(
+                    f"engine {index} of {path_a} (pid {min(pids_a)}) and engine {index} of "
+                    f"{path_b} (pid {min(pids_b)}) are two engines that share an index: read "
+                    "each recording on its own (or give engines distinct --engine-index)"
+                )
 
 
 def _read_tap_timelines(

@@ -68,7 +68,7 @@ def convert(
         raise TimelineError(f"the output {output} is one of the recordings; choose another name")
     try:
         timelines, _, num_bad = read_timelines(recordings)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as error:
         raise TimelineError(str(error)) from None
     if engine_index is not None:
         timelines = {k: v for k, v in timelines.items() if k == engine_index}

@@ -44,10 +44,19 @@ def recording_files(path: StrPath) -> list[Path]:
 
 def with_rotated_files(paths: Iterable[StrPath]) -> list[Path]:
     """Each path preceded by its rotated older files, without repeats."""
-    expanded: list[Path] = []
+    return [file for _, files in recording_groups(paths) for file in files]
+
+
+def recording_groups(paths: Iterable[StrPath]) -> list[tuple[str, list[Path]]]:
+    """Each path given, with the files it stands for: its rotated older files, then itself,
+    none that an earlier path already stands for."""
+    seen: set[Path] = set()
+    groups = []
     for path in paths:
-        expanded += [p for p in recording_files(path) if p not in expanded]
-    return expanded
+        files = [file for file in recording_files(path) if file not in seen]
+        seen.update(files)
+        groups.append((str(path), files))
+    return groups
 
 
 def decode_line(decoder: msgspec.json.Decoder, line: bytes) -> Message | str:
@@ -65,11 +74,16 @@ def read_recording(paths: StrPath | Iterable[StrPath]) -> Iterator[Message | str
     could not be decoded."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    decoder = msgspec.json.Decoder(Message)
     for file_path in with_rotated_files(paths):
-        with open(file_path, "rb") as file:
-            for line in file:
-                yield decode_line(decoder, line)
+        yield from read_file(file_path)
+
+
+def read_file(file_path: Path) -> Iterator[Message | str]:
+    """Every line of one file (no rotated files): a message, or why the line is not one."""
+    decoder = msgspec.json.Decoder(Message)
+    with open(file_path, "rb") as file:
+        for line in file:
+            yield decode_line(decoder, line)
 
 
 def message_time_ns(message: Message) -> int:
