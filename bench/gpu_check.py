@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -50,13 +49,6 @@ GPU_TESTS = (
     "tests/test_kv_planning.py",
 )
 CLI = [sys.executable, "-m", "engine.entrypoints.cli"]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def copy_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -82,6 +74,8 @@ def step_facts(args: argparse.Namespace) -> dict:
     import torch
     import triton
 
+    from bench.roofline import cpu_kind
+
     props = torch.cuda.get_device_properties(0)
     smi = subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -97,7 +91,7 @@ def step_facts(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        "cpu": cpu_model(),
+        "cpu": cpu_kind()["cpu"],
         "cpu_count": os.cpu_count(),
         "copy_bandwidth_gb_per_s": round(copy_bandwidth_bytes_per_s() / 1e9, 1),
     }

@@ -212,7 +212,7 @@ class ModelRunner:
             layout.position_chunks.append(span_positions)
             request_blocks = torch.tensor(request.block_ids[: (end + bs - 1) // bs])
             layout.block_chunks.append(request_blocks[span_positions // bs])
-            span = self._prefill_span(flat_start, request_blocks, span_positions)
+            span = self._prefill_span(flat_start, request_blocks, start, end)
             if spans and _can_batch(spans[-1], span):
                 spans[-1].token_end = span.token_end
                 spans[-1].lengths += span.lengths
@@ -245,17 +245,15 @@ class ModelRunner:
         return meta
 
     def _prefill_span(
-        self, flat_start: int, request_blocks: torch.Tensor, span_positions: torch.Tensor
+        self, flat_start: int, request_blocks: torch.Tensor, start: int, end: int
     ) -> PrefillSpan:
         """A chunk from position 0 attends to itself; a later one reads [0, end) from the cache."""
-        start, end = int(span_positions[0]), int(span_positions[-1]) + 1
         span = PrefillSpan(flat_start, flat_start + end - start)
         if start == 0:
             span.lengths = [end]
         else:
             span.kv_rows = gather_rows(request_blocks, self.num_kv_heads).to(self.device)
             span.kv_len = end
-            span.mask = (torch.arange(end)[None, :] <= span_positions[:, None]).to(self.device)
         return span
 
     def _check(self, request: Request, num_new: int) -> None:

@@ -154,7 +154,7 @@ class PagedAttention:
                 if span.kv_len <= PLAIN_PREFILL_MAX_LEN:
                     out[start:end] = self._plain_cached(q[start:end], keys, values)
                 else:
-                    out[start:end] = self._prefill(q[start:end], keys, values, span.mask)
+                    out[start:end] = self._prefill(q[start:end], keys, values)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(
@@ -308,10 +308,12 @@ class PagedAttention:
             self.causal_biases[(start, end)] = bias.masked_fill_(future, float("-inf"))
         return bias
 
-    def _prefill(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q [Lq, H, D] against keys/values [KVH, Lk, D] gathered from the cache."""
+    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [Lq, H, D], the last Lq positions, against keys/values [KVH, Lk, D] gathered from
+        the cache: query i sees positions up to Lk - Lq + i."""
+        num_queries, context_len = q.shape[0], keys.shape[1]
+        positions = torch.arange(context_len - num_queries, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),

@@ -31,8 +31,8 @@ class PrefillSpan:
     back to back, of the lengths in ``lengths`` (equal, or close enough that padding each to
     the longest costs little), attended in one batched call. Otherwise
     kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
-    block) of the request's blocks, kv_len = the chunk's end position, and mask[i, j] says
-    query i may see position j.
+    block) of the request's blocks and kv_len = the chunk's end position (so its queries are
+    positions kv_len - q_len, ..., kv_len - 1).
     """
 
     token_start: int
@@ -41,7 +41,6 @@ class PrefillSpan:
     padding: tuple[torch.Tensor, torch.Tensor] | None = None  # attention's, for unequal lengths
     kv_rows: torch.Tensor | None = None
     kv_len: int = 0
-    mask: torch.Tensor | None = None
 
 
 @dataclass

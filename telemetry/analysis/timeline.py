@@ -257,13 +257,15 @@ def read_timelines(
     messages, num_bad_lines = [], 0
     pids: dict[int, dict[str, set[int]]] = {}  # engine index -> path given -> its pids
     for given, files in recording_groups(paths):
-        for item in (item for file in files for item in read_file(file)):
-            if isinstance(item, str):
-                num_bad_lines += 1
-                continue
-            messages.append(item)
-            if type(item) is Heartbeat and item.pid:
-                pids.setdefault(item.engine_index, {}).setdefault(given, set()).add(item.pid)
+        for file in files:
+            for item in read_file(file):
+                if isinstance(item, str):
+                    num_bad_lines += 1
+                    continue
+                messages.append(item)
+                if type(item) is Heartbeat and item.pid:
+                    engine_pids = pids.setdefault(item.engine_index, {})
+                    engine_pids.setdefault(given, set()).add(item.pid)
     _refuse_two_engines_as_one(pids)
     return build_timelines(messages), len(messages), num_bad_lines
 
