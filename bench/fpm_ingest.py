@@ -106,9 +106,12 @@ def publish(endpoint: str, num_messages: int, sent_per_s: Synchronized) -> None:
     socket.setsockopt(zmq.SNDHWM, num_messages + 10_000)
     socket.bind(endpoint)
     socket.recv()  # the subscription
+    send, more = socket.send, zmq.SNDMORE
     start = time.perf_counter()
-    for message in messages:
-        socket.send_multipart(message)
+    for topic, seq, payload in messages:  # three sends: 0.9 us, send_multipart's 2.8 us
+        send(topic, more)
+        send(seq, more)
+        send(payload)
     sent_per_s.value = num_messages / (time.perf_counter() - start)
     socket.close(linger=-1)
     context.term()
@@ -180,11 +183,11 @@ def bare_sub_rate(num_messages: int) -> dict[str, float]:
     socket.setsockopt(zmq.SUBSCRIBE, b"")
     socket.setsockopt(zmq.RCVHWM, num_messages + 10_000)
     socket.connect(f"tcp://127.0.0.1:{port}")
-    receive = socket.recv_multipart
-    receive()
+    receive = socket.recv  # three copies, no check: the cheapest receive of a message
+    receive(), receive(), receive()
     first = time.perf_counter()
     for _ in range(num_messages - 1):
-        receive()
+        receive(), receive(), receive()
     last = time.perf_counter()
     sent_per_s = producer.join()
     socket.close(linger=0)

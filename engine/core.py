@@ -168,31 +168,35 @@ class EngineCore:
     ) -> IterationRecord:
         num_waiting = len(self.scheduler.waiting)
         reason = scheduled.wait_reason if num_waiting else WaitReason.NONE
-        # The constructor, not telemetry.lane.record.iteration_record: this runs every
-        # iteration and sets every field, and the factory's dict merge costs several times more.
+        # The constructor with positional arguments, in the record's field order (its wire
+        # order): this runs every iteration, and msgspec's constructor with this many keywords
+        # costs several times more (0.9 us against 0.1), as does the factory's.
         return IterationRecord(
-            engine_index=self.config.engine_index,
-            msg_seq=0,  # stamped by the publisher
-            iteration=self.iteration,
-            start_ns=start_ns,
-            elapsed_ns=time.monotonic_ns() - start_ns,
-            num_prefill_reqs=scheduled.num_prefill_reqs,
-            num_prefill_tokens=scheduled.num_prefill_tokens,
-            num_decode_reqs=scheduled.num_decode_reqs,
-            num_decode_tokens=scheduled.num_decode_tokens,
-            num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=num_waiting,
-            num_waiting_kv_reqs=num_waiting if reason == WaitReason.KV_CAPACITY else 0,
-            num_waiting_seq_limit_reqs=num_waiting if reason == WaitReason.SEQ_LIMIT else 0,
-            num_waiting_budget_reqs=num_waiting if reason == WaitReason.TOKEN_BUDGET else 0,
-            num_kv_blocks_used=self.pool.num_used_blocks,
-            num_kv_blocks_free=self.pool.num_free_blocks,
-            num_kv_tokens=self.scheduler.num_kv_tokens,
-            num_prefix_query_tokens=scheduled.num_prefix_query_tokens,
-            num_prefix_hit_tokens=scheduled.num_prefix_hit_tokens,
-            num_preemptions=scheduled.num_preemptions,
-            milestones=milestones,
-            model_elapsed_ns=model_elapsed_ns,
+            self.config.engine_index,
+            0,  # msg_seq: stamped by the publisher
+            self.iteration,
+            start_ns,
+            time.monotonic_ns() - start_ns,  # elapsed_ns
+            scheduled.num_prefill_reqs,
+            scheduled.num_prefill_tokens,
+            scheduled.num_decode_reqs,
+            scheduled.num_decode_tokens,
+            len(self.scheduler.running),  # num_running_reqs
+            num_waiting,  # num_waiting_reqs, then those held by KV, sequence limit, budget:
+            num_waiting if reason == WaitReason.KV_CAPACITY else 0,
+            num_waiting if reason == WaitReason.SEQ_LIMIT else 0,
+            num_waiting if reason == WaitReason.TOKEN_BUDGET else 0,
+            self.pool.num_used_blocks,  # num_kv_blocks_used
+            self.pool.num_free_blocks,  # num_kv_blocks_free
+            self.scheduler.num_kv_tokens,
+            scheduled.num_prefix_query_tokens,
+            scheduled.num_prefix_hit_tokens,
+            scheduled.num_preemptions,
+            0,  # num_dropped: stamped by the publisher
+            milestones,
+            0,  # unknown: our engine knows every field
+            0,  # num_waiting_other_reqs
+            model_elapsed_ns,
         )
 
     def startup_lines(self) -> list[str]:

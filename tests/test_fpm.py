@@ -375,3 +375,63 @@ def test_messages_of_any_frame_count_are_received_whole_over_a_real_socket(tmp_p
         context.term()
     assert ingest.health.num_undecodable["malformed"] == 2
     assert type(messages[-1]) is IterationRecord and messages[-1].num_prefill_tokens == 128
+
+
+GARBAGE_SHAPES = [
+    [b""],
+    [b"", b""],
+    [b"", b"", b""],
+    [b"", b"\x00" * 8],
+    [b"", b"\x00" * 8, b""],
+    [b"", b"\x00" * 8, b"", b""],
+    [b"", b"\x00" * 8, b"", b"\x00" * 8],
+    [b"", b"\x00" * 8, b"not a map", b"x"],
+    [b"", b"junk"],
+    [b"junk"],
+    [b"\x00" * 8],
+    [b"junk", b"\x00" * 8, b"not a map"],
+]
+
+
+def test_every_well_formed_message_is_read_whole_after_any_malformed_one(tmp_path):
+    """The subscriber reads copies without each frame's more flag (fpm_socket.receive_frames):
+    messages of every wrong shape, each before a well-formed one, in a seeded random order;
+    every well-formed message arrives (consecutive seqs: none counted lost) and every
+    malformed one is refused."""
+    import random
+
+    ingest, engines, messages = feed()
+    endpoint = f"ipc://{tmp_path / 'fpm.sock'}"
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(endpoint)
+    subscriber = FpmSubscriber([endpoint], engines, context)
+    shapes = GARBAGE_SHAPES * 4
+    random.Random(29).shuffle(shapes)
+    try:
+        wait_until(
+            lambda: publisher.send_multipart(idle_frames(0)) or subscriber.receive_batch(S),
+            10,
+            "the subscription to join",
+        )
+        first_seq = 1_000
+        for number, shape in enumerate(shapes):
+            publisher.send_multipart(shape)
+            publisher.send_multipart(busy_frames(first_seq + number))
+        records = lambda: [m for m in messages if type(m) is IterationRecord]  # noqa: E731
+        wait_until(
+            lambda: subscriber.receive_batch(S) * 0 or len(records()) >= len(shapes),
+            10,
+            "every well-formed message",
+        )
+    finally:
+        subscriber.close()
+        publisher.close(linger=0)
+        context.term()
+    assert len(records()) == len(shapes)
+    assert all(record.num_prefill_tokens == 128 for record in records())
+    seqs = [record.msg_seq for record in records()]
+    assert seqs == list(range(seqs[0], seqs[0] + len(shapes)))  # none lost between them
+    assert ingest.engines[0].view.num_dropped_total == first_seq - 1  # before the first only
+    num_refused = ingest.health.num_undecodable["malformed"]
+    assert len(shapes) <= num_refused <= 2 * len(shapes)

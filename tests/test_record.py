@@ -223,3 +223,37 @@ def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
         publisher.close()
         pull.close(linger=0)
     assert heartbeat is not None and heartbeat.last_iteration == 5
+
+
+def test_the_record_fields_keep_their_wire_order():
+    """The frame is an array in this order, and the hot paths (engine/core.py, the FPM
+    mapping, the factory) construct records positionally in it: a field moved or inserted
+    anywhere but the end breaks both."""
+    assert IterationRecord.__struct_fields__ == (
+        "engine_index",
+        "msg_seq",
+        "iteration",
+        "start_ns",
+        "elapsed_ns",
+        "num_prefill_reqs",
+        "num_prefill_tokens",
+        "num_decode_reqs",
+        "num_decode_tokens",
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_waiting_kv_reqs",
+        "num_waiting_seq_limit_reqs",
+        "num_waiting_budget_reqs",
+        "num_kv_blocks_used",
+        "num_kv_blocks_free",
+        "num_kv_tokens",
+        "num_prefix_query_tokens",
+        "num_prefix_hit_tokens",
+        "num_preemptions",
+        "num_dropped",
+        "milestones",
+        "unknown",
+        "num_waiting_other_reqs",
+        "model_elapsed_ns",
+        "fpm",
+    )

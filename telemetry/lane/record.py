@@ -207,7 +207,8 @@ def _required_zeros(struct_type: type[msgspec.Struct], named: int) -> dict[str, 
     return dict.fromkeys(fields[named:], 0)
 
 
-_ITERATION_ZEROS = _required_zeros(IterationRecord, 3)
+_ITERATION_ZEROS = tuple(_required_zeros(IterationRecord, 3).values())
+_ITERATION_FIELDS = frozenset(IterationRecord.__struct_fields__)
 _HEARTBEAT_ZEROS = _required_zeros(Heartbeat, 4)
 
 
@@ -216,11 +217,16 @@ def iteration_record(
 ) -> IterationRecord:
     """An IterationRecord with ``fields`` set and every other count 0 (no milestones).
 
-    A misspelt field name raises TypeError, as the constructor does. The engine core (and the
-    publisher, for heartbeats) calls the constructor instead: it sets every field anyway, and
-    the dict merge here would cost it several times the constructor call.
+    A misspelt field name raises TypeError, as the constructor does. Built from positional
+    zeros and then set: msgspec's constructor with more than about a dozen keywords costs
+    several times the positional call (0.6-0.9 us against 0.1 for this record).
     """
-    return IterationRecord(engine_index, msg_seq, iteration, **{**_ITERATION_ZEROS, **fields})
+    record = IterationRecord(engine_index, msg_seq, iteration, *_ITERATION_ZEROS)
+    for name, value in fields.items():
+        if name not in _ITERATION_FIELDS:
+            raise TypeError(f"IterationRecord has no field {name!r}")
+        setattr(record, name, value)
+    return record
 
 
 def heartbeat(

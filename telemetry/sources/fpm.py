@@ -164,10 +164,10 @@ def is_heartbeat(message: ForwardPassMetrics) -> bool:
     """Every count zero: the producer's keep-alive, no iteration."""
     scheduled, queued = message.scheduled_requests, message.queued_requests
     return not (
-        scheduled.num_prefill_requests
+        scheduled.num_decode_requests  # the most common first: it decides most messages
+        or scheduled.num_prefill_requests
         or scheduled.sum_prefill_tokens
         or scheduled.sum_prefill_kv_tokens
-        or scheduled.num_decode_requests
         or scheduled.sum_decode_kv_tokens
         or queued.num_prefill_requests
         or queued.sum_prefill_tokens
@@ -195,43 +195,48 @@ def to_record(
     iteration: int,
     received_ns: int,
     producer: str = "unknown",
+    num_dropped: int = 0,
 ) -> IterationRecord:
     """The IterationRecord of one FPM message received at ``received_ns`` (the caller's
     monotonic clock): it started ``wall_time`` before that. ``producer`` (PRODUCERS) says
-    whether wall_time is the model's GPU time as well.
+    whether wall_time is the model's GPU time as well; ``num_dropped``: messages lost just
+    before it.
 
-    The constructor with every field, not record.iteration_record: this runs per message of
-    the FPM ingest, and the factory's dict merge cost a third of it."""
+    The constructor with positional arguments, in the record's field order: this runs per
+    message of the FPM ingest, and msgspec's constructor with this many keywords cost 0.9 us
+    of its 3.3 (0.1 positional)."""
     scheduled = message.scheduled_requests
-    elapsed = elapsed_ns(message)
+    queued = message.queued_requests
+    elapsed = round(message.wall_time * NS_PER_S)  # elapsed_ns(), inlined
     return IterationRecord(
-        engine_index=engine_index,
-        msg_seq=msg_seq,
-        iteration=iteration,
-        start_ns=max(0, received_ns - elapsed),  # start_ns()
-        elapsed_ns=elapsed,
-        num_prefill_reqs=scheduled.num_prefill_requests,
-        num_prefill_tokens=scheduled.sum_prefill_tokens,
-        num_decode_reqs=scheduled.num_decode_requests,
-        num_decode_tokens=scheduled.num_decode_requests,
-        num_running_reqs=num_running_reqs(message),
-        num_waiting_reqs=num_waiting_reqs(message),
-        num_waiting_kv_reqs=0,  # the waiting reasons: unknown
-        num_waiting_seq_limit_reqs=0,
-        num_waiting_budget_reqs=0,
-        num_kv_blocks_used=0,  # unknown
-        num_kv_blocks_free=0,
-        num_kv_tokens=(
-            scheduled.sum_prefill_kv_tokens
-            + scheduled.sum_prefill_tokens
-            + scheduled.sum_decode_kv_tokens
-        ),
-        num_prefix_query_tokens=0,  # not carried
-        num_prefix_hit_tokens=0,
-        num_preemptions=0,  # unknown
-        unknown=FPM_UNKNOWN,
-        model_elapsed_ns=elapsed if producer in GPU_TIME_PRODUCERS else 0,
-        fpm=figures(message),
+        engine_index,
+        msg_seq,
+        iteration,
+        max(0, received_ns - elapsed),  # start_ns()
+        elapsed,
+        scheduled.num_prefill_requests,
+        scheduled.sum_prefill_tokens,
+        scheduled.num_decode_requests,  # num_decode_reqs
+        scheduled.num_decode_requests,  # num_decode_tokens: one each
+        scheduled.num_prefill_requests + scheduled.num_decode_requests,  # num_running_reqs()
+        queued.num_prefill_requests + queued.num_decode_requests,  # num_waiting_reqs()
+        0,  # num_waiting_kv_reqs, _seq_limit_reqs, _budget_reqs: unknown
+        0,
+        0,
+        0,  # num_kv_blocks_used, _free: unknown
+        0,
+        scheduled.sum_prefill_kv_tokens  # num_kv_tokens
+        + scheduled.sum_prefill_tokens
+        + scheduled.sum_decode_kv_tokens,
+        0,  # num_prefix_query_tokens, _hit_tokens: not carried
+        0,
+        0,  # num_preemptions: unknown
+        num_dropped,
+        [],  # milestones: unknown
+        FPM_UNKNOWN,
+        0,  # num_waiting_other_reqs
+        elapsed if producer in GPU_TIME_PRODUCERS else 0,  # model_elapsed_ns
+        figures(message),
     )
 
 

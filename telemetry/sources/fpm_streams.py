@@ -92,7 +92,12 @@ class FpmStreams:
         why not ('seq_jump', 'engine_limit')."""
         key = (message.worker_id, message.dp_rank)
         producer = self._producers.get(key)
-        if producer is None or not self._is_tracked(producer) or seq <= producer.last_fpm_seq:
+        # _is_tracked(producer), inlined: this runs once per message.
+        if (
+            producer is None
+            or producer.engine_index not in self._engines
+            or seq <= producer.last_fpm_seq
+        ):
             if producer is None:
                 index = self._free_index()
                 if index is None:
@@ -185,6 +190,6 @@ class FpmStreams:
             producer.iteration,
             now_ns,
             self._producer_name,
+            num_lost,
         )
-        record.num_dropped = num_lost
         self._send(record, now_ns)
