@@ -435,3 +435,19 @@ def test_every_well_formed_message_is_read_whole_after_any_malformed_one(tmp_pat
     assert ingest.engines[0].view.num_dropped_total == first_seq - 1  # before the first only
     num_refused = ingest.health.num_undecodable["malformed"]
     assert len(shapes) <= num_refused <= 2 * len(shapes)
+
+
+def test_a_heartbeat_says_idle_only_from_a_producer_that_heartbeats_only_while_idle():
+    """SGLang heartbeats only while idle; Dynamo's thread after any second without a message,
+    busy or not, so its heartbeat keeps what the last iteration left queued (busy_frames
+    leaves 3 prefills and 1 decode), and a restart forgets it."""
+    waiting = {}
+    for producer in ("sglang", "dynamo-vllm", "unknown"):
+        _, engines, messages = feed(producer=producer)
+        engines.on_frames(busy_frames(0), S)
+        engines.on_frames(idle_frames(1), 2 * S)
+        assert type(messages[-1]) is Heartbeat
+        waiting[producer] = messages[-1].num_waiting_reqs
+        engines.on_frames(idle_frames(0), 3 * S)  # restarted: nothing of the last process
+        assert messages[-1].num_waiting_reqs == 0 and messages[-1].msg_seq == 1
+    assert waiting == {"sglang": 0, "dynamo-vllm": 4, "unknown": 4}

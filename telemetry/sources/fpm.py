@@ -81,6 +81,11 @@ PRODUCERS = {
     "unknown": "what the producer measures (not said)",
 }
 GPU_TIME_PRODUCERS = ("sglang", "vllm")  # wall_time is the model's part of the iteration
+# Producers whose heartbeat says the engine is idle: SGLang sends one only while nothing runs
+# or waits. Dynamo's publisher thread sends one after any second without a message, busy or
+# not (a scheduler that stopped iterating included), and vLLM's pull request is not checked:
+# their heartbeats say only that no iteration came (telemetry/sources/fpm_streams.py).
+IDLE_HEARTBEAT_PRODUCERS = ("sglang",)
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]  # NaN and infinities fail too

@@ -12,7 +12,13 @@ engine tried to send, and a Heartbeat before the first record. ``FpmStreams`` tr
                    (the message then carries ``num_dropped`` = the gap, so readers count them)
     Heartbeat      synthesized when a producer is met (or met again: a seq that goes back is
                    a restart, msg_seq starts at 1 again), with the facts: model name (given,
-                   else the worker id) and source; an all-zero FPM message is a Heartbeat too
+                   else the worker id) and source; an all-zero FPM message is a Heartbeat too,
+                   with nothing waiting only from a producer whose heartbeat says it is idle
+                   (fpm.IDLE_HEARTBEAT_PRODUCERS); from the others it says only that no
+                   iteration came, so it carries the requests the last message left queued:
+                   a scheduler that stops iterating while requests wait shows stalled, not
+                   idle (one that stops with requests running and none queued cannot be told
+                   from an idle one: FPM's last message counts the requests that finished too)
 
 It hands each message to ``send`` and reads ``engines`` (the indexes whoever receives them
 holds: the sidecar's Ingest live, telemetry/sidecar/fpm_engines.py; a plain set offline,
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 
 from telemetry.lane.record import MAX_ENGINE_INDEX, Message, heartbeat
 from telemetry.sources.fpm import (
+    IDLE_HEARTBEAT_PRODUCERS,
     ForwardPassMetrics,
     is_heartbeat,
     num_running_reqs,
@@ -56,6 +63,7 @@ class _Producer:
     last_fpm_seq: int = 0
     msg_seq: int = 0  # the last msg_seq given to one of its messages
     iteration: int = 0  # records made of its messages
+    num_queued: int = 0  # requests its last iteration left queued
 
 
 class FpmStreams:
@@ -80,6 +88,7 @@ class FpmStreams:
         self._model_name = model_name
         self._producer_name = producer
         self._source = source_name(producer)
+        self._heartbeat_says_idle = producer in IDLE_HEARTBEAT_PRODUCERS
         self._wall_clock = wall_clock
         self._producers: dict[tuple[str, int], _Producer] = {}
 
@@ -131,7 +140,7 @@ class FpmStreams:
         """A producer met for the first time, again after the receiver let its engine go, or
         restarted (its seq went back): a Heartbeat with msg_seq 1 introduces it. False when
         the receiver did not admit it (it counts that itself)."""
-        producer.last_fpm_seq, producer.msg_seq = seq, 0
+        producer.last_fpm_seq, producer.msg_seq, producer.num_queued = seq, 0, 0
         self._send_heartbeat(producer, key, message, now_ns, 0)
         self._producers[key] = producer
         self._forget_untracked()  # this one if refused, any the receiver evicted to admit it
@@ -160,17 +169,21 @@ class FpmStreams:
         num_lost: int,
     ) -> None:
         """Progress from the producer's last record, queues from ``message`` (all zero for
-        the producer's own heartbeat), the clock anchor read now (at the iteration's start),
-        the facts."""
+        the producer's own heartbeat: then what its last iteration left queued, unless its
+        heartbeats say it is idle), the clock anchor read now (at the iteration's start), the
+        facts."""
         producer.msg_seq += 1
         ts_ns = start_ns(message, now_ns)
+        num_waiting = num_waiting_reqs(message)
+        if not num_waiting and not self._heartbeat_says_idle:
+            num_waiting = producer.num_queued
         beat = heartbeat(
             producer.engine_index,
             producer.msg_seq,
             ts_ns,
             self._wall_clock() - (now_ns - ts_ns),
             last_iteration=producer.iteration,
-            num_waiting_reqs=num_waiting_reqs(message),
+            num_waiting_reqs=num_waiting,
             num_running_reqs=num_running_reqs(message),
             num_dropped=num_lost,
             model_name=self._model_name or key[0],
@@ -183,6 +196,8 @@ class FpmStreams:
     ) -> None:
         producer.msg_seq += 1
         producer.iteration += 1
+        queued = message.queued_requests
+        producer.num_queued = queued.num_prefill_requests + queued.num_decode_requests
         record = to_record(
             message,
             producer.engine_index,
