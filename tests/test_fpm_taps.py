@@ -137,16 +137,19 @@ def test_tune_fits_dynamos_recordings_to_the_workloads_costs(path, capsys):
     assert ("sampled" in " ".join(result["fpm_notes"])) == (path == SAMPLED)
 
 
-def fpm_ingest_recording(path: Path, producer: str, kv_token_s: float = 0.0) -> Path:
+def fpm_ingest_recording(
+    path: Path, producer: str, kv_token_s: float = 0.0, varied_context: bool = True
+) -> Path:
     """A recording made by the sidecar's FPM ingest (FpmEngines into Ingest and the JSONL
     sink), of 30 iterations whose wall_time is 3 ms + 10 us a prefill token + 0.2 ms a
-    decode + ``kv_token_s`` a decode KV token (contexts of 100, 150 or 200 tokens)."""
+    decode + ``kv_token_s`` a decode KV token (contexts of 100, 150 or 200 tokens; 150 each
+    without ``varied_context``)."""
     recording = JsonlSink(str(path))
     ingest = Ingest([recording], live_findings=False)
     engines = FpmEngines(ingest, model_name="m", producer=producer)
     for seq in range(30):
         prefill, decode = 64 * (seq % 5), 1 + seq % 7
-        decode_kv = decode * (100 + 50 * (seq % 3))
+        decode_kv = decode * (100 + 50 * (seq % 3) if varied_context else 150)
         scheduled = {
             "num_prefill_requests": 1 if prefill else 0,
             "sum_prefill_tokens": prefill,
@@ -198,6 +201,74 @@ def test_tune_fits_the_decode_context_of_fpm_engines_and_predicts_with_its_mean(
     decode_request_s = 2e-4 + 1e-6 * context  # its token and its context
     room_s = 0.040 - 0.003 - 1e-5 * 256
     assert recommendation["max_num_seqs"] == int(room_s // decode_request_s)
+
+
+def test_tune_predicts_at_a_decode_context_the_operator_names(tmp_path, capsys):
+    """--decode-context puts that context behind each decoding request, at the fitted cost
+    of a decode KV token (1 us here): a longer context than recorded allows fewer decodes."""
+    path = fpm_ingest_recording(tmp_path / "fpm.jsonl", "dynamo-vllm", kv_token_s=1e-6)
+    args = [str(path), "--itl-target", "40ms", "--min-chunk", "256"]
+    assert tune.main([*args, "--decode-context", "4000", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["engines"]
+    fit, recommendation = result["fit"], result["recommendation"]
+    assert result["decode_context_refused"] is None
+    assert fit["target_decode_context_tokens"] == 4000
+    assert 100 < fit["decode_context_tokens"] < 200  # the recorded mean, still said
+    decode_request_s = 2e-4 + 1e-6 * 4000
+    room_s = 0.040 - 0.003 - 1e-5 * 256
+    max_num_seqs = int(room_s // decode_request_s)
+    assert recommendation["max_num_seqs"] == max_num_seqs == 8
+    assert recommendation["decode_iteration_time"] == pytest.approx(
+        0.003 + max_num_seqs * decode_request_s, rel=1e-3
+    )
+    assert any("--decode-context 4000 is extrapolated" in n for n in recommendation["notes"])
+    assert tune.main([*args, "--decode-context", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "predictions put --decode-context 0 KV tokens behind each decoding request" in text
+    assert f"--max-num-seqs {int(room_s // 2e-4)} " in text  # no context: the token's cost
+    assert "extrapolated" not in text.split("Recommended")[1].split("note:")[0]
+
+
+@pytest.mark.parametrize(
+    ("recording", "why"),
+    [
+        ("iterscope", "the recording holds no decoding request's context"),
+        ("fpm", "the fit found no cost of the decoding requests' context apart"),
+    ],
+)
+def test_tune_says_when_a_decode_context_cannot_be_honoured(tmp_path, capsys, recording, why):
+    """Our engine's records hold no decode context; an FPM engine whose decodes each hold 150
+    KV tokens has the context's cost inside a decode's."""
+    if recording == "iterscope":
+        from scenarios import synthetic
+
+        path = synthetic.story3_bursty(16).write(tmp_path / "bursty.jsonl")
+    else:
+        path = fpm_ingest_recording(tmp_path / "fpm.jsonl", "sglang", 1e-6, varied_context=False)
+    args = [str(path), "--itl-target", "50ms", "--decode-context", "4000"]
+    assert tune.main(args) == 0
+    text = capsys.readouterr().out
+    assert f"--decode-context not honoured: {why}" in text
+    assert "the predictions and limits below are for the recorded contexts" in text
+    assert tune.main([*args, "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["engines"]
+    assert why in result["decode_context_refused"]
+    assert result["fit"]["target_decode_context_tokens"] is None
+    assert tune.main([str(path), "--itl-target", "50ms", "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)["engines"]
+    assert plain["decode_context_refused"] is None
+    assert plain["recommendation"] == result["recommendation"]
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("-5", "a context is 0 tokens or more, not -5"), ("4k", "not a whole number of tokens")],
+)
+def test_a_bad_decode_context_is_an_argparse_error(capsys, value, error):
+    with pytest.raises(SystemExit) as exit_:
+        tune.main([str(RECEIVED), "--itl-target", "50ms", "--decode-context", value])
+    assert exit_.value.code == 2
+    assert f"argument --decode-context: {error}" in capsys.readouterr().err
 
 
 def in_component(trace_line: bytes, component: str, ms: int) -> bytes:

@@ -9,9 +9,9 @@ the iterations it is part of. We fit, by least squares over the recorded iterati
 
 (decode requests equal decode tokens, one each, so they share one term; decode KV tokens, the
 decoding requests' context that attention reads, only where the records say it: FPM engines,
-whose predictions then put the recording's mean context behind each decoding request). A
-feature that never varies, or varies only as a combination of the others, is left out. Then
-choose:
+whose predictions then put the recording's mean context behind each decoding request, or
+``--decode-context TOKENS`` where the operator asks for another). A feature that never
+varies, or varies only as a combination of the others, is left out. Then choose:
 
 - max_num_seqs: the most decoding requests whose decode-only iteration, plus a prefill chunk of
   ``--min-chunk`` tokens, stays within the target; never more than fit in the KV cache at the
@@ -28,7 +28,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,17 @@ class Fit:
     max_tokens_seen: int
     max_decode_reqs_seen: int
     decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
+    max_decode_context_seen: float = 0.0  # the largest of one iteration's own mean
+    target_decode_context_tokens: int | None = None  # --decode-context, where it is honoured
+
+    @property
+    def predicted_decode_context_tokens(self) -> float:
+        """The KV tokens predictions put behind each decoding request: the target where one
+        is set (only on a fit with a decode-context cost: at_decode_context), else the
+        recording's mean."""
+        if self.target_decode_context_tokens is None:
+            return self.decode_context_tokens
+        return self.target_decode_context_tokens
 
     def predict(
         self, prefill_tokens: float = 0, decode_tokens: float = 0, prefill_reqs: float = 0
@@ -83,7 +94,7 @@ class Fit:
             "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens,
             "prefill_reqs": prefill_reqs,
-            "decode_kv_tokens": decode_tokens * self.decode_context_tokens,
+            "decode_kv_tokens": decode_tokens * self.predicted_decode_context_tokens,
         }
         return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
 
@@ -171,6 +182,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
         decode_context_tokens=_decode_context(x),
+        max_decode_context_seen=_max_decode_context(x),
     )
 
 
@@ -179,6 +191,31 @@ def _decode_context(x: np.ndarray) -> float:
     decode_tokens = x[:, FEATURE_NAMES.index("decode_tokens")].sum()
     decode_kv_tokens = x[:, FEATURE_NAMES.index("decode_kv_tokens")].sum()
     return float(decode_kv_tokens / decode_tokens) if decode_tokens else 0.0
+
+
+def _max_decode_context(x: np.ndarray) -> float:
+    """The largest decode KV tokens per decoding request of one iteration (0 without any)."""
+    decode_tokens = x[:, FEATURE_NAMES.index("decode_tokens")]
+    decode_kv_tokens = x[:, FEATURE_NAMES.index("decode_kv_tokens")]
+    decoding = decode_tokens > 0
+    return float((decode_kv_tokens[decoding] / decode_tokens[decoding]).max(initial=0.0))
+
+
+def at_decode_context(fit: Fit, tokens: int | None) -> tuple[Fit, str | None]:
+    """``fit`` predicting at ``tokens`` of context per decoding request (None: the recorded
+    mean), and why that cannot be honoured where it cannot (the fit is then unchanged): only a
+    fit with a cost of its own for the decodes' context can price another context."""
+    if tokens is None:
+        return fit, None
+    if "decode_kv_tokens" in fit.coefficients:
+        return replace(fit, target_decode_context_tokens=tokens), None
+    if not fit.decode_context_tokens:
+        return fit, "the recording holds no decoding request's context (FPM engines' records do)"
+    return fit, (
+        "the fit found no cost of the decoding requests' context apart from their number "
+        "(the context did not vary apart from it, or its cost came out below 0): each "
+        f"decode's cost holds the recorded mean of {fit.decode_context_tokens:.0f} KV tokens"
+    )
 
 
 def _predict(solution: dict[str, float], x: np.ndarray) -> np.ndarray:
@@ -275,6 +312,13 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
             f"{plural(fit.max_decode_reqs_seen, 'decoding request')} per "
             f"iteration: {max_num_seqs} is extrapolated"
         )
+    target = fit.target_decode_context_tokens
+    if target is not None and target > fit.max_decode_context_seen:
+        notes.append(
+            f"the recording's decoding requests held at most "
+            f"{fit.max_decode_context_seen:.0f} KV tokens each (an iteration's mean): "
+            f"--decode-context {target} is extrapolated"
+        )
     if "prefill_tokens" not in fit.coefficients:
         notes.append(
             "no prefill cost could be fitted (no prefill tokens varied): the budget is a guess"
@@ -287,7 +331,12 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
 
 
 def format_report(
-    tl: EngineTimeline, fit: Fit, rec: Recommendation, kv_seqs: int | None, kv_length: float | None
+    tl: EngineTimeline,
+    fit: Fit,
+    rec: Recommendation,
+    kv_seqs: int | None,
+    kv_length: float | None,
+    decode_context_refused: str | None = None,
 ) -> list[str]:
     ms, us = 1000, 1e6
     coefficient_text = ", ".join(
@@ -307,10 +356,21 @@ def format_report(
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
         f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
     ]
-    if "decode_kv_tokens" in fit.coefficients:
+    if fit.target_decode_context_tokens is not None:
+        lines.append(
+            f"  predictions put --decode-context {fit.target_decode_context_tokens} KV tokens "
+            f"behind each decoding request (the recording's mean: "
+            f"{fit.decode_context_tokens:.0f})"
+        )
+    elif "decode_kv_tokens" in fit.coefficients:
         lines.append(
             f"  predictions put the recording's mean decode context behind each decoding "
             f"request: {fit.decode_context_tokens:.0f} KV tokens"
+        )
+    if decode_context_refused is not None:
+        lines.append(
+            f"  --decode-context not honoured: {decode_context_refused}; the predictions and "
+            "limits below are for the recorded contexts"
         )
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
@@ -344,6 +404,17 @@ def format_report(
     return lines
 
 
+def context_tokens(text: str) -> int:
+    """``--decode-context``: a whole number of tokens, 0 or more."""
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"a context is 0 tokens or more, not {tokens}")
+    return tokens
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope tune",
@@ -359,6 +430,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="prefill tokens an iteration must still fit beside a full decode batch (default 512)",
+    )
+    parser.add_argument(
+        "--decode-context",
+        type=context_tokens,
+        metavar="TOKENS",
+        help="predict with this many KV tokens of context behind each decoding request "
+        "(prompt and output so far) instead of the recording's mean; only where the fit has "
+        "a decode-context cost (FPM engines whose context varied), else tune says it is not "
+        "honoured",
     )
     parser.add_argument("--engine", type=int, help="only this engine index")
     add_fpm_producer_argument(parser)
@@ -381,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     results, status = [], 0
     for tl in timelines.values():
         try:
-            fit = fit_iteration_time(tl)
+            fit, refused = at_decode_context(fit_iteration_time(tl), args.decode_context)
             kv_seqs, kv_length = kv_max_seqs(tl)
             rec = recommend(fit, args.itl_target, args.min_chunk, kv_seqs)
         except ValueError as error:
@@ -394,10 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                 "fit": fit.to_json(),
                 "recommendation": asdict(rec),
                 "fpm_notes": tune_lines(tl),
+                "decode_context_refused": refused,
             }
         )
         if not args.json:
-            print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length)))
+            print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length, refused)))
     if not timelines:
         print("iterscope tune: no iteration found in the recording", file=sys.stderr)
         return 1
