@@ -465,3 +465,19 @@ def test_two_engines_that_share_an_index_are_refused_not_drawn_as_one(tmp_path, 
     assert len(read_timelines([first, continued])[0]) == 1
     restarted = recording_of(tmp_path / "restart.jsonl", pid=300, first_ms=0, restart_pid=301)
     assert len(read_timelines([restarted])[0]) == 1
+
+
+def test_the_header_says_a_device_no_heartbeat_named_is_not_reported():
+    """An engine whose heartbeats name no device (a source that does not know it) reads "not
+    reported by the source", never "on ?"; one that names it, "on CPU"."""
+    from telemetry.analysis.explain_report import engine_header
+    from telemetry.lane.record import Heartbeat
+
+    sim = synthetic.story3_bursty(2)
+    assert engine_header(build_timelines(sim.messages)[0]).startswith("Engine 0, model sim on CPU,")
+    unnamed = [
+        msgspec.structs.replace(m, device_name="") if isinstance(m, Heartbeat) else m
+        for m in sim.messages
+    ]
+    header = engine_header(build_timelines(unnamed)[0])
+    assert header.startswith("Engine 0, model sim, device not reported by the source, "), header

@@ -189,6 +189,19 @@ def test_a_producer_met_mid_load_shows_no_phantom_gap(tmp_path, capsys):
     assert not [f for f in engine["findings"] if f["kind"] == "telemetry_gap"]
 
 
+@pytest.mark.parametrize("producer", ["sglang", "dynamo-vllm"])
+def test_explain_says_the_device_is_not_reported_by_fpm(tmp_path, capsys, producer):
+    """FPM names no device: the header says so, never "on ?"; --json leaves device_name out
+    of the facts, as every fact the source does not give."""
+    path = fpm_ingest_recording(tmp_path / "fpm.jsonl", producer)
+    assert explain.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"Engine 0, model m, device not reported by the source (fpm-{producer})\n" in text
+    assert " on ?" not in text
+    (engine,) = explain_json(capsys, str(path))["engines"]
+    assert engine["facts"] == {"model_name": "m", "source": f"fpm-{producer}"}
+
+
 def test_tune_fits_the_decode_context_of_fpm_engines_and_predicts_with_its_mean(tmp_path, capsys):
     path = fpm_ingest_recording(tmp_path / "fpm.jsonl", "dynamo-vllm", kv_token_s=1e-6)
     assert tune.main([str(path), "--itl-target", "40ms", "--min-chunk", "256", "--json"]) == 0

@@ -16,7 +16,7 @@ from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.findings import Finding, build_findings, cost_text
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import EngineTimeline
-from telemetry.analysis.words import plural
+from telemetry.analysis.words import not_reported, plural
 
 WRAP_COLUMNS = 100
 
@@ -25,7 +25,12 @@ def engine_header(tl: EngineTimeline) -> str:
     facts = tl.facts
     parts = [f"Engine {tl.engine_index}"]
     if facts.get("model_name"):
-        parts.append(f"model {facts['model_name']} on {facts.get('device_name') or '?'}")
+        device = facts.get("device_name")
+        parts.append(
+            f"model {facts['model_name']} on {device}"
+            if device
+            else f"model {facts['model_name']}, device {not_reported(facts.get('source'))}"
+        )
     if tl.num_kv_blocks_total:
         parts.append(f"{tl.num_kv_blocks_total} KV blocks x {facts.get('block_size', '?')} tokens")
     for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -12,3 +12,9 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
 def were(count: int) -> str:
     """The past of "to be" agreeing with ``count`` things: ``was`` for one, else ``were``."""
     return "was" if count == 1 else "were"
+
+
+def not_reported(source: str | None) -> str:
+    """What a figure the recording's source does not give reads as, never a measured value:
+    ``not reported by the source (fpm-sglang)``."""
+    return "not reported by the source" + (f" ({source})" if source else "")

@@ -17,7 +17,7 @@ from telemetry.analysis.episodes.episode import (
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
-from telemetry.analysis.words import plural
+from telemetry.analysis.words import not_reported, plural
 
 
 def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -91,8 +91,7 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     )
     if not tl.waiting_reasons_known:
         label, cause = "reason not reported", "of a limit the source does not name"
-        source = tl.facts.get("source")
-        split = "not reported by the source" + (f" ({source})" if source else "")
+        split = not_reported(tl.facts.get("source"))
     peak_usage = float(tl.kv_usage[span].max())
     return span_episode(
         tl,
