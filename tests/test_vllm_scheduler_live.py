@@ -1,9 +1,9 @@
 """vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py):
 first on vLLM's real scheduler without a model (tests/vllm_scheduler_check.py, run in
 `.vllm-venv`), then in a real `vllm serve --scheduler-cls ...` (CPU build) with a real sidecar
-and Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own /metrics, a
-stopped, continued and killed engine core, and a sequence-limited server. `make test` builds
-.vllm-venv and .models/smollm2-hf."""
+and Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own /metrics, the
+sidecar's --fpm-port publishing FPM for that vLLM, a stopped, continued and killed engine
+core, and a sequence-limited server. `make test` builds .vllm-venv and .models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -14,13 +14,24 @@ import signal
 import subprocess
 import time
 import urllib.request
+from itertools import pairwise
 
+import msgspec
 import openai
 import pytest
 import yaml
+import zmq
 
 from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm, stop_server
+from telemetry.lane.record import (
+    UNKNOWN_ELAPSED,
+    UNKNOWN_KV_TOKENS,
+    UNKNOWN_PREFILL_REQS,
+    IterationRecord,
+    Message,
+)
 from telemetry.sidecar.process import start_sidecar
+from telemetry.sources.fpm import decode_frames, is_heartbeat, to_record
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
 from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
@@ -43,6 +54,7 @@ KV_FLAGS = (
 )
 KV_ALERT = "IterscopeKVCacheSaturated"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
+FPM_WORKER_ID = "vllm-w"
 # Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
 POLL_S = 0.1
 
@@ -95,12 +107,20 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so()
 @pytest.fixture(scope="module")
 def kv_stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_scheduler")
-    metrics_port, api_port = free_port(), free_port()
+    metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
-        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")],
+        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")]
+        + ["--fpm-port", str(fpm_port), "--fpm-worker-id", FPM_WORKER_ID],
         stderr=sidecar_log,
     )
+    # Subscribed before vLLM starts, so it receives the stream from seq 0; its queue is
+    # unbounded, so nothing is lost while the tests before the FPM one run.
+    context = zmq.Context()
+    fpm_sub = context.socket(zmq.SUB)
+    fpm_sub.setsockopt(zmq.SUBSCRIBE, b"")
+    fpm_sub.setsockopt(zmq.RCVHWM, 0)
+    fpm_sub.connect(f"tcp://127.0.0.1:{fpm_port}")
     server = prometheus = None
     try:
         server = start_vllm(
@@ -117,6 +137,7 @@ def kv_stack(tmp_path_factory):
             "tmp": tmp,
             "metrics_port": metrics_port,
             "prometheus": prometheus,
+            "fpm_sub": fpm_sub,
         }
     finally:
         if prometheus is not None:
@@ -125,6 +146,8 @@ def kv_stack(tmp_path_factory):
             stop_server(server)
         sidecar.stop()
         sidecar_log.close()
+        fpm_sub.close(linger=0)
+        context.term()
 
 
 def prompt(index: int, num_words: int) -> str:
@@ -233,6 +256,74 @@ def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
         lambda: counters_agree(kv_stack, 18), 15, "counters equal to vLLM's", interval_s=POLL_S
     )
     assert pairs["preemptions"][0] > 0, pairs
+
+
+def recorded_iterations(recording) -> list[IterationRecord]:
+    messages = [msgspec.json.decode(line, type=Message) for line in recording.read_bytes().split()]
+    return [m for m in messages if type(m) is IterationRecord]
+
+
+def test_the_sidecars_fpm_port_publishes_what_it_records_of_a_real_vllm(kv_stack):
+    """docs/fpm.md's "vLLM with iterscope's sources": `iterscope sidecar --fpm-port` beside a
+    real `vllm serve --scheduler-cls ...IterscopeScheduler`. Read by iterscope's own FPM
+    decoder: one stream (the engine's index as dp_rank) numbered from 0, counter_id the seq,
+    a message per record the sidecar recorded, in order, giving back its counts (but vLLM's
+    produced tokens); all-zero heartbeats about a second apart while idle. Whatever the tests
+    before it served is in it too."""
+    sub = kv_stack["fpm_sub"]
+    received = []  # (seq, message, when received)
+
+    def receive(timeout_ms: int) -> bool:
+        if not sub.poll(timeout_ms):
+            return False
+        decoded = decode_frames(sub.recv_multipart())
+        assert not isinstance(decoded, str), decoded
+        received.append((*decoded, time.monotonic()))
+        return True
+
+    while receive(0):  # what the tests before this one were sent
+        pass
+    responses = complete(kv_stack["api_port"], [prompt(300 + i, 20) for i in range(2)], 8)
+    assert all(r.usage.completion_tokens == 8 for r in responses)
+
+    def three_heartbeats_after_the_work() -> bool:
+        receive(100)
+        busy_at = [i for i, (_, message, _) in enumerate(received) if message.wall_time > 0]
+        return bool(busy_at) and len(received) - busy_at[-1] > 3
+
+    wait_until(three_heartbeats_after_the_work, 10, "3 heartbeats after the requests")
+    seqs = [seq for seq, _, _ in received]
+    assert seqs == list(range(len(received)))
+    assert {(m.worker_id, m.dp_rank, m.counter_id - seq) for seq, m, _ in received} == {
+        (FPM_WORKER_ID, 0, 0)
+    }
+    busy = [message for _, message, _ in received if message.wall_time > 0]  # iterations
+
+    def every_record_recorded() -> list[IterationRecord] | None:
+        records = recorded_iterations(kv_stack["tmp"] / "run.jsonl")
+        return records if len(records) >= len(busy) else None
+
+    records = wait_until(every_record_recorded, 10, "the recording flushed")
+    assert len(records) == len(busy) > 0
+    for seq, (message, record) in enumerate(zip(busy, records, strict=True)):
+        assert not record.unknown & (UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS | UNKNOWN_KV_TOKENS)
+        back = to_record(message, 0, seq, seq, received_ns=record.start_ns + record.elapsed_ns)
+        for name in (
+            "elapsed_ns",
+            "num_prefill_reqs",
+            "num_prefill_tokens",
+            "num_decode_reqs",
+            "num_waiting_reqs",
+            "num_kv_tokens",
+        ):
+            assert getattr(back, name) == getattr(record, name), (name, seq, message, record)
+        # vLLM's records count the tokens a step produced, a prefill's first token included;
+        # FPM has no such count: a consumer reads one token per decoding request
+        assert back.num_decode_tokens == record.num_decode_reqs
+    idle = received[-3:]
+    assert all(is_heartbeat(message) and message.wall_time == 0 for _, message, _ in idle)
+    for (_, _, before), (_, _, after) in pairwise(idle):
+        assert 0.8 < after - before < 2.0, [at for _, _, at in idle]
 
 
 def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack):
