@@ -214,8 +214,11 @@ class ModelRunner:
             layout.block_chunks.append(request_blocks[span_positions // bs])
             span = self._prefill_span(flat_start, request_blocks, start, end)
             if spans and _can_batch(spans[-1], span):
-                spans[-1].token_end = span.token_end
-                spans[-1].lengths += span.lengths
+                merged = spans[-1]
+                merged.token_end = span.token_end
+                merged.lengths += span.lengths
+                if span.prefix_rows is not None:
+                    merged.prefix_rows = torch.cat([merged.prefix_rows, span.prefix_rows])
             else:
                 spans.append(span)
             if end == len(request.token_ids):
@@ -247,13 +250,12 @@ class ModelRunner:
     def _prefill_span(
         self, flat_start: int, request_blocks: torch.Tensor, start: int, end: int
     ) -> PrefillSpan:
-        """A chunk from position 0 attends to itself; a later one reads [0, end) from the cache."""
-        span = PrefillSpan(flat_start, flat_start + end - start)
-        if start == 0:
-            span.lengths = [end]
-        else:
-            span.kv_rows = gather_rows(request_blocks, self.num_kv_heads).to(self.device)
-            span.kv_len = end
+        """A chunk from position 0 attends to itself; a later one also to [0, start) in the
+        cache, read through the blocks that hold it."""
+        span = PrefillSpan(flat_start, flat_start + end - start, start, [end - start])
+        if start:
+            prefix_blocks = request_blocks[: (start + self.block_size - 1) // self.block_size]
+            span.prefix_rows = gather_rows(prefix_blocks, self.num_kv_heads)[None].to(self.device)
         return span
 
     def _check(self, request: Request, num_new: int) -> None:
@@ -277,10 +279,11 @@ class ModelRunner:
 
 
 def _can_batch(previous: PrefillSpan, span: PrefillSpan) -> bool:
-    """Fresh chunks next to each other share one attention call when padding each to the
+    """Chunks next to each other that start at the same position (fresh prompts; prompts
+    over the same cached chat template) share one attention call when padding each to the
     longest wastes at most 1/PAD_WASTE of it (a chat template's prompts differ by a few
     tokens: one call instead of one per prompt and query chunk, in every layer)."""
-    if previous.kv_rows is not None or span.kv_rows is not None:
+    if previous.start != span.start:
         return False
     lengths = previous.lengths + span.lengths
     return max(lengths) - min(lengths) <= max(lengths) // PAD_WASTE

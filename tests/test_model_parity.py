@@ -150,3 +150,22 @@ def test_close_length_fresh_prompts_batched_in_one_call(pair, fresh_prefill_path
     assert shapes == [([12, 12, 11], 35), ([9], 9)]
     for got, seq in zip(runner.compute_logits(step), seqs, strict=True):
         torch.testing.assert_close(got, reference_logits(ref, seq), atol=ATOL, rtol=0)
+
+
+def test_chunks_over_cached_contexts_of_one_length_batched_in_one_call(pair, fresh_prefill_path):
+    """Chunks that start at the same position (prompts over one cached chat template) and
+    are of close lengths share one attention call, padded, over their cached contexts; one
+    at another position does not; every position matches the reference."""
+    ours, ref = pair
+    runner = ModelRunner(ours, NUM_BLOCKS, BLOCK_SIZE, "cpu")
+    free = shuffled_blocks(5)
+    seqs = [random_tokens(30 + i, n) for i, n in enumerate([27, 29, 28, 25])]
+    reqs = [make_request(f"r{i}", s, free) for i, s in enumerate(seqs)]
+    for request, done in zip(reqs, [8, 8, 8, 5], strict=True):
+        run_in_chunks(runner, request, [done])  # their cached contexts
+    step = [(r, len(seq) - r.num_computed_tokens) for r, seq in zip(reqs, seqs, strict=True)]
+    spans = runner.prepare(step).meta.prefills
+    assert [(span.start, span.lengths) for span in spans] == [(8, [19, 21, 20]), (5, [20])]
+    for got, request, seq in zip(runner.compute_logits(step), reqs, seqs, strict=True):
+        expected = reference_logits(ref, seq)[request.num_computed_tokens :]
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

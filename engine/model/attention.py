@@ -20,12 +20,13 @@ Decode tokens (one new token per request) are attended together, by one of three
   "torch"       otherwise, and the reference: the blocks are gathered into one
                 [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
                 request's length.
-Each prefill request (q_len > 1) on top of a cached prefix or earlier chunks is attended on
-its own over its context gathered from the cache (batched matmuls up to PLAIN_PREFILL_MAX_LEN
-positions of context, SDPA with a mask aligned to its last position above); fresh prompts
-(from position 0) of equal or close lengths (runner.PAD_WASTE) share one call, padded to the
-longest, batched matmuls with a causal bias up to PLAIN_PREFILL_MAX_LEN tokens and SDPA above.
-New K/V are written to the cache first, so every query sees its own key.
+Prefill chunks (q_len > 1) that start at the same position, of equal or close lengths
+(runner.PAD_WASTE), share one call, padded to the longest: fresh prompts (from position 0),
+and chunks over a cached context of the same length (prompts over one cached chat template),
+whose keys are that context gathered from the cache followed by their own new K/V. Batched
+matmuls with a causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above.
+New K/V are written to the cache first, and a padded query never needs a padded key: pads
+come after every real position of their chunk.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PagedAttention:
         self.decode_value_buffer: torch.Tensor | None = None
         self.decode_bias: torch.Tensor | None = None
         self.causal_biases: dict[tuple[int, int], torch.Tensor] = {}  # by chunk, for one step
+        self.sdpa_masks: dict[tuple[int, int], torch.Tensor] = {}  # by offset and length
 
     def begin_step(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
         """Pick the decode backend; for the torch one, build the gather rows, buffers and the
@@ -94,6 +96,7 @@ class PagedAttention:
         self.decode_rows = self.decode_key_buffer = self.decode_value_buffer = None
         self.decode_bias = None
         self.causal_biases = {}
+        self.sdpa_masks = {}
         if meta.decode_block_table is None:
             return
         if self.cpu_kernel is not None:
@@ -146,15 +149,8 @@ class PagedAttention:
             self._decode_into(out[:num_decodes], q[:num_decodes], key_cache, value_cache, meta)
         for span in meta.prefills:
             start, end = span.token_start, span.token_end
-            if span.kv_rows is None:
-                out[start:end] = self._fresh_prefill(q[start:end], k[start:end], v[start:end], span)
-            else:
-                keys = self._gather(key_cache, span.kv_rows)[:, : span.kv_len]
-                values = self._gather(value_cache, span.kv_rows)[:, : span.kv_len]
-                if span.kv_len <= PLAIN_PREFILL_MAX_LEN:
-                    out[start:end] = self._plain_cached(q[start:end], keys, values)
-                else:
-                    out[start:end] = self._prefill(q[start:end], keys, values)
+            chunks = (q[start:end], k[start:end], v[start:end])
+            out[start:end] = self._prefill(*chunks, span, key_cache, value_cache)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(
@@ -207,67 +203,73 @@ class PagedAttention:
         out = torch.bmm(probs, values.view(num_items, context_len, self.head_dim))
         return out.view(num_reqs, self.num_heads, self.head_dim)
 
-    def _fresh_prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        span: PrefillSpan,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """The span's chunks from position 0, causal, in one call: [T, H, D]. Chunks of
-        unequal lengths are padded to the longest at their ends (rows gathered by
+        """The span's chunks, causal from position span.start, in one call: [T, H, D].
+        Chunks of unequal lengths are padded to the longest at their ends (rows gathered by
         padded_rows): a real query never sees a padded key, which comes after it, and the
         padded queries' outputs are dropped."""
         lengths = span.lengths
-        if min(lengths) == max(lengths):
-            return self._causal(q, k, v, len(lengths), lengths[0])
-        if span.padding is None:  # once per step: every layer reuses it
-            span.padding = padded_rows(lengths, q.device)
-        rows, real = span.padding
-        padded = self._causal(q[rows], k[rows], v[rows], len(lengths), max(lengths))
-        return padded[real]
+        num_chunks, length = len(lengths), max(lengths)
+        padded = min(lengths) != length
+        if padded:
+            if span.padding is None:  # once per step: every layer reuses it
+                span.padding = padded_rows(lengths, q.device)
+            rows = span.padding[0]
+            q, k, v = q[rows], k[rows], v[rows]
+        shape = (num_chunks, length, self.num_kv_heads, self.head_dim)
+        keys, values = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+        if span.start:  # [n, KVH, start + length, D]: the cached context, then the chunk
+            keys = torch.cat([self._context(key_cache, span), keys], dim=2)
+            values = torch.cat([self._context(value_cache, span), values], dim=2)
+        out = self._causal(q, keys, values, length, span.start)
+        return out[span.padding[1]] if padded else out
+
+    def _context(self, cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        """Each chunk's cached positions [0, span.start): [n, KVH, start, D]."""
+        return self._gather(cache, span.prefix_rows)[:, :, : span.start]
 
     def _causal(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: int,
+        offset: int,
     ) -> torch.Tensor:
-        """n chunks of ``length`` tokens back to back, each causal from position 0."""
-        if length <= PLAIN_PREFILL_MAX_LEN:
-            return self._plain_causal(q, k, v, n, length)
+        """q [n * length, H, D]: n chunks of ``length`` queries at positions offset, ...,
+        offset + length - 1; keys/values [n, KVH, offset + length, D]."""
+        num_chunks, kvh, context, dim = keys.shape
+        if context <= PLAIN_PREFILL_MAX_LEN:
+            if self.widen_plain_prefill and q.dtype == torch.bfloat16:
+                widened = self._causal(q.float(), keys.float(), values.float(), length, offset)
+                return widened.to(q.dtype)
+            # Each KV head's group of query heads stacked position-major (row p * G + g).
+            group = self.group_size
+            grouped_q = q.reshape(num_chunks, length, kvh, group, dim).transpose(1, 2)
+            grouped_q = grouped_q.reshape(num_chunks * kvh, length * group, dim)
+            flat = (num_chunks * kvh, context, dim)
+            out = self._grouped_causal(
+                grouped_q, keys.reshape(flat), values.reshape(flat), length, offset
+            )
+            return out.view(num_chunks, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
         out = F.scaled_dot_product_attention(
-            q.view(n, -1, self.num_heads, self.head_dim).transpose(1, 2),
-            k.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-            v.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-            is_causal=True,
+            q.view(num_chunks, length, self.num_heads, dim).transpose(1, 2),
+            keys,
+            values,
+            attn_mask=self._sdpa_mask(offset, length, q.device) if offset else None,
+            is_causal=not offset,
             scale=self.scale,
             enable_gqa=self.group_size > 1,
         )
         return out.transpose(1, 2).reshape(q.shape)
-
-    def _plain_causal(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int
-    ) -> torch.Tensor:
-        """Causal attention of n sequences of `length` tokens by batched matmuls. Each KV head's
-        group of query heads is stacked position-major (row p * G + g: head g at position p)."""
-        if self.widen_plain_prefill and q.dtype == torch.bfloat16:
-            return self._plain_causal(q.float(), k.float(), v.float(), n, length).to(q.dtype)
-        kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
-        grouped_q = q.reshape(n, length, kvh, group, dim).transpose(1, 2)
-        grouped_q = grouped_q.reshape(n * kvh, length * group, dim)
-        keys = k.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
-        values = v.reshape(n, length, kvh, dim).transpose(1, 2).reshape(n * kvh, length, dim)
-        out = self._grouped_causal(grouped_q, keys, values, length, 0)
-        return out.view(n, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
-
-    def _plain_cached(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """One chunk q [L, H, D] at the end of its context, keys/values [KVH, context, D]
-        gathered from the cache (its cached prefix and its own new K/V), by the same batched
-        matmuls as a fresh prompt: the chunk's positions start at context - L."""
-        if self.widen_plain_prefill and q.dtype == torch.bfloat16:
-            return self._plain_cached(q.float(), keys.float(), values.float()).to(q.dtype)
-        kvh, group, dim = self.num_kv_heads, self.group_size, self.head_dim
-        length = q.shape[0]
-        grouped_q = q.reshape(length, kvh, group, dim).transpose(0, 1)
-        grouped_q = grouped_q.reshape(kvh, length * group, dim)
-        out = self._grouped_causal(grouped_q, keys, values, length, keys.shape[1] - length)
-        return out.view(kvh, length, group, dim).transpose(0, 1).reshape(q.shape)
 
     def _grouped_causal(
         self,
@@ -308,21 +310,15 @@ class PagedAttention:
             self.causal_biases[(start, end)] = bias.masked_fill_(future, float("-inf"))
         return bias
 
-    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q [Lq, H, D], the last Lq positions, against keys/values [KVH, Lk, D] gathered from
-        the cache: query i sees positions up to Lk - Lq + i."""
-        num_queries, context_len = q.shape[0], keys.shape[1]
-        positions = torch.arange(context_len - num_queries, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.group_size > 1,
-        )
-        return out.squeeze(0).transpose(0, 1)
+    def _sdpa_mask(self, offset: int, length: int, device: torch.device) -> torch.Tensor:
+        """[length, offset + length]: query i (position offset + i) sees keys up to its own
+        position. Built once per step and shape."""
+        mask = self.sdpa_masks.get((offset, length))
+        if mask is None:
+            positions = torch.arange(offset, offset + length, device=device)
+            keys = torch.arange(offset + length, device=device)
+            mask = self.sdpa_masks[(offset, length)] = keys[None, :] <= positions[:, None]
+        return mask
 
 
 def padded_rows(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

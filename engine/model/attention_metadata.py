@@ -6,7 +6,8 @@ A step's tokens are laid out flat, decode tokens first:
 
 Every token has a slot in the paged KV cache (engine/model/attention.py): the block and the
 offset its position's K/V go to. Decode tokens (one new token per request) are attended
-together through one block table; each prefill span is attended on its own.
+together through one block table; each prefill span (one or more chunks that start at the
+same position) is attended in one call.
 
 gather_rows turns block ids into rows of the head-major cache, block_id * num_kv_heads +
 kv_head (why head-major: engine/model/attention.py).
@@ -24,23 +25,23 @@ import torch
 
 @dataclass
 class PrefillSpan:
-    """One request's chunk of q_len > 1 tokens at flat indices [token_start, token_end).
+    """Prefill chunks (q_len > 1 each) back to back at flat indices [token_start, token_end),
+    attended in one call: each is ``lengths[i]`` tokens of its request from position ``start``
+    on, the same ``start`` for all (lengths equal, or close enough that padding each to the
+    longest costs little).
 
-    kv_rows is None when the chunk starts at position 0: its keys are exactly the chunk's own
-    fresh K/V, so plain causal attention applies; then the span may hold several such chunks
-    back to back, of the lengths in ``lengths`` (equal, or close enough that padding each to
-    the longest costs little), attended in one batched call. Otherwise
-    kv_rows are the gather rows (block_id * num_kv_heads + kv_head, ordered by head then
-    block) of the request's blocks and kv_len = the chunk's end position (so its queries are
-    positions kv_len - q_len, ..., kv_len - 1).
+    start 0: fresh prompts, whose keys are exactly their own new K/V. Otherwise each chunk
+    also sees its cached context, positions [0, start): a prefix cache hit (a chat template)
+    or earlier chunks; prefix_rows [n, kv_heads, blocks] are the gather rows
+    (block_id * num_kv_heads + kv_head) of the blocks holding it, one row of blocks per chunk.
     """
 
     token_start: int
     token_end: int
-    lengths: list[int] = field(default_factory=list)  # fresh chunks' lengths, in order
+    start: int = 0
+    lengths: list[int] = field(default_factory=list)  # the chunks' lengths, in order
     padding: tuple[torch.Tensor, torch.Tensor] | None = None  # attention's, for unequal lengths
-    kv_rows: torch.Tensor | None = None
-    kv_len: int = 0
+    prefix_rows: torch.Tensor | None = None
 
 
 @dataclass
