@@ -1,20 +1,21 @@
 """`iterscope serve` against `vllm serve` on this machine: same model, same client, same load.
 
     .venv/bin/python bench/serving_vs_vllm.py [--rounds 2] [--iterscope-arg=--cpu-threads=1]
+        [--vllm-arg=--max-num-batched-tokens=1024]
 
-`make test` (or `make vllm`) builds the vLLM CPU environment and the Hugging Face copy of the
-embedded SmolLM2-135M that vLLM loads. One server at a time, each alone on the machine:
-vLLM at its fastest CPU configuration here (bench/vllm_server.py BEST_CPU_FLAGS, with the
-KV space the CPU backend requires and no stat-logger plugin), then `iterscope serve` at its
-defaults (plus any --iterscope-arg). Each gets one short warm-up run, then ``--rounds``
-measured runs of `vllm bench serve --backend openai-chat`, random 256 in / 128 out,
-64 prompts, max concurrency 16, ignore_eos; every run has prompts of its own (warm-up
-included), the same ones for both servers, so no run is served from an earlier one's prefix
-cache. Printed per server: output tok/s, TTFT and TPOT
-(mean, p99), each the mean over the rounds, and output tok/s as a share of this machine's
-roofline bound for the load (bench/roofline.py, measured first); then iterscope / vLLM ratios
-(throughput: higher is better; latencies: lower is better). The last line is one JSON object
-with the figures, the CPU kind among them.
+`make test` (or `make vllm`) builds the vLLM CPU environment and the Hugging Face copy of
+the embedded SmolLM2-135M that vLLM loads. One server at a time, each alone on the machine:
+vLLM at its fastest CPU configuration here (bench/vllm_server.py BEST_CPU_FLAGS, with the KV
+space the CPU backend requires and no stat-logger plugin, plus any --vllm-arg), then
+`iterscope serve` at its defaults (plus any --iterscope-arg). Each gets one short warm-up
+run, then ``--rounds`` measured runs of `vllm bench serve --backend openai-chat`, random 256
+in / 128 out, 64 prompts, max concurrency 16, ignore_eos; every run has prompts of its own
+(warm-up included), the same ones for both servers, so no run is served from an earlier
+one's prefix cache. Printed per server: output tok/s, TTFT and TPOT (mean, p99), each the
+mean over the rounds, and output tok/s as a share of this machine's roofline bound for the
+load (bench/roofline.py, measured first); then iterscope / vLLM ratios (throughput: higher
+is better; latencies: lower is better). The last line is one JSON object with the figures,
+the CPU kind among them.
 """
 
 from __future__ import annotations
@@ -126,6 +127,13 @@ def main() -> None:
         metavar="ARG",
         help="an extra `iterscope serve` flag (repeatable; default none)",
     )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra `vllm serve` flag (repeatable; default none)",
+    )
     args = parser.parse_args()
     limits = roofline()  # first, with the machine to itself
     bound = limits["serving"]["output_tokens_per_s"]
@@ -137,7 +145,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         vllm = measure(
             "vllm",
-            lambda port, log: start_vllm(port, VLLM_ENV, log, BEST_CPU_FLAGS),
+            lambda port, log: start_vllm(port, VLLM_ENV, log, (*BEST_CPU_FLAGS, *args.vllm_arg)),
             stop_server,
             args.rounds,
             tmp,
@@ -169,6 +177,7 @@ def main() -> None:
                 "vllm": vllm,
                 "iterscope": ours,
                 "iterscope_args": args.iterscope_arg,
+                "vllm_args": args.vllm_arg,
                 "rounds": args.rounds,
                 "cpu": limits["cpu"],
                 "cpu_flags": limits["cpu_flags"],

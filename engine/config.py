@@ -37,6 +37,11 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
 # A GPU decodes 256 requests in about the time of one (docs/performance.md: 2.2 ms at batch 1,
 # 5.5 ms at 256 on an H200 with CUDA graphs); 256 is vLLM's default on GPUs short of H100s.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 32, "cuda": 256}
+# A CPU prefills ~3,000 tokens a second (SmolLM2-135M, 2 cores): a 2,048-token iteration holds
+# every request that arrived during it for 0.7 s. Half that budget, served under
+# bench/serving_vs_vllm.py's load, cut the mean TTFT by 28% at the same output tok/s
+# (docs/performance.md); a GPU's iteration of 2,048 tokens takes milliseconds.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 1024, "cuda": 2048}
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 
 
@@ -79,8 +84,15 @@ class EngineConfig:
         "N",
         default_text=", ".join(f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_NUM_SEQS.items()),
     )
-    max_num_batched_tokens: int = setting(
-        2048, "--max-num-batched-tokens", "most tokens in one iteration", WholeNumber(1), "N"
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "--max-num-batched-tokens",
+        "most tokens in one iteration",
+        WholeNumber(1),
+        "N",
+        default_text=", ".join(
+            f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()
+        ),
     )
     max_model_len: int | None = setting(
         None,
@@ -166,6 +178,8 @@ class EngineConfig:
         self._check_kinds()
         if self.max_num_seqs is None:
             self.max_num_seqs = DEFAULT_MAX_NUM_SEQS[self.device]
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device]
         self.dtype = DTYPE.canonical(self.dtype)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
