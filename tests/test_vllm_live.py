@@ -1,6 +1,7 @@
 """A real vLLM (CPU build, .vllm-venv) with the iterscope plugin, a real sidecar, the official
-openai client: the sidecar's numbers equal vLLM's own, a hung engine core reads as stalled, and
-a dead sidecar does not disturb vLLM. `make test` builds .vllm-venv and .models/smollm2-hf."""
+openai client: the sidecar's numbers equal vLLM's own, its --fpm-port publishes FPM for that
+vLLM, a hung engine core reads as stalled, and a dead sidecar does not disturb vLLM. `make
+test` builds .vllm-venv and .models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.vllm_server import engine_core_pid, start_vllm, stop_server
+from telemetry.lane.record import UNKNOWN_ELAPSED, UNKNOWN_KV_TOKENS, UNKNOWN_PREFILL_REQS
 from telemetry.sidecar.process import start_sidecar
+from telemetry.sources.fpm import is_heartbeat, to_record
+from tests.helpers.fpm_stream import FpmStream, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
 from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
@@ -23,12 +27,16 @@ pytestmark = pytest.mark.timeout(900)
 
 # Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
 POLL_S = 0.2
+FPM_WORKER_ID = "vllm-plugin"
+# Four prompts of about 1,500 tokens go beyond vLLM's budget on CPU (2,048 tokens a step), so
+# a request waits while the others' chunks fill the budget: waiting counts are checked too.
+LONG_PROMPT_WORDS = 1500
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
-    metrics_port, api_port = free_port(), free_port()
+    metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
         [
@@ -40,9 +48,16 @@ def stack(tmp_path_factory):
             "2",
             "--log-iterations",
             "--vllm-compatible-names",
+            "--fpm-port",
+            str(fpm_port),
+            "--fpm-worker-id",
+            FPM_WORKER_ID,
         ],
         stderr=sidecar_log,
     )
+    # Subscribed before vLLM starts, so it receives the stream from seq 0; its queue is
+    # unbounded, so nothing is lost while the tests before the FPM one run.
+    fpm = FpmStream(fpm_port)
     server = None
     try:
         server = start_vllm(
@@ -60,12 +75,14 @@ def stack(tmp_path_factory):
             "api_port": api_port,
             "metrics_port": metrics_port,
             "tmp": tmp,
+            "fpm": fpm,
         }
     finally:
         if server is not None:
             stop_server(server)
         sidecar.stop()
         sidecar_log.close()
+        fpm.close()
 
 
 def client(api_port: int) -> openai.OpenAI:
@@ -164,6 +181,66 @@ def test_vllm_compatible_names_are_vllms_own(stack):
     assert {name: (family.type, label_names(family)) for name, family in aliases.items()} == {
         name: (theirs[name].type, label_names(theirs[name])) for name in aliases if name in theirs
     }
+
+
+def test_the_sidecars_fpm_port_publishes_what_it_records_of_the_plugin(stack):
+    """docs/fpm.md's "vLLM with iterscope's sources", the stat-logger plugin: `iterscope
+    sidecar --fpm-port` beside a real `vllm serve` with the plugin, read by iterscope's own
+    FPM decoder after the tests before it and four long requests of its own: one stream (the
+    engine's index as dp_rank) numbered from 0, counter_id the seq, a message per record the
+    sidecar recorded, in order, giving back its counts as docs/fpm.md's mapping says; all-zero
+    heartbeats about a second apart once idle.
+
+    The case covered: this module runs vLLM with --enable-logging-iteration-details
+    (bench.vllm_server.PLUGIN_FLAGS), so every record has its time and batch split, and the
+    plugin marks unknown only what vLLM never gives it, the KV tokens held: FPM has no
+    unknown, so the message says the batch held no KV before the iteration and a consumer
+    reads the iteration's prefill tokens as the KV held. Without the flag (time and prefill
+    requests unknown: wall_time 0, num_prefill_requests 0) only tests/test_fpm_publisher.py
+    checks the mapping."""
+    fpm = stack["fpm"]
+    fpm.drain()  # what the tests before this one were sent
+    api = client(stack["api_port"])
+
+    def long_request(i: int):
+        words = " ".join(["apple", "river", "stone"][j % 3] for j in range(LONG_PROMPT_WORDS))
+        return api.completions.create(
+            model="smollm2", prompt=f"Request {i}: {words}", max_tokens=2, temperature=0
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(long_request, range(4)))
+    assert all(r.usage.prompt_tokens > 1024 for r in responses)
+    fpm.wait_idle_after_work()
+    fpm.check_one_stream(FPM_WORKER_ID)
+    busy = fpm.iterations()
+    records = wait_recorded(stack["tmp"] / "run.jsonl", len(busy))
+    assert len(records) == len(busy) > 0
+    # the case covered (docstring): every record's time and batch split known, KV tokens not
+    assert {
+        r.unknown & (UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS | UNKNOWN_KV_TOKENS) for r in records
+    } == {UNKNOWN_KV_TOKENS}
+    assert any(r.num_waiting_reqs for r in records)  # not only zeros compared
+    for seq, (message, record) in enumerate(zip(busy, records, strict=True)):
+        assert not is_heartbeat(message), (seq, message, record)
+        back = to_record(message, 0, seq, seq, received_ns=record.start_ns + record.elapsed_ns)
+        for name in (
+            "elapsed_ns",
+            "num_prefill_reqs",
+            "num_prefill_tokens",
+            "num_decode_reqs",
+            "num_waiting_reqs",
+        ):
+            assert getattr(back, name) == getattr(record, name), (name, seq, message, record)
+        # the KV tokens held, unknown to the plugin: 0 on the wire, where FPM cannot say
+        # unknown, so a consumer reads the iteration's prefill tokens as the KV held
+        scheduled = message.scheduled_requests
+        assert scheduled.sum_prefill_kv_tokens == scheduled.sum_decode_kv_tokens == 0
+        assert back.num_kv_tokens == record.num_prefill_tokens
+        # vLLM's records count the tokens a step produced, a prefill's first token included;
+        # FPM has no such count: a consumer reads one token per decoding request
+        assert back.num_decode_tokens == record.num_decode_reqs
+    fpm.check_idle_heartbeats()
 
 
 def counters_agree_debug(stack) -> dict:

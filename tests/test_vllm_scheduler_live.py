@@ -14,24 +14,20 @@ import signal
 import subprocess
 import time
 import urllib.request
-from itertools import pairwise
 
-import msgspec
 import openai
 import pytest
 import yaml
-import zmq
 
 from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import (
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
     UNKNOWN_PREFILL_REQS,
-    IterationRecord,
-    Message,
 )
 from telemetry.sidecar.process import start_sidecar
-from telemetry.sources.fpm import decode_frames, is_heartbeat, to_record
+from telemetry.sources.fpm import to_record
+from tests.helpers.fpm_stream import FpmStream, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
 from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
@@ -116,11 +112,7 @@ def kv_stack(tmp_path_factory):
     )
     # Subscribed before vLLM starts, so it receives the stream from seq 0; its queue is
     # unbounded, so nothing is lost while the tests before the FPM one run.
-    context = zmq.Context()
-    fpm_sub = context.socket(zmq.SUB)
-    fpm_sub.setsockopt(zmq.SUBSCRIBE, b"")
-    fpm_sub.setsockopt(zmq.RCVHWM, 0)
-    fpm_sub.connect(f"tcp://127.0.0.1:{fpm_port}")
+    fpm = FpmStream(fpm_port)
     server = prometheus = None
     try:
         server = start_vllm(
@@ -137,7 +129,7 @@ def kv_stack(tmp_path_factory):
             "tmp": tmp,
             "metrics_port": metrics_port,
             "prometheus": prometheus,
-            "fpm_sub": fpm_sub,
+            "fpm": fpm,
         }
     finally:
         if prometheus is not None:
@@ -146,8 +138,7 @@ def kv_stack(tmp_path_factory):
             stop_server(server)
         sidecar.stop()
         sidecar_log.close()
-        fpm_sub.close(linger=0)
-        context.term()
+        fpm.close()
 
 
 def prompt(index: int, num_words: int) -> str:
@@ -258,11 +249,6 @@ def test_preemptions_and_tokens_equal_vllms_counters(kv_stack):
     assert pairs["preemptions"][0] > 0, pairs
 
 
-def recorded_iterations(recording) -> list[IterationRecord]:
-    messages = [msgspec.json.decode(line, type=Message) for line in recording.read_bytes().split()]
-    return [m for m in messages if type(m) is IterationRecord]
-
-
 def test_the_sidecars_fpm_port_publishes_what_it_records_of_a_real_vllm(kv_stack):
     """docs/fpm.md's "vLLM with iterscope's sources": `iterscope sidecar --fpm-port` beside a
     real `vllm serve --scheduler-cls ...IterscopeScheduler`. Read by iterscope's own FPM
@@ -270,40 +256,14 @@ def test_the_sidecars_fpm_port_publishes_what_it_records_of_a_real_vllm(kv_stack
     a message per record the sidecar recorded, in order, giving back its counts (but vLLM's
     produced tokens); all-zero heartbeats about a second apart while idle. Whatever the tests
     before it served is in it too."""
-    sub = kv_stack["fpm_sub"]
-    received = []  # (seq, message, when received)
-
-    def receive(timeout_ms: int) -> bool:
-        if not sub.poll(timeout_ms):
-            return False
-        decoded = decode_frames(sub.recv_multipart())
-        assert not isinstance(decoded, str), decoded
-        received.append((*decoded, time.monotonic()))
-        return True
-
-    while receive(0):  # what the tests before this one were sent
-        pass
+    fpm = kv_stack["fpm"]
+    fpm.drain()  # what the tests before this one were sent
     responses = complete(kv_stack["api_port"], [prompt(300 + i, 20) for i in range(2)], 8)
     assert all(r.usage.completion_tokens == 8 for r in responses)
-
-    def three_heartbeats_after_the_work() -> bool:
-        receive(100)
-        busy_at = [i for i, (_, message, _) in enumerate(received) if message.wall_time > 0]
-        return bool(busy_at) and len(received) - busy_at[-1] > 3
-
-    wait_until(three_heartbeats_after_the_work, 10, "3 heartbeats after the requests")
-    seqs = [seq for seq, _, _ in received]
-    assert seqs == list(range(len(received)))
-    assert {(m.worker_id, m.dp_rank, m.counter_id - seq) for seq, m, _ in received} == {
-        (FPM_WORKER_ID, 0, 0)
-    }
-    busy = [message for _, message, _ in received if message.wall_time > 0]  # iterations
-
-    def every_record_recorded() -> list[IterationRecord] | None:
-        records = recorded_iterations(kv_stack["tmp"] / "run.jsonl")
-        return records if len(records) >= len(busy) else None
-
-    records = wait_until(every_record_recorded, 10, "the recording flushed")
+    fpm.wait_idle_after_work()
+    fpm.check_one_stream(FPM_WORKER_ID)
+    busy = fpm.iterations()
+    records = wait_recorded(kv_stack["tmp"] / "run.jsonl", len(busy))
     assert len(records) == len(busy) > 0
     for seq, (message, record) in enumerate(zip(busy, records, strict=True)):
         assert not record.unknown & (UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS | UNKNOWN_KV_TOKENS)
@@ -320,10 +280,7 @@ def test_the_sidecars_fpm_port_publishes_what_it_records_of_a_real_vllm(kv_stack
         # vLLM's records count the tokens a step produced, a prefill's first token included;
         # FPM has no such count: a consumer reads one token per decoding request
         assert back.num_decode_tokens == record.num_decode_reqs
-    idle = received[-3:]
-    assert all(is_heartbeat(message) and message.wall_time == 0 for _, message, _ in idle)
-    for (_, _, before), (_, _, after) in pairwise(idle):
-        assert 0.8 < after - before < 2.0, [at for _, _, at in idle]
+    fpm.check_idle_heartbeats()
 
 
 def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack):
