@@ -15,8 +15,35 @@ import msgspec
 import zmq
 
 from telemetry.lane.record import IterationRecord, Message
-from telemetry.sources.fpm import ForwardPassMetrics, ScheduledRequests, decode_frames, is_heartbeat
+from telemetry.sources.fpm import (
+    ForwardPassMetrics,
+    ScheduledRequests,
+    decode_frames,
+    is_heartbeat,
+    to_record,
+)
 from tests.helpers.wait import wait_until
+
+# What a consumer gets back exactly from a vLLM source's record (docs/fpm.md's mapping).
+COUNTS_GIVEN_BACK = (
+    "elapsed_ns",
+    "num_prefill_reqs",
+    "num_prefill_tokens",
+    "num_decode_reqs",
+    "num_waiting_reqs",
+)
+
+
+def given_back(message: ForwardPassMetrics, record: IterationRecord, seq: int) -> IterationRecord:
+    """The record iterscope's own FPM mapping makes of ``message``, checked to hold
+    ``record``'s COUNTS_GIVEN_BACK. vLLM's records count the tokens a step produced, a
+    prefill's first token included; FPM has no such count: a consumer reads one token per
+    decoding request."""
+    back = to_record(message, 0, seq, seq, received_ns=record.start_ns + record.elapsed_ns)
+    for name in COUNTS_GIVEN_BACK:
+        assert getattr(back, name) == getattr(record, name), (name, seq, message, record)
+    assert back.num_decode_tokens == record.num_decode_reqs
+    return back
 
 
 def is_iteration(message: ForwardPassMetrics) -> bool:
