@@ -120,12 +120,13 @@ def _remove_channels_if_orphaned(input_address: str) -> None:
 def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
     if config.telemetry_address is None:
         return core.publisher
-    from telemetry.lane.publisher import ZmqPublisher
+    from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, SEND_INTERVAL_S, ZmqPublisher
 
     return ZmqPublisher(
         config.telemetry_address,
         config.engine_index,
         facts=core.facts(model_name),
+        send_interval_s=CPU_ENGINE_SEND_INTERVAL_S if config.device == "cpu" else SEND_INTERVAL_S,
         curve_keys_dir=config.telemetry_curve_keys_dir,
         curve_engine_name=config.telemetry_curve_engine_name,
         sndhwm=config.telemetry_sndhwm,

@@ -6,8 +6,11 @@ socket and the encoder: every ``SEND_INTERVAL_S`` it stamps, encodes and sends w
 queued, and about once a second it sends a Heartbeat. Torch releases the GIL in its kernels,
 so this work overlaps the forward pass instead of sitting between two of them. The period is
 long on purpose: on a CPU where torch uses every core, each wake-up of another thread stalls
-a parallel region, and waking every 2 ms cost the engine about 5% of its throughput
-(bench/telemetry_throughput.py); at 20 ms there is no measurable difference.
+a parallel region. Waking every 2 ms cost the engine about 5% of its throughput
+(bench/telemetry_throughput.py), and even every 20 ms cost `iterscope serve` on a 2-core CPU
+~5% of its output tok/s against every 100 ms (docs/performance.md): engines whose torch
+threads hold every core (ours on CPU, vLLM's engine core) send every CPU_ENGINE_SEND_INTERVAL_S,
+the rest every SEND_INTERVAL_S, which keeps a record's way to /metrics within 50 ms.
 
     engine thread                 sender thread (owns socket + encoder)
     publish(record) --deque-->    seq = next; num_dropped = seq - last_sent_seq - 1
@@ -37,6 +40,7 @@ DEFAULT_SNDHWM = 8192  # frames in ZMQ's queue; ~60 B each, about 0.5 MiB
 DEFAULT_QUEUE_CAPACITY = 16384  # records waiting for the sender thread
 HEARTBEAT_INTERVAL_S = 1.0
 SEND_INTERVAL_S = 0.02  # the sender thread's wake-up period
+CPU_ENGINE_SEND_INTERVAL_S = 0.1  # where the engine's torch threads hold every core
 CLOSE_LINGER_MS = 1000  # at close, how long ZMQ may take to deliver what it holds
 CONNECT_WAIT_MS = 100  # once, at start-up
 

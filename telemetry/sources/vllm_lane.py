@@ -18,14 +18,10 @@ import logging
 import os
 from typing import Any
 
-from telemetry.lane.publisher import ZmqPublisher, default_address
+from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, ZmqPublisher, default_address
 
 ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-# The publisher thread wakes this often. vLLM's engine core spreads its OpenMP threads over
-# every core, so each wake-up of another thread can hold up a whole parallel region; vLLM
-# steps take tens of ms, so 100 ms still sends each record well within a heartbeat.
-SEND_INTERVAL_S = 0.1
 SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 _said_unconfigured: set[str] = set()
@@ -48,8 +44,9 @@ def start_publisher(engine_index: int, facts: dict[str, Any], what: str) -> ZmqP
     if address == "default":
         address = default_address()
     try:
+        # vLLM's engine core spreads its OpenMP threads over every core, on a GPU host too.
         publisher = ZmqPublisher(
-            address, engine_index, facts=facts, send_interval_s=SEND_INTERVAL_S
+            address, engine_index, facts=facts, send_interval_s=CPU_ENGINE_SEND_INTERVAL_S
         )
     except Exception:  # a bad address must not stop vLLM from serving
         logger.exception("iterscope: cannot publish to %s; telemetry is off", address)

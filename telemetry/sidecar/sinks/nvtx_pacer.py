@@ -1,6 +1,6 @@
 """When the live NVTX sink opens and closes each range, in the sidecar's clock (no NVTX calls).
 
-Records reach the sidecar in batches (the engine's publisher sends every 20 ms), so drawing a
+Records reach the sidecar in batches (the engine's publisher sends every 20 or 100 ms), so drawing a
 range as its record arrives would squeeze most ranges into microseconds. RangePacer instead
 schedules iteration N's range to open at N's start and close at N's end, both shifted by one
 constant lag per engine: the smallest lane latency seen so far plus ``delay_ns``.

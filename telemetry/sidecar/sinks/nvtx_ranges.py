@@ -8,7 +8,7 @@ the engine-side ``--nvtx-markers`` range of the same iteration (engine/nvtx_mark
 Two modes:
 
 - live (``--nvtx``, the sidecar runs under ``nsys profile``): records reach the sidecar in
-  batches (the engine's publisher sends every 20 ms), so drawing each range as its record
+  batches (the engine's publisher sends every 20 or 100 ms), so drawing each range as its record
   arrives would squeeze most ranges into microseconds. A pacer thread replays them instead
   (when each range opens and closes is RangePacer's, telemetry/sidecar/sinks/nvtx_pacer.py):
   the range of iteration N opens at N's start and closes at N's end, both shifted by one
@@ -251,7 +251,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="live mode: draw each range this long (plus the lane latency) after its "
         "iteration, so ranges keep their true lengths although records arrive in batches "
-        f"(default {DEFAULT_DELAY_MS:g}; keep it above the publisher's 20 ms send period)",
+        f"(default {DEFAULT_DELAY_MS:g}; keep it above the publisher's send period: 20 ms, "
+        "100 ms for an engine on CPU or vLLM)",
     )
     group.add_argument(
         "--nvtx-writer-backend",
