@@ -2,8 +2,9 @@
 
 The real engine core on the embedded model (SmolLM2-135M), the same offline workload each
 run (N prompts of random token ids, EOS ignored, greedy). "off" is the NullPublisher and no
-sidecar; "on" is a ZmqPublisher to a sidecar subprocess with its default sinks (log lines,
-/metrics on a free port) plus a JSONL recording. Runs alternate off, on, on, off, ... so
+sidecar; "on" is the engine's own publisher (engine/core_process.make_publisher, which on a
+CPU sends every CPU_ENGINE_SEND_INTERVAL_S) to a sidecar subprocess with its default sinks
+(log lines, /metrics on a free port) plus a JSONL recording. Runs alternate off, on, on, off, ... so
 drift in machine load hits both sides alike; the figure is the ratio of the median output
 tokens/s.
 
@@ -28,10 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.core_process import make_publisher  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.startup import build_engine_core  # noqa: E402
-from telemetry.lane.publisher import ZmqPublisher  # noqa: E402
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
 
 
@@ -39,6 +40,11 @@ def run_once(
     args: argparse.Namespace, model, prompts: list[list[int]], telemetry: bool, directory: str
 ) -> float:
     """Output tokens/s of one offline run."""
+    sidecar = None
+    if telemetry:
+        sidecar = start_sidecar(
+            ["--metrics-port", "0", "--record", f"{directory}/rec.jsonl"], stderr=subprocess.DEVNULL
+        )
     config = EngineConfig(
         model="smollm2",
         dtype=args.dtype,
@@ -46,14 +52,11 @@ def run_once(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len,
         enable_prefix_caching=False,
+        telemetry_address=sidecar.address if sidecar else None,
     )
     core, _ = build_engine_core(config, load_model=lambda *a: model)
-    sidecar = None
-    if telemetry:
-        sidecar = start_sidecar(
-            ["--metrics-port", "0", "--record", f"{directory}/rec.jsonl"], stderr=subprocess.DEVNULL
-        )
-        core.publisher = ZmqPublisher(sidecar.address, 0, facts=core.facts("smollm2"))
+    core.publisher = make_publisher(config, core, "smollm2")  # as the engine process does
+    if sidecar:
         time.sleep(0.2)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     try:

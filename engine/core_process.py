@@ -83,7 +83,7 @@ def run_engine_core(
     try:
         try:
             core, model = build_engine_core(config, load_model, runner_class)
-            core.publisher = _make_publisher(
+            core.publisher = make_publisher(
                 config, core, config.served_model_name or model.config.name
             )
         except Exception as error:  # e.g. the KV cache cannot hold one max-length request
@@ -117,7 +117,9 @@ def _remove_channels_if_orphaned(input_address: str) -> None:
         shutil.rmtree(os.path.dirname(input_address[len("ipc://") :]), ignore_errors=True)
 
 
-def _make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
+def make_publisher(config: EngineConfig, core: EngineCore, model_name: str) -> Any:
+    """The engine's telemetry publisher as ``config`` asks for it (the core's NullPublisher
+    when no lane is set); benchmarks build theirs here too, so they measure the engine's."""
     if config.telemetry_address is None:
         return core.publisher
     from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, SEND_INTERVAL_S, ZmqPublisher
