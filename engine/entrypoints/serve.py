@@ -75,9 +75,14 @@ def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> Engine
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bound and listening before uvicorn starts, so port 0 can be reported and connections
-    made before uvicorn accepts simply wait in the backlog."""
+    made before uvicorn accepts simply wait in the backlog.
+
+    The protocol is named (IPPROTO_TCP, not 0): asyncio turns Nagle's algorithm off
+    (TCP_NODELAY) only on connections whose socket says TCP, and with it on, a streamed
+    response's first event waited for the client's delayed ACK of the headers: ~40 ms more
+    time to first token, seen by every streaming client under load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
