@@ -6,8 +6,10 @@
 `make test` (or `make vllm`) builds the vLLM CPU environment and the Hugging Face copy of
 the embedded SmolLM2-135M that vLLM loads. One server at a time, each alone on the machine:
 vLLM at its fastest CPU configuration here (bench/vllm_server.py BEST_CPU_FLAGS, with the KV
-space the CPU backend requires and no stat-logger plugin, plus any --vllm-arg), then
-`iterscope serve` at its defaults (plus any --iterscope-arg). Each gets one short warm-up
+space the CPU backend requires, the tcmalloc and Intel OpenMP preload its CPU docs ask for
+(vllm_cpu_preload; `make test` installs both) and no stat-logger plugin, plus any
+--vllm-arg), then `iterscope serve` at its defaults (plus any --iterscope-arg; its engine
+preloads tcmalloc itself, engine/cpu_allocator.py). Each gets one short warm-up
 run, then ``--rounds`` measured runs of `vllm bench serve --backend openai-chat`, random 256
 in / 128 out, 64 prompts, max concurrency 16, ignore_eos; every run has prompts of its own
 (warm-up included), the same ones for both servers, so no run is served from an earlier
@@ -39,6 +41,7 @@ from bench.vllm_server import (  # noqa: E402
     free_port,
     start_vllm,
     stop_server,
+    vllm_cpu_preload,
     wait_healthy,
 )
 
@@ -135,6 +138,7 @@ def main() -> None:
         help="an extra `vllm serve` flag (repeatable; default none)",
     )
     args = parser.parse_args()
+    vllm_env = {**VLLM_ENV, **vllm_cpu_preload()}  # before the roofline: a missing one fails now
     limits = roofline()  # first, with the machine to itself
     bound = limits["serving"]["output_tokens_per_s"]
     print(
@@ -145,7 +149,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         vllm = measure(
             "vllm",
-            lambda port, log: start_vllm(port, VLLM_ENV, log, (*BEST_CPU_FLAGS, *args.vllm_arg)),
+            lambda port, log: start_vllm(port, vllm_env, log, (*BEST_CPU_FLAGS, *args.vllm_arg)),
             stop_server,
             args.rounds,
             tmp,
@@ -178,6 +182,7 @@ def main() -> None:
                 "iterscope": ours,
                 "iterscope_args": args.iterscope_arg,
                 "vllm_args": args.vllm_arg,
+                "vllm_preload": vllm_env["LD_PRELOAD"],
                 "rounds": args.rounds,
                 "cpu": limits["cpu"],
                 "cpu_flags": limits["cpu_flags"],

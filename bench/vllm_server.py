@@ -3,6 +3,7 @@ benchmarks and the live tests. `make vllm` builds both the environment and the m
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import signal
@@ -31,6 +32,11 @@ CPU_ENV = {
 # at full speed), as our own --dtype auto chooses; iteration details feed the plugin.
 BEST_CPU_FLAGS = ("--dtype", auto_dtype("cpu")[0], "--max-model-len", "2048", "--enforce-eager")
 PLUGIN_FLAGS = ("--enable-logging-iteration-details",)
+# What vLLM's CPU docs preload for its best speed (its engine warns "libtcmalloc is not found
+# in LD_PRELOAD" and the same of libiomp without them): tcmalloc (Debian's
+# libtcmalloc-minimal4, `make tcmalloc`) and Intel's OpenMP runtime (intel-openmp, `make vllm`).
+# Without them vLLM served 352-357 output tok/s here, with them 376-385 (docs/performance.md).
+IOMP = ROOT / ".vllm-venv" / "lib" / "libiomp5.so"
 # The load of the serving comparisons: `vllm bench serve` random prompts, 256 in / 128 out.
 BENCH_LOAD = (
     "--dataset-name",
@@ -47,6 +53,17 @@ BENCH_LOAD = (
     "--seed",
     "0",
 )
+
+
+def vllm_cpu_preload() -> dict[str, str]:
+    """The LD_PRELOAD of vLLM's documented best CPU set-up; RuntimeError naming the make
+    target when a library is missing (a comparison without it would flatter iterscope)."""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    if tcmalloc is None:
+        raise RuntimeError("tcmalloc is not installed: run `make tcmalloc`")
+    if not IOMP.exists():
+        raise RuntimeError(f"{IOMP} is missing: run `make vllm`")
+    return {"LD_PRELOAD": f"{tcmalloc}:{IOMP}"}
 
 
 def free_port() -> int:

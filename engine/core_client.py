@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import shutil
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -40,6 +42,7 @@ from engine.core_messages import (
     Shutdown,
 )
 from engine.core_process import run_engine_core
+from engine.cpu_allocator import engine_environment
 from engine.request import FinishReason, SamplingParams
 from engine.request_stream import RequestStream, deliver
 from engine.scheduler import RequestRejectedError, check_request_fits
@@ -95,7 +98,8 @@ class EngineCoreClient:
             name="iterscope-engine-core",
             daemon=True,
         )
-        self.process.start()
+        with _environment(engine_environment(config.device, dict(os.environ))):
+            self.process.start()  # the spawned process takes this environment
         try:
             self.ready = self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -313,3 +317,18 @@ class EngineCoreClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(added: dict[str, str]) -> Iterator[None]:
+    """``added`` in os.environ while the block runs, then the environment as it was."""
+    before = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

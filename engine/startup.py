@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.core import EngineCore, Publisher
+from engine.cpu_allocator import allocator_line
 from engine.kv_planning import KvPlan, cuda_kv_budget_bytes, kv_bytes_per_token, plan_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ def build_engine_core(
         publisher,
         model.config.vocab_size,
     )
+    if config.device == "cpu":
+        core.startup_notes.append(allocator_line())
+        logger.info(core.startup_notes[-1])
     if config.device == "cuda" and config.cuda_graphs:
         core.startup_notes.append(_capture_decode_graphs(runner, config, plan.max_model_len))
         logger.info(core.startup_notes[-1])

@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu_allocator import allocator_line
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestRejectedError
 from engine.startup import build_engine_core
@@ -166,8 +167,10 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
             "Available KV cache memory: 0.00 GiB",
             "KV cache size: 4,096 tokens",
             "Maximum concurrency for 2,048 tokens per request: 2.00x",
+            allocator_line(),  # this process's: the test runner was not spawned with tcmalloc
         ]
     )
+    assert core.startup_lines()[-1].startswith("memory allocator: glibc malloc")
     assert core.facts(model.config.name)["num_kv_blocks_total"] == 256
     core.add_request(make_request("a", [1, 2, 3], 3))
     assert len(drain(core)) == 3

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from bench.vllm_server import MODEL_DIR, VLLM
+from bench.vllm_server import MODEL_DIR, VLLM, vllm_cpu_preload
 from engine.entrypoints.serve import TINY_MODEL
 from tests.helpers.serve import tiny_server
 
@@ -79,3 +79,17 @@ def test_vllm_bench_serve_succeeds_with_both_openai_backends(tmp_path):
         assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), log
         # The random dataset sets ignore_eos: every request generates exactly OUTPUT_LEN.
         assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN, log
+
+
+def test_the_preload_vllm_is_compared_with_loads():
+    """bench/serving_vs_vllm.py runs vLLM with the preload its CPU docs ask for (tcmalloc and
+    Intel's OpenMP runtime; `make test` installs both): a process started with it maps both."""
+    preload = vllm_cpu_preload()["LD_PRELOAD"]
+    maps = subprocess.run(
+        [str(VLLM.parent / "python"), "-c", "print(open('/proc/self/maps').read())"],
+        env={**os.environ, "LD_PRELOAD": preload},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "libtcmalloc_minimal" in maps.stdout and "libiomp5" in maps.stdout, maps.stderr
