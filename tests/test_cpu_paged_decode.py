@@ -17,7 +17,7 @@ import torch
 
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.kernels import cpu_paged_decode
+from engine.model.kernels import cpu_build, cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
@@ -39,7 +39,7 @@ def kernel():
     return library
 
 
-CPU_FLAGS = set(cpu_paged_decode._cpu_flags().split())
+CPU_FLAGS = set(cpu_build.cpu_flags().split())
 HAS_AVX2 = {"avx2", "fma"} <= CPU_FLAGS
 
 # Builds of the paths this machine's default build may skip: the plain-C loop, AVX-512
@@ -264,17 +264,16 @@ def test_block_size_below_a_chunk(kernel):
 
 
 @pytest.mark.live
-def test_build_key_follows_the_source(tmp_path, monkeypatch):
-    compiler = gcc()
-    key = cpu_paged_decode.build_key(compiler)
-    assert cpu_paged_decode.build_key(compiler) == key
+def test_build_key_follows_the_source(tmp_path):
+    compiler, source = gcc(), cpu_paged_decode.SOURCE
+    key = cpu_build.build_key(compiler, source)
+    assert cpu_build.build_key(compiler, source) == key
     edited = tmp_path / "paged_decode.c"
-    edited.write_text(cpu_paged_decode.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(cpu_paged_decode, "SOURCE", edited)
-    assert cpu_paged_decode.build_key(compiler) != key
-    assert cpu_paged_decode.build_key(compiler, (*cpu_paged_decode.FLAGS, "-DX")) != key
-    library = cpu_paged_decode.build(compiler, tmp_path / "cache")
-    assert library.name == f"paged_decode-{cpu_paged_decode.build_key(compiler)}.so"
+    edited.write_text(source.read_text() + "\n/* edited */\n")
+    assert cpu_build.build_key(compiler, edited) != key
+    assert cpu_build.build_key(compiler, source, (*cpu_build.FLAGS, "-DX")) != key
+    library = cpu_build.build(compiler, tmp_path / "cache", edited)
+    assert library.name == f"paged_decode-{cpu_build.build_key(compiler, edited)}.so"
     assert cpu_paged_decode.open_library(library).vector_path() in (0, 1, 2)
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
+from engine.model.kernels import cpu_rms_norm
 from engine.model.linear import Linear
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -52,6 +53,11 @@ class Decoder:
         self.attention = PagedAttention(
             config.num_heads, config.num_kv_heads, config.head_dim, config.dtype, self.device
         )
+        # The norm after each residual add: the next layer's input norm, the final one last.
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        self.norm_kernel = None  # the CPU residual-add + RMSNorm kernel, where it applies
+        if self.device.type == "cpu" and cpu_rms_norm.supports(config.dtype, config.hidden_size):
+            self.norm_kernel = cpu_rms_norm.load_kernel()
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."
@@ -90,8 +96,10 @@ class Decoder:
         cos, sin = rope_cos_sin(positions, self.inv_freq, cfg.dtype)
         self.attention.begin_step(meta, kv_cache[0, 0])
         num_tokens = input_ids.shape[0]
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            x = self._rms_norm(hidden, layer.input_norm)
+        x = self._add_rms_norm(hidden, None, self.layers[0].input_norm)
+        for layer, layer_cache, next_norm in zip(
+            self.layers, kv_cache, self.next_norms, strict=True
+        ):
             qkv = layer.qkv_proj(x).view(num_tokens, -1, cfg.head_dim)  # heads: q | k | v
             q_and_k = qkv[:, : cfg.num_heads + cfg.num_kv_heads]
             v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]
@@ -106,15 +114,28 @@ class Decoder:
             q_and_k = apply_rope(q_and_k, cos, sin)  # one call rotates both
             q, k = q_and_k[:, : cfg.num_heads], q_and_k[:, cfg.num_heads :]
             attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
-            hidden = hidden + layer.o_proj(attn)
-            x = self._rms_norm(hidden, layer.post_attention_norm)
+            x = self._add_rms_norm(hidden, layer.o_proj(attn), layer.post_attention_norm)
             gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down_proj(F.silu(gate) * up)
-        return self._rms_norm(hidden, self.final_norm)
+            x = self._add_rms_norm(hidden, layer.down_proj(F.silu(gate) * up), next_norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    def _add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden += delta`` (in place: the residual stream is this forward's own tensor),
+        then the RMSNorm of hidden: in one pass with the CPU kernel, else torch's ops, which
+        round the same way."""
+        if self.norm_kernel is not None:
+            return cpu_rms_norm.add_rms_norm(
+                self.norm_kernel, hidden, delta, weight, self.config.rms_norm_eps
+            )
+        if delta is not None:
+            hidden.add_(delta)
+        return self._rms_norm(hidden, weight)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

@@ -2,53 +2,28 @@
 
 The torch decode path copies every sequence's blocks into a contiguous buffer before its two
 batched matmuls; on a CPU that copy is about half the decode attention time. The C kernel reads
-keys and values in place through the block table instead.
-
-Building: the first use compiles paged_decode.c with the C compiler ($CC, else gcc) for this
-machine (-march=native) into $ITERSCOPE_KERNEL_CACHE (default ~/.cache/iterscope/kernels),
-named by a hash of the source, the flags, the compiler's version and the CPU's flags, so a
-cache shared between machines or edits never loads a stale build. The rename into place is
-atomic: concurrent processes each build and one wins. `load_kernel()` returns None, and
-attention keeps the torch path, when there is no compiler or the build fails; `build_error()`
-says why. ITERSCOPE_CPU_KERNELS=0 turns the kernel off.
+keys and values in place through the block table instead. Built on first use for this machine
+(engine/model/kernels/cpu_build.py); `load_kernel()` returns None, and attention keeps the
+torch path, when there is no compiler or the build fails; `build_error()` says why.
+ITERSCOPE_CPU_KERNELS=0 turns the kernel off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.model.kernels import cpu_build
+
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-    # Reassociation lets gcc vectorize the dot-product sums; no -ffinite-math-only (the
-    # online softmax starts from -inf).
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-)
 MAX_GROUP = 16  # bounds compiled into paged_decode.c
 MAX_HEAD_DIM = 256
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
 
 _build_errors: list[str] = []
-
-
-def kernels_enabled() -> bool:
-    return os.environ.get("ITERSCOPE_CPU_KERNELS", "1") != "0"
 
 
 def build_error() -> str | None:
@@ -69,70 +44,21 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 def load_kernel() -> ctypes.CDLL | None:
     """The built library, building it on first use; None when ITERSCOPE_CPU_KERNELS=0, without
     a compiler or on failure (then build_error() says why)."""
-    if not kernels_enabled():
+    if not cpu_build.kernels_enabled():
         return None
     return _load_once()
 
 
 @functools.cache
 def _load_once() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        _build_errors.append("no C compiler (set CC or install gcc)")
-        return None
-    cache_dir = os.environ.get(
-        "ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels"
-    )
-    try:
-        return open_library(build(compiler, Path(cache_dir)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        _build_errors.append(f"building {SOURCE.name} with {compiler} failed: {detail}")
-        return None
+    return cpu_build.load(SOURCE, open_library, _build_errors)
 
 
 def build(compiler: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The library built from SOURCE in cache_dir (built now unless already there).
-
-    extra_flags: e.g. ("-DPAGED_DECODE_PORTABLE",) for the plain-C path, or ("-mno-avx512f",)
-    for the AVX2 path on an AVX-512 CPU (tests, bench/paged_decode_kernel.py)."""
-    flags = (*FLAGS, *extra_flags)
-    library = cache_dir / f"paged_decode-{build_key(compiler, flags)}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
-        built = Path(scratch) / library.name
-        subprocess.run(
-            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(built, library)
-    return library
-
-
-def build_key(compiler: str, flags: tuple[str, ...] = FLAGS) -> str:
-    """Hash of the source, the flags, the compiler's version and the CPU's flags."""
-    version = subprocess.run(
-        [compiler, "--version"], check=True, capture_output=True, text=True, timeout=30
-    ).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(flags), version, _cpu_flags()):
-        digest.update(part.encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+    """The library built from SOURCE in cache_dir. extra_flags: e.g.
+    ("-DPAGED_DECODE_PORTABLE",) for the plain-C path, or ("-mno-avx512f",) for the AVX2 path
+    on an AVX-512 CPU (tests, bench/paged_decode_kernel.py)."""
+    return cpu_build.build(compiler, cache_dir, SOURCE, extra_flags)
 
 
 def open_library(path: Path) -> ctypes.CDLL:

@@ -1,0 +1,99 @@
+"""Building a CPU kernel (a C file next to this one) with gcc once, loaded with ctypes.
+
+The first use compiles the source with the C compiler ($CC, else gcc) for this machine
+(-march=native) into $ITERSCOPE_KERNEL_CACHE (default ~/.cache/iterscope/kernels), named by a
+hash of the source, the flags, the compiler's version and the CPU's flags, so a cache shared
+between machines or edits never loads a stale build. The rename into place is atomic:
+concurrent processes each build and one wins. Without a compiler, or when the build fails,
+the caller keeps its torch path and says why. ITERSCOPE_CPU_KERNELS=0 turns every kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    # Reassociation lets gcc vectorize the sums; no -ffinite-math-only (the paged decode's
+    # online softmax starts from -inf).
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+)
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("ITERSCOPE_CPU_KERNELS", "1") != "0"
+
+
+def load(
+    source: Path, open_library: Callable[[Path], ctypes.CDLL], errors: list[str]
+) -> ctypes.CDLL | None:
+    """``source`` built (or found in the cache) and opened by ``open_library``; None, with
+    the reason appended to ``errors``, without a compiler or when the build fails."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        errors.append("no C compiler (set CC or install gcc)")
+        return None
+    cache_dir = os.environ.get(
+        "ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels"
+    )
+    try:
+        return open_library(build(compiler, Path(cache_dir), source))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        errors.append(f"building {source.name} with {compiler} failed: {detail}")
+        return None
+
+
+def build(compiler: str, cache_dir: Path, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library built from ``source`` in cache_dir (built now unless already there)."""
+    flags = (*FLAGS, *extra_flags)
+    library = cache_dir / f"{source.stem}-{build_key(compiler, source, flags)}.so"
+    if library.exists():
+        return library
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        built = Path(scratch) / library.name
+        subprocess.run(
+            [compiler, *flags, "-o", str(built), str(source), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(built, library)
+    return library
+
+
+def build_key(compiler: str, source: Path, flags: tuple[str, ...] = FLAGS) -> str:
+    """Hash of the source, the flags, the compiler's version and the CPU's flags."""
+    version = subprocess.run(
+        [compiler, "--version"], check=True, capture_output=True, text=True, timeout=30
+    ).stdout
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (" ".join(flags), version, cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine

@@ -1,0 +1,79 @@
+/*
+ * The residual add and the RMSNorm after it in one pass over each row (engine/model/decoder.py):
+ *
+ *     residual += delta                  (skipped when delta is NULL)
+ *     out = residual * rsqrt(mean(residual^2) + eps) * weight
+ *
+ * Rounding follows torch's, so the results are torch's up to the order of the sum of squares:
+ * bfloat16 rows are added in float32 and rounded to bfloat16 (as torch's bf16 add), and the
+ * norm is computed in float32 and rounded once, after the weight (as torch's rms_norm, which
+ * upcasts its input and multiplies by the weight before the cast back). Rows are spread over
+ * OpenMP threads from ROWS_PER_THREAD on; a few rows (decode) stay on the calling thread.
+ * Every pointer is contiguous [rows, dim] (weight [dim]); dim <= MAX_DIM. The caller checks.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIM 16384
+#define ROWS_PER_THREAD 64
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float result;
+    memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+/* Round to nearest even, as torch does; a NaN stays a NaN. */
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static void row_bf16(uint16_t *residual, const uint16_t *delta, uint16_t *out,
+                     const uint16_t *weight, int64_t dim, float eps) {
+    float x[MAX_DIM];
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        float value = bf16_to_f32(residual[i]);
+        if (delta) {
+            const uint16_t rounded = f32_to_bf16(value + bf16_to_f32(delta[i]));
+            residual[i] = rounded;
+            value = bf16_to_f32(rounded);
+        }
+        x[i] = value;
+        sum += value * value;
+    }
+    const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = f32_to_bf16(x[i] * rstd * bf16_to_f32(weight[i]));
+}
+
+static void row_f32(float *residual, const float *delta, float *out, const float *weight,
+                    int64_t dim, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        if (delta) residual[i] += delta[i];
+        sum += residual[i] * residual[i];
+    }
+    const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = residual[i] * rstd * weight[i];
+}
+
+void add_rms_norm(void *residual, const void *delta, void *out, const void *weight, int64_t rows,
+                  int64_t dim, float eps, int dtype, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROWS_PER_THREAD) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = r * dim;
+        if (dtype == DTYPE_BF16)
+            row_bf16((uint16_t *)residual + at, delta ? (const uint16_t *)delta + at : NULL,
+                     (uint16_t *)out + at, (const uint16_t *)weight, dim, eps);
+        else
+            row_f32((float *)residual + at, delta ? (const float *)delta + at : NULL,
+                    (float *)out + at, (const float *)weight, dim, eps);
+    }
+}

@@ -1,0 +1,115 @@
+"""The C residual-add + RMSNorm kernel (engine/model/kernels/rms_norm.c) against torch's ops,
+built for this machine and for AVX2 only, and its use by the decoder (with ITERSCOPE_CPU_KERNELS=0
+the decoder keeps torch's ops)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.kernels import cpu_build, cpu_rms_norm
+from engine.model.loader import build_tiny_model
+
+EPS = 1e-5
+
+
+def builds() -> list[str]:
+    names = ["native"]
+    if platform.machine() == "x86_64" and {"avx2", "fma"} <= set(cpu_build.cpu_flags().split()):
+        names.append("avx2")  # what an AVX-512 machine's native build does not take
+    return names
+
+
+@pytest.fixture(scope="module", params=builds())
+def library(request, tmp_path_factory):
+    if request.param == "native":
+        loaded = cpu_rms_norm.load_kernel()
+        assert loaded is not None, cpu_rms_norm.build_error()
+        return loaded
+    compiler = shutil.which("gcc")
+    assert compiler, "gcc is required: the CPU kernels are built with it"
+    cache = tmp_path_factory.mktemp("rms-cache")
+    path = cpu_build.build(compiler, cache, cpu_rms_norm.SOURCE, ("-mno-avx512f",))
+    return cpu_rms_norm.open_library(path)
+
+
+def torch_reference(residual, delta, weight):
+    summed = residual if delta is None else residual + delta
+    return summed, F.rms_norm(summed, (summed.shape[-1],), weight, EPS)
+
+
+# 1 and 16 rows stay on the calling thread, 100 is spread over threads; 67 is no vector width.
+@pytest.mark.parametrize("rows", [1, 16, 100])
+@pytest.mark.parametrize("dim", [576, 67])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_the_kernel_computes_what_torch_does(library, rows, dim, dtype, with_delta):
+    generator = torch.Generator().manual_seed(rows * dim)
+    residual = (torch.randn(rows, dim, generator=generator) * 3).to(dtype)
+    delta = torch.randn(rows, dim, generator=generator).to(dtype) if with_delta else None
+    weight = (torch.rand(dim, generator=generator) + 0.5).to(dtype)
+    expected_residual, expected = torch_reference(residual, delta, weight)
+    before = residual.clone()
+    got = cpu_rms_norm.add_rms_norm(library, residual, delta, weight, EPS)
+    # the add is elementwise with the same rounding: exact
+    assert torch.equal(residual, expected_residual)
+    assert with_delta or torch.equal(residual, before)
+    if dtype == torch.float32:  # only the sum's order differs
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        return
+    # bf16: one rounding after the weight, as torch: equal but where the float32 sum's order
+    # moves a value across a rounding boundary (one bf16 step)
+    differ = got != expected
+    assert differ.float().mean() < 0.001
+    torch.testing.assert_close(got[differ].float(), expected[differ].float(), rtol=2**-7, atol=0)
+
+
+def test_a_nan_stays_a_nan(library):
+    residual = torch.ones(2, 576, dtype=torch.bfloat16)
+    residual[1, 3] = float("nan")
+    got = cpu_rms_norm.add_rms_norm(
+        library, residual, None, torch.ones(576, dtype=torch.bfloat16), EPS
+    )
+    assert not got[0].isnan().any() and got[1].isnan().all()
+
+
+def runner_logits(monkeypatch, dtype: str, kernel: bool) -> tuple[bool, torch.Tensor]:
+    """Prefill two prompts, then one decode step of both, on a tiny Qwen3 (its q/k norms stay
+    torch's): whether the decoder took the kernel, and every logit."""
+    from engine.request import Request, SamplingParams
+    from engine.runner import ModelRunner
+
+    if not kernel:
+        monkeypatch.setattr(cpu_rms_norm, "load_kernel", lambda: None)
+    runner = ModelRunner(build_tiny_model("qwen3", seed=2, dtype=dtype), 32, 4, "cpu")
+    requests = []
+    for i, n in enumerate([9, 14]):
+        tokens = [(7 * i + t) % 200 for t in range(n + 1)]
+        request = Request(f"r{i}", tokens, SamplingParams(temperature=0))
+        request.block_ids = [31 - 8 * i - j for j in range(5)]
+        requests.append(request)
+    prefill = runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])
+    for r in requests:
+        r.num_computed_tokens = len(r.token_ids) - 1
+    decode = runner.compute_logits([(r, 1) for r in requests])
+    return runner.decoder.norm_kernel is not None, torch.cat([*prefill, *decode])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decoder_with_the_kernel_gives_torchs_logits(monkeypatch, dtype):
+    took_kernel, ours = runner_logits(monkeypatch, dtype, kernel=True)
+    assert took_kernel
+    took_it_anyway, reference = runner_logits(monkeypatch, dtype, kernel=False)
+    assert not took_it_anyway
+    atol = 1e-4 if dtype == "float32" else 0.05  # the sums' order; bf16: a rounding step
+    torch.testing.assert_close(ours, reference, atol=atol, rtol=0)
+
+
+def test_kernels_off_keeps_torchs_ops(monkeypatch):
+    monkeypatch.setenv("ITERSCOPE_CPU_KERNELS", "0")
+    assert cpu_rms_norm.load_kernel() is None
+    assert build_tiny_model("llama", seed=0).decoder.norm_kernel is None
