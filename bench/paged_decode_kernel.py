@@ -41,9 +41,9 @@ CASES = [(16, 300), (16, 1000), (32, 300), (32, 1000)]  # (batch, context)
 
 def build_libraries() -> dict[str, object]:
     """{"vector": the default build, "portable": the plain-C build}, both from the kernel cache."""
-    vector = cpu_paged_decode.load_kernel()
+    vector = cpu_paged_decode.KERNEL.load()
     if vector is None:
-        sys.exit(f"no kernel: {cpu_paged_decode.build_error()}")
+        sys.exit(f"no kernel: {cpu_paged_decode.KERNEL.build_error()}")
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     cache_dir = Path(
         os.environ.get("ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels")

@@ -34,8 +34,8 @@ def gcc() -> str:
 
 @pytest.fixture(scope="module")
 def kernel():
-    library = cpu_paged_decode.load_kernel()
-    assert library is not None, cpu_paged_decode.build_error()
+    library = cpu_paged_decode.KERNEL.load()
+    assert library is not None, cpu_paged_decode.KERNEL.build_error()
     return library
 
 
@@ -154,7 +154,7 @@ def run_kernel(library, case) -> torch.Tensor:
 
 def test_kernel_builds_with_gcc_here(kernel):
     gcc()
-    assert cpu_paged_decode.build_error() is None
+    assert cpu_paged_decode.KERNEL.build_error() is None
     assert kernel.vector_path() in (0, 1, 2)
 
 
@@ -270,7 +270,12 @@ def test_build_key_follows_the_source(tmp_path):
     assert cpu_build.build_key(compiler, source) == key
     edited = tmp_path / "paged_decode.c"
     edited.write_text(source.read_text() + "\n/* edited */\n")
+    header = tmp_path / "bf16.h"
+    header.write_text(source.with_name("bf16.h").read_text())
     assert cpu_build.build_key(compiler, edited) != key
+    edited_key = cpu_build.build_key(compiler, edited)
+    header.write_text(header.read_text() + "\n/* edited */\n")  # a header it includes
+    assert cpu_build.build_key(compiler, edited) != edited_key
     assert cpu_build.build_key(compiler, source, (*cpu_build.FLAGS, "-DX")) != key
     library = cpu_build.build(compiler, tmp_path / "cache", edited)
     assert library.name == f"paged_decode-{cpu_build.build_key(compiler, edited)}.so"
@@ -283,8 +288,8 @@ from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.runner import ModelRunner
 runner = ModelRunner(build_tiny_model("llama", seed=0), 16, 4, "cpu")
-print(json.dumps({"loaded": cpu_paged_decode.load_kernel() is not None,
-                  "error": cpu_paged_decode.build_error(),
+print(json.dumps({"loaded": cpu_paged_decode.KERNEL.load() is not None,
+                  "error": cpu_paged_decode.KERNEL.build_error(),
                   "kernel": runner.decoder.attention.cpu_kernel is not None}))
 """
 
@@ -347,7 +352,7 @@ def test_runner_decodes_with_the_kernel_and_falls_back_when_disabled(monkeypatch
     assert backend == "cpu_kernel"
     fallback, reference = decode_logits(monkeypatch, dtype, enabled=False)
     assert fallback == "torch"
-    assert cpu_paged_decode.load_kernel() is None
+    assert cpu_paged_decode.KERNEL.load() is None
     if dtype == "float32":
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
         return

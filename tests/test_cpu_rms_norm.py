@@ -27,8 +27,8 @@ def builds() -> list[str]:
 @pytest.fixture(scope="module", params=builds())
 def library(request, tmp_path_factory):
     if request.param == "native":
-        loaded = cpu_rms_norm.load_kernel()
-        assert loaded is not None, cpu_rms_norm.build_error()
+        loaded = cpu_rms_norm.KERNEL.load()
+        assert loaded is not None, cpu_rms_norm.KERNEL.build_error()
         return loaded
     compiler = shutil.which("gcc")
     assert compiler, "gcc is required: the CPU kernels are built with it"
@@ -84,7 +84,7 @@ def runner_logits(monkeypatch, dtype: str, kernel: bool) -> tuple[bool, torch.Te
     from engine.runner import ModelRunner
 
     if not kernel:
-        monkeypatch.setattr(cpu_rms_norm, "load_kernel", lambda: None)
+        monkeypatch.setattr(cpu_rms_norm.KERNEL, "load", lambda: None)
     runner = ModelRunner(build_tiny_model("qwen3", seed=2, dtype=dtype), 32, 4, "cpu")
     requests = []
     for i, n in enumerate([9, 14]):
@@ -111,5 +111,5 @@ def test_the_decoder_with_the_kernel_gives_torchs_logits(monkeypatch, dtype):
 
 def test_kernels_off_keeps_torchs_ops(monkeypatch):
     monkeypatch.setenv("ITERSCOPE_CPU_KERNELS", "0")
-    assert cpu_rms_norm.load_kernel() is None
+    assert cpu_rms_norm.KERNEL.load() is None
     assert build_tiny_model("llama", seed=0).decoder.norm_kernel is None

@@ -80,7 +80,7 @@ def decode_backend(request, pair, monkeypatch):
     """Decode through the C kernel or the torch gather path (the reference)."""
     attention = pair[0].decoder.attention
     if request.param == "cpu_kernel":
-        assert attention.cpu_kernel is not None, cpu_paged_decode.build_error()
+        assert attention.cpu_kernel is not None, cpu_paged_decode.KERNEL.build_error()
     else:
         monkeypatch.setattr(attention, "cpu_kernel", None)
     return request.param

@@ -75,7 +75,7 @@ class PagedAttention:
         if device.type == "cpu" and cpu_paged_decode.supports(
             dtype, num_heads, num_kv_heads, head_dim
         ):
-            self.cpu_kernel = cpu_paged_decode.load_kernel()
+            self.cpu_kernel = cpu_paged_decode.KERNEL.load()
         self.triton = _triton_kernels(device)
         # On CPUs without bf16 matmuls (AVX2), the plain prefill computes in float32: see
         # engine/model/linear.py. Scores and probabilities then also stay in float32.

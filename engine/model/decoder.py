@@ -57,7 +57,7 @@ class Decoder:
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         self.norm_kernel = None  # the CPU residual-add + RMSNorm kernel, where it applies
         if self.device.type == "cpu" and cpu_rms_norm.supports(config.dtype, config.hidden_size):
-            self.norm_kernel = cpu_rms_norm.load_kernel()
+            self.norm_kernel = cpu_rms_norm.KERNEL.load()
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."

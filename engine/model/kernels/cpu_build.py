@@ -38,6 +38,30 @@ def kernels_enabled() -> bool:
     return os.environ.get("ITERSCOPE_CPU_KERNELS", "1") != "0"
 
 
+class CpuKernel:
+    """One kernel's library: built and opened on first use; None, and build_error() says
+    why, when ITERSCOPE_CPU_KERNELS=0 (no reason then), without a compiler or on failure."""
+
+    def __init__(self, source: Path, open_library: Callable[[Path], ctypes.CDLL]) -> None:
+        self.source = source
+        self.open_library = open_library  # opens a built library, declaring its signatures
+        self.errors: list[str] = []
+        self._tried = False
+        self._library: ctypes.CDLL | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        if not kernels_enabled():
+            return None
+        if not self._tried:
+            self._tried = True
+            self._library = load(self.source, self.open_library, self.errors)
+        return self._library
+
+    def build_error(self) -> str | None:
+        """Why the last build attempt failed, or None."""
+        return self.errors[-1] if self.errors else None
+
+
 def load(
     source: Path, open_library: Callable[[Path], ctypes.CDLL], errors: list[str]
 ) -> ctypes.CDLL | None:
@@ -79,11 +103,14 @@ def build(compiler: str, cache_dir: Path, source: Path, extra_flags: tuple[str, 
 
 
 def build_key(compiler: str, source: Path, flags: tuple[str, ...] = FLAGS) -> str:
-    """Hash of the source, the flags, the compiler's version and the CPU's flags."""
+    """Hash of the source and the headers beside it, the flags, the compiler's version and
+    the CPU's flags."""
     version = subprocess.run(
         [compiler, "--version"], check=True, capture_output=True, text=True, timeout=30
     ).stdout
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
     for part in (" ".join(flags), version, cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

@@ -3,7 +3,7 @@
 The torch decode path copies every sequence's blocks into a contiguous buffer before its two
 batched matmuls; on a CPU that copy is about half the decode attention time. The C kernel reads
 keys and values in place through the block table instead. Built on first use for this machine
-(engine/model/kernels/cpu_build.py); `load_kernel()` returns None, and attention keeps the
+(engine/model/kernels/cpu_build.py); `KERNEL.load()` returns None, and attention keeps the
 torch path, when there is no compiler or the build fails; `build_error()` says why.
 ITERSCOPE_CPU_KERNELS=0 turns the kernel off.
 """
@@ -11,7 +11,6 @@ ITERSCOPE_CPU_KERNELS=0 turns the kernel off.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -23,13 +22,6 @@ MAX_GROUP = 16  # bounds compiled into paged_decode.c
 MAX_HEAD_DIM = 256
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
 
-_build_errors: list[str] = []
-
-
-def build_error() -> str | None:
-    """Why the last build attempt failed, or None."""
-    return _build_errors[-1] if _build_errors else None
-
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the compiled bounds and dtypes cover this model (any block size works)."""
@@ -39,19 +31,6 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
     )
-
-
-def load_kernel() -> ctypes.CDLL | None:
-    """The built library, building it on first use; None when ITERSCOPE_CPU_KERNELS=0, without
-    a compiler or on failure (then build_error() says why)."""
-    if not cpu_build.kernels_enabled():
-        return None
-    return _load_once()
-
-
-@functools.cache
-def _load_once() -> ctypes.CDLL | None:
-    return cpu_build.load(SOURCE, open_library, _build_errors)
 
 
 def build(compiler: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -88,6 +67,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     return library
+
+
+# load() builds it on first use; None (build_error() says why) means torch's path.
+KERNEL = cpu_build.CpuKernel(SOURCE, open_library)
 
 
 def paged_decode(

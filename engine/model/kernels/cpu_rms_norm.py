@@ -4,7 +4,7 @@ torch runs a layer's residual add and the RMSNorm after it as about eight ops (a
 power, a mean, an rsqrt, two products, a cast, the add), 13 us on 16 rows of SmolLM2; the
 kernel makes one pass over each row, 5 us, and a serving step has 61 of them: about 4% of a
 decode step and of a prefill iteration (docs/performance.md). Built on first use for this
-machine (engine/model/kernels/cpu_build.py); `load_kernel()` returns None, and the decoder
+machine (engine/model/kernels/cpu_build.py); `KERNEL.load()` returns None, and the decoder
 keeps torch's ops, when there is no compiler or the build fails; `build_error()` says why.
 ITERSCOPE_CPU_KERNELS=0 turns it off.
 """
@@ -12,7 +12,6 @@ ITERSCOPE_CPU_KERNELS=0 turns it off.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -23,29 +22,9 @@ SOURCE = Path(__file__).with_name("rms_norm.c")
 MAX_DIM = 16384  # compiled into rms_norm.c
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
 
-_build_errors: list[str] = []
-
-
-def build_error() -> str | None:
-    """Why the last build attempt failed, or None."""
-    return _build_errors[-1] if _build_errors else None
-
 
 def supports(dtype: torch.dtype, hidden_size: int) -> bool:
     return dtype in DTYPE_CODES and hidden_size <= MAX_DIM
-
-
-def load_kernel() -> ctypes.CDLL | None:
-    """The built library, building it on first use; None when ITERSCOPE_CPU_KERNELS=0, without
-    a compiler or on failure (then build_error() says why)."""
-    if not cpu_build.kernels_enabled():
-        return None
-    return _load_once()
-
-
-@functools.cache
-def _load_once() -> ctypes.CDLL | None:
-    return cpu_build.load(SOURCE, open_library, _build_errors)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -59,6 +38,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         *(ctypes.c_int, ctypes.c_int),  # dtype, threads
     ]
     return library
+
+
+# load() builds it on first use; None (build_error() says why) means torch's path.
+KERNEL = cpu_build.CpuKernel(SOURCE, open_library)
 
 
 def add_rms_norm(

@@ -37,6 +37,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* VECTOR_PATH: 1 the AVX-512 path, 2 the AVX2 + FMA path, 0 only the portable loop. */
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_PORTABLE)
 #define VECTOR_PATH 1
@@ -76,21 +78,6 @@ static inline Item item_of(const Args *a, int64_t index) {
     const int64_t left = a->num_kv_heads - first;
     return (Item){index / a->items_per_seq, first,
                   left < a->kv_heads_per_item ? left : a->kv_heads_per_item};
-}
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t widened = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &widened, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if (isnan(value)) return 0x7FC0;
-    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
 }
 
 static inline float load_float(const void *base, int64_t index, int dtype) {

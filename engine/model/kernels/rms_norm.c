@@ -13,44 +13,30 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define MAX_DIM 16384
 #define ROWS_PER_THREAD 64
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
-static inline float bf16_to_f32(uint16_t value) {
-    const uint32_t bits = (uint32_t)value << 16;
-    float result;
-    memcpy(&result, &bits, sizeof result);
-    return result;
-}
-
-/* Round to nearest even, as torch does; a NaN stays a NaN. */
-static inline uint16_t f32_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static void row_bf16(uint16_t *residual, const uint16_t *delta, uint16_t *out,
                      const uint16_t *weight, int64_t dim, float eps) {
     float x[MAX_DIM];
     float sum = 0.0f;
     for (int64_t i = 0; i < dim; i++) {
-        float value = bf16_to_f32(residual[i]);
+        float value = bf16_to_float(residual[i]);
         if (delta) {
-            const uint16_t rounded = f32_to_bf16(value + bf16_to_f32(delta[i]));
+            const uint16_t rounded = float_to_bf16(value + bf16_to_float(delta[i]));
             residual[i] = rounded;
-            value = bf16_to_f32(rounded);
+            value = bf16_to_float(rounded);
         }
         x[i] = value;
         sum += value * value;
     }
     const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = f32_to_bf16(x[i] * rstd * bf16_to_f32(weight[i]));
+    for (int64_t i = 0; i < dim; i++) out[i] = float_to_bf16(x[i] * rstd * bf16_to_float(weight[i]));
 }
 
 static void row_f32(float *residual, const float *delta, float *out, const float *weight,
