@@ -290,7 +290,8 @@ from engine.runner import ModelRunner
 runner = ModelRunner(build_tiny_model("llama", seed=0), 16, 4, "cpu")
 print(json.dumps({"loaded": cpu_paged_decode.KERNEL.load() is not None,
                   "error": cpu_paged_decode.KERNEL.build_error(),
-                  "kernel": runner.decoder.attention.cpu_kernel is not None}))
+                  "kernel": runner.decoder.attention.cpu_kernel is not None,
+                  "norm_kernel": runner.decoder.norm_kernel is not None}))
 """
 
 
@@ -311,7 +312,12 @@ def run_fallback(tmp_path: Path, **env: str) -> dict:
 @pytest.mark.live
 def test_missing_compiler_falls_back_and_says_why(tmp_path):
     result = run_fallback(tmp_path, CC="/nonexistent/cc")
-    assert result == {"loaded": False, "error": result["error"], "kernel": False}
+    assert result == {
+        "loaded": False,
+        "error": result["error"],
+        "kernel": False,
+        "norm_kernel": False,  # the RMSNorm kernel falls back alike (torch's ops)
+    }
     assert "no C compiler" in result["error"]
 
 
@@ -324,7 +330,7 @@ def test_failing_build_falls_back_and_says_why(tmp_path):
     )
     broken.chmod(0o755)
     result = run_fallback(tmp_path, CC=str(broken))
-    assert not result["loaded"] and not result["kernel"]
+    assert not result["loaded"] and not result["kernel"] and not result["norm_kernel"]
     assert "paged_decode.c" in result["error"] and "internal error" in result["error"]
 
 
