@@ -56,7 +56,7 @@ $(VLLM_STAMP): pyproject.toml
 	  printf 'vllm-$(VLLM_VER).dist-info/%s,,\n' METADATA INSTALLER RECORD > $$info/RECORD
 	$(VLLM_PY) -m pip install -q -e .
 	# Intel's OpenMP runtime: with tcmalloc, what vLLM's CPU docs preload for its best speed
-	# (bench/vllm_server.py VLLM_CPU_PRELOAD).
+	# (bench/vllm_server.py vllm_cpu_preload).
 	$(VLLM_PY) -m pip install -q intel-openmp
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	$(VLLM_VENV)/bin/vllm --help >/dev/null

@@ -1,9 +1,9 @@
 """The memory allocator of a CPU engine process: tcmalloc where it is installed.
 
 Every iteration allocates and frees tensors of a few kB (decode) to several MB (prefill
-activations). glibc's malloc serves them slower than tcmalloc: `iterscope serve` made 2.5-7%
-more output tok/s with tcmalloc preloaded in alternating serving runs on a 2-core EPYC with
-AVX-512 (docs/performance.md), and vLLM's CPU backend preloads it for the same reason. A
+activations). glibc's malloc serves them slower than tcmalloc: `iterscope serve` made 3-4% more
+output tok/s with tcmalloc in its engine process in alternating serving runs on a 2-core EPYC
+with AVX-512 (docs/performance.md), and vLLM's CPU docs preload it for the same reason. A
 process cannot change its allocator once started, so the client preloads tcmalloc into the
 engine-core process it spawns (LD_PRELOAD in that process's environment only), and the engine
 reports what it runs with from its own memory map: the start-up line is what is true of the
@@ -69,5 +69,5 @@ def allocator_line(maps_path: str = "/proc/self/maps") -> str:
         )
     return (
         f"memory allocator: glibc malloc; tcmalloc is not installed (apt install {PACKAGE}: "
-        "2.5-7% more output tok/s in docs/performance.md)"
+        "3-4% more output tok/s in docs/performance.md)"
     )

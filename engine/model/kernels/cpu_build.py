@@ -2,10 +2,11 @@
 
 The first use compiles the source with the C compiler ($CC, else gcc) for this machine
 (-march=native) into $ITERSCOPE_KERNEL_CACHE (default ~/.cache/iterscope/kernels), named by a
-hash of the source, the flags, the compiler's version and the CPU's flags, so a cache shared
-between machines or edits never loads a stale build. The rename into place is atomic:
-concurrent processes each build and one wins. Without a compiler, or when the build fails,
-the caller keeps its torch path and says why. ITERSCOPE_CPU_KERNELS=0 turns every kernel off.
+hash of the source and the headers beside it, the flags, the compiler's version and the CPU's
+flags, so a cache shared between machines or edits never loads a stale build. The rename
+into place is atomic: concurrent processes each build and one wins. Without a compiler, or
+when the build fails, the caller keeps its torch path and says why. ITERSCOPE_CPU_KERNELS=0
+turns every kernel off.
 """
 
 from __future__ import annotations
