@@ -8,7 +8,7 @@
  * bfloat16 rows are added in float32 and rounded to bfloat16 (as torch's bf16 add), and the
  * norm is computed in float32 and rounded once, after the weight (as torch's rms_norm, which
  * upcasts its input and multiplies by the weight before the cast back). Rows are spread over
- * OpenMP threads from ROWS_PER_THREAD on; a few rows (decode) stay on the calling thread.
+ * OpenMP threads from PARALLEL_FROM_ROWS rows on; fewer (decode) stay on the calling thread.
  * Every pointer is contiguous [rows, dim] (weight [dim]); dim <= MAX_DIM. The caller checks.
  */
 #include <math.h>
@@ -17,7 +17,7 @@
 #include "bf16.h"
 
 #define MAX_DIM 16384
-#define ROWS_PER_THREAD 64
+#define PARALLEL_FROM_ROWS 64
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -36,7 +36,8 @@ static void row_bf16(uint16_t *residual, const uint16_t *delta, uint16_t *out,
         sum += value * value;
     }
     const float rstd = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = float_to_bf16(x[i] * rstd * bf16_to_float(weight[i]));
+    for (int64_t i = 0; i < dim; i++)
+        out[i] = float_to_bf16(x[i] * rstd * bf16_to_float(weight[i]));
 }
 
 static void row_f32(float *residual, const float *delta, float *out, const float *weight,
@@ -52,7 +53,7 @@ static void row_f32(float *residual, const float *delta, float *out, const float
 
 void add_rms_norm(void *residual, const void *delta, void *out, const void *weight, int64_t rows,
                   int64_t dim, float eps, int dtype, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= ROWS_PER_THREAD) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_FROM_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t at = r * dim;
         if (dtype == DTYPE_BF16)
