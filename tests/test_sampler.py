@@ -9,7 +9,7 @@ import torch
 
 from engine.logits_processing import process_logits
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, draw, sample_row
+from engine.sampler import Sampler, draw, draw_rows, is_plain, sample_row
 from tests.helpers.sampling_reference import reference_log_softmax, reference_penalized
 
 VOCAB = 50
@@ -229,3 +229,65 @@ def test_draws_follow_the_distribution_and_never_pick_zero_mass():
     frequencies = counts / num_draws
     standard_errors = (probabilities * (1 - probabilities) / num_draws).sqrt()
     assert ((frequencies - probabilities).abs() <= 4 * standard_errors + 1e-12).all()
+
+
+def test_rows_drawn_together_follow_their_own_temperatures():
+    """The batched draw of plain rows (no seed, min_p, top-k or top-p): each row's frequencies
+    over 10,000 draws within 4 standard errors of softmax(logits / T) of that row, and a
+    token of zero probability (-inf) never comes."""
+    logits = torch.tensor(
+        [
+            [0.0, 1.0, float("-inf"), 2.0, 0.5],
+            [2.0, 0.0, 1.0, float("-inf"), -1.0],
+            [0.0, 1.0, float("-inf"), 2.0, 0.5],  # the first row, hotter
+        ]
+    )
+    temperatures = [1.0, 0.5, 3.0]
+    expected = torch.softmax(logits / torch.tensor(temperatures)[:, None], dim=-1).double()
+    generator = torch.Generator().manual_seed(5)
+    num_draws = 10_000
+    drawn = torch.tensor([draw_rows(logits, temperatures, generator) for _ in range(num_draws)])
+    for row in range(3):
+        counts = torch.bincount(drawn[:, row], minlength=5).double()
+        assert counts[logits[row].isinf()].sum() == 0
+        frequencies, probabilities = counts / num_draws, expected[row]
+        standard_errors = (probabilities * (1 - probabilities) / num_draws).sqrt()
+        assert ((frequencies - probabilities).abs() <= 4 * standard_errors + 1e-12).all()
+
+
+def test_a_mixed_batch_gives_each_row_its_own_kind_of_pick():
+    """Greedy, plain (drawn together), seeded and top-k rows in one batch: greedy takes the
+    argmax, the seeded row replays its draw from a batch of its own, top-k stays in the top k
+    and the plain rows stay in their support."""
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[3, 10:] = float("-inf")  # a plain row that can only pick below 10
+    seeded = SamplingParams(temperature=1.0, seed=9)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7),
+        seeded,
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, top_k=3),
+    ]
+    tokens = tokens_of(Sampler(seed=4), logits, requests_of(params, [4, 5, 6, 7, 8]))
+    assert tokens[0] == int(logits[0].argmax())
+    alone = tokens_of(Sampler(seed=5), logits[2:3], requests_of([seeded], [6]))
+    assert tokens[2] == alone[0]
+    assert tokens[3] < 10
+    assert tokens[4] in logits[4].topk(3).indices.tolist()
+    assert 0 <= tokens[1] < VOCAB
+
+
+@pytest.mark.parametrize(
+    ("fields", "plain"),
+    [
+        ({"temperature": 1.0}, True),
+        ({"temperature": 0.5}, True),
+        ({"temperature": 1.0, "seed": 1}, False),
+        ({"temperature": 1.0, "top_k": 5}, False),
+        ({"temperature": 1.0, "top_p": 0.9}, False),
+        ({"temperature": 1.0, "min_p": 0.1}, False),
+    ],
+)
+def test_which_rows_are_drawn_together(fields, plain):
+    assert is_plain(SamplingParams(**fields)) is plain
