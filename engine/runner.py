@@ -54,6 +54,8 @@ class _FlatLayout:
     decode_seq_lens: list[int]
     decode_block_rows: list[list[int]]
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
+    prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)  # flat, start, n
+    prefill_block_rows: list[list[int]] = field(default_factory=list)
 
 
 PAD_WASTE = 8  # batched fresh chunks may differ in length by 1/8 of the longest
@@ -210,7 +212,10 @@ class ModelRunner:
             layout.token_starts.append(flat_start)
             span_positions = torch.arange(start, end)
             layout.position_chunks.append(span_positions)
-            request_blocks = torch.tensor(request.block_ids[: (end + bs - 1) // bs])
+            block_ids = request.block_ids[: (end + bs - 1) // bs]
+            layout.prefill_chunks.append((flat_start, start, num_new))
+            layout.prefill_block_rows.append(block_ids)
+            request_blocks = torch.tensor(block_ids)
             layout.block_chunks.append(request_blocks[span_positions // bs])
             span = self._prefill_span(flat_start, request_blocks, start, end)
             if spans and _can_batch(spans[-1], span):
@@ -239,12 +244,14 @@ class ModelRunner:
         )
         if num_decodes:
             block_rows = layout.decode_block_rows
-            max_blocks = max(len(row) for row in block_rows)
-            padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
-            meta.decode_block_table = torch.tensor(padded, dtype=torch.long).to(self.device)
+            meta.decode_block_table = _padded_table(block_rows).to(self.device)
             meta.decode_seq_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.long).to(
                 self.device
             )
+        if layout.prefill_chunks:
+            chunks = torch.tensor(layout.prefill_chunks, dtype=torch.long)
+            meta.prefill_chunks = chunks.T.contiguous()
+            meta.prefill_block_table = _padded_table(layout.prefill_block_rows)
         return meta
 
     def _prefill_span(
@@ -276,6 +283,13 @@ class ModelRunner:
                 f"request {request.request_id!r}: {end} positions exceed the model's "
                 f"max_position_embeddings ({self.model.config.max_position_embeddings})"
             )
+
+
+def _padded_table(block_rows: list[list[int]]) -> torch.Tensor:
+    """int64 [rows, longest], each row padded with block 0."""
+    max_blocks = max(len(row) for row in block_rows)
+    padded = [row + [0] * (max_blocks - len(row)) for row in block_rows]
+    return torch.tensor(padded, dtype=torch.long)
 
 
 def _can_batch(previous: PrefillSpan, span: PrefillSpan) -> bool:

@@ -40,9 +40,10 @@ from engine.model.attention_metadata import (
     AttentionMetadata,
     PrefillSpan,
     check_decode_tables,
+    check_prefill_tables,
     gather_rows,
 )
-from engine.model.kernels import cpu_paged_decode
+from engine.model.kernels import cpu_paged_decode, cpu_prefill_attention
 from engine.model.linear import cpu_has_bf16_matmul
 
 # Fresh prompts up to this length attend through plain batched matmuls and a causal bias
@@ -76,6 +77,13 @@ class PagedAttention:
             dtype, num_heads, num_kv_heads, head_dim
         ):
             self.cpu_kernel = cpu_paged_decode.KERNEL.load()
+        self.prefill_kernel = None
+        if device.type == "cpu" and cpu_prefill_attention.supports(
+            dtype, num_heads, num_kv_heads, head_dim
+        ):
+            self.prefill_kernel = cpu_prefill_attention.KERNEL.load()
+        self.prefill_scratch = torch.empty(0)  # the prefill kernel's, grown as a step needs
+        self.prefill_threads = 1  # of this step's prefill kernel calls
         self.triton = _triton_kernels(device)
         # On CPUs without bf16 matmuls (AVX2), the plain prefill computes in float32: see
         # engine/model/linear.py. Scores and probabilities then also stay in float32.
@@ -97,6 +105,8 @@ class PagedAttention:
         self.decode_bias = None
         self.causal_biases = {}
         self.sdpa_masks = {}
+        if meta.prefills and self.prefill_kernel is not None:
+            self._prepare_prefill_kernel(meta, key_cache)
         if meta.decode_block_table is None:
             return
         if self.cpu_kernel is not None:
@@ -126,6 +136,21 @@ class PagedAttention:
         bias.masked_fill_(padding[:, None, None, :], float("-inf"))
         self.decode_bias = bias.view(-1, self.group_size, context_len)
 
+    def _prepare_prefill_kernel(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
+        """Check the prefill tables and size the kernel's scratch, once per step."""
+        num_tokens = meta.slot_blocks.shape[0]
+        check_prefill_tables(meta, num_tokens, key_cache.shape[0], key_cache.shape[2])
+        self.prefill_threads = torch.get_num_threads()
+        needed = cpu_prefill_attention.scratch_floats(
+            self.prefill_kernel,
+            meta.prefill_chunks,
+            self.num_kv_heads,
+            self.head_dim,
+            self.prefill_threads,
+        )
+        if self.prefill_scratch.numel() < needed:
+            self.prefill_scratch = torch.empty(needed, dtype=torch.float32)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -147,11 +172,40 @@ class PagedAttention:
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             self._decode_into(out[:num_decodes], q[:num_decodes], key_cache, value_cache, meta)
+        if meta.prefills:
+            self._prefill_into(out, q, k, v, key_cache, value_cache, meta)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _prefill_into(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Every prefill chunk into out: all in one call of the CPU kernel, which reads their
+        keys (this step's already written) from the cache, or span by span in torch."""
+        if self.prefill_kernel is not None:
+            cpu_prefill_attention.prefill_attention(
+                self.prefill_kernel,
+                q,
+                key_cache,
+                value_cache,
+                meta.prefill_block_table,
+                meta.prefill_chunks,
+                out,
+                self.prefill_scratch,
+                self.scale,
+                self.prefill_threads,
+            )
+            return
         for span in meta.prefills:
             start, end = span.token_start, span.token_end
             chunks = (q[start:end], k[start:end], v[start:end])
             out[start:end] = self._prefill(*chunks, span, key_cache, value_cache)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(
         self, cache: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None

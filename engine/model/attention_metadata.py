@@ -12,8 +12,8 @@ same position) is attended in one call.
 gather_rows turns block ids into rows of the head-major cache, block_id * num_kv_heads +
 kv_head (why head-major: engine/model/attention.py).
 
-The C decode kernel reads through the decode tables without bounds checks, so
-check_decode_tables verifies them every step before it runs.
+The C kernels read through their tables without bounds checks, so check_decode_tables and
+check_prefill_tables verify them every step before they run.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None  # int64 [B, max_blocks], rows padded with block 0
     decode_seq_lens: torch.Tensor | None  # int64 [B]: positions to attend, the new one included
     prefills: list[PrefillSpan]
+    # The prefill chunks one by one, for the CPU prefill kernel (on the CPU whatever the
+    # device): int64 [3, n] each chunk's first flat index, first position and length, and
+    # int64 [n, max_blocks] the blocks holding its positions [0, start + length), padded with 0.
+    prefill_chunks: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
 
 
 def gather_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -83,3 +88,36 @@ def check_decode_tables(meta: AttentionMetadata, num_blocks: int, block_size: in
         raise ValueError(f"decode seq_lens {seq_lens.tolist()} outside [1, table capacity]")
     if int(table.min()) < 0 or int(table.max()) >= num_blocks:
         raise ValueError(f"decode block table holds ids outside [0, {num_blocks})")
+
+
+def check_prefill_tables(
+    meta: AttentionMetadata, num_tokens: int, num_blocks: int, block_size: int
+) -> None:
+    """The C prefill kernel trusts its tables (a bad one reads out of bounds): check them."""
+    chunks, table = meta.prefill_chunks, meta.prefill_block_table
+    num_chunks = len(table) if table is not None else -1
+    if (
+        chunks is None
+        or table is None
+        or chunks.dtype != torch.long
+        or table.dtype != torch.long
+        or chunks.shape != (3, num_chunks)
+        or not chunks.is_contiguous()
+        or not table.is_contiguous()
+    ):
+        raise ValueError(
+            "prefill tables must be contiguous int64 [3, n] and [n, max_blocks], got "
+            f"{None if chunks is None else (chunks.dtype, tuple(chunks.shape))} and "
+            f"{None if table is None else (table.dtype, tuple(table.shape))}"
+        )
+    token_starts, starts, lengths = chunks
+    if (
+        int(lengths.min()) < 1
+        or int(starts.min()) < 0
+        or int(token_starts.min()) < 0
+        or int((token_starts + lengths).max()) > num_tokens
+        or int((starts + lengths).max()) > table.shape[1] * block_size
+    ):
+        raise ValueError(f"prefill chunks {chunks.tolist()} outside the step or their tables")
+    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+        raise ValueError(f"prefill block table holds ids outside [0, {num_blocks})")
