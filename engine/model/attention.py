@@ -20,12 +20,16 @@ Decode tokens (one new token per request) are attended together, by one of three
   "torch"       otherwise, and the reference: the blocks are gathered into one
                 [B, kv_heads, max_blocks * block_size, head_dim] buffer and masked past each
                 request's length.
-Prefill chunks (q_len > 1) that start at the same position, of equal or close lengths
-(runner.PAD_WASTE), share one call, padded to the longest: fresh prompts (from position 0),
-and chunks over a cached context of the same length (prompts over one cached chat template),
-whose keys are that context gathered from the cache followed by their own new K/V. Batched
-matmuls with a causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above.
-New K/V are written to the cache first, and a padded query never needs a padded key: pads
+Prefill chunks (q_len > 1): on CPU in float32 / bfloat16,
+engine/model/kernels/prefill_attention.c attends every chunk of the step in one call, reading
+each one's keys (its own, just written, and any cached context) through its block table,
+with no padding (ITERSCOPE_CPU_KERNELS=0 turns it off). Otherwise, and as the reference,
+chunks that start at the same position, of equal or close lengths (runner.PAD_WASTE), share
+one torch call, padded to the longest: fresh prompts (from position 0), and chunks over a
+cached context of the same length (prompts over one cached chat template), whose keys are
+that context gathered from the cache followed by their own new K/V. Batched matmuls with a
+causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above. New K/V are written
+to the cache first, and a padded query never needs a padded key: pads
 come after every real position of their chunk.
 """
 
