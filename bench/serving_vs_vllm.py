@@ -1,7 +1,7 @@
 """`iterscope serve` against `vllm serve` on this machine: same model, same client, same load.
 
-    .venv/bin/python bench/serving_vs_vllm.py [--rounds 2] [--iterscope-arg=--cpu-threads=1]
-        [--vllm-arg=--max-num-batched-tokens=1024]
+    .venv/bin/python bench/serving_vs_vllm.py [--rounds 2] [--dtype auto|float32|bfloat16]
+        [--iterscope-arg=--cpu-threads=1] [--vllm-arg=--max-num-batched-tokens=1024]
 
 `make test` (or `make vllm`) builds the vLLM CPU environment and the Hugging Face copy of
 the embedded SmolLM2-135M that vLLM loads. One server at a time, each alone on the machine:
@@ -15,9 +15,11 @@ in / 128 out, 64 prompts, max concurrency 16, ignore_eos; every run has prompts 
 (warm-up included), the same ones for both servers, so no run is served from an earlier
 one's prefix cache. Printed per server: output tok/s, TTFT and TPOT (mean, p99), each the
 mean over the rounds, and output tok/s as a share of this machine's roofline bound for the
-load (bench/roofline.py, measured first); then iterscope / vLLM ratios (throughput: higher
-is better; latencies: lower is better). The last line is one JSON object with the figures,
-the CPU kind among them.
+load (bench/roofline.py, measured first, in the servers' dtype); then iterscope / vLLM ratios
+(throughput: higher is better; latencies: lower is better). The last line is one JSON object
+with the figures, the CPU kind among them. ``--dtype`` runs both servers (and the roofline)
+in that dtype: auto is what both choose for this CPU (bfloat16 where it computes bf16
+natively); float32 on such a CPU stands in for a CPU without native bf16.
 """
 
 from __future__ import annotations
@@ -137,9 +139,18 @@ def main() -> None:
         metavar="ARG",
         help="an extra `vllm serve` flag (repeatable; default none)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="both servers' dtype (default: auto, the one both choose for this CPU)",
+    )
     args = parser.parse_args()
     vllm_env = {**VLLM_ENV, **vllm_cpu_preload()}  # before the roofline: a missing one fails now
-    limits = roofline()  # first, with the machine to itself
+    limits = roofline(args.dtype)  # first, with the machine to itself
+    vllm_flags = [*BEST_CPU_FLAGS, *args.vllm_arg]
+    vllm_flags[vllm_flags.index("--dtype") + 1] = limits["dtype"]
+    iterscope_args = ["--dtype", limits["dtype"], *args.iterscope_arg]
     bound = limits["serving"]["output_tokens_per_s"]
     print(
         f"{limits['cpu']} ({', '.join(limits['cpu_flags'])}): at most {bound:.1f} output tok/s "
@@ -149,14 +160,14 @@ def main() -> None:
         tmp = Path(tmp_name)
         vllm = measure(
             "vllm",
-            lambda port, log: start_vllm(port, vllm_env, log, (*BEST_CPU_FLAGS, *args.vllm_arg)),
+            lambda port, log: start_vllm(port, vllm_env, log, tuple(vllm_flags)),
             stop_server,
             args.rounds,
             tmp,
         )
         ours = measure(
             "iterscope",
-            lambda port, log: start_iterscope(port, args.iterscope_arg, log),
+            lambda port, log: start_iterscope(port, iterscope_args, log),
             stop_server,
             args.rounds,
             tmp,
@@ -184,6 +195,7 @@ def main() -> None:
                 "vllm_args": args.vllm_arg,
                 "vllm_preload": vllm_env["LD_PRELOAD"],
                 "rounds": args.rounds,
+                "dtype": limits["dtype"],
                 "cpu": limits["cpu"],
                 "cpu_flags": limits["cpu_flags"],
                 "roofline": limits,
