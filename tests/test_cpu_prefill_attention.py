@@ -118,6 +118,7 @@ CHUNK_SETS = {
     "fresh prompts": [(0, 270), (0, 270), (0, 250)],
     "over a cached prefix and later chunks": [(16, 254), (202, 68), (0, 33)],
     "short and one-token chunks": [(5, 2), (0, 1), (31, 17)],
+    "a chunk deep into a long prompt": [(3000, 70)],
 }
 
 

@@ -5,7 +5,10 @@ a cached prefix out of the blocks, transposes the queries into groups and runs t
 matmuls per 64 query positions with a causal bias: about 2 ms a layer for four 270-token
 prompts of SmolLM2 in bfloat16, 3 ms in float32. The kernel reads every chunk's keys through
 its block table, skips the keys after each query's position and needs no padding, one call per
-layer for all of a step's prefill chunks. Built on first use for this machine
+layer for all of a step's prefill chunks. Its scratch (kept by attention, grown to the
+largest step) holds each chunk's keys and values widened to float32: 8 bytes per position of
+context, kv head and dim (SmolLM2, 4 chunks of 270: 1.6 MiB; one chunk 8,192 positions into
+a prompt of a model with 8 kv heads of 128: 64 MiB). Built on first use for this machine
 (engine/model/kernels/cpu_build.py); `KERNEL.load()` returns None, and attention keeps the torch
 path, when there is no compiler or the build fails; `build_error()` says why.
 ITERSCOPE_CPU_KERNELS=0 turns it off.
