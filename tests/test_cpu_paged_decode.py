@@ -401,7 +401,7 @@ def test_cuda_dispatch_stores_and_decodes_through_triton_kernels(kernel):
     runner = ModelRunner(build_tiny_model("llama", seed=4), 32, 4, "cpu")
     attention = runner.decoder.attention
     fake = RecordingTriton(kernel)
-    attention.cpu_kernel, attention.triton = None, fake
+    attention.cpu_kernel, attention.prefill_kernel, attention.triton = None, None, fake
     request = Request("r", list(range(10, 21)), SamplingParams(temperature=0))
     request.block_ids = [9, 3, 17]
     prefill = runner.compute_logits([(request, 10)])[0]

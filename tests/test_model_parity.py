@@ -13,7 +13,7 @@ import torch
 from engine.model import attention as attention_module
 from engine.model.config import ModelConfig
 from engine.model.decoder import Decoder
-from engine.model.kernels import cpu_paged_decode
+from engine.model.kernels import cpu_paged_decode, cpu_prefill_attention
 from engine.model.loader import LoadedModel, tiny_hf_config, tiny_state_dict
 from engine.model.tokenizer import ByteTokenizer
 from engine.runner import ModelRunner
@@ -63,11 +63,16 @@ def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tens
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
-@pytest.fixture(params=["plain", "plain_in_chunks", "sdpa"])
-def fresh_prefill_path(request, monkeypatch):
-    """Prefills (fresh prompts, and chunks over their cached context) through batched
-    matmuls (short; in query chunks of 5 positions, the last one partial), or SDPA (longer
-    than the limit)."""
+@pytest.fixture(params=["cpu_kernel", "plain", "plain_in_chunks", "sdpa"])
+def fresh_prefill_path(request, pair, monkeypatch):
+    """Prefills (fresh prompts, and chunks over their cached context) through the C kernel,
+    or torch's path: batched matmuls (short; in query chunks of 5 positions, the last one
+    partial), or SDPA (longer than the limit)."""
+    attention = pair[0].decoder.attention
+    if request.param == "cpu_kernel":
+        assert attention.prefill_kernel is not None, cpu_prefill_attention.KERNEL.build_error()
+        return request.param
+    monkeypatch.setattr(attention, "prefill_kernel", None)
     if request.param == "plain_in_chunks":
         monkeypatch.setattr(attention_module, "QUERY_CHUNK", 5)
     if request.param == "sdpa":

@@ -140,6 +140,12 @@ class PagedAttention:
         bias.masked_fill_(padding[:, None, None, :], float("-inf"))
         self.decode_bias = bias.view(-1, self.group_size, context_len)
 
+    @property
+    def reads_only_the_cache(self) -> bool:
+        """Decodes and prefills both attend through the CPU kernels, which read this step's
+        keys and values from the cache, never from the k and v handed in."""
+        return self.cpu_kernel is not None and self.prefill_kernel is not None
+
     def _prepare_prefill_kernel(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> None:
         """Check the prefill tables and size the kernel's scratch, once per step."""
         num_tokens = meta.slot_blocks.shape[0]
@@ -158,14 +164,19 @@ class PagedAttention:
     def __call__(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H * D]."""
-        if self.triton is not None:
+        """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H * D]. k and v None: the
+        caller already stored them in the cache (engine/model/kernels/rope_store.c), which
+        only attention that reads the cache alone allows (``reads_only_the_cache``)."""
+        if k is None or v is None:
+            if not self.reads_only_the_cache:
+                raise ValueError("attention needs this step's k and v outside the CPU kernels")
+        elif self.triton is not None:
             self.triton.store_kv(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)
         else:
             key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
@@ -184,8 +195,8 @@ class PagedAttention:
         self,
         out: torch.Tensor,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
-from engine.model.kernels import cpu_rms_norm
+from engine.model.kernels import cpu_rms_norm, cpu_rope_store
 from engine.model.linear import Linear
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -58,6 +58,15 @@ class Decoder:
         self.norm_kernel = None  # the CPU residual-add + RMSNorm kernel, where it applies
         if self.device.type == "cpu" and cpu_rms_norm.supports(config.dtype, config.hidden_size):
             self.norm_kernel = cpu_rms_norm.KERNEL.load()
+        # RoPE and the K/V store in one CPU kernel, where attention reads keys and values from
+        # the cache alone (the rotated keys then exist nowhere else).
+        self.rope_kernel = None
+        if self.attention.reads_only_the_cache and cpu_rope_store.supports(
+            config.dtype, config.head_dim
+        ):
+            self.rope_kernel = cpu_rope_store.KERNEL.load()
+        self._rope_fused = False  # this step's RoPE runs in the kernel
+        self._rope_threads = 1  # of this step's rope kernel calls
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."
@@ -89,12 +98,19 @@ class Decoder:
     ) -> torch.Tensor:
         """input_ids, positions [T] -> normed hidden states [T, hidden].
 
-        kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        kv_cache is [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim].
         """
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, cfg.dtype)
         self.attention.begin_step(meta, kv_cache[0, 0])
+        # per step: attention's kernels can be turned off after load (tests)
+        self._rope_fused = self.rope_kernel is not None and self.attention.reads_only_the_cache
+        if self._rope_fused:
+            cpu_rope_store.check_slots(
+                meta.slot_blocks, meta.slot_offsets, kv_cache.shape[2], kv_cache.shape[4]
+            )
+            self._rope_threads = torch.get_num_threads()
         num_tokens = input_ids.shape[0]
         x = self._add_rms_norm(hidden, None, self.layers[0].input_norm)
         for layer, layer_cache, next_norm in zip(
@@ -111,13 +127,42 @@ class Decoder:
                     ),
                     dim=1,
                 )
-            q_and_k = apply_rope(q_and_k, cos, sin)  # one call rotates both
-            q, k = q_and_k[:, : cfg.num_heads], q_and_k[:, cfg.num_heads :]
+            q, k, v = self._rope(q_and_k, v, cos, sin, layer_cache, meta)
             attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
             x = self._add_rms_norm(hidden, layer.o_proj(attn), layer.post_attention_norm)
             gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
             x = self._add_rms_norm(hidden, layer.down_proj(F.silu(gate) * up), next_norm)
         return x
+
+    def _rope(
+        self,
+        q_and_k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The rotated queries, and the rotated keys and the values for attention to store;
+        with the CPU kernel, which stores those two itself, (queries, None, None)."""
+        num_heads = self.config.num_heads
+        if not self._rope_fused:
+            q_and_k = apply_rope(q_and_k, cos, sin)  # one call rotates both
+            return q_and_k[:, :num_heads], q_and_k[:, num_heads:], v
+        q = cpu_rope_store.rope_store(
+            self.rope_kernel,
+            q_and_k[:, :num_heads],
+            q_and_k[:, num_heads:],
+            v,
+            cos,
+            sin,
+            layer_cache[0],
+            layer_cache[1],
+            meta.slot_blocks,
+            meta.slot_offsets,
+            self._rope_threads,
+        )
+        return q, None, None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
