@@ -6,45 +6,19 @@ the same source on CPUs without AVX-512 or AVX); its table checks; and its use b
 from __future__ import annotations
 
 import math
-import platform
-import shutil
 
 import pytest
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata, check_prefill_tables
-from engine.model.kernels import cpu_build, cpu_prefill_attention
+from engine.model.kernels import cpu_prefill_attention
 from engine.model.loader import build_tiny_model
-
-# The vector paths gcc lowers the kernel's 16-float vectors to, by the flags taken away.
-NARROWER_BUILDS = {
-    "avx2": ("-mno-avx512f",),
-    "sse": ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma"),
-}
+from tests.helpers.cpu_kernels import build_names, load_build
 
 
-def builds() -> list[str]:
-    names = ["native"]
-    if platform.machine() == "x86_64":
-        flags = set(cpu_build.cpu_flags().split())
-        if {"avx2", "fma"} <= flags:
-            names.append("avx2")
-        names.append("sse")
-    return names
-
-
-@pytest.fixture(scope="module", params=builds())
+@pytest.fixture(scope="module", params=build_names())
 def library(request, tmp_path_factory):
-    if request.param == "native":
-        loaded = cpu_prefill_attention.KERNEL.load()
-        assert loaded is not None, cpu_prefill_attention.KERNEL.build_error()
-        return loaded
-    compiler = shutil.which("gcc")
-    assert compiler, "gcc is required: the CPU kernels are built with it"
-    cache = tmp_path_factory.mktemp(f"prefill-{request.param}")
-    flags = NARROWER_BUILDS[request.param]
-    path = cpu_build.build(compiler, cache, cpu_prefill_attention.SOURCE, flags)
-    return cpu_prefill_attention.open_library(path)
+    return load_build(request.param, cpu_prefill_attention, tmp_path_factory)
 
 
 class Case:

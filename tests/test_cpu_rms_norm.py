@@ -1,40 +1,23 @@
 """The C residual-add + RMSNorm kernel (engine/model/kernels/rms_norm.c) against torch's ops,
-built for this machine and for AVX2 only, and its use by the decoder (with ITERSCOPE_CPU_KERNELS=0
-the decoder keeps torch's ops)."""
+built for this machine, for AVX2 and for SSE only, and its use by the decoder (with
+ITERSCOPE_CPU_KERNELS=0 the decoder keeps torch's ops)."""
 
 from __future__ import annotations
-
-import platform
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.kernels import cpu_build, cpu_rms_norm
+from engine.model.kernels import cpu_rms_norm
 from engine.model.loader import build_tiny_model
+from tests.helpers.cpu_kernels import build_names, load_build
 
 EPS = 1e-5
 
 
-def builds() -> list[str]:
-    names = ["native"]
-    if platform.machine() == "x86_64" and {"avx2", "fma"} <= set(cpu_build.cpu_flags().split()):
-        names.append("avx2")  # what an AVX-512 machine's native build does not take
-    return names
-
-
-@pytest.fixture(scope="module", params=builds())
+@pytest.fixture(scope="module", params=build_names())
 def library(request, tmp_path_factory):
-    if request.param == "native":
-        loaded = cpu_rms_norm.KERNEL.load()
-        assert loaded is not None, cpu_rms_norm.KERNEL.build_error()
-        return loaded
-    compiler = shutil.which("gcc")
-    assert compiler, "gcc is required: the CPU kernels are built with it"
-    cache = tmp_path_factory.mktemp("rms-cache")
-    path = cpu_build.build(compiler, cache, cpu_rms_norm.SOURCE, ("-mno-avx512f",))
-    return cpu_rms_norm.open_library(path)
+    return load_build(request.param, cpu_rms_norm, tmp_path_factory)
 
 
 def torch_reference(residual, delta, weight):

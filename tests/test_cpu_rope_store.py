@@ -5,42 +5,18 @@ reads keys and values from the cache alone (logits as with torch's ops)."""
 
 from __future__ import annotations
 
-import platform
-import shutil
-
 import pytest
 import torch
 
-from engine.model.kernels import cpu_build, cpu_rope_store
+from engine.model.kernels import cpu_rope_store
 from engine.model.loader import build_tiny_model
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-
-NARROWER_BUILDS = {
-    "avx2": ("-mno-avx512f",),
-    "sse": ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma"),
-}
+from tests.helpers.cpu_kernels import build_names, load_build
 
 
-def builds() -> list[str]:
-    names = ["native"]
-    if platform.machine() == "x86_64":
-        if {"avx2", "fma"} <= set(cpu_build.cpu_flags().split()):
-            names.append("avx2")
-        names.append("sse")
-    return names
-
-
-@pytest.fixture(scope="module", params=builds())
+@pytest.fixture(scope="module", params=build_names())
 def library(request, tmp_path_factory):
-    if request.param == "native":
-        loaded = cpu_rope_store.KERNEL.load()
-        assert loaded is not None, cpu_rope_store.KERNEL.build_error()
-        return loaded
-    compiler = shutil.which("gcc")
-    assert compiler, "gcc is required: the CPU kernels are built with it"
-    cache = tmp_path_factory.mktemp(f"rope-{request.param}")
-    path = cpu_build.build(compiler, cache, cpu_rope_store.SOURCE, NARROWER_BUILDS[request.param])
-    return cpu_rope_store.open_library(path)
+    return load_build(request.param, cpu_rope_store, tmp_path_factory)
 
 
 def step(dtype, num_tokens, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
