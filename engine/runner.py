@@ -233,7 +233,8 @@ class ModelRunner:
     def _attention_metadata(
         self, layout: _FlatLayout, all_positions: torch.Tensor, num_decodes: int
     ) -> AttentionMetadata:
-        """Every new token's cache slot, and the decodes' padded block table and lengths."""
+        """Every new token's cache slot, the decodes' padded block table and lengths, and
+        each prefill chunk's place and blocks (the CPU prefill kernel's tables)."""
         meta = AttentionMetadata(
             slot_blocks=torch.cat(layout.block_chunks).to(self.device),
             slot_offsets=(all_positions % self.block_size).to(self.device),

@@ -29,8 +29,8 @@ one torch call, padded to the longest: fresh prompts (from position 0), and chun
 cached context of the same length (prompts over one cached chat template), whose keys are
 that context gathered from the cache followed by their own new K/V. Batched matmuls with a
 causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above. New K/V are written
-to the cache first, and a padded query never needs a padded key: pads
-come after every real position of their chunk.
+to the cache first (by attention, or before it by the decoder's RoPE kernel), and a padded
+query never needs a padded key: pads come after every real position of their chunk.
 """
 
 from __future__ import annotations
