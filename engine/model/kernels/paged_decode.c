@@ -56,8 +56,6 @@
 #define CHUNK 16          /* positions scored together: one 16-lane vector per query head */
 #define PREFETCH_AHEAD 4  /* blocks between the one read and the one prefetched */
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
 typedef struct {
     const void *q, *key_cache, *value_cache;
     const int64_t *block_table, *seq_lens;
@@ -78,18 +76,6 @@ static inline Item item_of(const Args *a, int64_t index) {
     const int64_t left = a->num_kv_heads - first;
     return (Item){index / a->items_per_seq, first,
                   left < a->kv_heads_per_item ? left : a->kv_heads_per_item};
-}
-
-static inline float load_float(const void *base, int64_t index, int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_float(((const uint16_t *)base)[index]);
-    return ((const float *)base)[index];
-}
-
-static inline void store_float(void *base, int64_t index, int dtype, float value) {
-    if (dtype == DTYPE_BF16)
-        ((uint16_t *)base)[index] = float_to_bf16(value);
-    else
-        ((float *)base)[index] = value;
 }
 
 static inline int64_t num_blocks_of(const Args *a, int64_t seq) {

@@ -41,8 +41,6 @@ typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef float vf_loose __attribute__((vector_size(LANES * 4), aligned(4)));
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
 typedef struct {
     const void *q, *key_cache, *value_cache;
     const int64_t *block_table, *token_starts, *starts, *lengths;
@@ -53,18 +51,6 @@ typedef struct {
     float scale;
     int dtype;
 } Args;
-
-static inline float load_float(const void *base, int64_t index, int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_float(((const uint16_t *)base)[index]);
-    return ((const float *)base)[index];
-}
-
-static inline void store_float(void *base, int64_t index, int dtype, float value) {
-    if (dtype == DTYPE_BF16)
-        ((uint16_t *)base)[index] = float_to_bf16(value);
-    else
-        ((float *)base)[index] = value;
-}
 
 static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 

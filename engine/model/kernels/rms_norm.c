@@ -19,8 +19,6 @@
 #define MAX_DIM 16384
 #define PARALLEL_FROM_ROWS 64
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
 static void row_bf16(uint16_t *residual, const uint16_t *delta, uint16_t *out,
                      const uint16_t *weight, int64_t dim, float eps) {
     float x[MAX_DIM];

@@ -25,20 +25,6 @@
 
 #define MAX_HEAD_DIM 256
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float load_float(const void *base, int64_t index, int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_float(((const uint16_t *)base)[index]);
-    return ((const float *)base)[index];
-}
-
-static inline void store_float(void *base, int64_t index, int dtype, float value) {
-    if (dtype == DTYPE_BF16)
-        ((uint16_t *)base)[index] = float_to_bf16(value);
-    else
-        ((float *)base)[index] = value;
-}
-
 static inline float round_to_dtype(float value, int dtype) {
     return dtype == DTYPE_BF16 ? bf16_to_float(float_to_bf16(value)) : value;
 }
