@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine.model.kernels import cpu_rms_norm
 from engine.model.loader import build_tiny_model
-from tests.helpers.cpu_kernels import build_names, load_build
+from tests.helpers.cpu_kernels import build_names, load_build, prefill_then_decode_logits
 
 EPS = 1e-5
 
@@ -63,23 +63,13 @@ def test_a_nan_stays_a_nan(library):
 def runner_logits(monkeypatch, dtype: str, kernel: bool) -> tuple[bool, torch.Tensor]:
     """Prefill two prompts, then one decode step of both, on a tiny Qwen3 (its q/k norms stay
     torch's): whether the decoder took the kernel, and every logit."""
-    from engine.request import Request, SamplingParams
     from engine.runner import ModelRunner
 
     if not kernel:
         monkeypatch.setattr(cpu_rms_norm.KERNEL, "load", lambda: None)
     runner = ModelRunner(build_tiny_model("qwen3", seed=2, dtype=dtype), 32, 4, "cpu")
-    requests = []
-    for i, n in enumerate([9, 14]):
-        tokens = [(7 * i + t) % 200 for t in range(n + 1)]
-        request = Request(f"r{i}", tokens, SamplingParams(temperature=0))
-        request.block_ids = [31 - 8 * i - j for j in range(5)]
-        requests.append(request)
-    prefill = runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])
-    for r in requests:
-        r.num_computed_tokens = len(r.token_ids) - 1
-    decode = runner.compute_logits([(r, 1) for r in requests])
-    return runner.decoder.norm_kernel is not None, torch.cat([*prefill, *decode])
+    logits = prefill_then_decode_logits(runner)
+    return runner.decoder.norm_kernel is not None, logits
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

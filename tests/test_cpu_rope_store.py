@@ -11,7 +11,7 @@ import torch
 from engine.model.kernels import cpu_rope_store
 from engine.model.loader import build_tiny_model
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from tests.helpers.cpu_kernels import build_names, load_build
+from tests.helpers.cpu_kernels import build_names, load_build, prefill_then_decode_logits
 
 
 @pytest.fixture(scope="module", params=build_names())
@@ -116,22 +116,13 @@ def test_slot_checks_refuse_what_the_kernel_would_write_out_of_bounds():
 def decoder_logits(monkeypatch, architecture: str, dtype: str, kernel: bool):
     """Two prompts prefilled, then a decode step of both: whether the decoder took the
     kernel in the decode step, and every logit."""
-    from engine.request import Request, SamplingParams
     from engine.runner import ModelRunner
 
     if not kernel:
         monkeypatch.setattr(cpu_rope_store.KERNEL, "load", lambda: None)
     runner = ModelRunner(build_tiny_model(architecture, seed=5, dtype=dtype), 32, 4, "cpu")
-    requests = []
-    for i, n in enumerate([9, 14]):
-        request = Request(f"r{i}", [(5 * i + t) % 200 for t in range(n + 1)], SamplingParams())
-        request.block_ids = [31 - 8 * i - j for j in range(5)]
-        requests.append(request)
-    prefill = runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])
-    for r in requests:
-        r.num_computed_tokens = len(r.token_ids) - 1
-    decode = runner.compute_logits([(r, 1) for r in requests])
-    return runner.decoder._rope_fused, torch.cat([*prefill, *decode])
+    logits = prefill_then_decode_logits(runner)
+    return runner.decoder._rope_fused, logits
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])

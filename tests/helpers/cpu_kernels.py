@@ -9,6 +9,8 @@ import platform
 import shutil
 from types import ModuleType
 
+import torch
+
 from engine.model.kernels import cpu_build
 
 NARROWER_BUILDS = {
@@ -41,3 +43,20 @@ def load_build(name: str, kernel: ModuleType, tmp_path_factory) -> ctypes.CDLL:
     cache = tmp_path_factory.mktemp(f"{kernel.SOURCE.stem}-{name}")
     path = cpu_build.build(compiler, cache, kernel.SOURCE, NARROWER_BUILDS[name])
     return kernel.open_library(path)
+
+
+def prefill_then_decode_logits(runner) -> torch.Tensor:
+    """Two prompts (10 and 15 tokens) prefilled but for their last token, then one decode
+    step of both, on the runner of a tiny model with 32 blocks of 4: every logit."""
+    from engine.request import Request, SamplingParams
+
+    requests = []
+    for i, n in enumerate([9, 14]):
+        request = Request(f"r{i}", [(7 * i + t) % 200 for t in range(n + 1)], SamplingParams())
+        request.block_ids = [31 - 8 * i - j for j in range(5)]
+        requests.append(request)
+    prefill = runner.compute_logits([(r, len(r.token_ids) - 1) for r in requests])
+    for r in requests:
+        r.num_computed_tokens = len(r.token_ids) - 1
+    decode = runner.compute_logits([(r, 1) for r in requests])
+    return torch.cat([*prefill, *decode])
