@@ -93,6 +93,10 @@ class ModelRunner:
         self.decode_graphs = graphs
         return graphs.buckets
 
+    def cpu_kernels_line(self) -> str:
+        """The start-up line naming the CPU kernels the model runs (engine/model/decoder.py)."""
+        return self.decoder.cpu_kernels_line()
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
         """Run one step: a sampled token per scheduled request, None for an unfinished prompt."""

@@ -109,8 +109,9 @@ def build_engine_core(
         model.config.vocab_size,
     )
     if config.device == "cpu":
-        core.startup_notes.append(allocator_line())
-        logger.info(core.startup_notes[-1])
+        core.startup_notes += [allocator_line(), runner.cpu_kernels_line()]
+        for line in core.startup_notes[-2:]:
+            logger.info(line)
     if config.device == "cuda" and config.cuda_graphs:
         core.startup_notes.append(_capture_decode_graphs(runner, config, plan.max_model_len))
         logger.info(core.startup_notes[-1])

@@ -70,10 +70,11 @@ def collect(stream) -> tuple[list[int], str | None]:
     return tokens, reason
 
 
-def test_ready_reports_the_kv_plan_and_the_allocator(client):
+def test_ready_reports_the_kv_plan_the_allocator_and_the_kernels(client):
     """The CPU engine runs on tcmalloc, which the client preloads into the process it spawns
-    (`make test` installs libtcmalloc-minimal4); the line comes from the engine's own map."""
-    *lines, allocator = client.ready.startup_lines
+    (`make test` installs libtcmalloc-minimal4); the line comes from the engine's own map.
+    Then the runner's CPU kernels (a fake's: none)."""
+    *lines, allocator, kernels = client.ready.startup_lines
     assert lines == [
         make_config().dtype_choice()[1],
         "Available KV cache memory: 0.00 GiB",
@@ -81,6 +82,7 @@ def test_ready_reports_the_kv_plan_and_the_allocator(client):
         "Maximum concurrency for 256 tokens per request: 4.00x",
     ]
     assert allocator.startswith("memory allocator: tcmalloc (/"), allocator
+    assert kernels == "CPU kernels: none (a fake runner)"
     assert "libtcmalloc" not in os.environ.get("LD_PRELOAD", "")  # this process: as it was
     assert client.ready.num_kv_blocks == 64 and client.ready.pid == client.process.pid
 

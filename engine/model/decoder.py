@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
-from engine.model.kernels import cpu_rms_norm, cpu_rope_store
+from engine.model.kernels import (
+    cpu_build,
+    cpu_paged_decode,
+    cpu_prefill_attention,
+    cpu_rms_norm,
+    cpu_rope_store,
+)
 from engine.model.linear import Linear
 from engine.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -67,6 +73,31 @@ class Decoder:
             self.rope_kernel = cpu_rope_store.KERNEL.load()
         self._rope_fused = False  # this step's RoPE runs in the kernel
         self._rope_threads = 1  # of this step's rope kernel calls
+
+    def cpu_kernels_line(self) -> str:
+        """The start-up line: the CPU kernels this model runs, and why any other does not
+        (torch's ops run in its place, slower: docs/performance.md)."""
+        kernels = {
+            "paged decode": (self.attention.cpu_kernel, cpu_paged_decode.KERNEL),
+            "prefill attention": (self.attention.prefill_kernel, cpu_prefill_attention.KERNEL),
+            "RMSNorm": (self.norm_kernel, cpu_rms_norm.KERNEL),
+            "RoPE + K/V store": (self.rope_kernel, cpu_rope_store.KERNEL),
+        }
+        used = [name for name, (library, _) in kernels.items() if library is not None]
+        if not cpu_build.kernels_enabled():
+            return "CPU kernels: none (ITERSCOPE_CPU_KERNELS=0): torch's ops run"
+        unsupported = "not for this dtype or these shapes"
+        if not self.attention.reads_only_the_cache:  # the RoPE kernel's own condition
+            kernels["RoPE + K/V store"] = (None, None)
+        reasons = [
+            f"{name}: {(kernel and kernel.build_error()) or unsupported}"
+            if kernel is not None
+            else f"{name}: needs both attention kernels"
+            for name, (library, kernel) in kernels.items()
+            if library is None
+        ]
+        line = f"CPU kernels: {', '.join(used) or 'none'}"
+        return line + (f"; torch's ops for {'; '.join(reasons)}" if reasons else "")
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."

@@ -89,6 +89,10 @@ class FakeRunner:
         """As ModelRunner's on a device without CUDA graphs: none captured."""
         return None
 
+    def cpu_kernels_line(self) -> str:
+        """As ModelRunner's: the start-up line naming the CPU kernels (a fake runs none)."""
+        return "CPU kernels: none (a fake runner)"
+
     def _slot(self, request: Request, position: int) -> int:
         block_id = request.block_ids[position // self.block_size]
         return block_id * self.block_size + position % self.block_size
