@@ -45,7 +45,12 @@ HAS_AVX2 = {"avx2", "fma"} <= CPU_FLAGS
 # Builds of the paths this machine's default build may skip: the plain-C loop, AVX-512
 # without the BF16 instructions (bf16 widened to float32 instead), and the AVX2 path (which
 # an AVX-512 CPU's default build does not take). Each with the vector_path() it must report.
-OTHER_BUILDS = {"portable": (("-DPAGED_DECODE_PORTABLE",), 0)}
+OTHER_BUILDS = {
+    "portable": (("-DPAGED_DECODE_PORTABLE",), 0),
+    # both prefetch targets, whichever this CPU kind's build takes (machine_flags)
+    "prefetch_l1": (("-DPREFETCH_LOCALITY=3",), None),
+    "prefetch_l2": (("-DPREFETCH_LOCALITY=1",), None),
+}
 if platform.machine() == "x86_64":
     OTHER_BUILDS["no_bf16_pairs"] = (("-mno-avx512bf16",), None)
     if HAS_AVX2:
@@ -424,3 +429,14 @@ def test_triton_kernels_only_where_available():
     cuda = torch.device("cuda")
     found = attention_module._triton_kernels(cuda)
     assert (found is triton_paged) == triton_paged.available(cuda)
+
+
+def test_prefetch_into_l1_only_on_the_kind_measured_faster_so():
+    assert cpu_paged_decode.machine_flags("AuthenticAMD", {"avx2", "avx512f"}) == (
+        "-DPREFETCH_LOCALITY=3",
+    )
+    assert cpu_paged_decode.machine_flags("AuthenticAMD", {"avx2", "fma"}) == ()
+    assert cpu_paged_decode.machine_flags("GenuineIntel", {"avx2", "avx512f"}) == ()
+    flags = set(cpu_build.cpu_flags().split())
+    expected = cpu_paged_decode.machine_flags(cpu_build.cpu_vendor(), flags)
+    assert cpu_paged_decode.KERNEL.extra_flags == expected

@@ -43,9 +43,17 @@ class CpuKernel:
     """One kernel's library: built and opened on first use; None, and build_error() says
     why, when ITERSCOPE_CPU_KERNELS=0 (no reason then), without a compiler or on failure."""
 
-    def __init__(self, source: Path, open_library: Callable[[Path], ctypes.CDLL]) -> None:
+    def __init__(
+        self,
+        source: Path,
+        open_library: Callable[[Path], ctypes.CDLL],
+        extra_flags: tuple[str, ...] = (),
+    ) -> None:
+        """``extra_flags``: this machine's own, added to FLAGS (e.g. a define chosen per CPU
+        kind)."""
         self.source = source
         self.open_library = open_library  # opens a built library, declaring its signatures
+        self.extra_flags = extra_flags
         self.errors: list[str] = []
         self._tried = False
         self._library: ctypes.CDLL | None = None
@@ -55,7 +63,7 @@ class CpuKernel:
             return None
         if not self._tried:
             self._tried = True
-            self._library = load(self.source, self.open_library, self.errors)
+            self._library = load(self.source, self.open_library, self.errors, self.extra_flags)
         return self._library
 
     def build_error(self) -> str | None:
@@ -64,7 +72,10 @@ class CpuKernel:
 
 
 def load(
-    source: Path, open_library: Callable[[Path], ctypes.CDLL], errors: list[str]
+    source: Path,
+    open_library: Callable[[Path], ctypes.CDLL],
+    errors: list[str],
+    extra_flags: tuple[str, ...] = (),
 ) -> ctypes.CDLL | None:
     """``source`` built (or found in the cache) and opened by ``open_library``; None, with
     the reason appended to ``errors``, without a compiler or when the build fails."""
@@ -76,7 +87,7 @@ def load(
         "ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels"
     )
     try:
-        return open_library(build(compiler, Path(cache_dir), source))
+        return open_library(build(compiler, Path(cache_dir), source, extra_flags))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         errors.append(f"building {source.name} with {compiler} failed: {detail}")
@@ -125,3 +136,14 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (e.g. AuthenticAMD, GenuineIntel); "" where it has none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
