@@ -168,9 +168,10 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
             "KV cache size: 4,096 tokens",
             "Maximum concurrency for 2,048 tokens per request: 2.00x",
             allocator_line(),  # this process's: the test runner was not spawned with tcmalloc
+            "CPU kernels: none (a fake runner)",  # the runner's own line
         ]
     )
-    assert core.startup_lines()[-1].startswith("memory allocator: glibc malloc")
+    assert core.startup_lines()[-2].startswith("memory allocator: glibc malloc")
     assert core.facts(model.config.name)["num_kv_blocks_total"] == 256
     core.add_request(make_request("a", [1, 2, 3], 3))
     assert len(drain(core)) == 3
