@@ -11,8 +11,9 @@
  * than head by head). With fewer than 4 sequences per thread, items are single kv heads.
  * Each thread takes one contiguous run of items holding about the same number of blocks, so
  * it knows which blocks come next and prefetches them PREFETCH_AHEAD blocks early, spread over
- * the value loop, into L2 only (prefetcht2): prefetching into L1 (prefetcht0) stalled on its
- * few miss buffers and was slower than no software prefetch at all.
+ * the value loop, into the level PREFETCH_LOCALITY names: L2 (prefetcht2) by default, as on an
+ * Intel Xeon prefetching into L1 (prefetcht0) stalled on its few miss buffers and was slower
+ * than no software prefetch at all; L1 on AMD CPUs with AVX-512, where it was faster.
  *
  * Each (block, kv head) is walked in chunks of up to 16 positions (AVX-512 path):
  *   scores  for each query head g, 16 partial-sum vectors (one per position, from dot products
