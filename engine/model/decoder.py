@@ -83,21 +83,20 @@ class Decoder:
             "RMSNorm": (self.norm_kernel, cpu_rms_norm.KERNEL),
             "RoPE + K/V store": (self.rope_kernel, cpu_rope_store.KERNEL),
         }
-        used = [name for name, (library, _) in kernels.items() if library is not None]
         if not cpu_build.kernels_enabled():
             return "CPU kernels: none (ITERSCOPE_CPU_KERNELS=0): torch's ops run"
-        unsupported = "not for this dtype or these shapes"
-        if not self.attention.reads_only_the_cache:  # the RoPE kernel's own condition
-            kernels["RoPE + K/V store"] = (None, None)
-        reasons = [
-            f"{name}: {(kernel and kernel.build_error()) or unsupported}"
-            if kernel is not None
-            else f"{name}: needs both attention kernels"
+        used = [name for name, (library, _) in kernels.items() if library is not None]
+        why_not = {
+            name: kernel.build_error() or "not for this dtype or these shapes"
             for name, (library, kernel) in kernels.items()
             if library is None
-        ]
+        }
+        if self.rope_kernel is None and not self.attention.reads_only_the_cache:
+            why_not["RoPE + K/V store"] = "needs both attention kernels"  # its own condition
         line = f"CPU kernels: {', '.join(used) or 'none'}"
-        return line + (f"; torch's ops for {'; '.join(reasons)}" if reasons else "")
+        if not why_not:
+            return line
+        return line + "; torch's ops for " + "; ".join(f"{n}: {why}" for n, why in why_not.items())
 
     def _layer_weights(self, weights: _WeightReader, i: int) -> LayerWeights:
         prefix = f"model.layers.{i}."

@@ -86,6 +86,17 @@ static inline __attribute__((always_inline)) void all_tokens(const Args *a, int 
     }
 }
 
+/* all_tokens with `dtype` (a constant here) and the common head_dims as constants. */
+static inline __attribute__((always_inline)) void by_head_dim(const Args *a, int num_threads,
+                                                              const int dtype) {
+    if (a->head_dim == 64)
+        all_tokens(a, num_threads, dtype, 64);
+    else if (a->head_dim == 128)
+        all_tokens(a, num_threads, dtype, 128);
+    else
+        all_tokens(a, num_threads, dtype, a->head_dim);
+}
+
 void rope_store(const void *q_src, int64_t q_stride, const void *k_src, int64_t k_stride,
                 const void *v_src, int64_t v_stride, const void *cos, const void *sin,
                 void *q_out, void *key_cache, void *value_cache, const int64_t *slot_blocks,
@@ -96,19 +107,8 @@ void rope_store(const void *q_src, int64_t q_stride, const void *k_src, int64_t 
                     q_out,       key_cache,   value_cache, slot_blocks, slot_offsets,
                     q_stride,    k_stride,    v_stride,   num_tokens,   num_heads,
                     num_kv_heads, head_dim,   block_size};
-    if (dtype == DTYPE_BF16) {
-        if (head_dim == 64)
-            all_tokens(&a, num_threads, DTYPE_BF16, 64);
-        else if (head_dim == 128)
-            all_tokens(&a, num_threads, DTYPE_BF16, 128);
-        else
-            all_tokens(&a, num_threads, DTYPE_BF16, head_dim);
-    } else {
-        if (head_dim == 64)
-            all_tokens(&a, num_threads, DTYPE_F32, 64);
-        else if (head_dim == 128)
-            all_tokens(&a, num_threads, DTYPE_F32, 128);
-        else
-            all_tokens(&a, num_threads, DTYPE_F32, head_dim);
-    }
+    if (dtype == DTYPE_BF16)
+        by_head_dim(&a, num_threads, DTYPE_BF16);
+    else
+        by_head_dim(&a, num_threads, DTYPE_F32);
 }
