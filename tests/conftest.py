@@ -49,3 +49,12 @@ def smollm2_tokenizer():
     from engine.entrypoints.serve import load_tokenizer
 
     return load_tokenizer("smollm2")
+
+
+@pytest.fixture
+def onednn_linears(monkeypatch):
+    """Linear layers take oneDNN's packed (or widened) weights, not the CPU matmul kernel's
+    panels, whatever this CPU's kind (engine/model/kernels/cpu_matmul.py measured_kind)."""
+    from engine.model.kernels import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: False)

@@ -4,23 +4,44 @@ torch paths it leaves are slower."""
 
 from __future__ import annotations
 
-from engine.model.kernels import cpu_prefill_attention
+import pytest
+
+from engine.model.kernels import cpu_matmul, cpu_prefill_attention
 from engine.model.loader import build_tiny_model
 
 NO_COMPILER = "no C compiler (set CC or install gcc)"
+UNMEASURED = "not measured on this CPU kind (oneDNN's packed weights run)"
 
 
-def test_every_kernel_named_where_all_build():
+@pytest.fixture
+def measured_kind(monkeypatch):
+    """The matmul kernel's CPU kinds are chosen by measurement (cpu_matmul.measured_kind):
+    this machine counts as one of them, whatever it is (float32 builds on any x86-64)."""
+    monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: True)
+
+
+def test_every_kernel_named_where_all_build(measured_kind):
     line = build_tiny_model("llama", seed=0).decoder.cpu_kernels_line()
-    assert line == "CPU kernels: paged decode, prefill attention, RMSNorm, RoPE + K/V store"
+    assert line == (
+        "CPU kernels: paged decode, prefill attention, RMSNorm, RoPE + K/V store, matmul"
+    )
 
 
-def test_a_kernel_that_did_not_build_says_why_and_what_it_takes_along(monkeypatch):
+def test_a_cpu_kind_the_matmul_kernel_was_not_measured_on(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: False)
+    line = build_tiny_model("llama", seed=0).decoder.cpu_kernels_line()
+    assert line == (
+        "CPU kernels: paged decode, prefill attention, RMSNorm, RoPE + K/V store; "
+        f"torch's ops for matmul: {UNMEASURED}"
+    )
+
+
+def test_a_kernel_that_did_not_build_says_why_and_what_it_takes_along(monkeypatch, measured_kind):
     monkeypatch.setattr(cpu_prefill_attention.KERNEL, "load", lambda: None)
     monkeypatch.setattr(cpu_prefill_attention.KERNEL, "build_error", lambda: NO_COMPILER)
     line = build_tiny_model("llama", seed=0).decoder.cpu_kernels_line()
     assert line == (
-        "CPU kernels: paged decode, RMSNorm; torch's ops for prefill attention: "
+        "CPU kernels: paged decode, RMSNorm, matmul; torch's ops for prefill attention: "
         f"{NO_COMPILER}; RoPE + K/V store: needs both attention kernels"
     )
 

@@ -76,7 +76,7 @@ def test_prefill_and_paged_decode_match_transformers_in_the_same_dtype(architect
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_bfloat16_on_a_cpu_without_bf16_matmuls(architecture, monkeypatch):
+def test_bfloat16_on_a_cpu_without_bf16_matmuls(architecture, monkeypatch, onednn_linears):
     """CPUs without bf16 matmuls (AVX2) widen bf16 weights and the plain prefill to float32
     (engine/model/linear.py). Forced here, so CI runs that path on any CPU: same bar."""
     from engine.model import attention, linear

@@ -203,7 +203,7 @@ def cpu_packs_bf16_weights() -> bool:
     return True
 
 
-def test_prepared_bf16_weights_match_plain_linear(monkeypatch):
+def test_prepared_bf16_weights_match_plain_linear(monkeypatch, onednn_linears):
     """bfloat16 weights are packed for oneDNN on CPUs that can, widened to float32 on the
     others; either way the logits must not change."""
     packed = build_tiny_model("llama", seed=5, dtype="bfloat16")
@@ -224,7 +224,7 @@ def test_prepared_bf16_weights_match_plain_linear(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
 
 
-def test_packed_float32_linear_is_f_linear_up_to_the_order_of_sums(monkeypatch):
+def test_packed_float32_linear_is_f_linear_up_to_the_order_of_sums(monkeypatch, onednn_linears):
     from engine.model import linear
 
     generator = torch.Generator().manual_seed(4)
@@ -240,7 +240,7 @@ def test_packed_float32_linear_is_f_linear_up_to_the_order_of_sums(monkeypatch):
     assert linear.Linear(weight, bias).packed is None
 
 
-def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch):
+def test_widened_bf16_linear_is_a_bf16_matmul(monkeypatch, onednn_linears):
     """Where oneDNN cannot pack bf16 (AVX2 CPUs), the weight is widened to float32: the same
     products and float32 sums as a bf16 GEMM, so the result is the float64 product of the
     bf16 values rounded once to bf16 (give or take one rounding step)."""

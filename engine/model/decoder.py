@@ -17,6 +17,7 @@ from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
 from engine.model.kernels import (
     cpu_build,
+    cpu_matmul,
     cpu_paged_decode,
     cpu_prefill_attention,
     cpu_rms_norm,
@@ -82,6 +83,7 @@ class Decoder:
             "prefill attention": (self.attention.prefill_kernel, cpu_prefill_attention.KERNEL),
             "RMSNorm": (self.norm_kernel, cpu_rms_norm.KERNEL),
             "RoPE + K/V store": (self.rope_kernel, cpu_rope_store.KERNEL),
+            "matmul": (self.lm_head.kernel, cpu_matmul.KERNEL),
         }
         if not cpu_build.kernels_enabled():
             return "CPU kernels: none (ITERSCOPE_CPU_KERNELS=0): torch's ops run"
@@ -93,6 +95,8 @@ class Decoder:
         }
         if self.rope_kernel is None and not self.attention.reads_only_the_cache:
             why_not["RoPE + K/V store"] = "needs both attention kernels"  # its own condition
+        if self.lm_head.kernel is None and not cpu_matmul.KERNEL.build_error():
+            why_not["matmul"] = cpu_matmul.why_not_here(self.config.dtype, self.lm_head.in_features)
         line = f"CPU kernels: {', '.join(used) or 'none'}"
         if not why_not:
             return line

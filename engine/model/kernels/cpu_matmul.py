@@ -1,0 +1,120 @@
+"""The CPU matmul kernel (matmul.c) for Linear layers: built with gcc once, called by ctypes.
+
+Where it runs: CPUs of the kind it was measured faster on, AMD with AVX-512 (a decode step's
+weights stream ~1.6x faster than through oneDNN's packed matmul there: docs/performance.md),
+in float32, and in bfloat16 where the CPU has AVX512_BF16. Elsewhere Linear keeps oneDNN's
+packed weights (engine/model/linear.py) until the kernel is measured on that kind. The
+weights are laid out once, at load, in the kernel's panels (``pack``); they replace oneDNN's
+copy, they do not add to it. ITERSCOPE_CPU_KERNELS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from engine.model.kernels import cpu_build
+
+SOURCE = Path(__file__).with_name("matmul.c")
+PANEL = 16  # output columns a panel (matmul.c)
+PANEL_PAIR = 32  # the output columns are padded up to a multiple of this
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
+
+
+def measured_kind(vendor: str, flags: set[str]) -> bool:
+    """The CPU kinds the kernel was measured faster than oneDNN on: AMD with AVX-512."""
+    return vendor == "AuthenticAMD" and "avx512f" in flags
+
+
+def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:
+    """Why this CPU does not take the kernel for a weight of ``dtype`` with ``in_features``,
+    or None where it does: float32 on a measured kind; bfloat16 there too when the CPU has
+    AVX512_BF16 and the input size is even (a weight line holds pairs)."""
+    return why_not(cpu_build.cpu_vendor(), _cpu_flags(), dtype, in_features)
+
+
+def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) -> str | None:
+    if not measured_kind(vendor, flags):
+        return "not measured on this CPU kind (oneDNN's packed weights run)"
+    if dtype == torch.float32:
+        return None
+    if dtype != torch.bfloat16:
+        return f"not for {dtype}"
+    if "avx512_bf16" not in flags:
+        return "bfloat16 needs AVX512_BF16"
+    return None if in_features % 2 == 0 else "bfloat16 needs an even input size"
+
+
+@functools.cache
+def _cpu_flags() -> set[str]:
+    return set(cpu_build.cpu_flags().split())
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' signatures."""
+    library = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.matmul.restype = ctypes.c_int
+    library.matmul.argtypes = [
+        *(ptr, i64, i64),  # x, rows, k
+        *(ptr, i64),  # panels, n
+        *(ptr, ptr),  # bias (float32, NULL: none), y
+        *(ctypes.c_int, ctypes.c_int),  # dtype, threads
+    ]
+    return library
+
+
+def machine_flags(vendor: str, flags: set[str]) -> tuple[str, ...]:
+    """Prefetch into L1 on AMD CPUs with AVX-512, as the paged decode kernel does there."""
+    return ("-DPREFETCH_LOCALITY=3",) if measured_kind(vendor, flags) else ()
+
+
+# load() builds it on first use; None (build_error() says why) means oneDNN's path.
+KERNEL = cpu_build.CpuKernel(
+    SOURCE, open_library, machine_flags(cpu_build.cpu_vendor(), _cpu_flags())
+)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A [n, k] float32 or bf16 weight in the kernel's panels: float32 [P, k, 16], bf16
+    [P, k/2, 16, 2] (k even), P = n rounded up to PANEL_PAIR, over PANEL; padding is zero."""
+    n, k = weight.shape
+    padded_n = -(-n // PANEL_PAIR) * PANEL_PAIR
+    padded = torch.zeros(padded_n, k, dtype=weight.dtype)
+    padded[:n] = weight
+    if weight.dtype == torch.bfloat16:
+        if k % 2:
+            raise ValueError(f"a bfloat16 weight needs an even input size, got {k}")
+        return padded.view(padded_n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(padded_n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def matmul(
+    library: ctypes.CDLL,
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [rows, k] contiguous, in the panels' dtype -> x . W^T (+ bias, float32 [n]) [rows, n].
+
+    The caller checks (this is the hot path); the kernel trusts them."""
+    rows, k = x.shape
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    status = library.matmul(
+        x.data_ptr(),
+        rows,
+        k,
+        panels.data_ptr(),
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"the matmul kernel refused {x.dtype} {tuple(x.shape)}: {status}")
+    return y

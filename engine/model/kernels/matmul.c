@@ -1,0 +1,270 @@
+/*
+ * A Linear layer's matmul, y = x . W^T (+ bias), over weights laid out once at load in panels
+ * of 16 output columns (engine/model/kernels/cpu_matmul.py packs them):
+ *
+ *     float32   panels[P][K][16]         panels[p][k][j] = W[16p + j][k]
+ *     bfloat16  panels[P][K/2][16][2]    panels[p][k/2][j][k%2] = W[16p + j][k]   (K even)
+ *
+ * P = the output columns rounded up to a multiple of 32 (PANEL_PAIR), over 16; the padding
+ * columns are zero and never stored. Each panel is one sequential stream of K 64-byte lines.
+ *
+ * Why: a decode step multiplies a few rows (one per running request) by every weight of the
+ * model, so it is bound by how fast the weights stream from memory. oneDNN's packed matmul
+ * streams them at ~26 GB/s on the AMD EPYC with AVX-512 measured (docs/performance.md); one
+ * panel at a time with software prefetches PREFETCH_LINES ahead reaches ~42 GB/s there, and
+ * in bf16 the AVX512_BF16 dot product keeps up with it.
+ *
+ * Two tiles:
+ * - up to SMALL_ROWS rows (decode): 16 rows x 1 panel, 16 accumulators, the weights
+ *   prefetched; rows past the end of x read a zero-padded copy of the last tile;
+ * - more rows (prefill, compute-bound): BIG_ROWS rows x 2 panels (24 accumulators, so each
+ *   row's value is loaded once for two weight vectors), blocks of ROW_BLOCK rows kept hot
+ *   while the panels go by; the rows left over go through the small tile.
+ *
+ * Sums run in float32 in a different order than oneDNN's (about 1e-6 relative). bfloat16
+ * products are exact in float32 (VDPBF16PS), the bias is added in float32 and the result
+ * rounded once to bfloat16, nearest even, as torch's bf16 Linear. The float32 tiles are gcc
+ * vector code (any x86-64 build; fast where a vector of 16 floats is one register, AVX-512);
+ * the bfloat16 tiles need AVX512_BF16: without it, matmul() returns -1 for bf16. The caller
+ * (cpu_matmul.py) checks shapes, dtypes and contiguity; the kernel trusts them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* L2; the build sets 3 (L1) on AMD CPUs with AVX-512 */
+#endif
+#define PANEL 16
+#define PANEL_PAIR 32
+#define SMALL_TILE_ROWS 16
+#define BIG_ROWS 12
+#define ROW_BLOCK 192 /* a multiple of BIG_ROWS */
+#define PREFETCH_LINES 128
+
+typedef float v16 __attribute__((vector_size(64)));
+
+/* ------------------------------------------------------------------------------------ */
+/* Stores: the valid columns of one panel's 16 results for one row.                       */
+
+static inline void store_f32(float *y, v16 acc, const float *bias, int64_t columns) {
+    if (bias)
+        for (int j = 0; j < PANEL; j++) acc[j] += bias[j];
+    if (columns >= PANEL) {
+        memcpy(y, &acc, sizeof acc);
+    } else {
+        for (int64_t j = 0; j < columns; j++) y[j] = acc[j];
+    }
+}
+
+static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t columns) {
+    if (bias)
+        for (int j = 0; j < PANEL; j++) acc[j] += bias[j];
+    const int64_t valid = columns < PANEL ? columns : PANEL;
+    for (int64_t j = 0; j < valid; j++) y[j] = float_to_bf16(acc[j]);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* float32                                                                                */
+
+/* 16 rows of x (stride k) x one panel -> acc[16]. */
+static inline void small_tile_f32(const float *x, int64_t k, const float *panel, v16 acc[16]) {
+    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (v16){0};
+    for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(panel + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
+        const v16 w = *(const v16 *)(panel + i * PANEL);
+#pragma GCC unroll 16
+        for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] += x[m * k + i] * w;
+    }
+}
+
+/* BIG_ROWS rows x two panels -> a0, a1. */
+static inline void big_tile_f32(const float *x, int64_t k, const float *p0, const float *p1,
+                                v16 a0[BIG_ROWS], v16 a1[BIG_ROWS]) {
+    for (int m = 0; m < BIG_ROWS; m++) a0[m] = a1[m] = (v16){0};
+    for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(p0 + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(p1 + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
+        const v16 u = *(const v16 *)(p0 + i * PANEL), v = *(const v16 *)(p1 + i * PANEL);
+#pragma GCC unroll 12
+        for (int m = 0; m < BIG_ROWS; m++) {
+            const float s = x[m * k + i];
+            a0[m] += s * u;
+            a1[m] += s * v;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* bfloat16 (AVX512_BF16): a weight line holds 16 columns x 2 consecutive k; a row's pair   */
+/* of x values is broadcast as one 32-bit word.                                             */
+
+#if defined(__AVX512BF16__)
+static inline __m512bh pair_of(const uint16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+static inline void small_tile_bf16(const uint16_t *x, int64_t k, const uint16_t *panel,
+                                   v16 acc[16]) {
+    __m512 sum[SMALL_TILE_ROWS];
+    for (int m = 0; m < SMALL_TILE_ROWS; m++) sum[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k / 2; i++) {
+        __builtin_prefetch(panel + (i + PREFETCH_LINES) * 2 * PANEL, 0, PREFETCH_LOCALITY);
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * 2 * PANEL);
+#pragma GCC unroll 16
+        for (int m = 0; m < SMALL_TILE_ROWS; m++)
+            sum[m] = _mm512_dpbf16_ps(sum[m], pair_of(x + m * k + 2 * i), w);
+    }
+    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (v16)sum[m];
+}
+
+static inline void big_tile_bf16(const uint16_t *x, int64_t k, const uint16_t *p0,
+                                 const uint16_t *p1, v16 a0[BIG_ROWS], v16 a1[BIG_ROWS]) {
+    __m512 s0[BIG_ROWS], s1[BIG_ROWS];
+    for (int m = 0; m < BIG_ROWS; m++) s0[m] = s1[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k / 2; i++) {
+        __builtin_prefetch(p0 + (i + PREFETCH_LINES) * 2 * PANEL, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(p1 + (i + PREFETCH_LINES) * 2 * PANEL, 0, PREFETCH_LOCALITY);
+        const __m512bh u = (__m512bh)_mm512_loadu_si512(p0 + i * 2 * PANEL);
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(p1 + i * 2 * PANEL);
+#pragma GCC unroll 12
+        for (int m = 0; m < BIG_ROWS; m++) {
+            const __m512bh pair = pair_of(x + m * k + 2 * i);
+            s0[m] = _mm512_dpbf16_ps(s0[m], pair, u);
+            s1[m] = _mm512_dpbf16_ps(s1[m], pair, v);
+        }
+    }
+    for (int m = 0; m < BIG_ROWS; m++) {
+        a0[m] = (v16)s0[m];
+        a1[m] = (v16)s1[m];
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* Driving the tiles; dtype-generic through these two.                                     */
+
+typedef struct {
+    const void *x;
+    int64_t rows, k, n;
+    const void *panels;
+    const float *bias;
+    void *y;
+    int dtype;
+} Problem;
+
+static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 acc) {
+    const int64_t column = panel * PANEL, columns = pb->n - column;
+    if (columns <= 0) return; /* a padding panel */
+    const float *bias = pb->bias ? pb->bias + column : NULL;
+    if (pb->dtype == DTYPE_BF16)
+        store_bf16((uint16_t *)pb->y + row * pb->n + column, acc, bias, columns);
+    else
+        store_f32((float *)pb->y + row * pb->n + column, acc, bias, columns);
+}
+
+static inline const void *panel_at(const Problem *pb, int64_t panel) {
+    /* K x 16 elements a panel in either layout */
+    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
+    return (const char *)pb->panels + panel * pb->k * PANEL * size;
+}
+
+/* A tile's rows of x: from x itself, or from ``padded`` (the last tile's rows, zero-padded to a
+ * full tile) when fewer than ``tile_rows`` are left. */
+static inline const void *tile_rows_at(const Problem *pb, const void *padded, int64_t row,
+                                       int64_t tile_rows) {
+    if (pb->rows - row < tile_rows) return padded;
+    return (const char *)pb->x + row * pb->k * (pb->dtype == DTYPE_BF16 ? 2 : 4);
+}
+
+static inline int64_t valid_rows(const Problem *pb, int64_t row, int64_t tile_rows) {
+    return pb->rows - row < tile_rows ? pb->rows - row : tile_rows;
+}
+
+/* The small tile: the first ``valid`` rows, read from ``x``. */
+static inline void run_small_tile(const Problem *pb, const void *x, int64_t valid, int64_t panel) {
+    v16 acc[SMALL_TILE_ROWS];
+#if defined(__AVX512BF16__)
+    if (pb->dtype == DTYPE_BF16)
+        small_tile_bf16(x, pb->k, panel_at(pb, panel), acc);
+    else
+#endif
+        small_tile_f32(x, pb->k, panel_at(pb, panel), acc);
+    for (int64_t m = 0; m < valid; m++) store_row(pb, m, panel, acc[m]);
+}
+
+/* A big tile: rows from ``row`` on, read from ``x``, by panels 2 * pair and 2 * pair + 1. */
+static inline void run_big_tile(const Problem *pb, const void *x, int64_t row, int64_t pair) {
+    v16 a0[BIG_ROWS], a1[BIG_ROWS];
+    const int64_t panel = 2 * pair, valid = valid_rows(pb, row, BIG_ROWS);
+#if defined(__AVX512BF16__)
+    if (pb->dtype == DTYPE_BF16)
+        big_tile_bf16(x, pb->k, panel_at(pb, panel), panel_at(pb, panel + 1), a0, a1);
+    else
+#endif
+        big_tile_f32(x, pb->k, panel_at(pb, panel), panel_at(pb, panel + 1), a0, a1);
+    for (int64_t m = 0; m < valid; m++) {
+        store_row(pb, row + m, panel, a0[m]);
+        store_row(pb, row + m, panel + 1, a1[m]);
+    }
+}
+
+/* Up to SMALL_TILE_ROWS rows: one small tile for each panel. */
+static void small_rows(const Problem *pb, const void *padded, int64_t num_panels, int num_threads) {
+    const void *x = tile_rows_at(pb, padded, 0, SMALL_TILE_ROWS);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t panel = 0; panel < num_panels; panel++) run_small_tile(pb, x, pb->rows, panel);
+}
+
+/* More rows: big tiles in blocks of ROW_BLOCK rows (a block of x stays in cache while the
+ * panel pairs go by), each block's pairs shared by the threads. */
+static void big_rows(const Problem *pb, const void *padded, int64_t num_panels, int num_threads) {
+    const int64_t num_pairs = num_panels / 2;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t first = 0; first < pb->rows; first += ROW_BLOCK) {
+        const int64_t end = first + ROW_BLOCK < pb->rows ? first + ROW_BLOCK : pb->rows;
+#pragma omp for schedule(static) nowait
+        for (int64_t pair = 0; pair < num_pairs; pair++) {
+            for (int64_t row = first; row < end; row += BIG_ROWS)
+                run_big_tile(pb, tile_rows_at(pb, padded, row, BIG_ROWS), row, pair);
+        }
+    }
+}
+
+/*
+ * y[rows][n] = x[rows][k] . W^T (+ bias[n], float32, or NULL), in ``dtype`` (DTYPE_F32 or
+ * DTYPE_BF16; bias always float32); ``panels`` as above. 0 on success; -1 for bfloat16 in a
+ * build without AVX512_BF16, or when a scratch tile cannot be allocated.
+ */
+int matmul(const void *x, int64_t rows, int64_t k, const void *panels, int64_t n,
+           const float *bias, void *y, int dtype, int num_threads) {
+#if !defined(__AVX512BF16__)
+    if (dtype == DTYPE_BF16) return -1;
+#endif
+    if (rows <= 0) return 0;
+    const Problem pb = {x, rows, k, n, panels, bias, y, dtype};
+    const int64_t num_panels = (n + PANEL_PAIR - 1) / PANEL_PAIR * 2;
+    const int64_t tile_rows = rows <= SMALL_TILE_ROWS ? SMALL_TILE_ROWS : BIG_ROWS;
+    const int64_t short_rows = rows % tile_rows, size = dtype == DTYPE_BF16 ? 2 : 4;
+    void *padded = NULL;
+    if (short_rows) {
+        padded = calloc((size_t)(tile_rows * k), (size_t)size);
+        if (!padded) return -1;
+        memcpy(padded, (const char *)x + (rows - short_rows) * k * size,
+               (size_t)(short_rows * k * size));
+    }
+    if (tile_rows == SMALL_TILE_ROWS)
+        small_rows(&pb, padded, num_panels, num_threads);
+    else
+        big_rows(&pb, padded, num_panels, num_threads);
+    free(padded);
+    return 0;
+}
