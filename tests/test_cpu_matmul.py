@@ -81,7 +81,26 @@ def test_bfloat16_products_are_exact_and_the_result_rounded_once():
             torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-5)
 
 
-@pytest.mark.skipif(HAS_BF16, reason="this CPU has AVX512_BF16 (see the test before)")
+@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512_BF16 (see the next test)")
+def test_bfloat16_results_round_as_torch_rounds():
+    """A zero weight leaves the float32 bias, rounded by the kernel: ties to even, values
+    below bf16's smallest normal, infinities and NaN, in both tiles."""
+    library = cpu_matmul.KERNEL.load()
+    tie = 1.0 + 2**-8  # halfway between two bf16 values
+    values = [tie, -tie, 1.0 + 3 * 2**-8, 1e-39, -3e-40, 3.4e38, float("inf"), float("nan")]
+    bias = torch.tensor(values * 8)[:50]
+    panels = cpu_matmul.pack(torch.zeros(50, 64, dtype=torch.bfloat16))
+    for rows in (3, 40):
+        got = cpu_matmul.matmul(
+            library, torch.ones(rows, 64, dtype=torch.bfloat16), panels, 50, bias
+        )
+        want = bias.bfloat16().expand(rows, 50).contiguous()
+        nan = want.isnan()  # any NaN (torch's own bits for it vary with its code path)
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.skipif(HAS_BF16, reason="this CPU has AVX512_BF16 (see the tests before)")
 def test_bfloat16_is_refused_by_a_build_without_avx512_bf16():
     library = cpu_matmul.KERNEL.load()
     panels = cpu_matmul.pack(torch.ones(32, 8, dtype=torch.bfloat16))

@@ -49,6 +49,8 @@
 #define PREFETCH_LINES 128
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
 /* ------------------------------------------------------------------------------------ */
 /* Stores: the valid columns of one panel's 16 results for one row.                       */
@@ -63,11 +65,25 @@ static inline void store_f32(float *y, v16 acc, const float *bias, int64_t colum
     }
 }
 
+/* 16 floats rounded to bfloat16 at once, as float_to_bf16 rounds each (nearest even, NaN
+ * to 0x7FC0). */
+static inline v16u16 round_to_bf16(v16 acc) {
+    v16u bits;
+    memcpy(&bits, &acc, sizeof bits);
+    const v16u rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+    const v16u is_nan = (v16u)(acc != acc);
+    return __builtin_convertvector((rounded & ~is_nan) | (0x7FC0 & is_nan), v16u16);
+}
+
 static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t columns) {
     if (bias)
         for (int j = 0; j < PANEL; j++) acc[j] += bias[j];
-    const int64_t valid = columns < PANEL ? columns : PANEL;
-    for (int64_t j = 0; j < valid; j++) y[j] = float_to_bf16(acc[j]);
+    const v16u16 rounded = round_to_bf16(acc);
+    if (columns >= PANEL) {
+        memcpy(y, &rounded, sizeof rounded);
+    } else {
+        for (int64_t j = 0; j < columns; j++) y[j] = rounded[j];
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */
