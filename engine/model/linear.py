@@ -19,8 +19,8 @@ dtype and on what the CPU can do:
 
 Before all of these, where the CPU matmul kernel runs (engine/model/kernels/cpu_matmul.py:
 AMD CPUs with AVX-512, float32, and bfloat16 with AVX512_BF16), the weight is laid out in
-its panels instead: a decode step's matmuls stream the weights ~1.5x faster than oneDNN's
-there, prefill's are on par (docs/performance.md).
+its panels instead: a decode step's matmuls stream the weights ~1.6x faster than oneDNN's
+there; prefill's, compute-bound, take 2-5% longer (docs/performance.md).
 
 Set ITERSCOPE_PACK_WEIGHTS=0 to keep every weight plain (no panels, neither packed nor
 widened).
@@ -84,8 +84,10 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.widened: torch.Tensor | None = None
         self.kernel = None  # the CPU matmul kernel's library, where it holds the panels
-        in_panels = cpu_matmul.why_not_here(weight.dtype, self.in_features) is None
-        if _packing_allowed(weight) and in_panels:
+        if (
+            _packing_allowed(weight)
+            and cpu_matmul.why_not_here(weight.dtype, self.in_features) is None
+        ):
             self.kernel = cpu_matmul.KERNEL.load()
         if self.kernel is not None:
             self.panels = cpu_matmul.pack(weight)

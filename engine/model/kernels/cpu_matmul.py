@@ -33,7 +33,7 @@ def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:
     """Why this CPU does not take the kernel for a weight of ``dtype`` with ``in_features``,
     or None where it does: float32 on a measured kind; bfloat16 there too when the CPU has
     AVX512_BF16 and the input size is even (a weight line holds pairs)."""
-    return why_not(cpu_build.cpu_vendor(), _cpu_flags(), dtype, in_features)
+    return why_not(*_machine(), dtype, in_features)
 
 
 def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) -> str | None:
@@ -49,8 +49,9 @@ def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) 
 
 
 @functools.cache
-def _cpu_flags() -> set[str]:
-    return set(cpu_build.cpu_flags().split())
+def _machine() -> tuple[str, set[str]]:
+    """This CPU's vendor and flags, read once (every Linear layer asks)."""
+    return cpu_build.cpu_vendor(), set(cpu_build.cpu_flags().split())
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -73,9 +74,7 @@ def machine_flags(vendor: str, flags: set[str]) -> tuple[str, ...]:
 
 
 # load() builds it on first use; None (build_error() says why) means oneDNN's path.
-KERNEL = cpu_build.CpuKernel(
-    SOURCE, open_library, machine_flags(cpu_build.cpu_vendor(), _cpu_flags())
-)
+KERNEL = cpu_build.CpuKernel(SOURCE, open_library, machine_flags(*_machine()))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
