@@ -3,7 +3,8 @@
     .venv/bin/python bench/roofline.py [--dtype auto|float32|bfloat16] [--threads N]
 
 Limits, measured here with torch (the best of several timed runs, all cores unless --threads):
-- matmul GFLOP/s per dtype (the faster of torch's linear and the engine's packed one) at the
+- matmul GFLOP/s per dtype (the fastest of torch's linear, oneDNN's packed one and the
+  engine's Linear, which is the CPU matmul kernel on the kinds it runs on) at the
   prefill shape (a 2048-token chunk through the MLP's up
   projection, 2048 x 576 @ 576 x 1536) and at each workload's decode shape (one row per
   request decoding at once: 16 or 32);
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.auto_dtype import auto_dtype, cpu_flags  # noqa: E402
 from engine.model.gguf_file import gguf_hf_config, open_gguf  # noqa: E402
-from engine.model.linear import Linear  # noqa: E402
+from engine.model.linear import Linear, pack_weight  # noqa: E402
 from engine.model.paths import resolve_model_path  # noqa: E402
 
 KIND_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -144,16 +145,25 @@ def best_seconds(run, repeats: int = 7) -> float:
 
 
 def matmul_flops_per_s(rows: int, shapes: Shapes, dtype: torch.dtype) -> float:
-    """The faster of torch's plain linear and the engine's Linear (a weight packed for
-    oneDNN where the CPU has bf16: often several times faster) at this shape."""
+    """The fastest at this shape of torch's plain linear, oneDNN's packed one (where the CPU
+    can pack this dtype: often several times faster) and the engine's Linear (the CPU matmul
+    kernel, engine/model/kernels/matmul.c, where it runs)."""
     x = torch.randn(rows, shapes.hidden).to(dtype)
     w = torch.randn(shapes.intermediate, shapes.hidden).to(dtype)
-    packed = Linear(w)
+    engine_linear = Linear(w)
+    candidates = [lambda: torch.nn.functional.linear(x, w), lambda: engine_linear(x)]
+    try:
+        packed = pack_weight(w)
+    except (RuntimeError, AttributeError):  # no oneDNN, or no bf16 in this CPU
+        pass
+    else:
+        candidates.append(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+        )
     calls = max(1, 8192 // rows)
     flops = 2 * rows * shapes.hidden * shapes.intermediate * calls
     return max(
-        flops / best_seconds(lambda: [torch.nn.functional.linear(x, w) for _ in range(calls)]),
-        flops / best_seconds(lambda: [packed(x) for _ in range(calls)]),
+        flops / best_seconds(lambda run=run: [run() for _ in range(calls)]) for run in candidates
     )
 
 
