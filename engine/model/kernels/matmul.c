@@ -15,11 +15,11 @@
  * in bf16 the AVX512_BF16 dot product keeps up with it.
  *
  * Two tiles:
- * - up to SMALL_ROWS rows (decode): 16 rows x 1 panel, 16 accumulators, the weights
- *   prefetched; rows past the end of x read a zero-padded copy of the last tile;
+ * - up to SMALL_TILE_ROWS rows (decode): 16 rows x 1 panel, 16 accumulators;
  * - more rows (prefill, compute-bound): BIG_ROWS rows x 2 panels (24 accumulators, so each
  *   row's value is loaded once for two weight vectors), blocks of ROW_BLOCK rows kept hot
- *   while the panels go by; the rows left over go through the small tile.
+ *   while the panels go by.
+ * Both prefetch the weights; a short last tile reads a zero-padded copy of its rows.
  *
  * Sums run in float32 in a different order than oneDNN's (about 1e-6 relative). bfloat16
  * products are exact in float32 (VDPBF16PS), the bias is added in float32 and the result
@@ -55,9 +55,17 @@ typedef uint16_t v16u16 __attribute__((vector_size(32)));
 /* ------------------------------------------------------------------------------------ */
 /* Stores: the valid columns of one panel's 16 results for one row.                       */
 
+/* The bias of the valid columns only: a short last panel's bias ends with them. */
+static inline v16 with_bias(v16 acc, const float *bias, int64_t columns) {
+    if (bias) {
+        const int64_t valid = columns < PANEL ? columns : PANEL;
+        for (int64_t j = 0; j < valid; j++) acc[j] += bias[j];
+    }
+    return acc;
+}
+
 static inline void store_f32(float *y, v16 acc, const float *bias, int64_t columns) {
-    if (bias)
-        for (int j = 0; j < PANEL; j++) acc[j] += bias[j];
+    acc = with_bias(acc, bias, columns);
     if (columns >= PANEL) {
         memcpy(y, &acc, sizeof acc);
     } else {
@@ -76,9 +84,7 @@ static inline v16u16 round_to_bf16(v16 acc) {
 }
 
 static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t columns) {
-    if (bias)
-        for (int j = 0; j < PANEL; j++) acc[j] += bias[j];
-    const v16u16 rounded = round_to_bf16(acc);
+    const v16u16 rounded = round_to_bf16(with_bias(acc, bias, columns));
     if (columns >= PANEL) {
         memcpy(y, &rounded, sizeof rounded);
     } else {
