@@ -157,3 +157,66 @@ def test_the_model_in_panels_gives_the_logits_of_plain_weights(measured_kind, mo
     want = prefill_then_decode_logits(ModelRunner(plain, 32, 4, "cpu"))
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
+
+
+def test_gated_panels_pair_each_gate_panel_with_its_up_panel():
+    weight = torch.arange(2 * 20 * 4, dtype=torch.float32).view(40, 4)  # gate 20 rows, up 20
+    panels = cpu_matmul.pack_gated(weight)
+    assert panels.shape == (4, 4, 16)  # 20 columns -> 2 panels each, interleaved
+    assert panels[0, 3, 5] == weight[5, 3] and panels[1, 3, 5] == weight[20 + 5, 3]
+    assert panels[2, 1, 3] == weight[16 + 3, 1] and panels[3, 1, 3] == weight[20 + 16 + 3, 1]
+    assert not panels[2, :, 4:].any() and not panels[3, :, 4:].any()  # the padding is zero
+
+
+def gated_reference(library, x, weight):
+    """silu(gate) * up with torch's ops over the kernel's own plain product (the same sums)."""
+    n = weight.shape[0]
+    gate, up = cpu_matmul.matmul(library, x, cpu_matmul.pack(weight), n, None).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_gated_float32_is_silu_of_the_gate_times_the_up(library):
+    generator = torch.Generator().manual_seed(5)
+    for i, k in ((40, 64), (1536, 576)):
+        weight = torch.randn(2 * i, k, generator=generator) * 0.1
+        panels = cpu_matmul.pack_gated(weight)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=generator)
+            got = cpu_matmul.matmul(library, x, panels, i, None, gated=True)
+            want = gated_reference(library, x, weight)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512_BF16")
+def test_gated_bfloat16_rounds_as_torch_ops_do():
+    library = cpu_matmul.KERNEL.load()
+    generator = torch.Generator().manual_seed(6)
+    for i, k in ((40, 64), (1536, 576)):
+        weight = (torch.randn(2 * i, k, generator=generator) * 0.1).bfloat16()
+        panels = cpu_matmul.pack_gated(weight)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=generator).bfloat16()
+            got = cpu_matmul.matmul(library, x, panels, i, None, gated=True)
+            want = gated_reference(library, x, weight)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_gated_with_a_bias_is_refused(library):
+    panels = cpu_matmul.pack_gated(torch.ones(64, 8))
+    with pytest.raises(RuntimeError, match="refused"):
+        cpu_matmul.matmul(library, torch.ones(2, 8), panels, 32, torch.zeros(32), gated=True)
+
+
+@pytest.mark.parametrize("kernel_kind", [True, False])
+def test_a_gated_linear_layer_is_the_mlp_activation(monkeypatch, kernel_kind):
+    """On every path (the kernel's panels, oneDNN's or plain weights): silu(gate) * up."""
+    monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: kernel_kind)
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(2 * 48, 64, generator=generator) * 0.1
+    layer = linear.Linear(weight, gated=True)
+    assert (layer.panels is not None) == kernel_kind and layer.out_features == 48
+    x = torch.randn(3, 5, 64, generator=generator)
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    torch.testing.assert_close(layer(x), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ValueError, match="no bias"):
+        linear.Linear(weight, torch.zeros(96), gated=True)

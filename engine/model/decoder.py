@@ -33,7 +33,7 @@ class LayerWeights:
     qkv_proj: Linear  # hidden -> q_size + 2 * kv_size
     o_proj: Linear
     post_attention_norm: torch.Tensor
-    gate_up_proj: Linear  # hidden -> 2 * intermediate
+    gate_up_proj: Linear  # hidden -> silu(gate) * up, intermediate (gated)
     down_proj: Linear
     q_norm: torch.Tensor | None  # Qwen3 only: [head_dim]
     k_norm: torch.Tensor | None
@@ -117,7 +117,7 @@ class Decoder:
             qkv_proj=Linear(torch.cat([weights.take(n + ".weight") for n in qkv_names]), qkv_bias),
             o_proj=Linear(weights.take(attn + "o_proj.weight"), o_bias),
             post_attention_norm=weights.take(prefix + "post_attention_layernorm.weight"),
-            gate_up_proj=Linear(torch.cat(gate_up)),
+            gate_up_proj=Linear(torch.cat(gate_up), gated=True),
             down_proj=Linear(weights.take(mlp + "down_proj.weight")),
             q_norm=weights.take(attn + "q_norm.weight") if qwen3 else None,
             k_norm=weights.take(attn + "k_norm.weight") if qwen3 else None,
@@ -164,8 +164,7 @@ class Decoder:
             q, k, v = self._rope(q_and_k, v, cos, sin, layer_cache, meta)
             attn = self.attention(q, k, v, layer_cache[0], layer_cache[1], meta)
             x = self._add_rms_norm(hidden, layer.o_proj(attn), layer.post_attention_norm)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            x = self._add_rms_norm(hidden, layer.down_proj(F.silu(gate) * up), next_norm)
+            x = self._add_rms_norm(hidden, layer.down_proj(layer.gate_up_proj(x)), next_norm)
         return x
 
     def _rope(

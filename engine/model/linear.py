@@ -73,11 +73,22 @@ def cpu_has_bf16_matmul() -> bool:
 class Linear:
     """Callable: x [..., in_features] -> [..., out_features], in x's dtype.
 
-    Exactly one of ``weight``, ``panels``, ``packed`` and ``widened`` holds the weight.
+    ``gated``: the weight is a gate and an up projection stacked ([2 * out_features, in]),
+    and the call returns silu(x . gate^T) * (x . up^T), the MLP's activation; the CPU matmul
+    kernel computes it as it stores the products (one pass less over them), the other paths
+    with torch's ops, rounded alike. Exactly one of ``weight``, ``panels``, ``packed`` and
+    ``widened`` holds the weight.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    ) -> None:
         self.out_features, self.in_features = weight.shape
+        if gated:
+            if bias is not None or self.out_features % 2:
+                raise ValueError("a gated Linear takes a stacked gate and up weight, no bias")
+            self.out_features //= 2
+        self.gated = gated
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.panels: torch.Tensor | None = None  # the CPU matmul kernel's layout
@@ -90,7 +101,7 @@ class Linear:
         ):
             self.kernel = cpu_matmul.KERNEL.load()
         if self.kernel is not None:
-            self.panels = cpu_matmul.pack(weight)
+            self.panels = (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(weight)
             self.bias = None if bias is None else bias.float()  # the kernel adds it in float32
             self.weight = None
             return
@@ -108,8 +119,17 @@ class Linear:
             if x.dtype != self.panels.dtype:
                 raise TypeError(f"a {self.panels.dtype} Linear got a {x.dtype} input")
             rows = x.reshape(-1, self.in_features).contiguous()
-            y = cpu_matmul.matmul(self.kernel, rows, self.panels, self.out_features, self.bias)
+            y = cpu_matmul.matmul(
+                self.kernel, rows, self.panels, self.out_features, self.bias, self.gated
+            )
             return y.view(*x.shape[:-1], self.out_features)
+        y = self._product(x)
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None:

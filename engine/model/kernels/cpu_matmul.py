@@ -22,6 +22,7 @@ SOURCE = Path(__file__).with_name("matmul.c")
 PANEL = 16  # output columns a panel (matmul.c)
 PANEL_PAIR = 32  # the output columns are padded up to a multiple of this
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C enum
+ACT_NONE, ACT_SILU_AND_MUL = 0, 1  # the C enum
 
 
 def measured_kind(vendor: str, flags: set[str]) -> bool:
@@ -63,7 +64,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         *(ptr, i64, i64),  # x, rows, k
         *(ptr, i64),  # panels, n
         *(ptr, ptr),  # bias (float32, NULL: none), y
-        *(ctypes.c_int, ctypes.c_int),  # dtype, threads
+        *(ctypes.c_int, ctypes.c_int, ctypes.c_int),  # dtype, activation, threads
     ]
     return library
 
@@ -80,15 +81,31 @@ KERNEL = cpu_build.CpuKernel(SOURCE, open_library, machine_flags(*_machine()))
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A [n, k] float32 or bf16 weight in the kernel's panels: float32 [P, k, 16], bf16
     [P, k/2, 16, 2] (k even), P = n rounded up to PANEL_PAIR, over PANEL; padding is zero."""
+    return _panels(_padded(weight, PANEL_PAIR))
+
+
+def pack_gated(weight: torch.Tensor) -> torch.Tensor:
+    """The gate and up projections stacked ([2 * i, k]: gate rows, then up rows) in panels
+    for ``matmul(..., gated=True)``: panel 2j holds gate columns 16j.., panel 2j + 1 the up
+    columns beside them; each half padded to a multiple of PANEL."""
+    gate, up = (_panels(_padded(half, PANEL)) for half in weight.chunk(2))
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+def _padded(weight: torch.Tensor, multiple: int) -> torch.Tensor:
     n, k = weight.shape
-    padded_n = -(-n // PANEL_PAIR) * PANEL_PAIR
-    padded = torch.zeros(padded_n, k, dtype=weight.dtype)
+    if weight.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"a bfloat16 weight needs an even input size, got {k}")
+    padded = torch.zeros(-(-n // multiple) * multiple, k, dtype=weight.dtype)
     padded[:n] = weight
-    if weight.dtype == torch.bfloat16:
-        if k % 2:
-            raise ValueError(f"a bfloat16 weight needs an even input size, got {k}")
-        return padded.view(padded_n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
-    return padded.view(padded_n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    return padded
+
+
+def _panels(padded: torch.Tensor) -> torch.Tensor:
+    n, k = padded.shape
+    if padded.dtype == torch.bfloat16:
+        return padded.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
 def matmul(
@@ -97,8 +114,11 @@ def matmul(
     panels: torch.Tensor,
     out_features: int,
     bias: torch.Tensor | None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [rows, k] contiguous, in the panels' dtype -> x . W^T (+ bias, float32 [n]) [rows, n].
+    """x [rows, k] contiguous, in the panels' dtype -> x . W^T (+ bias, float32 [n]) [rows, n];
+    ``gated`` (panels from pack_gated, no bias): silu(x . gate^T) * (x . up^T) [rows, n], n
+    the gate's columns, rounded as torch's ops round.
 
     The caller checks (this is the hot path); the kernel trusts them."""
     rows, k = x.shape
@@ -112,6 +132,7 @@ def matmul(
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         DTYPE_CODES[x.dtype],
+        ACT_SILU_AND_MUL if gated else ACT_NONE,
         torch.get_num_threads(),
     )
     if status:

@@ -21,6 +21,9 @@
  *   while the panels go by.
  * Both prefetch the weights; a short last tile reads a zero-padded copy of its rows.
  *
+ * The MLP's gate and up projections can run as one (ACT_SILU_AND_MUL, below): each pair of
+ * tiles then stores silu(gate) * up instead of both products, a pass over them less.
+ *
  * Sums run in float32 in a different order than oneDNN's (about 1e-6 relative). bfloat16
  * products are exact in float32 (VDPBF16PS), the bias is added in float32 and the result
  * rounded once to bfloat16, nearest even, as torch's bf16 Linear. The float32 tiles are gcc
@@ -51,6 +54,9 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+enum { ACT_NONE = 0, ACT_SILU_AND_MUL = 1 };
 
 /* ------------------------------------------------------------------------------------ */
 /* Stores: the valid columns of one panel's 16 results for one row.                       */
@@ -89,6 +95,60 @@ static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t c
         memcpy(y, &rounded, sizeof rounded);
     } else {
         for (int64_t j = 0; j < columns; j++) y[j] = rounded[j];
+    }
+}
+
+/* bf16 rounding of 16 floats, widened back to float32 (a bf16 tensor's values, in float). */
+static inline v16 as_bf16(v16 acc) {
+    const v16u widened = __builtin_convertvector(round_to_bf16(acc), v16u) << 16;
+    v16 value;
+    memcpy(&value, &widened, sizeof value);
+    return value;
+}
+
+/* where ``mask`` (a vector comparison) holds, ``a``; elsewhere ``b``. */
+static inline v16 blend(v16i mask, v16 a, v16 b) {
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* exp of 16 floats (Cephes' expf: within 2 ulp), inputs clamped to where float32 has one. */
+static inline v16 exp_v16(v16 x) {
+    const v16 hi = (v16){0} + 88.72283f, lo = (v16){0} - 87.33654f;
+    x = blend(x < lo, lo, x);
+    x = blend(x > hi, hi, x);
+    const v16 t = x * 1.44269504088896341f;
+    v16i sign_bits;
+    memcpy(&sign_bits, &t, sizeof sign_bits);
+    const v16i half_bits = (sign_bits & (int32_t)0x80000000) | 0x3F000000; /* +-0.5 */
+    v16 half;
+    memcpy(&half, &half_bits, sizeof half);
+    const v16i n = __builtin_convertvector(t + half, v16i); /* t rounded to nearest */
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    v16 p = (v16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += n << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+static inline v16 silu_v16(v16 x) { return x / (1.0f + exp_v16(-x)); }
+
+/* silu(gate) * up for one row's 16 columns, stored in the dtype, rounded as torch's bf16 ops
+ * round: the matmul's gate and up, the SiLU and the product each once. */
+static inline void store_gated(void *y, int dtype, v16 gate, v16 up, int64_t columns) {
+    if (dtype == DTYPE_BF16) {
+        const v16 product = as_bf16(silu_v16(as_bf16(gate))) * as_bf16(up);
+        store_bf16(y, product, NULL, columns);
+    } else {
+        store_f32(y, silu_v16(gate) * up, NULL, columns);
     }
 }
 
@@ -181,6 +241,7 @@ typedef struct {
     const float *bias;
     void *y;
     int dtype;
+    int act; /* ACT_SILU_AND_MUL: panels 2j and 2j + 1 are gate and up columns 16j.. */
 } Problem;
 
 static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 acc) {
@@ -191,6 +252,14 @@ static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 
         store_bf16((uint16_t *)pb->y + row * pb->n + column, acc, bias, columns);
     else
         store_f32((float *)pb->y + row * pb->n + column, acc, bias, columns);
+}
+
+/* Row ``row`` of panel pair ``pair`` with ACT_SILU_AND_MUL: output columns 16 * pair on. */
+static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, v16 gate, v16 up) {
+    const int64_t column = pair * PANEL, columns = pb->n - column;
+    if (columns <= 0) return;
+    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
+    store_gated((char *)pb->y + (row * pb->n + column) * size, pb->dtype, gate, up, columns);
 }
 
 static inline const void *panel_at(const Problem *pb, int64_t panel) {
@@ -211,16 +280,30 @@ static inline int64_t valid_rows(const Problem *pb, int64_t row, int64_t tile_ro
     return pb->rows - row < tile_rows ? pb->rows - row : tile_rows;
 }
 
-/* The small tile: the first ``valid`` rows, read from ``x``. */
-static inline void run_small_tile(const Problem *pb, const void *x, int64_t valid, int64_t panel) {
-    v16 acc[SMALL_TILE_ROWS];
+/* The small tile of one panel -> acc. */
+static inline void small_tile(const Problem *pb, const void *x, int64_t panel,
+                              v16 acc[SMALL_TILE_ROWS]) {
 #if defined(__AVX512BF16__)
     if (pb->dtype == DTYPE_BF16)
         small_tile_bf16(x, pb->k, panel_at(pb, panel), acc);
     else
 #endif
         small_tile_f32(x, pb->k, panel_at(pb, panel), acc);
-    for (int64_t m = 0; m < valid; m++) store_row(pb, m, panel, acc[m]);
+}
+
+/* The small tile of a panel, or with ACT_SILU_AND_MUL of a pair: the first ``valid`` rows,
+ * read from ``x``. */
+static inline void run_small_tile(const Problem *pb, const void *x, int64_t valid, int64_t index) {
+    v16 acc[SMALL_TILE_ROWS];
+    if (pb->act == ACT_SILU_AND_MUL) {
+        v16 up[SMALL_TILE_ROWS];
+        small_tile(pb, x, 2 * index, acc);
+        small_tile(pb, x, 2 * index + 1, up);
+        for (int64_t m = 0; m < valid; m++) store_gated_row(pb, m, index, acc[m], up[m]);
+        return;
+    }
+    small_tile(pb, x, index, acc);
+    for (int64_t m = 0; m < valid; m++) store_row(pb, m, index, acc[m]);
 }
 
 /* Ask for the lines a big tile will store into, for writing, before its loop: each is written
@@ -229,7 +312,8 @@ static inline void run_small_tile(const Problem *pb, const void *x, int64_t vali
 static inline void prefetch_outputs(const Problem *pb, int64_t row, int64_t valid, int64_t panel) {
     const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
     for (int64_t m = 0; m < valid; m++) {
-        const char *out = (const char *)pb->y + ((row + m) * pb->n + panel * PANEL) * size;
+        const int64_t column = pb->act == ACT_SILU_AND_MUL ? panel / 2 * PANEL : panel * PANEL;
+        const char *out = (const char *)pb->y + ((row + m) * pb->n + column) * size;
         __builtin_prefetch(out, 1, 3);
         __builtin_prefetch(out + 64, 1, 3);
     }
@@ -247,16 +331,21 @@ static inline void run_big_tile(const Problem *pb, const void *x, int64_t row, i
 #endif
         big_tile_f32(x, pb->k, panel_at(pb, panel), panel_at(pb, panel + 1), a0, a1);
     for (int64_t m = 0; m < valid; m++) {
+        if (pb->act == ACT_SILU_AND_MUL) {
+            store_gated_row(pb, row + m, pair, a0[m], a1[m]);
+            continue;
+        }
         store_row(pb, row + m, panel, a0[m]);
         store_row(pb, row + m, panel + 1, a1[m]);
     }
 }
 
-/* Up to SMALL_TILE_ROWS rows: one small tile for each panel. */
+/* Up to SMALL_TILE_ROWS rows: one small tile for each panel (each pair, gated). */
 static void small_rows(const Problem *pb, const void *padded, int64_t num_panels, int num_threads) {
     const void *x = tile_rows_at(pb, padded, 0, SMALL_TILE_ROWS);
+    const int64_t num_tiles = pb->act == ACT_SILU_AND_MUL ? num_panels / 2 : num_panels;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t panel = 0; panel < num_panels; panel++) run_small_tile(pb, x, pb->rows, panel);
+    for (int64_t index = 0; index < num_tiles; index++) run_small_tile(pb, x, pb->rows, index);
 }
 
 /* More rows: big tiles in blocks of ROW_BLOCK rows (a block of x stays in cache while the
@@ -276,17 +365,23 @@ static void big_rows(const Problem *pb, const void *padded, int64_t num_panels, 
 
 /*
  * y[rows][n] = x[rows][k] . W^T (+ bias[n], float32, or NULL), in ``dtype`` (DTYPE_F32 or
- * DTYPE_BF16; bias always float32); ``panels`` as above. 0 on success; -1 for bfloat16 in a
- * build without AVX512_BF16, or when a scratch tile cannot be allocated.
+ * DTYPE_BF16; bias always float32); ``panels`` as above. With ``act`` ACT_SILU_AND_MUL (no
+ * bias) the panels hold a gate and an up projection, pair by pair (panel 2j: gate columns
+ * 16j.., panel 2j + 1: the up columns beside them; cpu_matmul.py pack_gated), and
+ * y[rows][n] = silu(x . gate^T) * (x . up^T), n the gate's columns. 0 on success; -1 for
+ * bfloat16 in a build without AVX512_BF16, a bias with ACT_SILU_AND_MUL, or when a scratch
+ * tile cannot be allocated.
  */
 int matmul(const void *x, int64_t rows, int64_t k, const void *panels, int64_t n,
-           const float *bias, void *y, int dtype, int num_threads) {
+           const float *bias, void *y, int dtype, int act, int num_threads) {
 #if !defined(__AVX512BF16__)
     if (dtype == DTYPE_BF16) return -1;
 #endif
     if (rows <= 0) return 0;
-    const Problem pb = {x, rows, k, n, panels, bias, y, dtype};
-    const int64_t num_panels = (n + PANEL_PAIR - 1) / PANEL_PAIR * 2;
+    if (act == ACT_SILU_AND_MUL && bias) return -1;
+    const Problem pb = {x, rows, k, n, panels, bias, y, dtype, act};
+    const int64_t num_panels = act == ACT_SILU_AND_MUL ? (n + PANEL - 1) / PANEL * 2
+                                                       : (n + PANEL_PAIR - 1) / PANEL_PAIR * 2;
     const int64_t tile_rows = rows <= SMALL_TILE_ROWS ? SMALL_TILE_ROWS : BIG_ROWS;
     const int64_t short_rows = rows % tile_rows, size = dtype == DTYPE_BF16 ? 2 : 4;
     void *padded = NULL;
