@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vector16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -51,10 +52,8 @@
 #define ROW_BLOCK 192 /* a multiple of BIG_ROWS */
 #define PREFETCH_LINES 128
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 enum { ACT_NONE = 0, ACT_SILU_AND_MUL = 1 };
 
@@ -106,40 +105,7 @@ static inline v16 as_bf16(v16 acc) {
     return value;
 }
 
-/* where ``mask`` (a vector comparison) holds, ``a``; elsewhere ``b``. */
-static inline v16 blend(v16i mask, v16 a, v16 b) {
-    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
-}
-
-/* exp of 16 floats (Cephes' expf: within 2 ulp), inputs clamped to where float32 has one. */
-static inline v16 exp_v16(v16 x) {
-    const v16 hi = (v16){0} + 88.72283f, lo = (v16){0} - 87.33654f;
-    x = blend(x < lo, lo, x);
-    x = blend(x > hi, hi, x);
-    const v16 t = x * 1.44269504088896341f;
-    v16i sign_bits;
-    memcpy(&sign_bits, &t, sizeof sign_bits);
-    const v16i half_bits = (sign_bits & (int32_t)0x80000000) | 0x3F000000; /* +-0.5 */
-    v16 half;
-    memcpy(&half, &half_bits, sizeof half);
-    const v16i n = __builtin_convertvector(t + half, v16i); /* t rounded to nearest */
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return p;
-}
-
-static inline v16 silu_v16(v16 x) { return x / (1.0f + exp_v16(-x)); }
+static inline v16 silu_v16(v16 x) { return x / (1.0f + exp16(-x)); }
 
 /* silu(gate) * up for one row's 16 columns, stored in the dtype, rounded as torch's bf16 ops
  * round: the matmul's gate and up, the SiLU and the product each once. */

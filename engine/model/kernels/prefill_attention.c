@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vector16.h"
 
 #define LANES 16
 #define MICRO_ROWS 6  /* query rows scored together (4, 8 and 12 were slower here) */
@@ -89,27 +90,6 @@ static inline float lane_sum(vf v) {
 }
 
 /* lanes where mask is set (all bits) take a, the others b */
-static inline vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* e^x for x <= 0 (Cephes' expf): x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6
- * polynomial, times 2^n built in the exponent bits; x below -87 gives e^-87 (~1.6e-38). */
-static inline vf exp_nonpositive(vf x) {
-    x = select(x < splat(-87.0f), splat(-87.0f), x);
-    /* round to nearest: t <= 0, so truncating t - 0.5 toward zero rounds t */
-    const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);
-    const vf nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf)((n + 127) << 23);
-}
-
 /* Phase 1: (chunk, kv head, key block) -> widened keys (transposed) and values. */
 static void widen_block(const Args *a, float *kv, int64_t chunk, int64_t kv_head, int64_t block) {
     const int64_t dim = a->head_dim, keys = num_keys(a, chunk);
@@ -154,9 +134,9 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
         const vi position = lane_index + (int32_t)first;
         for (int i = 0; i < MICRO_ROWS; ++i) {
-            const vf s = select(position < (int32_t)limits[i], sums[i], minus_inf);
+            const vf s = select16(position < (int32_t)limits[i], sums[i], minus_inf);
             *(vf_loose *)(scores + i * stride + first) = s;
-            maxima[i] = select(s > maxima[i], s, maxima[i]);
+            maxima[i] = select16(s > maxima[i], s, maxima[i]);
         }
     }
     float inverse[MICRO_ROWS];
@@ -166,7 +146,7 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int64_t first = 0; first < longest; first += LANES) {
             float *s = scores + i * stride + first;
             const vi position = lane_index + (int32_t)first;
-            const vf p = select(position < (int32_t)limits[i], exp_nonpositive(load(s) - row_max),
+            const vf p = select16(position < (int32_t)limits[i], exp16(load(s) - row_max),
                                 splat(0.0f));
             *(vf_loose *)s = p;
             total += p;
