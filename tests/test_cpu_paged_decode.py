@@ -17,7 +17,7 @@ import torch
 
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.kernels import cpu_build, cpu_paged_decode
+from engine.model.kernels import cpu_build, cpu_matmul, cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
@@ -47,7 +47,7 @@ HAS_AVX2 = {"avx2", "fma"} <= CPU_FLAGS
 # an AVX-512 CPU's default build does not take). Each with the vector_path() it must report.
 OTHER_BUILDS = {
     "portable": (("-DPAGED_DECODE_PORTABLE",), 0),
-    # both prefetch targets, whichever this CPU kind's build takes (machine_flags)
+    # both prefetch targets, whichever this CPU kind's build takes (cpu_build.prefetch_flags)
     "prefetch_l1": (("-DPREFETCH_LOCALITY=3",), None),
     "prefetch_l2": (("-DPREFETCH_LOCALITY=1",), None),
 }
@@ -432,11 +432,12 @@ def test_triton_kernels_only_where_available():
 
 
 def test_prefetch_into_l1_only_on_the_kind_measured_faster_so():
-    assert cpu_paged_decode.machine_flags("AuthenticAMD", {"avx2", "avx512f"}) == (
+    assert cpu_build.prefetch_flags("AuthenticAMD", {"avx2", "avx512f"}) == (
         "-DPREFETCH_LOCALITY=3",
     )
-    assert cpu_paged_decode.machine_flags("AuthenticAMD", {"avx2", "fma"}) == ()
-    assert cpu_paged_decode.machine_flags("GenuineIntel", {"avx2", "avx512f"}) == ()
+    assert cpu_build.prefetch_flags("AuthenticAMD", {"avx2", "fma"}) == ()
+    assert cpu_build.prefetch_flags("GenuineIntel", {"avx2", "avx512f"}) == ()
     flags = set(cpu_build.cpu_flags().split())
-    expected = cpu_paged_decode.machine_flags(cpu_build.cpu_vendor(), flags)
+    expected = cpu_build.prefetch_flags(cpu_build.cpu_vendor(), flags)
     assert cpu_paged_decode.KERNEL.extra_flags == expected
+    assert cpu_matmul.KERNEL.extra_flags == expected  # the matmul kernel prefetches alike

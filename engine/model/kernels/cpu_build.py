@@ -12,6 +12,7 @@ turns every kernel off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -128,6 +129,12 @@ def build_key(compiler: str, source: Path, flags: tuple[str, ...] = FLAGS) -> st
     return digest.hexdigest()[:16]
 
 
+@functools.cache
+def this_cpu() -> tuple[str, set[str]]:
+    """This CPU's vendor and flags (cpu_vendor, cpu_flags), read once: shared, not to be changed."""
+    return cpu_vendor(), set(cpu_flags().split())
+
+
 def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -136,6 +143,15 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def prefetch_flags(vendor: str, flags: set[str]) -> tuple[str, ...]:
+    """Where the kernels that prefetch their next reads (paged_decode.c, matmul.c) put them:
+    into L1 on AMD CPUs with AVX-512, the kind measured faster so (docs/performance.md), into
+    L2 elsewhere (an Intel Xeon stalled on its few L1 miss buffers)."""
+    if vendor == "AuthenticAMD" and "avx512f" in flags:
+        return ("-DPREFETCH_LOCALITY=3",)
+    return ()
 
 
 def cpu_vendor() -> str:

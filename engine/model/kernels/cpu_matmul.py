@@ -11,7 +11,6 @@ copy, they do not add to it. ITERSCOPE_CPU_KERNELS=0 turns it off.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:
     """Why this CPU does not take the kernel for a weight of ``dtype`` with ``in_features``,
     or None where it does: float32 on a measured kind; bfloat16 there too when the CPU has
     AVX512_BF16 and the input size is even (a weight line holds pairs)."""
-    return why_not(*_machine(), dtype, in_features)
+    return why_not(*cpu_build.this_cpu(), dtype, in_features)
 
 
 def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) -> str | None:
@@ -47,12 +46,6 @@ def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) 
     if "avx512_bf16" not in flags:
         return "bfloat16 needs AVX512_BF16"
     return None if in_features % 2 == 0 else "bfloat16 needs an even input size"
-
-
-@functools.cache
-def _machine() -> tuple[str, set[str]]:
-    """This CPU's vendor and flags, read once (every Linear layer asks)."""
-    return cpu_build.cpu_vendor(), set(cpu_build.cpu_flags().split())
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -69,13 +62,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     return library
 
 
-def machine_flags(vendor: str, flags: set[str]) -> tuple[str, ...]:
-    """Prefetch into L1 on AMD CPUs with AVX-512, as the paged decode kernel does there."""
-    return ("-DPREFETCH_LOCALITY=3",) if measured_kind(vendor, flags) else ()
-
-
 # load() builds it on first use; None (build_error() says why) means oneDNN's path.
-KERNEL = cpu_build.CpuKernel(SOURCE, open_library, machine_flags(*_machine()))
+KERNEL = cpu_build.CpuKernel(SOURCE, open_library, cpu_build.prefetch_flags(*cpu_build.this_cpu()))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -69,19 +69,11 @@ def open_library(path: Path) -> ctypes.CDLL:
     return library
 
 
-def machine_flags(vendor: str, flags: set[str]) -> tuple[str, ...]:
-    """The build's choices for this CPU kind: prefetch into L1 on AMD CPUs with AVX-512 (the
-    kind measured faster so: docs/performance.md), into L2 elsewhere (paged_decode.c)."""
-    if vendor == "AuthenticAMD" and "avx512f" in flags:
-        return ("-DPREFETCH_LOCALITY=3",)
-    return ()
-
-
 # load() builds it on first use; None (build_error() says why) means torch's path.
 KERNEL = cpu_build.CpuKernel(
     SOURCE,
     open_library,
-    machine_flags(cpu_build.cpu_vendor(), set(cpu_build.cpu_flags().split())),
+    cpu_build.prefetch_flags(*cpu_build.this_cpu()),
 )
 
 

@@ -208,6 +208,7 @@ typedef struct {
     void *y;
     int dtype;
     int act; /* ACT_SILU_AND_MUL: panels 2j and 2j + 1 are gate and up columns 16j.. */
+    int64_t size; /* bytes an element of x, y and the panels: 2 (bf16) or 4 */
 } Problem;
 
 static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 acc) {
@@ -224,14 +225,12 @@ static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 
 static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, v16 gate, v16 up) {
     const int64_t column = pair * PANEL, columns = pb->n - column;
     if (columns <= 0) return;
-    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
-    store_gated((char *)pb->y + (row * pb->n + column) * size, pb->dtype, gate, up, columns);
+    store_gated((char *)pb->y + (row * pb->n + column) * pb->size, pb->dtype, gate, up, columns);
 }
 
 static inline const void *panel_at(const Problem *pb, int64_t panel) {
     /* K x 16 elements a panel in either layout */
-    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
-    return (const char *)pb->panels + panel * pb->k * PANEL * size;
+    return (const char *)pb->panels + panel * pb->k * PANEL * pb->size;
 }
 
 /* A tile's rows of x: from x itself, or from ``padded`` (the last tile's rows, zero-padded to a
@@ -239,7 +238,7 @@ static inline const void *panel_at(const Problem *pb, int64_t panel) {
 static inline const void *tile_rows_at(const Problem *pb, const void *padded, int64_t row,
                                        int64_t tile_rows) {
     if (pb->rows - row < tile_rows) return padded;
-    return (const char *)pb->x + row * pb->k * (pb->dtype == DTYPE_BF16 ? 2 : 4);
+    return (const char *)pb->x + row * pb->k * pb->size;
 }
 
 static inline int64_t valid_rows(const Problem *pb, int64_t row, int64_t tile_rows) {
@@ -276,10 +275,9 @@ static inline void run_small_tile(const Problem *pb, const void *x, int64_t vali
  * once and is not in cache, so each store would wait for its line otherwise (the float32
  * 3,072-column projection: 1.09x oneDNN's time without, 1.02x with). */
 static inline void prefetch_outputs(const Problem *pb, int64_t row, int64_t valid, int64_t panel) {
-    const int64_t size = pb->dtype == DTYPE_BF16 ? 2 : 4;
     for (int64_t m = 0; m < valid; m++) {
         const int64_t column = pb->act == ACT_SILU_AND_MUL ? panel / 2 * PANEL : panel * PANEL;
-        const char *out = (const char *)pb->y + ((row + m) * pb->n + column) * size;
+        const char *out = (const char *)pb->y + ((row + m) * pb->n + column) * pb->size;
         __builtin_prefetch(out, 1, 3);
         __builtin_prefetch(out + 64, 1, 3);
     }
@@ -345,11 +343,12 @@ int matmul(const void *x, int64_t rows, int64_t k, const void *panels, int64_t n
 #endif
     if (rows <= 0) return 0;
     if (act == ACT_SILU_AND_MUL && bias) return -1;
-    const Problem pb = {x, rows, k, n, panels, bias, y, dtype, act};
+    const int64_t size = dtype == DTYPE_BF16 ? 2 : 4;
+    const Problem pb = {x, rows, k, n, panels, bias, y, dtype, act, size};
     const int64_t num_panels = act == ACT_SILU_AND_MUL ? (n + PANEL - 1) / PANEL * 2
                                                        : (n + PANEL_PAIR - 1) / PANEL_PAIR * 2;
     const int64_t tile_rows = rows <= SMALL_TILE_ROWS ? SMALL_TILE_ROWS : BIG_ROWS;
-    const int64_t short_rows = rows % tile_rows, size = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t short_rows = rows % tile_rows;
     void *padded = NULL;
     if (short_rows) {
         padded = calloc((size_t)(tile_rows * k), (size_t)size);

@@ -56,7 +56,7 @@
 #define MAX_ITEM_HEADS 32 /* at most this many query heads per work item */
 #define CHUNK 16          /* positions scored together: one 16-lane vector per query head */
 #define PREFETCH_AHEAD 4  /* blocks between the one read and the one prefetched */
-/* Where prefetched rows go, chosen per CPU kind by cpu_paged_decode.py: 1 = L2 only
+/* Where prefetched rows go, chosen per CPU kind by cpu_build.py (prefetch_flags): 1 = L2 only
  * (prefetcht2, the default: on an Intel Xeon prefetching into L1 stalled on its few miss
  * buffers), 3 = L1 (prefetcht0: 15-20% faster in bf16, 5-8% in float32, on an AMD EPYC with
  * AVX-512). */
