@@ -1,6 +1,6 @@
 """Iterations: what each engine iteration did. Duration, batch composition, KV, waiting reasons.
 
-This is where an operator sees whether requests are batched together (generation requests per
+This is where an operator sees whether requests are batched together (decoding requests per
 iteration), why requests wait (KV capacity, sequence limit, token budget) and whether KV blocks
 stay held while nothing runs.
 """
@@ -47,7 +47,7 @@ def iteration_duration_quantiles() -> dashboard.Panel:
 def tokens_per_iteration() -> dashboard.Panel:
     return timeseries_panel(
         "Tokens per iteration",
-        "p50, p95 and p99 of context plus generation tokens computed in one iteration, to "
+        "p50, p95 and p99 of prefill plus decode tokens computed in one iteration, to "
         "compare with max_num_batched_tokens.",
         quantile_queries("iterscope_iteration_tokens"),
     )
@@ -55,18 +55,18 @@ def tokens_per_iteration() -> dashboard.Panel:
 
 def batch_composition() -> dashboard.Panel:
     return timeseries_panel(
-        "Batch composition: context vs generation tokens",
-        "Mean context (prefill) tokens and generation (decode) tokens per iteration, stacked, "
-        "per engine.",
+        "Batch composition: prefill vs decode tokens",
+        "Mean prefill tokens and decode tokens (one per decoding request) per iteration, "
+        "stacked, per engine.",
         [
             query(
                 histogram_mean("iterscope_iteration_context_tokens"),
-                engine_legend("context"),
+                engine_legend("prefill"),
                 "A",
             ),
             query(
                 histogram_mean("iterscope_iteration_generation_requests"),
-                engine_legend("generation"),
+                engine_legend("decode"),
                 "B",
             ),
         ],
@@ -76,13 +76,13 @@ def batch_composition() -> dashboard.Panel:
 
 def batch_size() -> dashboard.Panel:
     return timeseries_panel(
-        "Batch size: generation requests per iteration",
-        "Mean generation requests decoded together per iteration next to the running requests, "
+        "Batch size: decoding requests per iteration",
+        "Mean requests decoded together per iteration next to the running requests, "
         "per engine: equal values mean requests are batched, not queued one by one.",
         [
             query(
                 histogram_mean("iterscope_iteration_generation_requests"),
-                engine_legend("generation reqs / iteration"),
+                engine_legend("decode reqs / iteration"),
                 "A",
             ),
             query(series("iterscope_requests_running"), engine_legend("running"), "B"),

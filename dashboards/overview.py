@@ -134,14 +134,14 @@ def kv_usage() -> dashboard.Panel:
 def token_throughput() -> dashboard.Panel:
     return timeseries_panel(
         "Token throughput",
-        "Prompt tokens computed, prompt tokens served from the prefix cache and tokens "
-        "generated, per second per engine.",
+        "Prefill tokens computed, prompt tokens served from the prefix cache and output "
+        "tokens decoded, per second per engine.",
         [
-            query(rate("iterscope_prompt_tokens_total"), engine_legend("prompt"), "A"),
+            query(rate("iterscope_prompt_tokens_total"), engine_legend("prefill"), "A"),
             query(
-                rate("iterscope_prompt_tokens_cached_total"), engine_legend("prompt cached"), "B"
+                rate("iterscope_prompt_tokens_cached_total"), engine_legend("prefix cache hits"), "B"
             ),
-            query(rate("iterscope_generation_tokens_total"), engine_legend("generation"), "C"),
+            query(rate("iterscope_generation_tokens_total"), engine_legend("decode"), "C"),
         ],
         unit="tokens/s",
     )
