@@ -39,6 +39,16 @@ def test_random_dataset_range_ratio():
         bench_load.random_dataset(0, 10, 10, vocab_size=50)
 
 
+def test_vocab_size_from_the_card_or_the_model_directory_it_names(tmp_path):
+    """Ours reports vocab_size; vLLM's card does not, but names the model's directory (root)."""
+    assert bench_client.card_vocab_size({"id": "m", "vocab_size": 49152}) == 49152
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    assert bench_client.card_vocab_size({"id": "m", "root": str(tmp_path)}) == 32000
+    assert bench_client.card_vocab_size({"id": "m", "root": "HuggingFaceTB/SmolLM2"}) is None
+    assert bench_client.card_vocab_size({"id": "m", "root": str(tmp_path / "none")}) is None
+    assert bench_client.card_vocab_size({"id": "m"}) is None
+
+
 def test_summary_figures():
     results = [
         RequestResult(True, "", 10, 3, ttft_time=0.1, itl_times=[0.02, 0.04], e2e_time=0.16),

@@ -25,6 +25,7 @@ import asyncio
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from engine.entrypoints.bench_backends import HttpBackend, InProcessBackend
@@ -123,14 +124,30 @@ async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dic
     return metrics
 
 
+def card_vocab_size(card: dict[str, Any]) -> int | None:
+    """The vocabulary size a /v1/models card gives: ours says it; vLLM's does not, but its
+    ``root`` is the model's directory, whose config.json does when it is on this machine."""
+    if card.get("vocab_size"):
+        return int(card["vocab_size"])
+    config = Path(str(card.get("root") or "")) / "config.json"
+    if not card.get("root") or not config.is_file():
+        return None
+    size = json.loads(config.read_text()).get("vocab_size")
+    return int(size) if size else None
+
+
 async def _bench_http(args: argparse.Namespace) -> dict[str, Any]:
     backend = HttpBackend(args.base_url)
     try:
         card = await backend.model_card()
         backend.model = card["id"]
-        vocab_size = args.vocab_size or card.get("vocab_size")
+        vocab_size = args.vocab_size or card_vocab_size(card)
         if not vocab_size:
-            raise ValueError("the server does not report vocab_size: give --vocab-size")
+            raise ValueError(
+                f"the server reports no vocab_size and its model {card.get('root')!r} is not a "
+                "directory here with a config.json: give --vocab-size (the model's "
+                "config.json says it)"
+            )
         return await _bench(args, backend, vocab_size)
     finally:
         await backend.close()
