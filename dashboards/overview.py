@@ -139,7 +139,9 @@ def token_throughput() -> dashboard.Panel:
         [
             query(rate("iterscope_prompt_tokens_total"), engine_legend("prefill"), "A"),
             query(
-                rate("iterscope_prompt_tokens_cached_total"), engine_legend("prefix cache hits"), "B"
+                rate("iterscope_prompt_tokens_cached_total"),
+                engine_legend("prefix cache hits"),
+                "B",
             ),
             query(rate("iterscope_generation_tokens_total"), engine_legend("decode"), "C"),
         ],
