@@ -25,24 +25,25 @@ two or more engines print in a window, an aggregated line follows.
 
 Live findings (telemetry/analysis/live_findings.py) print as they happen: a WARNING when one
 opens (what, since when, the evidence, the action in the engine's own flags) and an INFO when
-it closes (how long, what it cost): two lines per finding at most.
+it closes (how long, what it cost); one that comes back soon after the last of its kind is
+said with the others like it, in one line per half minute (telemetry/sidecar/sinks/
+finding_log.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from telemetry.analysis.findings import cost_text
 from telemetry.analysis.live_findings import FindingEvent
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_view import EngineStatus, EngineView, RecordTotals
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.pipeline_health import PipelineHealth
 from telemetry.sidecar.sink import Sink
+from telemetry.sidecar.sinks.finding_log import FindingLog
 from telemetry.sidecar.sinks.throughput_line import (
     aggregate_figures,
     engine_figures,
@@ -99,28 +100,6 @@ def _facts_text(engine: EngineView) -> str:
     return f" ({said})" if said else ""
 
 
-def finding_line(event: FindingEvent) -> tuple[int, str]:
-    """(level, text) of a live finding's opening or closing line."""
-    finding = event.finding
-    head = f"Engine {finding.engine_index:03d}: {finding.title}"
-    since = (
-        time.strftime("%H:%M:%S", time.localtime(finding.start_wall_ns / 1e9))
-        if finding.start_wall_ns
-        else "?"
-    )
-    where = f"iteration {finding.iteration}, " if finding.iteration else ""
-    cost = f"{cost_text(finding.cost)} request-s {finding.cost_label}"
-    if event.what == "opened":
-        return logging.WARNING, (
-            f"{head} since {since} ({where}{finding.duration_s:.1f} s so far, {cost}): "
-            f"{finding.evidence}. Action: {finding.action}"
-        )
-    lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
-    return logging.INFO, (
-        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), cost {cost}{lower_bound}"
-    )
-
-
 def _log_to_logger(level: int, text: str) -> None:
     logger.log(level, text)
 
@@ -151,6 +130,7 @@ class LogSink(Sink):
         # Engines removed (on_engine_removed) whose open window still holds iterations: they
         # get their line when the window closes, then are forgotten.
         self._removed: list[EngineLog] = []
+        self._finding_log = FindingLog()
 
     def attach(self, health: PipelineHealth, sinks: list[Sink]) -> None:
         self._health = health
@@ -224,6 +204,8 @@ class LogSink(Sink):
             self.emit(logging.INFO, format_engine_line(figures))
         if len(lines) > 1:
             self.emit(logging.INFO, format_engine_line(aggregate_figures(lines)))
+        for line in self._finding_log.due(end_ns):
+            self.emit(*line)
 
     def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
         log = self._log_of(engine_index)
@@ -260,8 +242,10 @@ class LogSink(Sink):
 
     def on_finding(self, event: FindingEvent, engine: EngineView) -> None:
         """A WARNING when a live finding opens (what, since when, evidence, the action), an
-        INFO when it closes (how long, what it cost): one line each per finding."""
-        self.emit(*finding_line(event))
+        INFO when it closes (how long, what it cost); a repeat is said with the others of
+        its kind (finding_log.py)."""
+        for line in self._finding_log.on_finding(event):
+            self.emit(*line)
 
     def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
         """Said once; what the engine's open window holds still gets its line."""
@@ -345,6 +329,8 @@ class LogSink(Sink):
         """Print the open window up to the last time seen, so every record is in a line."""
         if self._clock_ns is not None:
             self._close_window(end_ns=self._clock_ns)
+        for line in self._finding_log.flush():
+            self.emit(*line)
         self._report_losses()
 
 

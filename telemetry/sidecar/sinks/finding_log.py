@@ -1,0 +1,145 @@
+"""The live findings' log lines, with a condition that comes and goes folded into one line.
+
+KV usage swinging around 95%, or a long prefill chunk every few seconds, opens and closes a
+finding each time: each is a finding of its own on /findings, /metrics and in `explain`
+(which groups them by kind: "KV cache saturated: 14 times"), but a WARNING and an INFO for
+every one of them would drown the log (83 lines in 40 s of a vLLM run with a small cache).
+So, per engine and kind:
+
+- a finding prints as it happens: a WARNING when it opens (what, since when, the evidence,
+  the action), an INFO when it closes (how long, what it cost);
+- unless it opens within REPEAT_WINDOW_S of the end of the kind's previous one: a repeat
+  prints nothing of its own; the repeats are summed and said in one WARNING (how many, since
+  when, time and cost in all, the newest action), at the first log window that closes
+  REPEAT_WINDOW_S or more after the kind's last line, and at the sidecar's exit. A condition
+  that keeps coming back thus prints a line every half minute, and one after it stopped.
+
+Faults (an engine stalled, spinning or dead, a KV leak) always print: each one matters.
+Decisions follow record time (the findings' engine times and the log clock), so a replayed
+recording prints the same lines as the live run did. A finding whose engine had no clock
+anchor yet (no heartbeat) is never folded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from telemetry.analysis.findings import FAULT_KINDS, cost_text
+from telemetry.analysis.live_findings import DEAD, SPINNING, STALL, FindingEvent, LiveFinding
+from telemetry.analysis.timeline import NS_PER_S
+
+REPEAT_WINDOW_S = 30.0
+ALWAYS_SAID = frozenset((*FAULT_KINDS, STALL, SPINNING, DEAD))
+
+Line = tuple[int, str]  # (logging level, text)
+
+
+def clock_text(wall_ns: int) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall_ns / 1e9)) if wall_ns else "?"
+
+
+def end_wall_ns(finding: LiveFinding) -> int:
+    return finding.start_wall_ns + finding.end_ns - finding.start_ns if finding.start_wall_ns else 0
+
+
+def finding_line(event: FindingEvent) -> Line:
+    """A live finding's opening (WARNING) or closing (INFO) line."""
+    finding = event.finding
+    head = f"Engine {finding.engine_index:03d}: {finding.title}"
+    since = clock_text(finding.start_wall_ns)
+    where = f"iteration {finding.iteration}, " if finding.iteration else ""
+    cost = f"{cost_text(finding.cost)} request-s {finding.cost_label}"
+    if event.what == "opened":
+        return logging.WARNING, (
+            f"{head} since {since} ({where}{finding.duration_s:.1f} s so far, {cost}): "
+            f"{finding.evidence}. Action: {finding.action}"
+        )
+    lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
+    return logging.INFO, (
+        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), cost {cost}{lower_bound}"
+    )
+
+
+@dataclass
+class Repeats:
+    """One engine's findings of one kind: when the last ended, the repeats not said yet."""
+
+    last_end_ns: int | None = None  # engine time: the end of the newest one closed
+    last_line_wall_ns: int = 0  # when the kind's last line was about (wall time)
+    folded: set[int] = field(default_factory=set)  # id() of the repeats open now
+    num_closed: int = 0  # repeats closed since the last line
+    duration_s: float = 0.0
+    cost: float = 0.0
+    first_start_wall_ns: int = 0
+    last_closed: LiveFinding | None = None
+
+    def is_repeat(self, finding: LiveFinding) -> bool:
+        return (
+            finding.kind not in ALWAYS_SAID
+            and finding.start_wall_ns > 0
+            and self.last_end_ns is not None
+            and 0 <= finding.start_ns - self.last_end_ns <= REPEAT_WINDOW_S * NS_PER_S
+        )
+
+    def add_closed(self, finding: LiveFinding) -> None:
+        if not self.num_closed:
+            self.first_start_wall_ns = finding.start_wall_ns
+        self.num_closed += 1
+        self.duration_s += finding.duration_s
+        self.cost += finding.cost
+        self.last_closed = finding
+
+    def summary(self) -> Line:
+        """The repeats closed since the kind's last line, in one WARNING."""
+        last = self.last_closed
+        assert last is not None
+        times = "1 more time" if self.num_closed == 1 else f"{self.num_closed} more times"
+        now = ", one open now" if self.folded else ""
+        text = (
+            f"Engine {last.engine_index:03d}: {last.title} again: {times} since "
+            f"{clock_text(self.first_start_wall_ns)} (the last ended "
+            f"{clock_text(end_wall_ns(last))}{now}), {self.duration_s:.1f} s in all, cost "
+            f"{cost_text(self.cost)} request-s {last.cost_label}. Action: {last.action}"
+        )
+        self.num_closed, self.duration_s, self.cost = 0, 0.0, 0.0
+        return logging.WARNING, text
+
+
+class FindingLog:
+    """The lines to print for live findings, repeats folded (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._repeats: dict[tuple[int, str], Repeats] = {}
+
+    def on_finding(self, event: FindingEvent) -> list[Line]:
+        finding = event.finding
+        repeats = self._repeats.setdefault((finding.engine_index, finding.kind), Repeats())
+        if event.what == "opened":
+            if repeats.is_repeat(finding):
+                repeats.folded.add(id(finding))
+                return []
+            repeats.last_line_wall_ns = finding.start_wall_ns
+            return [finding_line(event)]
+        repeats.last_end_ns = finding.end_ns
+        if id(finding) in repeats.folded:
+            repeats.folded.discard(id(finding))
+            repeats.add_closed(finding)
+            return []
+        repeats.last_line_wall_ns = end_wall_ns(finding)
+        return [finding_line(event)]
+
+    def due(self, now_wall_ns: int) -> list[Line]:
+        """The repeats to say now: those of kinds whose last line is REPEAT_WINDOW_S old."""
+        lines = []
+        for repeats in self._repeats.values():
+            old = now_wall_ns - repeats.last_line_wall_ns >= REPEAT_WINDOW_S * NS_PER_S
+            if repeats.num_closed and old:
+                lines.append(repeats.summary())
+                repeats.last_line_wall_ns = now_wall_ns
+        return lines
+
+    def flush(self) -> list[Line]:
+        """Every repeat not said yet (at the sidecar's exit)."""
+        return [repeats.summary() for repeats in self._repeats.values() if repeats.num_closed]

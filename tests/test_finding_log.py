@@ -1,0 +1,125 @@
+"""The live findings' log lines: a condition that comes and goes is said once, then summed."""
+
+import logging
+import re
+
+from telemetry.analysis.live_findings import FindingEvent, LiveFinding
+from telemetry.sidecar.sinks.finding_log import REPEAT_WINDOW_S, FindingLog
+from telemetry.sidecar.sinks.log import LogSink
+from tests.helpers.sink_feed import send
+from tests.test_log_sink import CLOCK_OFFSET_NS, SECOND, Lines, heartbeat
+
+
+def finding(kind="kv_saturation", start_s=100.0, end_s=101.0, cost=2.0, anchored=True):
+    """A finding of engine 0 from wall time ``start_s`` to ``end_s``."""
+    start_ns = int(start_s * SECOND) - CLOCK_OFFSET_NS
+    return LiveFinding(
+        engine_index=0,
+        kind=kind,
+        title=f"{kind} title",
+        evidence="evidence",
+        action=f"{kind} action",
+        start_ns=start_ns,
+        end_ns=start_ns + int((end_s - start_s) * SECOND),
+        iteration=7,
+        opened_ns=0,
+        start_wall_ns=int(start_s * SECOND) if anchored else 0,
+        cost=cost,
+    )
+
+
+def come_and_go(log, found, kind="kv_saturation", first_s=100.0, every_s=2.0, times=90):
+    """``times`` findings of ``kind``, 1 s long every ``every_s``; the lines, with the log
+    window's close (``due``) every 10 s of wall time as the log sink calls it."""
+    lines = []
+    next_window_s = (first_s // 10 + 1) * 10
+    for number in range(times):
+        start_s = first_s + number * every_s
+        while start_s >= next_window_s:
+            lines += log.due(int(next_window_s * SECOND))
+            next_window_s += 10
+        one = finding(kind, start_s, start_s + 1.0, cost=0.5)
+        found.append(one)
+        lines += log.on_finding(FindingEvent("opened", one))
+        lines += log.on_finding(FindingEvent("closed", one))
+    return lines
+
+
+def said_times(text):
+    match = re.search(r"again: (\d+) more times?", text)
+    return int(match.group(1)) if match else 0
+
+
+def test_a_condition_that_comes_and_goes_is_said_once_then_summed_now_and_then():
+    log, found = FindingLog(), []
+    lines = come_and_go(log, found)  # 90 findings in 180 s
+    lines += log.flush()
+    levels = [level for level, _ in lines]
+    texts = [text for _, text in lines]
+    assert texts[0].startswith("Engine 000: kv_saturation title since ")
+    assert "Action: kv_saturation action" in texts[0] and levels[0] == logging.WARNING
+    assert texts[1].startswith("Engine 000: kv_saturation title: ended after 1.0 s")
+    summaries = texts[2:]
+    # one per REPEAT_WINDOW_S of the 180 s, at a window's close, and the rest at the end
+    assert 180 / REPEAT_WINDOW_S - 1 <= len(summaries) <= 180 / REPEAT_WINDOW_S + 1, texts
+    assert all(level == logging.WARNING for level in levels[2:])
+    assert all("Action: kv_saturation action" in text for text in summaries)
+    # every finding is said: the first on its own, the others in the sums, once each
+    assert 1 + sum(said_times(text) for text in summaries) == len(found)
+    costs = [float(re.search(r"cost ([\d.]+) request-s", text).group(1)) for text in summaries]
+    assert abs(sum(costs) - 0.5 * (len(found) - 1)) < 0.01
+
+
+def test_a_repeat_after_a_quiet_spell_is_said_in_full_and_sums_are_spaced():
+    log, found = FindingLog(), []
+    lines = come_and_go(log, found, times=3)
+    assert len(lines) == 2  # the first; two repeats wait for their line
+    later = 104.0 + 1.0 + REPEAT_WINDOW_S + 1.0
+    assert log.due(int(later * SECOND)) and not log.due(int((later + 10) * SECOND))
+    again = finding(start_s=later + 5, end_s=later + 6)
+    (opened,) = log.on_finding(FindingEvent("opened", again))
+    assert opened[0] == logging.WARNING and " since " in opened[1] and "again" not in opened[1]
+
+
+def test_faults_and_findings_without_a_clock_anchor_always_print():
+    for kind, anchored in (
+        ("stall", True),
+        ("dead", True),
+        ("kv_leak", True),
+        ("waiting_kv", False),
+    ):
+        log = FindingLog()
+        lines = []
+        for number in range(5):
+            one = finding(kind, 100.0 + 2 * number, 101.0 + 2 * number, anchored=anchored)
+            lines += log.on_finding(FindingEvent("opened", one))
+            lines += log.on_finding(FindingEvent("closed", one))
+        assert len(lines) == 10 and log.flush() == [], kind
+
+
+def test_kinds_and_engines_fold_apart():
+    log = FindingLog()
+    first, other_kind = finding("waiting_kv"), finding("long_prefill", 101.5, 102.0)
+    for one in (first, other_kind):
+        assert len(log.on_finding(FindingEvent("opened", one))) == 1
+        assert len(log.on_finding(FindingEvent("closed", one))) == 1
+    other_engine = finding("waiting_kv", 102.0, 103.0)
+    other_engine.engine_index = 1
+    assert len(log.on_finding(FindingEvent("opened", other_engine))) == 1
+
+
+def test_the_log_sink_sums_repeats_at_its_window_close_and_at_exit():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    for second in range(100, 200):
+        send(sink, heartbeat(0, second))
+        if second % 2 == 0:
+            one = finding("waiting_kv", second + 0.1, second + 1.0, cost=1.0)
+            sink.on_finding(FindingEvent("opened", one), None)
+            sink.on_finding(FindingEvent("closed", one), None)
+    sums = [text for text in lines.texts(logging.WARNING) if " again: " in text]
+    assert len(sums) >= 2 and said_times(sums[0]) >= 10, lines.texts()
+    sink.close()
+    sums_at_exit = [text for text in lines.texts(logging.WARNING) if " again: " in text]
+    assert len(sums_at_exit) == len(sums) + 1
+    assert sum(said_times(text) for text in sums_at_exit) == 49
