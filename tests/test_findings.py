@@ -319,3 +319,22 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
     for text in texts:
         assert not CONFIG_NAMES.search(text), text
     assert "--max-num-batched-tokens 0.0%" in "\n".join(texts)
+
+
+def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():
+    """Ours: --kv-cache-memory. vLLM: its flag, and what overrides it where set (its CPU
+    build's environment variable, a block count override)."""
+    sim = Simulator(num_blocks=40, max_num_seqs=64, max_num_batched_tokens=2048)
+    sim.add_requests(arrivals(4, 10), num_prompt=100, num_output=200)  # more than 40 blocks hold
+    sim.run(20)
+    timeline, findings = findings_of(sim)
+    kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
+    ours = finding_action(timeline, kv, Thresholds())
+    assert ours.startswith("Raise --kv-cache-memory to ") and "VLLM" not in ours, ours
+    timeline.facts["source"] = "vllm-scheduler"
+    vllm = finding_action(timeline, kv, Thresholds())
+    assert vllm.startswith(
+        "Raise --kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE where it is set, which "
+        "overrides the flag on vLLM's CPU build; or --num-gpu-blocks-override where one is "
+        "set) to "
+    ), vllm

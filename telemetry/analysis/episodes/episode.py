@@ -104,16 +104,18 @@ def secs(time_ns: int | float) -> str:
 
 # How change lines name the KV cache's size, in the flags of the engine that was recorded
 # (ours: engine/entrypoints/serve_args.py, where on CUDA without --kv-cache-memory the cache
-# gets what --gpu-memory-utilization leaves; vLLM's `vllm serve` flags and its CPU build's
-# environment variable), and the command that plans it.
-KV_MEMORY_FLAGS = {"iterscope": "--kv-cache-memory", "vllm": "--kv-cache-memory-bytes"}
+# gets what --gpu-memory-utilization leaves; vLLM's `vllm serve` flags, and the environment
+# variable its CPU build still reads, which replaces --kv-cache-memory-bytes where it is set:
+# vllm/platforms/cpu.py), and the command that plans it. A FLAGS entry takes a factor ("to
+# 2.0x the cache's size"); a TEXTS entry adds what sizes the cache only indirectly.
+_VLLM_KV_SIZE = (
+    "--kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE where it is set, which overrides "
+    "the flag on vLLM's CPU build; or --num-gpu-blocks-override where one is set"
+)
+KV_MEMORY_FLAGS = {"iterscope": "--kv-cache-memory", "vllm": f"{_VLLM_KV_SIZE})"}
 KV_MEMORY_TEXTS = {
     "iterscope": "--kv-cache-memory (on CUDA without it: a higher --gpu-memory-utilization)",
-    "vllm": (
-        "--kv-cache-memory-bytes (without it: a higher --gpu-memory-utilization; on "
-        "vLLM's CPU build VLLM_CPU_KVCACHE_SPACE; or a higher --num-gpu-blocks-override "
-        "where one is set)"
-    ),
+    "vllm": f"{_VLLM_KV_SIZE}; without any of them: a higher --gpu-memory-utilization)",
 }
 TUNE_TEXT = "`iterscope tune RECORDING --itl-target T`, with T your inter-token latency target,"
 KV_PLAN_TEXT = (
