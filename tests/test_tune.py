@@ -6,7 +6,7 @@ import pytest
 from scenarios import synthetic
 
 from telemetry.analysis.timeline import build_timelines
-from telemetry.analysis.tune import fit_iteration_time, kv_max_seqs, main, recommend
+from telemetry.analysis.tune import Fit, fit_iteration_time, kv_max_seqs, main, recommend
 
 TRUTH = synthetic.STORY_COST
 
@@ -59,6 +59,34 @@ def test_recommendation_is_the_largest_that_keeps_the_target(bursty_timeline, it
     assert rec.max_num_batched_tokens % 16 == 0
     assert rec.max_num_batched_tokens >= rec.max_num_seqs
     assert rec.generation_throughput == pytest.approx(rec.max_num_seqs / rec.decode_iteration_time)
+
+
+def test_a_prefill_beside_one_decode_keeps_the_target_when_prompt_tokens_cost_more():
+    """A full budget with one request decoding is a prefill of all the rest: with prompt
+    tokens dearer than decoding requests (here decodes cost nothing the fit could see, as in
+    a vLLM run's first seconds), that is the worst iteration, and the budget is held to it;
+    sized to the full batch alone it came out 4,192 tokens, a 1.5 s iteration."""
+    fit = Fit(
+        base_time=0.0214,
+        coefficients={"prefill_tokens": 358e-6},
+        rmse_time=0.003,
+        mean_abs_error_ratio=0.1,
+        r_squared=0.99,
+        num_iterations=37,
+        num_outliers=0,
+        max_tokens_seen=604,
+        max_decode_reqs_seen=4,
+    )
+    rec = recommend(fit, 0.0604, min_chunk_tokens=64)
+    one_decode = fit.predict(
+        decode_tokens=1, prefill_tokens=rec.max_num_batched_tokens - 1, prefill_reqs=1
+    )
+    assert rec.worst_iteration_time == pytest.approx(one_decode) and one_decode <= 0.0604
+    bigger = rec.max_num_batched_tokens + 16 - 1
+    assert fit.predict(decode_tokens=1, prefill_tokens=bigger, prefill_reqs=1) > 0.0604
+    # every decoding slot still leaves a minimum chunk for prompts
+    assert rec.max_num_seqs + 64 <= rec.max_num_batched_tokens
+    assert (rec.max_num_seqs, rec.max_num_batched_tokens) == (32, 96)
 
 
 def test_larger_target_never_recommends_less(bursty_timeline):

@@ -275,11 +275,9 @@ def recommend(
     limited_by = "latency target"
     if kv_seqs is not None and kv_seqs < max_num_seqs:
         max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
-    chunk_time = itl_target - fixed_time - decode_token_time * max_num_seqs
-    chunk_tokens = (
-        int(chunk_time // prefill_token_time) if prefill_token_time > 0 else 16 * min_chunk_tokens
-    )
-    budget = max(max_num_seqs, (max_num_seqs + chunk_tokens) // BUDGET_MULTIPLE * BUDGET_MULTIPLE)
+    budget = _budget(fit, itl_target, max_num_seqs, min_chunk_tokens)
+    if budget - max_num_seqs < min_chunk_tokens:  # a full batch of decodes would starve prompts
+        max_num_seqs, limited_by = budget - min_chunk_tokens, "latency target"
     decode_time = fit.predict(decode_tokens=max_num_seqs)
     chunk_only_time = fit.predict(prefill_tokens=budget, prefill_reqs=1)
     return Recommendation(
@@ -287,15 +285,41 @@ def recommend(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         decode_iteration_time=decode_time,
-        worst_iteration_time=fit.predict(
-            decode_tokens=max_num_seqs, prefill_tokens=budget - max_num_seqs, prefill_reqs=1
-        ),
+        worst_iteration_time=worst_iteration_time(fit, budget, max_num_seqs),
         generation_throughput=max_num_seqs / decode_time,
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
         decode_reqs_seen=fit.max_decode_reqs_seen,
         notes=_extrapolation_notes(fit, max_num_seqs, budget),
     )
+
+
+def worst_iteration_time(fit: Fit, budget: int, max_num_seqs: int) -> float:
+    """The slowest iteration a full budget allows: a prefill chunk beside one decoding
+    request, or beside ``max_num_seqs`` of them, whichever the fit says costs more (the
+    first where a prompt token costs more than a decoding request: the chunk gets the rest
+    of the budget)."""
+    return max(
+        fit.predict(decode_tokens=decodes, prefill_tokens=budget - decodes, prefill_reqs=1)
+        for decodes in (1, max_num_seqs)
+    )
+
+
+def _budget(fit: Fit, itl_target: float, max_num_seqs: int, min_chunk_tokens: int) -> int:
+    """The largest budget whose worst iteration (worst_iteration_time) keeps within the
+    target, rounded down to BUDGET_MULTIPLE tokens while that still leaves a prefill chunk
+    of ``min_chunk_tokens`` beside one decoding request (recommend checked that one fits)."""
+    prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
+    if prefill_token_time <= 0:  # no prefill cost fitted: a guess (_extrapolation_notes)
+        return max_num_seqs + 16 * min_chunk_tokens
+    fixed_time = fit.predict(prefill_reqs=1)
+    budget = min(  # each number of decodes d: fixed + d decodes + (budget - d) prompt tokens
+        decodes + (itl_target - fixed_time - fit.decode_request_time * decodes) / prefill_token_time
+        for decodes in (1, max_num_seqs)
+    )
+    budget = max(int(budget), 1 + min_chunk_tokens)
+    rounded = budget // BUDGET_MULTIPLE * BUDGET_MULTIPLE
+    return rounded if rounded > min_chunk_tokens else budget
 
 
 def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
@@ -375,11 +399,7 @@ def format_report(
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
     if current_seqs and current_budget:
-        worst = fit.predict(
-            decode_tokens=current_seqs,
-            prefill_tokens=max(current_budget - current_seqs, 0),
-            prefill_reqs=1,
-        )
+        worst = worst_iteration_time(fit, current_budget, min(current_seqs, current_budget))
         lines.append(
             f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
             f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted"
