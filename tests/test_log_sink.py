@@ -320,10 +320,11 @@ def test_a_dead_engine_still_gets_the_line_of_its_last_iterations():
     feed(sink, [record(0, 110.5, iteration=11, num_decode_tokens=40)])
     sink.on_status(0, EngineStatus.DEAD, 0)
     feed(sink, [heartbeat(1, 121.0)])  # another engine's clock closes the window
+    # 40 tokens in the 0.5 s it was there (from the window's start to its last record)
     assert any(
-        "Engine 000: Avg prompt throughput" in text and "4.0 tokens/s" in text
+        "Engine 000: Avg prompt throughput" in text and "80.0 tokens/s" in text
         for text in lines.texts()[1:]
-    )
+    ), lines.texts()
 
 
 def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
@@ -335,9 +336,16 @@ def test_a_lone_engine_that_dies_gets_its_last_line_at_once():
     assert lines.texts(logging.INFO) == []
     sink.on_status(0, EngineStatus.DEAD, 0)
     throughput = [text for text in lines.texts(logging.INFO) if "throughput" in text]
-    assert len(throughput) == 1 and "Avg generation throughput: 4.0 tokens/s" in throughput[0]
+    # 40 tokens in the 5.5 s from the window's start to the last record: the window ends
+    # where the engine's messages did, as a replay's does at its end
+    assert len(throughput) == 1 and "Avg generation throughput: 7.3 tokens/s" in throughput[0]
     sink.close()  # nothing is printed twice
     assert len([text for text in lines.texts() if "throughput" in text]) == 1
+    replayed = Lines()
+    sink = LogSink(emit=replayed)
+    feed(sink, [heartbeat(0, 99.0), record(0, 105.5, num_decode_tokens=40, num_running_reqs=2)])
+    sink.close()
+    assert [text for text in replayed.texts() if "throughput" in text] == throughput
 
 
 def test_a_wall_clock_stepped_back_keeps_the_lines_coming():

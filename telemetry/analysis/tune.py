@@ -317,7 +317,7 @@ def _budget(fit: Fit, itl_target: float, max_num_seqs: int, min_chunk_tokens: in
         decodes + (itl_target - fixed_time - fit.decode_request_time * decodes) / prefill_token_time
         for decodes in (1, max_num_seqs)
     )
-    budget = max(int(budget), 1 + min_chunk_tokens)
+    budget = max(int(budget + 1e-6), 1 + min_chunk_tokens)  # 431.99999... is 432 tokens
     rounded = budget // BUDGET_MULTIPLE * BUDGET_MULTIPLE
     return rounded if rounded > min_chunk_tokens else budget
 

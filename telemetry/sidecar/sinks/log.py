@@ -67,6 +67,7 @@ class EngineLog:
     engine: EngineView = field(init=False)  # Ingest's, from the engine's first message on
     first_ts_ns: int | None = None  # engine clock: start of the first record or heartbeat seen
     first_wall_ns: int | None = None  # the same on the wall clock, once an anchor is known
+    last_wall_ns: int = 0  # the newest message's wall time (0: none with an anchor yet)
     status: EngineStatus | None = None  # the last one logged
     window_start: RecordTotals = field(default_factory=RecordTotals)  # totals then
     num_dropped_reported: int = 0
@@ -145,7 +146,8 @@ class LogSink(Sink):
         log = self.engines.get(record.engine_index) or self._log_of(record.engine_index)
         log.engine = engine
         if engine.clock_offset_ns is not None:
-            self._advance(record.start_ns + record.elapsed_ns + engine.clock_offset_ns)
+            log.last_wall_ns = record.start_ns + record.elapsed_ns + engine.clock_offset_ns
+            self._advance(log.last_wall_ns)
         if log.first_ts_ns is None:
             log.first_ts_ns = record.start_ns
         if self.log_iterations:
@@ -159,6 +161,7 @@ class LogSink(Sink):
         if log.first_wall_ns is None:
             first_ts_ns = heartbeat.ts_ns if log.first_ts_ns is None else log.first_ts_ns
             log.first_wall_ns = engine.to_wall_ns(min(first_ts_ns, heartbeat.ts_ns))
+        log.last_wall_ns = heartbeat.wall_ns
         self._advance(heartbeat.wall_ns)
 
     def _advance(self, wall_ns: int) -> None:
@@ -197,8 +200,12 @@ class LogSink(Sink):
             quiet = counts.num_iterations == 0 and not engine.has_work
             if quiet or (log.status is EngineStatus.DEAD and counts.num_iterations == 0):
                 continue  # a dead engine's last iterations still get their line
+            # The time the engine was there: from when it was first seen, and for a dead
+            # one up to its last message (so a replay, whatever ends its window, agrees).
             seen_ns = max(start_ns, log.first_wall_ns or start_ns)
-            window_time = (end_ns - seen_ns if seen_ns < end_ns else self.interval_ns) / 1e9
+            gone = log.status is EngineStatus.DEAD and log.last_wall_ns
+            until_ns = min(end_ns, log.last_wall_ns) if gone else end_ns
+            window_time = (until_ns - seen_ns if seen_ns < until_ns else self.interval_ns) / 1e9
             lines.append(engine_figures(engine, counts, window_time))
         for figures in lines:
             self.emit(logging.INFO, format_engine_line(figures))
