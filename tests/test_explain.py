@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import threading
 import time
 from itertools import pairwise
@@ -21,9 +22,9 @@ from telemetry.analysis.episodes import (
 from telemetry.analysis.explain import follow, main, read_timelines
 from telemetry.analysis.explain_report import format_engine
 from telemetry.analysis.summary import summarize
-from telemetry.analysis.timeline import build_timelines
+from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import IterationRecord
-from telemetry.lane.recording import RecordingReader
+from telemetry.lane.recording import RecordingReader, message_time_ns
 
 
 def episodes_of(sim: Simulator, engine_index: int = 0):
@@ -73,6 +74,18 @@ def test_story1_kv_cliff_without_preemption(story1):
     assert "no preemption was counted" in cliff.explanation
     # Nothing invents a stall or a leak: the loop kept going and blocks were returned.
     assert not [e for e in episodes if e.kind in ("stall", "kv_leak", "telemetry_gap")]
+
+
+def test_a_cliff_found_soon_after_says_what_followed_only_as_far_as_it_was_seen(story1):
+    """Live, the sidecar finds a cliff within a second: its evidence must not claim 5 s."""
+    timeline, episodes = episodes_of(story1)
+    (cliff,) = only(episodes, "kv_cliff")
+    assert "in the next 5 s " in cliff.evidence
+    cut_ns = cliff.end_ns + NS_PER_S // 2
+    early = build_timelines([m for m in story1.messages if message_time_ns(m) <= cut_ns])[0]
+    (cliff,) = only(detect_episodes(early), "kv_cliff")
+    assert "the next 5 s" not in cliff.evidence + cliff.explanation
+    assert re.search(r"in the (4\d\d\.\d ms|500\.0 ms) since \d+ iterations ran", cliff.evidence)
 
 
 def test_kv_cliff_by_preemption_is_explained_as_preemption():

@@ -16,6 +16,7 @@ from telemetry.analysis.episodes.episode import (
     flag_text,
     kv_memory_text,
     pct,
+    secs,
     span_episode,
     true_runs,
 )
@@ -23,6 +24,7 @@ from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import plural, were
 from telemetry.lane.record import UNKNOWN_KV_TOKENS
 
+AFTER_NS = 5 * NS_PER_S  # after a cliff, how long the evidence says what the engine did
 LEAK_MAX_GAP = 10  # iterations; the running requests' slack makes the excess dip a little
 
 
@@ -159,8 +161,11 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     usage = tl.kv_usage
     running, waiting = tl.col("num_running_reqs"), tl.col("num_waiting_reqs")
     num_preemptions = int(tl.col("num_preemptions")[high : low + 1].sum())
-    after_end = int(np.searchsorted(tl.col("start_ns"), tl.col("end_ns")[low] + 5 * NS_PER_S))
+    after_end = int(np.searchsorted(tl.col("start_ns"), tl.col("end_ns")[low] + AFTER_NS))
     after = slice(low + 1, after_end)
+    # Only what the timeline holds: live, a cliff is found within a second of it
+    seen_after_ns = min(AFTER_NS, tl.last_ns - int(tl.col("end_ns")[low]))
+    next_time = "the next 5 s" if seen_after_ns >= AFTER_NS else f"the {secs(seen_after_ns)} since"
     num_after = after_end - low - 1
     num_prefill_after = int(tl.col("num_prefill_tokens")[after].sum())
     num_decode_after = int(tl.col("num_decode_tokens")[after].sum())
@@ -180,11 +185,13 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"running {int(running[high])} -> {int(running[low])}, waiting "
             f"{int(waiting[high])} -> {int(waiting[low])} "
             f"({_waiting_kv_text(tl, low)}); "
-            f"preemptions counted: {num_preemptions}; in the next 5 s "
+            f"preemptions counted: {num_preemptions}; in {next_time} "
             f"{plural(num_after, 'iteration')} ran "
             f"({num_prefill_after} prefill tokens, {num_decode_after} decode tokens)"
         ),
-        explanation=_cliff_explanation(num_preemptions, num_evicted, num_after, num_prefill_after),
+        explanation=_cliff_explanation(
+            num_preemptions, num_evicted, num_after, num_prefill_after, next_time
+        ),
         setting=(
             f"Peak KV usage reached {pct(usage[high])} with "
             f"{plural(int(running[high]), 'request')}: lower "
@@ -204,9 +211,10 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
 
 
 def _cliff_explanation(
-    num_preemptions: int, num_evicted: int, num_after: int, num_prefill_after: int
+    num_preemptions: int, num_evicted: int, num_after: int, num_prefill_after: int, next_time: str
 ) -> str:
-    """Preemption is claimed only when counted, iterating only when iterations followed."""
+    """Preemption is claimed only when counted, iterating only when iterations followed
+    (in ``next_time``: the next 5 s, or less where the timeline ends sooner)."""
     num_gone = num_preemptions or num_evicted
     their, they = ("its", "it") if num_gone == 1 else ("their", "they")
     if num_preemptions:
@@ -223,12 +231,12 @@ def _cliff_explanation(
             "evicted by a path that does not count as a preemption."
         )
     if not num_after:
-        return why + " No iteration followed in the next 5 s of the recording."
+        return why + f" No iteration followed in {next_time} of the recording."
     if num_preemptions:
         return why
     return (
         why + " The engine did not stop: it kept iterating "
-        f"({plural(num_after, 'iteration')} in the next 5 s, "
+        f"({plural(num_after, 'iteration')} in {next_time}, "
         f"{plural(num_prefill_after, 'prefill token')} among them: the evicted "
         f"{'prompt is' if num_evicted == 1 else 'prompts are'} computed again)."
     )
