@@ -213,6 +213,11 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     target = command[command.index("--itl-target") + 1]
     assert target == f"{round(3 * baseline_ms, 1):g}ms"  # 3x the median decode-only iteration
     value = int(action.split("Set --max-num-batched-tokens ")[1].split()[0])
+    # a lower budget says what it costs prompts
+    assert value < 2048 and action.endswith(
+        "so time to first token grows: keep it if it matters more than inter-token latency."
+    )
+    assert re.search(r"prompts are then computed at \d+ tokens/s at most", action)
     assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 

@@ -89,14 +89,18 @@ def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
             f"{value}, so a latency target that loose does not call for a change."
         )
     seqs = tl.facts.get("max_num_seqs")
+    # A smaller budget computes prompts more slowly: said where the budget is lowered.
+    ttft = (
+        f"; prompts are then computed at {rec.prompt_throughput:.0f} tokens/s at most, so "
+        "time to first token grows: keep {} if it matters more than inter-token latency"
+    )
     if seqs and value < seqs:  # the engine refuses a budget below its sequence limit
         return (
             f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
-            f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}; prompts are then "
-            f"computed at {rec.prompt_throughput:.0f} tokens/s at most, so time to first "
-            "token grows: keep both if it matters more than inter-token latency."
+            f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}" + ttft.format("both") + "."
         )
-    return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}."
+    lowered = ttft.format("it") if current and value < current else ""
+    return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}{lowered}."
 
 
 def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
