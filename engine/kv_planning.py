@@ -14,6 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+
+def gib_text(num_bytes: int) -> str:
+    """A size as vLLM's lines say it (``4.50 GiB``), with MiB where two decimals of GiB say
+    little (``0.02 GiB (16.0 MiB)``), as a small CPU cache is."""
+    text = f"{num_bytes / GIB:.2f} GiB"
+    return f"{text} ({num_bytes / MIB:.1f} MiB)" if 0 < num_bytes < GIB // 10 else text
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,7 +87,7 @@ class KvPlan:
     def startup_lines(self, request_len: int | None = None) -> list[str]:
         request_len = request_len or self.max_model_len
         return [
-            f"Available KV cache memory: {self.available_bytes / GIB:.2f} GiB",
+            f"Available KV cache memory: {gib_text(self.available_bytes)}",
             f"KV cache size: {self.num_tokens:,} tokens",
             f"Maximum concurrency for {request_len:,} tokens per request: "
             f"{self.max_concurrency(request_len):.2f}x",
@@ -111,8 +119,8 @@ def plan_kv_cache(
         )
         raise ValueError(
             f"To serve at least one request with the model's max seq len ({max_model_len}), "
-            f"{needed_bytes / GIB:.2f} GiB KV cache is needed, which is larger than the "
-            f"available KV cache memory ({max(available_bytes, 0) / GIB:.2f} GiB). Based on "
+            f"{gib_text(needed_bytes)} KV cache is needed, which is larger than the "
+            f"available KV cache memory ({gib_text(max(available_bytes, 0))}). Based on "
             f"the available memory, the estimated maximum model length is {estimate}. Try "
             f"increasing {memory_setting} or decreasing max_model_len (--max-model-len)."
         )

@@ -77,7 +77,7 @@ def test_ready_reports_the_kv_plan_the_allocator_and_the_kernels(client):
     *lines, allocator, kernels = client.ready.startup_lines
     assert lines == [
         make_config().dtype_choice()[1],
-        "Available KV cache memory: 0.00 GiB",
+        "Available KV cache memory: 0.00 GiB (0.2 MiB)",
         "KV cache size: 1,024 tokens",
         "Maximum concurrency for 256 tokens per request: 4.00x",
     ]

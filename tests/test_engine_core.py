@@ -164,7 +164,7 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
         == core.startup_lines()
         == [
             config.dtype_choice()[1],
-            "Available KV cache memory: 0.00 GiB",
+            "Available KV cache memory: 0.00 GiB (1.0 MiB)",
             "KV cache size: 4,096 tokens",
             "Maximum concurrency for 2,048 tokens per request: 2.00x",
             allocator_line(),  # this process's: the test runner was not spawned with tcmalloc
