@@ -334,6 +334,34 @@ def test_cli_errors(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("not json\n")
     assert main([str(empty)]) == 1
+    assert "its line is not one" in capsys.readouterr().err
+
+
+def test_nothing_to_read_says_why_in_every_command(story1, tmp_path, capsys):
+    """explain, tune and timeline say alike why a recording gave them nothing."""
+    from telemetry.analysis import timeline_command, tune
+
+    garbage, empty = tmp_path / "garbage.jsonl", tmp_path / "empty.jsonl"
+    garbage.write_text("not json\n{]\n")
+    empty.write_text("")
+    recording = story1.write(tmp_path / "rec.jsonl")
+    commands = {
+        "explain": lambda *args: main(list(args)),
+        "tune": lambda *args: tune.main([*args, "--itl-target", "50ms"]),
+        "timeline": lambda *args: timeline_command.main([*args, "-o", str(tmp_path / "t.pftrace")]),
+    }
+    cases = [
+        ([str(garbage)], "none of its 2 lines is one"),
+        ([str(empty)], "no telemetry message found in the recording: it is empty"),
+        (
+            [str(recording), "--engine", "7"],
+            "no message of engine 7 in the recording (it has engine 0)",
+        ),
+    ]
+    for name, command in commands.items():
+        for args, said in cases:
+            assert command(*args) != 0, (name, args)
+            assert said in capsys.readouterr().err, (name, args)
 
 
 def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):

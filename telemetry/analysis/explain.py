@@ -34,7 +34,12 @@ from telemetry.analysis.fpm_recording import (
     capture_lines,
     wall_time_line,
 )
-from telemetry.analysis.timeline import EngineTimeline, build_timelines, read_timelines
+from telemetry.analysis.timeline import (
+    EngineTimeline,
+    build_timelines,
+    nothing_to_read,
+    read_timelines,
+)
 from telemetry.analysis.words import plural
 from telemetry.lane.recording import RecordingReader
 from telemetry.sources.fpm_taps import is_tap
@@ -192,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"iterscope explain: {error}", file=sys.stderr)
         return 2
-    timelines = _only_engine(timelines, args.engine)
-    if not timelines:
-        print("iterscope explain: no telemetry message found in the recording", file=sys.stderr)
+    chosen = _only_engine(timelines, args.engine)
+    if not chosen:
+        why = nothing_to_read(timelines, num_bad, args.engine)
+        print(f"iterscope explain: {why}", file=sys.stderr)
         return 1
+    timelines = chosen
     capture = next(iter(timelines.values())).capture
     if args.json:
         report = report_json(timelines, thresholds)

@@ -270,6 +270,26 @@ def read_timelines(
     return build_timelines(messages), len(messages), num_bad_lines
 
 
+def nothing_to_read(
+    timelines: dict[int, EngineTimeline], num_bad_lines: int, engine_index: int | None
+) -> str:
+    """Why a command found nothing to work on, for its error line: no line readable, only
+    other engines, or an empty file."""
+    if timelines and engine_index is not None:
+        engines = "engine" if len(timelines) == 1 else "engines"
+        return (
+            f"no message of engine {engine_index} in the recording (it has {engines} "
+            f"{', '.join(str(index) for index in sorted(timelines))})"
+        )
+    if num_bad_lines:
+        lines = f"none of its {num_bad_lines} lines is" if num_bad_lines > 1 else "its line is not"
+        return (
+            f"no telemetry message found in the recording: {lines} one (these are read: "
+            "`iterscope sidecar --record` recordings and Dynamo's FPM recordings)"
+        )
+    return "no telemetry message found in the recording: it is empty"
+
+
 def _refuse_two_engines_as_one(pids: dict[int, dict[str, set[int]]]) -> None:
     """ValueError where two recordings given hold an engine of the same index whose processes
     have nothing in common (two runs, two hosts): drawn as one engine, their iterations would

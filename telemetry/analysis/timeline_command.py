@@ -19,7 +19,7 @@ from pathlib import Path
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Thresholds
 from telemetry.analysis.perfetto_trace import TraceCounts, write_trace
-from telemetry.analysis.timeline import EngineTimeline, read_timelines
+from telemetry.analysis.timeline import EngineTimeline, nothing_to_read, read_timelines
 from telemetry.analysis.words import plural
 
 VIEWER_URL = "https://ui.perfetto.dev"
@@ -67,16 +67,14 @@ def convert(
     if output.resolve() in inputs:
         raise TimelineError(f"the output {output} is one of the recordings; choose another name")
     try:
-        timelines, _, num_bad = read_timelines(recordings)
+        read, _, num_bad = read_timelines(recordings)
     except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as error:
         raise TimelineError(str(error)) from None
+    timelines = read
     if engine_index is not None:
         timelines = {k: v for k, v in timelines.items() if k == engine_index}
     if not timelines:
-        raise TimelineError(
-            f"no telemetry message in {', '.join(map(str, recordings))} "
-            f"({plural(num_bad, 'unreadable line')}): is it a recording of `--record`?"
-        )
+        raise TimelineError(nothing_to_read(read, num_bad, engine_index))
     return _write_whole(timelines, output, thresholds), num_bad
 
 

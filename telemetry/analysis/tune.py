@@ -35,7 +35,7 @@ import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.fpm_recording import add_fpm_producer_argument, tune_lines
-from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, nothing_to_read, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
 
@@ -472,10 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         print("iterscope tune: --itl-target must be > 0 and --min-chunk >= 0", file=sys.stderr)
         return 2
     try:
-        timelines, _, _ = read_timelines(args.recordings, args.fpm_producer)
+        all_timelines, _, num_bad = read_timelines(args.recordings, args.fpm_producer)
     except (FileNotFoundError, ValueError) as error:
         print(f"iterscope tune: {error}", file=sys.stderr)
         return 2
+    timelines = all_timelines
     if args.engine is not None:
         timelines = {k: v for k, v in timelines.items() if k == args.engine}
     results, status = [], 0
@@ -500,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length, refused)))
     if not timelines:
-        print("iterscope tune: no iteration found in the recording", file=sys.stderr)
+        print(
+            f"iterscope tune: {nothing_to_read(all_timelines, num_bad, args.engine)}",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         print(json.dumps({"engines": results}, indent=2))
