@@ -58,6 +58,27 @@ def test_remote_bind_needs_to_be_asked_for(capsys):
     assert sidecar_cli.main(["--address", "udp://x", "--no-metrics"]) == 2
 
 
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--address", "tcp://0.0.0.0:5999"], "--allow-remote"),
+        (["--fpm", "foo"], "an --fpm endpoint must be ipc://PATH or tcp://HOST:PORT, got 'foo'"),
+        (["--fpm", "ipc:///tmp/x", "--fpm-dp-ranks", "2"], "needs tcp://HOST:PORT endpoints"),
+    ],
+)
+def test_bad_addresses_are_refused_before_anything_starts(
+    arguments, said, tmp_path, caplog, capsys
+):
+    """No metrics server started, no recording file made, for a sidecar that cannot run."""
+    record = tmp_path / "run.jsonl"
+    with caplog.at_level("INFO"):
+        code = sidecar_cli.main([*arguments, "--metrics-port", "0", "--record", str(record)])
+    assert code == 2
+    assert said in capsys.readouterr().err
+    assert not record.exists()
+    assert not [r for r in caplog.records if "Prometheus metrics on" in r.getMessage()]
+
+
 def test_engine_options_start_a_sidecar_by_default():
     parser = argparse.ArgumentParser()
     sidecar_process.add_arguments(parser)

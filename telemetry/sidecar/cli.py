@@ -252,9 +252,18 @@ def check_private_directory(directory: str) -> None:
         )
 
 
-def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
+def check_live_arguments(args: argparse.Namespace) -> str:
+    """The lane's address, checked with the FPM endpoints before any sink starts a server or
+    opens a file; ValueError names the first that is wrong."""
     address = args.address or default_address()
     check_address(address, args.bind, args.allow_remote or bool(args.curve_keys_dir))
+    for endpoint in endpoints_by_rank(args.fpm or [], args.fpm_dp_ranks):
+        check_address(endpoint, bind=False, what="an --fpm endpoint")
+    return address
+
+
+def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
+    address = check_live_arguments(args)
     if address.startswith("ipc://") and args.bind:
         check_private_directory(os.path.dirname(address[len("ipc://") :]) or ".")
     ingest = Ingest(
@@ -347,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 "--fpm and --fpm-port serve live engines: they cannot go with --replay"
             )
+        if not args.replay:
+            check_live_arguments(args)
         sinks = build_sinks(sink_modules, args)
         if args.replay:
             from telemetry.sidecar.replay import replay

@@ -62,7 +62,7 @@ class FpmSubscriber:
     ) -> None:
         """ValueError for an endpoint that is not ipc:// or tcp://."""
         for endpoint in endpoints:
-            check_address(endpoint, bind=False)
+            check_address(endpoint, bind=False, what="an --fpm endpoint")
         self.endpoints = list(endpoints)
         self.engines = engines
         self.socket = (context or zmq.Context.instance()).socket(zmq.SUB)

@@ -36,13 +36,14 @@ DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already rece
 T = TypeVar("T")
 
 
-def check_address(address: str, bind: bool, allow_remote: bool = False) -> None:
-    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``."""
+def check_address(
+    address: str, bind: bool, allow_remote: bool = False, what: str = "telemetry address"
+) -> None:
+    """ipc:// always; tcp:// only on a loopback address unless ``allow_remote``. ``what``
+    names the address in the error (the lane's, an FPM producer's)."""
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in ("ipc", "tcp"):
-        raise ValueError(
-            f"telemetry address must be ipc://PATH or tcp://HOST:PORT, got {address!r}"
-        )
+        raise ValueError(f"{what} must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
     if scheme == "tcp" and bind and not allow_remote:
         host = rest.rsplit(":", 1)[0].strip("[]")
         if host not in ("127.0.0.1", "localhost", "::1"):
