@@ -153,3 +153,19 @@ def test_a_flag_and_the_config_refuse_a_value_with_the_same_words(capsys):
             EngineConfig(**{field: value})
         expected = message.split("expected ", 1)[1].rsplit(", got", 1)[0]
         assert f"must be {expected}, got" in str(error.value), (message, error.value)
+
+
+def test_serve_refuses_a_model_it_cannot_find_before_starting_anything(
+    tmp_path, capsys, monkeypatch
+):
+    """No sidecar is started (and so no /metrics, no recording) for a model that is not there."""
+    from engine.entrypoints import serve
+    from telemetry.sidecar import process as sidecar_process
+
+    def no_sidecar(args):
+        raise AssertionError("a sidecar was started")
+
+    monkeypatch.setattr(sidecar_process, "start_from_args", no_sidecar)
+    monkeypatch.setattr(serve.signal, "signal", lambda *_: None)  # keep pytest's SIGTERM
+    assert serve.main([str(tmp_path / "no-such-model")]) == 1
+    assert "not found: give smollm2, a .gguf file, or a directory" in capsys.readouterr().err

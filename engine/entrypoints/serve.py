@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     keep_large_blocks_mapped()
     sidecar = client = None
     try:
+        tokenizer = load_tokenizer(args.model)  # first: a wrong model starts nothing
         sidecar = sidecar_process.start_from_args(args)
         sidecar_metrics_url = api_metrics.sidecar_metrics_url(args, sidecar)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
-        tokenizer = load_tokenizer(args.model)
         client = start_engine(config, args.cpu_threads)
         frontend = Frontend(
             client,
