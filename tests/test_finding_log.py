@@ -97,6 +97,31 @@ def test_faults_and_findings_without_a_clock_anchor_always_print():
         assert len(lines) == 10 and log.flush() == [], kind
 
 
+def test_one_that_opens_while_another_of_its_kind_is_open_is_a_repeat():
+    log = FindingLog()
+    first, second = finding(start_s=100.0, end_s=103.0), finding(start_s=102.0, end_s=104.0)
+    assert len(log.on_finding(FindingEvent("opened", first))) == 1
+    assert log.on_finding(FindingEvent("opened", second)) == []
+    assert len(log.on_finding(FindingEvent("closed", first))) == 1
+    assert log.on_finding(FindingEvent("closed", second)) == []
+    (summary,) = log.flush()
+    assert said_times(summary[1]) == 1
+
+
+def test_a_removed_engine_is_forgotten_its_repeats_said():
+    """An evicted engine's open finding never closes: a new engine under its index must not
+    have its findings folded as repeats of it."""
+    log = FindingLog()
+    stuck, repeat = finding(start_s=100.0, end_s=101.0), finding(start_s=102.0, end_s=103.0)
+    for one in (stuck, repeat):
+        log.on_finding(FindingEvent("opened", one))
+    log.on_finding(FindingEvent("closed", repeat))
+    (summary,) = log.forget(0)
+    assert said_times(summary[1]) == 1 and log.flush() == []
+    newcomer = finding(start_s=104.0, end_s=105.0)
+    assert len(log.on_finding(FindingEvent("opened", newcomer))) == 1
+
+
 def test_kinds_and_engines_fold_apart():
     log = FindingLog()
     first, other_kind = finding("waiting_kv"), finding("long_prefill", 101.5, 102.0)

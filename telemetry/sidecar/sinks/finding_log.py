@@ -8,7 +8,8 @@ So, per engine and kind:
 
 - a finding prints as it happens: a WARNING when it opens (what, since when, the evidence,
   the action), an INFO when it closes (how long, what it cost);
-- unless it opens within REPEAT_WINDOW_S of the end of the kind's previous one: a repeat
+- unless it opens while one of its kind is open, or within REPEAT_WINDOW_S of the end of
+  the kind's previous one: a repeat
   prints nothing of its own; the repeats are summed and said in one WARNING (how many, since
   when, time and cost in all, the newest action), at the first log window that closes
   REPEAT_WINDOW_S or more after the kind's last line, and at the sidecar's exit. A condition
@@ -68,6 +69,7 @@ class Repeats:
 
     last_end_ns: int | None = None  # engine time: the end of the newest one closed
     last_line_wall_ns: int = 0  # when the kind's last line was about (wall time)
+    said: set[int] = field(default_factory=set)  # id() of those open now that were said
     folded: set[int] = field(default_factory=set)  # id() of the repeats open now
     num_closed: int = 0  # repeats closed since the last line
     duration_s: float = 0.0
@@ -76,10 +78,13 @@ class Repeats:
     last_closed: LiveFinding | None = None
 
     def is_repeat(self, finding: LiveFinding) -> bool:
+        """One of its kind is open, or ended less than REPEAT_WINDOW_S before it began."""
+        if finding.kind in ALWAYS_SAID or not finding.start_wall_ns:
+            return False
+        if self.said or self.folded:
+            return True
         return (
-            finding.kind not in ALWAYS_SAID
-            and finding.start_wall_ns > 0
-            and self.last_end_ns is not None
+            self.last_end_ns is not None
             and 0 <= finding.start_ns - self.last_end_ns <= REPEAT_WINDOW_S * NS_PER_S
         )
 
@@ -120,15 +125,27 @@ class FindingLog:
             if repeats.is_repeat(finding):
                 repeats.folded.add(id(finding))
                 return []
+            repeats.said.add(id(finding))
             repeats.last_line_wall_ns = finding.start_wall_ns
             return [finding_line(event)]
-        repeats.last_end_ns = finding.end_ns
+        if repeats.last_end_ns is None or finding.end_ns > repeats.last_end_ns:
+            repeats.last_end_ns = finding.end_ns  # of those closed, the one that ended last
+        repeats.said.discard(id(finding))
         if id(finding) in repeats.folded:
             repeats.folded.discard(id(finding))
             repeats.add_closed(finding)
             return []
         repeats.last_line_wall_ns = end_wall_ns(finding)
         return [finding_line(event)]
+
+    def forget(self, engine_index: int) -> list[Line]:
+        """An engine no longer tracked: its repeats not said yet, and nothing kept of it
+        (its open findings never close; a new engine under its index starts afresh)."""
+        keys = [key for key in self._repeats if key[0] == engine_index]
+        lines = [self._repeats[key].summary() for key in keys if self._repeats[key].num_closed]
+        for key in keys:
+            del self._repeats[key]
+        return lines
 
     def due(self, now_wall_ns: int) -> list[Line]:
         """The repeats to say now: those of kinds whose last line is REPEAT_WINDOW_S old."""

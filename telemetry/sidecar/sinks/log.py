@@ -267,6 +267,8 @@ class LogSink(Sink):
         if num_unreported:
             text += f"; {num_unreported} telemetry messages lost (sequence gaps)"
         self.emit(logging.WARNING, text)
+        for line in self._finding_log.forget(engine_index):
+            self.emit(*line)
         if log.window_counts().num_iterations:
             self._removed.append(log)
 
