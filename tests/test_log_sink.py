@@ -189,7 +189,7 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     # and the live findings, each with its action: the stall (closed when it died), the death
     stall, dead = [text for text in warnings if "->" not in text]
     assert stall.startswith("Engine 000: Engine stalled since ") and "py-spy dump" in stall
-    assert "last_iteration stayed at 1 " in stall and "2 running" in stall
+    assert "last_iteration stayed at 1 " in stall and "while up to 2 requests ran" in stall
     assert dead.startswith("Engine 000: Engine down since ") and "IterscopeEngineDown" in dead
     assert lines.texts(logging.INFO)[0] == "Engine 000: connected, running"
     before = len(lines.lines)

@@ -52,7 +52,12 @@ from telemetry.analysis.episodes import (
     secs,
 )
 from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
-from telemetry.analysis.episodes.liveness import SILENCE_SETTING, detect_spinning, stall_setting
+from telemetry.analysis.episodes.liveness import (
+    SILENCE_SETTING,
+    detect_spinning,
+    stall_setting,
+    work_text,
+)
 from telemetry.analysis.findings import (
     COST_LABELS,
     EVICTING_KINDS,
@@ -458,12 +463,13 @@ class EngineFindings:
             self._set_cost(finding, sum(self._busy_max) * finding.duration_s)
 
     def _status_evidence(self, finding: LiveFinding) -> None:
-        waiting, running = self._busy_max
+        busy = work_text(*self._busy_max)
         if finding.kind == STALL:
             finding.evidence = (
                 f"last_iteration stayed at {finding.iteration} for "
-                f"{secs(finding.end_ns - finding.start_ns)} with up to {waiting} waiting and "
-                f"{running} running; heartbeats continue, so the process is alive"
+                f"{secs(finding.end_ns - finding.start_ns)} "
+                f"{f'while up to {busy}' if busy else 'with no request waiting or running'}; "
+                "heartbeats continue, so the process is alive"
             )
         else:
             finding.evidence = (

@@ -129,7 +129,7 @@ def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool)
     )
 
 
-def _work_text(num_waiting: int, num_running: int) -> str:
+def work_text(num_waiting: int, num_running: int) -> str:
     """``2 requests waited and 1 ran``, leaving out a count of 0 (one is not 0 in a busy group)."""
     parts = [
         f"{plural(num_waiting, 'request')} waited" if num_waiting else "",
@@ -158,7 +158,7 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns)
         ),
         explanation=(
             f"No iteration finished for {secs(until_ns - since_ns)} while up to "
-            f"{_work_text(max_waiting, max_running)}; "
+            f"{work_text(max_waiting, max_running)}; "
             "heartbeats continued, so the process was alive: a forward pass or the loop was "
             f"stuck or very slow ({where}). Clients got no token meanwhile."
         ),
