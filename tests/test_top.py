@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.entrypoints.cli import main as iterscope
+from telemetry.analysis.live_findings import RECENT_CLOSED
 from telemetry.lane.record import EVENT_FIRST_TOKEN, RequestMilestone, heartbeat, iteration_record
 from telemetry.sidecar import top
 from telemetry.sidecar.engine_view import EngineStatus
@@ -242,6 +243,32 @@ def test_a_frame_shows_open_findings_whole_and_the_newest_closed_ones_briefly():
         assert line.startswith(f"    - closed number {number}  "), line
     assert closed[0].endswith("lasted 2.0 s, < 0.01 request-s waiting")
     assert "not shown" not in "\n".join(lines)
+
+
+def test_closed_findings_of_one_title_are_one_line():
+    """A condition that came and went many times: one line, as the log sums it."""
+    findings = [
+        {
+            "title": title,
+            "state": "closed",
+            "since_unix": 1_700_000_000.0 - number,
+            "duration_s": 0.5,
+            "cost_request_seconds": 1.5,
+            "cost_label": "waiting",
+        }
+        for number, title in enumerate(["KV cache saturated", "Long prefill"] * 3 + ["Old"])
+    ]
+    lines = top.finding_lines(findings, width=None)
+    assert lines[2].startswith("    - KV cache saturated  3 times, the last ")
+    assert lines[2].endswith("(lasted 0.5 s), 4.5 request-s waiting in all")
+    assert lines[3].startswith("    - Long prefill  3 times, ")
+    assert lines[4].startswith("    - Old  ") and lines[4].endswith(
+        "lasted 0.5 s, 1.5 request-s waiting"
+    )
+    # the sidecar keeps the newest RECENT_CLOSED: with that many, a count is a lower bound
+    kept = [{**findings[0], "since_unix": 1_700_000_000.0 - n} for n in range(RECENT_CLOSED)]
+    lines = top.finding_lines(kept, width=None)
+    assert lines[2].startswith(f"    - KV cache saturated  {RECENT_CLOSED} times or more, ")
 
 
 def test_long_finding_lines_wrap_to_the_terminal_and_findings_off_says_so():

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from telemetry.analysis.findings import cost_text
+from telemetry.analysis.live_findings import RECENT_CLOSED
+from telemetry.analysis.words import plural
 from telemetry.sidecar.metrics_http import metrics_url
 from telemetry.sidecar.scrape import (
     Samples,
@@ -140,11 +142,37 @@ def _wrapped(indent: str, text: str, width: int | None) -> list[str]:
     )
 
 
+def closed_groups(findings: list[dict]) -> list[list[dict]]:
+    """The closed findings (newest first, as /findings gives them) by title, the group of
+    the newest first: a condition that came and went is one line, as in the log."""
+    groups: dict[str, list[dict]] = {}
+    for finding in findings:
+        if finding.get("state") == "closed":
+            groups.setdefault(str(finding.get("title")), []).append(finding)
+    return list(groups.values())[:MAX_CLOSED_SHOWN]
+
+
+def _closed_line(group: list[dict], all_kept: bool) -> str:
+    """One title's closed findings; ``all_kept``: the sidecar still holds every closed one
+    (it keeps the newest RECENT_CLOSED), so their count is not a lower bound."""
+    newest = group[0]
+    since = clock_text(newest.get("since_unix"))
+    lasted = f"lasted {newest.get('duration_s', 0):.1f} s"
+    if len(group) == 1 and all_kept:
+        return f"- {newest.get('title')}  {since}, {lasted}, {_cost(newest)}"
+    cost = sum(f.get("cost_request_seconds") or 0 for f in group)
+    times = plural(len(group), "time") + ("" if all_kept else " or more")
+    return (
+        f"- {newest.get('title')}  {times}, the last {since} ({lasted}), "
+        f"{_cost({**newest, 'cost_request_seconds': cost})} in all"
+    )
+
+
 def finding_lines(findings: list[dict], width: int | None) -> list[str]:
     """One engine's open findings (title, since, cost, evidence, action), then its newest
-    closed ones briefly (title, since, length, cost)."""
+    closed ones briefly (title, since, length, cost), those of one title in one line."""
     open_findings = [f for f in findings if f.get("state") == "open"]
-    closed = [f for f in findings if f.get("state") == "closed"][:MAX_CLOSED_SHOWN]
+    closed = closed_groups(findings)
     lines = [f"  open findings: {len(open_findings) or 'none'}"]
     for finding in open_findings:
         since = clock_text(finding.get("since_unix"))
@@ -154,12 +182,9 @@ def finding_lines(findings: list[dict], width: int | None) -> list[str]:
         lines += _wrapped("      ", f"action: {finding.get('action', '')}", width)
     if closed:
         lines.append("  recently closed:")
-    for finding in closed:
-        since = clock_text(finding.get("since_unix"))
-        lasted = f"lasted {finding.get('duration_s', 0):.1f} s"
-        lines += _wrapped(
-            "    ", f"- {finding.get('title')}  {since}, {lasted}, {_cost(finding)}", width
-        )
+    all_kept = sum(f.get("state") == "closed" for f in findings) < RECENT_CLOSED
+    for group in closed:
+        lines += _wrapped("    ", _closed_line(group, all_kept), width)
     return lines
 
 
