@@ -9,11 +9,11 @@ So, per engine and kind:
 - a finding prints as it happens: a WARNING when it opens (what, since when, the evidence,
   the action), an INFO when it closes (how long, what it cost);
 - unless it opens while one of its kind is open, or within REPEAT_WINDOW_S of the end of
-  the kind's previous one: a repeat
-  prints nothing of its own; the repeats are summed and said in one WARNING (how many, since
-  when, time and cost in all, the newest action), at the first log window that closes
-  REPEAT_WINDOW_S or more after the kind's last line, and at the sidecar's exit. A condition
-  that keeps coming back thus prints a line every half minute, and one after it stopped.
+  the kind's previous one: a repeat prints nothing of its own; the repeats are summed and
+  said in one WARNING (how many, since when, time and cost in all, the newest action), at the
+  first log window that closes REPEAT_WINDOW_S or more after the kind's last line, and at the
+  sidecar's exit. A condition that keeps coming back thus prints a line every half minute,
+  and one after it stopped.
 
 Faults (an engine stalled, spinning or dead, a KV leak) always print: each one matters.
 Decisions follow record time (the findings' engine times and the log clock), so a replayed
