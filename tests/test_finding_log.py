@@ -4,7 +4,7 @@ import logging
 import re
 
 from telemetry.analysis.live_findings import FindingEvent, LiveFinding
-from telemetry.sidecar.sinks.finding_log import REPEAT_WINDOW_S, FindingLog
+from telemetry.sidecar.sinks.finding_log import PROMOTE_AFTER_S, REPEAT_WINDOW_S, FindingLog
 from telemetry.sidecar.sinks.log import LogSink
 from tests.helpers.sink_feed import send
 from tests.test_log_sink import CLOCK_OFFSET_NS, SECOND, Lines, heartbeat
@@ -95,6 +95,26 @@ def test_faults_and_findings_without_a_clock_anchor_always_print():
             lines += log.on_finding(FindingEvent("opened", one))
             lines += log.on_finding(FindingEvent("closed", one))
         assert len(lines) == 10 and log.flush() == [], kind
+
+
+def test_a_repeat_that_lasts_is_said_on_its_own_while_it_lasts():
+    """A long, costly episode right after a short one of its kind is not flicker: it gets
+    its WARNING at the first window's close PROMOTE_AFTER_S into it, and its INFO."""
+    log = FindingLog()
+    first = finding(start_s=100.0, end_s=101.0)
+    log.on_finding(FindingEvent("opened", first))
+    log.on_finding(FindingEvent("closed", first))
+    long = finding(start_s=105.0, end_s=106.0, cost=3.0)
+    assert log.on_finding(FindingEvent("opened", long)) == []
+    assert log.due(int(110 * SECOND)) == []  # 1 s old as the window closes: a repeat so far
+    long.end_ns += int((PROMOTE_AFTER_S - 1.0) * SECOND)  # live_findings extends it in place
+    (said,) = log.due(int(120 * SECOND))
+    assert said[0] == logging.WARNING and " since " in said[1] and "again" not in said[1]
+    assert f"{PROMOTE_AFTER_S:.1f} s so far, " in said[1]
+    assert log.due(int(130 * SECOND)) == []  # said once
+    (closed,) = log.on_finding(FindingEvent("closed", long))
+    assert closed[0] == logging.INFO and "ended after" in closed[1]
+    assert log.flush() == []  # nothing left to sum: it was said on its own
 
 
 def test_one_that_opens_while_another_of_its_kind_is_open_is_a_repeat():

@@ -13,7 +13,10 @@ So, per engine and kind:
   said in one WARNING (how many, since when, time and cost in all, the newest action), at the
   first log window that closes REPEAT_WINDOW_S or more after the kind's last line, and at the
   sidecar's exit. A condition that keeps coming back thus prints a line every half minute,
-  and one after it stopped.
+  and one after it stopped;
+- but a repeat still open PROMOTE_AFTER_S after it began is no flicker: at the next log
+  window's close it is said as any finding is (its WARNING then, its INFO when it closes), so
+  a long, costly episode is never left unsaid while it lasts.
 
 Faults (an engine stalled, spinning or dead, a KV leak) always print: each one matters.
 Decisions follow record time (the findings' engine times and the log clock), so a replayed
@@ -32,6 +35,7 @@ from telemetry.analysis.live_findings import DEAD, SPINNING, STALL, FindingEvent
 from telemetry.analysis.timeline import NS_PER_S
 
 REPEAT_WINDOW_S = 30.0
+PROMOTE_AFTER_S = 10.0
 ALWAYS_SAID = frozenset((*FAULT_KINDS, STALL, SPINNING, DEAD))
 
 Line = tuple[int, str]  # (logging level, text)
@@ -70,7 +74,7 @@ class Repeats:
     last_end_ns: int | None = None  # engine time: the end of the newest one closed
     last_line_wall_ns: int = 0  # when the kind's last line was about (wall time)
     said: set[int] = field(default_factory=set)  # id() of those open now that were said
-    folded: set[int] = field(default_factory=set)  # id() of the repeats open now
+    folded: dict[int, LiveFinding] = field(default_factory=dict)  # the repeats open now, by id
     num_closed: int = 0  # repeats closed since the last line
     duration_s: float = 0.0
     cost: float = 0.0
@@ -95,6 +99,18 @@ class Repeats:
         self.duration_s += finding.duration_s
         self.cost += finding.cost
         self.last_closed = finding
+
+    def promote(self) -> list[Line]:
+        """The open repeats that lasted PROMOTE_AFTER_S: said now, and from now on as any."""
+        lasting = [
+            finding
+            for finding in self.folded.values()
+            if finding.duration_s >= PROMOTE_AFTER_S and not finding.closed
+        ]
+        for finding in lasting:
+            del self.folded[id(finding)]
+            self.said.add(id(finding))
+        return [finding_line(FindingEvent("opened", finding)) for finding in lasting]
 
     def summary(self) -> Line:
         """The repeats closed since the kind's last line, in one WARNING."""
@@ -123,7 +139,7 @@ class FindingLog:
         repeats = self._repeats.setdefault((finding.engine_index, finding.kind), Repeats())
         if event.what == "opened":
             if repeats.is_repeat(finding):
-                repeats.folded.add(id(finding))
+                repeats.folded[id(finding)] = finding
                 return []
             repeats.said.add(id(finding))
             repeats.last_line_wall_ns = finding.start_wall_ns
@@ -131,8 +147,7 @@ class FindingLog:
         if repeats.last_end_ns is None or finding.end_ns > repeats.last_end_ns:
             repeats.last_end_ns = finding.end_ns  # of those closed, the one that ended last
         repeats.said.discard(id(finding))
-        if id(finding) in repeats.folded:
-            repeats.folded.discard(id(finding))
+        if repeats.folded.pop(id(finding), None) is not None:
             repeats.add_closed(finding)
             return []
         repeats.last_line_wall_ns = end_wall_ns(finding)
@@ -148,9 +163,14 @@ class FindingLog:
         return lines
 
     def due(self, now_wall_ns: int) -> list[Line]:
-        """The repeats to say now: those of kinds whose last line is REPEAT_WINDOW_S old."""
+        """The lines to say at a log window's close: repeats open PROMOTE_AFTER_S, each on
+        its own; the sums of kinds whose last line is REPEAT_WINDOW_S old."""
         lines = []
         for repeats in self._repeats.values():
+            promoted = repeats.promote()
+            if promoted:
+                repeats.last_line_wall_ns = now_wall_ns
+            lines += promoted
             old = now_wall_ns - repeats.last_line_wall_ns >= REPEAT_WINDOW_S * NS_PER_S
             if repeats.num_closed and old:
                 lines.append(repeats.summary())
