@@ -19,9 +19,10 @@ So, per engine and kind:
   a long, costly episode is never left unsaid while it lasts.
 
 Faults (an engine stalled, spinning or dead, a KV leak) always print: each one matters.
-Decisions follow record time (the findings' engine times and the log clock), so a replayed
-recording prints the same lines as the live run did. A finding whose engine had no clock
-anchor yet (no heartbeat) is never folded.
+Decisions follow record time (the findings' engine times and the log clock), not the
+sidecar's clock, so a replay folds what it finds as the live run did (when a finding opens
+may differ by a search: the window is searched about once a second of the sidecar's clock).
+A finding whose engine had no clock anchor yet (no heartbeat) is never folded.
 """
 
 from __future__ import annotations
