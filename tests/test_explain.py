@@ -388,6 +388,44 @@ def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
     assert text.count("Engine stalled") >= 2
 
 
+def test_follow_says_a_condition_that_comes_and_goes_in_full_once_then_a_line_each(tmp_path):
+    """Three long prefills 4-7 s apart: the first in full, the others one line each, as the
+    sidecar's log folds them (live_findings.follows_closely); the summary still has all."""
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    sim.run(22)
+    out = io.StringIO()
+    follow([sim.write(tmp_path / "rec.jsonl")], Thresholds(), 0.05, max_time=0.3, out=out)
+    text = out.getvalue()
+    assert text.count("[engine 0, new]") == 1 and text.count("[engine 0, again]") == 2, text
+    assert text.count("Long prefill chunks stretch decode latency") == 4  # 3 + the summary's
+    assert text.count("      evidence") == 1  # the first episode's details only
+    assert "Long prefill chunks stretch decode latency: 3 times" in text
+
+
+def test_follow_says_a_repeat_that_lasts_in_full():
+    """A repeat is one line when it appears; if it lasts PROMOTE_AFTER_S, in full then, and
+    at its end, as the sidecar's log promotes it."""
+    from types import SimpleNamespace
+
+    from telemetry.analysis.explain import Shown, _news
+    from telemetry.analysis.live_findings import PROMOTE_AFTER_S
+
+    def episode(ongoing: bool, seconds: float):
+        return SimpleNamespace(ongoing=ongoing, duration_time=seconds)
+
+    assert _news(None, episode(True, 1.0), is_repeat=True) == ("ongoing", True)
+    brief = Shown(ongoing=True, end_ns=0, brief=True)
+    assert _news(brief, episode(True, 2.0), is_repeat=True) is None  # said once
+    assert _news(brief, episode(False, 2.0), is_repeat=True) is None  # its end too
+    assert _news(brief, episode(True, PROMOTE_AFTER_S), is_repeat=True) == ("ongoing", False)
+    promoted = Shown(ongoing=True, end_ns=0, brief=False)
+    assert _news(promoted, episode(False, 12.0), is_repeat=True) == ("ended", False)
+    assert _news(None, episode(False, 1.0), is_repeat=False) == ("new", False)
+
+
 def test_follow_reads_files_rotated_while_following(story2, tmp_path):
     """The sidecar appends, then rotates (rec.jsonl -> rec.jsonl.1 -> rec.jsonl.2, a new
     rec.jsonl): every message is read once, the tail written just before a rename included."""

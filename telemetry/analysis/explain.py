@@ -11,8 +11,9 @@ with lines saying how they were captured and what their iteration times are
 
 ``--follow`` reads the files as the sidecar writes them (rotated files created meanwhile
 included) and prints each episode as it appears (and again when it ends), so a running engine
-can be watched live; it keeps a trailing window of the newest messages
-(FOLLOW_WINDOW_MESSAGES).
+can be watched live; a repeat of a condition that comes and goes is one line, as the
+sidecar's log folds it (live_findings.follows_closely). It keeps a trailing window of the
+newest messages (FOLLOW_WINDOW_MESSAGES).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry.analysis.cli_time import parse_time
@@ -34,6 +36,7 @@ from telemetry.analysis.fpm_recording import (
     capture_lines,
     wall_time_line,
 )
+from telemetry.analysis.live_findings import ALWAYS_SAID, PROMOTE_AFTER_S, follows_closely
 from telemetry.analysis.timeline import (
     EngineTimeline,
     build_timelines,
@@ -79,7 +82,7 @@ def follow(
         raise ValueError(f"window_messages must be >= 1, got {window_messages}")
     reader = RecordingReader(paths)
     messages: deque = deque(maxlen=window_messages)  # (repeats are dropped by build_timelines)
-    shown: dict[tuple, bool] = {}  # (engine, kind, start_ns) -> was ongoing when last shown
+    shown: dict[tuple, Shown] = {}  # (engine, kind, start_ns) -> what was printed of it
     deadline = None if max_time is None else time.monotonic() + max_time
     print(f"following {', '.join(map(str, paths))} (Ctrl-C to stop)", file=out, flush=True)
     try:
@@ -108,18 +111,57 @@ def _only_engine(timelines: dict[int, EngineTimeline], engine_index: int | None)
     return {k: v for k, v in timelines.items() if k == engine_index}
 
 
-def _show_new_episodes(timelines, thresholds, shown, out) -> None:
+@dataclass
+class Shown:
+    """What --follow printed of an episode: whether it was ongoing then, where it ended, and
+    whether it was a repeat, said in its first line only."""
+
+    ongoing: bool
+    end_ns: int
+    brief: bool
+
+
+def _is_repeat(shown: dict[tuple, Shown], key: tuple, episode: Episode) -> bool:
+    """One of its kind is ongoing, or the last one ended just before it (follows_closely)."""
+    engine_index, kind, _ = key
+    same = [s for k, s in shown.items() if k[0] == engine_index and k[1] == kind]
+    if any(s.ongoing for s in same):
+        return kind not in ALWAYS_SAID
+    last_end_ns = max((s.end_ns for s in same), default=None)
+    return follows_closely(kind, episode.start_ns, last_end_ns)
+
+
+def _news(before: Shown | None, episode: Episode, is_repeat: bool) -> tuple[str, bool] | None:
+    """What --follow says of ``episode`` now, as (status, brief), or None: nothing new. A
+    repeat is said once, briefly, unless it lasts PROMOTE_AFTER_S (then in full, as the
+    sidecar's log does)."""
+    if before is None:
+        return ("ongoing" if episode.ongoing else "new"), is_repeat
+    if before.brief and episode.duration_time >= PROMOTE_AFTER_S:
+        return ("ongoing" if episode.ongoing else "ended"), False
+    if episode.ongoing or before.ongoing == episode.ongoing or before.brief:
+        return None
+    return "ended", False
+
+
+def _show_new_episodes(timelines, thresholds, shown: dict[tuple, Shown], out) -> None:
+    """Each new episode in full, and again when it ends; a repeat (a condition that comes and
+    goes) in one line when it appears, its details being those of the one before."""
     for tl in timelines.values():
         episodes = detect_episodes(tl, thresholds)
         _mark_ongoing(tl, episodes)
         for episode in episodes:
             key = (tl.engine_index, episode.kind, episode.start_ns)
-            if key in shown and (shown[key] == episode.ongoing or episode.ongoing):
+            before = shown.get(key)
+            news = _news(before, episode, before is None and _is_repeat(shown, key, episode))
+            brief = news[1] if news else before.brief
+            shown[key] = Shown(episode.ongoing, episode.end_ns, brief)
+            if news is None:
                 continue
-            status = "ongoing" if episode.ongoing else ("ended" if key in shown else "new")
-            shown[key] = episode.ongoing
-            print(f"[engine {tl.engine_index}, {status}]", file=out)
-            for line in format_episode(tl, len(shown), episode):
+            status, brief = news
+            lines = format_episode(tl, len(shown), episode)
+            print(f"[engine {tl.engine_index}, {'again' if brief else status}]", file=out)
+            for line in lines[:1] if brief else lines:
                 print(line, file=out)
             out.flush()
 

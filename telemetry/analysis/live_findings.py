@@ -112,6 +112,24 @@ FINDING_KINDS = (
 )
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
 
+# A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
+# one finding or episode each time; where they are printed as they come (the sidecar's log,
+# `explain --follow`), one of a kind that follows the last closely is said briefly: a repeat.
+# Faults always count on their own.
+REPEAT_WINDOW_S = 30.0
+PROMOTE_AFTER_S = 10.0  # a repeat that lasts this long is no flicker: said in full
+ALWAYS_SAID = frozenset((*FAULT_KINDS, STALL, SPINNING, DEAD))
+
+
+def follows_closely(kind: str, start_ns: int, last_end_ns: int | None) -> bool:
+    """A repeat: of a kind that is not a fault, starting within REPEAT_WINDOW_S after the end
+    of the last one of its kind (None: none yet)."""
+    return (
+        kind not in ALWAYS_SAID
+        and last_end_ns is not None
+        and 0 <= start_ns - last_end_ns <= REPEAT_WINDOW_S * NS_PER_S
+    )
+
 
 def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
     """(records, seconds, idle ends it) for an episode of ``kind``: its finding closes after

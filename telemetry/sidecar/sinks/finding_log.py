@@ -31,13 +31,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from telemetry.analysis.findings import FAULT_KINDS, cost_text
-from telemetry.analysis.live_findings import DEAD, SPINNING, STALL, FindingEvent, LiveFinding
+from telemetry.analysis.findings import cost_text
+from telemetry.analysis.live_findings import (
+    ALWAYS_SAID,
+    PROMOTE_AFTER_S,
+    REPEAT_WINDOW_S,
+    FindingEvent,
+    LiveFinding,
+    follows_closely,
+)
 from telemetry.analysis.timeline import NS_PER_S
-
-REPEAT_WINDOW_S = 30.0
-PROMOTE_AFTER_S = 10.0
-ALWAYS_SAID = frozenset((*FAULT_KINDS, STALL, SPINNING, DEAD))
 
 Line = tuple[int, str]  # (logging level, text)
 
@@ -88,10 +91,7 @@ class Repeats:
             return False
         if self.said or self.folded:
             return True
-        return (
-            self.last_end_ns is not None
-            and 0 <= finding.start_ns - self.last_end_ns <= REPEAT_WINDOW_S * NS_PER_S
-        )
+        return follows_closely(finding.kind, finding.start_ns, self.last_end_ns)
 
     def add_closed(self, finding: LiveFinding) -> None:
         if not self.num_closed:
