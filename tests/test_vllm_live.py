@@ -1,7 +1,8 @@
-"""A real vLLM (CPU build, .vllm-venv) with the iterscope plugin, a real sidecar, the official
-openai client: the sidecar's numbers equal vLLM's own, its --fpm-port publishes FPM for that
-vLLM, a hung engine core reads as stalled, and a dead sidecar does not disturb vLLM. `make
-test` builds .vllm-venv and .models/smollm2-hf."""
+"""A real vLLM (CPU build, .vllm-venv; each version of TESTED_VLLM_VERSIONS) with the
+iterscope plugin, a real sidecar, the official openai client: the sidecar's numbers equal
+vLLM's own, its --fpm-port publishes FPM for that vLLM, a hung engine core reads as stalled,
+and a dead sidecar does not disturb vLLM. `make test` builds .vllm-venv, vLLM 0.33.0 beside
+it and .models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bench.vllm_server import engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import UNKNOWN_ELAPSED, UNKNOWN_KV_TOKENS, UNKNOWN_PREFILL_REQS
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.fpm import is_heartbeat
+from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
@@ -33,8 +35,9 @@ FPM_WORKER_ID = "vllm-plugin"
 LONG_PROMPT_WORDS = 1500
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+def stack(request, tmp_path_factory):
+    """A sidecar and `vllm serve` (vLLM ``request.param``) with the plugin."""
     tmp = tmp_path_factory.mktemp("vllm")
     metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
@@ -68,6 +71,7 @@ def stack(tmp_path_factory):
                 "VLLM_PLUGINS": "iterscope",
             },
             tmp / "vllm.log",
+            version=request.param,
         )
         yield {
             "sidecar": sidecar,
@@ -140,6 +144,7 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     assert pairs["finished requests"][0] >= 32
     ours = scrape(stack["metrics_port"])
     vllm_log = (stack["tmp"] / "vllm.log").read_text()
+    assert "iterscope: tested with vLLM" not in vllm_log  # a version the plugin was checked on
     num_vllm_steps = len(re.findall(r"Iteration\(\d+\): ", vllm_log))
     assert total(ours, "iterscope_iterations_total") == num_vllm_steps > 0
     assert total(ours, "iterscope_kv_blocks_capacity") > 0

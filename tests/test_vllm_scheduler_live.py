@@ -1,9 +1,12 @@
-"""vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py):
-first on vLLM's real scheduler without a model (tests/vllm_scheduler_check.py, run in
-`.vllm-venv`), then in a real `vllm serve --scheduler-cls ...` (CPU build) with a real sidecar
-and Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own /metrics, the
-sidecar's --fpm-port publishing FPM for that vLLM, a stopped, continued and killed engine
-core, and a sequence-limited server. `make test` builds .vllm-venv and .models/smollm2-hf."""
+"""vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py),
+on every version of TESTED_VLLM_VERSIONS (bench/vllm_server.py vllm_env): first on vLLM's real
+scheduler without a model (tests/vllm_scheduler_check.py, run in `.vllm-venv`): each admission
+limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill cadence and
+the version guard; then in a real `vllm serve --scheduler-cls ...` (CPU build) with a real
+sidecar and Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own
+/metrics, the sidecar's --fpm-port publishing FPM for that vLLM, a stopped, continued and
+killed engine core. `make test` builds .vllm-venv, vLLM 0.33.0 beside it and
+.models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -19,13 +22,21 @@ import openai
 import pytest
 import yaml
 
-from bench.vllm_server import BEST_CPU_FLAGS, ROOT, engine_core_pid, start_vllm, stop_server
+from bench.vllm_server import (
+    BEST_CPU_FLAGS,
+    ROOT,
+    engine_core_pid,
+    start_vllm,
+    stop_server,
+    vllm_env,
+)
 from telemetry.lane.record import (
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
     UNKNOWN_PREFILL_REQS,
 )
 from telemetry.sidecar.process import start_sidecar
+from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
@@ -35,6 +46,7 @@ from tests.helpers.wait import wait_until
 pytestmark = pytest.mark.timeout(900)
 
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
+CHECK_CASES = ("reasons", "async", "cadence", "guard")  # guard last: it changes the module
 SCHEDULER = "telemetry.sources.vllm_scheduler.IterscopeScheduler"
 # 8 blocks of 128 tokens (the CPU build's block size), one of them vLLM's null block: 7
 # requests of up to 128 tokens fill the cache, so the 8th waits for KV capacity.
@@ -54,20 +66,28 @@ FPM_WORKER_ID = "vllm-w"
 POLL_S = 0.1
 
 
-def run_check(case: str) -> dict:
+@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+def checks(request) -> dict:
+    """Every case of tests/vllm_scheduler_check.py, in one run of vLLM ``request.param``."""
     done = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"), case],
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"), *CHECK_CASES],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null"},
+        env={
+            **os.environ,
+            "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null",
+            **vllm_env(request.param),
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["version"] == request.param
+    return result
 
 
-def test_vllms_own_scheduler_names_each_admission_limit():
-    result = run_check("reasons")
+def test_vllms_own_scheduler_names_each_admission_limit(checks):
+    result = checks["reasons"]
     for limit, reason in (("seq_limit", "seq_limit"), ("budget", "budget"), ("kv", "kv")):
         case = result[limit]
         assert case["num_finished"] == 6, (limit, case)
@@ -78,9 +98,9 @@ def test_vllms_own_scheduler_names_each_admission_limit():
     assert result["kv"]["max_blocks_used"] == result["kv"]["num_kv_blocks_total"] == 8
 
 
-def test_the_async_scheduler_pairs_each_step_with_its_own_output():
+def test_the_async_scheduler_pairs_each_step_with_its_own_output(checks):
     """With --async-scheduling vLLM schedules a step before the last one's output is back."""
-    (case,) = run_check("async").values()
+    (case,) = checks["async"].values()
     assert case["num_steps"] < 400 and case["all_timed"]
     iterations = case["iterations"]  # a step that scheduled nothing makes no record
     assert iterations == sorted(set(iterations)) and iterations[0] == 1
@@ -89,8 +109,20 @@ def test_the_async_scheduler_pairs_each_step_with_its_own_output():
     assert case["waiting"]["kv"] == case["num_waiting"] > 0
 
 
-def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so():
-    result = run_check("guard")
+def test_prefills_held_for_vllms_prefill_cadence_wait_as_held_back_not_for_kv(checks):
+    """Requests waiting while vLLM holds prefills (a data-parallel engine core's throttle;
+    from vLLM 0.33 also a single engine's --prefill-schedule-interval) wait for no limit of
+    KV, sequences or tokens: 'held back by the engine'."""
+    result = checks["cadence"]
+    held = ["throttled"] + (["interval"] if result["local_cadence"] else [])
+    assert result["local_cadence"] is (checks["version"] != "0.32.0")
+    for name in held:
+        case = result[name]
+        assert case["other"] == case["num_waiting"] > 0, (name, case)
+
+
+def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(checks):
+    result = checks["guard"]
     assert result["untested_reporter"] is False and result["untested_finished"] is True
     assert result["missing_reporter"] is False
     untested, missing = result["said"]
@@ -99,8 +131,10 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so()
     assert "no_such_attribute" in missing
 
 
-@pytest.fixture(scope="module")
-def kv_stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+def kv_stack(request, tmp_path_factory):
+    """A sidecar, `vllm serve` (vLLM ``request.param``) with the scheduler source and a KV
+    cache of 8 blocks, and Prometheus."""
     tmp = tmp_path_factory.mktemp("vllm_scheduler")
     metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
@@ -119,6 +153,7 @@ def kv_stack(tmp_path_factory):
             {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
             flags=KV_FLAGS,
+            version=request.param,
         )
         prometheus = start_prometheus(tmp, [f"127.0.0.1:{metrics_port}"])
         yield {
@@ -290,55 +325,11 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
 
 
-def test_a_sequence_limited_vllm_reads_as_sequence_limit_and_a_killed_core_as_dead(tmp_path):
-    metrics_port, api_port = free_port(), free_port()
-    with open(tmp_path / "sidecar.log", "w") as sidecar_log:
-        sidecar = start_sidecar(["--metrics-port", str(metrics_port)], stderr=sidecar_log)
-        server = None
-        try:
-            server = start_vllm(
-                api_port,
-                {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
-                tmp_path / "vllm.log",
-                flags=(*BEST_CPU_FLAGS, "--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"),
-            )
-            stack = {"metrics_port": metrics_port, "api_port": api_port}
-
-            seen = []  # every (ours by reason, vLLM's waiting) pair polled, for the failure
-
-            def seq_limit_waits() -> bool:
-                ours, theirs = scrape(metrics_port), scrape(api_port)
-                by_reason = {
-                    reason: total(ours, "iterscope_requests_waiting_by_reason", reason=reason)
-                    for reason in ("seq_limit", "token_budget", "kv_capacity", "other")
-                }
-                seen.append((by_reason, total(theirs, "vllm:num_requests_waiting")))
-                assert by_reason["kv_capacity"] == 0, seen[-1]
-                return by_reason["seq_limit"] > 0 and seen[-1][1] > 0
-
-            # 4 waves of 2 requests, 160 steps each: seconds of waiting even on a fast CPU
-            # (24 tokens each once finished between two polls on CI's machine).
-            with concurrent.futures.ThreadPoolExecutor(1) as background:
-                pending = background.submit(
-                    complete, api_port, [prompt(i, 10) for i in range(8)], 160
-                )
-                wait_until(
-                    seq_limit_waits,
-                    60,
-                    lambda: f"seq_limit waiting while vLLM has waiting; polled: {seen[-5:]}",
-                    interval_s=POLL_S,
-                )
-                assert len(pending.result(timeout=300)) == 8
-            wait_until(
-                lambda: counters_agree(stack, 8), 15, "counters equal to vLLM's", interval_s=POLL_S
-            )
-            os.kill(engine_core_pid(server.pid), signal.SIGKILL)
-            killed_at = time.monotonic()
-            wait_until(lambda: status(stack) == "dead", 5, "dead after kill -9", interval_s=POLL_S)
-            assert time.monotonic() - killed_at <= 3.0
-            # The engine core's own heartbeats stopped: dead, whatever the API server does
-            # (vLLM 0.32's shuts itself down a second or two after its engine core dies).
-        finally:
-            if server is not None:
-                stop_server(server)
-            sidecar.stop()
+def test_a_killed_engine_core_is_dead_within_3_s(kv_stack):
+    """Last of kv_stack's tests: its engine core is gone after it."""
+    os.kill(engine_core_pid(kv_stack["server"].pid), signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: status(kv_stack) == "dead", 5, "dead after kill -9", interval_s=POLL_S)
+    assert time.monotonic() - killed_at <= 3.0
+    # The engine core's own heartbeats stopped: dead, whatever the API server does (vLLM's
+    # shuts itself down a second or two after its engine core dies).

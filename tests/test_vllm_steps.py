@@ -1,5 +1,5 @@
 """The vLLM scheduler source's step mapping (telemetry/sources/vllm_steps.py) on stand-ins
-shaped like vLLM 0.32's scheduler, SchedulerOutput and Request. The same mapping inside a
+shaped like vLLM 0.32's and 0.33's scheduler, SchedulerOutput and Request. The same mapping inside a
 real vLLM scheduler runs in test_vllm_scheduler_live.py (the `.vllm-venv` check script and
 a real `vllm serve`)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN, FINISH_REASONS
 from telemetry.sources.vllm_lane import scheduler_source_selected
-from telemetry.sources.vllm_steps import StepReporter
+from telemetry.sources.vllm_steps import StepReporter, prefills_held
 
 
 class Request:
@@ -191,6 +191,7 @@ def test_an_abort_before_scheduling_is_a_finish_without_a_first_token(setup):
         ("kv", "num_waiting_kv_reqs"),
         ("preempted", "num_waiting_kv_reqs"),
         ("paused", "num_waiting_other_reqs"),
+        ("prefills_held", "num_waiting_other_reqs"),
     ],
 )
 def test_why_requests_wait_follows_the_documented_rule(case, reason):
@@ -200,14 +201,14 @@ def test_why_requests_wait_follows_the_documented_rule(case, reason):
     admit(scheduler, reporter, *requests)
     blocked = requests[4]
     scheduler.deferred_waiting.add(blocked)  # e.g. a grammar still compiling
-    admitted = {"seq_limit": 2, "budget": 1, "kv": 1, "preempted": 0, "paused": 1}[case]
+    admitted = {"seq_limit": 2, "budget": 1, "kv": 1, "preempted": 0}.get(case, 1)
     tokens = 64 if case == "budget" else 16
     new = [run_new(scheduler, reporter, r, tokens) for r in requests[:admitted]]
     if case == "paused":
         scheduler.pause_state = 1  # PAUSED_NEW: running requests go on, none is admitted
     preempted = {"x"} if case == "preempted" else set()
     out = output(new=new, preempted=preempted)
-    reporter.scheduled(scheduler, out, time.monotonic_ns())
+    reporter.scheduled(scheduler, out, time.monotonic_ns(), prefills_held=case == "prefills_held")
     reporter.updated(scheduler, out, core_outputs(), time.monotonic_ns())
     (record,) = publisher.records
     num_waiting = 5 - admitted
@@ -225,6 +226,40 @@ def test_why_requests_wait_follows_the_documented_rule(case, reason):
     expected["num_waiting_other_reqs"] = 1  # the deferred request
     expected[reason] += num_waiting - 1
     assert counts == expected
+
+
+def cadence_scheduler(decoding: bool = True, **state) -> Scheduler:
+    """A scheduler with one running request (decoding or prefilling) and vLLM's prefill
+    cadence state ``state`` (none: vLLM 0.32, which keeps no cadence of its own)."""
+    scheduler = Scheduler()
+    request = Request("r")
+    request.is_prefill_chunk = not decoding
+    scheduler.running.append(request)
+    scheduler.prefill_capacity_bound = False
+    for name, value in state.items():
+        setattr(scheduler, name, value)
+    return scheduler
+
+
+LOCAL_CADENCE = {"local_prefill_interval": 4, "last_prefill_step": 4}
+
+
+@pytest.mark.parametrize(
+    "scheduler, throttle_prefills, held",
+    [
+        (cadence_scheduler(), True, True),  # a data-parallel engine core's throttled step
+        (cadence_scheduler(), False, False),
+        (cadence_scheduler(**LOCAL_CADENCE, num_executed_steps=5), False, True),  # 2 of 4
+        (cadence_scheduler(**LOCAL_CADENCE, num_executed_steps=7), False, False),  # 4 of 4
+        (cadence_scheduler(decoding=False), True, False),  # nothing decodes: no hold
+        (cadence_scheduler(prefill_capacity_bound=True), True, False),  # the last left waiting
+        (cadence_scheduler(local_prefill_interval=1, num_executed_steps=5), False, False),
+    ],
+)
+def test_prefills_are_held_where_vllms_schedule_holds_them(scheduler, throttle_prefills, held):
+    """The state read just before ``schedule()``, as vLLM 0.32 and 0.33 decide on it; the
+    real schedulers' decisions are checked in test_vllm_scheduler_live.py."""
+    assert prefills_held(scheduler, throttle_prefills) is held
 
 
 def test_steps_pair_by_their_output_under_async_scheduling(setup):

@@ -1,8 +1,9 @@
 """Drive vLLM's real scheduler, subclassed by iterscope, without a model: run in `.vllm-venv`
-by tests/test_vllm_scheduler_live.py (`.vllm-venv/bin/python tests/vllm_scheduler_check.py
-CASE`), it prints one JSON line with what the case needs checked.
+(and, for another vLLM version, with `make vllm`'s directory of it on the PYTHONPATH) by
+tests/test_vllm_scheduler_live.py (`.vllm-venv/bin/python tests/vllm_scheduler_check.py
+CASE...`), it prints one JSON line: for each case, what it needs checked.
 
-The scheduler is vLLM 0.32's own, subclassed by iterscope, without a model
+The scheduler is vLLM's own, subclassed by iterscope, without a model
 (bench/vllm_scheduler_harness.py): every decision the waiting rule reads is vLLM's. The
 publisher is swapped for a list, so the records are those the lane would carry.
 
@@ -11,7 +12,12 @@ Cases:
     async       the KV case with vLLM's async scheduler, each step scheduled before the last
                 one's output is back (as the engine core runs it with --async-scheduling)
     guard       an untested vLLM version, and a missing scheduler attribute: plain vLLM
-                scheduling, nothing reported, a warning in vLLM's log
+                scheduling, nothing reported, a warning in vLLM's log (changes this module's
+                state: run it last)
+    cadence     prefills held for vLLM's prefill cadence: asked by a data-parallel engine core
+                (``throttle_prefills`` on three steps of four), and kept by the scheduler
+                itself (``prefill_schedule_interval=4``; vLLM 0.33 and later): which reason
+                the requests waiting meanwhile got
 """
 
 from __future__ import annotations
@@ -107,6 +113,31 @@ def run_case(limit: str, scheduler_class: type, run) -> dict:
     }
 
 
+def cadence_case() -> dict:
+    """One request decoding, three more arriving while prefills are held: the waiting
+    counts by reason, summed over the steps, per way of holding."""
+    result = {"local_cadence": hasattr(make_scheduler(64, 8, 512), "local_prefill_interval")}
+    for name, options, throttled in (
+        ("throttled", {}, lambda step: step % 4 != 0),
+        ("interval", {"prefill_schedule_interval": 4}, lambda step: False),
+    ):
+        scheduler = make_scheduler(64, 8, 512, **options)
+        publisher = ListPublisher()
+        scheduler._iterscope.publisher = publisher
+        add_requests(scheduler, 1, 16, 40)
+        for step in range(20):
+            if step == 2:
+                add_requests(scheduler, 3, 16, 8)
+            run_step(scheduler, throttle_prefills=throttled(step))
+        records = publisher.records
+        result[name] = {
+            reason: sum(getattr(r, field) for r in records)
+            for reason, field in REASON_FIELDS.items()
+        }
+        result[name]["num_waiting"] = sum(r.num_waiting_reqs for r in records)
+    return result
+
+
 def guard_case() -> dict:
     """An untested version and a missing attribute: each a plain scheduler that still runs."""
     said: list[str] = []
@@ -130,6 +161,15 @@ def guard_case() -> dict:
     return result
 
 
+CASES_BY_NAME = {
+    "reasons": reasons_case,
+    "async": async_case,
+    "guard": guard_case,
+    "cadence": cadence_case,
+}
+
 if __name__ == "__main__":
-    case = sys.argv[1]
-    print(json.dumps({"reasons": reasons_case, "async": async_case, "guard": guard_case}[case]()))
+    import vllm
+
+    results = {case: CASES_BY_NAME[case]() for case in sys.argv[1:]}
+    print(json.dumps({"version": vllm.__version__, **results}))

@@ -17,9 +17,10 @@ Invariants the sidecar relies on:
   into the second.
 - A steady-state decode record (no milestones) encodes to well under 96 bytes.
 - Waiting requests are split by what held them: KV capacity, the sequence limit, the token
-  budget, or ``num_waiting_other_reqs``: requests a source holds back for a reason of their
-  own (a vLLM request blocked on a structured-output grammar, a remote KV transfer or
-  streaming input). Our own engine has none of the last kind.
+  budget, or ``num_waiting_other_reqs``: requests a source holds back, not for a limit (a
+  vLLM request blocked on a structured-output grammar, a remote KV transfer or streaming
+  input; vLLM paused, or holding prompts for its prefill cadence). Our own engine has none of
+  the last kind.
 - ``unknown`` holds UNKNOWN_* bits for the fields a source cannot fill (a vLLM server
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).

@@ -21,7 +21,7 @@ from typing import Any
 from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, ZmqPublisher, default_address
 
 ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 _said_unconfigured: set[str] = set()

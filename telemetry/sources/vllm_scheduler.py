@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from telemetry.lane.record import SOURCE_VLLM_SCHEDULER
 from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
 from telemetry.sources.vllm_records import engine_facts, num_usable_blocks
-from telemetry.sources.vllm_steps import StepReporter
+from telemetry.sources.vllm_steps import StepReporter, prefills_held
 
 UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"
 MAX_ERRORS = 1000
@@ -81,9 +81,14 @@ class ReportingScheduler:
         if reporter is None:
             return super().schedule(*args, **kwargs)
         start_ns = time.monotonic_ns()
+        try:
+            held = prefills_held(self, bool(args[0] if args else kwargs.get("throttle_prefills")))
+        except Exception:
+            held = False
+            self._iterscope_failed()
         output = super().schedule(*args, **kwargs)
         try:
-            reporter.scheduled(self, output, start_ns)
+            reporter.scheduled(self, output, start_ns, held)
         except Exception:
             self._iterscope_failed()
         return output

@@ -4,8 +4,8 @@
 (the only module here that imports vLLM): ``added`` when a request enters the scheduler,
 ``scheduled`` right after ``Scheduler.schedule()`` returns, ``updated`` right after
 ``Scheduler.update_from_output()`` returns. It reads vLLM's scheduler, SchedulerOutput and
-Request objects by attribute (checked against vLLM 0.32.0; the subclass checks at start-up
-that every attribute read here exists), so it can be tested with plain stand-ins.
+Request objects by attribute (checked against vLLM 0.32.0 and 0.33.0; the subclass checks at
+start-up that every attribute read here exists), so it can be tested with plain stand-ins.
 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
                               queues and why requests wait (decided now, see below),
@@ -35,15 +35,17 @@ this order (the first that holds names every waiting request not held back):
                 grammar still compiling, a remote KV transfer, a streaming input): "other"
     KV          a request was preempted this step (KV blocks ran out for a running one;
                 vLLM then admits nothing)
+    held back   vLLM is paused, or held this step's prefills for its prefill cadence
+                (``--prefill-schedule-interval``: data-parallel balancing, and from vLLM
+                0.33 also a single engine; ``prefills_held`` below): "other"
     seq limit   running requests at ``max_num_active_reqs`` (``--max-num-seqs``)
     budget      the step's tokens at ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``)
     KV          otherwise: the head of the queue was not admitted with room for requests and
-                tokens left, which in vLLM 0.32 means its block allocation failed
+                tokens left, which in vLLM 0.32 and 0.33 means its block allocation failed
 
-Limits of the rule: vLLM 0.32 also stops admitting while paused (``pause_generation``), for
-LoRA slots, encoder-cache budget, or without chunked prefill when the next prompt exceeds
-what is left of the budget; the first reads as "other" (paused), the others fall to the last
-line (KV), since the scheduler keeps no trace of them.
+Limits of the rule: vLLM also stops admitting for LoRA slots, encoder-cache budget, or
+without chunked prefill when the next prompt exceeds what is left of the budget; these fall
+to the last line (KV), since the scheduler keeps no trace of them.
 """
 
 from __future__ import annotations
@@ -104,8 +106,11 @@ class StepReporter:
         self.requests[request.request_id] = TrackedRequest(request)
         self.publisher.note_queues(*_queue_lengths(scheduler))
 
-    def scheduled(self, scheduler: Any, output: Any, start_ns: int) -> None:
-        """``schedule()`` (called at ``start_ns``) returned ``output``: start its record."""
+    def scheduled(
+        self, scheduler: Any, output: Any, start_ns: int, prefills_held: bool = False
+    ) -> None:
+        """``schedule()`` (called at ``start_ns``) returned ``output``: start its record.
+        ``prefills_held``: what ``prefills_held`` said just before that call."""
         self._note_finished(output.finished_req_ids, start_ns, self._finished_early)
         self.iteration += 1
         record = iteration_record(self.engine_index, 0, self.iteration, start_ns=start_ns)
@@ -115,7 +120,7 @@ class StepReporter:
         record.num_waiting_other_reqs = num_deferred
         num_held = num_waiting - num_deferred
         if num_held > 0:
-            reason = _wait_reason(scheduler, output)
+            reason = _wait_reason(scheduler, output, prefills_held)
             setattr(record, reason, getattr(record, reason) + num_held)
         record.num_preemptions = len(output.preempted_req_ids)
         for request_id in output.preempted_req_ids:
@@ -262,12 +267,30 @@ class StepReporter:
         )
 
 
-def _wait_reason(scheduler: Any, output: Any) -> str:
+def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
+    """Whether the ``schedule(throttle_prefills)`` about to run holds every prefill back
+    for vLLM's prefill cadence: read before the call, from the state vLLM decides it on
+    (vLLM 0.32/0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
+    (``throttle_prefills``); vLLM 0.33 also keeps the cadence itself on an engine without
+    data parallelism (``local_prefill_interval`` > 1). Either way vLLM lets prefills through
+    when the last one left requests waiting (``prefill_capacity_bound``) or when every running
+    request is still prefilling. Attributes a version lacks read as no hold."""
+    interval = getattr(scheduler, "local_prefill_interval", 1)
+    local_hold = interval > 1 and (
+        getattr(scheduler, "num_executed_steps", 0) + 1 - getattr(scheduler, "last_prefill_step", 0)
+        < interval
+    )
+    if not (throttle_prefills or local_hold) or getattr(scheduler, "prefill_capacity_bound", True):
+        return False
+    return any(not request.is_prefill_chunk for request in scheduler.running)
+
+
+def _wait_reason(scheduler: Any, output: Any, prefills_held: bool) -> str:
     """The record field that counts the waiting requests vLLM did not hold back (the rule
     in the module docstring)."""
     if output.preempted_req_ids:
         return "num_waiting_kv_reqs"
-    if scheduler.pause_state:  # an IntEnum, UNPAUSED = 0
+    if scheduler.pause_state or prefills_held:  # pause_state: an IntEnum, UNPAUSED = 0
         return "num_waiting_other_reqs"
     num_active = len(scheduler.running) + scheduler.num_waiting_for_streaming_input
     if num_active >= scheduler.max_num_active_reqs:

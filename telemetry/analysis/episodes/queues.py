@@ -135,9 +135,11 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
         )
     if reason == "waiting_other":
         return (
-            "Not an admission limit: find what holds the requests back (vLLM: "
-            "structured-output grammars still compiling, KV transfers from a remote "
-            "instance, streaming inputs waiting for their next part)."
+            "Not an admission limit: find what holds the requests back (vLLM: its prefill "
+            "cadence, --prefill-schedule-interval, which admits prompts once every N steps "
+            "while others decode; a paused engine; structured-output grammars still "
+            "compiling; KV transfers from a remote instance; streaming inputs waiting for "
+            "their next part)."
         )
     if not tl.waiting_reasons_known:
         return (

@@ -75,7 +75,7 @@ WAITING_REASONS = (  # (reason label, IterationRecord field)
     ("kv_capacity", "num_waiting_kv_reqs"),
     ("seq_limit", "num_waiting_seq_limit_reqs"),
     ("token_budget", "num_waiting_budget_reqs"),
-    ("other", "num_waiting_other_reqs"),  # held back by the source (a vLLM grammar, remote KV)
+    ("other", "num_waiting_other_reqs"),  # held back by the source (vLLM: cadence, grammar)
 )
 # Gauges: name (after the prefix) -> (help, extra labels). Per engine, from its view, but
 # the last three, which are the sidecar's own.
