@@ -333,12 +333,13 @@ def test_cli_errors(tmp_path, capsys):
     assert "no such recording file" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("not json\n")
-    assert main([str(empty)]) == 1
+    assert main([str(empty)]) == 2
     assert "its line is not one" in capsys.readouterr().err
 
 
 def test_nothing_to_read_says_why_in_every_command(story1, tmp_path, capsys):
-    """explain, tune and timeline say alike why a recording gave them nothing."""
+    """explain, tune and timeline say alike why a recording gave them nothing, and exit
+    alike: 2, as for a file they cannot read."""
     from telemetry.analysis import timeline_command, tune
 
     garbage, empty = tmp_path / "garbage.jsonl", tmp_path / "empty.jsonl"
@@ -360,7 +361,7 @@ def test_nothing_to_read_says_why_in_every_command(story1, tmp_path, capsys):
     ]
     for name, command in commands.items():
         for args, said in cases:
-            assert command(*args) != 0, (name, args)
+            assert command(*args) == 2, (name, args)
             assert said in capsys.readouterr().err, (name, args)
 
 
@@ -497,7 +498,7 @@ def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
     path = story2.write(tmp_path / "story2.jsonl")
     assert iterscope(["explain", str(path), "--engine", "0"]) == 0
     assert "KV blocks leaking" in capsys.readouterr().out
-    assert iterscope(["explain", str(path), "--engine", "7"]) == 1
+    assert iterscope(["explain", str(path), "--engine", "7"]) == 2
 
 
 def test_wrapped_lines_never_split_a_flag():

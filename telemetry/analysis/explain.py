@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         why = nothing_to_read(timelines, num_bad, args.engine)
         print(f"iterscope explain: {why}", file=sys.stderr)
-        return 1
+        return 2  # input it cannot use, as an unreadable file (and timeline, tune)
     timelines = chosen
     capture = next(iter(timelines.values())).capture
     if args.json:

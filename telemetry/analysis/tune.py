@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             f"iterscope tune: {nothing_to_read(all_timelines, num_bad, args.engine)}",
             file=sys.stderr,
         )
-        return 1
+        return 2  # input it cannot use, as an unreadable file (and timeline, explain)
     if args.json:
         print(json.dumps({"engines": results}, indent=2))
     return status
