@@ -14,7 +14,7 @@ from telemetry.analysis.explain import main
 from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_findings
 from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
-from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord
+from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord, heartbeat
 
 
 def findings_of(sim: Simulator):
@@ -133,6 +133,14 @@ def test_requests_held_back_by_the_engine_are_not_sent_to_an_admission_limit():
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith("Not an admission limit")
     assert "--prefill-schedule-interval" in action and "Raise" not in action
+    # A vLLM that runs a prefill cadence says so in its heartbeats: the action names its value.
+    start_ns = records[0].start_ns
+    cadence = heartbeat(0, 1000, start_ns, start_ns, prefill_schedule_interval=8)
+    timeline = build_timelines([cadence, *records])[0]
+    (finding,) = build_findings(timeline, detect_episodes(timeline))
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith("Lower --prefill-schedule-interval (now 8), down to 1 to turn")
+    assert "once every 8 steps" in action
 
 
 def test_waiting_cost_matches_the_requests_queue_time():

@@ -21,6 +21,7 @@ from telemetry.lane.record import (
     UNKNOWN_KV_TOKENS,
     UNKNOWN_PREFILL_REQS,
     UNKNOWN_WAITING_REASONS,
+    Heartbeat,
     IterationRecord,
     make_decoder,
     make_encoder,
@@ -28,7 +29,7 @@ from telemetry.lane.record import (
 from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
-from telemetry.sources.vllm_records import RecordMaker, milestone, num_in_flight
+from telemetry.sources.vllm_records import RecordMaker, engine_facts, milestone, num_in_flight
 from tests.helpers.otel import OtlpHttpReceiver, by_name, http_sink
 from tests.helpers.sink_feed import send
 
@@ -177,6 +178,28 @@ def test_unknown_survives_the_wire_and_old_frames_decode_as_known():
     names = [field.name for field in msgspec.structs.fields(IterationRecord)]
     old_frame = msgspec.msgpack.encode(msgspec.to_builtins(record)[: 1 + names.index("unknown")])
     assert make_decoder().decode(old_frame).unknown == 0
+
+
+@pytest.mark.parametrize("interval", [1, 8])
+def test_a_prefill_cadence_is_a_fact_of_the_engine_and_old_heartbeats_have_none(interval):
+    """vLLM's --prefill-schedule-interval rides on the heartbeats (explain's action for
+    requests it holds names its value); 1, vLLM's default, is no cadence and is not sent."""
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=4, max_num_batched_tokens=512, prefill_schedule_interval=interval
+        )
+    )
+    facts = engine_facts(config, 63, "vllm-scheduler")
+    assert facts.get("prefill_schedule_interval", 0) == (8 if interval == 8 else 0)
+    beat = lane_heartbeat(0, 1, 5, 6, **facts)
+    assert make_decoder().decode(make_encoder().encode(beat)).prefill_schedule_interval == (
+        beat.prefill_schedule_interval
+    )
+    # a heartbeat from a sender before the field decodes with no cadence
+    names = [field.name for field in msgspec.structs.fields(Heartbeat)]
+    cut = 1 + names.index("prefill_schedule_interval")
+    old_frame = msgspec.msgpack.encode(msgspec.to_builtins(beat)[:cut])
+    assert make_decoder().decode(old_frame).prefill_schedule_interval == 0
 
 
 def unknown_record(**fields) -> IterationRecord:

@@ -119,6 +119,8 @@ def test_prefills_held_for_vllms_prefill_cadence_wait_as_held_back_not_for_kv(ch
     for name in held:
         case = result[name]
         assert case["other"] == case["num_waiting"] > 0, (name, case)
+    # the cadence reaches the heartbeats from vLLM's own config (explain's action names it)
+    assert result["throttled"]["interval_fact"] == 0 and result["interval"]["interval_fact"] == 4
 
 
 def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(checks):

@@ -37,6 +37,7 @@ from bench.vllm_scheduler_harness import (  # noqa: E402
     run_step,
 )
 from telemetry.sources import vllm_scheduler  # noqa: E402
+from telemetry.sources.vllm_records import engine_facts  # noqa: E402
 from telemetry.sources.vllm_scheduler import (  # noqa: E402
     IterscopeAsyncScheduler,
     IterscopeScheduler,
@@ -135,6 +136,8 @@ def cadence_case() -> dict:
             for reason, field in REASON_FIELDS.items()
         }
         result[name]["num_waiting"] = sum(r.num_waiting_reqs for r in records)
+        facts = engine_facts(scheduler.vllm_config, 63, "vllm-scheduler")
+        result[name]["interval_fact"] = facts.get("prefill_schedule_interval", 0)
     return result
 
 

@@ -33,7 +33,7 @@ def engine_header(tl: EngineTimeline) -> str:
         )
     if tl.num_kv_blocks_total:
         parts.append(f"{tl.num_kv_blocks_total} KV blocks x {facts.get('block_size', '?')} tokens")
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_schedule_interval"):
         if facts.get(name):
             parts.append(f"--{name.replace('_', '-')} {facts[name]}")
     return ", ".join(parts)

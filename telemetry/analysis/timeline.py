@@ -170,6 +170,7 @@ FACT_FIELDS = (
     "max_num_batched_tokens",
     "pid",
     "source",
+    "prefill_schedule_interval",
 )
 
 

@@ -25,7 +25,8 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
-  ``model_elapsed_ns``, ``fpm``, the Heartbeat's ``source``) come last with a default, so
+  ``model_elapsed_ns``, ``fpm``, the Heartbeat's ``source`` and
+  ``prefill_schedule_interval``) come last with a default, so
   frames of older senders still decode, and readers that predate a field ignore it (msgspec
   skips an array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
@@ -197,6 +198,8 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     pid: Count = 0
     schema_version: Count = SCHEMA_VERSION
     source: str = ""  # who filled the messages: SOURCES; "" = an older sender
+    # vLLM's --prefill-schedule-interval (prompts admitted once every N steps); 0 = none
+    prefill_schedule_interval: Count = 0
 
 
 Message = IterationRecord | Heartbeat

@@ -221,6 +221,9 @@ def engine_facts(vllm_config: Any, num_usable_blocks: int, source: str) -> dict[
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(scheduler, name, None):
             facts[name] = int(getattr(scheduler, name))
+    interval = int(getattr(scheduler, "prefill_schedule_interval", 1) or 1)
+    if interval > 1:  # a cadence: prompts held between its steps (telemetry/sources/vllm_steps.py)
+        facts["prefill_schedule_interval"] = interval
     return facts
 
 

@@ -134,13 +134,7 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
             f"cost of longer iterations; {TUNE_TEXT} picks a value that keeps it."
         )
     if reason == "waiting_other":
-        return (
-            "Not an admission limit: find what holds the requests back (vLLM: its prefill "
-            "cadence, --prefill-schedule-interval, which admits prompts once every N steps "
-            "while others decode; a paused engine; structured-output grammars still "
-            "compiling; KV transfers from a remote instance; streaming inputs waiting for "
-            "their next part)."
-        )
+        return _held_back_action(tl)
     if not tl.waiting_reasons_known:
         return (
             f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
@@ -148,3 +142,26 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
             f"--max-num-batched-tokens is ({TUNE_TEXT} picks both)."
         )
     return "Check the engine's admission logic: requests waited with no limit reported."
+
+
+def _held_back_action(tl: EngineTimeline) -> str:
+    """Requests the engine held back, not for a limit: vLLM's prefill cadence when it runs
+    with one (the likeliest cause, and one flag), else the holds it may have."""
+    holds = (
+        "a paused engine; structured-output grammars still compiling; KV transfers from a "
+        "remote instance; streaming inputs waiting for their next part"
+    )
+    interval = tl.facts.get("prefill_schedule_interval", 0)
+    if interval > 1:
+        return (
+            f"Lower {flag_text(tl, 'prefill_schedule_interval')}, down to 1 to turn the "
+            f"cadence off: vLLM admits prompts once every {interval} steps while others "
+            "decode, so a prompt waits up to that many steps; the price is decode steps "
+            "stretched by prefills more often. If lowering it does not help, the hold is "
+            f"another ({holds})."
+        )
+    return (
+        "Not an admission limit: find what holds the requests back (vLLM: its prefill "
+        "cadence, --prefill-schedule-interval, which admits prompts once every N steps "
+        f"while others decode; {holds})."
+    )
