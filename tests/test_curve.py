@@ -321,3 +321,26 @@ def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir
         thread.join(timeout=5)
         curve.stop_server_auth(context)
         context.term()
+
+
+def test_vllm_sources_take_their_curve_keys_from_the_environment(
+    server, keys_dir, monkeypatch, caplog
+):
+    """A vLLM on another host than its sidecar: its sources' publisher (vllm_lane, the same
+    for the scheduler source and the plugin) authenticates as the engine the environment
+    names; keys that cannot be read turn telemetry off and say so, vLLM serving on."""
+    from telemetry.sources import vllm_lane
+
+    monkeypatch.setenv(vllm_lane.ADDRESS_ENV, server.address)
+    monkeypatch.setenv(vllm_lane.CURVE_KEYS_ENV, str(keys_dir))
+    monkeypatch.setenv(vllm_lane.CURVE_NAME_ENV, "engine-b")
+    publisher = vllm_lane.start_publisher(5, {"source": "vllm-scheduler"}, "the scheduler source")
+    assert publisher is not None
+    try:
+        received = publish_until(server, [publisher], lambda received, _: received[5] >= 3)
+        assert received[5] >= 3
+    finally:
+        publisher.close()
+    monkeypatch.setenv(vllm_lane.CURVE_NAME_ENV, "no-such-engine")
+    assert vllm_lane.start_publisher(6, {}, "the scheduler source") is None
+    assert "cannot publish to" in caplog.text and "no-such-engine.key_secret" in caplog.text

@@ -9,6 +9,14 @@ Both vLLM sources use this: the scheduler subclass in vLLM's EngineCore process
 
 which vLLM's processes inherit from ``vllm serve``. Without it nothing is sent and the reason
 is said once, in vLLM's log. No vLLM import here.
+
+A vLLM on another host than its sidecar (``tcp://sidecar-host:5557``) authenticates and
+encrypts the lane with ZMQ CURVE as our engine does (telemetry/lane/curve.py, docs/deploy.md):
+
+    ITERSCOPE_CURVE_KEYS_DIR=/etc/iterscope/keys    server.key and NAME.key_secret
+    ITERSCOPE_CURVE_ENGINE_NAME=gpu-host-1          NAME (default "engine")
+
+Keys that cannot be read turn telemetry off, said in vLLM's log; vLLM serves on.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ import logging
 import os
 from typing import Any
 
+from telemetry.lane.curve import DEFAULT_ENGINE_NAME
 from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, ZmqPublisher, default_address
 
 ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
+CURVE_KEYS_ENV = "ITERSCOPE_CURVE_KEYS_DIR"
+CURVE_NAME_ENV = "ITERSCOPE_CURVE_ENGINE_NAME"
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
@@ -46,7 +57,12 @@ def start_publisher(engine_index: int, facts: dict[str, Any], what: str) -> ZmqP
     try:
         # vLLM's engine core spreads its OpenMP threads over every core, on a GPU host too.
         publisher = ZmqPublisher(
-            address, engine_index, facts=facts, send_interval_s=CPU_ENGINE_SEND_INTERVAL_S
+            address,
+            engine_index,
+            facts=facts,
+            send_interval_s=CPU_ENGINE_SEND_INTERVAL_S,
+            curve_keys_dir=os.environ.get(CURVE_KEYS_ENV) or None,
+            curve_engine_name=os.environ.get(CURVE_NAME_ENV) or DEFAULT_ENGINE_NAME,
         )
     except Exception:  # a bad address must not stop vLLM from serving
         logger.exception("iterscope: cannot publish to %s; telemetry is off", address)
