@@ -39,9 +39,11 @@ def make_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     scheduler_class: type = IterscopeScheduler,
+    async_scheduling: bool = False,
     **scheduler_options: object,
 ) -> Scheduler:
-    """``scheduler_options``: more of vLLM's SchedulerConfig fields (prefill_schedule_interval)."""
+    """``async_scheduling``: as vLLM settles it on a GPU (its CPU platform turns it off).
+    ``scheduler_options``: more of vLLM's SchedulerConfig fields (prefill_schedule_interval)."""
     model = ModelConfig(
         model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True
     )
@@ -59,6 +61,7 @@ def make_scheduler(
         ),
     )
     config.cache_config.num_gpu_blocks = num_blocks
+    config.scheduler_config.async_scheduling = async_scheduling
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16, dtype=torch.float32
     )

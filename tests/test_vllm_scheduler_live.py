@@ -90,6 +90,7 @@ def test_vllms_own_scheduler_names_each_admission_limit(checks):
     result = checks["reasons"]
     for limit, reason in (("seq_limit", "seq_limit"), ("budget", "budget"), ("kv", "kv")):
         case = result[limit]
+        assert case["scheduler_class"] == "IterscopeScheduler"  # async scheduling off
         assert case["num_finished"] == 6, (limit, case)
         assert case["waiting"][reason] == case["num_waiting"] > 0, (limit, case)
     assert result["seq_limit"]["num_output_tokens"] == 6 * 8
@@ -101,6 +102,9 @@ def test_vllms_own_scheduler_names_each_admission_limit(checks):
 def test_the_async_scheduler_pairs_each_step_with_its_own_output(checks):
     """With --async-scheduling vLLM schedules a step before the last one's output is back."""
     (case,) = checks["async"].values()
+    # IterscopeScheduler, built with async scheduling on, is vLLM's async scheduler: a
+    # synchronous one would schedule nothing while a step is in flight.
+    assert case["scheduler_class"] == "IterscopeAsyncScheduler"
     assert case["num_steps"] < 400 and case["all_timed"]
     iterations = case["iterations"]  # a step that scheduled nothing makes no record
     assert iterations == sorted(set(iterations)) and iterations[0] == 1

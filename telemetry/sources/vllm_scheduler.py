@@ -3,8 +3,8 @@
     ITERSCOPE_TELEMETRY_ADDRESS=default vllm serve MODEL \\
         --scheduler-cls telemetry.sources.vllm_scheduler.IterscopeScheduler
 
-(``IterscopeAsyncScheduler`` where ``--async-scheduling`` is on: vLLM takes the class as
-given, and a subclass of the synchronous scheduler would turn async scheduling off.) vLLM
+(which builds an ``IterscopeAsyncScheduler`` where vLLM schedules asynchronously, its default
+on a GPU: vLLM takes the class as given, and a synchronous one would serialise its steps.) vLLM
 builds the scheduler in each EngineCore process (one per data-parallel rank); the subclass
 schedules exactly as vLLM does and, around ``schedule()`` and ``update_from_output()``,
 hands what it saw to a StepReporter (telemetry/sources/vllm_steps.py), which fills the record
@@ -127,11 +127,27 @@ class ReportingScheduler:
 
 
 class IterscopeScheduler(ReportingScheduler, Scheduler):
-    """vLLM's scheduler (synchronous scheduling), reporting every step."""
+    """vLLM's scheduler, reporting every step: the one flag to give. Built with async
+    scheduling on (vLLM's default on a GPU, or ``--async-scheduling``) it is an
+    IterscopeAsyncScheduler, as vLLM picks AsyncScheduler over Scheduler by that setting when
+    no class is given: a synchronous scheduler under vLLM's async engine loop would schedule
+    nothing while a step is in flight, serialising the steps async scheduling overlaps."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is IterscopeScheduler and _async_scheduling(config):
+            return IterscopeAsyncScheduler(*args, **kwargs)  # not an instance: no 2nd __init__
+        return super().__new__(cls)
 
 
 class IterscopeAsyncScheduler(ReportingScheduler, AsyncScheduler):
-    """vLLM's async scheduler (``--async-scheduling``), reporting every step."""
+    """vLLM's async scheduler, reporting every step (what IterscopeScheduler becomes when
+    vLLM schedules asynchronously)."""
+
+
+def _async_scheduling(vllm_config: Any) -> bool:
+    """Whether vLLM's config (settled before the scheduler is built) schedules asynchronously."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
 
 
 def make_reporter(scheduler: Any) -> StepReporter | None:
