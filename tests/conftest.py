@@ -8,7 +8,8 @@ ones: a module named test_*_live.py is live as a whole (the vLLM ones, which sta
 fixture.
 
 Reading the embedded SmolLM2 GGUF costs seconds each time (most of it parsing the 49k-token
-vocabulary), so what several files read from it is read once per session here. Each object
+vocabulary), and recording a real-engine story seconds too, so what several files read is
+read or recorded once per session here. Each object
 is only read by the tests that use it: no test mutates it, so sharing it cannot carry state
 from one test into another.
 """
@@ -49,6 +50,25 @@ def smollm2_tokenizer():
     from engine.entrypoints.serve import load_tokenizer
 
     return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def real_story(tmp_path_factory):
+    """``real_story(name)``: the recording of a real-engine story (tests/scenarios/real_engine.py
+    SCENARIOS: the real engine core through a real sidecar, seconds each), made once per
+    session: scenarios/test_real_stories.py checks what explain says of it,
+    test_live_findings.py what a replayed sidecar finds in it. Safe to share: recordings are
+    only read."""
+    recordings: dict[str, Path] = {}
+
+    def record(name: str) -> Path:
+        if name not in recordings:
+            from tests.scenarios import real_engine
+
+            recordings[name] = real_engine.SCENARIOS[name](tmp_path_factory.mktemp(name))
+        return recordings[name]
+
+    return record
 
 
 @pytest.fixture

@@ -118,13 +118,11 @@ def test_finding_1_is_the_true_cause_live_and_in_explain(name, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def real_stories(tmp_path_factory) -> dict[str, Path]:
-    """The real-engine stories, recorded through a real sidecar (about a minute)."""
-    recordings = {}
-    for name in ("story1", "story2", "stall", "story3-queued", "healthy-but-slow"):
-        out = tmp_path_factory.mktemp(name)
-        recordings[name] = real_engine.SCENARIOS[name](out)
-    return recordings
+def real_stories(real_story) -> dict[str, Path]:
+    """The real-engine stories, recorded through a real sidecar (shared with
+    scenarios/test_real_stories.py: tests/conftest.py real_story)."""
+    names = ("story1", "story2", "stall", "story3-queued", "healthy-but-slow")
+    return {name: real_story(name) for name in names}
 
 
 @pytest.mark.live

@@ -1,8 +1,10 @@
 """Stories 1-3 on the real engine at small scale, recorded through the real sidecar.
 
 Each scenario runs the real engine core (tiny random Llama, tiny KV cache) in this process,
-publishing to an `iterscope sidecar --record` subprocess (tests/scenarios/real_engine.py);
-`explain` must then name the right episode, and report nothing on the healthy run. Iteration
+publishing to an `iterscope sidecar --record` subprocess (tests/scenarios/real_engine.py;
+recorded once per session, tests/conftest.py real_story, and shared with
+test_live_findings.py); `explain` must then name the right episode, and report nothing on
+the healthy run. Iteration
 times on a shared CPU vary a lot, so the assertions are about what happened, not how fast.
 """
 
@@ -12,8 +14,6 @@ from telemetry.analysis.episodes import INFO, detect_episodes
 from telemetry.analysis.explain import main, read_timelines
 from telemetry.analysis.findings import build_findings
 from telemetry.analysis.summary import summarize
-
-from . import real_engine
 
 pytestmark = pytest.mark.live
 
@@ -49,8 +49,8 @@ def only(episodes, kind):
 
 
 @pytest.fixture(scope="module")
-def batched(tmp_path_factory):
-    return real_engine.story3_bursty(tmp_path_factory.mktemp("batched"), max_num_seqs=32)
+def batched(real_story):
+    return real_story("story3-batched")
 
 
 def test_healthy_batched_run_has_no_problem(batched):
@@ -64,8 +64,8 @@ def test_healthy_batched_run_has_no_problem(batched):
     assert timeline.col("num_kv_blocks_used")[-1] == 0 and timeline.col("num_running_reqs")[-1] == 0
 
 
-def test_story3_queued_by_max_num_seqs(tmp_path):
-    timeline, episodes = explained(real_engine.story3_bursty(tmp_path, max_num_seqs=2))
+def test_story3_queued_by_max_num_seqs(real_story):
+    timeline, episodes = explained(real_story("story3-queued"))
     summary = summarize(timeline)
     assert summary.max_running_reqs == 2 and summary.num_finished_reqs == 18
     assert "and queued" in summary.verdict and "mostly for --max-num-seqs" in summary.verdict
@@ -73,8 +73,8 @@ def test_story3_queued_by_max_num_seqs(tmp_path):
     assert not kinds(episodes) & {"stall", "kv_leak", "kv_cliff", "telemetry_gap"}
 
 
-def test_story1_kv_cliff_with_counted_preemption(tmp_path, capsys):
-    recording = real_engine.story1_kv_cliff(tmp_path)
+def test_story1_kv_cliff_with_counted_preemption(real_story, capsys):
+    recording = real_story("story1")
     timeline, episodes = explained(recording)
     cliff = only(episodes, "kv_cliff")[0]
     assert cliff.numbers["usage_before"] >= 0.9 and cliff.numbers["running_before"] == 2
@@ -90,8 +90,8 @@ def test_story1_kv_cliff_with_counted_preemption(tmp_path, capsys):
     assert top.cost > 0 and top.cost >= max(f.cost for f in build_findings(timeline, episodes))
 
 
-def test_story2_leak_hook(tmp_path, capsys):
-    recording = real_engine.story2_leak(tmp_path)
+def test_story2_leak_hook(real_story, capsys):
+    recording = real_story("story2")
     timeline, episodes = explained(recording)
     (leak,) = only(episodes, "kv_leak")
     assert leak.numbers["nothing_running"]
@@ -100,8 +100,8 @@ def test_story2_leak_hook(tmp_path, capsys):
     assert top_finding(timeline, episodes, capsys, recording).kind == "kv_leak"
 
 
-def test_stall_hook(tmp_path, capsys):
-    recording = real_engine.stalled(tmp_path)
+def test_stall_hook(real_story, capsys):
+    recording = real_story("stall")
     timeline, episodes = explained(recording)
     (stall,) = only(episodes, "stall")
     assert stall.numbers["inside_iteration"] and stall.numbers["frozen_iteration"] == 39
