@@ -255,12 +255,34 @@ def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cos
     sim = long_prefill_sim()  # --max-num-seqs 64, --max-num-batched-tokens 2048
     timeline, (finding,) = findings_of(sim)
     tight = Recommendation(0.0677, 10, 16, 0.018, 0.064, 554.0, 272.0, "latency target", 10)
-    monkeypatch.setattr(actions, "_tuned", lambda tl, th: (tight, "`iterscope tune ...`"))
+    monkeypatch.setattr(actions, "_tuned", lambda tl, th, **_: (tight, "`iterscope tune ...`"))
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith(
         "Set --max-num-batched-tokens 16 (now 2048) and --max-num-seqs 10 (now 64) together"
     )
     assert "272 tokens/s at most, so time to first token grows" in action
+
+
+def test_a_budget_a_fit_can_only_guess_is_not_given_as_a_value(monkeypatch):
+    """Without a cost per prefill token tune's budget is a guess: the long-prefill action
+    names the flag and why no value is given, never a 'keep' or 'set' built on the guess."""
+    from dataclasses import replace
+
+    from telemetry.analysis import actions
+    from telemetry.analysis.tune import NO_PREFILL_TOKEN_COST
+
+    timeline, (finding,) = findings_of(long_prefill_sim())
+    fitted = actions.fit_iteration_time(timeline)
+    assert "prefill_tokens" in fitted.coefficients  # the simulated prompts cost per token
+    tokenless = {k: v for k, v in fitted.coefficients.items() if k != "prefill_tokens"}
+    monkeypatch.setattr(
+        actions, "fit_iteration_time", lambda tl: replace(fitted, coefficients=tokenless)
+    )
+    action = finding_action(timeline, finding, Thresholds())
+    assert action == (
+        f"Lower --max-num-batched-tokens (now 2048); no value could be computed here: "
+        f"{NO_PREFILL_TOKEN_COST}."
+    )
 
 
 PLACEHOLDERS = {

@@ -18,7 +18,13 @@ from telemetry.analysis.episodes import Episode, Thresholds
 from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
-from telemetry.analysis.tune import Recommendation, fit_iteration_time, kv_max_seqs, recommend
+from telemetry.analysis.tune import (
+    NO_PREFILL_TOKEN_COST,
+    Recommendation,
+    fit_iteration_time,
+    kv_max_seqs,
+    recommend,
+)
 from telemetry.analysis.words import plural
 
 KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
@@ -43,10 +49,14 @@ def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
     return f"{max(round(th.long_prefill_ratio * baseline_s * 1000, 1), 0.1):g}ms"
 
 
-def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, str]:
+def _tuned(
+    tl: EngineTimeline, th: Thresholds, sizes_budget: bool = False
+) -> tuple[Recommendation | None, str]:
     """tune's recommendation at the latency explain holds iterations to, with the tune command
     that prints it; or (None, why not). Where tune's default prefill chunk does not fit beside
-    one decoding request within the target, smaller chunks are tried (MIN_CHUNK_TOKENS)."""
+    one decoding request within the target, smaller chunks are tried (MIN_CHUNK_TOKENS).
+    ``sizes_budget``: the token budget is what is asked, which a fit without a cost per
+    prefill token only guesses: none then."""
     target = itl_target_text(tl, th)
     if target is None:
         return None, "no decode-only iteration was recorded to set a latency target from"
@@ -54,6 +64,8 @@ def _tuned(tl: EngineTimeline, th: Thresholds) -> tuple[Recommendation | None, s
         fit = fit_iteration_time(tl)
     except ValueError as error:
         return None, str(error)
+    if sizes_budget and "prefill_tokens" not in fit.coefficients:
+        return None, NO_PREFILL_TOKEN_COST
     why_not = ""
     for min_chunk in MIN_CHUNK_TOKENS:
         try:
@@ -75,7 +87,7 @@ def _now(current: int | None) -> str:
 
 
 def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
-    rec, tuned = _tuned(tl, th)
+    rec, tuned = _tuned(tl, th, sizes_budget=True)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
         return (

@@ -57,6 +57,11 @@ JSON_NAMES = {
 FEATURE_NAMES = list(FEATURES)
 UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
+# Why a fit may have no prompt token cost; its budget is then a guess (_budget).
+NO_PREFILL_TOKEN_COST = (
+    "no cost per prefill token could be fitted (prompt tokens did not vary apart from the "
+    "rest, or their cost came out below 0)"
+)
 BUDGET_MULTIPLE = 16
 MAX_SEQS_CAP = 4096
 
@@ -115,7 +120,11 @@ class Fit:
 def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, float]:
     """Fit with an intercept; features that never vary or vary only as a combination of the
     others are left out, and features whose coefficient comes out negative (noise) are
-    dropped and the rest refitted, so costs are never < 0."""
+    dropped and the rest refitted, so costs are never < 0. A prefill token cost that comes
+    out negative beside a prefill request cost drops the request cost instead: prompts of
+    about one length make the two nearly one column, and the split between them noise; the
+    token budget limits tokens, so their cost is what it must know (given to the requests,
+    no budget would seem too large)."""
     names = _independent([n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0], x)
     while True:
         columns = [FEATURE_NAMES.index(n) for n in names]
@@ -127,7 +136,10 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
                 "base": float(solution[0]),
                 **dict(zip(names, map(float, solution[1:]), strict=True)),
             }
-        names.remove(negative[0])
+        if negative[0] == "prefill_tokens" and "prefill_reqs" in names:
+            names.remove("prefill_reqs")
+        else:
+            names.remove(negative[0])
 
 
 def _independent(names: list[str], x: np.ndarray) -> list[str]:
@@ -344,9 +356,7 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
             f"--decode-context {target} is extrapolated"
         )
     if "prefill_tokens" not in fit.coefficients:
-        notes.append(
-            "no prefill cost could be fitted (no prefill tokens varied): the budget is a guess"
-        )
+        notes.append(f"{NO_PREFILL_TOKEN_COST}: the budget is a guess")
     return notes
 
 
