@@ -134,8 +134,12 @@ def prefix_hit_rate() -> dashboard.Panel:
 def waiting_by_reason() -> dashboard.Panel:
     return timeseries_panel(
         "Waiting requests by reason",
-        "Requests waiting for admission, split by what stopped admission: KV capacity, the "
-        "sequence limit (max_num_seqs) or the token budget (max_num_batched_tokens).",
+        "Requests waiting for admission, split by what stopped admission: KV capacity "
+        "(kv_capacity), the sequence limit (seq_limit: max_num_seqs), the token budget "
+        "(token_budget: max_num_batched_tokens), the engine holding them back, not for a "
+        "limit (other: vLLM's prefill cadence, --prefill-schedule-interval, a grammar still "
+        "compiling, a remote KV transfer), or a source that does not say why (unknown: vLLM's "
+        "stat-logger plugin, FPM producers).",
         [
             query(
                 f"sum by (reason) ({series('iterscope_requests_waiting_by_reason')})",
