@@ -302,3 +302,18 @@ def test_the_plugin_knows_when_the_scheduler_source_is_selected():
     assert scheduler_source_selected(config("telemetry.sources.vllm_scheduler.IterscopeScheduler"))
     assert not scheduler_source_selected(config(None))
     assert not scheduler_source_selected(config("vllm.v1.core.sched.scheduler.Scheduler"))
+
+
+def test_the_vllm_versions_said_tested_are_the_ones_make_builds():
+    """TESTED_VLLM_VERSIONS (the sources' version guard), the versions `make vllm` builds and
+    the one bench/vllm_server.py runs without a directory of its own are one list."""
+    import re
+    from pathlib import Path
+
+    from bench.vllm_server import CPU_BUILD_VERSION
+    from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    built = dict(re.findall(r"^(VLLM_VER|VLLM_NEXT_VER)\s*:=\s*(\S+)", makefile, re.M))
+    assert CPU_BUILD_VERSION == built["VLLM_VER"]
+    assert TESTED_VLLM_VERSIONS == (built["VLLM_VER"], built["VLLM_NEXT_VER"])
