@@ -151,8 +151,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The dashboards' JSON, then the Kubernetes manifests that hold it verbatim (deploy/generate.py).
 dashboards: $(STAMP)
 	$(PY) -m dashboards.build
+	$(PY) deploy/generate.py
 
 # The observability stack (server, sidecar, Prometheus, Alertmanager, Grafana, OTel Collector,
 # Jaeger) in docker compose; needs a Docker engine. See docs/deploy.md.
