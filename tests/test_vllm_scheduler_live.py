@@ -273,11 +273,19 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
     assert "--kv-cache-memory-bytes" in first["action"]
     assert "--kv-cache-memory " not in first["action"] + " "  # our engine's flag, not vLLM's
     assert not [f for f in engine["findings"] if f["kind"] == "stall"]
-    # The live sidecar said so as it happened, in vLLM's flags, and nothing was stalled
+    # The live sidecar said so as it happened, in vLLM's flags, and nothing was stalled. It
+    # searches its window about once a second, and waiting counts once it has lasted a
+    # second: found up to ~2 s after it began, which the checks above can outrun.
     url = f"http://127.0.0.1:{kv_stack['metrics_port']}/findings"
-    live = json.loads(urllib.request.urlopen(url, timeout=10).read())["findings"]
-    waiting = [f for f in live if f["kind"] == "waiting_kv"]
-    assert waiting, live
+    live: list = []
+
+    def waiting_found() -> list:
+        live[:] = json.loads(urllib.request.urlopen(url, timeout=10).read())["findings"]
+        return [f for f in live if f["kind"] == "waiting_kv"]
+
+    waiting = wait_until(
+        waiting_found, 10, lambda: f"a live waiting_kv finding: {live}", interval_s=0.2
+    )
     for finding in waiting:
         assert "--kv-cache-memory-bytes" in finding["action"], finding
         assert "--kv-cache-memory " not in finding["action"] + " "
