@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from engine.auto_dtype import auto_dtype
+from telemetry.sources.vllm_lane import release
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".vllm-venv" / "bin" / "vllm"
@@ -125,7 +126,7 @@ def start_vllm(
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server, log_path, ready_timeout_s)
         served = httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()["version"]
-        if served.split("+")[0] != version:
+        if release(served) != version:
             raise RuntimeError(f"vLLM {version} was asked for, {served} serves")
     except (RuntimeError, httpx.HTTPError):
         stop_server(server)

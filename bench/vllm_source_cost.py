@@ -54,6 +54,7 @@ from bench.vllm_server import (  # noqa: E402
     stop_server,
 )
 from telemetry.sidecar.process import start_sidecar  # noqa: E402
+from telemetry.sources.vllm_lane import release  # noqa: E402
 
 NUM_RUNNING = 16
 SCHEDULER_CLASS = "telemetry.sources.vllm_scheduler.IterscopeScheduler"
@@ -202,7 +203,7 @@ def vllm_version() -> str:
     """The version of the vLLM this process imports (its local part, +cpu, left out)."""
     import vllm
 
-    return vllm.__version__.split("+")[0]
+    return release(vllm.__version__)
 
 
 def compare_throughput(source: str, num_rounds: int) -> dict:

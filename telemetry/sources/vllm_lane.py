@@ -78,10 +78,15 @@ def start_publisher(engine_index: int, facts: dict[str, Any], what: str) -> ZmqP
     return publisher
 
 
+def release(version: str) -> str:
+    """A vLLM version (``vllm.__version__``) without its local part, such as +cpu."""
+    return version.split("+")[0]
+
+
 def is_tested_version(version: str) -> bool:
-    """Whether this vLLM version (``vllm.__version__``, a local part such as +cpu aside) is
-    one the sources were checked against."""
-    return version.split("+")[0] in TESTED_VLLM_VERSIONS
+    """Whether this vLLM version (a local part such as +cpu aside) is one the sources were
+    checked against."""
+    return release(version) in TESTED_VLLM_VERSIONS
 
 
 def scheduler_source_selected(vllm_config: Any) -> bool:
