@@ -11,6 +11,7 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     heartbeat,
     iteration_record,
     make_decoder,
@@ -57,6 +58,26 @@ def test_round_trip_with_milestone_and_tag_first():
     frame = make_encoder().encode(record)
     assert msgspec.msgpack.decode(frame)[0] == TAG_ITERATION
     assert make_decoder().decode(frame) == record
+
+
+def test_spec_decode_counts_ride_at_the_end_and_older_frames_read_as_none():
+    """A frame from a sender that predates spec_decode (one element shorter) decodes with
+    None, and a reader that predates it skips the trailing element."""
+    spec = SpecDecodeCounts(2, 6, 3, [2, 1, 0])
+    record = decode_record(num_decode_tokens=53, spec_decode=spec)
+    frame = make_encoder().encode(record)
+    assert make_decoder().decode(frame).spec_decode == spec
+    older_frame = msgspec.msgpack.encode(msgspec.msgpack.decode(frame)[:-1])
+    assert make_decoder().decode(older_frame) == decode_record(
+        num_decode_tokens=53, start_ns=record.start_ns
+    )
+
+    class OlderRecord(msgspec.Struct, array_like=True, tag=TAG_ITERATION):
+        engine_index: int
+        msg_seq: int
+        iteration: int
+
+    assert msgspec.msgpack.decode(frame, type=OlderRecord).iteration == record.iteration
 
 
 def test_other_schema_version_is_rejected():
@@ -256,4 +277,5 @@ def test_the_record_fields_keep_their_wire_order():
         "num_waiting_other_reqs",
         "model_elapsed_ns",
         "fpm",
+        "spec_decode",
     )

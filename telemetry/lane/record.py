@@ -25,12 +25,17 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
-  ``model_elapsed_ns``, ``fpm``, the Heartbeat's ``source`` and
+  ``model_elapsed_ns``, ``fpm``, ``spec_decode``, the Heartbeat's ``source`` and
   ``prefill_schedule_interval``) come last with a default, so
   frames of older senders still decode, and readers that predate a field ignore it (msgspec
   skips an array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
   (FpmFigures); None for every other source, which costs our engine's frame one byte.
+- ``spec_decode`` counts speculative decoding's draft tokens scored and accepted in the
+  iteration (SpecDecodeCounts, from vLLM's sources); None where no draft was scored (our
+  engine has no speculative decoding). A decoding request then produces 1 + its accepted
+  tokens in one iteration, so ``num_decode_tokens`` can exceed ``num_decode_reqs``, and the
+  iteration computed ``num_decode_reqs + num_draft_tokens`` decode tokens.
 
 Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
 sets and make every other count 0. The defaults live in these factories, not on the Structs:
@@ -133,6 +138,19 @@ class FpmFigures(msgspec.Struct, array_like=True, gc=False):
     var_queued_decode_kv_tokens: Variance
 
 
+class SpecDecodeCounts(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding in one iteration, as vLLM's scheduler counts it (SpecDecodingStats
+    of the step): the drafts the model scored and how many of their tokens it accepted. An
+    accepted token is an output token beyond the one each decoding request gets anyway."""
+
+    num_drafts: Count  # requests whose draft tokens were scored
+    num_draft_tokens: Count  # draft tokens scored (scheduled beside the decode tokens)
+    num_accepted_tokens: Count  # of those, accepted
+    # Accepted tokens by their position in the draft (first draft token first); a draft is
+    # accepted up to its first rejected token, so the counts never rise along the list.
+    num_accepted_tokens_per_pos: list[Count] = []
+
+
 class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATION):
     """One engine-core iteration (schedule + forward + update), filled from scheduler counts."""
 
@@ -142,7 +160,8 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     start_ns: Count
     elapsed_ns: Count
     # What was scheduled, by phase: prefill (prompt tokens computed, chunks included) and
-    # decode (one token per request).
+    # decode (requests, and the tokens they produced: one each, more with speculative
+    # decoding, see spec_decode).
     num_prefill_reqs: Count
     num_prefill_tokens: Count
     num_decode_reqs: Count
@@ -170,6 +189,7 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     # update_from_output() called.
     model_elapsed_ns: Count = 0
     fpm: FpmFigures | None = None  # FPM producers only (see the module doc)
+    spec_decode: SpecDecodeCounts | None = None  # drafts scored this iteration, else None
 
 
 def is_known(record: IterationRecord, unknown_bit: int) -> bool:
