@@ -23,6 +23,7 @@ from telemetry.lane.record import (
     UNKNOWN_WAITING_REASONS,
     Heartbeat,
     IterationRecord,
+    SpecDecodeCounts,
     make_decoder,
     make_encoder,
 )
@@ -121,6 +122,23 @@ def test_calls_that_report_no_step_make_no_record():
     # unless vLLM sends details, which every step that scheduled tokens then carries
     assert RecordMaker(0, 11, iteration_details=True).make(scheduler_stats(), None) is None
     assert num_in_flight(scheduler_stats(waiting=3, skipped=2, running=4)) == (5, 4)
+
+
+def test_speculative_decoding_stats_ride_on_the_record_and_a_step_without_drafts_has_none():
+    stats = scheduler_stats(details=details())
+    stats.spec_decoding_stats = SimpleNamespace(
+        num_spec_tokens=3,
+        num_drafts=2,
+        num_draft_tokens=6,
+        num_accepted_tokens=4,
+        num_accepted_tokens_per_pos=[2, 1, 1],
+        num_draft_tokens_per_pos=[2, 2, 2],
+    )
+    record = RecordMaker(0, 11).make(stats, iteration_stats(generated=6))
+    assert record.spec_decode == SpecDecodeCounts(2, 6, 4, [2, 1, 1])
+    stats.spec_decoding_stats = None  # vLLM's value for a step that scored no draft
+    assert RecordMaker(0, 11).make(stats, iteration_stats()).spec_decode is None
+    assert RecordMaker(0, 11).make(scheduler_stats(), iteration_stats()).spec_decode is None
 
 
 def test_missing_attributes_degrade_to_zero_instead_of_raising():

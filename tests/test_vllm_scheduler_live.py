@@ -1,11 +1,11 @@
 """vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py),
 on every version of TESTED_VLLM_VERSIONS (bench/vllm_server.py vllm_env): first on vLLM's real
 scheduler without a model (tests/vllm_scheduler_check.py, run in `.vllm-venv`): each admission
-limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill cadence and
-the version guard; then in a real `vllm serve --scheduler-cls ...` (CPU build) with a real
-sidecar and Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own
-/metrics, the sidecar's --fpm-port publishing FPM for that vLLM, a stopped, continued and
-killed engine core. `make test` builds .vllm-venv, vLLM 0.33.0 beside it and
+limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill cadence,
+speculative decoding and the version guard; then in a real `vllm serve --scheduler-cls ...`
+(CPU build) with a real sidecar and Prometheus: operator story 1 on vLLM, counters and TTFT
+equal to vLLM's own /metrics, the sidecar's --fpm-port publishing FPM for that vLLM, a
+stopped, continued and killed engine core. `make test` builds .vllm-venv, vLLM 0.33.0 beside it and
 .models/smollm2-hf."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from tests.helpers.wait import wait_until
 pytestmark = pytest.mark.timeout(900)
 
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
-CHECK_CASES = ("reasons", "async", "cadence", "guard")  # guard last: it changes the module
+CHECK_CASES = ("reasons", "async", "cadence", "spec", "guard")  # guard last: it changes the module
 SCHEDULER = "telemetry.sources.vllm_scheduler.IterscopeScheduler"
 # 8 blocks of 128 tokens (the CPU build's block size), one of them vLLM's null block: 7
 # requests of up to 128 tokens fill the cache, so the 8th waits for KV capacity.
@@ -125,6 +125,19 @@ def test_prefills_held_for_vllms_prefill_cadence_wait_as_held_back_not_for_kv(ch
         assert case["other"] == case["num_waiting"] > 0, (name, case)
     # the cadence reaches the heartbeats from vLLM's own config (explain's action names it)
     assert result["throttled"]["interval_fact"] == 0 and result["interval"]["interval_fact"] == 4
+
+
+def test_speculative_decoding_drafts_count_as_vllms_own_stats_of_the_step(checks):
+    """Each step that scored drafts carries the counts vLLM's SpecDecodingStats of that step
+    has (drafts of 3 tokens, 0, 1, 2, 3 of them accepted in turn), and a decoding request's
+    accepted tokens are output tokens of that step."""
+    result = checks["spec"]
+    assert result["ours"] == result["vllm"]
+    accepted = [step[2] for step in result["ours"]]
+    assert {0, 3, 6, 9} <= set(accepted)  # three requests, 0 to 3 tokens accepted each
+    assert all(step[:2] == [3, 9] for step in result["ours"])  # 3 drafts of 3 tokens
+    assert sum(tokens for _, tokens in result["num_decode"]) == result["num_output_tokens"] == 72
+    assert any(tokens > requests for requests, tokens in result["num_decode"])
 
 
 def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(checks):

@@ -19,6 +19,9 @@ Cases:
                 (``throttle_prefills`` on three steps of four), and kept by the scheduler
                 itself (``prefill_schedule_interval=4``; vLLM 0.33 and later): which reason
                 the requests waiting meanwhile got
+    spec        speculative decoding (ngram config, drafts of 3, 0-3 of them accepted in
+                turn): each step's drafts as the records count them and as vLLM's own
+                SpecDecodingStats of the same step does
 """
 
 from __future__ import annotations
@@ -168,11 +171,47 @@ def guard_case() -> dict:
     return result
 
 
+def spec_case() -> dict:
+    """Three requests decoding with drafts of 3 tokens, 0-3 accepted in turn: the records'
+    spec_decode and vLLM's own counts of each step that scored drafts."""
+    scheduler = make_scheduler(64, 4, 512, num_speculative_tokens=3)
+    publisher = ListPublisher()
+    scheduler._iterscope.publisher = publisher
+    add_requests(scheduler, 3, 16, 24)
+    vllms = []
+    for step in range(40):
+        if not scheduler.has_requests():
+            break
+        for outputs in run_step(scheduler, accept=step % 4).values():
+            stats = outputs.scheduler_stats and outputs.scheduler_stats.spec_decoding_stats
+            if stats:
+                vllms.append(spec_counts(stats))
+    records = publisher.records
+    return {
+        "ours": [spec_counts(r.spec_decode) for r in records if r.spec_decode],
+        "vllm": vllms,
+        "num_decode": [[r.num_decode_reqs, r.num_decode_tokens] for r in records],
+        "num_output_tokens": sum(
+            m.num_output_tokens for r in records for m in r.milestones if m.event & 2
+        ),
+    }
+
+
+def spec_counts(stats) -> list:
+    return [
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+        list(stats.num_accepted_tokens_per_pos),
+    ]
+
+
 CASES_BY_NAME = {
     "reasons": reasons_case,
     "async": async_case,
     "guard": guard_case,
     "cadence": cadence_case,
+    "spec": spec_case,
 }
 
 if __name__ == "__main__":

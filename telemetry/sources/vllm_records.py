@@ -20,6 +20,8 @@ the field-by-field table; in short:
     num_kv_blocks_used / _free        kv_cache_usage x usable blocks (num_gpu_blocks - 1,
                                       the null block); tokens held unknown
     prefix queries / hits, preemptions  scheduler / iteration stats of the step
+    spec_decode                       scheduler stats' spec_decoding_stats (drafts scored and
+                                      accepted), None when the step scored none
     milestones                        one per finished request, times rebuilt from vLLM's
                                       intervals (see ``milestone``)
 
@@ -41,6 +43,7 @@ from telemetry.lane.record import (
     UNKNOWN_WAITING_REASONS,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     iteration_record,
 )
 
@@ -109,6 +112,23 @@ class RecordMaker:
         prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
         record.num_prefix_query_tokens = _int(prefix, "queries")
         record.num_prefix_hit_tokens = _int(prefix, "hits")
+        record.spec_decode = spec_decode_counts(
+            getattr(scheduler_stats, "spec_decoding_stats", None)
+        )
+
+
+def spec_decode_counts(stats: Any) -> SpecDecodeCounts | None:
+    """vLLM's SpecDecodingStats of a step as the record's counts; None without a draft."""
+    num_drafts = _int(stats, "num_drafts")
+    if not num_drafts:
+        return None
+    per_pos = getattr(stats, "num_accepted_tokens_per_pos", None) or []
+    return SpecDecodeCounts(
+        num_drafts,
+        _int(stats, "num_draft_tokens"),
+        _int(stats, "num_accepted_tokens"),
+        [max(0, int(count)) for count in per_pos],
+    )
 
 
 def _blank_record(engine_index: int, iteration: int, end_ns: int) -> IterationRecord:

@@ -52,6 +52,8 @@ SCHEDULER_ATTRIBUTES = (
     "pause_state",
     "kv_cache_manager",
     "vllm_config",
+    "num_spec_tokens",
+    "make_spec_decoding_stats",
 )
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 
@@ -103,6 +105,35 @@ class ReportingScheduler:
             except Exception:
                 self._iterscope_failed()
         return outputs
+
+    def make_spec_decoding_stats(
+        self,
+        spec_decoding_stats: Any,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        num_invalid_spec_tokens: dict[str, int] | None,
+        request_id: str,
+    ) -> Any:
+        """vLLM calls this for each request whose draft a step scored, inside
+        ``update_from_output``, whether or not it logs stats; it counts the draft as vLLM's
+        own does (nothing when the draft was empty; grammar-invalidated tokens not drafted)."""
+        stats = super().make_spec_decoding_stats(
+            spec_decoding_stats,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
+            num_invalid_spec_tokens=num_invalid_spec_tokens,
+            request_id=request_id,
+        )
+        reporter = self._iterscope
+        if reporter is not None and num_draft_tokens:
+            try:
+                num_invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+                reporter.drafted(
+                    self.num_spec_tokens, num_draft_tokens - num_invalid, num_accepted_tokens
+                )
+            except Exception:
+                self._iterscope_failed()
+        return stats
 
     def shutdown(self) -> None:
         self.shutdown_reporter()

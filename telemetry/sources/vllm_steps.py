@@ -10,10 +10,14 @@ start-up that every attribute read here exists), so it can be tested with plain 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
                               queues and why requests wait (decided now, see below),
                               preemptions, prefix-cache queries / hits, first-scheduled times
+    make_spec_decoding_stats  a request's draft scored (inside update_from_output, the
+    (per request)             counts vLLM's own SpecDecodingStats takes, whether or not
+                              vLLM logs stats): ``drafted``
     update_from_output()      record finished: elapsed (schedule start -> update end), the
     returns                   model's part (schedule end -> update start), tokens the step
-                              produced, running requests, KV blocks and tokens,
-                              milestones (first token, finish), then handed to the publisher
+                              produced, drafts scored and accepted, running requests, KV
+                              blocks and tokens, milestones (first token, finish), then
+                              handed to the publisher
 
 Steps are paired by their SchedulerOutput (with async scheduling vLLM schedules the next step
 before it updates from the last one). Work per step is O(requests scheduled) plus
@@ -60,6 +64,7 @@ from telemetry.lane.record import (
     EVENT_FIRST_TOKEN,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     iteration_record,
 )
 from telemetry.sources.vllm_records import num_usable_blocks
@@ -100,6 +105,7 @@ class StepReporter:
             collections.deque(maxlen=MAX_PENDING_STEPS)
         )
         self._finished_early: list[RequestMilestone] = []  # aborted between steps
+        self._drafts: SpecDecodeCounts | None = None  # scored in the update under way
 
     def added(self, scheduler: Any, request: Any) -> None:
         """A request entered the scheduler's waiting queue."""
@@ -129,12 +135,28 @@ class StepReporter:
                 tracked.preempted_ns.append(start_ns)
         self._pending.append((output, record, prefilling, time.monotonic_ns()))
 
+    def drafted(self, num_spec_tokens: int, num_draft_tokens: int, num_accepted: int) -> None:
+        """A request's draft of ``num_draft_tokens`` (grammar-invalidated ones not counted)
+        was scored and its first ``num_accepted`` tokens accepted, as vLLM's
+        ``SpecDecodingStats.observe_draft`` counts it; ``num_spec_tokens``: vLLM's draft
+        length setting (the per-position list's length)."""
+        drafts = self._drafts
+        if drafts is None:
+            drafts = self._drafts = SpecDecodeCounts(0, 0, 0, [0] * num_spec_tokens)
+        drafts.num_drafts += 1
+        drafts.num_draft_tokens += num_draft_tokens
+        drafts.num_accepted_tokens += num_accepted
+        per_pos = drafts.num_accepted_tokens_per_pos
+        for position in range(min(num_accepted, len(per_pos))):
+            per_pos[position] += 1
+
     def updated(
         self, scheduler: Any, output: Any, engine_core_outputs: dict, update_start_ns: int
     ) -> None:
         """``update_from_output(output, ...)``, called at ``update_start_ns``, returned:
         finish that step's record and send it."""
         end_ns = time.monotonic_ns()
+        drafts, self._drafts = self._drafts, None
         step = self._take_pending(output)
         if step is None:  # scheduled before this reporter existed, or beyond the bound
             return
@@ -149,6 +171,7 @@ class StepReporter:
             for outputs in engine_core_outputs.values()
             for out in outputs.outputs
         )
+        record.spec_decode = drafts
         record.num_running_reqs = len(scheduler.running)
         num_free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         record.num_kv_blocks_free = min(num_free, self.num_usable_blocks)
