@@ -1,12 +1,18 @@
 """Log sink: the vLLM-compatible 10-second line, per-iteration lines, status and loss lines."""
 
 import logging
+import random
+import re
 
-from telemetry.lane.record import Heartbeat
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.lane.record import Heartbeat, SpecDecodeCounts, make_encoder
 from telemetry.lane.record import heartbeat as lane_heartbeat
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sinks.log import LogSink
+from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.lane import synthetic_record
 from tests.helpers.sink_feed import conflict, health_of, lose, send
 
@@ -366,3 +372,113 @@ def test_a_wall_clock_stepped_back_keeps_the_lines_coming():
         "Avg generation throughput: 80.0 tokens/s" in text
         for text in throughput[:2] + throughput[3:]
     )
+
+
+DESIGN_LINE = (
+    "Engine 000: Avg prompt throughput: 600.0 tokens/s, Avg generation throughput: "
+    "77.2 tokens/s, Running: 5 reqs, Waiting: 0 reqs, GPU KV cache usage: 11.7%, "
+    "Prefix cache hit rate: 99.2%"
+)
+
+
+def with_drafts(messages, *per_record_pos):
+    """The design window's messages, the first records scoring 6 drafts of 3 tokens each,
+    accepted by position as given (one list per record); the other records score none."""
+    records = [m for m in messages if not isinstance(m, Heartbeat)]
+    for message, per_pos in zip(records[: len(per_record_pos)], per_record_pos, strict=True):
+        message.spec_decode = SpecDecodeCounts(6, 18, sum(per_pos), list(per_pos))
+    return messages
+
+
+def test_a_window_that_scored_drafts_gets_vllms_spec_decoding_line_after_its_own():
+    """8 records of 6 drafts (48 drafts, 144 draft tokens), 32, 24 and 24 tokens accepted by
+    position, 2 records without drafts, in a 10 s window: vLLM's figures and words."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    feed(sink, with_drafts(design_messages(), *[[4, 3, 3]] * 8))
+    assert lines.texts(logging.INFO) == [
+        DESIGN_LINE,
+        "Engine 000: SpecDecoding metrics: Mean acceptance length: 2.67, Accepted throughput: "
+        "8.00 tokens/s, Drafted throughput: 14.40 tokens/s, Accepted: 80 tokens, Drafted: 144 "
+        "tokens, Per-position acceptance rate: 0.667, 0.500, 0.500, Avg Draft acceptance rate: "
+        "55.6%",
+    ]
+
+
+def test_a_window_without_drafts_gets_no_spec_decoding_line():
+    """The next window counts its own drafts only: none, so no line, though the engine's
+    totals hold the drafts of the window before."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    feed(sink, with_drafts(design_messages(start_s=100.0), [6, 6, 6]))
+    assert len(lines.texts()) == 2
+    lines.lines.clear()
+    feed(sink, design_messages(start_s=110.0))
+    assert lines.texts() == [DESIGN_LINE]
+    lines.lines.clear()
+    feed(sink, with_drafts(design_messages(start_s=120.0), [6, 0, 0], [0, 0, 0]))
+    assert lines.texts()[1] == (
+        "Engine 000: SpecDecoding metrics: Mean acceptance length: 1.50, Accepted throughput: "
+        "0.60 tokens/s, Drafted throughput: 3.60 tokens/s, Accepted: 6 tokens, Drafted: 36 "
+        "tokens, Per-position acceptance rate: 0.500, 0.000, 0.000, Avg Draft acceptance rate: "
+        "16.7%"
+    )
+
+
+def test_each_engine_has_its_spec_decoding_line_under_its_own_and_none_is_aggregated():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink, engine_index=0)
+    lines.lines.clear()
+    both = with_drafts(design_messages(0, start_s=110), [3, 2, 1]) + design_messages(1, start_s=110)
+    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
+    feed(sink, both)
+    labels = [text.split(": Avg")[0].split(": Spec")[0] for text in lines.texts()]
+    assert labels == ["Engine 000", "Engine 000", "Engine 001", "2 Engines Aggregated"]
+    assert lines.texts()[1].startswith("Engine 000: SpecDecoding metrics: Mean acceptance length:")
+
+
+def test_spec_decoding_lines_add_up_to_the_prometheus_counters_through_ingest():
+    """Encoded frames through Ingest into both sinks: the drafted and accepted tokens of every
+    window's line sum to the counters, and the window without drafts prints no such line."""
+    rng = random.Random(3)
+    lines = Lines()
+    log_sink = LogSink(emit=lines)
+    registry = CollectorRegistry()
+    ingest = Ingest([log_sink, PrometheusSink(registry)], dead_after_s=2.5, stall_after_s=5)
+    encode = make_encoder().encode
+    start_s = CLOCK_OFFSET_NS // SECOND + 100  # monotonic 100 s, a window boundary
+    seq = 0
+    for second in range(40):
+        seq += 1
+        message = heartbeat(0, start_s + second, running=8, msg_seq=seq)
+        ingest.on_frame(encode(message), second * SECOND)
+        for tenth in range(10):
+            seq += 1
+            message = record(0, start_s + second + 0.05 + tenth / 10, iteration=seq, msg_seq=seq)
+            if 10 <= second < 20 or rng.random() < 0.3:  # the second window: no drafts at all
+                message.spec_decode = None
+            else:
+                per_pos = sorted((rng.randint(0, 4) for _ in range(3)), reverse=True)
+                message.spec_decode = SpecDecodeCounts(4, 12, sum(per_pos), per_pos)
+            ingest.on_frame(encode(message), int((second + 0.06 + tenth / 10) * SECOND))
+    log_sink.close()
+    window_lines = [text for text in lines.texts() if "throughput" in text]  # not status
+    is_spec = [" SpecDecoding metrics: " in text for text in window_lines]
+    assert is_spec == [False, True, False, False, True, False, True]  # 4 windows, 3 drafted
+    shown = [
+        re.search(r"Accepted: (\d+) tokens, Drafted: (\d+) tokens", text)
+        for text, spec in zip(window_lines, is_spec, strict=True)
+        if spec
+    ]
+    counters = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if sample.name.startswith("iterscope_spec_decode") and "position" not in sample.labels
+    }
+    assert counters["iterscope_spec_decode_drafts_total"] > 0
+    accepted = sum(int(match[1]) for match in shown)
+    assert accepted == counters["iterscope_spec_decode_accepted_tokens_total"]
+    drafted = sum(int(match[2]) for match in shown)
+    assert drafted == counters["iterscope_spec_decode_draft_tokens_total"]

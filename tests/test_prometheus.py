@@ -21,6 +21,7 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     heartbeat,
     iteration_record,
 )
@@ -754,3 +755,97 @@ def test_le_labels_are_spelled_as_prometheus_client_spells_them():
     text = generate_latest(registry).decode()
     ours = re.findall(r'iterscope_request_prompt_tokens_bucket\{[^}]*le="([^"]+)"', text)
     assert ours == expected == ["0.005", "1.0", "2560.0", "500000.0", "1e+06", "+Inf"]
+
+
+def spec_decode(num_drafts: int, num_draft_tokens: int, per_pos: list[int]) -> SpecDecodeCounts:
+    """What vLLM's scheduler counts in one step: drafts scored, accepted tokens by position."""
+    return SpecDecodeCounts(num_drafts, num_draft_tokens, sum(per_pos), per_pos)
+
+
+SPEC_DECODE_SERIES = (
+    "iterscope_spec_decode_drafts_total",
+    "iterscope_spec_decode_draft_tokens_total",
+    "iterscope_spec_decode_accepted_tokens_total",
+    "iterscope_spec_decode_accepted_tokens_by_position_total",
+)
+
+
+def spec_decode_samples(samples: dict) -> dict:
+    return {key: v for key, v in samples.items() if key[0].startswith("iterscope_spec_decode")}
+
+
+def test_spec_decode_counters_sum_the_drafts_of_the_records_that_scored_some():
+    sink, registry = new_sink()
+    send(sink, make_heartbeat())
+    send(sink, make_record(1))  # no draft scored: spec_decode None
+    assert spec_decode_samples(scrape(registry)) == {}
+    send(sink, make_record(2, spec_decode=spec_decode(3, 9, [3, 2, 1])))
+    send(sink, make_record(3))
+    send(sink, make_record(4, spec_decode=spec_decode(2, 6, [2, 0, 0])))
+    send(sink, make_record(5, spec_decode=spec_decode(1, 4, [1, 1, 1, 1])))  # a longer draft
+    samples = scrape(registry)
+    assert value(samples, "iterscope_spec_decode_drafts_total") == 6
+    assert value(samples, "iterscope_spec_decode_draft_tokens_total") == 19
+    assert value(samples, "iterscope_spec_decode_accepted_tokens_total") == 12
+    by_position = {
+        dict(labels)["position"]: v
+        for (name, labels), v in samples.items()
+        if name == "iterscope_spec_decode_accepted_tokens_by_position_total"
+    }
+    assert by_position == {"0": 6, "1": 3, "2": 2, "3": 1}
+    assert value(samples, "iterscope_iterations_total") == 5
+
+
+def test_spec_decode_series_are_absent_for_an_engine_that_scored_no_draft():
+    """Engine 1 decodes without speculative decoding: no spec series of it, not 0; the
+    families are still declared (HELP and TYPE), as the FPM gauges are."""
+    sink, registry = new_sink()
+    send(sink, make_heartbeat(engine_index=0), make_heartbeat(engine_index=1))
+    send(sink, make_record(1, engine_index=0, spec_decode=spec_decode(4, 8, [3, 1])))
+    send(sink, make_record(1, engine_index=1))
+    samples = spec_decode_samples(scrape(registry))
+    assert {dict(labels)["engine"] for _, labels in samples} == {"0"}
+    assert len(samples) == 5  # three counters and two positions, of engine 0
+    declared = {
+        family.name: family.type
+        for family in text_string_to_metric_families(generate_latest(new_sink()[1]).decode())
+    }
+    for name in SPEC_DECODE_SERIES:
+        assert declared[name.removesuffix("_total")] == "counter", name
+
+
+def test_spec_decode_counters_under_vllms_names():
+    """vLLM's SpecDecodingProm names, its label names (position beside engine and
+    model_name), the same values."""
+    sink, registry = new_sink(vllm_compatible_names=True)
+    send(sink, make_heartbeat())
+    send(sink, make_record(1, spec_decode=spec_decode(5, 15, [4, 3, 1])))
+    samples = scrape(registry)
+    for vllm_name, ours in [
+        ("vllm:spec_decode_num_drafts_total", "iterscope_spec_decode_drafts_total"),
+        ("vllm:spec_decode_num_draft_tokens_total", "iterscope_spec_decode_draft_tokens_total"),
+        (
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "iterscope_spec_decode_accepted_tokens_total",
+        ),
+    ]:
+        assert value(samples, vllm_name) == value(samples, ours), vllm_name
+    assert value(samples, "vllm:spec_decode_num_drafts_total") == 5
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total") == 8
+    theirs, ours = (
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "iterscope_spec_decode_accepted_tokens_by_position_total",
+    )
+    for position, count in enumerate([4, 3, 1]):
+        assert value(samples, theirs, position=str(position)) == count
+        assert value(samples, ours, position=str(position)) == count
+
+
+@pytest.mark.live
+def test_spec_decode_exposition_passes_promtool_check_metrics():
+    sink, registry = new_sink()
+    send(sink, make_heartbeat())
+    send(sink, make_record(1, spec_decode=spec_decode(3, 9, [3, 2, 1])))
+    text = generate_latest(registry).decode()
+    assert "iterscope_spec_decode_accepted_tokens_by_position_total{" in text
+    assert lint_problems(text) == set()

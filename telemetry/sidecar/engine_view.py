@@ -25,7 +25,8 @@ below is defined here once, so that every sink says the same:
     totals        RecordTotals: the sums of record fields over every record of the engine
                   since it was met, that more than one sink reports (the log line's window
                   is the difference of two totals, Prometheus shows them as counters), so
-                  those sinks cannot disagree.
+                  those sinks cannot disagree; speculative decoding's drafts and accepted
+                  tokens among them (record.spec_decode).
     findings      what the engine's live findings are (telemetry/analysis/live_findings.py),
                   kept by Ingest's tracker of the engine; None when they are turned off.
     losses        messages received and lost (seq gaps), and the times two processes were
@@ -39,9 +40,10 @@ one, a single attribute at a time.
 from __future__ import annotations
 
 import enum
+from itertools import zip_longest
 
 from telemetry.analysis.live_findings import EngineFindings
-from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.lane.record import Heartbeat, IterationRecord, SpecDecodeCounts
 
 
 class EngineStatus(str, enum.Enum):
@@ -85,23 +87,38 @@ def record_kv_usage_ratio(record: IterationRecord) -> float:
     return kv_usage_ratio(record.num_kv_blocks_used, kv_blocks_total(record))
 
 
+# The int fields of RecordTotals: record fields summed (num_iterations counts records,
+# num_kv_blocked_iterations those that left requests waiting for KV), then speculative
+# decoding's (record.spec_decode, summed where it is not None).
+_SUMS = (
+    "num_iterations",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_preemptions",
+    "num_prefix_query_tokens",
+    "num_prefix_hit_tokens",
+    "num_kv_blocked_iterations",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+)
+
+
 class RecordTotals:
     """Sums of record fields over an engine's records. ``add`` runs once per record, on the
-    ingest thread; a reader on another thread (a scrape) reads one int at a time."""
+    ingest thread; a reader on another thread (a scrape) reads one attribute at a time.
 
-    __slots__ = (
-        "num_iterations",
-        "num_prefill_tokens",
-        "num_decode_tokens",
-        "num_preemptions",
-        "num_prefix_query_tokens",
-        "num_prefix_hit_tokens",
-        "num_kv_blocked_iterations",
-    )
+    ``num_accepted_tokens_per_pos`` sums speculative decoding's accepted tokens by draft
+    position, as long as the longest list seen (a position a record does not list adds 0).
+    It is a tuple that ``add`` replaces, never changes, so a reader that takes it once holds
+    the sums of one moment."""
+
+    __slots__ = (*_SUMS, "num_accepted_tokens_per_pos")
 
     def __init__(self) -> None:
-        for name in self.__slots__:
+        for name in _SUMS:
             setattr(self, name, 0)
+        self.num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     def add(self, record: IterationRecord) -> None:
         self.num_iterations += 1
@@ -112,6 +129,17 @@ class RecordTotals:
         self.num_prefix_hit_tokens += record.num_prefix_hit_tokens
         if record.num_waiting_kv_reqs:
             self.num_kv_blocked_iterations += 1
+        if record.spec_decode is not None:  # the common case pays this check only
+            self.add_spec_decode(record.spec_decode)
+
+    def add_spec_decode(self, counts: SpecDecodeCounts) -> None:
+        self.num_drafts += counts.num_drafts
+        self.num_draft_tokens += counts.num_draft_tokens
+        self.num_accepted_tokens += counts.num_accepted_tokens
+        pairs = zip_longest(
+            self.num_accepted_tokens_per_pos, counts.num_accepted_tokens_per_pos, fillvalue=0
+        )
+        self.num_accepted_tokens_per_pos = tuple(total + count for total, count in pairs)
 
     def copy(self) -> RecordTotals:
         totals = RecordTotals()
@@ -122,8 +150,12 @@ class RecordTotals:
     def since(self, earlier: RecordTotals) -> RecordTotals:
         """What was added after ``earlier`` (a copy of these totals taken then)."""
         totals = RecordTotals()
-        for name in self.__slots__:
+        for name in _SUMS:
             setattr(totals, name, getattr(self, name) - getattr(earlier, name))
+        pairs = zip_longest(
+            self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos, fillvalue=0
+        )
+        totals.num_accepted_tokens_per_pos = tuple(later - before for later, before in pairs)
         return totals
 
 

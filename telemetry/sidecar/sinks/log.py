@@ -17,7 +17,9 @@ Losses (messages lost in seq gaps, two processes under one engine index, frames 
 or rejected) are Ingest's counts (the engine views, PipelineHealth); this sink reports them by
 difference with what it last reported, at most once per interval.
 
-What a line reports, and its text, is telemetry/sidecar/sinks/throughput_line.py's.
+What a line reports, and its text, is telemetry/sidecar/sinks/throughput_line.py's; an
+engine whose window scored speculative-decoding drafts gets vLLM's SpecDecoding line after
+its own.
 The window length is shortened to the time since the engine was first seen, so the first
 window after a (re)start does not under-report. An engine prints nothing for a window in
 which it ran no iteration and had nothing running or waiting, and nothing once dead. When
@@ -48,6 +50,7 @@ from telemetry.sidecar.sinks.throughput_line import (
     aggregate_figures,
     engine_figures,
     format_engine_line,
+    format_spec_decode_line,
 )
 
 logger = logging.getLogger("iterscope.sidecar")
@@ -191,7 +194,7 @@ class LogSink(Sink):
         """Print the window's lines; ``end_ns`` cuts it short (at close)."""
         start_ns = self._window_index * self.interval_ns
         end_ns = start_ns + self.interval_ns if end_ns is None else end_ns
-        lines = []
+        lines = []  # per engine: its figures, and its SpecDecoding line or None
         removed, self._removed = self._removed, []
         for log in [*removed, *(self.engines[index] for index in sorted(self.engines))]:
             counts = log.window_counts()
@@ -206,11 +209,15 @@ class LogSink(Sink):
             gone = log.status is EngineStatus.DEAD and log.last_wall_ns
             until_ns = min(end_ns, log.last_wall_ns) if gone else end_ns
             window_time = (until_ns - seen_ns if seen_ns < until_ns else self.interval_ns) / 1e9
-            lines.append(engine_figures(engine, counts, window_time))
-        for figures in lines:
+            figures = engine_figures(engine, counts, window_time)
+            lines.append((figures, format_spec_decode_line(figures.label, counts, window_time)))
+        for figures, spec_decode_line in lines:
             self.emit(logging.INFO, format_engine_line(figures))
+            if spec_decode_line is not None:
+                self.emit(logging.INFO, spec_decode_line)
         if len(lines) > 1:
-            self.emit(logging.INFO, format_engine_line(aggregate_figures(lines)))
+            aggregate = aggregate_figures([figures for figures, _ in lines])
+            self.emit(logging.INFO, format_engine_line(aggregate))
         for line in self._finding_log.due(end_ns):
             self.emit(*line)
 

@@ -19,7 +19,8 @@ copied first, since ingest may add an engine meanwhile). Counters only ever add 
 non-negative counts a record carries, so they stay monotonic when an engine reconnects (seq
 and iteration restart at 1) and when a recording is replayed into the sidecar.
 
-The tables below (GAUGES, COUNTERS, HISTOGRAMS, FINDING_COUNTERS, SIDECAR_COUNTERS) name
+The tables below (GAUGES, COUNTERS, SPEC_DECODE_COUNTERS, HISTOGRAMS, FINDING_COUNTERS,
+SIDECAR_COUNTERS) name
 every series this sink serves, in exposition order; ``series_names()`` lists them as PromQL
 sees them, which the dashboards and alert rules are checked against
 (dashboards/metric_names.py), and docs/metrics.md lists every series with the record fields
@@ -245,6 +246,19 @@ UNREPORTED_COUNTERS = {
     "prefix_cache_queries": UNKNOWN_PREFIX_CACHE,
     "prefix_cache_hits": UNKNOWN_PREFIX_CACHE,
 }
+# Speculative decoding's counters (record.spec_decode, from the vLLM sources), from the
+# engine's RecordTotals: name (after the prefix, without _total) -> (help, RecordTotals field).
+# An engine has them, and the accepted tokens by position, once its records scored a draft;
+# the others (no speculative decoding: our engine, FPM producers) have no such series.
+SPEC_DECODE_COUNTERS: dict[str, tuple[str, str]] = {
+    "spec_decode_drafts": (
+        "Speculative decoding drafts scored (one per request whose draft tokens were scored).",
+        "num_drafts",
+    ),
+    "spec_decode_draft_tokens": ("Draft tokens scored.", "num_draft_tokens"),
+    "spec_decode_accepted_tokens": ("Draft tokens accepted.", "num_accepted_tokens"),
+}
+SPEC_DECODE_BY_POSITION = "spec_decode_accepted_tokens_by_position"  # label position: 0, 1, ...
 # Live findings' counters per engine and kind: name (after the prefix, without _total) ->
 # (help, index into EngineFindings.totals[kind]).
 FINDING_COUNTERS: dict[str, tuple[str, int]] = {
@@ -291,6 +305,13 @@ VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     # one sample (serve takes n=1 only), so it is the request's own output length.
     "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
     "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
+    "vllm:spec_decode_num_drafts": ("iterscope_spec_decode_drafts", {}),
+    "vllm:spec_decode_num_draft_tokens": ("iterscope_spec_decode_draft_tokens", {}),
+    "vllm:spec_decode_num_accepted_tokens": ("iterscope_spec_decode_accepted_tokens", {}),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": (
+        "iterscope_spec_decode_accepted_tokens_by_position",
+        {},
+    ),
 }
 log = logging.getLogger(__name__)
 _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -299,7 +320,14 @@ _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 def series_names() -> set[str]:
     """Every series this sink can serve, as PromQL names it (histograms as their _bucket,
     _sum and _count series, counters with _total), without the vLLM aliases."""
-    counters = {*COUNTERS, FINISHED_COUNTER, *SIDECAR_COUNTERS, *FINDING_COUNTERS}
+    counters = {
+        *COUNTERS,
+        FINISHED_COUNTER,
+        *SPEC_DECODE_COUNTERS,
+        SPEC_DECODE_BY_POSITION,
+        *SIDECAR_COUNTERS,
+        *FINDING_COUNTERS,
+    }
     return (
         {PREFIX + name for name in (*GAUGES, *FPM_GAUGES)}
         | {f"{PREFIX}{name}_total" for name in counters}
@@ -507,6 +535,7 @@ class MetricsCollector(Collector):
             *self.gauges(engines),
             *fpm_gauges(engines),
             *self.counters(engines),
+            *spec_decode_counters(engines),
             *self.histograms(engines),
             *self.findings(engines),
             *self.sidecar_counters(),
@@ -689,6 +718,30 @@ def fpm_gauges(engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metri
         for figures, has_work, labels in reporting:
             family.add_metric(labels, getattr(figures, field) if has_work else 0)
         yield family
+
+
+def spec_decode_counters(engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
+    """SPEC_DECODE_COUNTERS and the accepted tokens by draft position, with samples for each
+    engine whose records scored a draft."""
+    reporting = [
+        (metrics.engine.totals, labels)
+        for metrics, labels in engines
+        if metrics.engine.totals.num_drafts
+    ]
+    for name, (documentation, field) in SPEC_DECODE_COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+        for totals, labels in reporting:
+            family.add_metric(labels, getattr(totals, field))
+        yield family
+    by_position = CounterMetricFamily(
+        PREFIX + SPEC_DECODE_BY_POSITION,
+        "Draft tokens accepted, by their position in the draft (0 = the first draft token).",
+        labels=[*LABELS, "position"],
+    )
+    for totals, labels in reporting:
+        for position, count in enumerate(totals.num_accepted_tokens_per_pos):
+            by_position.add_metric([*labels, str(position)], count)
+    yield by_position
 
 
 def gauge(name: str) -> GaugeMetricFamily:

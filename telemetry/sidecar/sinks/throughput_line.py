@@ -17,6 +17,19 @@ engine and one window, the aggregate of several engines, and its text, vLLM's ow
 The aggregated line ("N Engines Aggregated") adds rates and queues up; its ratios are of the
 summed parts, not averages of the engines' ratios. Which engines print, and the window's
 length, are the sink's to decide.
+
+An engine whose window scored speculative-decoding drafts (record.spec_decode, vLLM sources)
+gets a second line, vLLM's SpecDecoding line (vllm/v1/spec_decode/metrics.py) word for word:
+
+    Engine 000: SpecDecoding metrics: Mean acceptance length: 2.67, Accepted throughput: 8.00
+    tokens/s, Drafted throughput: 14.40 tokens/s, Accepted: 80 tokens, Drafted: 144 tokens,
+    Per-position acceptance rate: 0.667, 0.500, 0.500, Avg Draft acceptance rate: 55.6%
+
+    Mean acceptance length          1 + accepted tokens / drafts (the bonus token counted)
+    Accepted, Drafted throughput    accepted, draft tokens / window length
+    Per-position acceptance rate    accepted tokens at each draft position / drafts
+    Avg Draft acceptance rate       accepted tokens / draft tokens
+all over the window's sums. No aggregated line of it.
 """
 
 from __future__ import annotations
@@ -84,6 +97,27 @@ def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
         device_name=lines[0].device_name,
         kv_reported=all(f.kv_reported for f in lines),
         prefix_reported=all(f.prefix_reported for f in lines),
+    )
+
+
+def format_spec_decode_line(label: str, counts: RecordTotals, window_time: float) -> str | None:
+    """vLLM's SpecDecoding line for the window's sums (``counts``) over ``window_time``
+    seconds, after ``label`` ("Engine 000"); None when the window scored no draft."""
+    num_drafts = counts.num_drafts
+    if not num_drafts:
+        return None
+    accepted, drafted = counts.num_accepted_tokens, counts.num_draft_tokens
+    acceptance = 100.0 * accepted / drafted if drafted else float("nan")  # as vLLM: nan%
+    per_pos = counts.num_accepted_tokens_per_pos
+    rates = ", ".join(f"{count / num_drafts:.3f}" for count in per_pos) or "not reported"
+    return (
+        f"{label}: SpecDecoding metrics: "
+        f"Mean acceptance length: {1 + accepted / num_drafts:.2f}, "
+        f"Accepted throughput: {accepted / window_time:.2f} tokens/s, "
+        f"Drafted throughput: {drafted / window_time:.2f} tokens/s, "
+        f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+        f"Per-position acceptance rate: {rates}, "
+        f"Avg Draft acceptance rate: {acceptance:.1f}%"
     )
 
 
