@@ -8,6 +8,7 @@ stay held while nothing runs.
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard
+from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
 
 from dashboards.common import (
     KV_BLOCKED_SHARE,
@@ -165,6 +166,31 @@ def kv_blocked_share() -> dashboard.Panel:
     return with_threshold_lines(panel, [(None, "green"), (KV_BLOCKED_SHARE, "red")])
 
 
+def spec_decode_acceptance() -> dashboard.Panel:
+    """vLLM's two figures of speculative decoding (its SpecDecodingProm docstring's queries):
+    the share of draft tokens accepted, and the mean acceptance length, on a right axis of
+    its own. Engines without speculative decoding have no such series, so no line."""
+    accepted = rate("iterscope_spec_decode_accepted_tokens_total")
+    drafted = rate("iterscope_spec_decode_draft_tokens_total")
+    drafts = rate("iterscope_spec_decode_drafts_total")
+    right_axis = [
+        DynamicConfigValue(id_val="unit", value="short"),
+        DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
+    ]
+    return timeseries_panel(
+        "Speculative decoding acceptance",
+        "Share of the draft tokens scored that were accepted (left axis) and the mean "
+        "acceptance length, 1 + accepted tokens per draft, the bonus token counted (right "
+        "axis), per engine; only engines that use speculative decoding (vLLM sources with "
+        "--speculative-config) have lines.",
+        [
+            query(f"{accepted} / {drafted}", engine_legend("draft acceptance rate"), "A"),
+            query(f"1 + {accepted} / {drafts}", engine_legend("mean acceptance length"), "B"),
+        ],
+        unit="percentunit",
+    ).override_by_query("B", right_axis)
+
+
 def build() -> dashboard.Dashboard:
     board = new_dashboard(
         UID,
@@ -184,6 +210,7 @@ def build() -> dashboard.Dashboard:
         waiting_by_reason(),
         kv_blocked_share(),
         prefix_hit_rate(),
+        spec_decode_acceptance(),
     ]
     for panel in panels:
         board = board.with_panel(panel)

@@ -227,3 +227,53 @@ def test_substitute_rejects_unknown_variables():
     assert substitute('x{a="${engine}"}', {"engine": "0"}) == 'x{a="0"}'
     with pytest.raises(ValueError, match=r"\$cluster"):
         substitute('x{c="$cluster"}')
+
+
+SPEC_DECODE_PANEL = "Speculative decoding acceptance"
+
+
+def test_speculative_decoding_panel_draws_acceptance_rate_and_length_per_engine():
+    panels = {panel["title"]: panel for panel in iter_panels(DASHBOARDS["iterations"])}
+    panel = panels[SPEC_DECODE_PANEL]
+    assert "only engines that use speculative decoding" in panel["description"]
+    rate_target, length_target = panel["targets"]
+    assert rate_target["legendFormat"].startswith("draft acceptance rate {{instance}}")
+    assert length_target["legendFormat"].startswith("mean acceptance length {{instance}}")
+    assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    (override,) = panel["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byFrameRefID", "options": "B"}
+    assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
+
+
+@pytest.mark.live
+def test_speculative_decoding_panel_computes_vllms_rate_and_length(tmp_path):
+    """Prometheus' own engine (promtool test rules) on the panel's queries as Grafana sends
+    them: per minute 48 drafts, 144 draft tokens, 72 accepted give 50% and 2.5 (1 + 72 / 48),
+    vLLM's draft acceptance rate and mean acceptance length."""
+    queries = {q.ref_id: q.expr for q in QUERIES if q.panel == SPEC_DECODE_PANEL}
+    engine = 'instance="pod-a:9470", engine="0", model_name="m"'
+    growth = {"accepted_tokens": 72, "draft_tokens": 144, "drafts": 48}
+    series = [
+        {"series": f"iterscope_spec_decode_{name}_total{{{engine}}}", "values": f"0+{n}x10"}
+        for name, n in growth.items()
+    ]
+    expected = {"A": 0.5, "B": 2.5}
+    tests = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {
+                "expr": substitute(queries[ref_id], {"__rate_interval": "5m"}),
+                "eval_time": "10m",
+                "exp_samples": [{"labels": '{instance="pod-a:9470", engine="0"}', "value": value}],
+            }
+            for ref_id, value in expected.items()
+        ],
+    }
+    test_file = tmp_path / "spec_decode_panel_test.yml"
+    test_file.write_text(yaml.safe_dump({"tests": [tests]}))
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    result = subprocess.run(
+        [promtool, "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

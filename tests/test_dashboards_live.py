@@ -166,12 +166,16 @@ def has_number(result: list[dict]) -> bool:
 
 
 def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout_s: float) -> None:
-    """Every panel query returns at least one sample that is a number (not NaN)."""
+    """Every panel query returns at least one sample that is a number (not NaN), but those of
+    speculative decoding's series, which only an engine that scores drafts has (a vLLM
+    source; tests/test_dashboards.py computes them with promtool)."""
     values = variable_values(prometheus)
     assert values["model_name"] == "fake-llm" and values["engine"] == "0"
     assert values["instance"] == instance
     pending = {
-        (q.dashboard, q.panel, q.ref_id): substitute(q.expr, values) for q in panel_queries()
+        (q.dashboard, q.panel, q.ref_id): substitute(q.expr, values)
+        for q in panel_queries()
+        if "iterscope_spec_decode_" not in q.expr
     }
 
     def all_have_data() -> bool:
