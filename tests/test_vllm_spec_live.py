@@ -43,7 +43,8 @@ def spec_stack(request, tmp_path_factory):
     metrics_port, api_port = free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
-        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")],
+        ["--metrics-port", str(metrics_port), "--record", str(tmp / "run.jsonl")]
+        + ["--vllm-compatible-names"],
         stderr=sidecar_log,
     )
     server = None
@@ -88,7 +89,8 @@ def spec_stack(request, tmp_path_factory):
 
 
 def draft_pairs(stack) -> dict[str, tuple[float, float]]:
-    """(the sidecar's, vLLM's) draft counters, from one scrape of each."""
+    """(the sidecar's, vLLM's) draft counters, from one scrape of each; with
+    --vllm-compatible-names the sidecar also serves each of vLLM's names, compared too."""
     ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
     pairs = {
         name: (
