@@ -21,9 +21,9 @@ from telemetry.analysis.episodes import (
 )
 from telemetry.analysis.explain import follow, main, read_timelines
 from telemetry.analysis.explain_report import format_engine
-from telemetry.analysis.summary import summarize
+from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
-from telemetry.lane.record import IterationRecord
+from telemetry.lane.record import IterationRecord, SpecDecodeCounts, iteration_record
 from telemetry.lane.recording import RecordingReader, message_time_ns
 
 
@@ -561,3 +561,51 @@ def test_the_header_says_a_device_no_heartbeat_named_is_not_reported():
     ]
     header = engine_header(build_timelines(unnamed)[0])
     assert header.startswith("Engine 0, model sim, device not reported by the source, "), header
+
+
+def drafting_records() -> list:
+    """12 iterations of 6 decoding requests, 4 of them drafting 3 tokens each (2 found no
+    draft); 8 iterations accept 4, 3 and 3 tokens at the draft's positions 1, 2 and 3 (10
+    in all), the other 4 none. Over the recording: 48 drafts, 144 draft tokens, 80 accepted
+    (55.6%), 32, 24 and 24 at each position (0.667, 0.500, 0.500 per draft), a mean
+    acceptance length of 1 + 80 / 48 = 2.67 per draft, and 1 + 80 / 72 = 2.11 tokens per
+    decoding request and iteration; each iteration computes 6 + 12 = 18 tokens."""
+    records = []
+    for number in range(1, 13):
+        per_pos = [4, 3, 3] if number <= 8 else [0, 0, 0]
+        records.append(
+            iteration_record(
+                0,
+                number,
+                number,
+                start_ns=number * 20_000_000,
+                elapsed_ns=10_000_000,
+                num_decode_reqs=6,
+                num_decode_tokens=6 + sum(per_pos),
+                num_running_reqs=6,
+                spec_decode=SpecDecodeCounts(4, 12, sum(per_pos), per_pos),
+            )
+        )
+    return records
+
+
+def test_the_summary_says_how_speculative_decoding_went():
+    summary = summarize(build_timelines(drafting_records())[0])
+    lines = format_summary(summary)
+    assert (
+        "speculative decoding: 144 draft tokens in 48 drafts, 80 accepted (55.6%), mean "
+        "acceptance length 2.67; per position 0.667, 0.500, 0.500; decoding requests got "
+        "2.11 tokens per iteration on average"
+    ) in lines
+    # the batch counts the tokens computed (drafts included), the decode tokens those produced
+    assert summary.mean_batch_tokens == 18.0
+    assert summary.num_decode_tokens == 6 * 12 + 80
+    data = summary.to_dict()["spec_decode"]
+    assert data["num_accepted_tokens_per_pos"] == [32, 24, 24]
+    assert data["mean_acceptance_length"] == pytest.approx(1 + 80 / 48)
+
+
+def test_without_drafts_the_summary_says_nothing_of_them():
+    summary = summarize(build_timelines(synthetic.story3_bursty(64).messages)[0])
+    assert not any("speculative" in line for line in format_summary(summary))
+    assert "spec_decode" not in summary.to_dict()

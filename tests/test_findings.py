@@ -245,6 +245,49 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
+def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_its_draft(
+    tmp_path, capsys
+):
+    """Decoding requests that draft 3 tokens take 4 budget tokens each: on a CPU whose prompt
+    tokens cost 0.4 ms, the budget that keeps explain's latency holds 2 of them and a 64-token
+    chunk, so the action lowers --max-num-seqs with it (sized as if each took 1 token, it
+    allowed 8: 32 tokens of decodes in a 72-token budget beside a 64-token chunk). The
+    target quoted is per output token: the iteration time over the tokens a decoding
+    request gets in one, which the tune command quoted prints the same values for."""
+    from telemetry.analysis.tune import main as tune
+
+    cost = Cost(
+        base_time=0.010,
+        context_token_time=400e-6,
+        generation_token_time=0.5e-3,
+        draft_token_time=0.2e-3,
+    )
+    sim = Simulator(
+        num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost, num_spec_tokens=3
+    )
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    timeline, (finding,) = findings_of(sim.run(22))
+    action = finding_action(timeline, finding, Thresholds())
+    budget, seqs = (
+        int(re.search(rf"--{flag} (\d+) \(now", action).group(1))
+        for flag in ("max-num-batched-tokens", "max-num-seqs")
+    )
+    (command,) = quoted_commands(action)
+    min_chunk = int(command[command.index("--min-chunk") + 1])
+    assert (budget, seqs, min_chunk) == (72, 2, 64)
+    assert budget >= seqs * (1 + 3) + min_chunk
+    decode_only = (timeline.col("num_prefill_tokens") == 0) & (timeline.col("num_decode_reqs") > 0)
+    baseline_ms = float(np.median(timeline.col("elapsed_ns")[decode_only])) / 1e6
+    decodes = timeline.col("num_decode_reqs").sum()
+    tokens = 1 + timeline.col("num_accepted_tokens").sum() / decodes
+    target = command[command.index("--itl-target") + 1]
+    assert target == f"{round(3 * baseline_ms / tokens, 1):g}ms"
+    assert f"over {tokens:.2f} tokens per decoding request and iteration" in action
+    assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
+    assert f"--max-num-seqs {seqs} --max-num-batched-tokens {budget} " in capsys.readouterr().out
+
+
 def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cost(monkeypatch):
     """On a CPU whose prompts cost far more per token than decodes, tune can hold a latency
     target only with a budget of 16 tokens and 10 sequences; the engine refuses a budget below

@@ -4,10 +4,11 @@ import json
 
 import pytest
 from scenarios import synthetic
+from scenarios.synthetic import write_records
 
 from telemetry.analysis.timeline import build_timelines
 from telemetry.analysis.tune import Fit, fit_iteration_time, kv_max_seqs, main, recommend
-from telemetry.lane.record import iteration_record
+from telemetry.lane.record import SpecDecodeCounts, iteration_record
 
 TRUTH = synthetic.STORY_COST
 
@@ -189,3 +190,120 @@ def test_prompts_of_one_length_are_costed_per_token_so_the_budget_is_bounded():
     assert rec.max_num_batched_tokens < 200
     assert fit.predict(decode_tokens=1, prefill_tokens=rec.max_num_batched_tokens - 1) <= 0.060
     assert not any("guess" in note for note in rec.notes)
+
+
+# Speculative decoding: a recording whose iterations cost, exactly, 10 ms + 50 us per prefill
+# token + 1 ms per decoding request + 0.25 ms per draft token; drafts of 3 tokens.
+DRAFT_COST = {
+    "base": 0.010,
+    "prefill_tokens": 50e-6,
+    "decode_tokens": 1e-3,
+    "draft_tokens": 0.25e-3,
+}
+
+
+def drafting_records() -> list:
+    """400 iterations of 1 to 12 decoding requests, a third of them beside a prefill chunk.
+    About a third of the decoding requests draft nothing, the rest 3 tokens each, and each
+    iteration accepts as many tokens as it has decoding requests: a decoding request gets
+    2 tokens per iteration on average (1 + 1 accepted)."""
+    records = []
+    for number in range(1, 401):
+        decodes = 1 + number % 12
+        drafting = min(decodes, -(-decodes // 3) + number % 2)  # requests with a draft
+        prefill = (number * 37) % 500 if number % 3 == 0 else 0
+        cost = DRAFT_COST
+        elapsed_s = (
+            cost["base"]
+            + cost["prefill_tokens"] * prefill
+            + cost["decode_tokens"] * decodes
+            + cost["draft_tokens"] * 3 * drafting
+        )
+        records.append(
+            iteration_record(
+                0,
+                number,
+                number,
+                start_ns=number * 200_000_000,
+                elapsed_ns=round(elapsed_s * 1e9),
+                num_prefill_reqs=int(prefill > 0),
+                num_prefill_tokens=prefill,
+                num_decode_reqs=decodes,
+                num_decode_tokens=2 * decodes,  # its own token and one accepted, on average
+                num_running_reqs=decodes + int(prefill > 0),
+                spec_decode=SpecDecodeCounts(drafting, 3 * drafting, decodes, []),
+            )
+        )
+    return records
+
+
+@pytest.fixture(scope="module")
+def drafting_timeline():
+    return build_timelines(drafting_records())[0]
+
+
+def test_the_fit_prices_the_draft_tokens_the_iterations_computed(drafting_timeline):
+    """Decode tokens are one per decoding request (produced less accepted), draft tokens a
+    term of their own: the fit recovers each cost, where the tokens produced would give a
+    decode token half its cost."""
+    fit = fit_iteration_time(drafting_timeline)
+    assert fit.base_time == pytest.approx(DRAFT_COST["base"], rel=1e-4)
+    for name in ("prefill_tokens", "decode_tokens", "draft_tokens"):
+        assert fit.coefficients[name] == pytest.approx(DRAFT_COST[name], rel=1e-4), name
+    assert fit.r_squared > 0.9999
+    assert fit.draft_slots == 3 and fit.output_tokens_per_decode == 2.0
+    # the most tokens an iteration computed: 12 decodes, 5 drafts of 3, a 496-token chunk
+    assert fit.max_tokens_seen == max(
+        r.num_prefill_tokens + r.num_decode_reqs + r.spec_decode.num_draft_tokens
+        for r in drafting_records()
+    )
+
+
+def test_the_budget_holds_every_decoding_request_with_its_draft_and_a_chunk(drafting_timeline):
+    """By hand, for 50 ms per output token: a decoding request gets 2 tokens per iteration,
+    so iterations are held to 100 ms. A decoding request with a full draft costs 1.75 ms:
+    (100 - 10 - 64 x 0.05) / 1.75 = 49.6, so 49 requests beside a 64-token chunk. The
+    costliest full budget is 49 requests with full drafts beside the chunk of the rest:
+    49 x 4 + (100 - 10 - 49 x 1.75) / 0.05 = 196 + 85 = 281 tokens, 272 rounded to 16, which
+    holds 49 x (1 + 3) + 64 = 260."""
+    fit = fit_iteration_time(drafting_timeline)
+    rec = recommend(fit, 0.050, min_chunk_tokens=64)
+    assert (rec.max_num_seqs, rec.max_num_batched_tokens) == (49, 272)
+    assert rec.max_num_batched_tokens >= rec.max_num_seqs * (1 + 3) + 64
+    assert rec.worst_iteration_time == pytest.approx(0.010 + 49 * 1.75e-3 + 76 * 50e-6)
+    assert rec.worst_iteration_time <= fit.iteration_target(0.050) == 0.100
+    # the decode-only iteration puts the mean draft behind each decoding request
+    mean_draft = drafting_timeline.col("num_draft_tokens").sum() / (
+        drafting_timeline.col("num_decode_reqs").sum()
+    )
+    assert rec.decode_iteration_time == pytest.approx(0.010 + 49 * (1e-3 + 0.25e-3 * mean_draft))
+    assert rec.generation_throughput == pytest.approx(49 * 2 / rec.decode_iteration_time)
+
+
+def test_tune_prints_the_draft_figures_it_used(tmp_path, capsys):
+    path = write_records(drafting_records(), tmp_path / "drafts.jsonl")
+    assert main([str(path), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "250.00 us per draft token" in text
+    assert (
+        "  speculative decoding: per decoding request and iteration 1.39 draft tokens, "
+        "1.00 accepted (72.1% of draft tokens), drafts of up to 3 tokens"
+    ) in text
+    assert "Recommended for ITL <= 50.0 ms (iterations of 100.0 ms): --max-num-seqs 49 " in text
+    assert main([str(path), "--itl-target", "50ms", "--min-chunk", "64", "--json"]) == 0
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    spec = engine["spec_decode"]
+    assert spec["max_draft_tokens"] == 3 and spec["output_tokens_per_decode"] == 2.0
+    assert spec["iteration_time_target"] == pytest.approx(0.100)
+    assert spec["draft_tokens_per_decode"] == pytest.approx(3588 / 2588)  # drafts / decodes
+    assert engine["recommendation"]["max_num_batched_tokens"] == 272
+    assert "drafts" not in engine["fit"]
+
+
+def test_without_drafts_tune_says_nothing_of_them(bursty, tmp_path, capsys):
+    path = bursty.write(tmp_path / "bursty.jsonl")
+    assert main([str(path), "--itl-target", "50ms"]) == 0
+    text = capsys.readouterr().out
+    assert "draft" not in text and "output token" not in text
+    assert main([str(path), "--itl-target", "50ms", "--json"]) == 0
+    assert "spec_decode" not in capsys.readouterr().out

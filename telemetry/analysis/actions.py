@@ -7,6 +7,11 @@ requests wanted in at once against how many of the recorded mean length the cach
 (what `kv-plan` computes from a model). Where a value cannot be derived, the action says which
 command computes it and why it could not be given here. A tune command an action quotes
 prints the value the action gives: the target is quoted as it is parsed back.
+
+With speculative decoding tune's target is per output token and holds iterations to it times
+the tokens a decoding request gets per iteration (telemetry/analysis/tune.py): the target
+quoted is the iteration time explain holds to, divided by those tokens, so that tune holds
+iterations to explain's latency, and its budget holds each decoding request's draft.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
 from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text
 from telemetry.analysis.findings import Finding
+from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import (
     NO_PREFILL_TOKEN_COST,
@@ -42,11 +48,15 @@ def _decode_baseline_s(tl: EngineTimeline) -> float | None:
 
 def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
     """The latency explain holds iterations to (long_prefill_ratio x the median decode-only
-    iteration) as a --itl-target value, to 0.1 ms; None without a decode-only iteration."""
+    iteration) per output token (the iteration's, over the tokens a decoding request gets in
+    one) as a --itl-target value, to 0.1 ms; None without a decode-only iteration."""
     baseline_s = _decode_baseline_s(tl)
     if baseline_s is None:
         return None
-    return f"{max(round(th.long_prefill_ratio * baseline_s * 1000, 1), 0.1):g}ms"
+    target_ms = (
+        th.long_prefill_ratio * baseline_s * 1000 / output_tokens_per_decode(recorded_drafts(tl))
+    )
+    return f"{max(round(target_ms, 1), 0.1):g}ms"
 
 
 def _tuned(
@@ -74,9 +84,14 @@ def _tuned(
             why_not = str(error)
             continue
         chunk = "" if min_chunk == MIN_CHUNK_TOKENS[0] else f" --min-chunk {min_chunk}"
+        per_token = (
+            f" over {fit.output_tokens_per_decode:.2f} tokens per decoding request and iteration"
+            if fit.drafts
+            else ""
+        )
         return rec, (
             f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
-            f"({th.long_prefill_ratio:g}x the median decode-only iteration)"
+            f"({th.long_prefill_ratio:g}x the median decode-only iteration{per_token})"
         )
     return None, why_not
 
@@ -101,12 +116,15 @@ def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
             f"{value}, so a latency target that loose does not call for a change."
         )
     seqs = tl.facts.get("max_num_seqs")
+    slots = 1 + draft_slots(recorded_drafts(tl))  # budget tokens per decoding request
     # A smaller budget computes prompts more slowly: said where the budget is lowered.
     ttft = (
         f"; prompts are then computed at {rec.prompt_throughput:.0f} tokens/s at most, so "
         "time to first token grows: keep {} if it matters more than inter-token latency"
     )
-    if seqs and value < seqs:  # the engine refuses a budget below its sequence limit
+    # A budget below the sequence limit the engine refuses; one below its decoding requests'
+    # drafts would leave some of them out of each iteration.
+    if seqs and value < seqs * slots:
         return (
             f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
             f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}" + ttft.format("both") + "."

@@ -233,7 +233,7 @@ def engine_counters(tl: EngineTimeline) -> list[Counter]:
         Counter(
             counter_name(e, "batch tokens"),
             COUNT,
-            col("num_prefill_tokens") + col("num_decode_tokens"),
+            tl.num_computed_tokens,
         )
     )
     counters.append(

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from telemetry.analysis.episodes import pct, secs
+from telemetry.analysis.spec_decode import Drafts, recorded_drafts, summary_line
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import plural
 from telemetry.lane.record import (
@@ -52,12 +53,12 @@ class Summary:
     iteration_time_max: float
     mean_batch_reqs: float
     max_batch_reqs: int
-    mean_batch_tokens: float
+    mean_batch_tokens: float  # tokens computed (timeline.num_computed_tokens), drafts included
     decode_only_share: float
     prefill_only_share: float
     mixed_share: float
     num_prefill_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int  # produced, accepted draft tokens included
     prompt_throughput: float
     generation_throughput: float
     mean_running_reqs: float
@@ -76,11 +77,16 @@ class Summary:
     ttft_p50: float
     ttft_p90: float
     verdict: str
+    spec_decode: Drafts | None = None  # speculative decoding's, where a draft was scored
 
     def to_dict(self) -> dict:
         """As `explain --json` prints it: the keys scripts read, two of them from before the
-        vocabulary was prefill/decode (JSON_NAMES)."""
-        return {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
+        vocabulary was prefill/decode (JSON_NAMES); ``spec_decode`` only with drafts."""
+        data = {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
+        del data["spec_decode"]
+        if self.spec_decode is not None:
+            data["spec_decode"] = self.spec_decode.to_json()
+        return data
 
 
 def _share(mask: np.ndarray) -> float:
@@ -109,7 +115,7 @@ def summarize(tl: EngineTimeline) -> Summary:
     elapsed = tl.col("elapsed_ns")[tl.timed] / NS_PER_S
     prefill_tokens, decode_tokens = tl.col("num_prefill_tokens"), tl.col("num_decode_tokens")
     batch_reqs = tl.col("num_prefill_reqs") + tl.col("num_decode_reqs")
-    batch_tokens = prefill_tokens + decode_tokens
+    batch_tokens = tl.num_computed_tokens
     waiting = tl.col("num_waiting_reqs")
     span_time = (tl.last_ns - tl.first_ns) / NS_PER_S
     active_time = (
@@ -162,6 +168,7 @@ def summarize(tl: EngineTimeline) -> Summary:
         ttft_p50=_quantile(ttfts, 0.5),
         ttft_p90=_quantile(ttfts, 0.9),
         verdict="",
+        spec_decode=recorded_drafts(tl, per_position=True),
     )
     summary.verdict = batched_or_queued(summary)
     return summary
@@ -234,6 +241,7 @@ def format_summary(s: Summary) -> list[str]:
         f"{pct(s.prefill_only_share)}, mixed {pct(s.mixed_share)} of iterations",
         f"tokens: {s.num_prefill_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
         f"{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
+        *([summary_line(s.spec_decode)] if s.spec_decode else []),
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"{_kv_text(s)}; preemptions "

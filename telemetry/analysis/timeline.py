@@ -74,6 +74,18 @@ class EngineTimeline:
         return bool(self.known(UNKNOWN_WAITING_REASONS).all())
 
     @property
+    def num_computed_tokens(self) -> np.ndarray:
+        """Tokens each iteration computed, what the token budget holds: its prefill tokens,
+        one per decoding request (the decode tokens produced less the accepted draft tokens)
+        and every draft token scored; prefill + decode tokens where no draft was scored."""
+        return (
+            self.col("num_prefill_tokens")
+            + self.col("num_decode_tokens")
+            - self.col("num_accepted_tokens")
+            + self.col("num_draft_tokens")
+        )
+
+    @property
     def kv_usage(self) -> np.ndarray:
         total = self.col("num_kv_blocks_used") + self.col("num_kv_blocks_free")
         return np.where(total > 0, self.col("num_kv_blocks_used") / np.maximum(total, 1), 0.0)
@@ -117,9 +129,10 @@ class EngineTimeline:
         return ts_ns + self._anchor_offset_ns[nearest]
 
 
-# The record fields kept as columns, under the record's own names. Three more are derived:
-# ``end_ns`` (start_ns + elapsed_ns), ``num_finished_reqs`` (finish milestones) and
-# ``num_decode_kv_tokens`` (the decodes' context, from an FPM record's ``fpm``; else 0).
+# The record fields kept as columns, under the record's own names. More are derived:
+# ``end_ns`` (start_ns + elapsed_ns), ``num_finished_reqs`` (finish milestones),
+# ``num_decode_kv_tokens`` (the decodes' context, from an FPM record's ``fpm``; else 0) and
+# SPEC_DECODE_FIELDS (speculative decoding's counts, from ``spec_decode``; else 0).
 RECORD_FIELDS = (
     "iteration",
     "start_ns",
@@ -142,6 +155,10 @@ RECORD_FIELDS = (
 )
 
 
+# SpecDecodeCounts fields kept as columns, under their own names.
+SPEC_DECODE_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
 def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
     columns = {
         name: np.fromiter((getattr(r, name) for r in records), dtype=np.int64, count=len(records))
@@ -158,7 +175,22 @@ def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
         dtype=np.int64,
         count=len(records),
     )
+    columns.update(_spec_decode_columns(records))
     return columns
+
+
+def _spec_decode_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
+    """SPEC_DECODE_FIELDS, 0 where a record has no ``spec_decode``: one pass over the
+    records, and no more where none has one (every engine without speculative decoding)."""
+    counts = [r.spec_decode for r in records]
+    if not any(counts):
+        return {name: np.zeros(len(records), dtype=np.int64) for name in SPEC_DECODE_FIELDS}
+    return {
+        name: np.fromiter(
+            (getattr(c, name) if c else 0 for c in counts), dtype=np.int64, count=len(counts)
+        )
+        for name in SPEC_DECODE_FIELDS
+    }
 
 
 FACT_FIELDS = (

@@ -10,8 +10,9 @@ the iterations it is part of. We fit, by least squares over the recorded iterati
 (decode requests equal decode tokens, one each, so they share one term; decode KV tokens, the
 decoding requests' context that attention reads, only where the records say it: FPM engines,
 whose predictions then put the recording's mean context behind each decoding request, or
-``--decode-context TOKENS`` where the operator asks for another). A feature that never
-varies, or varies only as a combination of the others, is left out. Then choose:
+``--decode-context TOKENS`` where the operator asks for another; draft tokens, see below). A
+feature that never varies, or varies only as a combination of the others, is left out. Then
+choose:
 
 - max_num_seqs: the most decoding requests whose decode-only iteration, plus a prefill chunk of
   ``--min-chunk`` tokens, stays within the target; never more than fit in the KV cache at the
@@ -20,6 +21,27 @@ varies, or varies only as a combination of the others, is left out. Then choose:
   mixed iteration within the target, rounded down to a multiple of 16.
 
 Iterations far slower than the fit (a stall, a hiccup) are left out of the second fit pass.
+
+Speculative decoding (records with ``spec_decode``, telemetry/analysis/spec_decode.py): a
+decoding request computes its one token and a draft of up to k tokens, and produces that
+token and the draft's accepted tokens. Then:
+
+- the fit's decode tokens are those produced less the accepted draft tokens (one per decoding
+  request), and ``draft_tokens * draft_token_time`` is one more term: the draft tokens scored;
+- k is the largest draft a decoding request took (the largest mean draft of one iteration,
+  rounded up: vLLM schedules up to --num-speculative-tokens per request), and the budget holds
+  ``max_num_seqs * (1 + k) + --min-chunk`` tokens (max_num_seqs is lowered until it does);
+- the ITL target is per output token as a client counts it (its decode time over its output
+  tokens, vLLM's time per output token): a decode iteration gives each decoding request
+  ``t = 1 + mean accepted tokens`` (accepted tokens over decoding request-steps, drafting or
+  not), so every iteration is held to ``itl_target * t``. A streaming client receives a
+  request's tokens in bursts of 1 + accepted, one burst per iteration;
+- limits are sized for the costlier end of the draft: every decoding request with a full
+  draft of k tokens, or with none and the budget they leave to the prefill chunk; the
+  decode-only iteration and its throughput (output tokens/s) put the recording's mean draft
+  behind each decoding request, as they put its mean decode context.
+
+Without drafts, k = 0 and t = 1: the limits and output are those of the model above.
 """
 
 from __future__ import annotations
@@ -35,17 +57,24 @@ import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.fpm_recording import add_fpm_producer_argument, tune_lines
+from telemetry.analysis.spec_decode import (
+    Drafts,
+    draft_slots,
+    output_tokens_per_decode,
+    recorded_drafts,
+)
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, nothing_to_read, read_timelines
 from telemetry.analysis.words import plural
 from telemetry.lane.record import EVENT_FINISHED, UNKNOWN_ELAPSED, UNKNOWN_PREFILL_REQS
 
-# Fit coefficient -> the record field it weighs.
-FEATURES = {
-    "prefill_tokens": "num_prefill_tokens",
-    "decode_tokens": "num_decode_tokens",
-    "prefill_reqs": "num_prefill_reqs",
-    "decode_kv_tokens": "num_decode_kv_tokens",  # FPM engines only; 0 (left out) elsewhere
-}
+# Fit coefficients, in the order the fit tries them (feature_columns).
+FEATURE_NAMES = [
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_reqs",
+    "decode_kv_tokens",
+    "draft_tokens",
+]
 # What `tune --json` calls them, which scripts read (the names from before the vocabulary
 # was prefill/decode, kept at this boundary): coefficients, and the Fit fields renamed since.
 JSON_NAMES = {
@@ -54,7 +83,6 @@ JSON_NAMES = {
     "prefill_reqs": "ctx_reqs",
     "max_decode_reqs_seen": "max_gen_reqs_seen",
 }
-FEATURE_NAMES = list(FEATURES)
 UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
 # Why a fit may have no prompt token cost; its budget is then a guess (_budget).
@@ -82,6 +110,21 @@ class Fit:
     decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
     max_decode_context_seen: float = 0.0  # the largest of one iteration's own mean
     target_decode_context_tokens: int | None = None  # --decode-context, where it is honoured
+    drafts: Drafts | None = None  # speculative decoding's, where the recording has drafts
+
+    @property
+    def draft_slots(self) -> int:
+        """Budget tokens a decoding request takes beside its own one: k, 0 without drafts."""
+        return draft_slots(self.drafts)
+
+    @property
+    def output_tokens_per_decode(self) -> float:
+        """Tokens a decoding request gets per iteration, t (1.0 without drafts)."""
+        return output_tokens_per_decode(self.drafts)
+
+    def iteration_target(self, itl_target: float) -> float:
+        """The iteration time that gives an output token every ``itl_target`` seconds."""
+        return itl_target * self.output_tokens_per_decode
 
     @property
     def predicted_decode_context_tokens(self) -> float:
@@ -93,24 +136,37 @@ class Fit:
         return self.target_decode_context_tokens
 
     def predict(
-        self, prefill_tokens: float = 0, decode_tokens: float = 0, prefill_reqs: float = 0
+        self,
+        prefill_tokens: float = 0,
+        decode_tokens: float = 0,
+        prefill_reqs: float = 0,
+        draft_tokens: float | None = None,
     ) -> float:
+        """Seconds of an iteration of ``decode_tokens`` decoding requests; ``draft_tokens``
+        their draft tokens, None: the recording's mean draft behind each (0 without drafts)."""
+        if draft_tokens is None:
+            draft_tokens = decode_tokens * (
+                self.drafts.draft_tokens_per_decode if self.drafts else 0
+            )
         values = {
             "prefill_tokens": prefill_tokens,
             "decode_tokens": decode_tokens,
             "prefill_reqs": prefill_reqs,
             "decode_kv_tokens": decode_tokens * self.predicted_decode_context_tokens,
+            "draft_tokens": draft_tokens,
         }
         return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
 
-    @property
-    def decode_request_time(self) -> float:
-        """What one more decoding request costs an iteration (its token and its context)."""
-        return self.predict(decode_tokens=1) - self.base_time
+    def decode_request_time(self, draft_tokens: float | None = None) -> float:
+        """What one more decoding request costs an iteration (its token, its context and its
+        ``draft_tokens``, None: the mean draft)."""
+        return self.predict(decode_tokens=1, draft_tokens=draft_tokens) - self.base_time
 
     def to_json(self) -> dict:
-        """As `tune --json` prints it (JSON_NAMES)."""
-        data = {JSON_NAMES.get(key, key): value for key, value in asdict(self).items()}
+        """As `tune --json` prints it (JSON_NAMES); the drafts go beside it (main)."""
+        fields = asdict(self)
+        del fields["drafts"]
+        data = {JSON_NAMES.get(key, key): value for key, value in fields.items()}
         data["coefficients"] = {
             JSON_NAMES.get(name, name): value for name, value in self.coefficients.items()
         }
@@ -163,9 +219,24 @@ def _untimed_hint(tl: EngineTimeline) -> str:
     )
 
 
+def feature_columns(tl: EngineTimeline) -> np.ndarray:
+    """The FEATURE_NAMES of each iteration, a column each. Decode tokens are one per decoding
+    request: those produced less the accepted draft tokens (all those produced without
+    drafts); draft tokens are those scored, accepted or not; decode KV tokens are FPM
+    engines' only (0, so left out, elsewhere)."""
+    columns = {
+        "prefill_tokens": tl.col("num_prefill_tokens"),
+        "decode_tokens": tl.col("num_decode_tokens") - tl.col("num_accepted_tokens"),
+        "prefill_reqs": tl.col("num_prefill_reqs"),
+        "decode_kv_tokens": tl.col("num_decode_kv_tokens"),
+        "draft_tokens": tl.col("num_draft_tokens"),
+    }
+    return np.column_stack([columns[name] for name in FEATURE_NAMES]).astype(float)
+
+
 def fit_iteration_time(tl: EngineTimeline) -> Fit:
     """Least-squares fit of iteration time; raises ValueError when there is too little data."""
-    num_tokens = tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")
+    num_tokens = tl.num_computed_tokens
     busy = (num_tokens > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
         raise ValueError(
@@ -174,7 +245,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
             "with a measured time and batch; at least 10 are needed to fit "
             "iteration time" + _untimed_hint(tl)
         )
-    x = np.column_stack([tl.col(field)[busy] for field in FEATURES.values()]).astype(float)
+    x = feature_columns(tl)[busy]
     y = tl.col("elapsed_ns")[busy] / NS_PER_S
     solution = _least_squares(x, y, FEATURE_NAMES)
     residuals = y - _predict(solution, x)
@@ -191,10 +262,11 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         r_squared=1 - float((residuals**2).sum()) / total_variance if total_variance else 1.0,
         num_iterations=int(keep.sum()),
         num_outliers=int((~keep).sum()),
-        max_tokens_seen=int((x[:, 0] + x[:, 1]).max()),
+        max_tokens_seen=int(num_tokens[busy].max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
         decode_context_tokens=_decode_context(x),
         max_decode_context_seen=_max_decode_context(x),
+        drafts=recorded_drafts(tl),
     )
 
 
@@ -270,26 +342,35 @@ class Recommendation:
 def recommend(
     fit: Fit, itl_target: float, min_chunk_tokens: int = 512, kv_seqs: int | None = None
 ) -> Recommendation:
-    """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds)."""
-    decode_token_time = fit.decode_request_time
+    """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds) per
+    output token: within fit.iteration_target(itl_target) each (the module doc)."""
+    iteration_target = fit.iteration_target(itl_target)
+    slots = 1 + fit.draft_slots  # budget tokens per decoding request
+    decode_token_time = fit.decode_request_time(fit.draft_slots)
     prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
     fixed_time = fit.base_time + fit.coefficients.get("prefill_reqs", 0.0)
-    room_time = itl_target - fixed_time - prefill_token_time * min_chunk_tokens
+    room_time = iteration_target - fixed_time - prefill_token_time * min_chunk_tokens
     if room_time < decode_token_time:
-        fastest = fit.predict(decode_tokens=1, prefill_tokens=min_chunk_tokens, prefill_reqs=1)
+        fastest = fit.predict(
+            decode_tokens=1,
+            prefill_tokens=min_chunk_tokens,
+            prefill_reqs=1,
+            draft_tokens=fit.draft_slots,
+        )
         raise ValueError(
-            f"an ITL target of {itl_target * 1000:.1f} ms is below the fastest iteration that "
-            f"decodes one request beside a {min_chunk_tokens}-token prefill chunk "
-            f"({fastest * 1000:.1f} ms by the fit); raise the target or lower --min-chunk"
+            f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
+            f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
+            f"{min_chunk_tokens}-token prefill chunk ({fastest * 1000:.1f} ms by the fit); "
+            "raise the target or lower --min-chunk"
         )
     latency_seqs = int(room_time // decode_token_time) if decode_token_time > 0 else MAX_SEQS_CAP
     max_num_seqs = min(latency_seqs, MAX_SEQS_CAP)
     limited_by = "latency target"
     if kv_seqs is not None and kv_seqs < max_num_seqs:
         max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
-    budget = _budget(fit, itl_target, max_num_seqs, min_chunk_tokens)
-    if budget - max_num_seqs < min_chunk_tokens:  # a full batch of decodes would starve prompts
-        max_num_seqs, limited_by = budget - min_chunk_tokens, "latency target"
+    budget = _budget(fit, iteration_target, max_num_seqs, min_chunk_tokens)
+    if budget - max_num_seqs * slots < min_chunk_tokens:  # a full batch would starve prompts
+        max_num_seqs, limited_by = (budget - min_chunk_tokens) // slots, "latency target"
     decode_time = fit.predict(decode_tokens=max_num_seqs)
     chunk_only_time = fit.predict(prefill_tokens=budget, prefill_reqs=1)
     return Recommendation(
@@ -298,7 +379,7 @@ def recommend(
         max_num_batched_tokens=budget,
         decode_iteration_time=decode_time,
         worst_iteration_time=worst_iteration_time(fit, budget, max_num_seqs),
-        generation_throughput=max_num_seqs / decode_time,
+        generation_throughput=max_num_seqs * fit.output_tokens_per_decode / decode_time,
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
         decode_reqs_seen=fit.max_decode_reqs_seen,
@@ -306,32 +387,49 @@ def recommend(
     )
 
 
+def _draft_ends(fit: Fit) -> tuple[int, ...]:
+    """The drafts per decoding request that bound an iteration's cost: none, or a full one
+    (a cost is linear in the draft, so one of the two is the costlier)."""
+    return (0, fit.draft_slots) if fit.draft_slots else (0,)
+
+
 def worst_iteration_time(fit: Fit, budget: int, max_num_seqs: int) -> float:
     """The slowest iteration a full budget allows: a prefill chunk beside one decoding
-    request, or beside ``max_num_seqs`` of them, whichever the fit says costs more (the
-    first where a prompt token costs more than a decoding request: the chunk gets the rest
-    of the budget)."""
+    request, or beside ``max_num_seqs`` of them, each with no draft or a full one, whichever
+    the fit says costs more (one request without a draft where a prompt token costs more
+    than a decoding request: the chunk gets the rest of the budget)."""
     return max(
-        fit.predict(decode_tokens=decodes, prefill_tokens=budget - decodes, prefill_reqs=1)
+        fit.predict(
+            decode_tokens=decodes,
+            prefill_tokens=budget - decodes * (1 + drafts),
+            prefill_reqs=1,
+            draft_tokens=decodes * drafts,
+        )
         for decodes in (1, max_num_seqs)
+        for drafts in _draft_ends(fit)
     )
 
 
-def _budget(fit: Fit, itl_target: float, max_num_seqs: int, min_chunk_tokens: int) -> int:
+def _budget(fit: Fit, iteration_target: float, max_num_seqs: int, min_chunk_tokens: int) -> int:
     """The largest budget whose worst iteration (worst_iteration_time) keeps within the
-    target, rounded down to BUDGET_MULTIPLE tokens while that still leaves a prefill chunk
-    of ``min_chunk_tokens`` beside one decoding request (recommend checked that one fits)."""
+    iteration target, rounded down to BUDGET_MULTIPLE tokens while that still leaves a
+    prefill chunk of ``min_chunk_tokens`` beside one decoding request and its full draft
+    (recommend checked that one fits)."""
+    slots = 1 + fit.draft_slots
     prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
     if prefill_token_time <= 0:  # no prefill cost fitted: a guess (_extrapolation_notes)
-        return max_num_seqs + 16 * min_chunk_tokens
+        return max_num_seqs * slots + 16 * min_chunk_tokens
     fixed_time = fit.predict(prefill_reqs=1)
-    budget = min(  # each number of decodes d: fixed + d decodes + (budget - d) prompt tokens
-        decodes + (itl_target - fixed_time - fit.decode_request_time * decodes) / prefill_token_time
+    budget = min(  # d decodes of j drafts: fixed + d decodes + (budget - d (1 + j)) prompt tokens
+        decodes * (1 + drafts)
+        + (iteration_target - fixed_time - fit.decode_request_time(drafts) * decodes)
+        / prefill_token_time
         for decodes in (1, max_num_seqs)
+        for drafts in _draft_ends(fit)
     )
-    budget = max(int(budget + 1e-6), 1 + min_chunk_tokens)  # 431.99999... is 432 tokens
+    budget = max(int(budget + 1e-6), slots + min_chunk_tokens)  # 431.99999... is 432 tokens
     rounded = budget // BUDGET_MULTIPLE * BUDGET_MULTIPLE
-    return rounded if rounded > min_chunk_tokens else budget
+    return rounded if rounded >= slots + min_chunk_tokens else budget
 
 
 def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
@@ -360,6 +458,42 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
     return notes
 
 
+def _iteration_text(fit: Fit, itl_target: float) -> str:
+    """`` (iterations of X ms)`` after an ITL target where drafts make the two differ."""
+    if fit.drafts is None:
+        return ""
+    return f" (iterations of {fit.iteration_target(itl_target) * 1000:.1f} ms)"
+
+
+def _draft_text(fit: Fit) -> str:
+    """`` with a K-token draft`` where the recording has drafts."""
+    return f" with a {fit.draft_slots}-token draft" if fit.drafts else ""
+
+
+def _per_token_text(fit: Fit, iteration_time: float) -> str:
+    """`` (X ms per output token)`` after an iteration time where drafts make them differ."""
+    if fit.drafts is None:
+        return ""
+    return f" ({iteration_time / fit.output_tokens_per_decode * 1000:.1f} ms per output token)"
+
+
+def _draft_lines(fit: Fit) -> list[str]:
+    """The speculative decoding figures the limits use; none without drafts."""
+    drafts = fit.drafts
+    if drafts is None:
+        return []
+    accepted = drafts.output_tokens_per_decode - 1
+    tokens = drafts.output_tokens_per_decode
+    return [
+        f"  speculative decoding: per decoding request and iteration "
+        f"{drafts.draft_tokens_per_decode:.2f} draft tokens, {accepted:.2f} accepted "
+        f"({100 * drafts.acceptance_rate:.1f}% of draft tokens), drafts of up to "
+        f"{plural(fit.draft_slots, 'token')}",
+        f"  limits give each decoding request 1 + {fit.draft_slots} budget tokens and hold "
+        f"iteration time to the ITL target x {tokens:.2f} tokens per decoding request",
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # Command line
 
@@ -380,6 +514,7 @@ def format_report(
             ("decode_tokens", "decode token"),
             ("prefill_reqs", "prefill request"),
             ("decode_kv_tokens", "decode KV token"),
+            ("draft_tokens", "draft token"),
         )
         if name in fit.coefficients
     )
@@ -389,6 +524,7 @@ def format_report(
         f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
         f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
+        *_draft_lines(fit),
     ]
     if fit.target_decode_context_tokens is not None:
         lines.append(
@@ -409,10 +545,13 @@ def format_report(
     current_seqs = tl.facts.get("max_num_seqs")
     current_budget = tl.facts.get("max_num_batched_tokens")
     if current_seqs and current_budget:
-        worst = worst_iteration_time(fit, current_budget, min(current_seqs, current_budget))
+        seqs = min(current_seqs, current_budget // (1 + fit.draft_slots))
+        worst = worst_iteration_time(fit, current_budget, seqs)
+        itl = "" if fit.drafts else " (ITL)"
         lines.append(
             f"  current: --max-num-seqs {current_seqs}, --max-num-batched-tokens "
-            f"{current_budget} -> worst iteration (ITL) {worst * ms:.1f} ms predicted"
+            f"{current_budget} -> worst iteration{itl} {worst * ms:.1f} ms predicted"
+            + _per_token_text(fit, worst)
         )
     if kv_seqs is not None and kv_length is not None:
         lines.append(
@@ -421,13 +560,15 @@ def format_report(
             f"({kv_length:.0f} tokens) at once"
         )
     lines += [
-        f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms: --max-num-seqs {rec.max_num_seqs} "
+        f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms"
+        f"{_iteration_text(fit, rec.itl_target)}: --max-num-seqs {rec.max_num_seqs} "
         f"--max-num-batched-tokens {rec.max_num_batched_tokens} (--max-num-seqs limited by "
         f"{rec.limited_by})",
         f"  predicted: decode-only iteration {rec.decode_iteration_time * ms:.1f} ms at "
         f"{plural(rec.max_num_seqs, 'request')} -> {rec.generation_throughput:.0f} decode "
         "tokens/s; "
-        f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms; prefill "
+        f"worst mixed iteration {rec.worst_iteration_time * ms:.1f} ms"
+        f"{_per_token_text(fit, rec.worst_iteration_time)}; prefill "
         f"{rec.prompt_throughput:.0f} tokens/s at a full budget",
     ]
     lines += [f"  note: {note}" for note in [*rec.notes, *tune_lines(tl)]]
@@ -499,15 +640,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"iterscope tune: engine {tl.engine_index}: {error}", file=sys.stderr)
             status = 1
             continue
-        results.append(
-            {
-                "engine_index": tl.engine_index,
-                "fit": fit.to_json(),
-                "recommendation": asdict(rec),
-                "fpm_notes": tune_lines(tl),
-                "decode_context_refused": refused,
+        result = {
+            "engine_index": tl.engine_index,
+            "fit": fit.to_json(),
+            "recommendation": asdict(rec),
+            "fpm_notes": tune_lines(tl),
+            "decode_context_refused": refused,
+        }
+        if fit.drafts is not None:
+            result["spec_decode"] = {
+                **fit.drafts.to_json(),
+                "iteration_time_target": fit.iteration_target(args.itl_target),
             }
-        )
+        results.append(result)
         if not args.json:
             print("\n".join(format_report(tl, fit, rec, kv_seqs, kv_length, refused)))
     if not timelines:

@@ -25,6 +25,7 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     heartbeat,
     iteration_record,
 )
@@ -59,6 +60,7 @@ class Cost:
     context_token_time: float = 20e-6
     generation_token_time: float = 300e-6
     noise: float = 0.02
+    draft_token_time: float = 0.0  # per draft token scored (Simulator.num_spec_tokens)
 
 
 class Simulator:
@@ -73,7 +75,10 @@ class Simulator:
         seed: int = 0,
         engine_index: int = 0,
         start_s: float = 1000.0,
+        num_spec_tokens: int = 0,
     ) -> None:
+        """``num_spec_tokens``: speculative decoding's drafts on the records (_drafts); the
+        requests themselves still advance one token per iteration."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -97,6 +102,7 @@ class Simulator:
         self.stalls: list[tuple[int, int]] = []
         self.cliffs: list[tuple[int, float]] = []
         self.closed_loop: list[tuple[int, int]] = []  # (prompt, output) still to send
+        self.num_spec_tokens = num_spec_tokens
 
     # ---- set-up
 
@@ -284,6 +290,9 @@ class Simulator:
         num_gen_tokens = sum(n for (_, n), gen in pairs if gen)
         elapsed = self.cost.base_time + num_ctx_tokens * self.cost.context_token_time
         elapsed += num_gen_tokens * self.cost.generation_token_time
+        drafts = self._drafts(num_gen_tokens)
+        if drafts is not None:
+            elapsed += drafts.num_draft_tokens * self.cost.draft_token_time
         elapsed_ns = int(elapsed * (1 + self.cost.noise * self.rng.gauss(0, 1)) * NS)
         start_ns = self.now_ns
         self.now_ns += max(elapsed_ns, 1000)
@@ -299,7 +308,7 @@ class Simulator:
             num_prefill_reqs=is_generation.count(False),
             num_prefill_tokens=num_ctx_tokens,
             num_decode_reqs=is_generation.count(True),
-            num_decode_tokens=num_gen_tokens,
+            num_decode_tokens=num_gen_tokens + (drafts.num_accepted_tokens if drafts else 0),
             num_running_reqs=len(self.running),
             num_waiting_reqs=num_waiting,
             num_waiting_kv_reqs=num_waiting if reason == "kv" else 0,
@@ -310,9 +319,22 @@ class Simulator:
             num_kv_tokens=sum(r.num_computed_tokens for r in self.running),
             num_preemptions=num_preemptions,
             milestones=milestones,
+            spec_decode=drafts,
         )
         self._heartbeats_until(start_ns + (self.now_ns - start_ns) // 2)
         self._send(record, self.now_ns)
+
+    def _drafts(self, num_decodes: int) -> SpecDecodeCounts | None:
+        """The drafts of an iteration's ``num_decodes`` decoding requests: every third drafts
+        nothing (an n-gram without a match), the others num_spec_tokens tokens each, of
+        which the i-th accepts (iteration + i) % (num_spec_tokens + 1)."""
+        k = self.num_spec_tokens
+        drafting = num_decodes - num_decodes // 3
+        if not k or not drafting:
+            return None
+        accepted = [(self.iteration + i) % (k + 1) for i in range(drafting)]
+        per_pos = [sum(a > position for a in accepted) for position in range(k)]
+        return SpecDecodeCounts(drafting, k * drafting, sum(accepted), per_pos)
 
     def _update(self, request: SimRequest, num_new: int, start_ns: int):
         was_prefill = not (
