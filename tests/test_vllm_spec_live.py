@@ -17,6 +17,7 @@ from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_ser
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, total
+from tests.helpers.vllm import iterscope
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -137,3 +138,30 @@ def test_the_log_says_the_spec_decoding_line_as_vllm_does(spec_stack):
     line = wait_until(said, 15, "the sidecar's SpecDecoding line", interval_s=POLL_S)
     assert "Engine 000: SpecDecoding metrics: Mean acceptance length: " in line
     assert "Per-position acceptance rate: " in line and "Avg Draft acceptance rate: " in line
+
+
+def test_explain_and_tune_read_the_drafts_the_sidecar_counted(spec_stack):
+    """The recording's drafts, as explain sums them, are the sidecar's counters (the last
+    test waited for them to agree with vLLM's), and tune sizes the budget for vLLM's drafts
+    of 3 (a target any machine meets: this checks what tune reads, not the machine's speed)."""
+    ours = scrape(spec_stack["metrics_port"])
+    counts = {
+        name: int(total(ours, f"iterscope_spec_decode_{name}_total"))
+        for name in ("drafts", "draft_tokens", "accepted_tokens")
+    }
+    recording = str(spec_stack["recording"])
+    explain = json.loads(iterscope("explain", recording, "--json"))
+    (engine,) = explain["engines"]
+    drafts = engine["summary"]["spec_decode"]
+    assert (drafts["num_drafts"], drafts["num_draft_tokens"], drafts["num_accepted_tokens"]) == (
+        counts["drafts"],
+        counts["draft_tokens"],
+        counts["accepted_tokens"],
+    )
+    assert "speculative decoding: " in iterscope("explain", recording)
+    tune = json.loads(iterscope("tune", recording, "--itl-target", "30s", "--json"))
+    (engine,) = tune["engines"]
+    assert engine["spec_decode"]["max_draft_tokens"] == 3
+    assert "draft_tokens" in engine["fit"]["coefficients"]
+    recommendation = engine["recommendation"]
+    assert recommendation["max_num_batched_tokens"] >= 4 * recommendation["max_num_seqs"]
