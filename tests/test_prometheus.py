@@ -816,10 +816,16 @@ def test_spec_decode_series_are_absent_for_an_engine_that_scored_no_draft():
 
 def test_spec_decode_counters_under_vllms_names():
     """vLLM's SpecDecodingProm names, its label names (position beside engine and
-    model_name), the same values."""
+    model_name), the same values; declared only once a draft was scored, as vLLM declares
+    them only where it speculates."""
     sink, registry = new_sink(vllm_compatible_names=True)
-    send(sink, make_heartbeat())
-    send(sink, make_record(1, spec_decode=spec_decode(5, 15, [4, 3, 1])))
+    send(sink, make_heartbeat(), make_record(1))
+    declared = {
+        family.name for family in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    assert "vllm:num_requests_running" in declared
+    assert not {name for name in declared if name.startswith("vllm:spec_decode")}
+    send(sink, make_record(2, spec_decode=spec_decode(5, 15, [4, 3, 1])))
     samples = scrape(registry)
     for vllm_name, ours in [
         ("vllm:spec_decode_num_drafts_total", "iterscope_spec_decode_drafts_total"),

@@ -22,7 +22,13 @@ from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
-from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
+from tests.helpers.vllm import (
+    VLLM_ENV,
+    counter_pairs,
+    engine_status,
+    iterscope,
+    stop_and_continue,
+)
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -65,11 +71,7 @@ def stack(request, tmp_path_factory):
     try:
         server = start_vllm(
             api_port,
-            {
-                "ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_PLUGINS": "iterscope",
-            },
+            {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
             version=request.param,
         )

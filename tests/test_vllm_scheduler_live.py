@@ -40,7 +40,13 @@ from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
-from tests.helpers.vllm import counter_pairs, engine_status, iterscope, stop_and_continue
+from tests.helpers.vllm import (
+    VLLM_ENV,
+    counter_pairs,
+    engine_status,
+    iterscope,
+    stop_and_continue,
+)
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -60,7 +66,6 @@ KV_FLAGS = (
     "512",
 )
 KV_ALERT = "IterscopeKVCacheSaturated"
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
 FPM_WORKER_ID = "vllm-w"
 # Between polls of the two /metrics pages: vLLM's competes with vLLM itself for the CPU.
 POLL_S = 0.1

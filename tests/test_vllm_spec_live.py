@@ -17,7 +17,7 @@ from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_ser
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, total
-from tests.helpers.vllm import iterscope
+from tests.helpers.vllm import POLL_S, VLLM_ENV, iterscope
 from tests.helpers.wait import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,7 +33,6 @@ SOURCE_FLAGS = {
 # the prompt are often accepted, and sometimes not.
 PROMPT = "Repeat after me: one two three four five six seven eight nine ten. " * 3
 NUM_REQUESTS = 8
-POLL_S = 0.2
 
 
 @pytest.fixture(scope="module", params=SOURCE_FLAGS)
@@ -52,11 +51,7 @@ def spec_stack(request, tmp_path_factory):
     try:
         server = start_vllm(
             api_port,
-            {
-                "ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address,
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_PLUGINS": "iterscope",
-            },
+            {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
             flags=(
                 *BEST_CPU_FLAGS,

@@ -14,6 +14,9 @@ from tests.helpers.prom import scrape, total
 from tests.helpers.wait import wait_until
 
 POLL_S = 0.2  # a vLLM engine shares 2 cores with the sidecar: scrape it gently
+# A `vllm serve`'s environment beside the lane address: a 1 GiB CPU KV cache and iterscope's
+# plugin loaded (the plugin steps aside where the scheduler source runs).
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
 
 
 def counter_pairs(metrics_port: int, api_port: int) -> dict[str, tuple[float, float]]:

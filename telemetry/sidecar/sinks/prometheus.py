@@ -302,7 +302,8 @@ VLLM_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "vllm:request_prompt_tokens": ("iterscope_request_prompt_tokens", {}),
     "vllm:request_generation_tokens": ("iterscope_request_generation_tokens", {}),
     # vLLM's is the most tokens any of a request's n samples generated; a request here is
-    # one sample (serve takes n=1 only), so it is the request's own output length.
+    # one sample (serve runs each of n choices as an engine request of its own), so it is
+    # that sample's output length.
     "vllm:request_max_num_generation_tokens": ("iterscope_request_generation_tokens", {}),
     "vllm:iteration_tokens_total": ("iterscope_iteration_tokens", {}),
     "vllm:spec_decode_num_drafts": ("iterscope_spec_decode_drafts", {}),
@@ -758,10 +759,15 @@ def sidecar_counter(name: str, extra_labels: Sequence[str] = ()) -> CounterMetri
 
 
 def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
-    """The same samples again under vLLM's names, so vLLM dashboards and alerts work."""
+    """The same samples again under vLLM's names, so vLLM dashboards and alerts work. A
+    family without samples gets no alias: vLLM has its speculative-decoding counters only
+    where it speculates, so they appear with an engine's first draft, and an empty family
+    names no series anyway."""
     by_name = {family.name: family for family in families}
     for vllm_name, (our_name, label_renames) in VLLM_ALIASES.items():
         family = by_name[our_name]
+        if not family.samples:
+            continue
         alias = Metric(vllm_name, family.documentation, family.type)
         for sample in family.samples:
             labels = {label_renames.get(key, key): value for key, value in sample.labels.items()}
