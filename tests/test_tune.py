@@ -7,7 +7,14 @@ from scenarios import synthetic
 from scenarios.synthetic import write_records
 
 from telemetry.analysis.timeline import build_timelines
-from telemetry.analysis.tune import Fit, fit_iteration_time, kv_max_seqs, main, recommend
+from telemetry.analysis.tune import (
+    Fit,
+    draft_payoff,
+    fit_iteration_time,
+    kv_max_seqs,
+    main,
+    recommend,
+)
 from telemetry.lane.record import SpecDecodeCounts, iteration_record
 
 TRUTH = synthetic.STORY_COST
@@ -202,15 +209,16 @@ DRAFT_COST = {
 }
 
 
-def drafting_records() -> list:
+def drafting_records(accepted: int = 1, all_draft: bool = False) -> list:
     """400 iterations of 1 to 12 decoding requests, a third of them beside a prefill chunk.
-    About a third of the decoding requests draft nothing, the rest 3 tokens each, and each
-    iteration accepts as many tokens as it has decoding requests: a decoding request gets
-    2 tokens per iteration on average (1 + 1 accepted)."""
+    About a third of the decoding requests draft nothing (``all_draft``: none), the rest 3
+    tokens each, and each iteration accepts ``accepted`` tokens per decoding request: a
+    decoding request gets 1 + ``accepted`` tokens per iteration on average."""
     records = []
     for number in range(1, 401):
         decodes = 1 + number % 12
         drafting = min(decodes, -(-decodes // 3) + number % 2)  # requests with a draft
+        drafting = decodes if all_draft else drafting
         prefill = (number * 37) % 500 if number % 3 == 0 else 0
         cost = DRAFT_COST
         elapsed_s = (
@@ -229,9 +237,9 @@ def drafting_records() -> list:
                 num_prefill_reqs=int(prefill > 0),
                 num_prefill_tokens=prefill,
                 num_decode_reqs=decodes,
-                num_decode_tokens=2 * decodes,  # its own token and one accepted, on average
+                num_decode_tokens=(1 + accepted) * decodes,  # its own and those accepted
                 num_running_reqs=decodes + int(prefill > 0),
-                spec_decode=SpecDecodeCounts(drafting, 3 * drafting, decodes, []),
+                spec_decode=SpecDecodeCounts(drafting, 3 * drafting, accepted * decodes, []),
             )
         )
     return records
@@ -298,6 +306,53 @@ def test_tune_prints_the_draft_figures_it_used(tmp_path, capsys):
     assert spec["draft_tokens_per_decode"] == pytest.approx(3588 / 2588)  # drafts / decodes
     assert engine["recommendation"]["max_num_batched_tokens"] == 272
     assert "drafts" not in engine["fit"]
+
+
+def test_tune_says_whether_drafts_pay_by_the_fit(drafting_timeline):
+    """By hand: 6.51 decoding requests on average (1 to 12 in turn), 1.39 draft tokens each:
+    an iteration of them takes 10 + 6.51 x (1 + 0.25 x 1.39) = 18.7 ms with drafts and gives
+    each 2 tokens (9.4 ms a token), and takes 10 + 6.51 x 1 = 16.5 ms without, giving 1.
+    Accepting nothing, drafts only cost."""
+    fit = fit_iteration_time(drafting_timeline)
+    payoff = draft_payoff(drafting_timeline, fit)
+    num_decode_reqs = sum(1 + n % 12 for n in range(1, 401)) / 400
+    draft = 3588 / 2588
+    assert payoff.num_decode_reqs == pytest.approx(num_decode_reqs)
+    with_drafts = (0.010 + num_decode_reqs * (1e-3 + 0.25e-3 * draft)) / 2
+    without_drafts = 0.010 + num_decode_reqs * 1e-3
+    assert payoff.token_time_with_drafts == pytest.approx(with_drafts, rel=1e-4)
+    assert payoff.token_time_without_drafts == pytest.approx(without_drafts, rel=1e-4)
+    assert payoff.saving == pytest.approx(1 - with_drafts / without_drafts, rel=1e-3)
+    rejected = build_timelines(drafting_records(accepted=0))[0]
+    assert draft_payoff(rejected, fit_iteration_time(rejected)).saving < 0
+
+
+def test_tune_prints_whether_drafts_pay_or_why_it_cannot_tell(tmp_path, capsys):
+    paid, rejected, alike = (
+        write_records(drafting_records(**options), tmp_path / f"{i}.jsonl")
+        for i, options in enumerate([{}, {"accepted": 0}, {"all_draft": True}])
+    )
+    assert main([str(paid), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+    assert (
+        "  drafts save 43% of the time per output token, by the fit: at the recording's mean "
+        "of 6.5 decoding requests, each gets an output token every 9.4 ms with their drafts, "
+        "every 16.5 ms without\n"
+    ) in capsys.readouterr().out
+    assert main([str(rejected), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+    assert (
+        "  drafts add 14% of the time per output token, by the fit: at the recording's mean "
+        "of 6.5 decoding requests, each gets an output token every 18.7 ms with their drafts, "
+        "every 16.5 ms without; fewer draft tokens or none (--speculative-config) would "
+        "decode faster\n"
+    ) in capsys.readouterr().out
+    assert main([str(alike), "--itl-target", "50ms", "--min-chunk", "64", "--json"]) == 0
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    assert "draft_tokens" not in engine["fit"]["coefficients"]
+    assert engine["spec_decode"]["payoff"] is None
+    assert main([str(alike), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+    assert "  whether drafts pay is not known: draft tokens did not vary apart" in (
+        capsys.readouterr().out
+    )
 
 
 def test_without_drafts_tune_says_nothing_of_them(bursty, tmp_path, capsys):

@@ -42,6 +42,14 @@ token and the draft's accepted tokens. Then:
   behind each decoding request, as they put its mean decode context.
 
 Without drafts, k = 0 and t = 1: the limits and output are those of the model above.
+
+Whether drafts pay (``draft_payoff``): a decode-only iteration of the recording's mean
+number of decoding requests, by the fit, gives each request an output token every
+``time / t`` with the recording's mean draft behind each request, and every ``time'`` with
+none (the draft-token term, which also holds the proposer's own work per draft token, left
+out). Only where the fit has a draft-token cost: where every decoding request drafted
+alike, draft tokens move with decoding requests and their costs cannot be told apart, which
+tune says.
 """
 
 from __future__ import annotations
@@ -477,8 +485,57 @@ def _per_token_text(fit: Fit, iteration_time: float) -> str:
     return f" ({iteration_time / fit.output_tokens_per_decode * 1000:.1f} ms per output token)"
 
 
-def _draft_lines(fit: Fit) -> list[str]:
-    """The speculative decoding figures the limits use; none without drafts."""
+@dataclass
+class DraftPayoff:
+    """By the fit, a decode-only iteration of ``num_decode_reqs`` decoding requests (the
+    recording's mean): a request's seconds per output token with the recording's mean draft
+    behind each request, and without drafts (the module doc)."""
+
+    num_decode_reqs: float
+    token_time_with_drafts: float
+    token_time_without_drafts: float
+
+    @property
+    def saving(self) -> float:
+        """The share of time per output token drafts save (below 0: what they add)."""
+        return 1 - self.token_time_with_drafts / self.token_time_without_drafts
+
+
+def draft_payoff(tl: EngineTimeline, fit: Fit) -> DraftPayoff | None:
+    """Whether drafts pay, by the fit; None without drafts or without a draft-token cost."""
+    if fit.drafts is None or "draft_tokens" not in fit.coefficients:
+        return None
+    decode_reqs = tl.col("num_decode_reqs")
+    num_decode_reqs = float(decode_reqs[decode_reqs > 0].mean())
+    with_drafts = fit.predict(decode_tokens=num_decode_reqs)
+    without_drafts = fit.predict(decode_tokens=num_decode_reqs, draft_tokens=0)
+    return DraftPayoff(num_decode_reqs, with_drafts / fit.output_tokens_per_decode, without_drafts)
+
+
+def _payoff_line(fit: Fit, payoff: DraftPayoff | None) -> str:
+    """Whether drafts pay, as tune says it."""
+    if payoff is None:
+        return (
+            "  whether drafts pay is not known: draft tokens did not vary apart from the "
+            "decoding requests (each drafted alike), so the fit cannot tell their cost apart"
+        )
+    ms = 1000
+    saving = payoff.saving
+    verdict = f"save {saving:.0%}" if saving >= 0 else f"add {-saving:.0%}"
+    line = (
+        f"  drafts {verdict} of the time per output token, by the fit: at the recording's "
+        f"mean of {payoff.num_decode_reqs:.1f} decoding requests, each gets an output token "
+        f"every {payoff.token_time_with_drafts * ms:.1f} ms with their drafts, every "
+        f"{payoff.token_time_without_drafts * ms:.1f} ms without"
+    )
+    if saving < 0:
+        line += "; fewer draft tokens or none (--speculative-config) would decode faster"
+    return line
+
+
+def _draft_lines(fit: Fit, payoff: DraftPayoff | None) -> list[str]:
+    """The speculative decoding figures the limits use, and whether drafts pay; none
+    without drafts."""
     drafts = fit.drafts
     if drafts is None:
         return []
@@ -491,6 +548,7 @@ def _draft_lines(fit: Fit) -> list[str]:
         f"{plural(fit.draft_slots, 'token')}",
         f"  limits give each decoding request 1 + {fit.draft_slots} budget tokens and hold "
         f"iteration time to the ITL target x {tokens:.2f} tokens per decoding request",
+        _payoff_line(fit, payoff),
     ]
 
 
@@ -524,7 +582,7 @@ def format_report(
         f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
         f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
-        *_draft_lines(fit),
+        *_draft_lines(fit, draft_payoff(tl, fit)),
     ]
     if fit.target_decode_context_tokens is not None:
         lines.append(
@@ -648,9 +706,11 @@ def main(argv: list[str] | None = None) -> int:
             "decode_context_refused": refused,
         }
         if fit.drafts is not None:
+            payoff = draft_payoff(tl, fit)
             result["spec_decode"] = {
                 **fit.drafts.to_json(),
                 "iteration_time_target": fit.iteration_target(args.itl_target),
+                "payoff": asdict(payoff) if payoff else None,
             }
         results.append(result)
         if not args.json:
