@@ -21,6 +21,7 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
     RequestMilestone,
+    SpecDecodeCounts,
     iteration_record,
 )
 from telemetry.lane.record import heartbeat as lane_heartbeat
@@ -30,7 +31,7 @@ from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks import otel, otel_export
 from telemetry.sidecar.sinks.otel import OtelSink
 from telemetry.sidecar.sinks.otel_export import make_exporter
-from telemetry.sidecar.sinks.otel_spans import IterationSampling
+from telemetry.sidecar.sinks.otel_spans import IterationSampling, iteration_attributes
 from tests.helpers.net import free_port
 from tests.helpers.otel import (
     OtlpHttpReceiver,
@@ -198,6 +199,21 @@ def test_records_before_first_heartbeat_are_held_then_placed_in_wall_time(receiv
     assert iteration.resource["iterscope.engine_index"] == 3
     assert iteration.start_ns == wall(MONO_BASE_NS + 2 * 10_000_000)
     assert iteration.end_ns - iteration.start_ns == 9_000_000
+
+
+def test_an_iteration_span_carries_its_drafts_only_where_it_scored_some():
+    plain = iteration_record(0, 1, 1, num_decode_reqs=4, num_decode_tokens=4)
+    assert not [key for key in iteration_attributes(plain, "every") if "draft" in key]
+    drafting = iteration_record(
+        0, 2, 2, num_decode_reqs=4, num_decode_tokens=7, spec_decode=SpecDecodeCounts(3, 9, 3)
+    )
+    attributes = iteration_attributes(drafting, "every")
+    assert attributes["iterscope.num_generation_tokens"] == 7
+    assert (
+        attributes["iterscope.num_drafts"],
+        attributes["iterscope.num_draft_tokens"],
+        attributes["iterscope.num_accepted_tokens"],
+    ) == (3, 9, 3)
 
 
 # --- live findings --------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def request_attributes(milestone: RequestMilestone, engine_index: int, model: st
 
 
 def iteration_attributes(record: IterationRecord, reason: str) -> dict:
-    """The record's counts; those its source marked unknown are left out."""
+    """The record's counts; those its source marked unknown are left out, speculative
+    decoding's where it scored no draft."""
     attributes = {
         "iterscope.engine_index": record.engine_index,
         "iterscope.iteration": record.iteration,
@@ -143,6 +144,10 @@ def iteration_attributes(record: IterationRecord, reason: str) -> dict:
             del attributes[f"iterscope.num_waiting_{reason_field}_reqs"]
     if record.model_elapsed_ns:
         attributes["iterscope.model_elapsed_ms"] = record.model_elapsed_ns / 1e6
+    if record.spec_decode is not None:
+        attributes["iterscope.num_drafts"] = record.spec_decode.num_drafts
+        attributes["iterscope.num_draft_tokens"] = record.spec_decode.num_draft_tokens
+        attributes["iterscope.num_accepted_tokens"] = record.spec_decode.num_accepted_tokens
     return attributes
 
 
