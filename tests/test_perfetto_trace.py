@@ -21,6 +21,7 @@ from telemetry.lane.record import (
     UNKNOWN_PREFILL_REQS,
     UNKNOWN_WAITING_REASONS,
     RequestMilestone,
+    SpecDecodeCounts,
     heartbeat,
     iteration_record,
 )
@@ -184,6 +185,32 @@ def test_unknown_counts_are_named_never_drawn_as_zero(tmp_path):
     assert iteration.args["unknown"] == "num_prefill_reqs, waiting reasons"
     assert iteration.args["num_waiting_reqs"] == 3
     assert "num_prefill_reqs" not in iteration.args
+
+
+def test_an_iteration_that_scored_drafts_says_so_and_its_batch_counts_them(tmp_path):
+    """Its slice's args have the draft and accepted tokens; the batch-tokens counter holds
+    what the iteration computed: one token per decoding request and the draft tokens."""
+    records = [
+        iteration_record(
+            0,
+            i + 1,
+            i + 1,
+            start_ns=10**9 + i * 10**7,
+            elapsed_ns=9 * 10**6,
+            num_decode_reqs=2,
+            num_decode_tokens=2 + i,  # each its own token, and the i accepted
+            num_running_reqs=2,
+            spec_decode=SpecDecodeCounts(2, 6, i) if i else None,
+        )
+        for i in range(3)
+    ]
+    trace = convert(write_records(records, tmp_path / "rec.jsonl"), tmp_path)
+    (process_uuid,) = trace.processes()
+    iterations = trace.slices[trace.track_named("iterations", process_uuid)]
+    assert [s.args.get("num_draft_tokens") for s in iterations] == [None, 6, 6]
+    assert [s.args.get("num_accepted_tokens") for s in iterations] == [None, 1, 2]
+    batch = trace.counters[trace.track_named(counter_name(0, "batch tokens"), process_uuid)]
+    assert [value for _, value in batch] == [2, 8, 8]
 
 
 def test_an_iteration_reported_past_the_next_one_s_start_is_drawn_up_to_it(tmp_path):

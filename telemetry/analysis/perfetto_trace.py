@@ -114,6 +114,8 @@ ITERATION_ARGS = (
     *((reason.field, UNKNOWN_WAITING_REASONS) for reason in WAIT_REASONS.values()),
     ("num_kv_blocks_used", 0),
     ("num_preemptions", 0),
+    ("num_draft_tokens", 0),  # speculative decoding's, 0 (so not written) without it
+    ("num_accepted_tokens", 0),
 )
 PREEMPTED = Phase("preempted", 0, 0)  # the instant marking a request's preemption
 ELAPSED_ARG = "elapsed_ms"  # only where the slice is drawn shorter than the iteration
