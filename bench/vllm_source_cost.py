@@ -6,6 +6,7 @@ which the `vllm serve` runs then serve too):
 
     .vllm-venv/bin/python bench/vllm_source_cost.py [--source plugin|scheduler]
                                                      [--calls 20000] [--rounds 2]
+                                                     [--spec-tokens K]
 
 --source plugin (the stat-logger plugin, in vLLM's API server):
 1. Per call: IterscopeStatLogger.record() on vLLM's own SchedulerStats / IterationStats
@@ -22,7 +23,9 @@ which the `vllm serve` runs then serve too):
    ``updated``, plus a request's ``added``, each timed with perf_counter_ns) inside vLLM's
    real scheduler without a model (bench/vllm_scheduler_harness.py): 16 requests decoding,
    each replaced by a new one when it finishes (one finish and one 256-token prefill about
-   every 8 steps), publishing to a real sidecar process.
+   every 8 steps), publishing to a real sidecar process. With ``--spec-tokens K`` every
+   decoding request drafts K tokens a step (an ngram config), 0 to K of them accepted in
+   turn, and the reporter's ``drafted`` (once per draft) is timed too.
 2. Throughput: the same `vllm serve` load with `--scheduler-cls ...IterscopeScheduler`
    publishing to a sidecar, and plain vLLM (no scheduler class, no plugin), alternating.
 
@@ -141,22 +144,29 @@ def time_calls(num_calls: int) -> dict:
     }
 
 
-def time_steps(num_steps: int) -> dict:
-    """What the scheduler subclass adds to each of ``num_steps`` steps of vLLM's scheduler."""
+def time_steps(num_steps: int, num_spec_tokens: int = 0) -> dict:
+    """What the scheduler subclass adds to each of ``num_steps`` steps of vLLM's scheduler;
+    ``num_spec_tokens`` > 0: every decoding request drafts that many tokens, 0 to all of them
+    accepted in turn (the reporter's ``drafted`` timed too)."""
     from bench.vllm_scheduler_harness import add_requests, make_scheduler, run_step
 
     with start_sidecar(["--no-metrics", "--no-log"]) as sidecar:
         os.environ["ITERSCOPE_TELEMETRY_ADDRESS"] = sidecar.address
-        scheduler = make_scheduler(num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
+        scheduler = make_scheduler(
+            num_blocks=4096,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            num_speculative_tokens=num_spec_tokens,
+        )
         reporter = scheduler._iterscope
         step_ns = [0]
-        for name in ("added", "scheduled", "updated"):
+        for name in ("added", "scheduled", "updated", "drafted"):
             setattr(reporter, name, timed(getattr(reporter, name), step_ns))
         add_requests(scheduler, NUM_RUNNING, prompt_len=256, max_tokens=128)
         times_ns = []
-        for _ in range(num_steps):
+        for step in range(num_steps):
             step_ns[0] = 0
-            run_step(scheduler)
+            run_step(scheduler, accept=step % (num_spec_tokens + 1))
             add_requests(
                 scheduler,
                 NUM_RUNNING - len(scheduler.running) - len(scheduler.waiting),
@@ -235,6 +245,13 @@ def main() -> None:
     parser.add_argument("--source", choices=("plugin", "scheduler"), default="plugin")
     parser.add_argument("--calls", type=int, default=20_000, help="record() calls or steps")
     parser.add_argument("--rounds", type=int, default=2, help="on/off pairs (0: none)")
+    parser.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=0,
+        help="--source scheduler: draft tokens per decoding request in the per-step timing "
+        "(speculative decoding; default 0: none)",
+    )
     args = parser.parse_args()
     if args.source == "plugin":
         figures = time_calls(args.calls)
@@ -244,7 +261,8 @@ def main() -> None:
             flush=True,
         )
     else:
-        figures = time_steps(args.calls)
+        figures = time_steps(args.calls, args.spec_tokens)
+        figures["spec_tokens"] = args.spec_tokens
         print(
             f"scheduler source per vLLM step: p50 {figures['step_cost_p50_us']:.1f} us, "
             f"p99 {figures['step_cost_p99_us']:.1f} us",
