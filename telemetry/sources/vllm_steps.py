@@ -30,7 +30,8 @@ decode (a request recomputed after a preemption is in decode). Tokens, to agree 
 counters: ``num_prefill_tokens`` are the prompt tokens computed (a prefill request's
 scheduled tokens); ``num_decode_tokens`` are the tokens the step produced (vLLM's
 generation-token count: one per decode request, plus the first token of each prefill that
-completed); recomputed tokens count in neither.
+completed, plus the draft tokens accepted with speculative decoding); recomputed tokens count
+in neither.
 
 Why requests wait, decided right after ``schedule()`` from the scheduler's own state, in
 this order (the first that holds names every waiting request not held back):
