@@ -48,8 +48,8 @@ number of decoding requests, by the fit, gives each request an output token ever
 ``time / t`` with the recording's mean draft behind each request, and every ``time'`` with
 none (the draft-token term, which also holds the proposer's own work per draft token, left
 out). Only where the fit has a draft-token cost: where every decoding request drafted
-alike, draft tokens move with decoding requests and their costs cannot be told apart, which
-tune says.
+alike, draft tokens move with decoding requests and their costs cannot be told apart (or the
+cost came out below 0 and was dropped), which tune says.
 """
 
 from __future__ import annotations
@@ -512,12 +512,13 @@ def draft_payoff(tl: EngineTimeline, fit: Fit) -> DraftPayoff | None:
     return DraftPayoff(num_decode_reqs, with_drafts / fit.output_tokens_per_decode, without_drafts)
 
 
-def _payoff_line(fit: Fit, payoff: DraftPayoff | None) -> str:
+def _payoff_line(payoff: DraftPayoff | None) -> str:
     """Whether drafts pay, as tune says it."""
     if payoff is None:
         return (
-            "  whether drafts pay is not known: draft tokens did not vary apart from the "
-            "decoding requests (each drafted alike), so the fit cannot tell their cost apart"
+            "  whether drafts pay is not known: no cost per draft token could be fitted "
+            "(draft tokens did not vary apart from the decoding requests, each drafting "
+            "alike, or their cost came out below 0)"
         )
     ms = 1000
     saving = payoff.saving
@@ -548,7 +549,7 @@ def _draft_lines(fit: Fit, payoff: DraftPayoff | None) -> list[str]:
         f"{plural(fit.draft_slots, 'token')}",
         f"  limits give each decoding request 1 + {fit.draft_slots} budget tokens and hold "
         f"iteration time to the ITL target x {tokens:.2f} tokens per decoding request",
-        _payoff_line(fit, payoff),
+        _payoff_line(payoff),
     ]
 
 
