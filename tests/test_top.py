@@ -17,7 +17,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.entrypoints.cli import main as iterscope
 from telemetry.analysis.live_findings import RECENT_CLOSED
-from telemetry.lane.record import EVENT_FIRST_TOKEN, RequestMilestone, heartbeat, iteration_record
+from telemetry.lane.record import (
+    EVENT_FIRST_TOKEN,
+    RequestMilestone,
+    SpecDecodeCounts,
+    heartbeat,
+    iteration_record,
+)
 from telemetry.sidecar import top
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.scrape import (
@@ -196,6 +202,34 @@ def test_a_frame_takes_rates_and_latencies_over_the_window_between_two_scrapes()
     p50 = 20 + 20 * 1.5 / 2  # rank 1.5 of the 2 in (20, 40]
     p99 = 250 + 250 * (0.99 * 3 - 2)  # rank 2.97: 0.97 of the 1 in (250, 500]
     assert quantiles_ms(lines, "TTFT") == pytest.approx((p50, p99), abs=0.06)  # printed to 0.1 ms
+
+
+def test_an_engine_that_scores_drafts_shows_their_acceptance_over_the_window():
+    """No drafts line for an engine that never drafted; for one that does, the window's own
+    drafts, counted from 0 where its counters first appear inside the window; a dash for a
+    window without drafts."""
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(0, 0, 500 * MS, 1_700_000_000 * 10**9, model_name="tiny",
+                         num_kv_blocks_total=100, pid=42))  # fmt: skip
+    send(sink, decode_record(0, 1_000))
+    plain = scrape_of(sink, registry, 10.0, FINDINGS)
+    assert not any("drafts" in line for line in top.frame("u", None, plain, None).splitlines())
+    drafting = decode_record(1, 1_010)
+    drafting.spec_decode = SpecDecodeCounts(4, 12, 3, [2, 1, 0])
+    send(sink, drafting)
+    first = scrape_of(sink, registry, 11.0, FINDINGS)
+    lines = top.frame("u", plain, first, None).splitlines()
+    assert "  drafts      25.0% of draft tokens accepted, mean acceptance length 1.75" in lines
+    assert "  drafts      n/a" in top.frame("u", None, first, None).splitlines()
+    drafting = decode_record(2, 1_020)
+    drafting.spec_decode = SpecDecodeCounts(2, 6, 6, [2, 2, 2])
+    send(sink, drafting)
+    second = scrape_of(sink, registry, 12.0, FINDINGS)
+    lines = top.frame("u", first, second, None).splitlines()
+    assert "  drafts      100.0% of draft tokens accepted, mean acceptance length 4.00" in lines
+    quiet = top.frame("u", Scrape(11.0, second.engines, {}, FINDINGS), second, None).splitlines()
+    assert "  drafts      –" in quiet
 
 
 def quantiles_ms(lines: list[str], name: str) -> tuple[float, float]:

@@ -8,6 +8,9 @@ rates and distributions over the window between them, the rest as the newest one
 
     iterations/s         increase of iterscope_iterations_total / window
     decoding/iteration   increase of iteration_generation_requests' _sum / its _count
+    drafts               increases of spec_decode_{accepted_tokens,draft_tokens,drafts}_total:
+                         accepted / draft tokens, 1 + accepted / drafts (vLLM's figures);
+                         only for an engine that has scored drafts (speculative decoding)
     TTFT, ITL p50/p99    histogram_quantile over the increase of each _bucket
     status, running, waiting by reason, KV usage, findings: the newest scrape's
 
@@ -99,6 +102,29 @@ def _quantiles(before: Samples | None, after: Samples, histogram: str) -> str:
         estimate = bucket_quantile(q, window) if window else None
         texts.append(f"{name} {NO_DATA if estimate is None else seconds_text(estimate)}")
     return "  ".join(texts)
+
+
+def _drafts(before: Samples | None, after: Samples) -> str | None:
+    """Speculative decoding over the window; None for an engine that never scored a draft
+    (the sidecar has its counters from the first draft on: absent before, they were 0)."""
+    if value(after, "spec_decode_drafts_total") is None:
+        return None
+    if before is None:
+        return NO_READ
+    drafts, draft_tokens, accepted = (
+        increase(value(before, name) or 0.0, value(after, name))
+        for name in (
+            "spec_decode_drafts_total",
+            "spec_decode_draft_tokens_total",
+            "spec_decode_accepted_tokens_total",
+        )
+    )
+    if not drafts or not draft_tokens or accepted is None:
+        return NO_DATA
+    return (
+        f"{accepted / draft_tokens:.1%} of draft tokens accepted, mean acceptance length "
+        f"{1 + accepted / drafts:.2f}"
+    )
 
 
 def _waiting(after: Samples) -> str:
@@ -206,6 +232,9 @@ def engine_lines(index: int, before: Scrape | None, after: Scrape, width: int | 
         f"  TTFT        {_quantiles(previous, samples, 'time_to_first_token_seconds')}",
         f"  ITL         {_quantiles(previous, samples, 'inter_token_latency_seconds')}",
     ]
+    drafts = _drafts(previous, samples)
+    if drafts is not None:
+        lines.append(f"  drafts      {drafts}")
     engines = {engine.get("engine"): engine for engine in after.findings.get("engines", [])}
     if engines.get(index, {}).get("live_findings") is False:
         return [*lines, "  findings    off (the sidecar runs --no-live-findings)"]
