@@ -215,19 +215,23 @@ def test_an_engine_that_scores_drafts_shows_their_acceptance_over_the_window():
     send(sink, decode_record(0, 1_000))
     plain = scrape_of(sink, registry, 10.0, FINDINGS)
     assert not any("drafts" in line for line in top.frame("u", None, plain, None).splitlines())
-    drafting = decode_record(1, 1_010)
-    drafting.spec_decode = SpecDecodeCounts(4, 12, 3, [2, 1, 0])
-    send(sink, drafting)
-    first = scrape_of(sink, registry, 11.0, FINDINGS)
-    lines = top.frame("u", plain, first, None).splitlines()
-    assert "  drafts      25.0% of draft tokens accepted, mean acceptance length 1.75" in lines
+
+    def drafts_line(before: Scrape, iteration: int, counts: SpecDecodeCounts):
+        """The frame's drafts line after one more record scoring ``counts``, and the scrape."""
+        drafting = decode_record(iteration, 1_000 + 10 * iteration)
+        drafting.spec_decode = counts
+        send(sink, drafting)
+        after = scrape_of(sink, registry, before.time_s + 1, FINDINGS)
+        (line,) = [
+            line for line in top.frame("u", before, after, None).splitlines() if "drafts" in line
+        ]
+        return line, after
+
+    line, first = drafts_line(plain, 1, SpecDecodeCounts(4, 12, 3, [2, 1, 0]))
+    assert line == "  drafts      25.0% of draft tokens accepted, mean acceptance length 1.75"
     assert "  drafts      n/a" in top.frame("u", None, first, None).splitlines()
-    drafting = decode_record(2, 1_020)
-    drafting.spec_decode = SpecDecodeCounts(2, 6, 6, [2, 2, 2])
-    send(sink, drafting)
-    second = scrape_of(sink, registry, 12.0, FINDINGS)
-    lines = top.frame("u", first, second, None).splitlines()
-    assert "  drafts      100.0% of draft tokens accepted, mean acceptance length 4.00" in lines
+    line, second = drafts_line(first, 2, SpecDecodeCounts(2, 6, 6, [2, 2, 2]))
+    assert line == "  drafts      100.0% of draft tokens accepted, mean acceptance length 4.00"
     quiet = top.frame("u", Scrape(11.0, second.engines, {}, FINDINGS), second, None).splitlines()
     assert "  drafts      –" in quiet
 
