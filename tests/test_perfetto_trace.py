@@ -155,24 +155,22 @@ def test_a_cut_recording_converts_up_to_the_cut(tmp_path):
     assert len(iterations) > 100
 
 
+def decoding(i: int, **fields):
+    """Engine 0's iteration ``i + 1``, 10 ms after the one before and 9 ms long, two requests
+    decoding a token each; ``fields`` set more, or other, counts."""
+    counts = dict(num_decode_reqs=2, num_decode_tokens=2, num_running_reqs=2)
+    return iteration_record(
+        0, i + 1, i + 1, start_ns=10**9 + i * 10**7, elapsed_ns=9 * 10**6, **{**counts, **fields}
+    )
+
+
 def test_unknown_counts_are_named_never_drawn_as_zero(tmp_path):
     """A vLLM server reports no waiting reasons and no prefill request count: no counter track
     for the reasons, and the iteration says which counts it lacks."""
     unknown = UNKNOWN_PREFILL_REQS | UNKNOWN_WAITING_REASONS
     records = [
-        iteration_record(
-            0,
-            i + 1,
-            i + 1,
-            start_ns=10**9 + i * 10**7,
-            elapsed_ns=9 * 10**6,
-            num_decode_reqs=2,
-            num_decode_tokens=2,
-            num_running_reqs=2,
-            num_waiting_reqs=3,
-            num_kv_blocks_used=4,
-            num_kv_blocks_free=60,
-            unknown=unknown,
+        decoding(
+            i, num_waiting_reqs=3, num_kv_blocks_used=4, num_kv_blocks_free=60, unknown=unknown
         )
         for i in range(5)
     ]
@@ -191,15 +189,9 @@ def test_an_iteration_that_scored_drafts_says_so_and_its_batch_counts_them(tmp_p
     """Its slice's args have the draft and accepted tokens; the batch-tokens counter holds
     what the iteration computed: one token per decoding request and the draft tokens."""
     records = [
-        iteration_record(
-            0,
-            i + 1,
-            i + 1,
-            start_ns=10**9 + i * 10**7,
-            elapsed_ns=9 * 10**6,
-            num_decode_reqs=2,
+        decoding(
+            i,
             num_decode_tokens=2 + i,  # each its own token, and the i accepted
-            num_running_reqs=2,
             spec_decode=SpecDecodeCounts(2, 6, i) if i else None,
         )
         for i in range(3)

@@ -157,6 +157,34 @@ def test_unreachable_target_error_names_a_fastest_iteration_above_the_target(bur
     )
 
 
+def busy_record(
+    number: int,
+    elapsed_s: float,
+    prefill_reqs: int,
+    prefill_tokens: int,
+    decode_reqs: int,
+    **fields,
+):
+    """Iteration ``number`` of engine 0, 200 ms after the one before and ``elapsed_s`` long,
+    its batch all running, each decoding request producing one token unless ``fields`` say
+    otherwise."""
+    return iteration_record(
+        0,
+        number,
+        number,
+        **{
+            "start_ns": number * 200_000_000,
+            "elapsed_ns": round(elapsed_s * 1e9),
+            "num_prefill_reqs": prefill_reqs,
+            "num_prefill_tokens": prefill_tokens,
+            "num_decode_reqs": decode_reqs,
+            "num_decode_tokens": decode_reqs,
+            "num_running_reqs": decode_reqs + prefill_reqs,
+            **fields,
+        },
+    )
+
+
 def one_length_prompts() -> list:
     """Records of an engine whose prompts all have about 55 tokens (1 to 3 of them per
     iteration), each prompt costing 20.35 ms and a decode 0.5 ms over a 10 ms step, the
@@ -168,20 +196,7 @@ def one_length_prompts() -> list:
         extra = number % 3 if prompts else 0
         tokens = 55 * prompts + extra
         elapsed_s = 0.010 + 0.0005 * decodes + 0.02035 * prompts - 0.00005 * extra
-        records.append(
-            iteration_record(
-                0,
-                number,
-                number,
-                start_ns=number * 100_000_000,
-                elapsed_ns=int(elapsed_s * 1e9),
-                num_prefill_reqs=prompts,
-                num_prefill_tokens=tokens,
-                num_decode_reqs=decodes,
-                num_decode_tokens=decodes,
-                num_running_reqs=decodes + prompts,
-            )
-        )
+        records.append(busy_record(number, elapsed_s, prompts, tokens, decodes))
     return records
 
 
@@ -228,17 +243,13 @@ def drafting_records(accepted: int = 1, all_draft: bool = False) -> list:
             + cost["draft_tokens"] * 3 * drafting
         )
         records.append(
-            iteration_record(
-                0,
+            busy_record(
                 number,
-                number,
-                start_ns=number * 200_000_000,
-                elapsed_ns=round(elapsed_s * 1e9),
-                num_prefill_reqs=int(prefill > 0),
-                num_prefill_tokens=prefill,
-                num_decode_reqs=decodes,
+                elapsed_s,
+                int(prefill > 0),
+                prefill,
+                decodes,
                 num_decode_tokens=(1 + accepted) * decodes,  # its own and those accepted
-                num_running_reqs=decodes + int(prefill > 0),
                 spec_decode=SpecDecodeCounts(drafting, 3 * drafting, accepted * decodes, []),
             )
         )
