@@ -343,29 +343,30 @@ def test_tune_prints_whether_drafts_pay_or_why_it_cannot_tell(tmp_path, capsys):
         write_records(drafting_records(**options), tmp_path / f"{i}.jsonl")
         for i, options in enumerate([{}, {"accepted": 0}, {"all_draft": True}])
     )
-    assert main([str(paid), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+
+    def tuned(path, *options: str) -> str:
+        assert main([str(path), "--itl-target", "50ms", "--min-chunk", "64", *options]) == 0
+        return capsys.readouterr().out
+
     assert (
         "  drafts save 43% of the time per output token, by the fit: at the recording's mean "
         "of 6.5 decoding requests, each gets an output token every 9.4 ms with their drafts, "
         "every 16.5 ms without\n"
-    ) in capsys.readouterr().out
-    assert main([str(rejected), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
+    ) in tuned(paid)
     assert (
         "  drafts add 14% of the time per output token, by the fit: at the recording's mean "
         "of 6.5 decoding requests, each gets an output token every 18.7 ms with their drafts, "
         "every 16.5 ms without; fewer draft tokens or none (--speculative-config) would "
         "decode faster\n"
-    ) in capsys.readouterr().out
-    assert main([str(alike), "--itl-target", "50ms", "--min-chunk", "64", "--json"]) == 0
-    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    ) in tuned(rejected)
+    (engine,) = json.loads(tuned(alike, "--json"))["engines"]
     assert "draft_tokens" not in engine["fit"]["coefficients"]
     assert engine["spec_decode"]["payoff"] is None
-    assert main([str(alike), "--itl-target", "50ms", "--min-chunk", "64"]) == 0
     assert (
         "  whether drafts pay is not known: no cost per draft token could be fitted (draft "
         "tokens did not vary apart from the decoding requests, each drafting alike, or their "
         "cost came out below 0)\n"
-    ) in capsys.readouterr().out
+    ) in tuned(alike)
 
 
 def test_without_drafts_tune_says_nothing_of_them(bursty, tmp_path, capsys):
