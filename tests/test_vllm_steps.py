@@ -257,7 +257,7 @@ LOCAL_CADENCE = {"local_prefill_interval": 4, "last_prefill_step": 4}
     ],
 )
 def test_prefills_are_held_where_vllms_schedule_holds_them(scheduler, throttle_prefills, held):
-    """The state read just before ``schedule()``, as vLLM 0.32 and 0.33 decide on it; the
+    """The state read just before ``schedule()``, as vLLM 0.31 to 0.33 decide on it; the
     real schedulers' decisions are checked in test_vllm_scheduler_live.py."""
     assert prefills_held(scheduler, throttle_prefills) is held
 
@@ -312,8 +312,10 @@ def test_the_vllm_versions_said_tested_are_the_ones_make_builds():
 
     from bench.vllm_server import CPU_BUILD_VERSION
     from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
+    from tests.helpers.vllm import version_tuple
 
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
-    built = dict(re.findall(r"^(VLLM_VER|VLLM_NEXT_VER)\s*:=\s*(\S+)", makefile, re.M))
+    built = dict(re.findall(r"^(VLLM_VER|VLLM_OTHER_VERS)\s*:=\s*(.+)$", makefile, re.M))
     assert CPU_BUILD_VERSION == built["VLLM_VER"]
-    assert TESTED_VLLM_VERSIONS == (built["VLLM_VER"], built["VLLM_NEXT_VER"])
+    versions = [built["VLLM_VER"], *built["VLLM_OTHER_VERS"].split()]
+    assert TESTED_VLLM_VERSIONS == tuple(sorted(versions, key=version_tuple))

@@ -19,6 +19,11 @@ POLL_S = 0.2  # a vLLM engine shares 2 cores with the sidecar: scrape it gently
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A vLLM release as numbers, to compare: "0.31.0" -> (0, 31, 0)."""
+    return tuple(int(part) for part in version.split("."))
+
+
 def counter_pairs(metrics_port: int, api_port: int) -> dict[str, tuple[float, float]]:
     """(the sidecar's, vLLM's) for each counter both keep, from one scrape of each."""
     ours, theirs = scrape(metrics_port), scrape(api_port)
