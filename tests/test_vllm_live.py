@@ -1,8 +1,8 @@
-"""A real vLLM (CPU build, .vllm-venv; each version of TESTED_VLLM_VERSIONS) with the
-iterscope plugin, a real sidecar, the official openai client: the sidecar's numbers equal
-vLLM's own, its --fpm-port publishes FPM for that vLLM, a hung engine core reads as stalled,
-and a dead sidecar does not disturb vLLM. `make test` builds .vllm-venv, vLLM 0.33.0 beside
-it and .models/smollm2-hf."""
+"""A real vLLM (CPU build, .vllm-venv; each version of SERVED_VLLM_VERSIONS, every tested
+one under `make test-vllm-versions`) with the iterscope plugin, a real sidecar, the official
+openai client: the sidecar's numbers equal vLLM's own, its --fpm-port publishes FPM for that
+vLLM, a hung engine core reads as stalled, and a dead sidecar does not disturb vLLM. `make
+test` builds .vllm-venv, the other vLLM versions beside it and .models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from bench.vllm_server import engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import UNKNOWN_ELAPSED, UNKNOWN_KV_TOKENS, UNKNOWN_PREFILL_REQS
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.fpm import is_heartbeat
-from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
 from tests.helpers.vllm import (
+    SERVED_VLLM_VERSIONS,
     VLLM_ENV,
     counter_pairs,
     engine_status,
@@ -41,7 +41,7 @@ FPM_WORKER_ID = "vllm-plugin"
 LONG_PROMPT_WORDS = 1500
 
 
-@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
 def stack(request, tmp_path_factory):
     """A sidecar and `vllm serve` (vLLM ``request.param``) with the plugin."""
     tmp = tmp_path_factory.mktemp("vllm")

@@ -1,12 +1,13 @@
-"""vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py),
-on every version of TESTED_VLLM_VERSIONS (bench/vllm_server.py vllm_env): first on vLLM's real
-scheduler without a model (tests/vllm_scheduler_check.py, run in `.vllm-venv`): each admission
-limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill cadence,
-speculative decoding and the version guard; then in a real `vllm serve --scheduler-cls ...`
-(CPU build) with a real sidecar and Prometheus: operator story 1 on vLLM, counters and TTFT
-equal to vLLM's own /metrics, the sidecar's --fpm-port publishing FPM for that vLLM, a
-stopped, continued and killed engine core. `make test` builds .vllm-venv, vLLM 0.33.0 beside it and
-.models/smollm2-hf."""
+"""vLLM's own scheduler, reporting from its engine core (telemetry/sources/vllm_scheduler.py):
+first on vLLM's real scheduler without a model (tests/vllm_scheduler_check.py, run in
+`.vllm-venv`), on every version of TESTED_VLLM_VERSIONS (bench/vllm_server.py vllm_env): each
+admission limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill
+cadence, speculative decoding and the version guard; then in a real `vllm serve
+--scheduler-cls ...` (CPU build), on each version of SERVED_VLLM_VERSIONS (every tested one
+under `make test-vllm-versions`), with a real sidecar and Prometheus: operator story 1 on
+vLLM, counters and TTFT equal to vLLM's own /metrics, the sidecar's --fpm-port publishing FPM
+for that vLLM, a stopped, continued and killed engine core. `make test` builds .vllm-venv,
+the other vLLM versions beside it and .models/smollm2-hf."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
 from tests.helpers.vllm import (
+    SERVED_VLLM_VERSIONS,
     VLLM_ENV,
     counter_pairs,
     engine_status,
@@ -156,7 +158,7 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(c
     assert "no_such_attribute" in missing
 
 
-@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
 def kv_stack(request, tmp_path_factory):
     """A sidecar, `vllm serve` (vLLM ``request.param``) with the scheduler source and a KV
     cache of 8 blocks, and Prometheus."""

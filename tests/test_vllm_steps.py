@@ -12,7 +12,7 @@ import pytest
 
 from telemetry.lane.record import EVENT_FINISHED, EVENT_FIRST_TOKEN, FINISH_REASONS
 from telemetry.sources.vllm_lane import scheduler_source_selected
-from telemetry.sources.vllm_steps import StepReporter, prefills_held
+from telemetry.sources.vllm_steps import StepReporter, prefills_held, waiting_queues
 
 
 class Request:
@@ -37,15 +37,26 @@ class Request:
 
 
 class Scheduler:
-    """The scheduler attributes the reporter reads."""
+    """The scheduler attributes the reporter reads; ``skipped_queue``: vLLM 0.30's waiting
+    queues (vllm_steps.SKIPPED_QUEUE) instead of 0.31's."""
 
-    def __init__(self, max_num_seqs: int = 4, max_tokens: int = 256, num_free: int = 10):
+    def __init__(
+        self,
+        max_num_seqs: int = 4,
+        max_tokens: int = 256,
+        num_free: int = 10,
+        skipped_queue: bool = False,
+    ):
         self.running: list[Request] = []
         self.waiting: list[Request] = []
-        self.kv_holding_waiting: list[Request] = []
-        self.deferred_waiting: set[Request] = set()
+        if skipped_queue:
+            self.skipped_waiting: list[Request] = []
+            self.max_num_running_reqs = max_num_seqs
+        else:
+            self.kv_holding_waiting: list[Request] = []
+            self.deferred_waiting: set[Request] = set()
+            self.max_num_active_reqs = max_num_seqs
         self.finished_req_ids: set[str] = set()
-        self.max_num_active_reqs = max_num_seqs
         self.max_num_scheduled_tokens = max_tokens
         self.num_waiting_for_streaming_input = 0
         self.pause_state = 0
@@ -194,13 +205,19 @@ def test_an_abort_before_scheduling_is_a_finish_without_a_first_token(setup):
         ("prefills_held", "num_waiting_other_reqs"),
     ],
 )
-def test_why_requests_wait_follows_the_documented_rule(case, reason):
-    scheduler, publisher = Scheduler(max_num_seqs=2, max_tokens=64), Publisher()
-    reporter = StepReporter(0, 11, publisher)
+@pytest.mark.parametrize("skipped_queue", [False, True], ids=["vllm-0.31+", "vllm-0.30"])
+def test_why_requests_wait_follows_the_documented_rule(case, reason, skipped_queue):
+    scheduler = Scheduler(max_num_seqs=2, max_tokens=64, skipped_queue=skipped_queue)
+    publisher = Publisher()
+    reporter = StepReporter(0, 11, publisher, waiting_queues(scheduler))
     requests = [Request(f"r{i}", 32) for i in range(5)]
     admit(scheduler, reporter, *requests)
-    blocked = requests[4]
-    scheduler.deferred_waiting.add(blocked)  # e.g. a grammar still compiling
+    blocked = requests[4]  # e.g. a grammar still compiling
+    if skipped_queue:
+        scheduler.waiting.remove(blocked)
+        scheduler.skipped_waiting.append(blocked)
+    else:
+        scheduler.deferred_waiting.add(blocked)
     admitted = {"seq_limit": 2, "budget": 1, "kv": 1, "preempted": 0}.get(case, 1)
     tokens = 64 if case == "budget" else 16
     new = [run_new(scheduler, reporter, r, tokens) for r in requests[:admitted]]
@@ -257,7 +274,7 @@ LOCAL_CADENCE = {"local_prefill_interval": 4, "last_prefill_step": 4}
     ],
 )
 def test_prefills_are_held_where_vllms_schedule_holds_them(scheduler, throttle_prefills, held):
-    """The state read just before ``schedule()``, as vLLM 0.31 to 0.33 decide on it; the
+    """The state read just before ``schedule()``, as vLLM 0.30 to 0.33 decide on it; the
     real schedulers' decisions are checked in test_vllm_scheduler_live.py."""
     assert prefills_held(scheduler, throttle_prefills) is held
 

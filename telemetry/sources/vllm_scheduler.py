@@ -35,18 +35,15 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from telemetry.lane.record import SOURCE_VLLM_SCHEDULER
 from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
 from telemetry.sources.vllm_records import engine_facts, num_usable_blocks
-from telemetry.sources.vllm_steps import StepReporter, prefills_held
+from telemetry.sources.vllm_steps import StepReporter, prefills_held, waiting_queues
 
 UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"
 MAX_ERRORS = 1000
-# What StepReporter reads of the scheduler (and of its KV manager's block pool).
+# What StepReporter reads of the scheduler (and of its KV manager's block pool, and of its
+# waiting queues: vllm_steps.waiting_queues).
 SCHEDULER_ATTRIBUTES = (
     "running",
-    "waiting",
-    "kv_holding_waiting",
-    "deferred_waiting",
     "finished_req_ids",
-    "max_num_active_reqs",
     "max_num_scheduled_tokens",
     "num_waiting_for_streaming_input",
     "pause_state",
@@ -211,12 +208,13 @@ def make_reporter(scheduler: Any) -> StepReporter | None:
     publisher = start_publisher(engine_index, facts, "the scheduler source")
     if publisher is None:
         return None
-    return StepReporter(engine_index, num_gpu_blocks, publisher)
+    return StepReporter(engine_index, num_gpu_blocks, publisher, waiting_queues(scheduler))
 
 
 def missing_attributes(scheduler: Any) -> list[str]:
     """The attributes StepReporter needs that this vLLM's scheduler lacks."""
-    missing = [name for name in SCHEDULER_ATTRIBUTES if not hasattr(scheduler, name)]
+    names = (*SCHEDULER_ATTRIBUTES, *waiting_queues(scheduler).names())
+    missing = [name for name in names if not hasattr(scheduler, name)]
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     for name in ("num_gpu_blocks", "get_num_free_blocks"):
         if not hasattr(pool, name):

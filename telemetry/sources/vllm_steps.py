@@ -4,7 +4,7 @@
 (the only module here that imports vLLM): ``added`` when a request enters the scheduler,
 ``scheduled`` right after ``Scheduler.schedule()`` returns, ``updated`` right after
 ``Scheduler.update_from_output()`` returns. It reads vLLM's scheduler, SchedulerOutput and
-Request objects by attribute (checked against vLLM 0.31.0, 0.32.0 and 0.33.0; the subclass checks at
+Request objects by attribute (checked against vLLM 0.30.0 to 0.33.0; the subclass checks at
 start-up that every attribute read here exists), so it can be tested with plain stand-ins.
 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
@@ -36,21 +36,24 @@ in neither.
 Why requests wait, decided right after ``schedule()`` from the scheduler's own state, in
 this order (the first that holds names every waiting request not held back):
 
-    held back   requests vLLM deferred this step (``deferred_waiting``: a structured-output
-                grammar still compiling, a remote KV transfer, a streaming input): "other"
+    held back   requests vLLM skipped and has not admitted since (``deferred_waiting``; in
+                0.30 ``skipped_waiting``: a structured-output grammar still compiling, a
+                remote KV transfer, a streaming input, a LoRA slot): "other"
     KV          a request was preempted this step (KV blocks ran out for a running one;
                 vLLM then admits nothing)
     held back   vLLM is paused, or held this step's prefills for its prefill cadence
                 (``--prefill-schedule-interval``: data-parallel balancing, and from vLLM
                 0.33 also a single engine; ``prefills_held`` below): "other"
-    seq limit   running requests at ``max_num_active_reqs`` (``--max-num-seqs``)
+    seq limit   running requests at ``max_num_active_reqs`` (``--max-num-seqs``; in 0.30
+                ``max_num_running_reqs``)
     budget      the step's tokens at ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``)
     KV          otherwise: the head of the queue was not admitted with room for requests and
-                tokens left, which in vLLM 0.31 to 0.33 means its block allocation failed
+                tokens left, which in vLLM 0.30 to 0.33 means its block allocation failed
 
-Limits of the rule: vLLM also stops admitting for LoRA slots, encoder-cache budget, or
-without chunked prefill when the next prompt exceeds what is left of the budget; these fall
-to the last line (KV), since the scheduler keeps no trace of them.
+Limits of the rule: vLLM also stops admitting for the encoder-cache budget, or without
+chunked prefill when the next prompt exceeds what is left of the budget; these fall to the
+last line (KV), since the scheduler keeps no trace of them. (A request over the LoRA slots is
+skipped into the held-back set, so it reads as held back.)
 """
 
 from __future__ import annotations
@@ -91,11 +94,54 @@ class TrackedRequest:
     prefill_chunks: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WaitingQueues:
+    """Where a vLLM version keeps the requests waiting for admission (attribute names of its
+    scheduler). Every request vLLM skipped and has not admitted since (a grammar compiling,
+    a remote KV load, a LoRA slot, ...) is in ``held_back``, which is one of ``queues`` or
+    holds requests that are."""
+
+    queues: tuple[str, str]  # together: every waiting request, held back or not
+    held_back: str
+    max_active: str  # the limit --max-num-seqs sets on running requests
+
+    def num_waiting(self, scheduler: Any) -> int:
+        """Requests waiting for admission, those vLLM holds back included."""
+        first, second = self.queues
+        return len(getattr(scheduler, first)) + len(getattr(scheduler, second))
+
+    def names(self) -> tuple[str, ...]:
+        return (*self.queues, self.held_back, self.max_active)
+
+
+# vLLM 0.31 and later: waiting requests that hold KV blocks (a remote load) in a queue of their
+# own, drained first; every skipped request also in the set ``deferred_waiting``.
+SPLIT_QUEUES = WaitingQueues(
+    ("waiting", "kv_holding_waiting"), "deferred_waiting", "max_num_active_reqs"
+)
+# vLLM 0.30: the requests skipped (and those blocked from the start) in ``skipped_waiting``.
+SKIPPED_QUEUE = WaitingQueues(
+    ("waiting", "skipped_waiting"), "skipped_waiting", "max_num_running_reqs"
+)
+
+
+def waiting_queues(scheduler: Any) -> WaitingQueues:
+    """This scheduler's layout: 0.30's where it has ``skipped_waiting``, else 0.31's."""
+    return SKIPPED_QUEUE if hasattr(scheduler, "skipped_waiting") else SPLIT_QUEUES
+
+
 class StepReporter:
     """One vLLM engine core's steps as IterationRecords, handed to ``publisher``."""
 
-    def __init__(self, engine_index: int, num_gpu_blocks: int, publisher: Publisher) -> None:
+    def __init__(
+        self,
+        engine_index: int,
+        num_gpu_blocks: int,
+        publisher: Publisher,
+        queues: WaitingQueues = SPLIT_QUEUES,
+    ) -> None:
         self.engine_index = engine_index
+        self.queues = queues
         self.num_usable_blocks = num_usable_blocks(num_gpu_blocks)
         self.publisher = publisher
         self.iteration = 0
@@ -111,7 +157,7 @@ class StepReporter:
     def added(self, scheduler: Any, request: Any) -> None:
         """A request entered the scheduler's waiting queue."""
         self.requests[request.request_id] = TrackedRequest(request)
-        self.publisher.note_queues(*_queue_lengths(scheduler))
+        self.publisher.note_queues(self.queues.num_waiting(scheduler), len(scheduler.running))
 
     def scheduled(
         self, scheduler: Any, output: Any, start_ns: int, prefills_held: bool = False
@@ -122,12 +168,15 @@ class StepReporter:
         self.iteration += 1
         record = iteration_record(self.engine_index, 0, self.iteration, start_ns=start_ns)
         prefilling = self._fill_batch(record, scheduler, output, start_ns)
-        num_waiting, num_deferred = _num_waiting(scheduler), len(scheduler.deferred_waiting)
+        queues = self.queues
+        num_waiting = queues.num_waiting(scheduler)
+        num_deferred = len(getattr(scheduler, queues.held_back))
         record.num_waiting_reqs = num_waiting
         record.num_waiting_other_reqs = num_deferred
         num_held = num_waiting - num_deferred
         if num_held > 0:
-            reason = _wait_reason(scheduler, output, prefills_held)
+            max_active = getattr(scheduler, queues.max_active)
+            reason = _wait_reason(scheduler, output, prefills_held, max_active)
             setattr(record, reason, getattr(record, reason) + num_held)
         record.num_preemptions = len(output.preempted_req_ids)
         for request_id in output.preempted_req_ids:
@@ -294,7 +343,7 @@ class StepReporter:
 def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
     """Whether the ``schedule(throttle_prefills)`` about to run holds every prefill back
     for vLLM's prefill cadence: read before the call, from the state vLLM decides it on
-    (vLLM 0.31-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
+    (vLLM 0.30-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
     (``throttle_prefills``); vLLM 0.33 also keeps the cadence itself on an engine without
     data parallelism (``local_prefill_interval`` > 1). Either way vLLM lets prefills through
     when the last one left requests waiting (``prefill_capacity_bound``) or when every running
@@ -309,7 +358,7 @@ def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
     return any(not request.is_prefill_chunk for request in scheduler.running)
 
 
-def _wait_reason(scheduler: Any, output: Any, prefills_held: bool) -> str:
+def _wait_reason(scheduler: Any, output: Any, prefills_held: bool, max_active: int) -> str:
     """The record field that counts the waiting requests vLLM did not hold back (the rule
     in the module docstring)."""
     if output.preempted_req_ids:
@@ -317,17 +366,8 @@ def _wait_reason(scheduler: Any, output: Any, prefills_held: bool) -> str:
     if scheduler.pause_state or prefills_held:  # pause_state: an IntEnum, UNPAUSED = 0
         return "num_waiting_other_reqs"
     num_active = len(scheduler.running) + scheduler.num_waiting_for_streaming_input
-    if num_active >= scheduler.max_num_active_reqs:
+    if num_active >= max_active:
         return "num_waiting_seq_limit_reqs"
     if output.total_num_scheduled_tokens >= scheduler.max_num_scheduled_tokens:
         return "num_waiting_budget_reqs"
     return "num_waiting_kv_reqs"
-
-
-def _num_waiting(scheduler: Any) -> int:
-    """Requests waiting for admission, those vLLM holds back included."""
-    return len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
-
-
-def _queue_lengths(scheduler: Any) -> tuple[int, int]:
-    return _num_waiting(scheduler), len(scheduler.running)

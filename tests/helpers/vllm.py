@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from bench.vllm_server import CPU_BUILD_VERSION
+from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers import REPO
 from tests.helpers.prom import scrape, total
 from tests.helpers.wait import wait_until
@@ -22,6 +24,18 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "iterscope"}
 def version_tuple(version: str) -> tuple[int, ...]:
     """A vLLM release as numbers, to compare: "0.31.0" -> (0, 31, 0)."""
     return tuple(int(part) for part in version.split("."))
+
+
+# The versions the tests of a real `vllm serve` run on. Every version of TESTED_VLLM_VERSIONS
+# runs vLLM's real scheduler through tests/vllm_scheduler_check.py in `make test`; a serve
+# costs about 50 s a source and version, so `make test` serves the CPU build and the newest
+# release, and `make test-vllm-versions` (ALL_VERSIONS_ENV=1) serves every version.
+ALL_VERSIONS_ENV = "ITERSCOPE_TEST_ALL_VLLM_VERSIONS"
+SERVED_VLLM_VERSIONS = (
+    TESTED_VLLM_VERSIONS
+    if os.environ.get(ALL_VERSIONS_ENV) == "1"
+    else tuple(sorted({CPU_BUILD_VERSION, max(TESTED_VLLM_VERSIONS, key=version_tuple)}))
+)
 
 
 def counter_pairs(metrics_port: int, api_port: int) -> dict[str, tuple[float, float]]:
