@@ -152,9 +152,13 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(c
     result = checks["guard"]
     assert result["untested_reporter"] is False and result["untested_finished"] is True
     assert result["missing_reporter"] is False
-    untested, missing = result["said"]
+    # the plugin steps aside for the scheduler source, and reports where it does not run
+    assert result["plugin_reports"] == {"scheduler_runs": False, "scheduler_refuses": True}
+    untested, *plugin_said, missing = result["said"]
     assert "schedules as plain vLLM and sends nothing" in untested
     assert "ITERSCOPE_VLLM_UNTESTED=1" in untested
+    assert "the stat-logger plugin, where vLLM loads it, reports this engine instead" in untested
+    assert any("the stat-logger plugin reports this engine instead" in m for m in plugin_said)
     assert "no_such_attribute" in missing
 
 

@@ -149,26 +149,46 @@ def cadence_case() -> dict:
 
 
 def guard_case() -> dict:
-    """An untested version and a missing attribute: each a plain scheduler that still runs."""
+    """An untested version and a missing attribute: each a plain scheduler that still runs;
+    on the untested version the plugin (in vLLM's API server) reports the engine instead."""
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("vllm.iterscope").addHandler(handler)
     result = {}
-    is_tested_version = vllm_scheduler.is_tested_version
-    vllm_scheduler.is_tested_version = lambda version: False
+    runs_on = vllm_scheduler.scheduler_source_runs_on
+    vllm_scheduler.scheduler_source_runs_on = lambda version: False
     scheduler = make_scheduler(64, 4, 512)
-    vllm_scheduler.is_tested_version = is_tested_version
+    vllm_scheduler.scheduler_source_runs_on = runs_on
     result["untested_reporter"] = scheduler._iterscope is not None
     add_requests(scheduler, 3, 16, 4)
     for _ in range(20):
         run_step(scheduler)
     result["untested_finished"] = not scheduler.has_requests()
+    result["plugin_reports"] = plugin_reports(scheduler.vllm_config)
     vllm_scheduler.SCHEDULER_ATTRIBUTES += ("no_such_attribute",)  # as a later vLLM might
     scheduler = make_scheduler(64, 4, 512)
     result["missing_reporter"] = scheduler._iterscope is not None
     result["said"] = said
     return result
+
+
+def plugin_reports(vllm_config) -> dict[str, bool]:
+    """Whether the stat-logger plugin, in a vLLM run with iterscope's scheduler, publishes:
+    where the scheduler source runs on this version, and where it does not."""
+    from telemetry.sources import vllm_stat_logger
+
+    vllm_config.scheduler_config.scheduler_cls = f"{vllm_scheduler.__name__}.IterscopeScheduler"
+    runs_on = vllm_stat_logger.scheduler_source_runs_on
+    reports = {}
+    for case, scheduler_runs in (("scheduler_runs", True), ("scheduler_refuses", False)):
+        vllm_stat_logger.scheduler_source_runs_on = lambda version, runs=scheduler_runs: runs
+        plugin = vllm_stat_logger.IterscopeStatLogger(vllm_config, 0)
+        reports[case] = plugin._publisher is not None
+        if plugin._publisher is not None:
+            plugin._publisher.close()
+    vllm_stat_logger.scheduler_source_runs_on = runs_on
+    return reports
 
 
 def spec_case() -> dict:

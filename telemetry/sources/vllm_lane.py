@@ -33,6 +33,7 @@ ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
 CURVE_KEYS_ENV = "ITERSCOPE_CURVE_KEYS_DIR"
 CURVE_NAME_ENV = "ITERSCOPE_CURVE_ENGINE_NAME"
 TESTED_VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"  # =1: the scheduler source tries an untested vLLM
 SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 _said_unconfigured: set[str] = set()
@@ -87,6 +88,13 @@ def is_tested_version(version: str) -> bool:
     """Whether this vLLM version (a local part such as +cpu aside) is one the sources were
     checked against."""
     return release(version) in TESTED_VLLM_VERSIONS
+
+
+def scheduler_source_runs_on(version: str) -> bool:
+    """Whether the scheduler source reports on this vLLM version: a tested one, or any where
+    the operator asked for it (UNTESTED_ENV=1). Decided alike in vLLM's two processes (the
+    same version, the same environment): where it does not, the plugin reports instead."""
+    return is_tested_version(version) or os.environ.get(UNTESTED_ENV) == "1"
 
 
 def scheduler_source_selected(vllm_config: Any) -> bool:

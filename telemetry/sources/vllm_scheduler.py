@@ -16,7 +16,10 @@ core (no heartbeats) as dead, whatever the API server does.
 Version guard: vLLM's scheduler internals are not a stable interface. At start-up the
 subclass checks vLLM's version (TESTED_VLLM_VERSIONS) and every attribute the reporter reads;
 on a mismatch it says so in vLLM's log and schedules as plain vLLM with nothing sent
-(ITERSCOPE_VLLM_UNTESTED=1 tries an untested version whose attributes all exist). A failure
+(ITERSCOPE_VLLM_UNTESTED=1 tries an untested version whose attributes all exist). On an
+untested version the stat-logger plugin, where vLLM loads it, reports the engine instead
+(telemetry/sources/vllm_stat_logger.py), so a vLLM upgrade loses the waiting reasons, not
+the engine. A failure
 while reporting is caught, counted and logged (the first, then every 1,000th), and the
 reporter turns itself off after MAX_ERRORS: serving never breaks.
 """
@@ -24,7 +27,6 @@ reporter turns itself off after MAX_ERRORS: serving never breaks.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -33,11 +35,15 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from telemetry.lane.record import SOURCE_VLLM_SCHEDULER
-from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS, is_tested_version, start_publisher
+from telemetry.sources.vllm_lane import (
+    TESTED_VLLM_VERSIONS,
+    UNTESTED_ENV,
+    scheduler_source_runs_on,
+    start_publisher,
+)
 from telemetry.sources.vllm_records import engine_facts, num_usable_blocks
 from telemetry.sources.vllm_steps import StepReporter, prefills_held, waiting_queues
 
-UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"
 MAX_ERRORS = 1000
 # What StepReporter reads of the scheduler (and of its KV manager's block pool, and of its
 # waiting queues: vllm_steps.waiting_queues).
@@ -182,11 +188,12 @@ def make_reporter(scheduler: Any) -> StepReporter | None:
     """A reporter for this scheduler, or None (plain vLLM, the reason said in vLLM's log):
     an untested vLLM version, a scheduler attribute missing, no lane address."""
     version = vllm.__version__
-    if not is_tested_version(version) and os.environ.get(UNTESTED_ENV) != "1":
+    if not scheduler_source_runs_on(version):
         logger.warning(
             "iterscope: the scheduler source was checked against vLLM %s, this is %s; it "
-            "schedules as plain vLLM and sends nothing (set %s=1 to try it anyway; the "
-            "stat-logger plugin works without it, docs/vllm.md)",
+            "schedules as plain vLLM and sends nothing (set %s=1 to try it anyway); the "
+            "stat-logger plugin, where vLLM loads it, reports this engine instead "
+            "(docs/vllm.md)",
             ", ".join(TESTED_VLLM_VERSIONS),
             version,
             UNTESTED_ENV,

@@ -6,7 +6,9 @@ rank) in its API-server process. Turned on by ITERSCOPE_TELEMETRY_ADDRESS
 (telemetry/sources/vllm_lane.py); without it the plugin does nothing and says so once. When
 vLLM runs with iterscope's scheduler (``--scheduler-cls telemetry.sources.vllm_scheduler...``)
 that source reports every step from the engine core itself, so the plugin sends nothing (one
-source per engine, no double counting) and says so once. It imports the lane, the mapping
+source per engine, no double counting) and says so once; unless this vLLM is one the scheduler
+source does not run on (an untested version: it then schedules plainly and sends nothing),
+where the plugin reports the engine instead, and says so. It imports the lane, the mapping
 (telemetry/sources/vllm_records.py) and vllm_lane.py, nothing else of iterscope.
 
     vLLM event loop                                publisher thread (owns socket, encoder)
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import vllm
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from telemetry.lane.publisher import ZmqPublisher
@@ -33,6 +36,7 @@ from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER
 from telemetry.sources.vllm_lane import (
     TESTED_VLLM_VERSIONS,
     is_tested_version,
+    scheduler_source_runs_on,
     scheduler_source_selected,
     start_publisher,
 )
@@ -61,12 +65,20 @@ class IterscopeStatLogger(StatLoggerBase):
             bool(getattr(observability, "enable_logging_iteration_details", False)),
         )
         if scheduler_source_selected(vllm_config):
+            if scheduler_source_runs_on(vllm.__version__):
+                if engine_index == 0:
+                    logger.info(
+                        "iterscope: vLLM runs iterscope's scheduler, which reports every "
+                        "step from the engine core; the stat-logger plugin sends nothing"
+                    )
+                return
             if engine_index == 0:
-                logger.info(
-                    "iterscope: vLLM runs iterscope's scheduler, which reports every "
-                    "step from the engine core; the stat-logger plugin sends nothing"
+                logger.warning(
+                    "iterscope: the scheduler source does not run on vLLM %s (untested); "
+                    "the stat-logger plugin reports this engine instead: no waiting "
+                    "reasons, first tokens at the finish (docs/vllm.md)",
+                    vllm.__version__,
                 )
-            return
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
         if self._publisher is not None and engine_index == 0:
             _warn_if_untested_version()
@@ -117,12 +129,10 @@ class IterscopeStatLogger(StatLoggerBase):
 
 def _warn_if_untested_version() -> None:
     """vLLM's stats classes are no stable interface: say when this vLLM is not one tested."""
-    from vllm import __version__
-
-    if not is_tested_version(__version__):
+    if not is_tested_version(vllm.__version__):
         logger.warning(
             "iterscope: tested with vLLM %s, this is %s; a stats field vLLM renamed "
             "reads as 0 (docs/vllm.md)",
             ", ".join(TESTED_VLLM_VERSIONS),
-            __version__,
+            vllm.__version__,
         )
