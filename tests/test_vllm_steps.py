@@ -37,7 +37,7 @@ class Request:
 
 
 class Scheduler:
-    """The scheduler attributes the reporter reads; ``skipped_queue``: vLLM 0.30's waiting
+    """The scheduler attributes the reporter reads; ``skipped_queue``: vLLM 0.29/0.30's waiting
     queues (vllm_steps.SKIPPED_QUEUE) instead of 0.31's."""
 
     def __init__(
@@ -205,7 +205,7 @@ def test_an_abort_before_scheduling_is_a_finish_without_a_first_token(setup):
         ("prefills_held", "num_waiting_other_reqs"),
     ],
 )
-@pytest.mark.parametrize("skipped_queue", [False, True], ids=["vllm-0.31+", "vllm-0.30"])
+@pytest.mark.parametrize("skipped_queue", [False, True], ids=["vllm-0.31+", "vllm-0.29-0.30"])
 def test_why_requests_wait_follows_the_documented_rule(case, reason, skipped_queue):
     scheduler = Scheduler(max_num_seqs=2, max_tokens=64, skipped_queue=skipped_queue)
     publisher = Publisher()
@@ -274,7 +274,7 @@ LOCAL_CADENCE = {"local_prefill_interval": 4, "last_prefill_step": 4}
     ],
 )
 def test_prefills_are_held_where_vllms_schedule_holds_them(scheduler, throttle_prefills, held):
-    """The state read just before ``schedule()``, as vLLM 0.30 to 0.33 decide on it; the
+    """The state read just before ``schedule()``, as vLLM 0.29 to 0.33 decide on it; the
     real schedulers' decisions are checked in test_vllm_scheduler_live.py."""
     assert prefills_held(scheduler, throttle_prefills) is held
 

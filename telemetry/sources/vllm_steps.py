@@ -4,7 +4,7 @@
 (the only module here that imports vLLM): ``added`` when a request enters the scheduler,
 ``scheduled`` right after ``Scheduler.schedule()`` returns, ``updated`` right after
 ``Scheduler.update_from_output()`` returns. It reads vLLM's scheduler, SchedulerOutput and
-Request objects by attribute (checked against vLLM 0.30.0 to 0.33.0; the subclass checks at
+Request objects by attribute (checked against vLLM 0.29.0 to 0.33.0; the subclass checks at
 start-up that every attribute read here exists), so it can be tested with plain stand-ins.
 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
@@ -36,19 +36,19 @@ in neither.
 Why requests wait, decided right after ``schedule()`` from the scheduler's own state, in
 this order (the first that holds names every waiting request not held back):
 
-    held back   requests vLLM skipped and has not admitted since (``deferred_waiting``; in
-                0.30 ``skipped_waiting``: a structured-output grammar still compiling, a
+    held back   requests vLLM skipped and has not admitted since (``deferred_waiting``; before
+                0.31 ``skipped_waiting``: a structured-output grammar still compiling, a
                 remote KV transfer, a streaming input, a LoRA slot): "other"
     KV          a request was preempted this step (KV blocks ran out for a running one;
                 vLLM then admits nothing)
     held back   vLLM is paused, or held this step's prefills for its prefill cadence
                 (``--prefill-schedule-interval``: data-parallel balancing, and from vLLM
                 0.33 also a single engine; ``prefills_held`` below): "other"
-    seq limit   running requests at ``max_num_active_reqs`` (``--max-num-seqs``; in 0.30
-                ``max_num_running_reqs``)
+    seq limit   running requests at ``max_num_active_reqs`` (``--max-num-seqs``; before
+                0.31 ``max_num_running_reqs``)
     budget      the step's tokens at ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``)
     KV          otherwise: the head of the queue was not admitted with room for requests and
-                tokens left, which in vLLM 0.30 to 0.33 means its block allocation failed
+                tokens left, which in vLLM 0.29 to 0.33 means its block allocation failed
 
 Limits of the rule: vLLM also stops admitting for the encoder-cache budget, or without
 chunked prefill when the next prompt exceeds what is left of the budget; these fall to the
@@ -119,14 +119,14 @@ class WaitingQueues:
 SPLIT_QUEUES = WaitingQueues(
     ("waiting", "kv_holding_waiting"), "deferred_waiting", "max_num_active_reqs"
 )
-# vLLM 0.30: the requests skipped (and those blocked from the start) in ``skipped_waiting``.
+# vLLM 0.29 and 0.30: skipped requests (and those blocked from the start) in ``skipped_waiting``.
 SKIPPED_QUEUE = WaitingQueues(
     ("waiting", "skipped_waiting"), "skipped_waiting", "max_num_running_reqs"
 )
 
 
 def waiting_queues(scheduler: Any) -> WaitingQueues:
-    """This scheduler's layout: 0.30's where it has ``skipped_waiting``, else 0.31's."""
+    """This scheduler's layout: 0.29/0.30's where it has ``skipped_waiting``, else 0.31's."""
     return SKIPPED_QUEUE if hasattr(scheduler, "skipped_waiting") else SPLIT_QUEUES
 
 
@@ -343,7 +343,7 @@ class StepReporter:
 def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
     """Whether the ``schedule(throttle_prefills)`` about to run holds every prefill back
     for vLLM's prefill cadence: read before the call, from the state vLLM decides it on
-    (vLLM 0.30-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
+    (vLLM 0.29-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
     (``throttle_prefills``); vLLM 0.33 also keeps the cadence itself on an engine without
     data parallelism (``local_prefill_interval`` > 1). Either way vLLM lets prefills through
     when the last one left requests waiting (``prefill_capacity_bound``) or when every running
