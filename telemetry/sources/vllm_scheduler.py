@@ -220,7 +220,7 @@ def make_reporter(scheduler: Any) -> StepReporter | None:
 
 def missing_attributes(scheduler: Any) -> list[str]:
     """The attributes StepReporter needs that this vLLM's scheduler lacks."""
-    names = (*SCHEDULER_ATTRIBUTES, *waiting_queues(scheduler).names())
+    names = (*SCHEDULER_ATTRIBUTES, *waiting_queues(scheduler).names)
     missing = [name for name in names if not hasattr(scheduler, name)]
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     for name in ("num_gpu_blocks", "get_num_free_blocks"):
