@@ -8,6 +8,7 @@ iteration: the record goes to a publisher that sends it without blocking.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any, Protocol
 
@@ -28,6 +29,17 @@ from telemetry.lane.record import (
     IterationRecord,
     RequestMilestone,
 )
+
+
+def _engine_version() -> str:
+    """This engine's name and version for the heartbeats, e.g. "iterscope 0.1.0"."""
+    try:
+        return f"iterscope {importlib.metadata.version('iterscope')}"
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout not installed
+        return "iterscope"
+
+
+ENGINE_VERSION = _engine_version()
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):
@@ -213,6 +225,7 @@ class EngineCore:
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "source": SOURCE_ITERSCOPE,
+            "engine_version": ENGINE_VERSION,
         }
 
 

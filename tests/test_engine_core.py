@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import msgspec
@@ -172,7 +173,9 @@ def test_build_engine_core_plans_and_logs_startup_lines(caplog):
         ]
     )
     assert core.startup_lines()[-2].startswith("memory allocator: glibc malloc")
-    assert core.facts(model.config.name)["num_kv_blocks_total"] == 256
+    facts = core.facts(model.config.name)
+    assert facts["num_kv_blocks_total"] == 256
+    assert facts["engine_version"] == f"iterscope {importlib.metadata.version('iterscope')}"
     core.add_request(make_request("a", [1, 2, 3], 3))
     assert len(drain(core)) == 3
 

@@ -561,6 +561,14 @@ def test_the_header_says_a_device_no_heartbeat_named_is_not_reported():
     ]
     header = engine_header(build_timelines(unnamed)[0])
     assert header.startswith("Engine 0, model sim, device not reported by the source, "), header
+    versioned = [
+        msgspec.structs.replace(m, source="vllm-scheduler", engine_version="vllm 0.33.0")
+        if isinstance(m, Heartbeat)
+        else m
+        for m in sim.messages
+    ]
+    header = engine_header(build_timelines(versioned)[0])
+    assert header.endswith(", vllm 0.33.0 (vllm-scheduler)"), header
 
 
 def drafting_records() -> list:

@@ -175,7 +175,8 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
 
 def check_recording(recording: Path) -> None:
     """The recording holds the 45 iterations and `iterscope explain` reads it as SGLang's."""
-    messages = [msgspec.json.decode(line, type=Message) for line in recording.read_bytes().split()]
+    lines = recording.read_bytes().splitlines()  # a fact may hold a space
+    messages = [msgspec.json.decode(line, type=Message) for line in lines]
     records = [m for m in messages if type(m) is IterationRecord]
     assert len(records) == 45
     assert {h.source for h in messages if type(h) is Heartbeat} == {"fpm-sglang"}

@@ -287,6 +287,18 @@ def test_close_prints_the_open_window_so_every_record_is_in_a_line():
     assert "Avg generation throughput: 48.0 tokens/s" in lines.texts()[1]
 
 
+def test_the_connected_line_names_the_source_engine_version_and_pid():
+    lines = Lines()
+    ingest = Ingest([LogSink(emit=lines)])
+    beat = lane_heartbeat(
+        0, 1, 5, 6, source="vllm-scheduler", engine_version="vllm 0.29.0", pid=4242
+    )
+    ingest.on_message(beat, now_ns=SECOND)
+    assert lines.texts(logging.INFO) == [
+        "Engine 000: connected, idle (source vllm-scheduler, vllm 0.29.0, pid 4242)"
+    ]
+
+
 def test_idle_running_flips_are_debug_lines_other_transitions_stand_out():
     """Under light load an engine flips idle <-> running with every request: those lines
     would drown the throughput lines at INFO."""

@@ -250,6 +250,19 @@ def test_queues_and_kv_total_follow_latest_message():
     assert value(samples, "iterscope_requests_waiting") == 7
 
 
+def test_engine_info_labels_the_source_device_pid_and_engine_version():
+    sink, registry = new_sink()
+    beat = make_heartbeat(pid=42, source="vllm-stat-logger", engine_version="vllm 0.34.0")
+    send(sink, beat)
+    info = {
+        "source": "vllm-stat-logger",
+        "device": beat.device_name,
+        "pid": "42",
+        "version": "vllm 0.34.0",
+    }
+    assert value(scrape(registry), "iterscope_engine_info", **info) == 1
+
+
 def test_a_restarted_engine_shows_no_kv_state_of_the_old_process():
     sink, registry = new_sink()
     send(sink, make_heartbeat(pid=42))

@@ -98,6 +98,18 @@ def test_factories_leave_every_unnamed_count_zero():
     assert beat.last_iteration == beat.num_waiting_reqs == beat.block_size == 0
 
 
+def test_the_engine_version_rides_last_on_heartbeats_and_older_ones_say_none():
+    """A heartbeat names the engine and its version; one from a sender that predates the
+    field decodes with "" (not said)."""
+    beat = heartbeat(0, 1, 100, 200, source="vllm-scheduler", engine_version="vllm 0.32.0")
+    frame = make_encoder().encode(beat)
+    assert make_decoder().decode(frame).engine_version == "vllm 0.32.0"
+    cut = 1 + Heartbeat.__struct_fields__.index("engine_version")  # the tag comes first
+    older_frame = msgspec.msgpack.encode(msgspec.msgpack.decode(frame)[:cut])
+    older = make_decoder().decode(older_frame)
+    assert (older.engine_version, older.source) == ("", "vllm-scheduler")
+
+
 def test_factories_reject_a_misspelt_field():
     with pytest.raises(TypeError):
         iteration_record(0, 1, 1, num_kv_token=16)

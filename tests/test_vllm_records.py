@@ -207,8 +207,9 @@ def test_a_prefill_cadence_is_a_fact_of_the_engine_and_old_heartbeats_have_none(
             max_num_seqs=4, max_num_batched_tokens=512, prefill_schedule_interval=interval
         )
     )
-    facts = engine_facts(config, 63, "vllm-scheduler")
+    facts = engine_facts(config, 63, "vllm-scheduler", "0.32.0+cpu")
     assert facts.get("prefill_schedule_interval", 0) == (8 if interval == 8 else 0)
+    assert facts["engine_version"] == "vllm 0.32.0+cpu"
     beat = lane_heartbeat(0, 1, 5, 6, **facts)
     assert make_decoder().decode(make_encoder().encode(beat)).prefill_schedule_interval == (
         beat.prefill_schedule_interval

@@ -188,6 +188,7 @@ def kv_stack(request, tmp_path_factory):
         )
         prometheus = start_prometheus(tmp, [f"127.0.0.1:{metrics_port}"])
         yield {
+            "version": request.param,
             "sidecar": sidecar,
             "server": server,
             "api_port": api_port,
@@ -285,6 +286,7 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
         if name == "iterscope_engine_info" and value == 1
     ]
     assert info["source"] == "vllm-scheduler"
+    assert info["version"] == f"vllm {kv_stack['version']}"
     assert int(info["pid"]) == engine_core_pid(kv_stack["server"].pid)
     report = json.loads(iterscope("explain", str(kv_stack["tmp"] / "run.jsonl"), "--json"))
     (engine,) = report["engines"]

@@ -143,7 +143,7 @@ def cadence_case() -> dict:
             for reason, field in REASON_FIELDS.items()
         }
         result[name]["num_waiting"] = sum(r.num_waiting_reqs for r in records)
-        facts = engine_facts(scheduler.vllm_config, 63, "vllm-scheduler")
+        facts = engine_facts(scheduler.vllm_config, 63, "vllm-scheduler", "0")
         result[name]["interval_fact"] = facts.get("prefill_schedule_interval", 0)
     return result
 

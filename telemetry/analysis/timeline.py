@@ -203,6 +203,7 @@ FACT_FIELDS = (
     "pid",
     "source",
     "prefill_schedule_interval",
+    "engine_version",
 )
 
 

@@ -25,8 +25,8 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
-  ``model_elapsed_ns``, ``fpm``, ``spec_decode``, the Heartbeat's ``source`` and
-  ``prefill_schedule_interval``) come last with a default, so
+  ``model_elapsed_ns``, ``fpm``, ``spec_decode``, the Heartbeat's ``source``,
+  ``prefill_schedule_interval`` and ``engine_version``) come last with a default, so
   frames of older senders still decode, and readers that predate a field ignore it (msgspec
   skips an array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
@@ -220,6 +220,8 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     source: str = ""  # who filled the messages: SOURCES; "" = an older sender
     # vLLM's --prefill-schedule-interval (prompts admitted once every N steps); 0 = none
     prefill_schedule_interval: Count = 0
+    # The engine's own name and version, e.g. "vllm 0.32.0" or "iterscope 0.1.0"; "" = not said
+    engine_version: str = ""
 
 
 Message = IterationRecord | Heartbeat

@@ -168,6 +168,7 @@ class EngineView:
         self.model_name = ""
         self.device_name = ""
         self.source = ""  # who fills the messages (telemetry.lane.record.SOURCES); "" = not said
+        self.engine_version = ""  # e.g. "vllm 0.32.0"; "" = not said
         self.clock_offset_ns: int | None = None  # wall - monotonic, of the latest heartbeat
         self.last_iteration = 0
         self.num_waiting_reqs = 0
@@ -234,6 +235,7 @@ class EngineView:
             self.model_name = heartbeat.model_name
         self.device_name = heartbeat.device_name
         self.source = heartbeat.source
+        self.engine_version = heartbeat.engine_version
         if heartbeat.num_kv_blocks_total:
             self.heartbeat_kv_blocks_total = heartbeat.num_kv_blocks_total
         if heartbeat.last_iteration > self.last_iteration:

@@ -221,9 +221,12 @@ def _ns(seconds: float) -> int:
     return int((seconds or 0.0) * NS_PER_S)
 
 
-def engine_facts(vllm_config: Any, num_usable_blocks: int, source: str) -> dict[str, Any]:
-    """Static Heartbeat fields from vLLM's config; a missing attribute leaves its default."""
-    facts: dict[str, Any] = {"source": source}
+def engine_facts(
+    vllm_config: Any, num_usable_blocks: int, source: str, vllm_version: str
+) -> dict[str, Any]:
+    """Static Heartbeat fields from vLLM's config and version (``vllm.__version__``); a
+    missing attribute leaves its default."""
+    facts: dict[str, Any] = {"source": source, "engine_version": f"vllm {vllm_version}"}
     model = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
     if isinstance(model, (list, tuple)):
         model = model[0] if model else None

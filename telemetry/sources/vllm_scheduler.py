@@ -211,7 +211,7 @@ def make_reporter(scheduler: Any) -> StepReporter | None:
     config = scheduler.vllm_config
     num_gpu_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
     engine_index = _engine_index(config)
-    facts = engine_facts(config, num_usable_blocks(num_gpu_blocks), SOURCE_VLLM_SCHEDULER)
+    facts = engine_facts(config, num_usable_blocks(num_gpu_blocks), SOURCE_VLLM_SCHEDULER, version)
     publisher = start_publisher(engine_index, facts, "the scheduler source")
     if publisher is None:
         return None

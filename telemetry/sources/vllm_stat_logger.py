@@ -123,7 +123,10 @@ class IterscopeStatLogger(StatLoggerBase):
 
     def _facts(self) -> dict[str, Any]:
         return engine_facts(
-            self._vllm_config, self._maker.num_usable_blocks, SOURCE_VLLM_STAT_LOGGER
+            self._vllm_config,
+            self._maker.num_usable_blocks,
+            SOURCE_VLLM_STAT_LOGGER,
+            vllm.__version__,
         )
 
 

@@ -127,7 +127,8 @@ class FpmStream:
 
 
 def recorded_iterations(recording: Path) -> list[IterationRecord]:
-    messages = [msgspec.json.decode(line, type=Message) for line in recording.read_bytes().split()]
+    lines = recording.read_bytes().splitlines()  # a fact may hold a space
+    messages = [msgspec.json.decode(line, type=Message) for line in lines]
     return [m for m in messages if type(m) is IterationRecord]
 
 

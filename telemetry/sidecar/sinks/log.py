@@ -95,9 +95,11 @@ def format_engine_iteration_line(record: IterationRecord) -> str:
 
 
 def _facts_text(engine: EngineView) -> str:
-    """`` (source vllm-scheduler, pid 4242)`` once a heartbeat has said them, else nothing."""
+    """`` (source vllm-scheduler, vllm 0.32.0, pid 4242)`` once a heartbeat has said them,
+    else nothing."""
     facts = [
         f"source {engine.source}" if engine.source else "",
+        engine.engine_version,
         f"pid {engine.pid}" if engine.pid else "",
     ]
     said = ", ".join(fact for fact in facts if fact)

@@ -93,8 +93,9 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "heartbeat_age_seconds": ("Time since the last heartbeat was received.", ()),
     "engine_info": (
         "1, with the engine's facts from its heartbeats as labels (source: "
-        "iterscope, vllm-scheduler or vllm-stat-logger).",
-        ("source", "device", "pid"),
+        "iterscope, vllm-scheduler or vllm-stat-logger; version: the engine's name and "
+        "version, e.g. vllm 0.32.0, empty where the source does not say).",
+        ("source", "device", "pid", "version"),
     ),
     "sidecar_lag_seconds": ("Wall time at ingest - wall time the last message was sent.", ()),
     "finding_active": (
@@ -585,7 +586,8 @@ class MetricsCollector(Collector):
             if record is None or is_known(record, UNKNOWN_KV_TOKENS):
                 kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
             if engine.pid:
-                info.add_metric([*labels, engine.source, engine.device_name, str(engine.pid)], 1)
+                facts = [engine.source, engine.device_name, str(engine.pid), engine.engine_version]
+                info.add_metric([*labels, *facts], 1)
             current = engine.status or EngineStatus.IDLE
             for status in EngineStatus:
                 state.add_metric([*labels, status.value], float(current == status))
