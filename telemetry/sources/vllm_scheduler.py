@@ -19,9 +19,8 @@ on a mismatch it says so in vLLM's log and schedules as plain vLLM with nothing 
 (ITERSCOPE_VLLM_UNTESTED=1 tries an untested version whose attributes all exist). On an
 untested version the stat-logger plugin, where vLLM loads it, reports the engine instead
 (telemetry/sources/vllm_stat_logger.py), so a vLLM upgrade loses the waiting reasons, not
-the engine. A failure
-while reporting is caught, counted and logged (the first, then every 1,000th), and the
-reporter turns itself off after MAX_ERRORS: serving never breaks.
+the engine. A failure while reporting is caught, counted and logged (the first, then every
+1,000th), and the reporter turns itself off after MAX_ERRORS: serving never breaks.
 """
 
 from __future__ import annotations
