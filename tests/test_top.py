@@ -186,6 +186,17 @@ def two_scrapes(status: EngineStatus = EngineStatus.RUNNING) -> tuple[Scrape, Sc
     return before, scrape_of(sink, registry, 12.0, FINDINGS)
 
 
+def test_a_frame_says_who_reports_and_which_engine_once_a_heartbeat_named_them():
+    before, after = two_scrapes()
+    assert not any(line.startswith("  source") for line in top.engine_lines(0, before, after, None))
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(0, 1, 500 * MS, 1_700_000_000 * 10**9, model_name="m", pid=7,
+                         source="vllm-stat-logger", engine_version="vllm 0.34.0"))  # fmt: skip
+    lines = top.engine_lines(0, None, scrape_of(sink, registry, 1.0, FINDINGS), None)
+    assert lines[:2] == ["engine 000  m  idle", "  source      vllm-stat-logger, vllm 0.34.0"]
+
+
 def test_a_frame_takes_rates_and_latencies_over_the_window_between_two_scrapes():
     before, after = two_scrapes()
     text = top.frame("http://sidecar:9470", before, after, width=None)

@@ -122,6 +122,11 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
     return found
 
 
+def label_sets(samples: Samples, name: str) -> list[dict[str, str]]:
+    """The labels of each sample of ``PREFIX + name`` (besides engine, model_name)."""
+    return [dict(key) for key in samples.get(PREFIX + name, {})]
+
+
 def cumulative_buckets(samples: Samples, histogram: str) -> Buckets:
     """A histogram's cumulative buckets, by upper bound (``+Inf`` last)."""
     return sorted(

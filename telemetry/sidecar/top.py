@@ -13,6 +13,7 @@ rates and distributions over the window between them, the rest as the newest one
                          only for an engine that has scored drafts (speculative decoding)
     TTFT, ITL p50/p99    histogram_quantile over the increase of each _bucket
     status, running, waiting by reason, KV usage, findings: the newest scrape's
+    source               engine_info's source and version labels (who reports, which engine)
 
 A frame without a scrape before it (the live view's first, or its first after the sidecar
 came back) says "n/a" for the window's figures; a window without a new observation says "–".
@@ -45,6 +46,7 @@ from telemetry.sidecar.scrape import (
     by_label,
     cumulative_buckets,
     increase,
+    label_sets,
     scrape,
     value,
 )
@@ -73,6 +75,15 @@ def clock_text(unix_s: float | None) -> str:
 def _status(after: Samples) -> str:
     states = [state for state, on in by_label(after, "engine_state", "state").items() if on]
     return states[0] if states else "unknown"
+
+
+def _source(after: Samples) -> str | None:
+    """The engine_info labels of who reports and which engine it is ("vllm-stat-logger,
+    vllm 0.34.0"); None before a heartbeat named them."""
+    for labels in label_sets(after, "engine_info"):
+        said = ", ".join(fact for fact in (labels.get("source"), labels.get("version")) if fact)
+        return said or None
+    return None
 
 
 def _rate(before: Samples | None, after: Samples, window_s: float) -> str:
@@ -222,8 +233,11 @@ def engine_lines(index: int, before: Scrape | None, after: Scrape, width: int | 
     status = _status(samples)
     # A dead engine's gauges hold what it last reported, not what it holds now.
     stale = "  (last reported, before it went silent)" if status == "dead" else ""
-    lines = [
-        f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status}",
+    lines = [f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status}"]
+    source = _source(samples)
+    if source is not None:
+        lines.append(f"  source      {source}")
+    lines += [
         f"  iterations  {_rate(previous, samples, window_s)}",
         f"  batch       {_running(samples)} running, "
         f"{_decode_batch(previous, samples)} decoding per iteration{stale}",
