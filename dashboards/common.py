@@ -13,7 +13,7 @@ their lines ``ENGINE_LEGEND``; fleet-wide totals (quantiles, reasons) group by n
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, timeseries
+from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, table, timeseries
 from grafana_foundation_sdk.builders.common import (
     GraphThresholdsStyleConfig,
     StackingConfig,
@@ -25,10 +25,12 @@ from grafana_foundation_sdk.models.common import (
     LegendDisplayMode,
     LegendPlacement,
     StackingMode,
+    TableAutoCellOptions,
 )
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DataSourceRef,
+    DataTransformerConfig,
     Threshold,
     ThresholdsMode,
     VariableRefresh,
@@ -88,6 +90,31 @@ def histogram_mean(histogram: str, by: str = PER_ENGINE) -> str:
 def query(expr: str, legend: str, ref_id: str) -> prometheus.Dataquery:
     """A range query; ``ref_id`` is always set so panels keep stable query ids."""
     return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id).range()
+
+
+def label_table(title: str, description: str, metric: str, columns: tuple[str, ...]) -> table.Panel:
+    """One row per series of an info-style ``metric`` (value 1, facts in labels) now: its
+    ``columns`` labels in that order, no time or value column; long texts wrap."""
+    expr = f"max by ({', '.join(columns)}) ({series(metric)})"
+    target = query(expr, engine_legend(), "A").instant().format(PromQueryFormat.TABLE)
+    organize = DataTransformerConfig(
+        id_val="organize",
+        options={
+            "excludeByName": {"Time": True, "Value": True},
+            "indexByName": {name: index for index, name in enumerate(columns)},
+        },
+    )
+    return (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(target)
+        .transformations([organize])
+        .cell_options(TableAutoCellOptions(wrap_text=True))
+        .height(8)
+        .span(24)
+    )
 
 
 def quantile_queries(histogram: str) -> list[prometheus.Dataquery]:

@@ -4,19 +4,17 @@ why now: the live findings open on each engine (what `iterscope explain` would s
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard, statetimeline, table
-from grafana_foundation_sdk.models.common import TableAutoCellOptions
 from grafana_foundation_sdk.models.dashboard import (
-    DataTransformerConfig,
     ValueMap,
     ValueMappingResult,
 )
-from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from dashboards.common import (
     DATASOURCE,
     KV_THRESHOLDS,
     PER_ENGINE,
     engine_legend,
+    label_table,
     new_dashboard,
     quantile_queries,
     query,
@@ -94,29 +92,14 @@ def why_now() -> statetimeline.Panel:
 
 
 def open_findings() -> table.Panel:
-    """One row per open finding: its engine, kind, title and the action that fixes it."""
-    expr = f"max by ({', '.join(FINDING_COLUMNS)}) ({series('iterscope_finding_info')})"
-    target = query(expr, engine_legend(), "A").instant().format(PromQueryFormat.TABLE)
-    columns = DataTransformerConfig(
-        id_val="organize",
-        options={
-            "excludeByName": {"Time": True, "Value": True},
-            "indexByName": {name: index for index, name in enumerate(FINDING_COLUMNS)},
-        },
-    )
-    return (
-        table.Panel()
-        .title("Open findings")
-        .description(
-            "Each live finding open now, with its title and the one action that fixes it "
-            "(the IterscopeFinding alert quotes the same text)."
-        )
-        .datasource(DATASOURCE)
-        .with_target(target)
-        .transformations([columns])
-        .cell_options(TableAutoCellOptions(wrap_text=True))  # an action is a few lines long
-        .height(8)
-        .span(24)
+    """One row per open finding: its engine, kind, title and the action that fixes it (an
+    action is a few lines long: the cells wrap)."""
+    return label_table(
+        "Open findings",
+        "Each live finding open now, with its title and the one action that fixes it "
+        "(the IterscopeFinding alert quotes the same text).",
+        "iterscope_finding_info",
+        FINDING_COLUMNS,
     )
 
 

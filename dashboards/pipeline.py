@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import dashboard
+from grafana_foundation_sdk.builders import dashboard, table
 
 from dashboards.common import (
     RATE,
     SIDECAR_SELECTOR,
     engine_legend,
+    label_table,
     new_dashboard,
     query,
     rate,
@@ -16,6 +17,18 @@ from dashboards.common import (
 )
 
 UID = "iterscope-pipeline"
+# The columns of the engines table: an engine, who reports it and which engine it is.
+ENGINE_COLUMNS = ("instance", "engine", "model_name", "source", "version", "device", "pid")
+
+
+def engines() -> table.Panel:
+    return label_table(
+        "Engines",
+        "Each engine whose heartbeats named its process, with who fills its records (source) "
+        "and which engine and version it is.",
+        "iterscope_engine_info",
+        ENGINE_COLUMNS,
+    )
 
 
 def records_received() -> dashboard.Panel:
@@ -117,10 +130,12 @@ def build() -> dashboard.Dashboard:
     board = new_dashboard(
         UID,
         "iterscope / Pipeline health",
-        "Completeness and freshness of iterscope telemetry: records, drops, undecodable and "
-        "rejected frames, sink failures, dropped spans, heartbeats and sidecar lag.",
+        "Completeness and freshness of iterscope telemetry: the engines heard and who reports "
+        "them, records, drops, undecodable and rejected frames, sink failures, dropped spans, "
+        "heartbeats and sidecar lag.",
     )
     panels = [
+        engines(),
         records_received(),
         records_dropped(),
         frames_undecodable(),

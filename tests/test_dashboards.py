@@ -181,6 +181,19 @@ def test_overview_shows_why_now_and_each_open_findings_action():
     assert target["expr"].startswith(f"max by ({', '.join(columns)}) (iterscope_finding_info{{")
 
 
+def test_pipeline_health_lists_each_engine_with_who_reports_it_and_its_version():
+    """Which engines the sidecar hears, and for a vLLM whether the scheduler source or the
+    plugin (standing in on a version the scheduler source is not checked against) reports."""
+    panels = {panel["title"]: panel for panel in iter_panels(DASHBOARDS["pipeline"])}
+    (target,) = panels["Engines"]["targets"]
+    assert target["format"] == "table" and target["instant"]
+    (organize,) = panels["Engines"]["transformations"]
+    index = organize["options"]["indexByName"]
+    columns = sorted(index, key=index.get)
+    assert columns == ["instance", "engine", "model_name", "source", "version", "device", "pid"]
+    assert target["expr"].startswith(f"max by ({', '.join(columns)}) (iterscope_engine_info{{")
+
+
 def test_user_stories_are_on_the_dashboards():
     """USER_STORIES.md: KV usage per engine, waiting by reason, batch composition, state, leaks."""
     by_dashboard: dict[str, str] = {}
