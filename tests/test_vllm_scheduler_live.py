@@ -74,20 +74,30 @@ FPM_WORKER_ID = "vllm-w"
 POLL_S = 0.1
 
 
-@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
-def checks(request) -> dict:
-    """Every case of tests/vllm_scheduler_check.py, in one run of vLLM ``request.param``."""
-    done = subprocess.run(
+def run_checks(version: str) -> subprocess.CompletedProcess:
+    """Every case of tests/vllm_scheduler_check.py, in one run of vLLM ``version``."""
+    return subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"), *CHECK_CASES],
         capture_output=True,
         text=True,
         timeout=300,
-        env={
-            **os.environ,
-            "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null",
-            **vllm_env(request.param),
-        },
+        env={**os.environ, "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null", **vllm_env(version)},
     )
+
+
+@pytest.fixture(scope="module")
+def every_versions_checks() -> dict[str, subprocess.CompletedProcess]:
+    """The checks of every tested version, two at a time (each run is mostly vLLM's import on
+    one core: two side by side take the time of one on this 2-core machine)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = pool.map(run_checks, TESTED_VLLM_VERSIONS)
+        return dict(zip(TESTED_VLLM_VERSIONS, runs, strict=True))
+
+
+@pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
+def checks(request, every_versions_checks) -> dict:
+    """Every case of tests/vllm_scheduler_check.py on vLLM ``request.param``."""
+    done = every_versions_checks[request.param]
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["version"] == request.param
