@@ -241,12 +241,35 @@ def complete(api_port: int, prompts: list[str], max_tokens: int) -> list:
         return list(pool.map(one, prompts))
 
 
-def both_say_kv_waits(stack) -> bool:
-    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
-    return (
-        total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity") > 0
-        and total(theirs, "vllm:num_requests_waiting") > 0
-    )
+class KvWaitWatch:
+    """Polls of the sidecar's kv_capacity waiting and vLLM's waiting count during a burst of
+    requests: each side must be seen above 0 before the burst ends. A burst that ends first, or
+    fails, ends the wait at once with every poll in the message (a CI run once timed out here
+    with nothing to say which side never saw the wait)."""
+
+    def __init__(self, stack, burst: concurrent.futures.Future) -> None:
+        self.stack, self.burst = stack, burst
+        self.polls: list[tuple[float, float, float]] = []  # (seconds, ours, vLLM's)
+        self.started = time.monotonic()
+
+    def both_seen(self) -> bool:
+        finished = self.burst.done()
+        ours, theirs = scrape(self.stack["metrics_port"]), scrape(self.stack["api_port"])
+        self.polls.append(
+            (
+                round(time.monotonic() - self.started, 2),
+                total(ours, "iterscope_requests_waiting_by_reason", reason="kv_capacity"),
+                total(theirs, "vllm:num_requests_waiting"),
+            )
+        )
+        seen = all(any(poll[side] > 0 for poll in self.polls) for side in (1, 2))
+        if finished and not seen:
+            self.burst.result()  # a failed request raises here
+            raise AssertionError(f"the burst ended before both saw it wait: {self.describe()}")
+        return seen
+
+    def describe(self) -> str:
+        return f"(seconds, sidecar kv_capacity, vLLM waiting) polls: {self.polls}"
 
 
 def status(stack) -> str | None:
@@ -264,10 +287,11 @@ def test_story1_on_vllm_requests_wait_for_kv_capacity_and_explain_says_so(kv_sta
     # 16 requests of ~70 + 40 tokens: 7 fit in the 7 usable blocks, the rest wait for KV
     with concurrent.futures.ThreadPoolExecutor(1) as background:
         pending = background.submit(complete, api_port, [prompt(i, 60) for i in range(16)], 40)
+        watch = KvWaitWatch(kv_stack, pending)
         wait_until(
-            lambda: both_say_kv_waits(kv_stack),
+            watch.both_seen,
             60,
-            "kv_capacity waiting in the sidecar while vLLM counts waiting requests",
+            lambda: f"kv_capacity waiting in the sidecar and in vLLM's count: {watch.describe()}",
             interval_s=POLL_S,
         )
         responses = pending.result(timeout=300)
