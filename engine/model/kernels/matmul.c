@@ -36,7 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "vector16.h"
+#include "vector.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -52,6 +52,7 @@
 #define ROW_BLOCK 192 /* a multiple of BIG_ROWS */
 #define PREFETCH_LINES 128
 
+_Static_assert(VECTOR_LANES == 16, "a panel is one vector of 16 floats");
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
@@ -61,7 +62,7 @@ enum { ACT_NONE = 0, ACT_SILU_AND_MUL = 1 };
 /* Stores: the valid columns of one panel's 16 results for one row.                       */
 
 /* The bias of the valid columns only: a short last panel's bias ends with them. */
-static inline v16 with_bias(v16 acc, const float *bias, int64_t columns) {
+static inline vfloat with_bias(vfloat acc, const float *bias, int64_t columns) {
     if (bias) {
         const int64_t valid = columns < PANEL ? columns : PANEL;
         for (int64_t j = 0; j < valid; j++) acc[j] += bias[j];
@@ -69,7 +70,7 @@ static inline v16 with_bias(v16 acc, const float *bias, int64_t columns) {
     return acc;
 }
 
-static inline void store_f32(float *y, v16 acc, const float *bias, int64_t columns) {
+static inline void store_f32(float *y, vfloat acc, const float *bias, int64_t columns) {
     acc = with_bias(acc, bias, columns);
     if (columns >= PANEL) {
         memcpy(y, &acc, sizeof acc);
@@ -80,7 +81,7 @@ static inline void store_f32(float *y, v16 acc, const float *bias, int64_t colum
 
 /* 16 floats rounded to bfloat16 at once, as float_to_bf16 rounds each (nearest even, NaN
  * to 0x7FC0). */
-static inline v16u16 round_to_bf16(v16 acc) {
+static inline v16u16 round_to_bf16(vfloat acc) {
     v16u bits;
     memcpy(&bits, &acc, sizeof bits);
     const v16u rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
@@ -88,7 +89,7 @@ static inline v16u16 round_to_bf16(v16 acc) {
     return __builtin_convertvector((rounded & ~is_nan) | (0x7FC0 & is_nan), v16u16);
 }
 
-static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t columns) {
+static inline void store_bf16(uint16_t *y, vfloat acc, const float *bias, int64_t columns) {
     const v16u16 rounded = round_to_bf16(with_bias(acc, bias, columns));
     if (columns >= PANEL) {
         memcpy(y, &rounded, sizeof rounded);
@@ -98,23 +99,23 @@ static inline void store_bf16(uint16_t *y, v16 acc, const float *bias, int64_t c
 }
 
 /* bf16 rounding of 16 floats, widened back to float32 (a bf16 tensor's values, in float). */
-static inline v16 as_bf16(v16 acc) {
+static inline vfloat as_bf16(vfloat acc) {
     const v16u widened = __builtin_convertvector(round_to_bf16(acc), v16u) << 16;
-    v16 value;
+    vfloat value;
     memcpy(&value, &widened, sizeof value);
     return value;
 }
 
-static inline v16 silu_v16(v16 x) { return x / (1.0f + exp16(-x)); }
+static inline vfloat silu_lanes(vfloat x) { return x / (1.0f + exp_lanes(-x)); }
 
 /* silu(gate) * up for one row's 16 columns, stored in the dtype, rounded as torch's bf16 ops
  * round: the matmul's gate and up, the SiLU and the product each once. */
-static inline void store_gated(void *y, int dtype, v16 gate, v16 up, int64_t columns) {
+static inline void store_gated(void *y, int dtype, vfloat gate, vfloat up, int64_t columns) {
     if (dtype == DTYPE_BF16) {
-        const v16 product = as_bf16(silu_v16(as_bf16(gate))) * as_bf16(up);
+        const vfloat product = as_bf16(silu_lanes(as_bf16(gate))) * as_bf16(up);
         store_bf16(y, product, NULL, columns);
     } else {
-        store_f32(y, silu_v16(gate) * up, NULL, columns);
+        store_f32(y, silu_lanes(gate) * up, NULL, columns);
     }
 }
 
@@ -122,11 +123,12 @@ static inline void store_gated(void *y, int dtype, v16 gate, v16 up, int64_t col
 /* float32                                                                                */
 
 /* 16 rows of x (stride k) x one panel -> acc[16]. */
-static inline void small_tile_f32(const float *x, int64_t k, const float *panel, v16 acc[16]) {
-    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (v16){0};
+static inline void small_tile_f32(const float *x, int64_t k, const float *panel,
+                                  vfloat acc[16]) {
+    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (vfloat){0};
     for (int64_t i = 0; i < k; i++) {
         __builtin_prefetch(panel + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
-        const v16 w = *(const v16 *)(panel + i * PANEL);
+        const vfloat w = *(const vfloat *)(panel + i * PANEL);
 #pragma GCC unroll 16
         for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] += x[m * k + i] * w;
     }
@@ -134,12 +136,12 @@ static inline void small_tile_f32(const float *x, int64_t k, const float *panel,
 
 /* BIG_ROWS rows x two panels -> a0, a1. */
 static inline void big_tile_f32(const float *x, int64_t k, const float *p0, const float *p1,
-                                v16 a0[BIG_ROWS], v16 a1[BIG_ROWS]) {
-    for (int m = 0; m < BIG_ROWS; m++) a0[m] = a1[m] = (v16){0};
+                                vfloat a0[BIG_ROWS], vfloat a1[BIG_ROWS]) {
+    for (int m = 0; m < BIG_ROWS; m++) a0[m] = a1[m] = (vfloat){0};
     for (int64_t i = 0; i < k; i++) {
         __builtin_prefetch(p0 + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
         __builtin_prefetch(p1 + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
-        const v16 u = *(const v16 *)(p0 + i * PANEL), v = *(const v16 *)(p1 + i * PANEL);
+        const vfloat u = *(const vfloat *)(p0 + i * PANEL), v = *(const vfloat *)(p1 + i * PANEL);
 #pragma GCC unroll 12
         for (int m = 0; m < BIG_ROWS; m++) {
             const float s = x[m * k + i];
@@ -161,7 +163,7 @@ static inline __m512bh pair_of(const uint16_t *x) {
 }
 
 static inline void small_tile_bf16(const uint16_t *x, int64_t k, const uint16_t *panel,
-                                   v16 acc[16]) {
+                                   vfloat acc[16]) {
     __m512 sum[SMALL_TILE_ROWS];
     for (int m = 0; m < SMALL_TILE_ROWS; m++) sum[m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k / 2; i++) {
@@ -171,11 +173,11 @@ static inline void small_tile_bf16(const uint16_t *x, int64_t k, const uint16_t 
         for (int m = 0; m < SMALL_TILE_ROWS; m++)
             sum[m] = _mm512_dpbf16_ps(sum[m], pair_of(x + m * k + 2 * i), w);
     }
-    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (v16)sum[m];
+    for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (vfloat)sum[m];
 }
 
 static inline void big_tile_bf16(const uint16_t *x, int64_t k, const uint16_t *p0,
-                                 const uint16_t *p1, v16 a0[BIG_ROWS], v16 a1[BIG_ROWS]) {
+                                 const uint16_t *p1, vfloat a0[BIG_ROWS], vfloat a1[BIG_ROWS]) {
     __m512 s0[BIG_ROWS], s1[BIG_ROWS];
     for (int m = 0; m < BIG_ROWS; m++) s0[m] = s1[m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k / 2; i++) {
@@ -191,8 +193,8 @@ static inline void big_tile_bf16(const uint16_t *x, int64_t k, const uint16_t *p
         }
     }
     for (int m = 0; m < BIG_ROWS; m++) {
-        a0[m] = (v16)s0[m];
-        a1[m] = (v16)s1[m];
+        a0[m] = (vfloat)s0[m];
+        a1[m] = (vfloat)s1[m];
     }
 }
 #endif
@@ -211,7 +213,7 @@ typedef struct {
     int64_t size; /* bytes an element of x, y and the panels: 2 (bf16) or 4 */
 } Problem;
 
-static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 acc) {
+static inline void store_row(const Problem *pb, int64_t row, int64_t panel, vfloat acc) {
     const int64_t column = panel * PANEL, columns = pb->n - column;
     if (columns <= 0) return; /* a padding panel */
     const float *bias = pb->bias ? pb->bias + column : NULL;
@@ -222,7 +224,7 @@ static inline void store_row(const Problem *pb, int64_t row, int64_t panel, v16 
 }
 
 /* Row ``row`` of panel pair ``pair`` with ACT_SILU_AND_MUL: output columns 16 * pair on. */
-static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, v16 gate, v16 up) {
+static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, vfloat gate, vfloat up) {
     const int64_t column = pair * PANEL, columns = pb->n - column;
     if (columns <= 0) return;
     store_gated((char *)pb->y + (row * pb->n + column) * pb->size, pb->dtype, gate, up, columns);
@@ -247,7 +249,7 @@ static inline int64_t valid_rows(const Problem *pb, int64_t row, int64_t tile_ro
 
 /* The small tile of one panel -> acc. */
 static inline void small_tile(const Problem *pb, const void *x, int64_t panel,
-                              v16 acc[SMALL_TILE_ROWS]) {
+                              vfloat acc[SMALL_TILE_ROWS]) {
 #if defined(__AVX512BF16__)
     if (pb->dtype == DTYPE_BF16)
         small_tile_bf16(x, pb->k, panel_at(pb, panel), acc);
@@ -259,9 +261,9 @@ static inline void small_tile(const Problem *pb, const void *x, int64_t panel,
 /* The small tile of a panel, or with ACT_SILU_AND_MUL of a pair: the first ``valid`` rows,
  * read from ``x``. */
 static inline void run_small_tile(const Problem *pb, const void *x, int64_t valid, int64_t index) {
-    v16 acc[SMALL_TILE_ROWS];
+    vfloat acc[SMALL_TILE_ROWS];
     if (pb->act == ACT_SILU_AND_MUL) {
-        v16 up[SMALL_TILE_ROWS];
+        vfloat up[SMALL_TILE_ROWS];
         small_tile(pb, x, 2 * index, acc);
         small_tile(pb, x, 2 * index + 1, up);
         for (int64_t m = 0; m < valid; m++) store_gated_row(pb, m, index, acc[m], up[m]);
@@ -285,7 +287,7 @@ static inline void prefetch_outputs(const Problem *pb, int64_t row, int64_t vali
 
 /* A big tile: rows from ``row`` on, read from ``x``, by panels 2 * pair and 2 * pair + 1. */
 static inline void run_big_tile(const Problem *pb, const void *x, int64_t row, int64_t pair) {
-    v16 a0[BIG_ROWS], a1[BIG_ROWS];
+    vfloat a0[BIG_ROWS], a1[BIG_ROWS];
     const int64_t panel = 2 * pair, valid = valid_rows(pb, row, BIG_ROWS);
     prefetch_outputs(pb, row, valid, panel);
 #if defined(__AVX512BF16__)

@@ -18,9 +18,10 @@
  *      summed over dim), kept in the thread's scratch; then the exact softmax (max, exp, sum
  *      per row; keys after a row's position get probability 0); then the output, a vector of
  *      dims at a time, rounded once into out.
- * The vectors are gcc's generic vectors (16 floats): one source that gcc turns into AVX-512
- * (-march=native on such a CPU), AVX2 (two halves per vector) or SSE code. head_dim 64 and 128
- * get loops unrolled for that size, others (multiples of LANES) a generic loop.
+ * The vectors are gcc's generic vectors of LANES floats, one register of the build's CPU: 16
+ * with AVX-512 (-march=native on such a CPU), 8 elsewhere (AVX2; SSE code takes two halves).
+ * head_dim 64 and 128 get loops unrolled for that size, others (multiples of 16, as
+ * cpu_prefill_attention.py checks) a generic loop.
  *
  * Built by engine/model/kernels/cpu_prefill_attention.py with gcc -O3 -march=native -fopenmp;
  * that module checks the tables and bounds before any call, and gives the scratch
@@ -30,16 +31,26 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
-#include "vector16.h"
-
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8 /* one AVX2 register (16 ran 5x slower there: vector.h) */
+#endif
+#define VECTOR_LANES LANES
+#include "bf16.h"
+#include "vector.h"
+
 #define MICRO_ROWS 6  /* query rows scored together (4, 8 and 12 were slower here) */
 #define QUERY_TILE 32 /* positions per work item */
 #define MAX_HEAD_DIM 256
+/* Vectors of dims a pass over the values sums per row: the MICRO_ROWS x VALUE_VECTORS sums
+ * take most of the vector registers (24 of AVX-512's 32, 12 of AVX2's 16; more spill). */
+#ifndef VALUE_VECTORS
+#define VALUE_VECTORS (LANES == 16 ? 4 : 2)
+#endif
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef vfloat vf;
+typedef vint vi;
 typedef float vf_loose __attribute__((vector_size(LANES * 4), aligned(4)));
 
 typedef struct {
@@ -121,7 +132,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     int64_t longest = 0;
     for (int i = 0; i < MICRO_ROWS; ++i) longest = limits[i] > longest ? limits[i] : longest;
     const int64_t stride = round_up(longest, LANES);
-    const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane_index;
+    for (int l = 0; l < LANES; ++l) lane_index[l] = l;
     const vf minus_inf = splat(-__builtin_inff());
     vf maxima[MICRO_ROWS];
     for (int i = 0; i < MICRO_ROWS; ++i) maxima[i] = minus_inf;
@@ -134,9 +146,9 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
         const vi position = lane_index + (int32_t)first;
         for (int i = 0; i < MICRO_ROWS; ++i) {
-            const vf s = select16(position < (int32_t)limits[i], sums[i], minus_inf);
+            const vf s = select_lanes(position < (int32_t)limits[i], sums[i], minus_inf);
             *(vf_loose *)(scores + i * stride + first) = s;
-            maxima[i] = select16(s > maxima[i], s, maxima[i]);
+            maxima[i] = select_lanes(s > maxima[i], s, maxima[i]);
         }
     }
     float inverse[MICRO_ROWS];
@@ -146,23 +158,25 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int64_t first = 0; first < longest; first += LANES) {
             float *s = scores + i * stride + first;
             const vi position = lane_index + (int32_t)first;
-            const vf p = select16(position < (int32_t)limits[i], exp16(load(s) - row_max),
+            const vf p = select_lanes(position < (int32_t)limits[i], exp_lanes(load(s) - row_max),
                                 splat(0.0f));
             *(vf_loose *)s = p;
             total += p;
         }
         inverse[i] = 1.0f / lane_sum(total);
     }
-    for (int64_t part = 0; part < dim; part += 4 * LANES) { /* up to 4 vectors of dims */
-        const int64_t width = dim - part < 4 * LANES ? (dim - part) / LANES : 4;
-        vf acc[MICRO_ROWS][4] = {{{0}}};
+    for (int64_t part = 0; part < dim; part += VALUE_VECTORS * LANES) {
+        const int64_t width =
+            dim - part < VALUE_VECTORS * LANES ? (dim - part) / LANES : VALUE_VECTORS;
+        vf acc[MICRO_ROWS][VALUE_VECTORS] = {{{0}}};
         for (int64_t p = 0; p < longest; ++p) {
             const float *v = values + p * dim + part;
-            vf vs[4];
-            for (int w = 0; w < 4; ++w) vs[w] = w < width ? load(v + w * LANES) : splat(0.0f);
+            vf vs[VALUE_VECTORS];
+            for (int w = 0; w < VALUE_VECTORS; ++w)
+                vs[w] = w < width ? load(v + w * LANES) : splat(0.0f);
             for (int i = 0; i < MICRO_ROWS; ++i) {
                 const float weight = scores[i * stride + p];
-                for (int w = 0; w < 4; ++w) acc[i][w] += weight * vs[w];
+                for (int w = 0; w < VALUE_VECTORS; ++w) acc[i][w] += weight * vs[w];
             }
         }
         for (int i = 0; i < rows; ++i)
