@@ -18,7 +18,7 @@ from tests.helpers.cpu_kernels import build_names, load_build
 HAS_BF16 = "avx512_bf16" in cpu_build.cpu_flags().split()
 # rows: the small tile alone (1, 5, 16), the big one with a short last tile (17, 40), whole
 # blocks and more (192, 200); columns: one panel short (50), padded to a panel pair (80)
-ROWS = (1, 5, 16, 17, 40, 192, 200)
+ROWS = (1, 5, 7, 13, 16, 17, 40, 192, 200)  # 6, 12: the AVX2 tiles' edges
 SHAPES = ((50, 64), (80, 63), (576, 576), (96, 1536))
 
 
@@ -116,7 +116,10 @@ def test_the_kernel_runs_on_the_kinds_it_was_measured_on_only():
     assert cpu_matmul.why_not(amd, avx512, torch.bfloat16, 576) == "bfloat16 needs AVX512_BF16"
     assert cpu_matmul.why_not(amd, bf16, torch.bfloat16, 577).endswith("even input size")
     assert cpu_matmul.why_not(amd, bf16, torch.float16, 576) == "not for torch.float16"
-    for vendor, flags in ((intel, bf16), (amd, {"avx2"})):
+    avx2 = {"avx2", "fma"}
+    assert cpu_matmul.why_not(amd, avx2, torch.float32, 576) is None
+    assert cpu_matmul.why_not(amd, avx2, torch.bfloat16, 576) == "bfloat16 needs AVX512_BF16"
+    for vendor, flags in ((intel, bf16), (intel, avx2), (amd, {"avx", "sse4_2"})):
         assert cpu_matmul.why_not(vendor, flags, torch.float32, 576).startswith("not measured")
 
 

@@ -1,8 +1,9 @@
 """The CPU matmul kernel (matmul.c) for Linear layers: built with gcc once, called by ctypes.
 
-Where it runs: CPUs of the kind it was measured faster on, AMD with AVX-512 (a decode step's
-weights stream ~1.6x faster than through oneDNN's packed matmul there: docs/performance.md),
-in float32, and in bfloat16 where the CPU has AVX512_BF16. Elsewhere Linear keeps oneDNN's
+Where it runs: CPUs of the kinds it was measured faster on, AMD with AVX-512 (a decode step's
+weights stream ~1.6x faster than through oneDNN's packed matmul there: docs/performance.md)
+and AMD with AVX2 (a decode step's matmuls 0.73-0.77x oneDNN's time), in float32, and in
+bfloat16 where the CPU has AVX512_BF16. Elsewhere Linear keeps oneDNN's
 packed weights (engine/model/linear.py) until the kernel is measured on that kind. The
 weights are laid out once, at load, in the kernel's panels (``pack``); they replace oneDNN's
 copy, they do not add to it. ITERSCOPE_CPU_KERNELS=0 turns it off.
@@ -25,8 +26,9 @@ ACT_NONE, ACT_SILU_AND_MUL = 0, 1  # the C enum
 
 
 def measured_kind(vendor: str, flags: set[str]) -> bool:
-    """The CPU kinds the kernel was measured faster than oneDNN on: AMD with AVX-512."""
-    return vendor == "AuthenticAMD" and "avx512f" in flags
+    """The CPU kinds the kernel was measured faster than oneDNN on: AMD with AVX-512, and AMD
+    with AVX2 and FMA (its tiles of 6 rows there: matmul.c)."""
+    return vendor == "AuthenticAMD" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
 def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:

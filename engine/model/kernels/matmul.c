@@ -19,7 +19,11 @@
  * - more rows (prefill, compute-bound): BIG_ROWS rows x 2 panels (24 accumulators, so each
  *   row's value is loaded once for two weight vectors), blocks of ROW_BLOCK rows kept hot
  *   while the panels go by.
- * Both prefetch the weights; a short last tile reads a zero-padded copy of its rows.
+ * Both prefetch the weights; a short last tile reads a zero-padded copy of its rows. Without
+ * AVX-512 (AVX2's 16 registers of 8 floats) both are made of tiles of up to 6 rows x 1 panel
+ * (12 accumulators): the small one of 6, 6 and 4 rows (as many as there are rows), the big
+ * one of 6 rows, one panel after the other; on an AVX2 EPYC a decode step's matmuls took
+ * 0.73-0.77x oneDNN's time at 16 rows, 0.88x at 1,024 (docs/performance.md).
  *
  * The MLP's gate and up projections can run as one (ACT_SILU_AND_MUL, below): each pair of
  * tiles then stores silu(gate) * up instead of both products, a pass over them less.
@@ -27,7 +31,7 @@
  * Sums run in float32 in a different order than oneDNN's (about 1e-6 relative). bfloat16
  * products are exact in float32 (VDPBF16PS), the bias is added in float32 and the result
  * rounded once to bfloat16, nearest even, as torch's bf16 Linear. The float32 tiles are gcc
- * vector code (any x86-64 build; fast where a vector of 16 floats is one register, AVX-512);
+ * vector code (any x86-64 build: vectors of 16 floats with AVX-512, of 8 elsewhere);
  * the bfloat16 tiles need AVX512_BF16: without it, matmul() returns -1 for bf16. The caller
  * (cpu_matmul.py) checks shapes, dtypes and contiguity; the kernel trusts them.
  */
@@ -48,7 +52,12 @@
 #define PANEL 16
 #define PANEL_PAIR 32
 #define SMALL_TILE_ROWS 16
+#if defined(__AVX512F__)
 #define BIG_ROWS 12
+#else
+#define NARROW_ROWS 6 /* the most rows of a tile without AVX-512 */
+#define BIG_ROWS NARROW_ROWS
+#endif
 #define ROW_BLOCK 192 /* a multiple of BIG_ROWS */
 #define PREFETCH_LINES 128
 
@@ -122,9 +131,12 @@ static inline void store_gated(void *y, int dtype, vfloat gate, vfloat up, int64
 /* ------------------------------------------------------------------------------------ */
 /* float32                                                                                */
 
-/* 16 rows of x (stride k) x one panel -> acc[16]. */
-static inline void small_tile_f32(const float *x, int64_t k, const float *panel,
+#if defined(__AVX512F__)
+/* 16 rows of x (stride k) x one panel -> acc[16] (``valid``: rows that matter; all are
+ * computed, the weights' stream sets the time). */
+static inline void small_tile_f32(const float *x, int64_t k, const float *panel, int64_t valid,
                                   vfloat acc[16]) {
+    (void)valid;
     for (int m = 0; m < SMALL_TILE_ROWS; m++) acc[m] = (vfloat){0};
     for (int64_t i = 0; i < k; i++) {
         __builtin_prefetch(panel + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
@@ -150,6 +162,51 @@ static inline void big_tile_f32(const float *x, int64_t k, const float *p0, cons
         }
     }
 }
+#else
+/* Without AVX-512 (AVX2: 16 vector registers of 8 floats) a tile is ``rows`` rows x one panel,
+ * the panel's line as two vectors of 8: 2 * rows sums, at most 12 (4 registers left for the
+ * weights and a row's value). gcc moves wider vectors (vfloat) through the stack, so the sums
+ * are kept as v8 and joined into vfloat only for the stores. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) void narrow_tile_f32(
+    const float *x, int64_t k, const float *panel, vfloat *acc, const int rows) {
+    v8 lo[NARROW_ROWS], hi[NARROW_ROWS];
+    for (int m = 0; m < rows; m++) lo[m] = hi[m] = (v8){0};
+    for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(panel + (i + PREFETCH_LINES) * PANEL, 0, PREFETCH_LOCALITY);
+        const v8 wl = *(const v8 *)(panel + i * PANEL), wh = *(const v8 *)(panel + i * PANEL + 8);
+#pragma GCC unroll 6
+        for (int m = 0; m < rows; m++) {
+            const float value = x[m * k + i];
+            lo[m] += value * wl;
+            hi[m] += value * wh;
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        memcpy(&acc[m], &lo[m], sizeof lo[m]);
+        memcpy((char *)&acc[m] + sizeof lo[m], &hi[m], sizeof hi[m]);
+    }
+}
+
+/* Up to 16 rows x one panel -> acc[16], in tiles of 6, 6 and 4 rows: the first streams the
+ * panel from memory, the next read it from cache; tiles past ``valid`` rows are skipped.
+ * (Tiles of 4 rows, 8 sums each, took 1.2-1.4x longer at 16 rows: too few sums to hide
+ * the FMA's latency.) */
+static inline void small_tile_f32(const float *x, int64_t k, const float *panel, int64_t valid,
+                                  vfloat acc[16]) {
+    narrow_tile_f32(x, k, panel, acc, 6);
+    if (valid > 6) narrow_tile_f32(x + 6 * k, k, panel, acc + 6, 6);
+    if (valid > 12) narrow_tile_f32(x + 12 * k, k, panel, acc + 12, 4);
+}
+
+/* BIG_ROWS rows x two panels -> a0, a1: one panel, then the other. */
+static inline void big_tile_f32(const float *x, int64_t k, const float *p0, const float *p1,
+                                vfloat a0[BIG_ROWS], vfloat a1[BIG_ROWS]) {
+    narrow_tile_f32(x, k, p0, a0, BIG_ROWS);
+    narrow_tile_f32(x, k, p1, a1, BIG_ROWS);
+}
+#endif
 
 /* ------------------------------------------------------------------------------------ */
 /* bfloat16 (AVX512_BF16): a weight line holds 16 columns x 2 consecutive k; a row's pair   */
@@ -255,7 +312,7 @@ static inline void small_tile(const Problem *pb, const void *x, int64_t panel,
         small_tile_bf16(x, pb->k, panel_at(pb, panel), acc);
     else
 #endif
-        small_tile_f32(x, pb->k, panel_at(pb, panel), acc);
+        small_tile_f32(x, pb->k, panel_at(pb, panel), pb->rows, acc);
 }
 
 /* The small tile of a panel, or with ACT_SILU_AND_MUL of a pair: the first ``valid`` rows,
