@@ -81,7 +81,9 @@ def test_short_demo(tmp_path):
     assert "Mean TTFT (ms):" in output
     assert "Engine 0, model smollm2 on CPU" in output  # the explain summary
     # The sidecar said why while it happened, and explain's finding 1 is among what it said
-    assert re.search(r"\| WARNING .* Engine 000: .* since \S+ \(.*\)\. Action: ", output), output
+    # (finding_log.py: "<what> since <time> (<where>, <so far>, <cost>): <evidence>. Action: ")
+    live = r"\| WARNING .* Engine 000: .* since \S+ \(.* so far, .*\): .*\. Action: "
+    assert re.search(live, output), output
     first = re.search(r"^  1\. (.+?): \d+ times?, ", output, re.MULTILINE)
     assert first, output
     assert f"Engine 000: {first.group(1)} since " in output, output

@@ -191,8 +191,7 @@ static inline __attribute__((always_inline)) void narrow_tile_f32(
 
 /* Up to 16 rows x one panel -> acc[16], in tiles of 6, 6 and 4 rows: the first streams the
  * panel from memory, the next read it from cache; tiles past ``valid`` rows are skipped.
- * (Tiles of 4 rows, 8 sums each, took 1.2-1.4x longer at 16 rows: too few sums to hide
- * the FMA's latency.) */
+ * (Tiles of 4 rows, 8 sums each, took 1.2-1.4x longer at 16 rows.) */
 static inline void small_tile_f32(const float *x, int64_t k, const float *panel, int64_t valid,
                                   vfloat acc[16]) {
     narrow_tile_f32(x, k, panel, acc, 6);

@@ -158,8 +158,8 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int64_t first = 0; first < longest; first += LANES) {
             float *s = scores + i * stride + first;
             const vi position = lane_index + (int32_t)first;
-            const vf p = select_lanes(position < (int32_t)limits[i], exp_lanes(load(s) - row_max),
-                                splat(0.0f));
+            const vf p = select_lanes(position < (int32_t)limits[i],
+                                      exp_lanes(load(s) - row_max), splat(0.0f));
             *(vf_loose *)s = p;
             total += p;
         }
