@@ -21,7 +21,7 @@ Before all of these, where the CPU matmul kernel runs (engine/model/kernels/cpu_
 AMD CPUs with AVX-512 or AVX2, float32, and bfloat16 with AVX512_BF16), the weight is laid
 out in its panels instead. With AVX-512 a decode step's matmuls stream the weights ~1.6x
 faster than oneDNN's; prefill's, compute-bound, take 2-5% longer. With AVX2 both are faster
-(0.73-0.77x oneDNN's time at 16 rows, 0.88x at 1,024: docs/performance.md).
+(0.67-0.77x oneDNN's time at 16 rows, 0.88x at 1,024: docs/performance.md).
 
 Set ITERSCOPE_PACK_WEIGHTS=0 to keep every weight plain (no panels, neither packed nor
 widened).

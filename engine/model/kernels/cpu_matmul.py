@@ -2,7 +2,7 @@
 
 Where it runs: CPUs of the kinds it was measured faster on, AMD with AVX-512 (a decode step's
 weights stream ~1.6x faster than through oneDNN's packed matmul there: docs/performance.md)
-and AMD with AVX2 (a decode step's matmuls 0.73-0.77x oneDNN's time), in float32, and in
+and AMD with AVX2 (a decode step's matmuls 0.67-0.77x oneDNN's time), in float32, and in
 bfloat16 where the CPU has AVX512_BF16. Elsewhere Linear keeps oneDNN's
 packed weights (engine/model/linear.py) until the kernel is measured on that kind. The
 weights are laid out once, at load, in the kernel's panels (``pack``); they replace oneDNN's

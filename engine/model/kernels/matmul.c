@@ -23,7 +23,7 @@
  * AVX-512 (AVX2's 16 registers of 8 floats) both are made of tiles of up to 6 rows x 1 panel
  * (12 accumulators): the small one of 6, 6 and 4 rows (as many as there are rows), the big
  * one of 6 rows, one panel after the other; on an AVX2 EPYC a decode step's matmuls took
- * 0.73-0.77x oneDNN's time at 16 rows, 0.88x at 1,024 (docs/performance.md).
+ * 0.67-0.77x oneDNN's time at 16 rows, 0.88x at 1,024 (docs/performance.md).
  *
  * The MLP's gate and up projections can run as one (ACT_SILU_AND_MUL, below): each pair of
  * tiles then stores silu(gate) * up instead of both products, a pass over them less.
