@@ -194,9 +194,11 @@ static inline __attribute__((always_inline)) void narrow_tile_f32(
  * (Tiles of 4 rows, 8 sums each, took 1.2-1.4x longer at 16 rows.) */
 static inline void small_tile_f32(const float *x, int64_t k, const float *panel, int64_t valid,
                                   vfloat acc[16]) {
-    narrow_tile_f32(x, k, panel, acc, 6);
-    if (valid > 6) narrow_tile_f32(x + 6 * k, k, panel, acc + 6, 6);
-    if (valid > 12) narrow_tile_f32(x + 12 * k, k, panel, acc + 12, 4);
+    const int64_t second = NARROW_ROWS, third = 2 * NARROW_ROWS;
+    narrow_tile_f32(x, k, panel, acc, NARROW_ROWS);
+    if (valid > second) narrow_tile_f32(x + second * k, k, panel, acc + second, NARROW_ROWS);
+    if (valid > third)
+        narrow_tile_f32(x + third * k, k, panel, acc + third, SMALL_TILE_ROWS - third);
 }
 
 /* BIG_ROWS rows x two panels -> a0, a1: one panel, then the other. */
@@ -280,7 +282,8 @@ static inline void store_row(const Problem *pb, int64_t row, int64_t panel, vflo
 }
 
 /* Row ``row`` of panel pair ``pair`` with ACT_SILU_AND_MUL: output columns 16 * pair on. */
-static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, vfloat gate, vfloat up) {
+static inline void store_gated_row(const Problem *pb, int64_t row, int64_t pair, vfloat gate,
+                                   vfloat up) {
     const int64_t column = pair * PANEL, columns = pb->n - column;
     if (columns <= 0) return;
     store_gated((char *)pb->y + (row * pb->n + column) * pb->size, pb->dtype, gate, up, columns);

@@ -45,12 +45,8 @@
 #define MAX_HEAD_DIM 256
 /* Vectors of dims a pass over the values sums per row: the MICRO_ROWS x VALUE_VECTORS sums
  * take most of the vector registers (24 of AVX-512's 32, 12 of AVX2's 16; more spill). */
-#ifndef VALUE_VECTORS
 #define VALUE_VECTORS (LANES == 16 ? 4 : 2)
-#endif
 
-typedef vfloat vf;
-typedef vint vi;
 typedef float vf_loose __attribute__((vector_size(LANES * 4), aligned(4)));
 
 typedef struct {
@@ -84,17 +80,17 @@ static inline int64_t score_floats(const Args *a) {
     return MICRO_ROWS * round_up(longest, LANES);
 }
 
-static inline vf splat(float x) { return (vf){0} + x; }
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
 
-static inline vf load(const float *p) { return *(const vf_loose *)p; }
+static inline vfloat load(const float *p) { return *(const vf_loose *)p; }
 
-static inline float lane_max(vf v) {
+static inline float lane_max(vfloat v) {
     float m = v[0];
     for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
     return m;
 }
 
-static inline float lane_sum(vf v) {
+static inline float lane_sum(vfloat v) {
     float s = 0.0f;
     for (int i = 0; i < LANES; ++i) s += v[i];
     return s;
@@ -132,33 +128,33 @@ static inline __attribute__((always_inline)) void attend_rows(
     int64_t longest = 0;
     for (int i = 0; i < MICRO_ROWS; ++i) longest = limits[i] > longest ? limits[i] : longest;
     const int64_t stride = round_up(longest, LANES);
-    vi lane_index;
+    vint lane_index;
     for (int l = 0; l < LANES; ++l) lane_index[l] = l;
-    const vf minus_inf = splat(-__builtin_inff());
-    vf maxima[MICRO_ROWS];
+    const vfloat minus_inf = splat(-__builtin_inff());
+    vfloat maxima[MICRO_ROWS];
     for (int i = 0; i < MICRO_ROWS; ++i) maxima[i] = minus_inf;
     for (int64_t first = 0; first < longest; first += LANES) { /* scores, masked past limits */
         const float *key_t = kv + first * dim;
-        vf sums[MICRO_ROWS] = {0};
+        vfloat sums[MICRO_ROWS] = {0};
         for (int64_t d = 0; d < dim; ++d) {
-            const vf k = load(key_t + d * LANES);
+            const vfloat k = load(key_t + d * LANES);
             for (int i = 0; i < MICRO_ROWS; ++i) sums[i] += queries[i * dim + d] * k;
         }
-        const vi position = lane_index + (int32_t)first;
+        const vint position = lane_index + (int32_t)first;
         for (int i = 0; i < MICRO_ROWS; ++i) {
-            const vf s = select_lanes(position < (int32_t)limits[i], sums[i], minus_inf);
+            const vfloat s = select_lanes(position < (int32_t)limits[i], sums[i], minus_inf);
             *(vf_loose *)(scores + i * stride + first) = s;
             maxima[i] = select_lanes(s > maxima[i], s, maxima[i]);
         }
     }
     float inverse[MICRO_ROWS];
     for (int i = 0; i < MICRO_ROWS; ++i) { /* probabilities (0 past the limit), their sum */
-        const vf row_max = splat(lane_max(maxima[i]));
-        vf total = {0};
+        const vfloat row_max = splat(lane_max(maxima[i]));
+        vfloat total = {0};
         for (int64_t first = 0; first < longest; first += LANES) {
             float *s = scores + i * stride + first;
-            const vi position = lane_index + (int32_t)first;
-            const vf p = select_lanes(position < (int32_t)limits[i],
+            const vint position = lane_index + (int32_t)first;
+            const vfloat p = select_lanes(position < (int32_t)limits[i],
                                       exp_lanes(load(s) - row_max), splat(0.0f));
             *(vf_loose *)s = p;
             total += p;
@@ -168,10 +164,10 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t part = 0; part < dim; part += VALUE_VECTORS * LANES) {
         const int64_t width =
             dim - part < VALUE_VECTORS * LANES ? (dim - part) / LANES : VALUE_VECTORS;
-        vf acc[MICRO_ROWS][VALUE_VECTORS] = {{{0}}};
+        vfloat acc[MICRO_ROWS][VALUE_VECTORS] = {{{0}}};
         for (int64_t p = 0; p < longest; ++p) {
             const float *v = values + p * dim + part;
-            vf vs[VALUE_VECTORS];
+            vfloat vs[VALUE_VECTORS];
             for (int w = 0; w < VALUE_VECTORS; ++w)
                 vs[w] = w < width ? load(v + w * LANES) : splat(0.0f);
             for (int i = 0; i < MICRO_ROWS; ++i) {
