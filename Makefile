@@ -144,8 +144,8 @@ test: $(STAMP) prometheus alertmanager tcmalloc vllm fpm-wheels
 	$(PY) -m pytest -q
 
 # The tests of a real `vllm serve` on every vLLM version the sources are checked against
-# (`make test` serves the CPU build and the newest; tests/helpers/vllm.py SERVED_VLLM_VERSIONS).
-# About 100 s a version; run it after a change to telemetry/sources or a new vLLM version.
+# (`make test` serves the newest there, and the CPU build in its speculative-decoding and Dynamo
+# serves; tests/helpers/vllm.py SERVED_VLLM_VERSIONS). About 100 s a version; run it after a change to telemetry/sources or a new vLLM version.
 test-vllm-versions: $(STAMP) prometheus tcmalloc vllm
 	ITERSCOPE_TEST_ALL_VLLM_VERSIONS=1 $(PY) -m pytest -q tests/test_vllm_live.py \
 	  tests/test_vllm_scheduler_live.py

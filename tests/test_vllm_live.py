@@ -1,8 +1,9 @@
-"""A real vLLM (CPU build, .vllm-venv; each version of SERVED_VLLM_VERSIONS, every tested
-one under `make test-vllm-versions`) with the iterscope plugin, a real sidecar, the official
-openai client: the sidecar's numbers equal vLLM's own, its --fpm-port publishes FPM for that
-vLLM, a hung engine core reads as stalled, and a dead sidecar does not disturb vLLM. `make
-test` builds .vllm-venv, the other vLLM versions beside it and .models/smollm2-hf."""
+"""A real vLLM (CPU build, .vllm-venv; each version of SERVED_VLLM_VERSIONS: the newest
+release, every tested one under `make test-vllm-versions`) with the iterscope plugin, a real
+sidecar, the official openai client: the sidecar's numbers equal vLLM's own, its --fpm-port
+publishes FPM for that vLLM, a hung engine core reads as stalled, and a dead sidecar does not
+disturb vLLM. `make test` builds .vllm-venv, the other vLLM versions beside it and
+.models/smollm2-hf."""
 
 from __future__ import annotations
 

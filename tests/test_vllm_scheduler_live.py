@@ -3,11 +3,12 @@ first on vLLM's real scheduler without a model (tests/vllm_scheduler_check.py, r
 `.vllm-venv`), on every version of TESTED_VLLM_VERSIONS (bench/vllm_server.py vllm_env): each
 admission limit (KV, --max-num-seqs, --max-num-batched-tokens), async scheduling, the prefill
 cadence, speculative decoding and the version guard; then in a real `vllm serve
---scheduler-cls ...` (CPU build), on each version of SERVED_VLLM_VERSIONS (every tested one
-under `make test-vllm-versions`), with a real sidecar and Prometheus: operator story 1 on
-vLLM, counters and TTFT equal to vLLM's own /metrics, the sidecar's --fpm-port publishing FPM
-for that vLLM, a stopped, continued and killed engine core. `make test` builds .vllm-venv,
-the other vLLM versions beside it and .models/smollm2-hf."""
+--scheduler-cls ...` (CPU build), on each version of SERVED_VLLM_VERSIONS (the newest
+release, every tested one under `make test-vllm-versions`), with a real sidecar and
+Prometheus: operator story 1 on vLLM, counters and TTFT equal to vLLM's own /metrics, the
+sidecar's --fpm-port publishing FPM for that vLLM, a stopped, continued and killed engine
+core. `make test` builds .vllm-venv, the other vLLM versions beside it and
+.models/smollm2-hf."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-from bench.vllm_server import CPU_BUILD_VERSION
 from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers import REPO
 from tests.helpers.prom import scrape, total
@@ -26,15 +25,18 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
-# The versions the tests of a real `vllm serve` run on. Every version of TESTED_VLLM_VERSIONS
-# runs vLLM's real scheduler through tests/vllm_scheduler_check.py in `make test`; a serve
-# costs about 50 s a source and version, so `make test` serves the CPU build and the newest
-# release, and `make test-vllm-versions` (ALL_VERSIONS_ENV=1) serves every version.
+# The versions the tests of a real `vllm serve` with each source (tests/test_vllm_live.py,
+# tests/test_vllm_scheduler_live.py) run on. Every version of TESTED_VLLM_VERSIONS runs vLLM's
+# real scheduler through tests/vllm_scheduler_check.py in `make test`; a serve costs 35-55 s a
+# source and version on 2 cores (more without native bf16, where vLLM runs float32), so `make
+# test` serves the newest release there, the speculative-decoding and Dynamo serves run the CPU
+# build (so each source is served on both), and `make test-vllm-versions` (ALL_VERSIONS_ENV=1)
+# serves every version.
 ALL_VERSIONS_ENV = "ITERSCOPE_TEST_ALL_VLLM_VERSIONS"
 SERVED_VLLM_VERSIONS = (
     TESTED_VLLM_VERSIONS
     if os.environ.get(ALL_VERSIONS_ENV) == "1"
-    else tuple(sorted({CPU_BUILD_VERSION, max(TESTED_VLLM_VERSIONS, key=version_tuple)}))
+    else (max(TESTED_VLLM_VERSIONS, key=version_tuple),)
 )
 
 
