@@ -22,13 +22,16 @@
  *   softmax online: the chunk's max updates the head's running max, the older sum and output
  *           are rescaled by exp(old_max - new_max);
  *   values  out[g] += p[g][o] * v[o] with the output kept in registers across the chunk.
- * With AVX2 + FMA but no AVX-512 the same scheme runs in chunks of 8 positions on 8-lane
- * vectors (head_dim a multiple of 8): scores by fma on float32 (bf16 rows widened by a 16-bit
- * left shift), dims as the outer loop so the 8 positions' sums are independent fma chains,
- * a transpose-add by hadd, an exp without scalef (2^n built in the exponent bits), and output
- * passes narrow enough for AVX2's 16 registers. Otherwise (no vector path, head_dim not a
- * multiple of the lane count, or built with -DPAGED_DECODE_PORTABLE) a portable loop does the
- * same one position at a time.
+ * With AVX2 + FMA but no AVX-512 the same scheme runs on 8-lane vectors (head_dim a multiple
+ * of 8), one query head at a time through scores, softmax and values, in steps of up to 16
+ * positions (two vectors of scores: half the horizontal max, sum and rescaling per position
+ * of 8-position steps): scores by fma on float32 (bf16 rows widened by a 16-bit left shift),
+ * dims as the outer loop so the 8 positions' sums are independent fma chains, a transpose-add
+ * by hadd, an exp without scalef (2^n built in the exponent bits), and values in passes of
+ * 64 dims held in registers (each query head reloads them from L1: one load per fma either
+ * way, where several heads' outputs at once spilled out of AVX2's 16 registers). Otherwise
+ * (no vector path, head_dim not a multiple of the lane count, or built with
+ * -DPAGED_DECODE_PORTABLE) a portable loop does the same one position at a time.
  *
  * Built by engine/model/kernels/cpu_paged_decode.py with gcc -O3 -march=native -fopenmp; the
  * bounds below are checked there before any call.
@@ -415,9 +418,10 @@ static void attend_vector(const Args *a, int64_t item, int64_t end_item) {
 #if VECTOR_PATH == 2
 /* The AVX2 + FMA path: the AVX-512 path's scheme on 8-lane vectors, without bf16 pair
  * instructions (bf16 rows are widened to float32) and with 16 vector registers instead of 32,
- * which bounds how many output accumulators stay in registers. */
+ * so one query head's output is accumulated at a time. */
 
 #define CHUNK8 8 /* positions scored together: one 8-lane vector per query head */
+#define STEP8 16 /* positions per softmax step: two such vectors */
 
 /* 8 elements from base[index] on as float32 (bf16: the 16 bits are the float's top half). */
 static inline __m256 load8(const void *base, int64_t index, const int dtype) {
@@ -492,55 +496,85 @@ static inline __attribute__((always_inline)) __m256 chunk_scores8(
     return sum_rows8(rows);
 }
 
-/* Scores (lanes past the chunk's end already -inf) -> probabilities against the head's
- * updated running max (those lanes 0); returns the factor by which the head's earlier output
- * and sum must be scaled (1 when the max held). */
-static inline float softmax_step8(__m256 scores, float *running_max, float *running_sum,
-                                  __m256 *probs) {
-    const float chunk_max = max8(scores);
+/* Scores of up to STEP8 positions, as two vectors (lanes past the step's end already -inf)
+ * -> their probabilities against the head's updated running max (those lanes 0); returns the
+ * factor by which the head's earlier output and sum must be scaled (1 when the max held). */
+static inline float softmax_step8(__m256 low, __m256 high, float *running_max,
+                                  float *running_sum, float probs[STEP8]) {
+    const float step_max = max8(_mm256_max_ps(low, high));
     float correction = 1.0f;
-    if (chunk_max > *running_max) {
-        correction = expf(*running_max - chunk_max);
-        *running_max = chunk_max;
+    if (step_max > *running_max) {
+        correction = expf(*running_max - step_max);
+        *running_max = step_max;
     }
-    *probs = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(*running_max)));
-    *running_sum = *running_sum * correction + add8(*probs);
+    const __m256 max = _mm256_set1_ps(*running_max);
+    low = exp8(_mm256_sub_ps(low, max));
+    high = exp8(_mm256_sub_ps(high, max));
+    _mm256_store_ps(probs, low);
+    _mm256_store_ps(probs + CHUNK8, high);
+    *running_sum = *running_sum * correction + add8(_mm256_add_ps(low, high));
     return correction;
 }
 
-/* out[g] += p[g][o] * value[o] for o < n, float32 fma on widened values. Passes of `width`
- * 8-dim vectors keep group * width accumulators, plus the group's broadcast probabilities, in
- * the 16 registers. Row o of `future` (an element index, or -1) is prefetched along the way. */
+/* Lanes o < n of `lanes` (0..7) kept, the others -inf: positions past the step's end. */
+static inline __m256 mask_past(__m256 scores, __m256 lanes, int64_t n) {
+    const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid);
+}
+
+/* Query head i's scores of the step's n <= STEP8 positions from element index `base` on:
+ * chunk_scores8 on rows 0-7 and on rows 8-15, scaled, past the end -inf. Inlined with a
+ * constant count for full chunks, so their row loops unroll. */
+static inline __attribute__((always_inline)) void step_scores8(
+    const Args *a, int64_t base, int64_t n, const float *query, const int dtype,
+    const int64_t head_dim, __m256 *low, __m256 *high) {
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const void *keys = a->key_cache;
+    *low = _mm256_mul_ps(n >= CHUNK8 ? chunk_scores8(keys, base, CHUNK8, query, dtype, head_dim)
+                                     : chunk_scores8(keys, base, n, query, dtype, head_dim),
+                         scale);
+    *low = mask_past(*low, lanes, n);
+    *high = _mm256_set1_ps(-INFINITY);
+    if (n > CHUNK8) {
+        const int64_t rest = n - CHUNK8, high_base = base + CHUNK8 * head_dim;
+        *high = _mm256_mul_ps(
+            rest == CHUNK8 ? chunk_scores8(keys, high_base, CHUNK8, query, dtype, head_dim)
+                           : chunk_scores8(keys, high_base, rest, query, dtype, head_dim),
+            scale);
+        *high = mask_past(*high, lanes, rest);
+    }
+}
+
+/* One query head's output: out += p[o] * value[o] for o < n, float32 fma on widened values,
+ * in passes of up to 8 vectors (64 dims) held in registers. Each head reloads the values
+ * (from L1): one load per fma either way, and no accumulator spills for any group size. Row o
+ * of `future` (an element index, or -1) is prefetched along the way when `prefetch`. */
 static inline __attribute__((always_inline)) void accumulate_values8(
-    const Args *a, int64_t base, int64_t n, float probs[][CHUNK8], const float *correction,
-    float acc[][MAX_HEAD_DIM], int64_t future, const int dtype, const int64_t group,
-    const int64_t head_dim) {
+    const Args *a, int64_t base, int64_t n, const float *probs, float correction, float *out,
+    int64_t future, int prefetch, const int dtype, const int64_t head_dim) {
     const void *values = a->value_cache;
-    const int64_t width = group == 1 ? 8 : group <= 3 ? 4 : group <= 6 ? 2 : 1;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * width) {
-        const int64_t num_vectors = (head_dim - d0) / 8 < width ? (head_dim - d0) / 8 : width;
-        __m256 out[MAX_GROUP][8];
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t w = 0; w < num_vectors; ++w)
-                out[g][w] = _mm256_mul_ps(_mm256_load_ps(&acc[g][d0 + 8 * w]),
-                                          _mm256_set1_ps(correction[g]));
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        const int64_t num_vectors = (head_dim - d0) / 8 < 8 ? (head_dim - d0) / 8 : 8;
+        const __m256 scale = _mm256_set1_ps(correction);
+        __m256 sums[8];
+        for (int64_t w = 0; w < num_vectors; ++w)
+            sums[w] = _mm256_mul_ps(_mm256_load_ps(out + d0 + 8 * w), scale);
         for (int64_t o = 0; o < n; ++o) {
-            if (d0 == 0) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
-            for (int64_t w = 0; w < num_vectors; ++w) {
-                const __m256 v = load8(values, base + o * head_dim + d0 + 8 * w, dtype);
-                for (int64_t g = 0; g < group; ++g)
-                    out[g][w] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][o]), v, out[g][w]);
-            }
-        }
-        for (int64_t g = 0; g < group; ++g)
+            if (prefetch && d0 == 0) prefetch_rows(a, future < 0 ? -1 : future + o * head_dim, 1);
+            const __m256 p = _mm256_set1_ps(probs[o]);
             for (int64_t w = 0; w < num_vectors; ++w)
-                _mm256_store_ps(&acc[g][d0 + 8 * w], out[g][w]);
+                sums[w] = _mm256_fmadd_ps(p, load8(values, base + o * head_dim + d0 + 8 * w, dtype),
+                                          sums[w]);
+        }
+        for (int64_t w = 0; w < num_vectors; ++w) _mm256_store_ps(out + d0 + 8 * w, sums[w]);
     }
 }
 
 /* One item, as attend_item (AVX-512) does it: block by block, the item's kv heads inside a
- * block, chunks of up to 8 positions. Inlined with constant dtype, group and head_dim for the
- * common shapes so the loops unroll and the accumulators stay in registers. */
+ * block, steps of up to 16 positions, each query head's scores, softmax and values in turn.
+ * Inlined with constant dtype, group and head_dim for the common shapes so the loops unroll
+ * and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_item8(
     const Args *a, int64_t index, int64_t end_index, const int dtype, const int64_t group,
     const int64_t head_dim) {
@@ -551,8 +585,8 @@ static inline __attribute__((always_inline)) void attend_item8(
     const int64_t q_base = item.seq * a->q_stride + item.first_kv_head * group * head_dim;
     float query[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float probs[MAX_GROUP][CHUNK8] __attribute__((aligned(32)));
-    float running_max[MAX_ITEM_HEADS], running_sum[MAX_ITEM_HEADS], correction[MAX_GROUP];
+    float probs[STEP8] __attribute__((aligned(32)));
+    float running_max[MAX_ITEM_HEADS], running_sum[MAX_ITEM_HEADS];
     for (int64_t i = 0; i < num_heads; ++i) {
         for (int64_t d = 0; d < head_dim; ++d) {
             query[i][d] = load_float(a->q, q_base + i * head_dim + d, dtype);
@@ -561,8 +595,6 @@ static inline __attribute__((always_inline)) void attend_item8(
         running_max[i] = -INFINITY;
         running_sum[i] = 0.0f;
     }
-    const __m256 scale = _mm256_set1_ps(a->scale);
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     for (int64_t j = 0; j < num_blocks; ++j) {
         const int64_t in_block = seq_len - j * block_size < block_size ? seq_len - j * block_size
@@ -570,27 +602,19 @@ static inline __attribute__((always_inline)) void attend_item8(
         for (int64_t h = 0; h < item.num_kv_heads; ++h) {
             const int64_t future = future_block(a, index, end_index, j + PREFETCH_AHEAD, h);
             const int64_t block_start = block_base(a, blocks[j], item.first_kv_head + h);
-            for (int64_t start = 0; start < in_block; start += CHUNK8) {
-                const int64_t n = in_block - start < CHUNK8 ? in_block - start : CHUNK8;
+            for (int64_t start = 0; start < in_block; start += STEP8) {
+                const int64_t n = in_block - start < STEP8 ? in_block - start : STEP8;
                 const int64_t base = block_start + start * head_dim;
-                /* lanes o >= n hold no position: their score is -inf, so their weight is 0 */
-                const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                const int64_t future_rows = future < 0 ? -1 : future + start * head_dim;
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t i = h * group + g;
-                    const __m256 s = _mm256_mul_ps(
-                        n == CHUNK8
-                            ? chunk_scores8(a->key_cache, base, CHUNK8, query[i], dtype, head_dim)
-                            : chunk_scores8(a->key_cache, base, n, query[i], dtype, head_dim),
-                        scale);
-                    __m256 p;
-                    correction[g] = softmax_step8(
-                        _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid), &running_max[i],
-                        &running_sum[i], &p);
-                    _mm256_store_ps(probs[g], p);
+                    __m256 low, high;
+                    step_scores8(a, base, n, query[i], dtype, head_dim, &low, &high);
+                    const float correction =
+                        softmax_step8(low, high, &running_max[i], &running_sum[i], probs);
+                    accumulate_values8(a, base, n, probs, correction, acc[i], future_rows,
+                                       g == 0, dtype, head_dim);
                 }
-                const int64_t future_rows = future < 0 ? -1 : future + start * head_dim;
-                accumulate_values8(a, base, n, probs, correction, &acc[h * group], future_rows,
-                                   dtype, group, head_dim);
             }
         }
     }
