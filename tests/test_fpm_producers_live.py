@@ -169,7 +169,7 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
         assert sidecar.stop() == 0
     log_text = log_path.read_text()
     assert "Engine 000: Avg prompt throughput" in log_text
-    assert "Running: 7 reqs, Waiting: 3 reqs, GPU KV cache usage: not reported" in log_text
+    assert "Running: 7 reqs, Waiting: 3 reqs, KV cache usage: not reported" in log_text
     check_recording(recording)
 
 

@@ -105,6 +105,29 @@ def test_preemptions_are_added_when_non_zero_and_the_device_replaces_gpu():
     assert line.endswith("Prefix cache hit rate: 99.2%, Preemptions: 3")
 
 
+def test_an_engine_naming_no_device_gets_no_device_word():
+    """A source whose heartbeat names no device (FPM producers) is not called a GPU."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink, device="")
+    (line,) = lines.texts()
+    assert ", Waiting: 0 reqs, KV cache usage: 11.7%," in line
+
+
+def test_the_aggregated_line_names_a_device_only_where_every_engine_runs_on_it():
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    design_window(sink, engine_index=0, device="GPU")
+    lines.lines.clear()
+    both = design_messages(0, start_s=110, device="GPU")
+    both += design_messages(1, start_s=110, device="CPU")
+    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
+    feed(sink, both)
+    engine_0, engine_1, aggregated = lines.texts()
+    assert ", GPU KV cache usage: " in engine_0 and ", CPU KV cache usage: " in engine_1
+    assert ", Waiting: 0 reqs, KV cache usage: 11.7%," in aggregated
+
+
 def test_idle_engine_is_silent_and_a_waiting_one_is_not():
     lines = Lines()
     sink = LogSink(emit=lines)

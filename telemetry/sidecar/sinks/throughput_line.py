@@ -11,7 +11,9 @@ engine and one window, the aggregate of several engines, and its text, vLLM's ow
     Running, Waiting        the engine view's queues (its latest record or heartbeat)
     KV cache usage          the engine view's KV blocks: used / (used + free) of the latest
                             record, 0 of the heartbeat's total before one; "not reported"
-                            for a source that does not say (FPM)
+                            for a source that does not say (FPM). The word before it is the
+                            device the engine's heartbeat names (GPU, CPU), none where it
+                            names none (FPM producers do not say)
     Prefix cache hit rate   hit tokens / query tokens over the window (0.0% without queries)
     Preemptions             sum over the window, shown only when non-zero
 The aggregated line ("N Engines Aggregated") adds rates and queues up; its ratios are of the
@@ -82,7 +84,9 @@ def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float)
 
 
 def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
-    """Several engines as one: rates and queues add up; ratios are of the summed parts."""
+    """Several engines as one: rates and queues add up; ratios are of the summed parts; the
+    device is named only where every engine names the same."""
+    devices = {f.device_name for f in lines}
     return LineFigures(
         label=f"{len(lines)} Engines Aggregated",
         prompt_throughput=sum(f.prompt_throughput for f in lines),
@@ -94,7 +98,7 @@ def aggregate_figures(lines: list[LineFigures]) -> LineFigures:
         num_prefix_query_tokens=sum(f.num_prefix_query_tokens for f in lines),
         num_prefix_hit_tokens=sum(f.num_prefix_hit_tokens for f in lines),
         num_preemptions=sum(f.num_preemptions for f in lines),
-        device_name=lines[0].device_name,
+        device_name=devices.pop() if len(devices) == 1 else "",
         kv_reported=all(f.kv_reported for f in lines),
         prefix_reported=all(f.prefix_reported for f in lines),
     )
@@ -125,6 +129,7 @@ def format_engine_line(figures: LineFigures) -> str:
     """The line's text, word for word vLLM's (the log sink is vLLM-compatible)."""
     kv_usage = kv_usage_percent(figures.num_kv_blocks_used, figures.num_kv_blocks_total)
     kv_text = f"{kv_usage:.1f}%" if figures.kv_reported else "not reported"
+    device = f"{figures.device_name} " if figures.device_name else ""
     queries = figures.num_prefix_query_tokens
     hit_rate = 100.0 * figures.num_prefix_hit_tokens / queries if queries else 0.0
     hit_text = f"{hit_rate:.1f}%" if figures.prefix_reported else "not reported"
@@ -133,7 +138,7 @@ def format_engine_line(figures: LineFigures) -> str:
         f"Avg prompt throughput: {figures.prompt_throughput:.1f} tokens/s, "
         f"Avg generation throughput: {figures.generation_throughput:.1f} tokens/s, "
         f"Running: {figures.num_running_reqs} reqs, Waiting: {figures.num_waiting_reqs} reqs, "
-        f"{figures.device_name or 'GPU'} KV cache usage: {kv_text}, "
+        f"{device}KV cache usage: {kv_text}, "
         f"Prefix cache hit rate: {hit_text}"
     )
     if figures.num_preemptions:
