@@ -143,12 +143,14 @@ test: $(STAMP) prometheus alertmanager tcmalloc vllm fpm-wheels
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
-# The tests of a real `vllm serve` on every vLLM version the sources are checked against
-# (`make test` serves the newest there, and the CPU build in its speculative-decoding and Dynamo
-# serves; tests/helpers/vllm.py SERVED_VLLM_VERSIONS). About 100 s a version; run it after a change to telemetry/sources or a new vLLM version.
+# The tests of a real `vllm serve` on every vLLM version the sources are checked against, and
+# the plugin's speculative-decoding serve (`make test` serves the newest version there, and the
+# CPU build with the scheduler source's drafts and Dynamo's scheduler; tests/helpers/vllm.py
+# SERVED_VLLM_VERSIONS). About 100 s a version; run it after a change to telemetry/sources or
+# a new vLLM version.
 test-vllm-versions: $(STAMP) prometheus tcmalloc vllm
 	ITERSCOPE_TEST_ALL_VLLM_VERSIONS=1 $(PY) -m pytest -q tests/test_vllm_live.py \
-	  tests/test_vllm_scheduler_live.py
+	  tests/test_vllm_scheduler_live.py tests/test_vllm_spec_live.py
 
 # The fast tier: no process started, no real model loaded (the tests marked `live` left out;
 # tests/conftest.py). About a minute on 2 cores; `make test` runs everything.

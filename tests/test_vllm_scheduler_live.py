@@ -148,10 +148,11 @@ def test_prefills_held_for_vllms_prefill_cadence_wait_as_held_back_not_for_kv(ch
 
 def test_speculative_decoding_drafts_count_as_vllms_own_stats_of_the_step(checks):
     """Each step that scored drafts carries the counts vLLM's SpecDecodingStats of that step
-    has (drafts of 3 tokens, 0, 1, 2, 3 of them accepted in turn), and a decoding request's
-    accepted tokens are output tokens of that step."""
+    has (drafts of 3 tokens, 0, 1, 2, 3 of them accepted in turn), from the scheduler source
+    and as the stat-logger plugin maps those stats, and a decoding request's accepted tokens
+    are output tokens of that step."""
     result = checks["spec"]
-    assert result["ours"] == result["vllm"]
+    assert result["ours"] == result["vllm"] == result["plugin"]
     accepted = [step[2] for step in result["ours"]]
     assert {0, 3, 6, 9} <= set(accepted)  # three requests, 0 to 3 tokens accepted each
     assert all(step[:2] == [3, 9] for step in result["ours"])  # 3 drafts of 3 tokens

@@ -20,8 +20,9 @@ Cases:
                 itself (``prefill_schedule_interval=4``; vLLM 0.33 and later): which reason
                 the requests waiting meanwhile got
     spec        speculative decoding (ngram config, drafts of 3, 0-3 of them accepted in
-                turn): each step's drafts as the records count them and as vLLM's own
-                SpecDecodingStats of the same step does
+                turn): each step's drafts as the records count them, as vLLM's own
+                SpecDecodingStats of the same step does, and as the stat-logger plugin maps
+                those SpecDecodingStats (the scheduler stats vLLM hands its stat loggers)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from bench.vllm_scheduler_harness import (  # noqa: E402
     run_step,
 )
 from telemetry.sources import vllm_scheduler  # noqa: E402
-from telemetry.sources.vllm_records import engine_facts  # noqa: E402
+from telemetry.sources.vllm_records import engine_facts, spec_decode_counts  # noqa: E402
 from telemetry.sources.vllm_scheduler import (  # noqa: E402
     IterscopeScheduler,
 )
@@ -198,7 +199,7 @@ def spec_case() -> dict:
     publisher = ListPublisher()
     scheduler._iterscope.publisher = publisher
     add_requests(scheduler, 3, 16, 24)
-    vllms = []
+    vllms, plugins = [], []
     for step in range(40):
         if not scheduler.has_requests():
             break
@@ -206,10 +207,12 @@ def spec_case() -> dict:
             stats = outputs.scheduler_stats and outputs.scheduler_stats.spec_decoding_stats
             if stats:
                 vllms.append(spec_counts(stats))
+                plugins.append(spec_counts(spec_decode_counts(stats)))
     records = publisher.records
     return {
         "ours": [spec_counts(r.spec_decode) for r in records if r.spec_decode],
         "vllm": vllms,
+        "plugin": plugins,
         "num_decode": [[r.num_decode_reqs, r.num_decode_tokens] for r in records],
         "num_output_tokens": sum(
             m.num_output_tokens for r in records for m in r.milestones if m.event & 2

@@ -29,9 +29,9 @@ def version_tuple(version: str) -> tuple[int, ...]:
 # tests/test_vllm_scheduler_live.py) run on. Every version of TESTED_VLLM_VERSIONS runs vLLM's
 # real scheduler through tests/vllm_scheduler_check.py in `make test`; a serve costs 35-55 s a
 # source and version on 2 cores (more without native bf16, where vLLM runs float32), so `make
-# test` serves the newest release there, the speculative-decoding and Dynamo serves run the CPU
-# build (so each source is served on both), and `make test-vllm-versions` (ALL_VERSIONS_ENV=1)
-# serves every version.
+# test` serves the newest release there, the CPU build serves the scheduler source with drafts
+# (tests/test_vllm_spec_live.py) and Dynamo's scheduler, and `make test-vllm-versions`
+# (ALL_VERSIONS_ENV=1) serves every version, and the plugin with drafts too.
 ALL_VERSIONS_ENV = "ITERSCOPE_TEST_ALL_VLLM_VERSIONS"
 SERVED_VLLM_VERSIONS = (
     TESTED_VLLM_VERSIONS
