@@ -81,6 +81,14 @@ def feed(sink, messages):
     send(sink, *messages)
 
 
+def in_arrival_order(messages):
+    """Several engines' messages interleaved by their wall time, as they arrive live."""
+    return sorted(
+        messages,
+        key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS,
+    )
+
+
 def design_window(sink, **kwargs):
     feed(sink, design_messages(**kwargs))
 
@@ -121,8 +129,7 @@ def test_the_aggregated_line_names_a_device_only_where_every_engine_runs_on_it()
     lines.lines.clear()
     both = design_messages(0, start_s=110, device="GPU")
     both += design_messages(1, start_s=110, device="CPU")
-    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
-    feed(sink, both)
+    feed(sink, in_arrival_order(both))
     engine_0, engine_1, aggregated = lines.texts()
     assert ", GPU KV cache usage: " in engine_0 and ", CPU KV cache usage: " in engine_1
     assert ", Waiting: 0 reqs, KV cache usage: 11.7%," in aggregated
@@ -149,8 +156,7 @@ def test_several_engines_get_an_aggregated_line():
     assert len(lines.texts()) == 1  # engine 1 not seen yet
     lines.lines.clear()
     both = design_messages(0, start_s=110) + design_messages(1, start_s=110)
-    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
-    feed(sink, both)  # interleaved, as they arrive live
+    feed(sink, in_arrival_order(both))
     texts = lines.texts()
     assert texts[0].startswith("Engine 000: Avg prompt throughput: 600.0 tokens/s")
     assert texts[1].startswith("Engine 001: Avg prompt throughput: 600.0 tokens/s")
@@ -466,8 +472,7 @@ def test_each_engine_has_its_spec_decoding_line_under_its_own_and_none_is_aggreg
     design_window(sink, engine_index=0)
     lines.lines.clear()
     both = with_drafts(design_messages(0, start_s=110), [3, 2, 1]) + design_messages(1, start_s=110)
-    both.sort(key=lambda m: m.wall_ns if isinstance(m, Heartbeat) else m.start_ns + CLOCK_OFFSET_NS)
-    feed(sink, both)
+    feed(sink, in_arrival_order(both))
     labels = [text.split(": Avg")[0].split(": Spec")[0] for text in lines.texts()]
     assert labels == ["Engine 000", "Engine 000", "Engine 001", "2 Engines Aggregated"]
     assert lines.texts()[1].startswith("Engine 000: SpecDecoding metrics: Mean acceptance length:")
