@@ -97,13 +97,16 @@ def start_vllm(
     flags: tuple[str, ...] = BEST_CPU_FLAGS + PLUGIN_FLAGS,
     ready_timeout_s: float = 300.0,
     version: str = CPU_BUILD_VERSION,
+    niceness: int = 0,
 ) -> subprocess.Popen:
-    """`vllm serve` (vLLM ``version``, see vllm_env) on 127.0.0.1:port with ``flags``; returns
-    once /health answers. ``env`` is added to this process's environment. Raises RuntimeError
-    with the log's tail if vLLM exits or is not ready in time."""
+    """`vllm serve` (vLLM ``version``, see vllm_env) on 127.0.0.1:port with ``flags``, at
+    ``niceness`` (its processes' CPU priority, as `nice -n`); returns once /health answers.
+    ``env`` is added to this process's environment. Raises RuntimeError with the log's tail if
+    vLLM exits or is not ready in time."""
     if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
         raise RuntimeError(f"{VLLM} or {MODEL_DIR} is missing: run `make vllm`")
     command = [
+        *(("nice", "-n", str(niceness)) if niceness else ()),
         str(VLLM),
         "serve",
         str(MODEL_DIR),
@@ -140,7 +143,7 @@ def wait_healthy(base_url: str, server: subprocess.Popen, log_path: Path, timeou
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"{server.args[0]} exited: {log_path.read_text()[-3000:]}")
+            raise RuntimeError(f"the server of {base_url} exited: {log_path.read_text()[-3000:]}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return

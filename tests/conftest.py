@@ -32,6 +32,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.live)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def slow_stacks_started_ahead(request, tmp_path_factory):
+    """The slowest set-ups the selected tests use (`vllm serve` stacks, vLLM's real-scheduler
+    checks) start now, in the background, while the fast tests run (tests/helpers/ahead.py);
+    those no fixture took stop with the session."""
+    from tests.helpers import ahead
+
+    ahead.start_ahead(request.session.items, tmp_path_factory)
+    yield
+    ahead.stop_untaken()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded from its GGUF in float32 (engine.model.loader.load_model), as

@@ -9,23 +9,27 @@ __init__ imports torch), and the directory is on the PYTHONPATH of `vllm serve` 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import msgspec
 import openai
+import pytest
 import zmq
 
 from bench.vllm_server import BEST_CPU_FLAGS, engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import Heartbeat, IterationRecord, Message
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers import REPO
+from tests.helpers.ahead import ahead, take
 from tests.helpers.net import free_port
 from tests.helpers.processes import explain_engines
 from tests.helpers.prom import scrape, total
@@ -246,16 +250,16 @@ def test_dynamos_decoder_reads_what_iterscope_serve_publishes_with_fpm_port(tmp_
     assert 0.8 < interval_s < 2.0
 
 
-def test_dynamos_instrumented_vllm_scheduler_feeds_the_sidecar_from_a_real_vllm(tmp_path):
-    """Dynamo's scheduler heartbeats after any second without a message: idle on heartbeats;
-    one request's iterations counted as vLLM served them; its engine core killed: dead."""
+@ahead(fixture="dynamo_stack", tmp_name="dynamo_vllm")
+@contextlib.contextmanager
+def dynamo_vllm_stack(tmp: Path, _: None, **vllm_kwargs) -> Iterator[dict]:
+    """A sidecar subscribed to `vllm serve` with Dynamo's instrumented scheduler."""
     if not (FPM_WHEELS / "dynamo" / "vllm" / "instrumented_scheduler.py").exists():
         raise AssertionError(f"{FPM_WHEELS} lacks ai-dynamo: `make fpm-wheels` unpacks it")
     fpm_port, api_port = free_port(), free_port()
     args = ["--fpm", f"tcp://127.0.0.1:{fpm_port}", "--fpm-producer", "dynamo-vllm"]
     args += ["--metrics-port", "0", "--no-log", "--dead-after", "2"]
     sidecar = start_sidecar(args)
-    url = sidecar.metrics_url
     env = {
         "PYTHONPATH": str(FPM_WHEELS),
         "DYN_FORWARDPASS_METRIC_PORT": str(fpm_port),
@@ -264,31 +268,45 @@ def test_dynamos_instrumented_vllm_scheduler_feeds_the_sidecar_from_a_real_vllm(
     }
     scheduler = "dynamo.vllm.instrumented_scheduler.InstrumentedScheduler"
     flags = (*BEST_CPU_FLAGS, "--scheduler-cls", scheduler)
-    server = start_vllm(api_port, env, tmp_path / "vllm.log", flags)
+    server = None
     try:
-        wait_until(lambda: state_of(url, "idle") == 1, 30, "Dynamo's vLLM engine idle")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none")
-        usage = client.completions.create(model="smollm2", prompt="Hello there", max_tokens=12)
-        assert usage.usage is not None
-        num_prompt_tokens, num_output_tokens = (
-            usage.usage.prompt_tokens,
-            usage.usage.completion_tokens,
-        )
-        samples = wait_until(
-            lambda: (
-                (s := scrape(url))
-                and total(s, "iterscope_iterations_total") == num_output_tokens
-                and s
-            ),
-            10,
-            "one iteration per output token",
-        )
-        # the prefill makes the first token; each later token is one decode
-        assert total(samples, "iterscope_prompt_tokens_total") == num_prompt_tokens
-        assert total(samples, "iterscope_generation_tokens_total") == num_output_tokens - 1
-        wait_until(lambda: state_of(url, "idle") == 1, 10, "idle again on heartbeats")
-        os.kill(engine_core_pid(server.pid), signal.SIGKILL)
-        wait_until(lambda: state_of(url, "dead") == 1, 15, "its engine core killed: dead")
+        server = start_vllm(api_port, env, tmp / "vllm.log", flags, **vllm_kwargs)
+        yield {"sidecar": sidecar, "server": server, "api_port": api_port}
     finally:
-        stop_server(server)
-        assert sidecar.stop() == 0
+        if server is not None:
+            stop_server(server)
+        sidecar.stop()
+
+
+@pytest.fixture
+def dynamo_stack(tmp_path_factory):
+    """dynamo_vllm_stack, started ahead (tests/helpers/ahead.py)."""
+    with take(dynamo_vllm_stack, None, tmp_path_factory) as started:
+        yield started
+
+
+def test_dynamos_instrumented_vllm_scheduler_feeds_the_sidecar_from_a_real_vllm(dynamo_stack):
+    """Dynamo's scheduler heartbeats after any second without a message: idle on heartbeats;
+    one request's iterations counted as vLLM served them; its engine core killed: dead."""
+    url = dynamo_stack["sidecar"].metrics_url
+    wait_until(lambda: state_of(url, "idle") == 1, 30, "Dynamo's vLLM engine idle")
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{dynamo_stack['api_port']}/v1", api_key="none"
+    )
+    usage = client.completions.create(model="smollm2", prompt="Hello there", max_tokens=12)
+    assert usage.usage is not None
+    num_prompt_tokens, num_output_tokens = usage.usage.prompt_tokens, usage.usage.completion_tokens
+    samples = wait_until(
+        lambda: (
+            (s := scrape(url)) and total(s, "iterscope_iterations_total") == num_output_tokens and s
+        ),
+        10,
+        "one iteration per output token",
+    )
+    # the prefill makes the first token; each later token is one decode
+    assert total(samples, "iterscope_prompt_tokens_total") == num_prompt_tokens
+    assert total(samples, "iterscope_generation_tokens_total") == num_output_tokens - 1
+    wait_until(lambda: state_of(url, "idle") == 1, 10, "idle again on heartbeats")
+    os.kill(engine_core_pid(dynamo_stack["server"].pid), signal.SIGKILL)
+    wait_until(lambda: state_of(url, "dead") == 1, 15, "its engine core killed: dead")
+    assert dynamo_stack["sidecar"].stop() == 0

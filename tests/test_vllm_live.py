@@ -8,8 +8,11 @@ disturb vLLM. `make test` builds .vllm-venv, the other vLLM versions beside it a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,6 +22,7 @@ from bench.vllm_server import engine_core_pid, start_vllm, stop_server
 from telemetry.lane.record import UNKNOWN_ELAPSED, UNKNOWN_KV_TOKENS, UNKNOWN_PREFILL_REQS
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.fpm import is_heartbeat
+from tests.helpers.ahead import ahead, take
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
@@ -42,10 +46,10 @@ FPM_WORKER_ID = "vllm-plugin"
 LONG_PROMPT_WORDS = 1500
 
 
-@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
-def stack(request, tmp_path_factory):
-    """A sidecar and `vllm serve` (vLLM ``request.param``) with the plugin."""
-    tmp = tmp_path_factory.mktemp("vllm")
+@ahead(fixture="stack", tmp_name="vllm")
+@contextlib.contextmanager
+def plugin_stack(tmp: Path, version: str, **vllm_kwargs) -> Iterator[dict]:
+    """A sidecar and `vllm serve` (vLLM ``version``) with the plugin."""
     metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
@@ -74,7 +78,8 @@ def stack(request, tmp_path_factory):
             api_port,
             {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
-            version=request.param,
+            version=version,
+            **vllm_kwargs,
         )
         yield {
             "sidecar": sidecar,
@@ -90,6 +95,13 @@ def stack(request, tmp_path_factory):
         sidecar.stop()
         sidecar_log.close()
         fpm.close()
+
+
+@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
+def stack(request, tmp_path_factory):
+    """plugin_stack on vLLM ``request.param``, started ahead (tests/helpers/ahead.py)."""
+    with take(plugin_stack, request.param, tmp_path_factory) as started:
+        yield started
 
 
 def client(api_port: int) -> openai.OpenAI:

@@ -13,12 +13,15 @@ core. `make test` builds .vllm-venv, the other vLLM versions beside it and
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -39,6 +42,7 @@ from telemetry.lane.record import (
 )
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
+from tests.helpers.ahead import ahead, take
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
@@ -75,24 +79,44 @@ FPM_WORKER_ID = "vllm-w"
 POLL_S = 0.1
 
 
-def run_checks(version: str) -> subprocess.CompletedProcess:
+def run_checks(version: str, niceness: int = 0, timeout_s: float = 300.0):
     """Every case of tests/vllm_scheduler_check.py, in one run of vLLM ``version``."""
     return subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_scheduler_check.py"), *CHECK_CASES],
+        [
+            "nice",
+            "-n",
+            str(niceness),
+            str(VLLM_PYTHON),
+            str(ROOT / "tests" / "vllm_scheduler_check.py"),
+        ]
+        + list(CHECK_CASES),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
         env={**os.environ, "ITERSCOPE_TELEMETRY_ADDRESS": "ipc:///dev/null", **vllm_env(version)},
     )
 
 
-@pytest.fixture(scope="module")
-def every_versions_checks() -> dict[str, subprocess.CompletedProcess]:
+@ahead(fixture="every_versions_checks", tmp_name="vllm_checks")
+@contextlib.contextmanager
+def versions_checks(
+    _tmp: Path, _param: None, niceness: int = 0, ready_timeout_s: float = 300.0
+) -> Iterator[dict[str, subprocess.CompletedProcess]]:
     """The checks of every tested version, two at a time (each run is mostly vLLM's import on
-    one core: two side by side take the time of one on this 2-core machine)."""
+    one core: two side by side take the time of one on this 2-core machine), at
+    ``niceness``, each within ``ready_timeout_s``."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        runs = pool.map(run_checks, TESTED_VLLM_VERSIONS)
-        return dict(zip(TESTED_VLLM_VERSIONS, runs, strict=True))
+        runs = pool.map(
+            lambda version: run_checks(version, niceness, ready_timeout_s), TESTED_VLLM_VERSIONS
+        )
+        yield dict(zip(TESTED_VLLM_VERSIONS, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def every_versions_checks(tmp_path_factory) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+    """versions_checks, started ahead (tests/helpers/ahead.py)."""
+    with take(versions_checks, None, tmp_path_factory) as done:
+        yield done
 
 
 @pytest.fixture(scope="module", params=TESTED_VLLM_VERSIONS)
@@ -174,11 +198,11 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(c
     assert "no_such_attribute" in missing
 
 
-@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
-def kv_stack(request, tmp_path_factory):
-    """A sidecar, `vllm serve` (vLLM ``request.param``) with the scheduler source and a KV
-    cache of 8 blocks, and Prometheus."""
-    tmp = tmp_path_factory.mktemp("vllm_scheduler")
+@ahead(fixture="kv_stack", tmp_name="vllm_scheduler")
+@contextlib.contextmanager
+def scheduler_stack(tmp: Path, version: str, **vllm_kwargs) -> Iterator[dict]:
+    """A sidecar, `vllm serve` (vLLM ``version``) with the scheduler source and a KV cache of
+    8 blocks, and Prometheus."""
     metrics_port, api_port, fpm_port = free_port(), free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
@@ -196,11 +220,12 @@ def kv_stack(request, tmp_path_factory):
             {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
             flags=KV_FLAGS,
-            version=request.param,
+            version=version,
+            **vllm_kwargs,
         )
         prometheus = start_prometheus(tmp, [f"127.0.0.1:{metrics_port}"])
         yield {
-            "version": request.param,
+            "version": version,
             "sidecar": sidecar,
             "server": server,
             "api_port": api_port,
@@ -217,6 +242,13 @@ def kv_stack(request, tmp_path_factory):
         sidecar.stop()
         sidecar_log.close()
         fpm.close()
+
+
+@pytest.fixture(scope="module", params=SERVED_VLLM_VERSIONS)
+def kv_stack(request, tmp_path_factory):
+    """scheduler_stack on vLLM ``request.param``, started ahead (tests/helpers/ahead.py)."""
+    with take(scheduler_stack, request.param, tmp_path_factory) as started:
+        yield started
 
 
 def prompt(index: int, num_words: int) -> str:

@@ -11,14 +11,18 @@ tests/test_vllm_live.py.)"""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
+from tests.helpers.ahead import ahead, take
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, total
 from tests.helpers.vllm import ALL_VERSIONS_ENV, POLL_S, VLLM_ENV, iterscope
@@ -40,11 +44,11 @@ PROMPT = "Repeat after me: one two three four five six seven eight nine ten. " *
 NUM_REQUESTS = 8
 
 
-@pytest.fixture(scope="module", params=SERVED_SOURCES)
-def spec_stack(request, tmp_path_factory):
-    """A recording sidecar and `vllm serve` speculating by ngram, with the source
-    ``request.param``, after NUM_REQUESTS greedy requests."""
-    tmp = tmp_path_factory.mktemp(f"vllm_spec_{request.param}")
+@ahead(fixture="spec_stack", tmp_name="vllm_spec")
+@contextlib.contextmanager
+def speculating_stack(tmp: Path, source: str, **vllm_kwargs) -> Iterator[dict]:
+    """A recording sidecar and `vllm serve` speculating by ngram, with the source ``source``,
+    after NUM_REQUESTS greedy requests."""
     metrics_port, api_port = free_port(), free_port()
     sidecar_log = open(tmp / "sidecar.log", "w")
     sidecar = start_sidecar(
@@ -58,12 +62,8 @@ def spec_stack(request, tmp_path_factory):
             api_port,
             {"ITERSCOPE_TELEMETRY_ADDRESS": sidecar.address, **VLLM_ENV},
             tmp / "vllm.log",
-            flags=(
-                *BEST_CPU_FLAGS,
-                *SOURCE_FLAGS[request.param],
-                "--speculative-config",
-                SPEC_CONFIG,
-            ),
+            flags=(*BEST_CPU_FLAGS, *SOURCE_FLAGS[source], "--speculative-config", SPEC_CONFIG),
+            **vllm_kwargs,
         )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none")
 
@@ -76,7 +76,7 @@ def spec_stack(request, tmp_path_factory):
             responses = list(pool.map(complete, range(NUM_REQUESTS)))
         assert all(r.usage.completion_tokens > 0 for r in responses)
         yield {
-            "source": request.param,
+            "source": source,
             "metrics_port": metrics_port,
             "api_port": api_port,
             "sidecar_log": tmp / "sidecar.log",
@@ -87,6 +87,14 @@ def spec_stack(request, tmp_path_factory):
             stop_server(server)
         sidecar.stop()
         sidecar_log.close()
+
+
+@pytest.fixture(scope="module", params=SERVED_SOURCES)
+def spec_stack(request, tmp_path_factory):
+    """speculating_stack with the source ``request.param``, started ahead
+    (tests/helpers/ahead.py)."""
+    with take(speculating_stack, request.param, tmp_path_factory) as started:
+        yield started
 
 
 def draft_pairs(stack) -> dict[str, tuple[float, float]]:
