@@ -291,4 +291,5 @@ def test_the_record_fields_keep_their_wire_order():
         "model_elapsed_ns",
         "fpm",
         "spec_decode",
+        "first_token_latencies_ns",
     )

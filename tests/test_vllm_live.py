@@ -185,6 +185,57 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     assert engine["fit"]["num_iterations"] > 0 and engine["recommendation"]["max_num_seqs"] > 0
 
 
+def ttft_pair(stack) -> tuple[tuple[float, float], tuple[float, float], float]:
+    """((ours, vLLM's) TTFT count, (ours, vLLM's) TTFT sum, our finished requests)."""
+    ours, theirs = scrape(stack["metrics_port"]), scrape(stack["api_port"])
+    return (
+        (
+            total(ours, "iterscope_time_to_first_token_seconds_count"),
+            total(theirs, "vllm:time_to_first_token_seconds_count"),
+        ),
+        (
+            total(ours, "iterscope_time_to_first_token_seconds_sum"),
+            total(theirs, "vllm:time_to_first_token_seconds_sum"),
+        ),
+        total(ours, "iterscope_requests_finished_total"),
+    )
+
+
+def test_ttfts_reach_the_sidecar_at_the_first_token_as_vllms_own(stack):
+    """vLLM hands the plugin each TTFT when the first token comes (naming no request): the
+    histogram has them while the requests still generate, and in the end vLLM's own values."""
+    (count_before, _), _, finished_before = ttft_pair(stack)
+    api = client(stack["api_port"])
+
+    def long_request(i: int):
+        return api.completions.create(
+            model="smollm2",
+            prompt=f"Story {i}: once upon a time",
+            max_tokens=160,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long_request, i) for i in range(4)]
+        seen = wait_until(
+            lambda: (pair := ttft_pair(stack))[0][0] >= count_before + 4 and pair,
+            60,
+            "four TTFTs in the sidecar's histogram",
+            interval_s=POLL_S,
+        )
+        assert seen[2] == finished_before  # not one of the four had finished
+        assert all(f.result().usage.completion_tokens == 160 for f in futures)
+    (count, vllm_count), (ttft_sum, vllm_sum), _ = wait_until(
+        lambda: (pair := ttft_pair(stack))[0][0] == pair[0][1] and pair,
+        15,
+        lambda: f"our TTFT count to equal vLLM's: {ttft_pair(stack)}",
+        interval_s=POLL_S,
+    )
+    assert count >= count_before + 4
+    assert abs(ttft_sum - vllm_sum) < 1e-6 * count  # vLLM's own values, to the nanosecond
+
+
 def families(port: int) -> dict:
     return {family.name: family for family in text_string_to_metric_families(metrics_text(port))}
 

@@ -16,6 +16,7 @@ from telemetry.analysis.tune import fit_iteration_time
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
+    EVENT_TTFT_SENT,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
@@ -58,9 +59,17 @@ def details(ctx_reqs=1, ctx_tokens=100, gen_reqs=2, gen_tokens=2, elapsed_ms=12.
 
 
 def iteration_stats(
-    generated=3, computed=100, itls=(0.01, 0.01), preempted=0, finished=(), timestamp=None
+    generated=3,
+    computed=100,
+    itls=(0.01, 0.01),
+    preempted=0,
+    finished=(),
+    timestamp=None,
+    ttfts=None,
 ):
-    return SimpleNamespace(
+    """vLLM's IterationStats of a step; ``ttfts`` None: a vLLM without
+    time_to_first_tokens_iter."""
+    stats = SimpleNamespace(
         num_generation_tokens=generated,
         prompt_token_stats=SimpleNamespace(computed=computed),
         inter_token_latencies_iter=list(itls),
@@ -68,6 +77,9 @@ def iteration_stats(
         finished_requests=list(finished),
         iteration_timestamp=time.time() if timestamp is None else timestamp,
     )
+    if ttfts is not None:
+        stats.time_to_first_tokens_iter = list(ttfts)
+    return stats
 
 
 def finished(reason=1, e2e=2.0, queued=0.25, prefill=0.5, decode=1.0, outputs=16):
@@ -161,6 +173,39 @@ def test_finished_requests_become_milestones_at_vllm_times():
     assert (m.num_prompt_tokens, m.num_cached_tokens, m.num_output_tokens) == (100, 32, 16)
     assert (m.num_preemptions, m.request_id) == (1, "cmpl-1")
     assert m.prefill_chunks == [(m.first_scheduled_ns, m.first_token_ns, 100 - 32)]
+
+
+def ttft_counts(sink: PrometheusSink) -> tuple[float, float, float]:
+    """TTFT histogram (count, sum), and the cached prompt tokens counted, of engine 0."""
+    families = {f.name: f for f in sink.collector.collect()}
+    samples = {s.name: s.value for s in families["iterscope_time_to_first_token_seconds"].samples}
+    cached = families["iterscope_prompt_tokens_cached"].samples[0].value
+    return (
+        samples["iterscope_time_to_first_token_seconds_count"],
+        samples["iterscope_time_to_first_token_seconds_sum"],
+        cached,
+    )
+
+
+def test_ttfts_reach_the_histogram_at_the_first_token_and_once():
+    """vLLM gives the plugin each TTFT when the first token comes, without the request:
+    observed then, and not again when the request finishes."""
+    maker = RecordMaker(0, 11)
+    sink = PrometheusSink(CollectorRegistry())
+    record = maker.make(scheduler_stats(), iteration_stats(ttfts=[0.25, 0.5]))
+    assert record.first_token_latencies_ns == [250_000_000, 500_000_000]
+    send(sink, record)
+    assert ttft_counts(sink) == (2, 0.75, 0)
+    done = maker.make(scheduler_stats(), iteration_stats(finished=[finished()], ttfts=[]))
+    (m,) = done.milestones
+    assert m.event == EVENT_FIRST_TOKEN | EVENT_FINISHED | EVENT_TTFT_SENT
+    assert done.first_token_latencies_ns == []
+    send(sink, done)
+    assert ttft_counts(sink) == (2, 0.75, 32)  # the cached tokens still counted, once
+    # a vLLM that sends no TTFTs per step: observed at the finish, as before
+    older = PrometheusSink(CollectorRegistry())
+    send(older, RecordMaker(0, 11).make(scheduler_stats(), iteration_stats(finished=[finished()])))
+    assert ttft_counts(older) == (1, 2.0 - 1.0, 32)  # e2e - decode time
 
 
 def test_a_vllm_request_becomes_a_trace_with_its_phases():

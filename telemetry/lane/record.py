@@ -25,10 +25,10 @@ Invariants the sidecar relies on:
   reports no waiting reasons, for example). Such a field is sent as 0 and every reader shows
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
-  ``model_elapsed_ns``, ``fpm``, ``spec_decode``, the Heartbeat's ``source``,
-  ``prefill_schedule_interval`` and ``engine_version``) come last with a default, so
-  frames of older senders still decode, and readers that predate a field ignore it (msgspec
-  skips an array-like frame's extra trailing elements).
+  ``model_elapsed_ns``, ``fpm``, ``spec_decode``, ``first_token_latencies_ns``, the
+  Heartbeat's ``source``, ``prefill_schedule_interval`` and ``engine_version``) come last
+  with a default, so frames of older senders still decode, and readers that predate a field
+  ignore it (msgspec skips an array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
   (FpmFigures); None for every other source, which costs our engine's frame one byte.
 - ``spec_decode`` counts speculative decoding's draft tokens scored and accepted in the
@@ -36,6 +36,10 @@ Invariants the sidecar relies on:
   engine has no speculative decoding). A decoding request then produces 1 + its accepted
   tokens in one iteration, so ``num_decode_tokens`` can exceed ``num_decode_reqs``, and the
   iteration computed ``num_decode_reqs + num_draft_tokens`` decode tokens.
+- Each request's TTFT is counted once: at its EVENT_FIRST_TOKEN milestone, or, where the
+  source could not name the request then (vLLM's stat-logger plugin), in the
+  ``first_token_latencies_ns`` of the iteration of its first token, its finish milestone
+  then carrying EVENT_TTFT_SENT.
 
 Build messages with ``iteration_record`` and ``heartbeat``, which name only the fields a caller
 sets and make every other count 0. The defaults live in these factories, not on the Structs:
@@ -68,6 +72,9 @@ Variance = Annotated[float, msgspec.Meta(ge=0.0, le=1e18)]
 # RequestMilestone.event bits
 EVENT_FIRST_TOKEN = 1
 EVENT_FINISHED = 2
+# With EVENT_FIRST_TOKEN: the request's TTFT went out before, unnamed, in the iteration of its
+# first token (IterationRecord.first_token_latencies_ns); readers count it there, once.
+EVENT_TTFT_SENT = 4
 
 # RequestMilestone.finish_reason values (engine.request.FinishReason; the same indexes as
 # vLLM's FinishReason, whose error and repetition our engine never sends), -1 = not finished
@@ -100,7 +107,9 @@ class RequestMilestone(msgspec.Struct, array_like=True, gc=False, omit_defaults=
 
     Sent twice per request at most: once at the first token (so TTFT is seen early) and once
     at the finish, which carries the whole lifecycle. ``event`` holds EVENT_* bits; both bits
-    are set when a request finishes in the iteration of its first token.
+    are set when a request finishes in the iteration of its first token. A source that learns
+    which request had its first token only at the finish (vLLM's stat-logger plugin) sends the
+    TTFT unnamed when it happens and sets EVENT_TTFT_SENT on the finish.
     """
 
     request_id: str
@@ -190,6 +199,10 @@ class IterationRecord(msgspec.Struct, array_like=True, gc=False, tag=TAG_ITERATI
     model_elapsed_ns: Count = 0
     fpm: FpmFigures | None = None  # FPM producers only (see the module doc)
     spec_decode: SpecDecodeCounts | None = None  # drafts scored this iteration, else None
+    # The TTFT of each request whose first token came in this iteration, where the source
+    # cannot name the request yet (vLLM's stat-logger plugin: vLLM's own values); those
+    # requests' finish milestones carry EVENT_TTFT_SENT.
+    first_token_latencies_ns: list[Count] = []
 
 
 def is_known(record: IterationRecord, unknown_bit: int) -> bool:

@@ -22,8 +22,12 @@ the field-by-field table; in short:
     prefix queries / hits, preemptions  scheduler / iteration stats of the step
     spec_decode                       scheduler stats' spec_decoding_stats (drafts scored and
                                       accepted), None when the step scored none
+    first_token_latencies_ns          iteration stats' time_to_first_tokens_iter: the TTFT of
+                                      each request whose first token came this step, vLLM's
+                                      own values (vLLM names none of those requests)
     milestones                        one per finished request, times rebuilt from vLLM's
-                                      intervals (see ``milestone``)
+                                      intervals (see ``milestone``), with EVENT_TTFT_SENT
+                                      where vLLM sent the TTFTs as above
 
 vLLM's stats classes are not a stable interface: every attribute is read with a default, so
 a renamed one degrades that field instead of failing the call.
@@ -37,6 +41,7 @@ from typing import Any
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
+    EVENT_TTFT_SENT,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_TOKENS,
     UNKNOWN_PREFILL_REQS,
@@ -88,11 +93,15 @@ class RecordMaker:
         _fill_batch(record, details, iteration_stats)
         if scheduler_stats is not None:
             self._fill_scheduler_fields(record, scheduler_stats)
+        ttfts = getattr(iteration_stats, "time_to_first_tokens_iter", None)
+        if ttfts:
+            record.first_token_latencies_ns = [max(0, _ns(seconds)) for seconds in ttfts]
         finished = getattr(iteration_stats, "finished_requests", None)
         if finished:
             wall_offset_ns = time.time_ns() - end_ns  # wall - this process's monotonic
             finished_ns = _ns(getattr(iteration_stats, "iteration_timestamp", 0.0)) - wall_offset_ns
-            record.milestones = [milestone(stats, finished_ns) for stats in finished]
+            ttft_sent = ttfts is not None  # this vLLM sends each TTFT at its first token
+            record.milestones = [milestone(stats, finished_ns, ttft_sent) for stats in finished]
         return record
 
     def _is_step(self, details: Any, scheduler_stats: Any, iteration_stats: Any) -> bool:
@@ -157,8 +166,9 @@ def _fill_batch(record: IterationRecord, details: Any, iteration_stats: Any) -> 
     record.num_decode_reqs = len(getattr(iteration_stats, "inter_token_latencies_iter", None) or ())
 
 
-def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
-    """A finished request's lifecycle from vLLM's FinishedRequestStats.
+def milestone(stats: Any, finished_ns: int, ttft_sent: bool = False) -> RequestMilestone:
+    """A finished request's lifecycle from vLLM's FinishedRequestStats; ``ttft_sent``: its
+    TTFT went out unnamed at its first token (EVENT_TTFT_SENT).
 
     vLLM gives intervals, not times: e2e_latency runs from arrival to this step's frontend
     timestamp, the others are measured on the engine core's clock (queued: queued ->
@@ -181,7 +191,7 @@ def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
     prefill = [(first_scheduled_ns, first_token_ns, max(0, num_prompt_tokens - num_cached_tokens))]
     return RequestMilestone(
         request_id=str(getattr(stats, "request_id", None) or ""),
-        event=EVENT_FIRST_TOKEN | EVENT_FINISHED if num_output_tokens else EVENT_FINISHED,
+        event=_finish_event(num_output_tokens, ttft_sent),
         arrival_ns=max(0, arrival_ns),
         first_scheduled_ns=max(0, first_scheduled_ns),
         first_token_ns=max(0, first_token_ns),
@@ -193,6 +203,12 @@ def milestone(stats: Any, finished_ns: int) -> RequestMilestone:
         finish_reason=VLLM_FINISH_REASONS.get(int(reason), -1) if reason is not None else -1,
         prefill_chunks=prefill if num_output_tokens and first_scheduled_ns > 0 else [],
     )
+
+
+def _finish_event(num_output_tokens: int, ttft_sent: bool) -> int:
+    if not num_output_tokens:
+        return EVENT_FINISHED
+    return EVENT_FIRST_TOKEN | EVENT_FINISHED | (EVENT_TTFT_SENT if ttft_sent else 0)
 
 
 def num_in_flight(scheduler_stats: Any) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from telemetry.analysis.live_findings import FINDING_KINDS
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
+    EVENT_TTFT_SENT,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_BLOCKS,
@@ -370,6 +371,9 @@ class EngineMetrics:
         the record (which the view's totals take in after the sinks)."""
         self.engine = engine
         self.observe_iteration(record, engine.last_record)
+        if record.first_token_latencies_ns:  # TTFTs of requests the source could not name
+            for ttft_ns in record.first_token_latencies_ns:
+                self.histograms["time_to_first_token_seconds"].observe(ttft_ns / 1e9)
         if record.milestones:
             for milestone in record.milestones:
                 self.apply_milestone(milestone)
@@ -393,12 +397,14 @@ class EngineMetrics:
                 self._inter_token.observe((end_ns - previous_end_ns) / 1e9, num_decode_reqs)
 
     def apply_milestone(self, milestone: RequestMilestone) -> None:
-        """TTFT at the first-token event, the rest at the finish (both bits may be set)."""
+        """TTFT at the first-token event (unless it went out unnamed before), the rest at the
+        finish (both bits may be set)."""
         histograms = self.histograms
         if milestone.event & EVENT_FIRST_TOKEN:
-            histograms["time_to_first_token_seconds"].observe(
-                (milestone.first_token_ns - milestone.arrival_ns) / 1e9
-            )
+            if not milestone.event & EVENT_TTFT_SENT:
+                histograms["time_to_first_token_seconds"].observe(
+                    (milestone.first_token_ns - milestone.arrival_ns) / 1e9
+                )
             self.num_prompt_tokens_cached += milestone.num_cached_tokens
         if not milestone.event & EVENT_FINISHED:
             return
