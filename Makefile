@@ -153,7 +153,7 @@ test-vllm-versions: $(STAMP) prometheus tcmalloc vllm
 	  tests/test_vllm_scheduler_live.py tests/test_vllm_spec_live.py
 
 # The fast tier: no process started, no real model loaded (the tests marked `live` left out;
-# tests/conftest.py). About a minute on 2 cores; `make test` runs everything.
+# tests/conftest.py). About two minutes on 2 cores; `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
