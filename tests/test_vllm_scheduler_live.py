@@ -79,7 +79,9 @@ FPM_WORKER_ID = "vllm-w"
 POLL_S = 0.1
 
 
-def run_checks(version: str, niceness: int = 0, timeout_s: float = 300.0):
+def run_checks(
+    version: str, niceness: int = 0, timeout_s: float = 300.0
+) -> subprocess.CompletedProcess:
     """Every case of tests/vllm_scheduler_check.py, in one run of vLLM ``version``."""
     return subprocess.run(
         [
