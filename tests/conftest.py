@@ -86,7 +86,10 @@ def real_story(tmp_path_factory):
 @pytest.fixture
 def onednn_linears(monkeypatch):
     """Linear layers take oneDNN's packed (or widened) weights, not the CPU matmul kernel's
-    panels, whatever this CPU's kind (engine/model/kernels/cpu_matmul.py measured_kind)."""
+    panels, whatever this CPU's kind: not one measured (engine/model/kernels/cpu_matmul.py
+    measured_kind), and not timed (engine/model/matmul_choice.py)."""
+    from engine.model import matmul_choice
     from engine.model.kernels import cpu_matmul
 
     monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: False)
+    monkeypatch.setattr(matmul_choice, "calibration", lambda dtype: None)

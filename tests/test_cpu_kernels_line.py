@@ -10,7 +10,6 @@ from engine.model.kernels import cpu_matmul, cpu_prefill_attention
 from engine.model.loader import build_tiny_model
 
 NO_COMPILER = "no C compiler (set CC or install gcc)"
-UNMEASURED = "not measured on this CPU kind (oneDNN's packed weights run)"
 
 
 @pytest.fixture
@@ -24,15 +23,6 @@ def test_every_kernel_named_where_all_build(measured_kind):
     line = build_tiny_model("llama", seed=0).decoder.cpu_kernels_line()
     assert line == (
         "CPU kernels: paged decode, prefill attention, RMSNorm, RoPE + K/V store, matmul"
-    )
-
-
-def test_a_cpu_kind_the_matmul_kernel_was_not_measured_on(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: False)
-    line = build_tiny_model("llama", seed=0).decoder.cpu_kernels_line()
-    assert line == (
-        "CPU kernels: paged decode, prefill attention, RMSNorm, RoPE + K/V store; "
-        f"torch's ops for matmul: {UNMEASURED}"
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import linear
+from engine.model import linear, matmul_choice
 from engine.model.kernels import cpu_build, cpu_matmul
 from engine.model.loader import build_tiny_model
 from tests.helpers.cpu_kernels import build_names, load_build
@@ -108,21 +108,6 @@ def test_bfloat16_is_refused_by_a_build_without_avx512_bf16():
         cpu_matmul.matmul(library, torch.ones(1, 8, dtype=torch.bfloat16), panels, 32, None)
 
 
-def test_the_kernel_runs_on_the_kinds_it_was_measured_on_only():
-    amd, intel = "AuthenticAMD", "GenuineIntel"
-    avx512, bf16 = {"avx2", "avx512f"}, {"avx2", "avx512f", "avx512_bf16"}
-    assert cpu_matmul.why_not(amd, avx512, torch.float32, 576) is None
-    assert cpu_matmul.why_not(amd, bf16, torch.bfloat16, 576) is None
-    assert cpu_matmul.why_not(amd, avx512, torch.bfloat16, 576) == "bfloat16 needs AVX512_BF16"
-    assert cpu_matmul.why_not(amd, bf16, torch.bfloat16, 577).endswith("even input size")
-    assert cpu_matmul.why_not(amd, bf16, torch.float16, 576) == "not for torch.float16"
-    avx2 = {"avx2", "fma"}
-    assert cpu_matmul.why_not(amd, avx2, torch.float32, 576) is None
-    assert cpu_matmul.why_not(amd, avx2, torch.bfloat16, 576) == "bfloat16 needs AVX512_BF16"
-    for vendor, flags in ((intel, bf16), (intel, avx2), (amd, {"avx", "sse4_2"})):
-        assert cpu_matmul.why_not(vendor, flags, torch.float32, 576).startswith("not measured")
-
-
 @pytest.fixture
 def measured_kind(monkeypatch):
     monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: True)
@@ -212,6 +197,7 @@ def test_gated_with_a_bias_is_refused(library):
 def test_a_gated_linear_layer_is_the_mlp_activation(monkeypatch, kernel_kind):
     """On every path (the kernel's panels, oneDNN's or plain weights): silu(gate) * up."""
     monkeypatch.setattr(cpu_matmul, "measured_kind", lambda vendor, flags: kernel_kind)
+    monkeypatch.setattr(matmul_choice, "calibration", lambda dtype: None)  # no timing: oneDNN
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(2 * 48, 64, generator=generator) * 0.1
     layer = linear.Linear(weight, gated=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model import matmul_choice
 from engine.model.attention import PagedAttention
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.config import ModelConfig
@@ -88,6 +89,8 @@ class Decoder:
         if not cpu_build.kernels_enabled():
             return "CPU kernels: none (ITERSCOPE_CPU_KERNELS=0): torch's ops run"
         used = [name for name, (library, _) in kernels.items() if library is not None]
+        if self.lm_head.kernel is not None:  # chosen by a timing on a kind not measured before
+            used[used.index("matmul")] += matmul_choice.note_here(self.config.dtype)
         why_not = {
             name: kernel.build_error() or "not for this dtype or these shapes"
             for name, (library, kernel) in kernels.items()
@@ -96,7 +99,9 @@ class Decoder:
         if self.rope_kernel is None and not self.attention.reads_only_the_cache:
             why_not["RoPE + K/V store"] = "needs both attention kernels"  # its own condition
         if self.lm_head.kernel is None and not cpu_matmul.KERNEL.build_error():
-            why_not["matmul"] = cpu_matmul.why_not_here(self.config.dtype, self.lm_head.in_features)
+            why_not["matmul"] = matmul_choice.why_not_here(
+                self.config.dtype, self.lm_head.in_features
+            )
         line = f"CPU kernels: {', '.join(used) or 'none'}"
         if not why_not:
             return line

@@ -1,9 +1,8 @@
 """A weight matrix applied as x @ W.T (+ b). On CPU it is prepared once at load.
 
 F.linear hands the BLAS a plain row-major weight on every call; oneDNN's blocked layout,
-made once at load time (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's
-CPU freezing pass uses), is what its fast kernels read. What is prepared depends on the
-dtype and on what the CPU can do:
+made once at load time (engine/model/onednn.py), is what its fast kernels read. What is
+prepared depends on the dtype and on what the CPU can do:
 
 - float32: packed. On an AVX2 EPYC, decode-sized matmuls of SmolLM2 run 2-2.6x faster
   packed (the 576 x 49152 head for 16 rows: 45 -> 17 ms; every shape of the model, 16 rows:
@@ -17,11 +16,13 @@ dtype and on what the CPU can do:
   bf16 values exactly in float32 and accumulates in float32, so this is the same
   computation up to the order of the sums.
 
-Before all of these, where the CPU matmul kernel runs (engine/model/kernels/cpu_matmul.py:
-AMD CPUs with AVX-512 or AVX2, float32, and bfloat16 with AVX512_BF16), the weight is laid
-out in its panels instead. With AVX-512 a decode step's matmuls stream the weights ~1.6x
-faster than oneDNN's; prefill's, compute-bound, take 2-5% longer. With AVX2 both are faster
-(0.67-0.77x oneDNN's time at 16 rows, 0.88x at 1,024: docs/performance.md).
+Before all of these, where the CPU matmul kernel runs (float32, and bfloat16 with
+AVX512_BF16, on the AMD CPUs it was measured faster on, and on other CPUs with AVX2 and FMA
+or AVX-512 where a timing at start-up finds it faster: engine/model/matmul_choice.py), the
+weight is laid out in its panels instead. On an AMD CPU with AVX-512 a decode step's
+matmuls stream the weights ~1.6x faster than oneDNN's; prefill's, compute-bound, take 2-5%
+longer. With AVX2 both are faster (0.67-0.77x oneDNN's time at 16 rows, 0.88x at 1,024:
+docs/performance.md).
 
 Set ITERSCOPE_PACK_WEIGHTS=0 to keep every weight plain (no panels, neither packed nor
 widened).
@@ -35,7 +36,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.model import matmul_choice
 from engine.model.kernels import cpu_matmul
+from engine.model.onednn import pack_weight, packed_product
 
 
 def _packing_allowed(weight: torch.Tensor) -> bool:
@@ -49,12 +52,6 @@ def _preparable(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked layout of a float32 or bf16 weight (for batches around 32 rows; any
-    number of rows works); RuntimeError for bf16 on CPUs without bf16 support."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
 @functools.cache
@@ -98,7 +95,7 @@ class Linear:
         self.kernel = None  # the CPU matmul kernel's library, where it holds the panels
         if (
             _packing_allowed(weight)
-            and cpu_matmul.why_not_here(weight.dtype, self.in_features) is None
+            and matmul_choice.why_not_here(weight.dtype, self.in_features) is None
         ):
             self.kernel = cpu_matmul.KERNEL.load()
         if self.kernel is not None:
@@ -134,5 +131,5 @@ class Linear:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+            return packed_product(x, self.packed, self.bias)
         return F.linear(x.float(), self.widened, self.bias).to(x.dtype)

@@ -3,10 +3,11 @@
 Where it runs: CPUs of the kinds it was measured faster on, AMD with AVX-512 (a decode step's
 weights stream ~1.6x faster than through oneDNN's packed matmul there: docs/performance.md)
 and AMD with AVX2 (a decode step's matmuls 0.67-0.77x oneDNN's time), in float32, and in
-bfloat16 where the CPU has AVX512_BF16. Elsewhere Linear keeps oneDNN's
-packed weights (engine/model/linear.py) until the kernel is measured on that kind. The
-weights are laid out once, at load, in the kernel's panels (``pack``); they replace oneDNN's
-copy, they do not add to it. ITERSCOPE_CPU_KERNELS=0 turns it off.
+bfloat16 where the CPU has AVX512_BF16. On other CPUs with AVX2 and FMA or AVX-512 the
+engine times the kernel against oneDNN's packed matmul at start-up and runs the faster
+(engine/model/matmul_choice.py); without those vectors Linear keeps oneDNN's packed weights
+(engine/model/linear.py). The weights are laid out once, at load, in the kernel's panels
+(``pack``); they replace oneDNN's copy, they do not add to it. ITERSCOPE_CPU_KERNELS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -27,20 +28,23 @@ ACT_NONE, ACT_SILU_AND_MUL = 0, 1  # the C enum
 
 def measured_kind(vendor: str, flags: set[str]) -> bool:
     """The CPU kinds the kernel was measured faster than oneDNN on: AMD with AVX-512, and AMD
-    with AVX2 and FMA (its tiles of 6 rows there: matmul.c)."""
-    return vendor == "AuthenticAMD" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    with AVX2 and FMA (its tiles of 6 rows there: matmul.c). Other kinds with its vectors
+    time it at start-up (engine/model/matmul_choice.py)."""
+    return vendor == "AuthenticAMD" and has_its_vectors(flags)
 
 
-def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:
-    """Why this CPU does not take the kernel for a weight of ``dtype`` with ``in_features``,
-    or None where it does: float32 on a measured kind; bfloat16 there too when the CPU has
-    AVX512_BF16 and the input size is even (a weight line holds pairs)."""
-    return why_not(*cpu_build.this_cpu(), dtype, in_features)
+def has_its_vectors(flags: set[str]) -> bool:
+    """The vectors the kernel's tiles are written and tested for: AVX-512, or AVX2 with FMA."""
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def why_not(vendor: str, flags: set[str], dtype: torch.dtype, in_features: int) -> str | None:
-    if not measured_kind(vendor, flags):
-        return "not measured on this CPU kind (oneDNN's packed weights run)"
+    """Why the kernel cannot take a weight of ``dtype`` with ``in_features`` on this CPU
+    (whether it is faster here is engine/model/matmul_choice.py's question), or None:
+    float32 with its vectors; bfloat16 too where the CPU has AVX512_BF16 and the input size
+    is even (a weight line holds pairs)."""
+    if not has_its_vectors(flags):
+        return "needs AVX2 with FMA, or AVX-512 (oneDNN's packed weights run)"
     if dtype == torch.float32:
         return None
     if dtype != torch.bfloat16:

@@ -1,0 +1,144 @@
+"""Which matmul a CPU Linear runs: the CPU matmul kernel's panels or oneDNN's packed weights.
+
+    the kernel's own conditions   cpu_matmul.why_not: its vectors (AVX2 with FMA, or AVX-512),
+                                  the dtype (bf16 needs AVX512_BF16 and an even input size)
+    a measured kind               cpu_matmul.measured_kind: the kinds sessions measured the
+                                  kernel faster on (docs/performance.md): the kernel runs
+    any other kind                timed here once per process and dtype, at the first Linear
+                                  that could take the kernel: the kernel runs if it took at
+                                  most DECODE_WIN of oneDNN's time at DECODE_ROWS rows with the
+                                  weights streamed from memory (a decode step) and at most
+                                  PREFILL_SLACK at PREFILL_ROWS (prefill, compute-bound, where
+                                  oneDNN may use units the kernel does not, as AMX)
+
+The timing streams synthetic weights of at least twice the last-level cache, so neither path
+reads them from cache, and alternates the two paths, best of CALIBRATION_REPEATS each; it
+costs a few hundred milliseconds, and holds the weights in both layouts meanwhile (at most
+2 x MAX_WEIGHT_BYTES). Both
+paths compute the same products (docs/performance.md), so a choice made on a noisy machine
+costs speed, never correctness. The engine's start-up line says which ran and why
+(engine/model/decoder.py cpu_kernels_line).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.kernels import cpu_build, cpu_matmul
+from engine.model.onednn import pack_weight, packed_product
+
+DECODE_ROWS = 16
+PREFILL_ROWS = 256
+DECODE_WIN = 0.95  # the kernel's time over oneDNN's at DECODE_ROWS, at most
+PREFILL_SLACK = 1.10  # the same at PREFILL_ROWS, at most
+CALIBRATION_REPEATS = 5
+WEIGHT_SHAPE = (2048, 1024)  # out, in: a projection of a small model
+MIN_WEIGHT_BYTES, MAX_WEIGHT_BYTES = 64 << 20, 256 << 20
+L3_SIZE_PATH = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The kernel's time over oneDNN's on this CPU, best of CALIBRATION_REPEATS each."""
+
+    decode_ratio: float  # at DECODE_ROWS rows, the weights streamed from memory
+    prefill_ratio: float  # at PREFILL_ROWS rows
+
+    @property
+    def kernel_wins(self) -> bool:
+        return self.decode_ratio <= DECODE_WIN and self.prefill_ratio <= PREFILL_SLACK
+
+    def text(self) -> str:
+        """What was timed, for the start-up line."""
+        return (
+            f"timed at start-up on this CPU kind: the kernel took {self.decode_ratio:.2f}x "
+            f"oneDNN's time at {DECODE_ROWS} rows, {self.prefill_ratio:.2f}x at {PREFILL_ROWS}"
+        )
+
+
+def why_not_here(dtype: torch.dtype, in_features: int) -> str | None:
+    """Why this CPU does not run the kernel for a weight of ``dtype`` with ``in_features``,
+    or None where it does (see the module docstring)."""
+    vendor, flags = cpu_build.this_cpu()
+    reason = cpu_matmul.why_not(vendor, flags, dtype, in_features)
+    if reason is not None or cpu_matmul.measured_kind(vendor, flags):
+        return reason
+    found = calibration(dtype)
+    if found is None:
+        return "not measured on this CPU kind, and not timed: " + (
+            cpu_matmul.KERNEL.build_error() or "the kernel is off"
+        )
+    return None if found.kernel_wins else f"oneDNN's is faster here ({found.text()})"
+
+
+def note_here(dtype: torch.dtype) -> str:
+    """Why the kernel runs, where a timing chose it ("" on a measured kind)."""
+    vendor, flags = cpu_build.this_cpu()
+    if cpu_matmul.measured_kind(vendor, flags):
+        return ""
+    found = calibration(dtype)
+    return f" ({found.text()})" if found is not None and found.kernel_wins else ""
+
+
+@functools.cache
+def calibration(dtype: torch.dtype) -> Calibration | None:
+    """This CPU's timing for ``dtype``, once per process; None where the kernel or oneDNN's
+    packing is not there to time."""
+    library = cpu_matmul.KERNEL.load()
+    if library is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return None
+    return measure(library, dtype, weight_bytes())
+
+
+def weight_bytes() -> int:
+    """Twice the last-level cache, within MIN_WEIGHT_BYTES and MAX_WEIGHT_BYTES."""
+    try:
+        size = L3_SIZE_PATH.read_text().strip()  # e.g. "32768K"
+        cache_bytes = int(size.rstrip("KM")) << (20 if size.endswith("M") else 10)
+    except (OSError, ValueError):
+        cache_bytes = 0
+    return min(max(2 * cache_bytes, MIN_WEIGHT_BYTES), MAX_WEIGHT_BYTES)
+
+
+def measure(library: object, dtype: torch.dtype, total_bytes: int) -> Calibration:
+    """Time both paths on synthetic weights of ``total_bytes`` (see the module docstring)."""
+    n, k = WEIGHT_SHAPE
+    one = (torch.rand(n, k) - 0.5).to(dtype)
+    count = max(1, total_bytes // one.nbytes)
+    panels = [cpu_matmul.pack(one) for _ in range(count)]
+    packed = [pack_weight(one) for _ in range(count)]
+    ratios = []
+    for rows, weights in ((DECODE_ROWS, count), (PREFILL_ROWS, 1)):
+        x = (torch.rand(rows, k) - 0.5).to(dtype)
+        kernel = functools.partial(_kernel_pass, library, x, panels[:weights], n)
+        onednn = functools.partial(_onednn_pass, x, packed[:weights])
+        kernel_s, onednn_s = _best_times(kernel, onednn)
+        ratios.append(kernel_s / onednn_s)
+    return Calibration(*ratios)
+
+
+def _kernel_pass(library: object, x: torch.Tensor, panels: list, n: int) -> None:
+    for weight in panels:
+        cpu_matmul.matmul(library, x, weight, n, None)
+
+
+def _onednn_pass(x: torch.Tensor, packed: list) -> None:
+    for weight in packed:
+        packed_product(x, weight, None)
+
+
+def _best_times(*passes: functools.partial) -> list[float]:
+    """Each pass's best time of CALIBRATION_REPEATS, alternating, after one warm-up each."""
+    best = [float("inf")] * len(passes)
+    for repeat in range(CALIBRATION_REPEATS + 1):
+        for number, run in enumerate(passes):
+            start = time.perf_counter()
+            run()
+            if repeat:  # the first is the warm-up
+                best[number] = min(best[number], time.perf_counter() - start)
+    return best
