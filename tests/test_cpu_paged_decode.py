@@ -3,6 +3,7 @@ build (cache key, missing compiler, failed build), and its use by the model runn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from engine.model.kernels import cpu_build, cpu_matmul, cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
+from tests.helpers.ahead import ahead, take
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,11 +60,19 @@ if platform.machine() == "x86_64":
         OTHER_BUILDS["avx2"] = (("-mno-avx512f",), 2)
 
 
+@ahead(fixture="other_build", tmp_name="kernel-cache")
+@contextlib.contextmanager
+def built(cache: Path, name: str, **_: object) -> Iterator[dict]:
+    """One of OTHER_BUILDS, built into ``cache``: ~8-10 s of gcc each, so started ahead
+    (tests/helpers/ahead.py) while the fast tests leave a core idle."""
+    yield {"path": cpu_paged_decode.build(gcc(), cache, OTHER_BUILDS[name][0])}
+
+
 @pytest.fixture(scope="module", params=sorted(OTHER_BUILDS))
 def other_build(request, tmp_path_factory):
-    flags, expected_path = OTHER_BUILDS[request.param]
-    cache = tmp_path_factory.mktemp("kernel-cache")
-    library = cpu_paged_decode.open_library(cpu_paged_decode.build(gcc(), cache, flags))
+    expected_path = OTHER_BUILDS[request.param][1]
+    with take(built, request.param, tmp_path_factory) as build:
+        library = cpu_paged_decode.open_library(build["path"])
     if expected_path is not None:
         assert library.vector_path() == expected_path
     return library
@@ -292,6 +303,7 @@ import json, sys
 from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.runner import ModelRunner
+from tests.helpers.ahead import ahead, take
 runner = ModelRunner(build_tiny_model("llama", seed=0), 16, 4, "cpu")
 print(json.dumps({"loaded": cpu_paged_decode.KERNEL.load() is not None,
                   "error": cpu_paged_decode.KERNEL.build_error(),

@@ -1,7 +1,8 @@
 """The live set-ups slowest to start, started ahead: a real `vllm serve` takes 45-70 s to
 be ready on 2 cores and vLLM's real-scheduler checks of five versions ~50 s, most of it Python
 imports on one core (each of a serve's three processes imports torch and vLLM in turn), while
-the fast tests before their modules leave a core idle.
+the fast tests before their modules leave a core idle. The paged decode kernel's other builds
+(tests/test_cpu_paged_decode.py: ~8-10 s of gcc each) start ahead the same way.
 
 A test module marks the context manager that starts and stops its stack with ``@ahead(fixture,
 tmp_name)``: ``start(tmp_dir, param, **vllm_kwargs)`` yields the stack its fixture ``fixture``
