@@ -12,6 +12,8 @@ finds, opens and closes kv_saturation and waiting_kv findings as it would on a l
   bare_pull   the floor: the same sender and frames into a bare ZMQ PULL loop that receives
               each frame and does nothing with it; over_ipc / bare_pull is the sidecar's
               share of what the lane itself allows
+  no_sink     over_ipc with no sink and live findings off: the LaneLoop, decode, checks and
+              engine view alone, so the share splits into theirs and the sinks'
   findings    in_process and over_ipc again with live findings off (`--no-live-findings`),
               side by side with on, rounds alternating which goes first: on / off is what
               the live findings leave of the ingest rate. The window is searched at most
@@ -119,7 +121,10 @@ class Pass:
     num_findings: int = 0  # opened
 
 
-def make_ingest(directory: str, live_findings: bool) -> Ingest:
+def make_ingest(directory: str, live_findings: bool, sinks: bool = True) -> Ingest:
+    """The log and JSONL sinks, or (``sinks`` False) none: the loop and Ingest's own work."""
+    if not sinks:
+        return Ingest([], live_findings=live_findings)
     lines: list[str] = []
     log = LogSink(emit=lambda level, text: lines.append(text))
     jsonl = JsonlSink(f"{directory}/rec.jsonl", max_bytes=1 << 30)
@@ -188,9 +193,11 @@ def watch(ingest: Ingest, num_frames: int, loop: LaneLoop, times: dict[str, floa
     loop.stop()
 
 
-def over_ipc_rate(num_records: int, num_frames: int, directory: str, live_findings: bool) -> Pass:
+def over_ipc_rate(
+    num_records: int, num_frames: int, directory: str, live_findings: bool, sinks: bool = True
+) -> Pass:
     address = f"ipc://{directory}/lane.sock"
-    ingest = make_ingest(directory, live_findings)
+    ingest = make_ingest(directory, live_findings, sinks)
     sidecar = LaneLoop(address, ingest, rcvhwm=receive_hwm(num_frames))
     sender = multiprocessing.get_context("spawn").Process(
         target=send_frames, args=(address, num_records)
@@ -272,6 +279,10 @@ def report(figures: dict, num_searches: int) -> None:
         f"{100 * f['share_of_bare_pull']:.0f}% of the lane's own limit"
     )
     print(
+        f"  over ipc with no sink and findings off: {f['no_sink_records_per_s']:,} records/s, "
+        f"{100 * f['no_sink_share_of_bare_pull']:.0f}% of it (the loop, decode and checks alone)"
+    )
+    print(
         f"live findings on / off, mean of {f['rounds']} rounds: over ipc "
         f"{f['findings_on_per_s']:,} / {f['findings_off_per_s']:,} = {f['findings_ratio']:.3f} "
         f"(rounds: {f['findings_ratio_per_round']}); in process {f['in_process_records_per_s']:,}"
@@ -310,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     in_process, over_ipc = findings_passes(frames, args.records, args.rounds)
     with tempfile.TemporaryDirectory() as directory:
         bare_pull = bare_pull_rate(args.records, len(frames), directory)
+    with tempfile.TemporaryDirectory() as directory:
+        no_sink = over_ipc_rate(args.records, len(frames), directory, False, sinks=False)
     in_on, in_off = mean_rate(in_process[True]), mean_rate(in_process[False])
     ipc_on, ipc_off = mean_rate(over_ipc[True]), mean_rate(over_ipc[False])
     searched = over_ipc[True]
@@ -321,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         "bare_pull_frames_per_s": round(bare_pull),
         "ipc_over_in_process": round(ipc_on / in_on, 2),
         "share_of_bare_pull": round(ipc_on / bare_pull, 3),
+        "no_sink_records_per_s": round(no_sink.records_per_s),
+        "no_sink_share_of_bare_pull": round(no_sink.records_per_s / bare_pull, 3),
         "findings_on_per_s": round(ipc_on),
         "findings_off_per_s": round(ipc_off),
         "findings_ratio": round(ipc_on / ipc_off, 3),
