@@ -76,7 +76,7 @@ class IterscopeStatLogger(StatLoggerBase):
                 logger.warning(
                     "iterscope: the scheduler source does not run on vLLM %s (untested); "
                     "the stat-logger plugin reports this engine instead: no waiting "
-                    "reasons, first tokens at the finish (docs/vllm.md)",
+                    "reasons, each request's first token named only at its finish (docs/vllm.md)",
                     vllm.__version__,
                 )
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")

@@ -4,7 +4,7 @@
 (the only module here that imports vLLM): ``added`` when a request enters the scheduler,
 ``scheduled`` right after ``Scheduler.schedule()`` returns, ``updated`` right after
 ``Scheduler.update_from_output()`` returns. It reads vLLM's scheduler, SchedulerOutput and
-Request objects by attribute (checked against vLLM 0.29.0 to 0.33.0; the subclass checks at
+Request objects by attribute (checked against vLLM 0.27.1 to 0.33.0; the subclass checks at
 start-up that every attribute read here exists), so it can be tested with plain stand-ins.
 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
@@ -48,7 +48,7 @@ this order (the first that holds names every waiting request not held back):
                 0.31 ``max_num_running_reqs``)
     budget      the step's tokens at ``max_num_scheduled_tokens`` (``--max-num-batched-tokens``)
     KV          otherwise: the head of the queue was not admitted with room for requests and
-                tokens left, which in vLLM 0.29 to 0.33 means its block allocation failed
+                tokens left, which in vLLM 0.27 to 0.33 means its block allocation failed
 
 Limits of the rule: vLLM also stops admitting for the encoder-cache budget, or without
 chunked prefill when the next prompt exceeds what is left of the budget; these fall to the
@@ -103,7 +103,7 @@ def _count_split(scheduler: Any) -> tuple[int, int]:
 
 
 def _count_skipped(scheduler: Any) -> tuple[int, int]:
-    """vLLM 0.29 and 0.30: skipped requests (and those blocked from the start) in a queue of
+    """vLLM 0.27 to 0.30: skipped requests (and those blocked from the start) in a queue of
     their own, ``skipped_waiting``."""
     held_back = len(scheduler.skipped_waiting)
     return len(scheduler.waiting) + held_back, held_back
@@ -133,7 +133,7 @@ SKIPPED_QUEUE = WaitingQueues(
 
 
 def waiting_queues(scheduler: Any) -> WaitingQueues:
-    """This scheduler's layout: 0.29/0.30's where it has ``skipped_waiting``, else 0.31's."""
+    """This scheduler's layout: 0.27-0.30's where it has ``skipped_waiting``, else 0.31's."""
     return SKIPPED_QUEUE if hasattr(scheduler, "skipped_waiting") else SPLIT_QUEUES
 
 
@@ -350,7 +350,7 @@ class StepReporter:
 def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
     """Whether the ``schedule(throttle_prefills)`` about to run holds every prefill back
     for vLLM's prefill cadence: read before the call, from the state vLLM decides it on
-    (vLLM 0.29-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
+    (vLLM 0.27-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
     (``throttle_prefills``); vLLM 0.33 also keeps the cadence itself on an engine without
     data parallelism (``local_prefill_interval`` > 1). Either way vLLM lets prefills through
     when the last one left requests waiting (``prefill_capacity_bound``) or when every running
