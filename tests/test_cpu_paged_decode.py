@@ -303,7 +303,6 @@ import json, sys
 from engine.model.kernels import cpu_paged_decode
 from engine.model.loader import build_tiny_model
 from engine.runner import ModelRunner
-from tests.helpers.ahead import ahead, take
 runner = ModelRunner(build_tiny_model("llama", seed=0), 16, 4, "cpu")
 print(json.dumps({"loaded": cpu_paged_decode.KERNEL.load() is not None,
                   "error": cpu_paged_decode.KERNEL.build_error(),

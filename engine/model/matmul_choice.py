@@ -2,8 +2,8 @@
 
     the kernel's own conditions   cpu_matmul.why_not: its vectors (AVX2 with FMA, or AVX-512),
                                   the dtype (bf16 needs AVX512_BF16 and an even input size)
-    a measured kind               cpu_matmul.measured_kind: the kinds sessions measured the
-                                  kernel faster on (docs/performance.md): the kernel runs
+    a measured kind               cpu_matmul.measured_kind: the kinds the kernel was measured
+                                  faster on (docs/performance.md): the kernel runs
     any other kind                timed here once per process and dtype, at the first Linear
                                   that could take the kernel: the kernel runs if it took at
                                   most DECODE_WIN of oneDNN's time at DECODE_ROWS rows with the
@@ -13,11 +13,10 @@
 
 The timing streams synthetic weights of at least twice the last-level cache, so neither path
 reads them from cache, and alternates the two paths, best of CALIBRATION_REPEATS each; it
-costs a few hundred milliseconds, and holds the weights in both layouts meanwhile (at most
-2 x MAX_WEIGHT_BYTES). Both
-paths compute the same products (docs/performance.md), so a choice made on a noisy machine
-costs speed, never correctness. The engine's start-up line says which ran and why
-(engine/model/decoder.py cpu_kernels_line).
+costs a few tenths of a second, and holds the weights in both layouts meanwhile (at most
+2 x MAX_WEIGHT_BYTES). Both paths compute the same products (docs/performance.md), so a
+choice made on a busy machine costs speed, never correctness. The engine's start-up line says
+which ran and why (engine/model/decoder.py cpu_kernels_line).
 """
 
 from __future__ import annotations
