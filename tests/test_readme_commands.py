@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench.vllm_server import wait_healthy
+from engine.model.kernels import cpu_build
 from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.live
@@ -47,6 +48,8 @@ def fresh_shell(command: str, cwd: Path, **popen_args) -> subprocess.Popen:
         "HOME": str(cwd),
         # Where this checkout's code is; in CI it is also what .venv's editable install names.
         "PYTHONPATH": str(REPO),
+        # The CPU kernels `make demo` built, which a user's own home keeps (~10 s of gcc).
+        "ITERSCOPE_KERNEL_CACHE": str(cpu_build.kernel_cache_dir()),
     }
     return subprocess.Popen(
         ["bash", "--noprofile", "--norc", "-c", command], cwd=cwd, env=env, text=True, **popen_args

@@ -84,15 +84,19 @@ def load(
     if compiler is None:
         errors.append("no C compiler (set CC or install gcc)")
         return None
-    cache_dir = os.environ.get(
-        "ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels"
-    )
     try:
-        return open_library(build(compiler, Path(cache_dir), source, extra_flags))
+        return open_library(build(compiler, kernel_cache_dir(), source, extra_flags))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         errors.append(f"building {source.name} with {compiler} failed: {detail}")
         return None
+
+
+def kernel_cache_dir() -> Path:
+    """Where built kernels are kept: $ITERSCOPE_KERNEL_CACHE, else ~/.cache/iterscope/kernels."""
+    return Path(
+        os.environ.get("ITERSCOPE_KERNEL_CACHE", Path.home() / ".cache" / "iterscope" / "kernels")
+    )
 
 
 def build(compiler: str, cache_dir: Path, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
