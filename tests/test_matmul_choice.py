@@ -45,9 +45,10 @@ def test_the_choice_rule():
     assert not Calibration(0.96, 0.5).kernel_wins  # not faster where decode streams weights
     assert not Calibration(0.5, 1.11).kernel_wins  # much slower at prefill (oneDNN on AMX)
     assert KERNEL_FASTER.text() == (
-        "timed at start-up on this CPU kind: the kernel took 0.70x oneDNN's time at 16 rows, "
-        "0.90x at 256"
+        "timed on this CPU kind: the kernel took 0.70x oneDNN's time at 16 rows, 0.90x at 256"
     )
+    kept = Calibration(0.7, 0.9, kept_in="/c/m.json")
+    assert kept.text() == KERNEL_FASTER.text() + "; kept in /c/m.json, delete it to time again"
 
 
 def test_the_kernels_own_conditions():
@@ -179,3 +180,60 @@ def test_the_bench_prints_its_figures(capsys):
     figures = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert len(figures["decode_ratios"]) == len(figures["kernel_chosen"]) == 1
     assert figures["measured_kind"] == cpu_matmul.measured_kind(VENDOR, FLAGS)
+
+
+@pytest.fixture
+def kept_timings(monkeypatch, tmp_path):
+    """The kernel cache (where timings are kept) in tmp_path, every timing fake and counted,
+    no timing cached in the process before or after."""
+    monkeypatch.setenv("ITERSCOPE_KERNEL_CACHE", str(tmp_path))
+    measured: list = []
+
+    def fake_measure(library, dtype, total_bytes):
+        measured.append(dtype)
+        return KERNEL_FASTER
+
+    monkeypatch.setattr(matmul_choice, "measure", fake_measure)
+    matmul_choice.calibration.cache_clear()
+    yield measured
+    matmul_choice.calibration.cache_clear()
+
+
+@needs_vectors
+def test_a_timing_is_kept_so_every_later_process_chooses_alike(kept_timings, tmp_path):
+    first = matmul_choice.calibration(torch.float32)
+    path = matmul_choice.kept_path(torch.float32)
+    assert path.parent == tmp_path and first.kept_in == str(path)
+    assert (first.decode_ratio, first.prefill_ratio) == (0.7, 0.9)
+    matmul_choice.calibration.cache_clear()  # a later process
+    assert matmul_choice.calibration(torch.float32) == first
+    assert kept_timings == [torch.float32]  # timed once
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+@needs_vectors
+def test_a_kept_timing_that_cannot_be_read_is_timed_again(kept_timings):
+    path = matmul_choice.kept_path(torch.float32)
+    path.write_text('{"decode_ratio": 0.7')  # cut short
+    assert matmul_choice.calibration(torch.float32).kept_in == str(path)
+    assert kept_timings == [torch.float32]
+    assert matmul_choice.read_kept(path).decode_ratio == 0.7
+
+
+@needs_vectors
+def test_a_timing_that_cannot_be_kept_is_used_and_said_so(kept_timings, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("ITERSCOPE_KERNEL_CACHE", str(tmp_path / "a-file" / "cache"))  # no dir
+    found = matmul_choice.calibration(torch.float32)
+    assert found == KERNEL_FASTER and found.kept_in == ""
+    assert "kept" not in found.text()
+
+
+def test_what_a_kept_timing_depends_on(monkeypatch):
+    here = matmul_choice.kept_path(torch.float32)
+    assert matmul_choice.kept_path(torch.bfloat16) != here
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert matmul_choice.kept_path(torch.float32) != here
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "flags : avx2 fma")
+    assert matmul_choice.kept_path(torch.float32) != here

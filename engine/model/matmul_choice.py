@@ -4,10 +4,12 @@
                                   the dtype (bf16 needs AVX512_BF16 and an even input size)
     a measured kind               cpu_matmul.measured_kind: the kinds the kernel was measured
                                   faster on (docs/performance.md): the kernel runs
-    any other kind                timed here once per process and dtype, at the first Linear
-                                  that could take the kernel: the kernel runs if it took at
-                                  most DECODE_WIN of oneDNN's time at DECODE_ROWS rows with the
-                                  weights streamed from memory (a decode step) and at most
+    any other kind                timed here once per machine and dtype, at the first Linear
+                                  that could take the kernel, and kept (kept_path) so that
+                                  every process on the machine chooses alike and no later one
+                                  times again: the kernel runs if it took at most DECODE_WIN
+                                  of oneDNN's time at DECODE_ROWS rows with the weights
+                                  streamed from memory (a decode step) and at most
                                   PREFILL_SLACK at PREFILL_ROWS (prefill, compute-bound, where
                                   oneDNN may use units the kernel does not, as AMX)
 
@@ -15,13 +17,19 @@ The timing streams synthetic weights of at least twice the last-level cache, so 
 reads them from cache, and alternates the two paths, best of CALIBRATION_REPEATS each; it
 costs a few tenths of a second, and holds the weights in both layouts meanwhile (at most
 2 x MAX_WEIGHT_BYTES). Both paths compute the same products (docs/performance.md), so a
-choice made on a busy machine costs speed, never correctness. The engine's start-up line says
-which ran and why (engine/model/decoder.py cpu_kernels_line).
+choice made on a busy machine costs speed, never correctness; deleting the kept file times
+again. The engine's start-up line says which ran and why, and where the timing is kept
+(engine/model/decoder.py cpu_kernels_line).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +55,7 @@ class Calibration:
 
     decode_ratio: float  # at DECODE_ROWS rows, the weights streamed from memory
     prefill_ratio: float  # at PREFILL_ROWS rows
+    kept_in: str = ""  # the file this machine keeps it in ("" where it could not be written)
 
     @property
     def kernel_wins(self) -> bool:
@@ -54,9 +63,10 @@ class Calibration:
 
     def text(self) -> str:
         """What was timed, for the start-up line."""
+        kept = f"; kept in {self.kept_in}, delete it to time again" if self.kept_in else ""
         return (
-            f"timed at start-up on this CPU kind: the kernel took {self.decode_ratio:.2f}x "
-            f"oneDNN's time at {DECODE_ROWS} rows, {self.prefill_ratio:.2f}x at {PREFILL_ROWS}"
+            f"timed on this CPU kind: the kernel took {self.decode_ratio:.2f}x oneDNN's time at "
+            f"{DECODE_ROWS} rows, {self.prefill_ratio:.2f}x at {PREFILL_ROWS}{kept}"
         )
 
 
@@ -86,12 +96,60 @@ def note_here(dtype: torch.dtype) -> str:
 
 @functools.cache
 def calibration(dtype: torch.dtype) -> Calibration | None:
-    """This CPU's timing for ``dtype``, once per process; None where the kernel or oneDNN's
-    packing is not there to time."""
+    """This machine's timing for ``dtype``: the one it keeps, else one timed now and kept
+    (read once per process); None where the kernel or oneDNN's packing is not there to time."""
     library = cpu_matmul.KERNEL.load()
     if library is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return None
-    return measure(library, dtype, weight_bytes())
+    path = kept_path(dtype)
+    found = read_kept(path)
+    if found is None:
+        found = keep(path, measure(library, dtype, weight_bytes()))
+    return found
+
+
+def kept_path(dtype: torch.dtype) -> Path:
+    """Where this machine keeps its timing for ``dtype``, beside the built kernels, named by
+    what the timing depends on: the kernel's source, this CPU's vendor and flags, torch's
+    version (oneDNN's), the threads, the dtype and what is timed. The choice rule is applied
+    when it is read, so changing the rule needs no new timing."""
+    digest = hashlib.sha256(cpu_matmul.SOURCE.read_bytes())
+    timed = (DECODE_ROWS, PREFILL_ROWS, CALIBRATION_REPEATS, WEIGHT_SHAPE, weight_bytes())
+    for part in (
+        cpu_build.cpu_vendor(),
+        cpu_build.cpu_flags(),
+        torch.__version__,
+        f"{torch.get_num_threads()} {dtype} {timed}",
+    ):
+        digest.update(part.encode())
+    return cpu_build.kernel_cache_dir() / f"matmul-choice-{digest.hexdigest()[:16]}.json"
+
+
+def read_kept(path: Path) -> Calibration | None:
+    """The timing kept in ``path``; None where there is none or it cannot be read."""
+    try:
+        kept = json.loads(path.read_text())
+        return Calibration(float(kept["decode_ratio"]), float(kept["prefill_ratio"]), str(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def keep(path: Path, found: Calibration) -> Calibration:
+    """``found``, written whole to ``path`` (a temporary file renamed), so the next process
+    on this machine chooses alike; unchanged where it cannot be written (a read-only home)."""
+    ratios = {"decode_ratio": found.decode_ratio, "prefill_ratio": found.prefill_ratio}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            json.dump(ratios, file)
+        try:
+            os.replace(file.name, path)
+        except OSError:
+            os.unlink(file.name)
+            raise
+    except OSError:
+        return found
+    return dataclasses.replace(found, kept_in=str(path))
 
 
 def weight_bytes() -> int:
