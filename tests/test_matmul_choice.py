@@ -24,7 +24,7 @@ ONEDNN_FASTER = Calibration(decode_ratio=1.2, prefill_ratio=1.0)
 
 @pytest.fixture
 def unmeasured_kind(monkeypatch):
-    """This CPU's flags under a vendor no session measured the kernel on."""
+    """This CPU's flags under a vendor the kernel was not measured on (GenuineIntel)."""
     monkeypatch.setattr(cpu_build, "this_cpu", lambda: ("GenuineIntel", FLAGS))
 
 
