@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from engine.model import matmul_choice
 from engine.model.kernels import cpu_matmul
-from engine.model.onednn import pack_weight, packed_product
+from engine.model.onednn import pack_weight, packed_product, packing_available
 
 
 def _packing_allowed(weight: torch.Tensor) -> bool:
@@ -49,17 +49,14 @@ def _preparable(weight: torch.Tensor) -> bool:
     return (
         _packing_allowed(weight)
         and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and packing_available()
     )
 
 
 @functools.cache
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 at speed (oneDNN packs bf16 weights here)."""
-    if not (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
+    if not packing_available():
         return False
     try:
         pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16))

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from engine.model.kernels import cpu_build, cpu_matmul
-from engine.model.onednn import pack_weight, packed_product
+from engine.model.onednn import pack_weight, packed_product, packing_available
 
 DECODE_ROWS = 16
 PREFILL_ROWS = 256
@@ -99,7 +99,7 @@ def calibration(dtype: torch.dtype) -> Calibration | None:
     """This machine's timing for ``dtype``: the one it keeps, else one timed now and kept
     (read once per process); None where the kernel or oneDNN's packing is not there to time."""
     library = cpu_matmul.KERNEL.load()
-    if library is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if library is None or not packing_available():
         return None
     path = kept_path(dtype)
     found = read_kept(path)

@@ -8,6 +8,13 @@ from __future__ import annotations
 import torch
 
 
+def packing_available() -> bool:
+    """Whether this torch has oneDNN and its Linear packing op."""
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked layout of a float32 or bf16 weight (for batches around 32 rows; any
     number of rows works); RuntimeError for bf16 on CPUs without bf16 support."""
