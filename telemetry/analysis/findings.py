@@ -25,6 +25,8 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          was there before the storm is not the storm's, waiting it caused is
     long_prefill         decoding requests x the time their iteration took beyond the median
                          decode-only iteration (request-seconds slowed)
+    costly_drafts        the decode tokens its iterations produced x the time each came later
+                         than without drafts, by the fit (telemetry/analysis/episodes/drafts.py)
     stall                (waiting + running) x the stall's length, from the heartbeats
     telemetry_gap        0: with no records, nothing is known of what requests saw
 """
@@ -43,6 +45,7 @@ FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report
 # How each kind's cost is named in the text ("... request-s waiting").
 COST_LABELS = {
     "long_prefill": "slowed",
+    "costly_drafts": "slowed",
     "stall": "stalled",
     "telemetry_gap": "unknown",
     "kv_cliff": "delayed",
@@ -141,6 +144,18 @@ def _slowed_request_seconds(tl: EngineTimeline, rows: slice, baseline_s: float) 
     return float((num_decode_reqs * extra).sum())
 
 
+def _drafts_request_seconds(tl: EngineTimeline, episode: Episode) -> float:
+    """The decode tokens of the iterations that started inside the episode, each later by
+    what drafts add to the time per output token."""
+    starts = tl.col("start_ns")
+    rows = slice(
+        int(starts.searchsorted(episode.start_ns)), int(starts.searchsorted(episode.end_ns))
+    )
+    numbers = episode.numbers
+    added_s = numbers["token_time_with_drafts_s"] - numbers["token_time_without_drafts_s"]
+    return float(tl.col("num_decode_tokens")[rows].sum()) * added_s
+
+
 EVICTING_KINDS = ("kv_cliff", "preemption_storm")  # they send running requests back to wait
 
 
@@ -163,6 +178,8 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     if episode.kind == "stall" and "max_running_reqs" in episode.numbers:
         busy = episode.numbers["max_waiting_reqs"] + episode.numbers["max_running_reqs"]
         return busy * episode.duration_time
+    if episode.kind == "costly_drafts":
+        return _drafts_request_seconds(tl, episode)
     rows = _span_rows(tl, episode)
     if episode.kind == "long_prefill":
         return _slowed_request_seconds(tl, rows, episode.numbers["baseline_s"])

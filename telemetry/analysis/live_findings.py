@@ -41,6 +41,7 @@ from telemetry.analysis.episodes import (
     INFO,
     Episode,
     Thresholds,
+    detect_costly_drafts,
     detect_idle,
     detect_kv_cliff,
     detect_kv_leaks,
@@ -87,6 +88,7 @@ WINDOW_DETECTORS = (
     detect_kv_leaks,
     detect_telemetry_gaps,
     detect_long_prefill,
+    detect_costly_drafts,
 )
 assert detect_idle not in WINDOW_DETECTORS  # information, never a finding
 
@@ -104,6 +106,7 @@ FINDING_KINDS = (
     "waiting_other",
     "waiting",
     "long_prefill",
+    "costly_drafts",
     "kv_leak",
     "stall",
     "spinning",
@@ -145,6 +148,8 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
         return LEAK_MAX_GAP + 1, LOOKBACK_S, False
     if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
         return 1, max(th.storm_window_time, th.gap_merge_time), True
+    if kind == "costly_drafts":  # drafting iterations up to idle_min_time apart are one
+        return 1, th.idle_min_time, True
     return 1, 0.0, True  # a KV cliff, a spinning stall: one row without it
 
 

@@ -46,6 +46,7 @@ EPISODE_STYLES = {
     "idle": ("lightgrey", "Idle"),
     "telemetry_gap": ("slategrey", "Telemetry gap / engine silent"),
     "long_prefill": ("tab:cyan", "Long prefill chunks"),
+    "costly_drafts": ("tab:pink", "Drafts cost more than they save"),
 }
 
 # What an iteration ran -> (colour, legend text). A mixed batch has its own colour: its

@@ -49,7 +49,11 @@ number of decoding requests, by the fit, gives each request an output token ever
 none (the draft-token term, which also holds the proposer's own work per draft token, left
 out). Only where the fit has a draft-token cost: where every decoding request drafted
 alike, draft tokens move with decoding requests and their costs cannot be told apart (or the
-cost came out below 0 and was dropped), which tune says.
+cost came out below 0 and was dropped), which tune says. How sure that is: the share's
+standard error (``saving_error``), carried from the covariance of the fitted costs (the
+residuals' variance over the design, ``Fit.covariance``) to the share by its gradient; explain's
+costly_drafts finding (telemetry/analysis/episodes/drafts.py) asks the share to hold at
+two standard errors.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ JSON_NAMES = {
 }
 UNTIMED_OR_UNSPLIT = UNKNOWN_ELAPSED | UNKNOWN_PREFILL_REQS  # rows the fit cannot use
 OUTLIER_SIGMAS = 5.0
+ERROR_SIGMAS = 2  # how many standard errors a figure's uncertainty is said in
 # Why a fit may have no prompt token cost; its budget is then a guess (_budget).
 NO_PREFILL_TOKEN_COST = (
     "no cost per prefill token could be fitted (prompt tokens did not vary apart from the "
@@ -119,6 +124,9 @@ class Fit:
     max_decode_context_seen: float = 0.0  # the largest of one iteration's own mean
     target_decode_context_tokens: int | None = None  # --decode-context, where it is honoured
     drafts: Drafts | None = None  # speculative decoding's, where the recording has drafts
+    # Covariance of (base_time, *coefficients) in that order, from the fit's residuals; None
+    # where too few iterations were left to estimate it.
+    covariance: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def draft_slots(self) -> int:
@@ -152,6 +160,18 @@ class Fit:
     ) -> float:
         """Seconds of an iteration of ``decode_tokens`` decoding requests; ``draft_tokens``
         their draft tokens, None: the recording's mean draft behind each (0 without drafts)."""
+        row = self.design_row(prefill_tokens, decode_tokens, prefill_reqs, draft_tokens)
+        return self.base_time + float(row[1:] @ np.array(list(self.coefficients.values())))
+
+    def design_row(
+        self,
+        prefill_tokens: float = 0,
+        decode_tokens: float = 0,
+        prefill_reqs: float = 0,
+        draft_tokens: float | None = None,
+    ) -> np.ndarray:
+        """An iteration's features as the fit weighs them: 1 (the base), then one value per
+        coefficient, in their order (predict's arguments)."""
         if draft_tokens is None:
             draft_tokens = decode_tokens * (
                 self.drafts.draft_tokens_per_decode if self.drafts else 0
@@ -163,7 +183,7 @@ class Fit:
             "decode_kv_tokens": decode_tokens * self.predicted_decode_context_tokens,
             "draft_tokens": draft_tokens,
         }
-        return self.base_time + sum(c * values[name] for name, c in self.coefficients.items())
+        return np.array([1.0, *(values[name] for name in self.coefficients)])
 
     def decode_request_time(self, draft_tokens: float | None = None) -> float:
         """What one more decoding request costs an iteration (its token, its context and its
@@ -173,7 +193,7 @@ class Fit:
     def to_json(self) -> dict:
         """As `tune --json` prints it (JSON_NAMES); the drafts go beside it (main)."""
         fields = asdict(self)
-        del fields["drafts"]
+        del fields["drafts"], fields["covariance"]
         data = {JSON_NAMES.get(key, key): value for key, value in fields.items()}
         data["coefficients"] = {
             JSON_NAMES.get(name, name): value for name, value in self.coefficients.items()
@@ -191,9 +211,7 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
     no budget would seem too large)."""
     names = _independent([n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0], x)
     while True:
-        columns = [FEATURE_NAMES.index(n) for n in names]
-        design = np.column_stack([np.ones(len(y)), x[:, columns]])
-        solution, *_ = np.linalg.lstsq(design, y, rcond=None)
+        solution, *_ = np.linalg.lstsq(_design(x, names), y, rcond=None)
         negative = [n for n, c in zip(names, solution[1:], strict=True) if c < 0]
         if not negative:
             return {
@@ -211,11 +229,14 @@ def _independent(names: list[str], x: np.ndarray) -> list[str]:
     the intercept): a decode context that is a fixed multiple of the decode count, say."""
     kept: list[str] = []
     for name in names:
-        columns = [FEATURE_NAMES.index(n) for n in [*kept, name]]
-        design = np.column_stack([np.ones(len(x)), x[:, columns]])
-        if np.linalg.matrix_rank(design) == len(columns) + 1:
+        if np.linalg.matrix_rank(_design(x, [*kept, name])) == len(kept) + 2:
             kept.append(name)
     return kept
+
+
+def _design(x: np.ndarray, names: list[str]) -> np.ndarray:
+    """The fit's design matrix: a column of ones (the base), then the features ``names``."""
+    return np.column_stack([np.ones(len(x)), x[:, [FEATURE_NAMES.index(n) for n in names]]])
 
 
 def _untimed_hint(tl: EngineTimeline) -> str:
@@ -262,6 +283,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
     solution = _least_squares(x[keep], y[keep], FEATURE_NAMES)
     residuals = y[keep] - _predict(solution, x[keep])
     total_variance = float(((y[keep] - y[keep].mean()) ** 2).sum())
+    covariance = _covariance(solution, x[keep], residuals)
     return Fit(
         base_time=solution.pop("base"),
         coefficients=solution,
@@ -275,7 +297,22 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         decode_context_tokens=_decode_context(x),
         max_decode_context_seen=_max_decode_context(x),
         drafts=recorded_drafts(tl),
+        covariance=covariance,
     )
+
+
+def _covariance(
+    solution: dict[str, float], x: np.ndarray, residuals: np.ndarray
+) -> np.ndarray | None:
+    """The covariance of the fitted (base, *coefficients), in ``solution``'s order: the
+    residuals' variance times the inverse of the design's Gram matrix. None without more rows
+    than fitted values."""
+    design = _design(x, [name for name in solution if name != "base"])
+    degrees_of_freedom = len(x) - design.shape[1]
+    if degrees_of_freedom < 1:
+        return None
+    variance = float((residuals**2).sum()) / degrees_of_freedom
+    return variance * np.linalg.pinv(design.T @ design)
 
 
 def _decode_context(x: np.ndarray) -> float:
@@ -494,6 +531,7 @@ class DraftPayoff:
     num_decode_reqs: float
     token_time_with_drafts: float
     token_time_without_drafts: float
+    saving_error: float | None = None  # one standard error of ``saving``; None: not known
 
     @property
     def saving(self) -> float:
@@ -507,9 +545,18 @@ def draft_payoff(tl: EngineTimeline, fit: Fit) -> DraftPayoff | None:
         return None
     decode_reqs = tl.col("num_decode_reqs")
     num_decode_reqs = float(decode_reqs[decode_reqs > 0].mean())
-    with_drafts = fit.predict(decode_tokens=num_decode_reqs)
-    without_drafts = fit.predict(decode_tokens=num_decode_reqs, draft_tokens=0)
-    return DraftPayoff(num_decode_reqs, with_drafts / fit.output_tokens_per_decode, without_drafts)
+    with_drafts = fit.design_row(decode_tokens=num_decode_reqs) / fit.output_tokens_per_decode
+    without_drafts = fit.design_row(decode_tokens=num_decode_reqs, draft_tokens=0)
+    coefficients = np.array([fit.base_time, *fit.coefficients.values()])
+    token_time_with, token_time_without = with_drafts @ coefficients, without_drafts @ coefficients
+    error = None
+    if fit.covariance is not None:
+        # saving = 1 - with / without: its gradient in the coefficients, then its variance
+        gradient = (token_time_with * without_drafts - token_time_without * with_drafts) / (
+            token_time_without**2
+        )
+        error = float(np.sqrt(max(gradient @ fit.covariance @ gradient, 0.0)))
+    return DraftPayoff(num_decode_reqs, float(token_time_with), float(token_time_without), error)
 
 
 def _payoff_line(payoff: DraftPayoff | None) -> str:
@@ -523,6 +570,10 @@ def _payoff_line(payoff: DraftPayoff | None) -> str:
     ms = 1000
     saving = payoff.saving
     verdict = f"save {saving:.0%}" if saving >= 0 else f"add {-saving:.0%}"
+    if payoff.saving_error is not None:
+        verdict += (
+            f" (± {ERROR_SIGMAS * payoff.saving_error:.0%} at {ERROR_SIGMAS} standard errors)"
+        )
     line = (
         f"  drafts {verdict} of the time per output token, by the fit: at the recording's "
         f"mean of {payoff.num_decode_reqs:.1f} decoding requests, each gets an output token "

@@ -76,9 +76,13 @@ class Simulator:
         engine_index: int = 0,
         start_s: float = 1000.0,
         num_spec_tokens: int = 0,
+        accept_one_in: int = 1,
+        drafting_share: float | None = None,
     ) -> None:
-        """``num_spec_tokens``: speculative decoding's drafts on the records (_drafts); the
-        requests themselves still advance one token per iteration."""
+        """``num_spec_tokens``: speculative decoding's drafts on the records (_drafts), of
+        which only one request's in ``accept_one_in`` accepts any token; ``drafting_share``:
+        the chance that a decoding request drafts (None: all but every third); the requests
+        themselves still advance one token per iteration."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -103,6 +107,8 @@ class Simulator:
         self.cliffs: list[tuple[int, float]] = []
         self.closed_loop: list[tuple[int, int]] = []  # (prompt, output) still to send
         self.num_spec_tokens = num_spec_tokens
+        self.accept_one_in = accept_one_in
+        self.drafting_share = drafting_share
 
     # ---- set-up
 
@@ -326,13 +332,22 @@ class Simulator:
 
     def _drafts(self, num_decodes: int) -> SpecDecodeCounts | None:
         """The drafts of an iteration's ``num_decodes`` decoding requests: every third drafts
-        nothing (an n-gram without a match), the others num_spec_tokens tokens each, of
-        which the i-th accepts (iteration + i) % (num_spec_tokens + 1)."""
+        nothing (an n-gram without a match; with a ``drafting_share``, each drafts by that
+        chance), the others num_spec_tokens tokens each, of
+        which the i-th accepts n % (num_spec_tokens + 1) with n = (iteration + i) //
+        accept_one_in, where (iteration + i) % accept_one_in is 0, and none elsewhere."""
         k = self.num_spec_tokens
         drafting = num_decodes - num_decodes // 3
+        if self.drafting_share is not None:
+            drafting = sum(self.rng.random() < self.drafting_share for _ in range(num_decodes))
         if not k or not drafting:
             return None
-        accepted = [(self.iteration + i) % (k + 1) for i in range(drafting)]
+        accepted = [
+            (self.iteration + i) // self.accept_one_in % (k + 1)
+            if (self.iteration + i) % self.accept_one_in == 0
+            else 0
+            for i in range(drafting)
+        ]
         per_pos = [sum(a > position for a in accepted) for position in range(k)]
         return SpecDecodeCounts(drafting, k * drafting, sum(accepted), per_pos)
 
@@ -479,6 +494,29 @@ def idle() -> Simulator:
     return sim.run(35)
 
 
+def drafting(draft_token_time: float, accept_one_in: int) -> Simulator:
+    """Healthy load with speculative decoding, drafts of 3 tokens: costly where a draft token
+    costs what a request's own token does (compute-bound) and few are accepted, paying where
+    draft tokens are nearly free (memory-bound) and half of them are accepted."""
+    cost = Cost(
+        base_time=STORY_COST.base_time,
+        context_token_time=STORY_COST.context_token_time,
+        generation_token_time=STORY_COST.generation_token_time,
+        draft_token_time=draft_token_time,
+    )
+    sim = Simulator(
+        num_blocks=800,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        cost=cost,
+        num_spec_tokens=3,
+        accept_one_in=accept_one_in,
+        drafting_share=0.6,
+    )
+    sim.add_requests(arrivals(4, 30, seed=5), num_prompt=96, num_output=60)
+    return sim.run(33)
+
+
 def healthy_but_slow() -> Simulator:
     """A CPU-speed engine, one request at a time: multi-second requests, nothing wrong."""
     sim = Simulator(num_blocks=800, max_num_seqs=8, max_num_batched_tokens=2048, cost=SLOW_COST)
@@ -500,6 +538,8 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "preemption storm": (preemption_storm, "preemption_storm"),
     "idle": (idle, None),
     "healthy but slow": (healthy_but_slow, None),
+    "drafts that cost": (lambda: drafting(1e-3, accept_one_in=4), "costly_drafts"),
+    "drafts that pay": (lambda: drafting(0.1e-3, accept_one_in=1), None),
 }
 # --------------------------------------------------------------------------------------------
 # Scripted recordings: every iteration given by hand, for costs that can be worked out on paper.

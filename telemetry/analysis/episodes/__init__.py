@@ -25,15 +25,20 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median
                       decode-only iteration while requests are decoding (the chunk's size times
                       the median cost of a context token must account for the slowdown)
+    costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
+                      output token, by the fit of iteration time (tune's payoff), at two
+                      standard errors in their favour, over 100+ drafting iterations
 
 A healthy run (load within the limits, no faults) yields no episode but ``idle``.
 
 Modules: ``episode`` (Episode, Thresholds, shared helpers), ``kv``, ``queues``, ``liveness``,
-``latency`` (the detectors by concept); the timeline they read is ``telemetry.analysis.timeline``.
+``latency``, ``drafts`` (the detectors by concept); the timeline they read is
+``telemetry.analysis.timeline``.
 """
 
 from __future__ import annotations
 
+from telemetry.analysis.episodes.drafts import detect_costly_drafts
 from telemetry.analysis.episodes.episode import (
     INFO,
     KV_PLAN_TEXT,
@@ -75,6 +80,7 @@ __all__ = [
     "Thresholds",
     "build_timelines",
     "detect_episodes",
+    "detect_costly_drafts",
     "detect_idle",
     "detect_kv_cliff",
     "detect_kv_leaks",
@@ -102,6 +108,7 @@ DETECTORS = (
     detect_idle,
     detect_telemetry_gaps,
     detect_long_prefill,
+    detect_costly_drafts,
 )
 
 

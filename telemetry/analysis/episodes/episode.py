@@ -38,6 +38,8 @@ class Thresholds:
     long_prefill_ratio: float = 3.0
     long_prefill_min_extra_time: float = 0.005
     long_prefill_min_baseline_iterations: int = 10
+    costly_drafts_min_added: float = 0.10  # of the time per output token, at 2 errors
+    costly_drafts_min_iterations: int = 100
 
 
 @dataclass
