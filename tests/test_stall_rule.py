@@ -110,3 +110,56 @@ def test_a_fixed_threshold_does_not_adapt():
     messages = slow_engine([4.5] * 4)
     timeline = build_timelines(messages)[0]
     assert [e for e in detect_episodes(timeline, Thresholds(stall_after=2.0)) if e.kind == "stall"]
+
+
+def test_a_first_iteration_that_began_before_the_first_busy_heartbeat_is_progress_in_both():
+    """vLLM's engine schedules the first requests before its next heartbeat says they wait:
+    idle heartbeats, then iteration 1 (3 s) starts 0.1 s before a heartbeat saying 2
+    waiting at last_iteration 0, then iteration 2 (3.5 s). Each ends within the 5 s floor;
+    the heartbeats stay at last_iteration 0 only until iteration 1 ends. (explain took the
+    iteration after the heartbeat, iteration 2, as the first progress, and called the 6.4 s
+    to its end a stall; seen on a real vLLM 0.32 with ngram drafts.)"""
+    start_ns = 10 * SECOND
+    messages = [
+        heartbeat(0, seq, seq * SECOND, seq * SECOND, pid=7) for seq in range(1, 10)
+    ]  # idle
+    iterations = [(start_ns, 3.0), (start_ns + 3 * SECOND, 3.5)]
+    heartbeat_times = [start_ns + SECOND // 10 + n * SECOND for n in range(7)]
+    events = [(t, "heartbeat") for t in heartbeat_times]
+    events += [
+        (begin + int(length * SECOND), (number, begin, length))
+        for number, (begin, length) in enumerate(iterations, 1)
+    ]
+    seq = 9
+    for time_ns, what in sorted(events, key=lambda event: event[0]):
+        seq += 1
+        if what == "heartbeat":
+            done = sum(begin + int(length * SECOND) <= time_ns for begin, length in iterations)
+            messages.append(
+                heartbeat(
+                    0,
+                    seq,
+                    time_ns,
+                    time_ns,
+                    last_iteration=done,
+                    num_waiting_reqs=2 if done == 0 else 0,
+                    num_running_reqs=0 if done == 0 else 2,
+                    pid=7,
+                )
+            )
+        else:
+            number, begin, length = what
+            messages.append(
+                iteration_record(
+                    0,
+                    seq,
+                    number,
+                    start_ns=begin,
+                    elapsed_ns=int(length * SECOND),
+                    num_prefill_reqs=2,
+                    num_prefill_tokens=300,
+                    num_running_reqs=2,
+                )
+            )
+    assert EngineStatus.STALLED not in live_statuses(messages)
+    assert explained_stalls(messages) == []

@@ -46,7 +46,12 @@ def detect_frozen_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         since_ns = _iteration_end_ns(tl, last_iteration, before_ns=group[0].ts_ns)
         if since_ns is None:
             since_ns = group[0].ts_ns
-        next_row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
+        # Progress: the first later iteration to end after it, whether in flight then (begun
+        # before the first busy heartbeat, as an engine schedules before its next heartbeat
+        # says so) or begun after.
+        progress = (tl.col("iteration") > last_iteration) & (tl.col("end_ns") > since_ns)
+        next_rows = np.flatnonzero(progress)
+        next_row = int(next_rows[0]) if next_rows.size else tl.num_iterations
         ongoing = next_row >= tl.num_iterations
         until_ns = group[-1].ts_ns if ongoing else int(tl.col("end_ns")[next_row])
         candidates.append((group, since_ns, until_ns, ongoing, next_row))
