@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from scenarios.synthetic import SCENARIOS, Cost, Simulator, arrivals
@@ -16,7 +17,7 @@ from scenarios.synthetic import SCENARIOS, Cost, Simulator, arrivals
 from telemetry.analysis.episodes import Thresholds, detect_costly_drafts, detect_episodes
 from telemetry.analysis.explain import main
 from telemetry.analysis.findings import build_findings
-from telemetry.analysis.timeline import build_timelines
+from telemetry.analysis.timeline import build_timelines, read_timelines
 from telemetry.analysis.tune import draft_payoff, fit_iteration_time
 from telemetry.lane.record import SpecDecodeCounts, iteration_record
 
@@ -128,3 +129,17 @@ def test_without_a_cost_per_decode_token_a_draft_token_is_priced_against_nothing
     fit = fit_iteration_time(timeline)
     assert "decode_tokens" not in fit.coefficients and "draft_tokens" in fit.coefficients
     assert detect_costly_drafts(timeline, Thresholds()) == []
+
+
+def test_on_a_real_vllm_the_finding_is_first_and_says_what_tune_says():
+    """tests/data/vllm_costly_drafts.jsonl: vLLM 0.32 drafting by ngram, about 2% of draft
+    tokens accepted (bench/drafts_payoff_vllm.py, which measured the same load 2.46x faster
+    per output token without drafts)."""
+    path = Path(__file__).parent / "data" / "vllm_costly_drafts.jsonl"
+    (timeline,) = read_timelines([path])[0].values()
+    findings = build_findings(timeline, detect_episodes(timeline))
+    assert [finding.kind for finding in findings][:1] == ["costly_drafts"]
+    payoff = draft_payoff(timeline, fit_iteration_time(timeline))
+    assert findings[0].worst.numbers["added_share"] == pytest.approx(-payoff.saving)
+    assert -payoff.saving - 2 * payoff.saving_error >= 0.1
+    assert "drafts of up to 5 tokens now" in findings[0].worst.setting
