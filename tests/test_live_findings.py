@@ -96,15 +96,17 @@ def assert_same_findings(expected: list[tuple], live: list[LiveFinding]) -> None
 
 def said_s(timeline: EngineTimeline, kind: str, start_ns: int) -> float:
     """Seconds from ``start_ns`` until explain's detector of ``kind`` (PREFIX_DETECTORS) first
-    finds an episode reaching back to it in a prefix of the timeline (prefixes every
-    PREFIX_STEP_S)."""
+    finds an episode that reaches it in a prefix of the timeline (prefixes every
+    PREFIX_STEP_S; the live window's baseline differs from a prefix's, so where each episode
+    starts may too)."""
     detector, ends = PREFIX_DETECTORS[kind], timeline.col("end_ns")
-    for end_ns in range(start_ns, int(ends[-1]) + 1, int(PREFIX_STEP_S * NS_PER_S)):
+    step_ns = int(PREFIX_STEP_S * NS_PER_S)
+    for end_ns in [*range(start_ns, int(ends[-1]), step_ns), int(ends[-1])]:
         num_rows = int(ends.searchsorted(end_ns, side="right"))
         records = timeline.records[:num_rows]
         heartbeats = [h for h in timeline.heartbeats if h.ts_ns <= end_ns]
         prefix = EngineTimeline(timeline.engine_index, records, heartbeats)
-        if any(e.start_ns <= start_ns for e in detector(prefix, Thresholds())):
+        if any(e.end_ns >= start_ns for e in detector(prefix, Thresholds())):
             return (end_ns - start_ns) / NS_PER_S
     raise AssertionError(f"no prefix of the timeline has the {kind} episode")
 
