@@ -16,13 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.analysis import live_findings
 from telemetry.analysis.episodes import (
-    INFO,
     Thresholds,
     detect_costly_drafts,
     detect_episodes,
     detect_long_prefill,
 )
-from telemetry.analysis.findings import episode_cost
 from telemetry.analysis.live_findings import (
     FINDING_KINDS,
     LOOKBACK_S,
@@ -34,8 +32,14 @@ from telemetry.analysis.live_findings import (
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
 from telemetry.lane.record import iteration_record
 from telemetry.sidecar.replay import replay
-from telemetry.sidecar.sink import Sink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
+from tests.helpers.findings import (
+    Findings,
+    assert_replay_agrees_with_explain,
+    assert_same_findings,
+    explained,
+    replayed,
+)
 from tests.scenarios import real_engine
 from tests.scenarios.synthetic import SCENARIOS
 
@@ -49,49 +53,6 @@ from tests.scenarios.synthetic import SCENARIOS
 MIN_TIME_S = {kind: 1.0 for kind in FINDING_KINDS} | {"stall": 5.0}
 PREFIX_DETECTORS = {"costly_drafts": detect_costly_drafts, "long_prefill": detect_long_prefill}
 PREFIX_STEP_S = 0.25
-
-
-class Findings(Sink):
-    """Every live finding a replay reported, in the order first reported."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, LiveFinding]] = []
-
-    def on_finding(self, event, engine) -> None:
-        self.events.append((event.what, event.finding))
-
-    @property
-    def findings(self) -> list[LiveFinding]:
-        return list({id(f): f for _, f in self.events}.values())
-
-
-def replayed(path: Path, **kwargs) -> list[LiveFinding]:
-    sink = Findings()
-    replay(path, [sink], **kwargs)
-    return sink.findings
-
-
-def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) -> list[tuple]:
-    """explain's problem episodes as (kind as live names it, opening iteration, cost)."""
-    rows = []
-    for episode in detect_episodes(timeline, thresholds):
-        if episode.severity == INFO:
-            continue
-        kind = finding_kind(episode)  # a silence is "dead", as live
-        row = int(timeline.col("start_ns").searchsorted(episode.start_ns))
-        iteration = int(timeline.col("iteration")[row]) if row < timeline.num_iterations else 0
-        if kind == "stall" and "frozen_iteration" in episode.numbers:
-            iteration = episode.numbers["frozen_iteration"]
-        rows.append((kind, iteration, episode_cost(timeline, episode)))
-    return sorted(rows)
-
-
-def assert_same_findings(expected: list[tuple], live: list[LiveFinding]) -> None:
-    got = sorted((f.kind, f.iteration, f.cost) for f in live)
-    assert [k for k, _, _ in got] == [k for k, _, _ in expected], (expected, got)
-    for (kind, iteration, cost), (_, live_iteration, live_cost) in zip(expected, got, strict=True):
-        assert abs(live_iteration - iteration) <= 1, (kind, iteration, live_iteration)
-        assert live_cost == pytest.approx(cost, rel=0.05, abs=0.01), (kind, cost, live_cost)
 
 
 def said_s(timeline: EngineTimeline, kind: str, start_ns: int) -> float:
@@ -429,13 +390,16 @@ def test_a_live_sidecar_opens_the_finding_in_time_on_the_real_engine(story, kind
 def test_a_real_vllm_whose_drafts_cost_more_than_they_save_is_told_so_live_and_in_explain():
     """A recording of vLLM 0.32 (CPU build, the scheduler source) drafting by ngram with few
     drafts accepted (bench/drafts_payoff_vllm.py: the same load without drafts measured 2.46x
-    faster per output token): the replayed sidecar opens explain's findings, in time, and
-    both rank the drafts first; no stall (vLLM's first steps are long, and in progress when
-    the first busy heartbeat comes)."""
+    faster per output token): the replayed sidecar opens explain's findings, the drafts in
+    time, at the same iteration and cost, and both rank them first; no stall (vLLM's first
+    steps are long, and in progress when the first busy heartbeat comes)."""
     path = Path(__file__).parent / "data" / "vllm_costly_drafts.jsonl"
     (timeline,) = read_timelines([path])[0].values()
-    live = replayed(path)
-    assert_same_findings(explained(timeline), live)
-    assert_timely(live, timeline)
+    live = assert_replay_agrees_with_explain(path)
+    (drafts,) = [finding for finding in live if finding.kind == "costly_drafts"]
+    ((_, iteration, cost),) = [row for row in explained(timeline) if row[0] == "costly_drafts"]
+    assert abs(drafts.iteration - iteration) <= 1
+    assert drafts.cost == pytest.approx(cost, rel=0.05)
+    assert_timely([drafts], timeline)
     assert rank_kinds(live)[0] == "costly_drafts"
     assert "stall" not in {finding.kind for finding in live}

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from telemetry.lane.record import UNKNOWN_ELAPSED, UNKNOWN_KV_TOKENS, UNKNOWN_PR
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.fpm import is_heartbeat
 from tests.helpers.ahead import ahead, take
+from tests.helpers.findings import assert_replay_agrees_with_explain
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import metrics_text, scrape, total
@@ -341,6 +343,14 @@ def test_a_hung_engine_core_reads_as_stalled_then_recovers(stack):
             assert future.result(timeout=120).usage.completion_tokens == (STALL_TEST_OUTPUT_LEN)
     log = (stack["tmp"] / "sidecar.log").read_text()
     assert "-> stalled" in log and "stalled -> running" in log
+
+
+def test_the_replayed_sidecar_finds_what_explain_finds(stack, tmp_path):
+    """One implementation of each rule: on this real vLLM's recording through the plugin (a
+    hung engine core in it), the sidecar replaying the recording opens explain's findings
+    (kind, iteration within one, cost within 5%)."""
+    recording = shutil.copy(stack["tmp"] / "run.jsonl", tmp_path / "run.jsonl")
+    assert_replay_agrees_with_explain(recording)
 
 
 def test_killing_the_sidecar_leaves_vllm_serving(stack):

@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -43,6 +44,7 @@ from telemetry.lane.record import (
 from telemetry.sidecar.process import start_sidecar
 from telemetry.sources.vllm_lane import TESTED_VLLM_VERSIONS
 from tests.helpers.ahead import ahead, take
+from tests.helpers.findings import assert_replay_agrees_with_explain
 from tests.helpers.fpm_stream import FpmStream, given_back, wait_recorded
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, start_prometheus, total
@@ -434,6 +436,14 @@ def test_a_stopped_engine_core_leaves_running_within_3_s_and_comes_back(kv_stack
         assert left == "dead" and seconds <= 3.0  # a stopped process sends no heartbeat
         assert kv_stack["server"].poll() is None
         assert all(r.usage.completion_tokens == 120 for r in pending.result(timeout=300))
+
+
+def test_the_replayed_sidecar_finds_what_explain_finds(kv_stack, tmp_path):
+    """One implementation of each rule: on this real vLLM's recording through the scheduler
+    source (requests waiting for KV, a stopped engine core in it), the sidecar replaying the
+    recording opens explain's findings (kind, iteration within one, cost within 5%)."""
+    recording = shutil.copy(kv_stack["tmp"] / "run.jsonl", tmp_path / "run.jsonl")
+    assert_replay_agrees_with_explain(recording)
 
 
 def test_a_killed_engine_core_is_dead_within_3_s(kv_stack):

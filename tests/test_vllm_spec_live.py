@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_server
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.ahead import ahead, take
+from tests.helpers.findings import assert_replay_agrees_with_explain
 from tests.helpers.net import free_port
 from tests.helpers.prom import scrape, total
 from tests.helpers.vllm import ALL_VERSIONS_ENV, POLL_S, VLLM_ENV, iterscope
@@ -174,3 +176,11 @@ def test_explain_and_tune_read_the_drafts_the_sidecar_counted(spec_stack):
     assert engine["spec_decode"]["max_draft_tokens"] == 3
     recommendation = engine["recommendation"]
     assert recommendation["max_num_batched_tokens"] >= 4 * recommendation["max_num_seqs"]
+
+
+def test_the_replayed_sidecar_finds_what_explain_finds(spec_stack, tmp_path):
+    """One implementation of each rule: on this real vLLM's recording with drafts, the sidecar
+    replaying the recording opens explain's findings (kind, iteration within one, cost
+    within 5%)."""
+    recording = shutil.copy(spec_stack["recording"], tmp_path / "run.jsonl")
+    assert_replay_agrees_with_explain(recording)

@@ -114,6 +114,13 @@ FINDING_KINDS = (
     "telemetry_gap",
 )
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
+# Kinds judged against a statistic of the whole timeline searched (a long prefill against the
+# median decode-only iteration, costly drafts by the fit of iteration time): live, the window
+# (the last LOOKBACK_S, back to an open finding's start) as it was when the finding was
+# followed last; in `explain`, the whole recording. Where the recording outlasts the window and
+# its iteration times drift, their count and cost can differ between the two (docs/diagnosis.md,
+# "Limits"); every other kind is judged on its own stretch of records and agrees.
+WINDOW_RELATIVE_KINDS = frozenset(("long_prefill", "costly_drafts"))
 
 # A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
 # one finding or episode each time; where they are printed as they come (the sidecar's log,

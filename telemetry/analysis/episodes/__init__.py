@@ -21,7 +21,8 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
                       (used > ceil(kv_tokens / block_size) + 2 * running), e.g. blocks used
                       with nothing running
     idle              heartbeats, nothing waiting or running, no iteration, for 5 s+ (info)
-    telemetry_gap     holes in ``msg_seq`` (lost messages), or no message at all for 3 s+
+    telemetry_gap     holes in ``msg_seq`` (lost messages), or no message at all for longer
+                      than the live sidecar waits before it calls the engine dead (2.5 s)
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median
                       decode-only iteration while requests are decoding (the chunk's size times
                       the median cost of a context token must account for the slowdown)

@@ -43,8 +43,8 @@ def detect_costly_drafts(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         or -payoff.saving - ERROR_SIGMAS * payoff.saving_error < th.costly_drafts_min_added
     ):
         return []
-    starts = tl.col("start_ns")[drafting].tolist()
-    groups = group_by_time(starts, int(th.idle_min_time * NS_PER_S))
+    starts, ends = tl.col("start_ns")[drafting].tolist(), tl.col("end_ns")[drafting].tolist()
+    groups = group_by_time(starts, int(th.idle_min_time * NS_PER_S), ends)
     draft_cost = fit.coefficients["draft_tokens"]
     decode_cost = fit.coefficients["decode_tokens"]
     return [

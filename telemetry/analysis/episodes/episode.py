@@ -33,7 +33,6 @@ class Thresholds:
     leak_min_blocks: int = 2
     leak_min_iterations: int = 5
     idle_min_time: float = 5.0
-    silence_min_time: float = 3.0
     gap_merge_time: float = 1.0
     long_prefill_ratio: float = 3.0
     long_prefill_min_extra_time: float = 0.005
@@ -84,11 +83,15 @@ def true_runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
     return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
-def group_by_time(times_ns: list[int], window_ns: int) -> list[tuple[int, int]]:
-    """Inclusive index ranges of sorted times where consecutive times are <= window_ns apart."""
+def group_by_time(
+    times_ns: list[int], window_ns: int, ends_ns: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """Inclusive index ranges of sorted times where consecutive times are <= window_ns apart;
+    with ``ends_ns`` (each time's end: iterations), apart from the end of the one before."""
+    ends_ns = ends_ns or times_ns
     groups: list[tuple[int, int]] = []
     for i, t in enumerate(times_ns):
-        if groups and t - times_ns[groups[-1][1]] <= window_ns:
+        if groups and t - ends_ns[groups[-1][1]] <= window_ns:
             groups[-1] = (groups[-1][0], i)
         else:
             groups.append((i, i))

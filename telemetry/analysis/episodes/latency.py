@@ -39,9 +39,9 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         & (prefill_tokens * prefill_token_ns >= extra_ns)
     )
     index = np.flatnonzero(stretched)
-    times = tl.col("start_ns")[index].tolist()
+    times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
     episodes = []
-    for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
+    for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends):
         rows = index[first : last + 1]
         worst = int(rows[np.argmax(elapsed[rows])])
         episodes.append(

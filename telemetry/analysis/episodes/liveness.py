@@ -282,11 +282,11 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             for a, b in pairwise(by_seq)
             if b.msg_seq > a.msg_seq + 1
         ]
-    silence_ns = th.silence_min_time * NS_PER_S
     for number, segment in enumerate(segments):
         messages = [segments[number - 1][-1], *segment] if number else segment
         times = [message_time_ns(m) for m in messages]
-        for i in _gaps_at_least(times, silence_ns):  # messages[i] -> messages[i + 1]
+        # silent for longer than the live sidecar waits before it calls the engine dead
+        for i in _gaps_over(times, DEAD_AFTER_NS):  # messages[i] -> messages[i + 1]
             before, after = messages[i], messages[i + 1]
             lost = after.msg_seq > before.msg_seq + 1 and after is not segment[0]
             if not lost:
@@ -294,9 +294,9 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
 
 
-def _gaps_at_least(times_ns: list[int], gap_ns: float) -> list[int]:
-    """The indexes i where times_ns[i + 1] - times_ns[i] >= gap_ns."""
-    return np.flatnonzero(np.diff(np.array(times_ns, np.int64)) >= gap_ns).tolist()
+def _gaps_over(times_ns: list[int], gap_ns: int) -> list[int]:
+    """The indexes i where times_ns[i + 1] - times_ns[i] > gap_ns."""
+    return np.flatnonzero(np.diff(np.array(times_ns, np.int64)) > gap_ns).tolist()
 
 
 def _seq_segments(messages: list) -> list[list]:

@@ -1,0 +1,78 @@
+"""The live sidecar's findings on a recording (its replay through the Ingest a live sidecar
+runs) against `explain`'s on the same recording: one implementation of each rule, so the two
+must agree (tests/test_live_findings.py; the real vLLM recordings of the vLLM tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
+from telemetry.analysis.findings import episode_cost
+from telemetry.analysis.live_findings import WINDOW_RELATIVE_KINDS, LiveFinding, finding_kind
+from telemetry.analysis.timeline import EngineTimeline, read_timelines
+from telemetry.sidecar.replay import replay
+from telemetry.sidecar.sink import Sink
+
+
+class Findings(Sink):
+    """Every live finding a replay reported, in the order first reported."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, LiveFinding]] = []
+
+    def on_finding(self, event, engine) -> None:
+        self.events.append((event.what, event.finding))
+
+    @property
+    def findings(self) -> list[LiveFinding]:
+        return list({id(f): f for _, f in self.events}.values())
+
+
+def replayed(path: Path, **kwargs) -> list[LiveFinding]:
+    sink = Findings()
+    replay(path, [sink], **kwargs)
+    return sink.findings
+
+
+def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) -> list[tuple]:
+    """explain's problem episodes as (kind as live names it, opening iteration, cost)."""
+    rows = []
+    for episode in detect_episodes(timeline, thresholds):
+        if episode.severity == INFO:
+            continue
+        kind = finding_kind(episode)  # a silence is "dead", as live
+        row = int(timeline.col("start_ns").searchsorted(episode.start_ns))
+        iteration = int(timeline.col("iteration")[row]) if row < timeline.num_iterations else 0
+        if kind == "stall" and "frozen_iteration" in episode.numbers:
+            iteration = episode.numbers["frozen_iteration"]
+        rows.append((kind, iteration, episode_cost(timeline, episode)))
+    return sorted(rows)
+
+
+def assert_same_findings(
+    expected: list[tuple], live: list[LiveFinding], loose_kinds: frozenset = frozenset()
+) -> None:
+    """Each finding of explain's (``expected``, as ``explained`` gives them) is one of the
+    live ones: its kind, its opening iteration within one, its cost within 5%. Of
+    ``loose_kinds``, only that both found the kind or neither did."""
+    got = sorted((f.kind, f.iteration, f.cost) for f in live)
+    assert {k for k, _, _ in got} & loose_kinds == {k for k, _, _ in expected} & loose_kinds
+    expected = [finding for finding in expected if finding[0] not in loose_kinds]
+    got = [finding for finding in got if finding[0] not in loose_kinds]
+    assert [k for k, _, _ in got] == [k for k, _, _ in expected], (expected, got)
+    for (kind, iteration, cost), (_, live_iteration, live_cost) in zip(expected, got, strict=True):
+        assert abs(live_iteration - iteration) <= 1, (kind, iteration, live_iteration)
+        assert live_cost == pytest.approx(cost, rel=0.05, abs=0.01), (kind, cost, live_cost)
+
+
+def assert_replay_agrees_with_explain(path: Path) -> list[LiveFinding]:
+    """The replayed sidecar finds, on a real engine's recording at ``path`` (one engine),
+    what explain finds in it; its findings. Those judged against the whole timeline searched
+    (WINDOW_RELATIVE_KINDS) are compared by kind alone: a real engine's iteration times drift
+    within a recording, so the live window's baseline and the recording's differ."""
+    (timeline,) = read_timelines([path])[0].values()
+    live = replayed(path)
+    assert_same_findings(explained(timeline), live, WINDOW_RELATIVE_KINDS)
+    return live
