@@ -30,6 +30,7 @@ from telemetry.lane.record import Heartbeat, IterationRecord, Message
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers import REPO
 from tests.helpers.ahead import ahead, take
+from tests.helpers.findings import assert_replay_agrees_with_explain
 from tests.helpers.net import free_port
 from tests.helpers.processes import explain_engines
 from tests.helpers.prom import scrape, total
@@ -175,6 +176,8 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
     assert "Engine 000: Avg prompt throughput" in log_text
     assert "Running: 7 reqs, Waiting: 3 reqs, KV cache usage: not reported" in log_text
     check_recording(recording)
+    # one implementation of each rule: the sidecar replaying it finds what explain finds
+    assert_replay_agrees_with_explain(recording)
 
 
 def check_recording(recording: Path) -> None:
