@@ -19,7 +19,6 @@ from telemetry.analysis.episodes import (
     Thresholds,
     detect_costly_drafts,
     detect_episodes,
-    detect_long_prefill,
 )
 from telemetry.analysis.live_findings import (
     FINDING_KINDS,
@@ -45,13 +44,11 @@ from tests.scenarios.synthetic import SCENARIOS
 
 # How long after its condition began each kind may open, at most, before the 2 s the issue
 # allows on top: the detector's own minimum (waiting 1 s; 10 iterations, well under 1 s in
-# these scenarios) or the stall threshold's floor. Two kinds wait on more of the timeline
-# than their own stretch: costly drafts are a verdict on the timeline so far, and a long
-# prefill is long against a baseline of decode-only iterations that may come after it (a slow
-# engine's first steps); their minimum is when a prefix of the recording first shows the
-# episode (said_s).
+# these scenarios) or the stall threshold's floor. Costly drafts wait on more of the timeline
+# than their own stretch, a verdict on the timeline so far: their minimum is when a prefix of
+# the recording first shows the episode (said_s).
 MIN_TIME_S = {kind: 1.0 for kind in FINDING_KINDS} | {"stall": 5.0}
-PREFIX_DETECTORS = {"costly_drafts": detect_costly_drafts, "long_prefill": detect_long_prefill}
+PREFIX_DETECTORS = {"costly_drafts": detect_costly_drafts}
 PREFIX_STEP_S = 0.25
 
 

@@ -24,7 +24,8 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          counted from the iteration before its first preemption: waiting that
                          was there before the storm is not the storm's, waiting it caused is
     long_prefill         decoding requests x the time their iteration took beyond the median
-                         decode-only iteration (request-seconds slowed)
+                         decode-only iteration before it (its baseline: episodes/latency.py;
+                         request-seconds slowed)
     costly_drafts        the decode tokens its iterations produced x the time each came later
                          than without drafts, by the fit (telemetry/analysis/episodes/drafts.py)
     stall                (waiting + running) x the stall's length, from the heartbeats
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from telemetry.analysis.episodes import INFO, Episode
+from telemetry.analysis.episodes import INFO, Episode, Thresholds
+from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
@@ -136,12 +138,15 @@ def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -
     return waited + recompute_ns / NS_PER_S
 
 
-def _slowed_request_seconds(tl: EngineTimeline, rows: slice, baseline_s: float) -> float:
-    elapsed_s = tl.col("elapsed_ns")[rows] / NS_PER_S
-    num_decode_reqs = tl.col("num_decode_reqs")[rows]
-    mixed = (tl.col("num_prefill_tokens")[rows] > 0) & (num_decode_reqs > 0) & tl.timed[rows]
-    extra = np.where(mixed, np.maximum(elapsed_s - baseline_s, 0.0), 0.0)
-    return float((num_decode_reqs * extra).sum())
+def _slowed_request_seconds(tl: EngineTimeline, rows: slice) -> float:
+    """Each mixed iteration's decoding requests x its time beyond its own baseline (the
+    median decode-only iteration before it, as the detector judged it; none: nothing)."""
+    num_decode_reqs = tl.col("num_decode_reqs")
+    mixed = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
+    index = np.arange(rows.start, rows.stop)[mixed[rows]]
+    extra_ns = tl.col("elapsed_ns")[index] - decode_baselines(tl, index, Thresholds())
+    extra_ns = np.where(np.isnan(extra_ns), 0.0, np.maximum(extra_ns, 0.0))
+    return float((num_decode_reqs[index] * extra_ns).sum()) / NS_PER_S
 
 
 def _drafts_request_seconds(tl: EngineTimeline, episode: Episode) -> float:
@@ -182,7 +187,7 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
         return _drafts_request_seconds(tl, episode)
     rows = _span_rows(tl, episode)
     if episode.kind == "long_prefill":
-        return _slowed_request_seconds(tl, rows, episode.numbers["baseline_s"])
+        return _slowed_request_seconds(tl, rows)
     return _waiting_request_seconds(tl, rows)
 
 

@@ -73,7 +73,9 @@ from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
 
 WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
-LOOKBACK_S = 60.0  # history kept with no finding open (a long prefill's baseline, a leak)
+# History kept with no finding open (a leak; twice a long prefill's baseline time, so that an
+# iteration judged within that long of its end is judged on all it is judged on in explain).
+LOOKBACK_S = 60.0
 EVALUATE_INTERVAL_S = 1.0
 MAX_EVALUATE_SHARE = 0.1
 RECENT_CLOSED = 32  # closed findings kept per engine, for /findings
@@ -114,13 +116,16 @@ FINDING_KINDS = (
     "telemetry_gap",
 )
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
-# Kinds judged against a statistic of the whole timeline searched (a long prefill against the
-# median decode-only iteration, costly drafts by the fit of iteration time): live, the window
-# (the last LOOKBACK_S, back to an open finding's start) as it was when the finding was
-# followed last; in `explain`, the whole recording. Where the recording outlasts the window and
-# its iteration times drift, their count and cost can differ between the two (docs/diagnosis.md,
-# "Limits"); every other kind is judged on its own stretch of records and agrees.
-WINDOW_RELATIVE_KINDS = frozenset(("long_prefill", "costly_drafts"))
+# Kinds judged against a statistic of the whole timeline searched (costly drafts, by the fit
+# of iteration time): live, the window (the last LOOKBACK_S, back to an open finding's start)
+# as it was when the finding was followed last; in `explain`, the whole recording. Where the
+# recording outlasts the window and its iteration times drift, their count and cost can differ
+# between the two (docs/diagnosis.md, "Limits"); every other kind is judged on its own stretch
+# of records, or against the records before it (a long prefill), and agrees.
+WINDOW_RELATIVE_KINDS = frozenset(("costly_drafts",))
+# Kinds whose episodes explain merges with an iteration that starts within close_after's
+# seconds of their end (episodes.group_by_time over iteration spans).
+SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts"))
 
 # A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
 # one finding or episode each time; where they are printed as they come (the sidecar's log,
@@ -270,6 +275,10 @@ class EngineFindings:
         self._newest_searched: object = None
         self._next_search_ns = 0
         self._busy_max = (0, 0)  # (waiting, running) at most during a stall
+        # What an iteration is judged on before it (a long prefill's baseline): kept before
+        # each open finding, and within LOOKBACK_S for any iteration judged in time.
+        self._history_ns = int(self.thresholds.long_prefill_baseline_time * NS_PER_S)
+        assert 2 * self._history_ns <= LOOKBACK_S * NS_PER_S
 
     # ---------------------------------------------------------------------------------------
     # The window
@@ -301,8 +310,8 @@ class EngineFindings:
         finding's start (the deque's maxlen bounds the rest)."""
         messages = self.messages
         keep_from = message_time_ns(messages[-1]) - int(LOOKBACK_S * NS_PER_S)
-        for finding in self.open:
-            keep_from = min(keep_from, finding.start_ns)
+        for finding in self.open:  # with the history its first iteration was judged on
+            keep_from = min(keep_from, finding.start_ns - self._history_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
             messages.popleft()
         closed = self._closed_in_window
@@ -414,6 +423,12 @@ class EngineFindings:
             if row < tl.num_iterations and waiting[-1] > waiting[row]:
                 return False
         starts = tl.col("start_ns")
+        if kind in SPAN_MERGED_KINDS:
+            # explain merges an iteration that starts within `seconds` of the episode's end,
+            # and an iteration's record comes at its end: ended once one starting later came
+            # (records come in order), or after LOOKBACK_S without one
+            started_after = tl.num_iterations and starts[-1] - finding.end_ns > seconds * NS_PER_S
+            return bool(started_after) or tl.last_ns - finding.end_ns > LOOKBACK_S * NS_PER_S
         num_after = tl.num_iterations - int(starts.searchsorted(finding.end_ns, side="right"))
         return num_after >= rows and tl.last_ns - finding.end_ns > seconds * NS_PER_S
 

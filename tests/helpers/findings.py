@@ -70,8 +70,8 @@ def assert_same_findings(
 def assert_replay_agrees_with_explain(path: Path) -> list[LiveFinding]:
     """The replayed sidecar finds, on a real engine's recording at ``path`` (one engine),
     what explain finds in it; its findings. Those judged against the whole timeline searched
-    (WINDOW_RELATIVE_KINDS) are compared by kind alone: a real engine's iteration times drift
-    within a recording, so the live window's baseline and the recording's differ."""
+    (WINDOW_RELATIVE_KINDS: costly drafts) are compared by kind alone: a real engine's
+    iteration times drift within a recording, so the window's fit and the recording's differ."""
     (timeline,) = read_timelines([path])[0].values()
     live = replayed(path)
     assert_same_findings(explained(timeline), live, WINDOW_RELATIVE_KINDS)

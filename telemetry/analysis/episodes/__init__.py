@@ -24,8 +24,9 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
     telemetry_gap     holes in ``msg_seq`` (lost messages), or no message at all for longer
                       than the live sidecar waits before it calls the engine dead (2.5 s)
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median
-                      decode-only iteration while requests are decoding (the chunk's size times
-                      the median cost of a context token must account for the slowdown)
+                      decode-only iteration of the 30 s before each, while requests are decoding
+                      (the chunk's size times the median cost of a context token over the same
+                      30 s must account for the slowdown)
     costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
                       output token, by the fit of iteration time (tune's payoff), at two
                       standard errors in their favour, over 100+ drafting iterations

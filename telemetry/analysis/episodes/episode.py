@@ -37,6 +37,7 @@ class Thresholds:
     long_prefill_ratio: float = 3.0
     long_prefill_min_extra_time: float = 0.005
     long_prefill_min_baseline_iterations: int = 10
+    long_prefill_baseline_time: float = 30.0  # an iteration's baseline: this long before it
     costly_drafts_min_added: float = 0.10  # of the time per output token, at 2 errors
     costly_drafts_min_iterations: int = 100
 

@@ -1,4 +1,11 @@
-"""Latency episodes: long prefill chunks that stretch the decoding requests' iterations."""
+"""Latency episodes: long prefill chunks that stretch the decoding requests' iterations.
+
+An iteration is judged against the iterations before it only (``decode_baselines``): the
+median decode-only iteration of the ``long_prefill_baseline_time`` before it starts, at least
+``long_prefill_min_baseline_iterations`` of them. So a judgment never changes as later records
+come, and the live sidecar, which keeps that much history before every iteration it judges
+(telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,42 @@ from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import plural
 
 
+def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.ndarray:
+    """For each of ``rows``, the median time (ns) of the timed decode-only iterations that
+    started within ``long_prefill_baseline_time`` before it; NaN with fewer than
+    ``long_prefill_min_baseline_iterations`` of them."""
+    decode_only = (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
+    starts, elapsed = tl.col("start_ns")[decode_only], tl.col("elapsed_ns")[decode_only]
+    row_starts = tl.col("start_ns")[rows]
+    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
+    lasts = starts.searchsorted(row_starts)
+    baselines = np.full(len(rows), np.nan)
+    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+        if last - first >= th.long_prefill_min_baseline_iterations:
+            baselines[number] = np.median(elapsed[first:last])
+    return baselines
+
+
+def _prefill_token_costs(
+    tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
+) -> np.ndarray:
+    """For each of ``rows``, what a prefill token adds to an iteration, robustly: the median,
+    over the timed iterations with a prefill chunk that started within the baseline time
+    before it (itself included), of its time beyond the row's baseline per chunk token. So a
+    slow iteration counts only where its chunk explains the slowness, not a hiccup."""
+    with_prefill = (tl.col("num_prefill_tokens") > 0) & tl.timed
+    starts = tl.col("start_ns")[with_prefill]
+    elapsed, tokens = tl.col("elapsed_ns")[with_prefill], tl.col("num_prefill_tokens")[with_prefill]
+    row_starts = tl.col("start_ns")[rows]
+    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
+    lasts = starts.searchsorted(row_starts, side="right")
+    costs = np.zeros(len(rows))
+    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+        span = slice(first, last)
+        costs[number] = np.median((elapsed[span] - baselines[number]) / tokens[span])
+    return costs
+
+
 def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
     elapsed = tl.col("elapsed_ns")
@@ -24,26 +67,34 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     decode_only = (prefill_tokens == 0) & (decode_reqs > 0) & tl.timed
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
-    baseline_ns = float(np.median(elapsed[decode_only]))
-    with_prefill = (prefill_tokens > 0) & tl.timed
-    # What a prefill token costs, robustly (a median), so that a slow iteration counts only when
-    # its chunk explains the slowness, not a hiccup of the machine (or warm-up).
-    extra_per_token_ns = (elapsed[with_prefill] - baseline_ns) / prefill_tokens[with_prefill]
-    prefill_token_ns = float(np.median(extra_per_token_ns)) if extra_per_token_ns.size else 0.0
-    extra_ns = th.long_prefill_ratio * baseline_ns - baseline_ns
-    stretched = (
-        with_prefill
+    # Only iterations slower than the ratio times the fastest decode-only one can be stretched
+    # (a baseline is a median of those): the rest need no baseline of their own.
+    fastest_ns = float(elapsed[decode_only].min())
+    candidates = np.flatnonzero(
+        (prefill_tokens > 0)
         & (decode_reqs > 0)
-        & (elapsed >= th.long_prefill_ratio * baseline_ns)
-        & (elapsed - baseline_ns >= th.long_prefill_min_extra_time * NS_PER_S)
-        & (prefill_tokens * prefill_token_ns >= extra_ns)
+        & tl.timed
+        & (elapsed >= th.long_prefill_ratio * fastest_ns)
+        & (elapsed - fastest_ns >= th.long_prefill_min_extra_time * NS_PER_S)
     )
-    index = np.flatnonzero(stretched)
+    baselines = decode_baselines(tl, candidates, th)
+    judged = ~np.isnan(baselines)
+    candidates, baselines = candidates[judged], baselines[judged]
+    token_costs = _prefill_token_costs(tl, candidates, baselines, th)
+    slow = elapsed[candidates]
+    stretched = (
+        (slow >= th.long_prefill_ratio * baselines)
+        & (slow - baselines >= th.long_prefill_min_extra_time * NS_PER_S)
+        & (prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines)
+    )
+    index = candidates[stretched]
+    baseline_of = dict(zip(candidates.tolist(), baselines.tolist(), strict=True))
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
     episodes = []
     for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends):
         rows = index[first : last + 1]
         worst = int(rows[np.argmax(elapsed[rows])])
+        baseline_ns = baseline_of[worst]
         episodes.append(
             span_episode(
                 tl,
@@ -56,7 +107,8 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     f"{plural(int(prefill_tokens[rows].max()), 'prefill token')} with decoding "
                     f"requests took up to {secs(elapsed[worst])} (iteration "
                     f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
-                    f"against a median decode-only iteration of {secs(baseline_ns)}"
+                    f"against a median decode-only iteration of {secs(baseline_ns)} in the "
+                    f"{th.long_prefill_baseline_time:g} s before it"
                 ),
                 explanation=(
                     "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
