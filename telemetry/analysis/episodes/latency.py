@@ -34,9 +34,13 @@ def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np
     firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
     lasts = starts.searchsorted(row_starts)
     baselines = np.full(len(rows), np.nan)
-    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+    medians: dict[tuple[int, int], float] = {}  # rows with no decode-only one between share it
+    for number, span in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+        first, last = span
         if last - first >= th.long_prefill_min_baseline_iterations:
-            baselines[number] = np.median(elapsed[first:last])
+            if span not in medians:
+                medians[span] = float(np.median(elapsed[first:last]))
+            baselines[number] = medians[span]
     return baselines
 
 
@@ -78,15 +82,14 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         & (elapsed - fastest_ns >= th.long_prefill_min_extra_time * NS_PER_S)
     )
     baselines = decode_baselines(tl, candidates, th)
-    judged = ~np.isnan(baselines)
-    candidates, baselines = candidates[judged], baselines[judged]
-    token_costs = _prefill_token_costs(tl, candidates, baselines, th)
     slow = elapsed[candidates]
-    stretched = (
-        (slow >= th.long_prefill_ratio * baselines)
-        & (slow - baselines >= th.long_prefill_min_extra_time * NS_PER_S)
-        & (prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines)
+    # NaN (no baseline) compares False: not judged
+    slower = (slow >= th.long_prefill_ratio * baselines) & (
+        slow - baselines >= th.long_prefill_min_extra_time * NS_PER_S
     )
+    candidates, baselines = candidates[slower], baselines[slower]
+    token_costs = _prefill_token_costs(tl, candidates, baselines, th)
+    stretched = prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines
     index = candidates[stretched]
     baseline_of = dict(zip(candidates.tolist(), baselines.tolist(), strict=True))
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
