@@ -161,7 +161,12 @@ class Fit:
         """Seconds of an iteration of ``decode_tokens`` decoding requests; ``draft_tokens``
         their draft tokens, None: the recording's mean draft behind each (0 without drafts)."""
         row = self.design_row(prefill_tokens, decode_tokens, prefill_reqs, draft_tokens)
-        return self.base_time + float(row[1:] @ np.array(list(self.coefficients.values())))
+        return float(row @ self.weights)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The base time, then the coefficients in their order: what design_row weighs."""
+        return np.array([self.base_time, *self.coefficients.values()])
 
     def design_row(
         self,
@@ -547,8 +552,7 @@ def draft_payoff(tl: EngineTimeline, fit: Fit) -> DraftPayoff | None:
     num_decode_reqs = float(decode_reqs[decode_reqs > 0].mean())
     with_drafts = fit.design_row(decode_tokens=num_decode_reqs) / fit.output_tokens_per_decode
     without_drafts = fit.design_row(decode_tokens=num_decode_reqs, draft_tokens=0)
-    coefficients = np.array([fit.base_time, *fit.coefficients.values()])
-    token_time_with, token_time_without = with_drafts @ coefficients, without_drafts @ coefficients
+    token_time_with, token_time_without = with_drafts @ fit.weights, without_drafts @ fit.weights
     error = None
     if fit.covariance is not None:
         # saving = 1 - with / without: its gradient in the coefficients, then its variance

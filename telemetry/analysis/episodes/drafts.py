@@ -18,9 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.episodes.episode import Episode, Thresholds, group_by_time, span_episode
-from telemetry.analysis.spec_decode import Drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
-from telemetry.analysis.tune import ERROR_SIGMAS, DraftPayoff, draft_payoff, fit_iteration_time
+from telemetry.analysis.tune import (
+    ERROR_SIGMAS,
+    DraftPayoff,
+    Fit,
+    draft_payoff,
+    fit_iteration_time,
+)
 from telemetry.analysis.words import plural
 
 KIND = "costly_drafts"
@@ -45,23 +50,12 @@ def detect_costly_drafts(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         return []
     starts, ends = tl.col("start_ns")[drafting].tolist(), tl.col("end_ns")[drafting].tolist()
     groups = group_by_time(starts, int(th.idle_min_time * NS_PER_S), ends)
-    draft_cost = fit.coefficients["draft_tokens"]
-    decode_cost = fit.coefficients["decode_tokens"]
-    return [
-        _episode(tl, drafting[first : last + 1], fit.drafts, payoff, draft_cost, decode_cost)
-        for first, last in groups
-    ]
+    return [_episode(tl, drafting[first : last + 1], fit, payoff) for first, last in groups]
 
 
-def _episode(
-    tl: EngineTimeline,
-    rows: np.ndarray,
-    drafts: Drafts,
-    payoff: DraftPayoff,
-    draft_cost: float,
-    decode_cost: float,
-) -> Episode:
-    added = -payoff.saving
+def _episode(tl: EngineTimeline, rows: np.ndarray, fit: Fit, payoff: DraftPayoff) -> Episode:
+    drafts, added = fit.drafts, -payoff.saving
+    draft_cost, decode_cost = fit.coefficients["draft_tokens"], fit.coefficients["decode_tokens"]
     ms = 1000
     return span_episode(
         tl,

@@ -24,18 +24,27 @@ from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import plural
 
 
+def _history(
+    tl: EngineTimeline, among: np.ndarray, rows: np.ndarray, th: Thresholds, itself: bool
+) -> list[tuple[int, int]]:
+    """For each of ``rows``, the (first, last) slice of the iterations ``among`` (a mask of
+    tl's rows, taken in order) that started within ``long_prefill_baseline_time`` before it,
+    and at its own start too where ``itself``."""
+    starts, row_starts = tl.col("start_ns")[among], tl.col("start_ns")[rows]
+    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
+    lasts = starts.searchsorted(row_starts, side="right" if itself else "left")
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+
+
 def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.ndarray:
     """For each of ``rows``, the median time (ns) of the timed decode-only iterations that
     started within ``long_prefill_baseline_time`` before it; NaN with fewer than
     ``long_prefill_min_baseline_iterations`` of them."""
     decode_only = (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
-    starts, elapsed = tl.col("start_ns")[decode_only], tl.col("elapsed_ns")[decode_only]
-    row_starts = tl.col("start_ns")[rows]
-    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
-    lasts = starts.searchsorted(row_starts)
+    elapsed = tl.col("elapsed_ns")[decode_only]
     baselines = np.full(len(rows), np.nan)
     medians: dict[tuple[int, int], float] = {}  # rows with no decode-only one between share it
-    for number, span in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+    for number, span in enumerate(_history(tl, decode_only, rows, th, itself=False)):
         first, last = span
         if last - first >= th.long_prefill_min_baseline_iterations:
             if span not in medians:
@@ -52,13 +61,9 @@ def _prefill_token_costs(
     before it (itself included), of its time beyond the row's baseline per chunk token. So a
     slow iteration counts only where its chunk explains the slowness, not a hiccup."""
     with_prefill = (tl.col("num_prefill_tokens") > 0) & tl.timed
-    starts = tl.col("start_ns")[with_prefill]
     elapsed, tokens = tl.col("elapsed_ns")[with_prefill], tl.col("num_prefill_tokens")[with_prefill]
-    row_starts = tl.col("start_ns")[rows]
-    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
-    lasts = starts.searchsorted(row_starts, side="right")
     costs = np.zeros(len(rows))
-    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+    for number, (first, last) in enumerate(_history(tl, with_prefill, rows, th, itself=True)):
         span = slice(first, last)
         costs[number] = np.median((elapsed[span] - baselines[number]) / tokens[span])
     return costs
