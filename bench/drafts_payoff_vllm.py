@@ -11,7 +11,8 @@ token, which few are accepted of), then without it, each under `vllm bench serve
 mean time per output token (TPOT) of each and their ratio, what `iterscope tune` says drafts
 do by its fit (the payoff, with its error at two standard errors), and the findings `explain`
 and the live sidecar gave on the drafting run (``costly_drafts`` where drafts cost more than
-they save). The last line is one JSON object with the figures.
+they save, ``futile_speculation`` where next to none is accepted). The last line is one JSON
+object with the figures.
 """
 
 from __future__ import annotations

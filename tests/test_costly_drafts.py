@@ -104,7 +104,7 @@ def test_too_few_drafting_iterations_say_nothing(costly):
 def test_without_a_cost_per_decode_token_a_draft_token_is_priced_against_nothing():
     """Always 4 decoding requests: their cost is the base's, so the fit has no decode-token
     cost, and whether drafts pay would compare a draft token with nothing: not said, though
-    nothing was accepted."""
+    only one token of each draft of 3 was accepted."""
     rng = random.Random(1)
     records = []
     for number in range(1, 301):
@@ -118,9 +118,9 @@ def test_without_a_cost_per_decode_token_a_draft_token_is_priced_against_nothing
                 start_ns=number * 100_000_000,
                 elapsed_ns=int(elapsed_s * 1e9),
                 num_decode_reqs=4,
-                num_decode_tokens=4,
+                num_decode_tokens=4 + drafting,
                 num_running_reqs=4,
-                spec_decode=SpecDecodeCounts(drafting, 3 * drafting, 0, [0, 0, 0])
+                spec_decode=SpecDecodeCounts(drafting, 3 * drafting, drafting, [drafting, 0, 0])
                 if drafting
                 else None,
             )

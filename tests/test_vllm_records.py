@@ -266,6 +266,25 @@ def test_a_prefill_cadence_is_a_fact_of_the_engine_and_old_heartbeats_have_none(
     assert make_decoder().decode(old_frame).prefill_schedule_interval == 0
 
 
+@pytest.mark.parametrize("num_speculative_tokens", [None, 3])
+def test_speculative_decodings_draft_length_is_a_fact_of_the_engine(num_speculative_tokens):
+    """vLLM's --speculative-config rides on the heartbeats (its num_speculative_tokens), so a
+    recording says the engine speculates even where its proposer never found a draft; none
+    (vLLM's default) is not sent, and a heartbeat from before the field decodes with 0."""
+    spec = None if num_speculative_tokens is None else SimpleNamespace(num_speculative_tokens=3)
+    facts = engine_facts(SimpleNamespace(speculative_config=spec), 63, "vllm-scheduler", "0.32.0")
+    assert facts.get("num_speculative_tokens", 0) == (num_speculative_tokens or 0)
+    beat = lane_heartbeat(0, 1, 5, 6, **facts)
+    assert make_decoder().decode(make_encoder().encode(beat)).num_speculative_tokens == (
+        num_speculative_tokens or 0
+    )
+    names = [field.name for field in msgspec.structs.fields(Heartbeat)]
+    old_frame = msgspec.msgpack.encode(
+        msgspec.to_builtins(beat)[: 1 + names.index("num_speculative_tokens")]
+    )
+    assert make_decoder().decode(old_frame).num_speculative_tokens == 0
+
+
 def unknown_record(**fields) -> IterationRecord:
     record = RecordMaker(0, 11).make(scheduler_stats(**fields), iteration_stats())
     record.msg_seq = 1

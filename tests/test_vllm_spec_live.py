@@ -170,7 +170,10 @@ def test_explain_and_tune_read_the_drafts_the_sidecar_counted(spec_stack):
         counts["draft_tokens"],
         counts["accepted_tokens"],
     )
-    assert "speculative decoding: " in iterscope("explain", recording)
+    text = iterscope("explain", recording)
+    assert "speculative decoding: " in text
+    # the heartbeats say vLLM's num_speculative_tokens, which the engine's header names
+    assert ", speculating 3 tokens ahead, vllm " in text
     tune = json.loads(iterscope("tune", recording, "--itl-target", "30s", "--json"))
     (engine,) = tune["engines"]
     assert engine["spec_decode"]["max_draft_tokens"] == 3

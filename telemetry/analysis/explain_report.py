@@ -36,6 +36,8 @@ def engine_header(tl: EngineTimeline) -> str:
     for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_schedule_interval"):
         if facts.get(name):
             parts.append(f"--{name.replace('_', '-')} {facts[name]}")
+    if facts.get("num_speculative_tokens"):
+        parts.append(f"speculating {facts['num_speculative_tokens']} tokens ahead")
     if facts.get("engine_version"):
         parts.append(f"{facts['engine_version']} ({facts.get('source', 'source not said')})")
     return ", ".join(parts)

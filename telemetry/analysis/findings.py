@@ -30,6 +30,7 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          than without drafts, by the fit (telemetry/analysis/episodes/drafts.py)
     stall                (waiting + running) x the stall's length, from the heartbeats
     telemetry_gap        0: with no records, nothing is known of what requests saw
+    futile_speculation   0: what speculation costs each step is not in the records
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ COST_LABELS = {
     "costly_drafts": "slowed",
     "stall": "stalled",
     "telemetry_gap": "unknown",
+    "futile_speculation": "unknown",
     "kv_cliff": "delayed",
     "preemption_storm": "delayed",
 }
@@ -174,7 +176,7 @@ def eviction_baseline_row(tl: EngineTimeline, episode: Episode) -> int:
 
 def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     """Request-seconds the episode cost (see the module's docstring)."""
-    if episode.kind == "telemetry_gap":
+    if COST_LABELS.get(episode.kind) == "unknown":
         return 0.0
     if episode.kind in EVICTING_KINDS:
         first = eviction_baseline_row(tl, episode)

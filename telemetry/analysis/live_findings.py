@@ -42,6 +42,7 @@ from telemetry.analysis.episodes import (
     Episode,
     Thresholds,
     detect_costly_drafts,
+    detect_futile_speculation,
     detect_idle,
     detect_kv_cliff,
     detect_kv_leaks,
@@ -73,8 +74,9 @@ from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
 
 WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
-# History kept with no finding open (a leak; twice a long prefill's baseline time, so that an
-# iteration judged within that long of its end is judged on all it is judged on in explain).
+# History kept with no finding open (a leak; twice the past an iteration is judged on, a long
+# prefill's baseline time or a futile speculation's window, so that an iteration judged within
+# that long of its end is judged on all it is judged on in explain).
 LOOKBACK_S = 60.0
 EVALUATE_INTERVAL_S = 1.0
 MAX_EVALUATE_SHARE = 0.1
@@ -91,6 +93,7 @@ WINDOW_DETECTORS = (
     detect_telemetry_gaps,
     detect_long_prefill,
     detect_costly_drafts,
+    detect_futile_speculation,
 )
 assert detect_idle not in WINDOW_DETECTORS  # information, never a finding
 
@@ -109,6 +112,7 @@ FINDING_KINDS = (
     "waiting",
     "long_prefill",
     "costly_drafts",
+    "futile_speculation",
     "kv_leak",
     "stall",
     "spinning",
@@ -125,7 +129,7 @@ STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -
 WINDOW_RELATIVE_KINDS = frozenset(("costly_drafts",))
 # Kinds whose episodes explain merges with an iteration that starts within close_after's
 # seconds of their end (episodes.group_by_time over iteration spans).
-SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts"))
+SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculation"))
 
 # A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
 # one finding or episode each time; where they are printed as they come (the sidecar's log,
@@ -160,7 +164,7 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
         return LEAK_MAX_GAP + 1, LOOKBACK_S, False
     if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
         return 1, max(th.storm_window_time, th.gap_merge_time), True
-    if kind == "costly_drafts":  # drafting iterations up to idle_min_time apart are one
+    if kind in ("costly_drafts", "futile_speculation"):  # up to idle_min_time apart: one
         return 1, th.idle_min_time, True
     return 1, 0.0, True  # a KV cliff, a spinning stall: one row without it
 
@@ -275,9 +279,12 @@ class EngineFindings:
         self._newest_searched: object = None
         self._next_search_ns = 0
         self._busy_max = (0, 0)  # (waiting, running) at most during a stall
-        # What an iteration is judged on before it (a long prefill's baseline): kept before
-        # each open finding, and within LOOKBACK_S for any iteration judged in time.
-        self._history_ns = int(self.thresholds.long_prefill_baseline_time * NS_PER_S)
+        # What an iteration is judged on before it (a long prefill's baseline, the window of
+        # a futile speculation): kept before each open finding, and within LOOKBACK_S for any
+        # iteration judged in time.
+        th = self.thresholds
+        history_s = max(th.long_prefill_baseline_time, th.futile_speculation_window_time)
+        self._history_ns = int(history_s * NS_PER_S)
         assert 2 * self._history_ns <= LOOKBACK_S * NS_PER_S
 
     # ---------------------------------------------------------------------------------------

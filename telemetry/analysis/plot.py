@@ -47,6 +47,7 @@ EPISODE_STYLES = {
     "telemetry_gap": ("slategrey", "Telemetry gap / engine silent"),
     "long_prefill": ("tab:cyan", "Long prefill chunks"),
     "costly_drafts": ("tab:pink", "Drafts cost more than they save"),
+    "futile_speculation": ("tab:olive", "Speculative decoding gains nothing"),
 }
 
 # What an iteration ran -> (colour, legend text). A mixed batch has its own colour: its

@@ -204,6 +204,7 @@ FACT_FIELDS = (
     "source",
     "prefill_schedule_interval",
     "engine_version",
+    "num_speculative_tokens",
 )
 
 

@@ -263,6 +263,9 @@ def engine_facts(
     interval = int(getattr(scheduler, "prefill_schedule_interval", 1) or 1)
     if interval > 1:  # a cadence: prompts held between its steps (telemetry/sources/vllm_steps.py)
         facts["prefill_schedule_interval"] = interval
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "num_speculative_tokens", None):
+        facts["num_speculative_tokens"] = int(spec.num_speculative_tokens)
     return facts
 
 

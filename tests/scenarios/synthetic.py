@@ -197,6 +197,7 @@ class Simulator:
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     pid=4242,
+                    num_speculative_tokens=self.num_spec_tokens,
                 ),
                 ts_ns,
             )
@@ -517,6 +518,22 @@ def drafting(draft_token_time: float, accept_one_in: int) -> Simulator:
     return sim.run(33)
 
 
+def futile_speculation(drafting_share: float = 0.03) -> Simulator:
+    """Healthy load with speculative decoding that gains nothing: drafts of up to 3 tokens,
+    proposed for ``drafting_share`` of the decoding requests (an n-gram that rarely matches),
+    none accepted. The heartbeats say the engine speculates, so it is seen with no draft too."""
+    sim = Simulator(
+        num_blocks=800,
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        num_spec_tokens=3,
+        accept_one_in=10**9,  # never: the draft of (iteration + i) == 0 accepts 0 tokens too
+        drafting_share=drafting_share,
+    )
+    sim.add_requests(arrivals(4, 30, seed=5), num_prompt=96, num_output=60)
+    return sim.run(33)
+
+
 def healthy_but_slow() -> Simulator:
     """A CPU-speed engine, one request at a time: multi-second requests, nothing wrong."""
     sim = Simulator(num_blocks=800, max_num_seqs=8, max_num_batched_tokens=2048, cost=SLOW_COST)
@@ -540,6 +557,7 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "healthy but slow": (healthy_but_slow, None),
     "drafts that cost": (lambda: drafting(1e-3, accept_one_in=4), "costly_drafts"),
     "drafts that pay": (lambda: drafting(0.1e-3, accept_one_in=1), None),
+    "speculation that gains nothing": (futile_speculation, "futile_speculation"),
 }
 # --------------------------------------------------------------------------------------------
 # Scripted recordings: every iteration given by hand, for costs that can be worked out on paper.

@@ -30,6 +30,10 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
     costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
                       output token, by the fit of iteration time (tune's payoff), at two
                       standard errors in their favour, over 100+ drafting iterations
+    futile_speculation
+                      speculative decoding on, yet the 100+ decoding iterations of the 30 s
+                      before an iteration accepted fewer tokens than 1% of their decoding
+                      requests' steps: it spared them next to nothing (its cost is unknown)
 
 A healthy run (load within the limits, no faults) yields no episode but ``idle``.
 
@@ -40,7 +44,7 @@ Modules: ``episode`` (Episode, Thresholds, shared helpers), ``kv``, ``queues``, 
 
 from __future__ import annotations
 
-from telemetry.analysis.episodes.drafts import detect_costly_drafts
+from telemetry.analysis.episodes.drafts import detect_costly_drafts, detect_futile_speculation
 from telemetry.analysis.episodes.episode import (
     INFO,
     KV_PLAN_TEXT,
@@ -83,6 +87,7 @@ __all__ = [
     "build_timelines",
     "detect_episodes",
     "detect_costly_drafts",
+    "detect_futile_speculation",
     "detect_idle",
     "detect_kv_cliff",
     "detect_kv_leaks",
@@ -111,6 +116,7 @@ DETECTORS = (
     detect_telemetry_gaps,
     detect_long_prefill,
     detect_costly_drafts,
+    detect_futile_speculation,
 )
 
 

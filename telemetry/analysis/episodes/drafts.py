@@ -1,16 +1,31 @@
-"""Speculative decoding episodes: drafts that cost decoding requests more time than they save.
+"""Speculative decoding episodes: drafts that cost decoding requests more time than they save,
+and speculation that gains nothing.
 
-A draft token is scored by the target model beside its request's own token: it pays only when
-enough of them are accepted. Whether they did is `tune`'s payoff (telemetry/analysis/tune.py,
-``draft_payoff``): by the fit of iteration time over the timeline, a decoding request's time
-per output token with the recorded drafts against without them. The episode is said only
-where the fit prices a decode token and a draft token apart, over at least
-``costly_drafts_min_iterations`` drafting iterations, and drafts add at least
-``costly_drafts_min_added`` of the time per output token even ERROR_SIGMAS standard errors
-in their favour: a claim the data hold, not the fit's noise.
+Costly drafts. A draft token is scored by the target model beside its request's own token: it
+pays only when enough of them are accepted. Whether they did is `tune`'s payoff
+(telemetry/analysis/tune.py, ``draft_payoff``): by the fit of iteration time over the
+timeline, a decoding request's time per output token with the recorded drafts against without
+them. The episode is said only where the fit prices a decode token and a draft token apart,
+over at least ``costly_drafts_min_iterations`` drafting iterations, and drafts add at least
+``costly_drafts_min_added`` of the time per output token even ERROR_SIGMAS standard errors in
+their favour: a claim the data hold, not the fit's noise. The verdict is the whole
+timeline's (explain: the recording; the live sidecar: its window); its episodes are the
+stretches of drafting iterations no more than ``idle_min_time`` apart. Where fewer tokens were
+accepted than ``futile_speculation_max_accepted`` of the decoding requests' steps, the drafts
+bought nothing at all: that is the next kind's to say, not this one's.
 
-The verdict is the whole timeline's (explain: the recording; the live sidecar: its window);
-its episodes are the stretches of drafting iterations no more than ``idle_min_time`` apart.
+Futile speculation. An accepted token is the only thing speculative decoding buys: an output
+token a decoding request gets without an iteration of its own. Each decoding iteration is
+judged on the decoding iterations that started within ``futile_speculation_window_time``
+before it (itself included): where speculative decoding was on (a draft was scored among them,
+or the latest heartbeat says the engine's ``num_speculative_tokens``: a proposer that never
+finds a draft still runs), at least ``futile_speculation_min_iterations`` of them, and their
+accepted tokens were fewer than ``futile_speculation_max_accepted`` of their decoding
+request-steps, speculation spared them at most that share of their iterations, whatever it
+costs. What it costs (the proposer's work every step, the draft tokens scored) is not in the
+records, so the finding's cost is unknown. Judged on the past only, like a long prefill: the
+live sidecar keeps that window before every iteration it judges and judges it as `explain`
+does. Episodes: the iterations so judged, no more than ``idle_min_time`` apart.
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.episodes.episode import Episode, Thresholds, group_by_time, span_episode
+from telemetry.analysis.spec_decode import draft_slots, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import (
     ERROR_SIGMAS,
@@ -29,6 +45,7 @@ from telemetry.analysis.tune import (
 from telemetry.analysis.words import plural
 
 KIND = "costly_drafts"
+FUTILE_KIND = "futile_speculation"
 
 
 def detect_costly_drafts(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -43,6 +60,7 @@ def detect_costly_drafts(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     payoff = draft_payoff(tl, fit)
     if (
         payoff is None
+        or fit.drafts.output_tokens_per_decode - 1 < th.futile_speculation_max_accepted
         or payoff.saving_error is None
         or "decode_tokens" not in fit.coefficients  # a draft token priced against nothing
         or -payoff.saving - ERROR_SIGMAS * payoff.saving_error < th.costly_drafts_min_added
@@ -93,5 +111,97 @@ def _episode(tl: EngineTimeline, rows: np.ndarray, fit: Fit, payoff: DraftPayoff
             "token_time_with_drafts_s": payoff.token_time_with_drafts,
             "token_time_without_drafts_s": payoff.token_time_without_drafts,
             "acceptance_rate": drafts.acceptance_rate,
+        },
+    )
+
+
+def detect_futile_speculation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Stretches of decoding iterations whose recent past accepted next to no draft token
+    while speculative decoding was on (see the module's docstring)."""
+    decoding = np.flatnonzero(tl.col("num_decode_reqs") > 0)
+    if decoding.size < th.futile_speculation_min_iterations:
+        return []
+    starts = tl.col("start_ns")[decoding]
+    firsts = starts.searchsorted(starts - int(th.futile_speculation_window_time * NS_PER_S))
+    lasts = np.arange(1, decoding.size + 1)  # each window ends with the iteration judged
+
+    def window_sums(column: np.ndarray) -> np.ndarray:
+        sums = np.r_[0, np.cumsum(column[decoding])]
+        return sums[lasts] - sums[firsts]
+
+    steps, accepted = (
+        window_sums(tl.col("num_decode_reqs")),
+        window_sums(tl.col("num_accepted_tokens")),
+    )
+    speculating = (window_sums(tl.col("num_drafts") > 0) > 0) | (
+        _configured_draft_length(tl, starts) > 0
+    )
+    futile = (
+        speculating
+        & (lasts - firsts >= th.futile_speculation_min_iterations)
+        & (accepted < th.futile_speculation_max_accepted * steps)
+    )
+    index = decoding[futile]
+    times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
+    groups = group_by_time(times, int(th.idle_min_time * NS_PER_S), ends)
+    return [_futile_episode(tl, int(index[first]), int(index[last])) for first, last in groups]
+
+
+def _configured_draft_length(tl: EngineTimeline, starts: np.ndarray) -> np.ndarray:
+    """For each start time, the num_speculative_tokens of the latest heartbeat at or before
+    it (0: none said, or no heartbeat yet): per heartbeat, so an engine restarted without
+    speculative decoding is not taken for one with it."""
+    said = np.array([h.num_speculative_tokens for h in tl.heartbeats] + [0], dtype=np.int64)
+    times = np.array([h.ts_ns for h in tl.heartbeats], dtype=np.int64)
+    latest = times.searchsorted(starts, side="right") - 1
+    return said[latest]  # -1 (none yet) reads the 0 appended
+
+
+def _futile_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
+    rows = slice(first, last + 1)
+    decoding = tl.col("num_decode_reqs")[rows] > 0
+    steps = int(tl.col("num_decode_reqs")[rows].sum())
+    accepted = int(tl.col("num_accepted_tokens")[rows].sum())
+    draft_tokens = int(tl.col("num_draft_tokens")[rows].sum())
+    # steps + accepted tokens came in `steps` request-iterations; without drafts, one each
+    saved = accepted / (steps + accepted)
+    length = int(_configured_draft_length(tl, tl.col("start_ns")[rows]).max())
+    if not length:  # not said: the longest mean draft of an iteration, rounded up
+        length = draft_slots(recorded_drafts(tl))
+    drafts_text = f"drafts of up to {plural(length, 'token')}"
+    return span_episode(
+        tl,
+        first,
+        last,
+        kind=FUTILE_KIND,
+        title="Speculative decoding gains nothing",
+        evidence=(
+            f"{plural(int(decoding.sum()), 'decoding iteration')} with speculative decoding on "
+            f"({drafts_text}): {plural(draft_tokens, 'draft token')} proposed and scored "
+            f"for {plural(steps, 'decoding request-step')}, {accepted} accepted "
+            f"({accepted / steps:.2%} of the request-steps), so drafts spared the requests at "
+            f"most {saved:.2%} of their iterations; what speculation costs each step is not "
+            "in the records"
+        ),
+        explanation=(
+            "Speculative decoding gains only by its accepted tokens, each an output token a "
+            "request gets without an iteration of its own. Next to none were accepted here, "
+            "while every step still pays for speculation: its proposer runs, and the draft "
+            "tokens it finds are scored beside the requests' own."
+        ),
+        setting=(
+            f"Leave out --speculative-config (num_speculative_tokens now {length}): it spared "
+            "the decoding requests next to nothing. Where drafts should match this load "
+            "(n-gram drafts on prompts that repeat, a draft model trained for it), serve the "
+            "same load with and without it and compare the time per output token."
+        ),
+        numbers={
+            "num_iterations": int(decoding.sum()),
+            "num_decode_steps": steps,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "accepted_share": accepted / steps,
+            "saved_share": saved,
+            "num_speculative_tokens": length,
         },
     )

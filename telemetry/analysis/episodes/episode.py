@@ -40,6 +40,12 @@ class Thresholds:
     long_prefill_baseline_time: float = 30.0  # an iteration's baseline: this long before it
     costly_drafts_min_added: float = 0.10  # of the time per output token, at 2 errors
     costly_drafts_min_iterations: int = 100
+    # Speculation that gains nothing: an iteration is judged on the decoding iterations of the
+    # window before it (itself included), at least this many, accepting fewer tokens than this
+    # share of their decoding requests.
+    futile_speculation_window_time: float = 30.0
+    futile_speculation_min_iterations: int = 100
+    futile_speculation_max_accepted: float = 0.01
 
 
 @dataclass
