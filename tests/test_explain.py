@@ -266,6 +266,30 @@ def test_restarted_engine_is_a_silence_not_a_loss():
     assert gap.numbers["restarted"] and gap.numbers["silent_time_s"] >= 4
 
 
+def test_dead_after_sets_how_long_a_silence_is_as_the_sidecars_flag_does(tmp_path, capsys):
+    """The restart's 5 s without a message is a silence at the default (2.5 s, the sidecar's
+    default --dead-after) and none at --dead-after 10s; a duration not above 0 is refused."""
+    first = Simulator(cost=synthetic.STORY_COST).run(10)
+    second = Simulator(cost=synthetic.STORY_COST, start_s=1015.0).run(5)
+    path = tmp_path / "restarted.jsonl"
+    path.write_bytes(
+        first.write(tmp_path / "a").read_bytes() + second.write(tmp_path / "b").read_bytes()
+    )
+
+    def silences(*flags: str) -> list:
+        assert main([str(path), "--json", *flags]) == 0
+        (engine,) = json.loads(capsys.readouterr().out)["engines"]
+        return [e for e in engine["episodes"] if "silent_time_s" in e["numbers"]]
+
+    assert len(silences()) == 1 and silences("--dead-after", "4s")
+    assert silences("--dead-after", "10s") == []
+    for bad in ("0", "-1s"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), f"--dead-after={bad}"])
+        assert exit_info.value.code == 2
+        assert "--dead-after: must be above 0" in capsys.readouterr().err
+
+
 def test_long_prefill_chunks_stretch_decode():
     cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
     sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)

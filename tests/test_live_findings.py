@@ -29,7 +29,8 @@ from telemetry.analysis.live_findings import (
     rank_kinds,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
-from telemetry.lane.record import iteration_record
+from telemetry.lane.record import Heartbeat, IterationRecord, iteration_record
+from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.findings import (
@@ -105,6 +106,37 @@ def test_finding_1_is_the_true_cause_live_and_in_explain(name, tmp_path):
         finding_kind(f.worst) for f in build_findings(timeline, detect_episodes(timeline))
     ][:1]
     assert rank_kinds(replayed(path))[:1] == explained_first == ([truth] if truth else [])
+
+
+def frozen(sim, at_s: float, for_s: float) -> list:
+    """The simulator's messages as if its whole process froze at ``at_s`` for ``for_s``:
+    every message sent later comes that much later, none lost (seq continuous)."""
+    at_ns, shift_ns = sim.at(at_s), int(for_s * NS_PER_S)
+    for message in sim.messages:
+        if type(message) is Heartbeat and message.ts_ns >= at_ns:
+            message.ts_ns += shift_ns
+            message.wall_ns += shift_ns
+        elif type(message) is IterationRecord and message.start_ns >= at_ns:
+            message.start_ns += shift_ns
+    messages = sorted(sim.messages, key=message_time_ns)  # sent in time order, numbered so
+    for seq, message in enumerate(messages, start=messages[0].msg_seq):
+        message.msg_seq = seq
+    return messages
+
+
+@pytest.mark.parametrize("dead_after_s", [2.5, 5.0])
+def test_a_silence_is_dead_live_and_in_explain_at_the_same_dead_after(dead_after_s, tmp_path):
+    """A healthy engine frozen whole for 4 s: dead for a sidecar run with the default
+    --dead-after (2.5 s) and a silence for explain's default; neither for 5 s, given to both
+    (explain --dead-after, the sidecar's --dead-after through its replay)."""
+    make, _ = SCENARIOS["healthy"]
+    sim = make()
+    sim.messages = frozen(sim, at_s=10.0, for_s=4.0)
+    path = sim.write(tmp_path / "frozen.jsonl")
+    (timeline,) = read_timelines([path])[0].values()
+    live = replayed(path, dead_after_s=dead_after_s)
+    assert_same_findings(explained(timeline, Thresholds(dead_after=dead_after_s)), live)
+    assert ("dead" in {finding.kind for finding in live}) == (dead_after_s < 4)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from telemetry.analysis.fpm_recording import (
     wall_time_line,
 )
 from telemetry.analysis.live_findings import ALWAYS_SAID, PROMOTE_AFTER_S, follows_closely
+from telemetry.analysis.liveness_flags import add_liveness_arguments, liveness_thresholds
 from telemetry.analysis.timeline import (
     EngineTimeline,
     build_timelines,
@@ -213,20 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stop --follow after this long (default: until Ctrl-C)",
     )
-    parser.add_argument(
-        "--stall-after",
-        type=parse_time,
-        default=None,
-        help="a fixed stall threshold: a frozen loop with work queued for this "
-        "long is a stall (default: the live sidecar's adaptive threshold, twice "
-        "the engine's longest recent progress interval, at least 5s)",
-    )
+    add_liveness_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    thresholds = Thresholds(stall_after=args.stall_after)
+    thresholds = liveness_thresholds(args)
     if args.follow:
         if any(p.is_file() and is_tap(p) for p in args.recordings):
             print("iterscope explain: --follow reads iterscope's recordings only", file=sys.stderr)

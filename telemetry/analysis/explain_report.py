@@ -13,7 +13,7 @@ from dataclasses import asdict
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.clock import clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
-from telemetry.analysis.findings import Finding, build_findings, cost_text
+from telemetry.analysis.findings import Finding, build_findings, cost_phrase
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import EngineTimeline
 from telemetry.analysis.words import not_reported, plural
@@ -77,11 +77,7 @@ MAX_ACTION_LINES = MAX_FINDING_LINES - 5
 def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
     """Headline, worst instance with its figures, and the action (wrapped)."""
     worst = finding.worst
-    cost = (
-        "cost not measurable (no records)"
-        if finding.cost_label == "unknown"
-        else f"{cost_text(finding.cost)} request-s {finding.cost_label}"
-    )
+    cost = cost_phrase(finding.cost, finding.cost_label)
     lines = [
         f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
         f"{finding.total_time:.2f} s in all, {cost}"

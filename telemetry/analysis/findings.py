@@ -230,3 +230,11 @@ def cost_text(request_seconds: float) -> str:
     if request_seconds < 0.01:
         return "< 0.01"
     return f"{request_seconds:.2f}" if request_seconds < 1 else f"{request_seconds:.1f}"
+
+
+def cost_phrase(request_seconds: float, cost_label: str) -> str:
+    """A finding's cost as every text says it (explain, the log lines, top): ``4.0 request-s
+    waiting``, or ``cost not measurable`` for a kind whose cost the records cannot give."""
+    if cost_label == "unknown":
+        return "cost not measurable"
+    return f"{cost_text(request_seconds)} request-s {cost_label}"

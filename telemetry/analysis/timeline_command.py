@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Thresholds
+from telemetry.analysis.liveness_flags import add_liveness_arguments, liveness_thresholds
 from telemetry.analysis.perfetto_trace import TraceCounts, write_trace
 from telemetry.analysis.timeline import EngineTimeline, nothing_to_read, read_timelines
 from telemetry.analysis.words import plural
@@ -46,12 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", type=Path, required=True, metavar="OUT.pftrace", help="the trace"
     )
     parser.add_argument("--engine", type=int, help="only this engine index")
-    parser.add_argument(
-        "--stall-after",
-        type=parse_time,
-        default=None,
-        help="a fixed stall threshold for the findings, as `explain --stall-after`",
-    )
+    add_liveness_arguments(parser)  # for the findings, as explain takes them
     return parser
 
 
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         counts, num_bad = convert(
-            args.recordings, args.output, Thresholds(stall_after=args.stall_after), args.engine
+            args.recordings, args.output, liveness_thresholds(args), args.engine
         )
     except TimelineError as error:
         print(f"iterscope timeline: {error}", file=sys.stderr)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from telemetry.analysis.findings import cost_text
+from telemetry.analysis.findings import cost_phrase
 from telemetry.analysis.live_findings import RECENT_CLOSED
 from telemetry.analysis.words import plural
 from telemetry.sidecar.metrics_http import metrics_url
@@ -158,10 +158,7 @@ def _running(after: Samples) -> str:
 
 def _cost(finding: dict) -> str:
     """As `explain` and the log line print a finding's cost."""
-    label = finding.get("cost_label")
-    if label == "unknown":
-        return "cost not measurable"
-    return f"{cost_text(finding.get('cost_request_seconds') or 0.0)} request-s {label}"
+    return cost_phrase(finding.get("cost_request_seconds") or 0.0, finding.get("cost_label", ""))
 
 
 def _wrapped(indent: str, text: str, width: int | None) -> list[str]:

@@ -47,6 +47,9 @@ def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) ->
         iteration = int(timeline.col("iteration")[row]) if row < timeline.num_iterations else 0
         if kind == "stall" and "frozen_iteration" in episode.numbers:
             iteration = episode.numbers["frozen_iteration"]
+        if kind == "dead":  # live names the last iteration before the silence
+            before = int(timeline.col("end_ns").searchsorted(episode.start_ns, side="right"))
+            iteration = int(timeline.col("iteration")[before - 1]) if before else 0
         rows.append((kind, iteration, episode_cost(timeline, episode)))
     return sorted(rows)
 

@@ -118,6 +118,8 @@ def _episode(tl: EngineTimeline, rows: np.ndarray, fit: Fit, payoff: DraftPayoff
 def detect_futile_speculation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Stretches of decoding iterations whose recent past accepted next to no draft token
     while speculative decoding was on (see the module's docstring)."""
+    if not tl.col("num_drafts").any() and not any(h.num_speculative_tokens for h in tl.heartbeats):
+        return []  # never speculating (our own engine, an engine without the flag)
     decoding = np.flatnonzero(tl.col("num_decode_reqs") > 0)
     if decoding.size < th.futile_speculation_min_iterations:
         return []

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from telemetry.analysis.stall_rule import DEAD_AFTER_S
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 PROBLEM = "problem"
@@ -29,6 +30,8 @@ class Thresholds:
     # A fixed stall threshold in seconds; None adapts it to the engine's own progress, as
     # the live sidecar does (telemetry/analysis/stall_rule.py).
     stall_after: float | None = None
+    # No message for longer than this is a silence: the live sidecar's --dead-after.
+    dead_after: float = DEAD_AFTER_S
     spin_min_iterations: int = 10
     leak_min_blocks: int = 2
     leak_min_iterations: int = 5

@@ -18,13 +18,12 @@ from telemetry.analysis.episodes.episode import (
     span_episode,
     true_runs,
 )
-from telemetry.analysis.stall_rule import DEAD_AFTER_S, StallRule
+from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import plural
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.recording import message_time_ns
 
-DEAD_AFTER_NS = int(DEAD_AFTER_S * NS_PER_S)
 SILENCE_SETTING = (
     "Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown)."
 )
@@ -56,7 +55,8 @@ def detect_frozen_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         until_ns = group[-1].ts_ns if ongoing else int(tl.col("end_ns")[next_row])
         candidates.append((group, since_ns, until_ns, ongoing, next_row))
     stall_after_ns = int(th.stall_after * NS_PER_S) if th.stall_after else 0
-    thresholds = stall_thresholds(tl, [c[2] for c in candidates], stall_after_ns)
+    dead_after_ns = int(th.dead_after * NS_PER_S)
+    thresholds = stall_thresholds(tl, [c[2] for c in candidates], stall_after_ns, dead_after_ns)
     episodes = []
     for (group, since_ns, until_ns, ongoing, next_row), threshold_ns in zip(
         candidates, thresholds, strict=True
@@ -70,10 +70,14 @@ def detect_frozen_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     return episodes
 
 
-def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: int = 0) -> list[int]:
+def stall_thresholds(
+    tl: EngineTimeline, times_ns: list[int], stall_after_ns: int, dead_after_ns: int
+) -> list[int]:
     """The stall threshold the live sidecar held just before each of ``times_ns``: the
     engine's messages fed in time order (records at their end, heartbeats at ts_ns) to a
-    StallRule as Ingest feeds it, with record time as the clock, as a replay runs."""
+    StallRule as Ingest feeds it (``stall_after_ns``: its fixed threshold, 0 adapts; progress
+    after ``dead_after_ns`` of silence is not learnt from), with record time as the clock, as
+    a replay runs."""
     rule = StallRule(stall_after_ns)
     order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
     thresholds = [0] * len(times_ns)
@@ -90,7 +94,7 @@ def stall_thresholds(tl: EngineTimeline, times_ns: list[int], stall_after_ns: in
         while next_query < len(order) and times_ns[order[next_query]] <= time_ns:
             thresholds[order[next_query]] = rule.threshold_ns(times_ns[order[next_query]])
             next_query += 1
-        was_silent = last_message_ns is not None and time_ns - last_message_ns > DEAD_AFTER_NS
+        was_silent = last_message_ns is not None and time_ns - last_message_ns > dead_after_ns
         if is_heartbeat:
             heartbeat = tl.heartbeats[index]
             progress = heartbeat.last_iteration > last_iteration
@@ -286,7 +290,7 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         messages = [segments[number - 1][-1], *segment] if number else segment
         times = [message_time_ns(m) for m in messages]
         # silent for longer than the live sidecar waits before it calls the engine dead
-        for i in _gaps_over(times, DEAD_AFTER_NS):  # messages[i] -> messages[i + 1]
+        for i in _gaps_over(times, int(th.dead_after * NS_PER_S)):  # messages[i] -> messages[i + 1]
             before, after = messages[i], messages[i + 1]
             lost = after.msg_seq > before.msg_seq + 1 and after is not segment[0]
             if not lost:

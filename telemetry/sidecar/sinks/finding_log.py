@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from telemetry.analysis.findings import cost_text
+from telemetry.analysis.findings import cost_phrase
 from telemetry.analysis.live_findings import (
     ALWAYS_SAID,
     PROMOTE_AFTER_S,
@@ -53,13 +53,18 @@ def end_wall_ns(finding: LiveFinding) -> int:
     return finding.start_wall_ns + finding.end_ns - finding.start_ns if finding.start_wall_ns else 0
 
 
+def _with_word(cost: str) -> str:
+    """``cost 4.0 request-s waiting``; ``cost not measurable`` as it is."""
+    return cost if cost.startswith("cost ") else f"cost {cost}"
+
+
 def finding_line(event: FindingEvent) -> Line:
     """A live finding's opening (WARNING) or closing (INFO) line."""
     finding = event.finding
     head = f"Engine {finding.engine_index:03d}: {finding.title}"
     since = clock_text(finding.start_wall_ns)
     where = f"iteration {finding.iteration}, " if finding.iteration else ""
-    cost = f"{cost_text(finding.cost)} request-s {finding.cost_label}"
+    cost = cost_phrase(finding.cost, finding.cost_label)
     if event.what == "opened":
         return logging.WARNING, (
             f"{head} since {since} ({where}{finding.duration_s:.1f} s so far, {cost}): "
@@ -67,7 +72,8 @@ def finding_line(event: FindingEvent) -> Line:
         )
     lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
     return logging.INFO, (
-        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), cost {cost}{lower_bound}"
+        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), "
+        f"{_with_word(cost)}{lower_bound}"
     )
 
 
@@ -122,8 +128,8 @@ class Repeats:
         text = (
             f"Engine {last.engine_index:03d}: {last.title} again: {times} since "
             f"{clock_text(self.first_start_wall_ns)} (the last ended "
-            f"{clock_text(end_wall_ns(last))}{now}), {self.duration_s:.1f} s in all, cost "
-            f"{cost_text(self.cost)} request-s {last.cost_label}. Action: {last.action}"
+            f"{clock_text(end_wall_ns(last))}{now}), {self.duration_s:.1f} s in all, "
+            f"{_with_word(cost_phrase(self.cost, last.cost_label))}. Action: {last.action}"
         )
         self.num_closed, self.duration_s, self.cost = 0, 0.0, 0.0
         return logging.WARNING, text
