@@ -70,6 +70,18 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
     assert "  ... 1 more finding; --all lists every episode." in lines  # the gap, below
 
 
+def test_an_episode_costs_its_own_iterations_not_the_next_one_back_to_back():
+    """KV usage 96% for 10 iterations of 10 ms with 2 requests waiting, then 80% with the
+    same 2 waiting: the saturation costs 10 x 2 x 10 ms; the next iteration, which starts as
+    the episode's last one ends, is not inside it."""
+    rows = [Row(0.010, running=4, waiting=2, blocks_used=96)] * 10
+    rows += [Row(0.010, running=4, waiting=2, blocks_used=80)] * 3
+    timeline = build_timelines(scripted(rows))[0]
+    (saturated,) = [e for e in detect_episodes(timeline) if e.kind == "kv_saturation"]
+    assert timeline.col("start_ns")[10] == saturated.end_ns  # back to back
+    assert episode_cost(timeline, saturated) == pytest.approx(10 * 2 * 0.010)
+
+
 def test_a_fault_ranks_first_even_before_it_costs_requests():
     """Blocks held with nothing running cost no request time yet, but only a restart fixes it."""
     leaking = [Row(0.010, running=0, waiting=0, blocks_used=20)] * 3

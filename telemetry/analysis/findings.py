@@ -100,10 +100,19 @@ class Finding:
 
 
 def _span_rows(tl: EngineTimeline, episode: Episode) -> slice:
+    """The records inside the episode: started within it, less one that starts right as its
+    last one ends (back to back, it is the next iteration, not the episode's). An episode of
+    one untimed record (start = end) keeps it."""
     starts = tl.col("start_ns")
     first = int(np.searchsorted(starts, episode.start_ns, side="left"))
-    last = int(np.searchsorted(starts, episode.end_ns, side="right"))
-    return slice(first, last)
+    stop = int(np.searchsorted(starts, episode.end_ns, side="right"))
+    while (
+        stop - first > 1
+        and starts[stop - 1] == episode.end_ns
+        and tl.col("end_ns")[stop - 1] > episode.end_ns
+    ):
+        stop -= 1
+    return slice(first, stop)
 
 
 def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray) -> float:
@@ -151,13 +160,9 @@ def _slowed_request_seconds(tl: EngineTimeline, rows: slice) -> float:
     return float((num_decode_reqs[index] * extra_ns).sum()) / NS_PER_S
 
 
-def _drafts_request_seconds(tl: EngineTimeline, episode: Episode) -> float:
-    """The decode tokens of the iterations that started inside the episode, each later by
-    what drafts add to the time per output token."""
-    starts = tl.col("start_ns")
-    rows = slice(
-        int(starts.searchsorted(episode.start_ns)), int(starts.searchsorted(episode.end_ns))
-    )
+def _drafts_request_seconds(tl: EngineTimeline, rows: slice, episode: Episode) -> float:
+    """The decode tokens of the iterations inside the episode, each later by what drafts add
+    to the time per output token."""
     numbers = episode.numbers
     added_s = numbers["token_time_with_drafts_s"] - numbers["token_time_without_drafts_s"]
     return float(tl.col("num_decode_tokens")[rows].sum()) * added_s
@@ -185,9 +190,9 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     if episode.kind == "stall" and "max_running_reqs" in episode.numbers:
         busy = episode.numbers["max_waiting_reqs"] + episode.numbers["max_running_reqs"]
         return busy * episode.duration_time
-    if episode.kind == "costly_drafts":
-        return _drafts_request_seconds(tl, episode)
     rows = _span_rows(tl, episode)
+    if episode.kind == "costly_drafts":
+        return _drafts_request_seconds(tl, rows, episode)
     if episode.kind == "long_prefill":
         return _slowed_request_seconds(tl, rows)
     return _waiting_request_seconds(tl, rows)
