@@ -23,6 +23,7 @@ from telemetry.analysis.explain import follow, main, read_timelines
 from telemetry.analysis.explain_report import format_engine
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
+from telemetry.analysis.timeline_command import main as timeline_main
 from telemetry.lane.record import IterationRecord, SpecDecodeCounts, iteration_record
 from telemetry.lane.recording import RecordingReader, message_time_ns
 
@@ -268,7 +269,8 @@ def test_restarted_engine_is_a_silence_not_a_loss():
 
 def test_dead_after_sets_how_long_a_silence_is_as_the_sidecars_flag_does(tmp_path, capsys):
     """The restart's 5 s without a message is a silence at the default (2.5 s, the sidecar's
-    default --dead-after) and none at --dead-after 10s; a duration not above 0 is refused."""
+    default --dead-after) and none at --dead-after 10s; explain and timeline refuse a value
+    that is not a duration above 0, saying so."""
     first = Simulator(cost=synthetic.STORY_COST).run(10)
     second = Simulator(cost=synthetic.STORY_COST, start_s=1015.0).run(5)
     path = tmp_path / "restarted.jsonl"
@@ -283,11 +285,14 @@ def test_dead_after_sets_how_long_a_silence_is_as_the_sidecars_flag_does(tmp_pat
 
     assert len(silences()) == 1 and silences("--dead-after", "4s")
     assert silences("--dead-after", "10s") == []
-    for bad in ("0", "-1s"):
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(path), f"--dead-after={bad}"])
-        assert exit_info.value.code == 2
-        assert "--dead-after: must be above 0" in capsys.readouterr().err
+    for bad in ("0", "-1s", "soon"):
+        output = ["-o", str(tmp_path / "t.pftrace")]
+        for command, argv in ((main, [str(path)]), (timeline_main, [str(path), *output])):
+            with pytest.raises(SystemExit) as exit_info:
+                command([*argv, f"--dead-after={bad}"])
+            assert exit_info.value.code == 2
+            error = capsys.readouterr().err
+            assert f"argument --dead-after: '{bad}' is not a duration above 0 (e.g. 2.5s" in error
 
 
 def test_long_prefill_chunks_stretch_decode():

@@ -15,8 +15,11 @@ def parse_time(text: str) -> float:
 
 
 def positive_time(text: str) -> float:
-    """parse_time, refusing a duration that is not above 0 (argparse says why)."""
-    seconds = parse_time(text)
+    """parse_time, refusing what is not a duration above 0 (argparse says why)."""
+    try:
+        seconds = parse_time(text)
+    except ValueError:
+        seconds = float("nan")
     if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration above 0 (e.g. 2.5s, 500ms)")
     return seconds
