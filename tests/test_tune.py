@@ -370,13 +370,15 @@ def test_tune_prints_whether_drafts_pay_or_why_it_cannot_tell(tmp_path, capsys):
 
     assert (
         "  drafts save 43% (± 0% at 2 standard errors) of the time per output token, by the "
-        "fit: at the recording's mean "
+        "fit of their draft tokens' cost (what speculation costs every step, drafted or not, "
+        "is not in the records): at the recording's mean "
         "of 6.5 decoding requests, each gets an output token every 9.4 ms with their drafts, "
         "every 16.5 ms without\n"
     ) in tuned(paid)
     assert (
         "  drafts add 14% (± 0% at 2 standard errors) of the time per output token, by the "
-        "fit: at the recording's mean "
+        "fit of their draft tokens' cost (what speculation costs every step, drafted or not, "
+        "is not in the records): at the recording's mean "
         "of 6.5 decoding requests, each gets an output token every 18.7 ms with their drafts, "
         "every 16.5 ms without; fewer draft tokens or none (--speculative-config) would "
         "decode faster\n"

@@ -579,7 +579,9 @@ def _payoff_line(payoff: DraftPayoff | None) -> str:
             f" (± {ERROR_SIGMAS * payoff.saving_error:.0%} at {ERROR_SIGMAS} standard errors)"
         )
     line = (
-        f"  drafts {verdict} of the time per output token, by the fit: at the recording's "
+        f"  drafts {verdict} of the time per output token, by the fit of their draft tokens' "
+        "cost (what speculation costs every step, drafted or not, is not in the records): "
+        f"at the recording's "
         f"mean of {payoff.num_decode_reqs:.1f} decoding requests, each gets an output token "
         f"every {payoff.token_time_with_drafts * ms:.1f} ms with their drafts, every "
         f"{payoff.token_time_without_drafts * ms:.1f} ms without"
