@@ -109,6 +109,28 @@ def test_a_silent_pause_is_no_iteration_to_learn_from():
     assert state.stall.threshold_ns(engine.now_ns) == STALL_FLOOR_S * SECOND
 
 
+@pytest.mark.parametrize("silent_s", [2.45, 2.55])
+def test_a_silence_longer_than_dead_after_is_dead_though_no_tick_fell_in_it(silent_s):
+    """Ticks come every 0.1 s: one 2.55 s after the last message may miss the 50 ms when the
+    engine was dead. The next message says so: dead until it came (as explain calls every
+    silence over --dead-after), then running; 2.45 s is no silence."""
+    sink = RecordingSink()
+    ingest = Ingest([sink], dead_after_s=2.5)
+    engine = ScriptedEngine(ingest)
+    engine.message(heartbeat, waiting=1, running=1)
+    engine.run_for(1)
+    ingest.tick(engine.now_ns + 2_400_000_000)  # the last tick before the next message
+    engine.now_ns += int(silent_s * SECOND)
+    engine.iteration += 1
+    engine.message(record, iteration=engine.iteration, num_running_reqs=1, num_waiting_reqs=1)
+    if silent_s < 2.5:
+        assert [status for status, _ in statuses(sink)] == [RUNNING]
+    else:
+        assert statuses(sink)[1:] == [(DEAD, engine.now_ns), (RUNNING, engine.now_ns)]
+        # and its live finding, opened and closed (as explain's silence)
+        assert [f.kind for f in ingest.engines[0].findings.closed] == ["dead"]
+
+
 class StuckRunner(FakeRunner):
     """A fake forward pass of 5 ms that, once ``hold`` is set, does not return until
     ``release`` is: waiting (as torch does, without the GIL) or spinning in Python."""

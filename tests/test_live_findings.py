@@ -416,6 +416,31 @@ def test_a_live_sidecar_opens_the_finding_in_time_on_the_real_engine(story, kind
     assert 0 < delay <= MIN_TIME_S[kind] + 2.0, delay
 
 
+def test_an_iteration_judged_again_on_part_of_its_past_opens_no_finding():
+    """tests/data/vllm_0.28_plugin_stall.jsonl: vLLM 0.28 on its CPU build through the
+    stat-logger plugin (tests/test_vllm_live.py, under `make test-vllm-versions`), 0.3 s
+    steps, a hung engine core. The window keeps 60 s: an iteration is first judged with the 30
+    s before it in the window, and judged again at every search until it leaves it, the last
+    30 s of those on a past the window has partly dropped. So judged, iterations 38 and 65
+    passed for long prefills, 46 and 56 s late: the sidecar opens only what explain finds,
+    each as its record comes (the one inside the stall ends 6.7 s after it starts)."""
+    path = Path(__file__).parent / "data" / "vllm_0.28_plugin_stall.jsonl"
+    live = assert_replay_agrees_with_explain(path)
+    assert sorted(f.kind for f in live) == ["long_prefill", "long_prefill", "stall"]
+    assert all(f.opened_ns - f.start_ns < 10 * NS_PER_S for f in live)
+
+
+def test_a_silence_just_over_dead_after_is_dead_live_though_no_tick_fell_in_it():
+    """tests/data/vllm_0.28_scheduler_stopped.jsonl: vLLM 0.28 through the scheduler source,
+    its engine core stopped until the live sidecar said dead (tests/test_vllm_scheduler_live.py
+    under `make test-vllm-versions`): 2.56 s without a message. A replay ticks every 0.1 s on
+    its own grid, which may miss the 60 ms over 2.5 s; the message after the silence says
+    it: dead, as explain calls the silence."""
+    path = Path(__file__).parent / "data" / "vllm_0.28_scheduler_stopped.jsonl"
+    live = assert_replay_agrees_with_explain(path)
+    assert "dead" in {finding.kind for finding in live}
+
+
 def test_a_real_vllm_whose_drafts_cost_more_than_they_save_is_told_so_live_and_in_explain():
     """A recording of vLLM 0.32 (CPU build, the scheduler source) drafting by ngram with few
     drafts accepted (bench/drafts_payoff_vllm.py: the same load without drafts measured 2.46x

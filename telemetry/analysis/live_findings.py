@@ -18,7 +18,10 @@ A closed finding that its episode later extends is not opened again: its cost is
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
 messages at most; it keeps LOOKBACK_S of history, and more while a finding is open (back to its
 start), so a finding is costed as `explain` costs it unless it outlasts WINDOW_MESSAGES (then
-its cost is that of its newest part, a lower bound: ``truncated``). Searching costs time in
+its cost is that of its newest part, a lower bound: ``truncated``). An iteration judged on the
+records before it (a long prefill, speculation's acceptance: HISTORY_JUDGED_KINDS) is judged
+first as it comes, with all that past in the window; judged again later, on a past the window
+has partly dropped, it opens no finding. Searching costs time in
 proportion to the window: an engine's window is searched every EVALUATE_INTERVAL_S at most,
 and all engines' searches together take no more than MAX_EVALUATE_SHARE of the time (each
 engine's next search waits as long as its last one took, times the number of engines, divided
@@ -127,6 +130,10 @@ STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -
 # between the two (docs/diagnosis.md, "Limits"); every other kind is judged on its own stretch
 # of records, or against the records before it (a long prefill), and agrees.
 WINDOW_RELATIVE_KINDS = frozenset(("costly_drafts",))
+# Kinds whose iterations are each judged on the records before them (the window's history):
+# one judged again once the window has dropped part of its past is judged on less than explain
+# judges it on, and opens no finding of its own (_judged_in_full).
+HISTORY_JUDGED_KINDS = frozenset(("long_prefill", "futile_speculation"))
 # Kinds whose episodes explain merges with an iteration that starts within close_after's
 # seconds of their end (episodes.group_by_time over iteration spans).
 SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculation"))
@@ -286,6 +293,7 @@ class EngineFindings:
         history_s = max(th.long_prefill_baseline_time, th.futile_speculation_window_time)
         self._history_ns = int(history_s * NS_PER_S)
         assert 2 * self._history_ns <= LOOKBACK_S * NS_PER_S
+        self._dropped = False  # whether the window has dropped any message yet
 
     # ---------------------------------------------------------------------------------------
     # The window
@@ -321,6 +329,9 @@ class EngineFindings:
             keep_from = min(keep_from, finding.start_ns - self._history_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
             messages.popleft()
+            self._dropped = True
+        if len(messages) == messages.maxlen:  # full: the oldest ones make room
+            self._dropped = True
         closed = self._closed_in_window
         while closed and messages and closed[0].end_ns < message_time_ns(messages[0]):
             closed.popleft()  # no episode in the window can overlap it any more
@@ -350,6 +361,8 @@ class EngineFindings:
             if finding is None:
                 if self._match(self._closed_in_window, kind, episode) is not None:
                     continue  # reported and closed: its cost is final
+                if not self._judged_in_full(episode):
+                    continue
                 finding = self._open_from(tl, episode, kind, now_ns)
                 opened.append(FindingEvent("opened", finding))
             self._follow(tl, finding, episode)
@@ -363,6 +376,15 @@ class EngineFindings:
         for event in closed:
             self._close(event.finding)
         return opened + closed
+
+    def _judged_in_full(self, episode: Episode) -> bool:
+        """Whether the window holds all the past the episode's first iteration was judged on
+        (HISTORY_JUDGED_KINDS): it does while it has dropped nothing (from the engine's first
+        message on, as explain reads the recording), and for an iteration within the window's
+        last LOOKBACK_S less that history, which is when each iteration is judged first."""
+        if episode.kind not in HISTORY_JUDGED_KINDS or not self._dropped:
+            return True
+        return episode.start_ns - self._history_ns >= message_time_ns(self.messages[0])
 
     @staticmethod
     def _match(findings, kind: str, episode: Episode) -> LiveFinding | None:

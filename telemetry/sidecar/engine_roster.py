@@ -90,6 +90,7 @@ class EngineRoster:
         index = heartbeat.engine_index
         state = self.engines[index] = EngineTracker(index, stall=StallRule(self._stall_after_ns))
         state.stall.restart(now_ns)
+        state.last_message_ns = now_ns  # its first message: no silence before it
         lost_before = self._lost_before_met.pop(index, 0)
         known_seq = self._known_last_seqs.pop(index, None)
         if known_seq is not None and 0 <= heartbeat.msg_seq - known_seq - 1 <= self._max_seq_jump:

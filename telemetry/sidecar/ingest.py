@@ -188,6 +188,10 @@ class Ingest:
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
+        if now_ns - state.last_message_ns > self._dead_after_ns and state.view.status is not _DEAD:
+            # silent for longer than dead_after, though no tick came in that time: dead until
+            # now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
+            self._update_status(state, now_ns)
         self.health.num_messages += 1
         state.last_seq = message.msg_seq
         state.last_message_ns = now_ns
