@@ -109,26 +109,38 @@ def test_a_silent_pause_is_no_iteration_to_learn_from():
     assert state.stall.threshold_ns(engine.now_ns) == STALL_FLOOR_S * SECOND
 
 
-@pytest.mark.parametrize("silent_s", [2.45, 2.55])
-def test_a_silence_longer_than_dead_after_is_dead_though_no_tick_fell_in_it(silent_s):
+@pytest.mark.parametrize(
+    ("silent_s", "engine_silent_s", "dead"),
+    [(2.45, 2.45, False), (2.55, 2.55, True), (2.55, 0.1, False)],
+    ids=["shorter", "no-tick-in-it", "the-sidecar-held-up"],
+)
+def test_a_silence_longer_than_dead_after_is_dead_though_no_tick_fell_in_it(
+    silent_s, engine_silent_s, dead
+):
     """Ticks come every 0.1 s: one 2.55 s after the last message may miss the 50 ms when the
-    engine was dead. The next message says so: dead until it came (as explain calls every
-    silence over --dead-after), then running; 2.45 s is no silence."""
+    engine was dead. The next message says so, where the engine's own clock shows the silence
+    too: dead until it came (as explain calls every silence over --dead-after), then running.
+    2.45 s is no silence; nor are messages that waited while the sidecar itself was held up
+    (their engine times 0.1 s apart)."""
     sink = RecordingSink()
     ingest = Ingest([sink], dead_after_s=2.5)
     engine = ScriptedEngine(ingest)
     engine.message(heartbeat, waiting=1, running=1)
-    engine.run_for(1)
+    engine.run_for(1)  # its last message: the iteration's record, ending at the engine's 3100 ns
     ingest.tick(engine.now_ns + 2_400_000_000)  # the last tick before the next message
     engine.now_ns += int(silent_s * SECOND)
-    engine.iteration += 1
-    engine.message(record, iteration=engine.iteration, num_running_reqs=1, num_waiting_reqs=1)
-    if silent_s < 2.5:
+    engine.msg_seq += 1
+    message = record(engine.msg_seq, iteration=2, num_running_reqs=1, num_waiting_reqs=1)
+    message.start_ns = 3100 + int(engine_silent_s * SECOND) - message.elapsed_ns
+    ingest.on_message(message, engine.now_ns)
+    if not dead:
         assert [status for status, _ in statuses(sink)] == [RUNNING]
+        assert list(ingest.engines[0].findings.closed) == []
     else:
         assert statuses(sink)[1:] == [(DEAD, engine.now_ns), (RUNNING, engine.now_ns)]
         # and its live finding, opened and closed (as explain's silence)
-        assert [f.kind for f in ingest.engines[0].findings.closed] == ["dead"]
+        (finding,) = ingest.engines[0].findings.closed
+        assert finding.kind == "dead" and finding.duration_s == pytest.approx(silent_s)
 
 
 class StuckRunner(FakeRunner):

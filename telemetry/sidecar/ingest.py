@@ -188,7 +188,11 @@ class Ingest:
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
-        if now_ns - state.last_message_ns > self._dead_after_ns and state.view.status is not _DEAD:
+        if (
+            now_ns - state.last_message_ns > self._dead_after_ns
+            and state.view.status is not _DEAD
+            and self._engine_was_silent(state, message)
+        ):
             # silent for longer than dead_after, though no tick came in that time: dead until
             # now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
             self._update_status(state, now_ns)
@@ -218,6 +222,15 @@ class Ingest:
                 except Exception:
                     self._sink_failed(on_iteration.__self__)
             self._note_iteration(state, message, now_ns)
+
+    def _engine_was_silent(self, state: EngineTracker, message: Message) -> bool:
+        """Whether the engine's own clock shows the silence too, from the live window's last
+        message to this one: messages that waited while the sidecar itself was held up are
+        no silence of the engine's. Without the window (no live findings), ticks alone."""
+        window = state.findings.messages if state.findings is not None else None
+        if not window:
+            return False
+        return message_time_ns(message) - message_time_ns(window[-1]) > self._dead_after_ns
 
     def _meet(
         self, message: Message, is_heartbeat: bool, now_ns: int
