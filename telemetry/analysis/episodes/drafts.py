@@ -32,7 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from telemetry.analysis.episodes.episode import Episode, Thresholds, group_by_time, span_episode
+from telemetry.analysis.episodes.episode import (
+    Episode,
+    Thresholds,
+    group_by_time,
+    past_bounds,
+    span_episode,
+)
 from telemetry.analysis.spec_decode import draft_slots, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import (
@@ -120,12 +126,12 @@ def detect_futile_speculation(tl: EngineTimeline, th: Thresholds) -> list[Episod
     while speculative decoding was on (see the module's docstring)."""
     if not tl.col("num_drafts").any() and not any(h.num_speculative_tokens for h in tl.heartbeats):
         return []  # never speculating (our own engine, an engine without the flag)
-    decoding = np.flatnonzero(tl.col("num_decode_reqs") > 0)
+    is_decoding = tl.col("num_decode_reqs") > 0
+    decoding = np.flatnonzero(is_decoding)
     if decoding.size < th.futile_speculation_min_iterations:
         return []
-    starts = tl.col("start_ns")[decoding]
-    firsts = starts.searchsorted(starts - int(th.futile_speculation_window_time * NS_PER_S))
-    lasts = np.arange(1, decoding.size + 1)  # each window ends with the iteration judged
+    window_s = th.futile_speculation_window_time
+    firsts, lasts = past_bounds(tl, is_decoding, decoding, window_s, itself=True)
 
     def window_sums(column: np.ndarray) -> np.ndarray:
         sums = np.r_[0, np.cumsum(column[decoding])]
@@ -136,7 +142,7 @@ def detect_futile_speculation(tl: EngineTimeline, th: Thresholds) -> list[Episod
         window_sums(tl.col("num_accepted_tokens")),
     )
     speculating = (window_sums(tl.col("num_drafts") > 0) > 0) | (
-        _configured_draft_length(tl, starts) > 0
+        _configured_draft_length(tl, tl.col("start_ns")[decoding]) > 0
     )
     futile = (
         speculating

@@ -82,6 +82,18 @@ def span_episode(tl: EngineTimeline, first: int, last: int, **fields: Any) -> Ep
     )
 
 
+def past_bounds(
+    tl: EngineTimeline, among: np.ndarray, rows: np.ndarray, within_s: float, itself: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``rows``, the [first, last) bounds, in the iterations ``among`` (a mask of
+    tl's rows, taken in order), of those that started within ``within_s`` before it, and at its
+    own start too where ``itself``: the past an iteration is judged on."""
+    starts, row_starts = tl.col("start_ns")[among], tl.col("start_ns")[rows]
+    firsts = starts.searchsorted(row_starts - int(within_s * NS_PER_S))
+    lasts = starts.searchsorted(row_starts, side="right" if itself else "left")
+    return firsts, lasts
+
+
 def true_runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
     """Inclusive (first, last) index pairs of True runs; runs split by <= max_gap False merge."""
     index = np.flatnonzero(mask)

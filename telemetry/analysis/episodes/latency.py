@@ -17,6 +17,7 @@ from telemetry.analysis.episodes.episode import (
     Thresholds,
     flag_text,
     group_by_time,
+    past_bounds,
     secs,
     span_episode,
 )
@@ -27,12 +28,9 @@ from telemetry.analysis.words import plural
 def _history(
     tl: EngineTimeline, among: np.ndarray, rows: np.ndarray, th: Thresholds, itself: bool
 ) -> list[tuple[int, int]]:
-    """For each of ``rows``, the (first, last) slice of the iterations ``among`` (a mask of
-    tl's rows, taken in order) that started within ``long_prefill_baseline_time`` before it,
-    and at its own start too where ``itself``."""
-    starts, row_starts = tl.col("start_ns")[among], tl.col("start_ns")[rows]
-    firsts = starts.searchsorted(row_starts - int(th.long_prefill_baseline_time * NS_PER_S))
-    lasts = starts.searchsorted(row_starts, side="right" if itself else "left")
+    """For each of ``rows``, the (first, last) slice of the iterations ``among`` that started
+    within ``long_prefill_baseline_time`` before it (past_bounds)."""
+    firsts, lasts = past_bounds(tl, among, rows, th.long_prefill_baseline_time, itself)
     return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
