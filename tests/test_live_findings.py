@@ -15,11 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.analysis import live_findings
-from telemetry.analysis.episodes import (
-    Thresholds,
-    detect_costly_drafts,
-    detect_episodes,
-)
+from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.live_findings import (
     FINDING_KINDS,
     LOOKBACK_S,
@@ -28,7 +24,7 @@ from telemetry.analysis.live_findings import (
     finding_kind,
     rank_kinds,
 )
-from telemetry.analysis.timeline import NS_PER_S, EngineTimeline, read_timelines
+from telemetry.analysis.timeline import NS_PER_S, read_timelines
 from telemetry.lane.record import Heartbeat, IterationRecord, iteration_record
 from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.replay import replay
@@ -45,40 +41,17 @@ from tests.scenarios.synthetic import SCENARIOS
 
 # How long after its condition began each kind may open, at most, before the 2 s the issue
 # allows on top: the detector's own minimum (waiting 1 s; 10 iterations, well under 1 s in
-# these scenarios) or the stall threshold's floor. Costly drafts wait on more of the timeline
-# than their own stretch, a verdict on the timeline so far: their minimum is when a prefix of
-# the recording first shows the episode (said_s).
+# these scenarios) or the stall threshold's floor. A kind judged on the past (a long prefill,
+# costly drafts, futile speculation) opens with the first iteration so judged.
 MIN_TIME_S = {kind: 1.0 for kind in FINDING_KINDS} | {"stall": 5.0}
-PREFIX_DETECTORS = {"costly_drafts": detect_costly_drafts}
-PREFIX_STEP_S = 0.25
 
 
-def said_s(timeline: EngineTimeline, kind: str, start_ns: int) -> float:
-    """Seconds from ``start_ns`` until explain's detector of ``kind`` (PREFIX_DETECTORS) first
-    finds an episode that reaches it in a prefix of the timeline (prefixes every
-    PREFIX_STEP_S; the live window's baseline differs from a prefix's, so where each episode
-    starts may too)."""
-    detector, ends = PREFIX_DETECTORS[kind], timeline.col("end_ns")
-    step_ns = int(PREFIX_STEP_S * NS_PER_S)
-    for end_ns in [*range(start_ns, int(ends[-1]), step_ns), int(ends[-1])]:
-        num_rows = int(ends.searchsorted(end_ns, side="right"))
-        records = timeline.records[:num_rows]
-        heartbeats = [h for h in timeline.heartbeats if h.ts_ns <= end_ns]
-        prefix = EngineTimeline(timeline.engine_index, records, heartbeats)
-        if any(e.end_ns >= start_ns for e in detector(prefix, Thresholds())):
-            return (end_ns - start_ns) / NS_PER_S
-    raise AssertionError(f"no prefix of the timeline has the {kind} episode")
-
-
-def assert_timely(live: list[LiveFinding], timeline: EngineTimeline) -> None:
+def assert_timely(live: list[LiveFinding]) -> None:
     """Each finding opened within its minimum time + 2 s of its condition starting (the
     replay's clock is record time)."""
     for finding in live:
         late_s = (finding.opened_ns - finding.start_ns) / NS_PER_S
-        min_time_s = MIN_TIME_S[finding.kind]
-        if finding.kind in PREFIX_DETECTORS:
-            min_time_s = max(min_time_s, said_s(timeline, finding.kind, finding.start_ns))
-        assert late_s <= min_time_s + 2.0, (finding.kind, late_s, min_time_s)
+        assert late_s <= MIN_TIME_S[finding.kind] + 2.0, (finding.kind, late_s)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -88,7 +61,7 @@ def test_the_replayed_sidecar_finds_what_explain_finds(name, tmp_path):
     (timeline,) = read_timelines([path])[0].values()
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
-    assert_timely(live, timeline)
+    assert_timely(live)
     if truth is None:  # a healthy run, fast or slow: no finding at all, none flapping
         assert live == []
 
@@ -153,7 +126,7 @@ def test_the_replayed_sidecar_finds_what_explain_finds_on_the_real_engine(name, 
     (timeline,) = read_timelines([real_stories[name]])[0].values()
     live = replayed(real_stories[name])
     assert_same_findings(explained(timeline), live)
-    assert_timely(live, timeline)
+    assert_timely(live)
     assert live, "each of these stories has a cause to find"
 
 
@@ -454,6 +427,6 @@ def test_a_real_vllm_whose_drafts_cost_more_than_they_save_is_told_so_live_and_i
     ((_, iteration, cost),) = [row for row in explained(timeline) if row[0] == "costly_drafts"]
     assert abs(drafts.iteration - iteration) <= 1
     assert drafts.cost == pytest.approx(cost, rel=0.05)
-    assert_timely([drafts], timeline)
+    assert_timely([drafts])
     assert rank_kinds(live)[0] == "costly_drafts"
     assert "stall" not in {finding.kind for finding in live}

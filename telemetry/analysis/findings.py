@@ -27,7 +27,8 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          decode-only iteration before it (its baseline: episodes/latency.py;
                          request-seconds slowed)
     costly_drafts        the decode tokens its iterations produced x the time each came later
-                         than without drafts, by the fit (telemetry/analysis/episodes/drafts.py)
+                         than without drafts, by the fit that judged its step (the mean over
+                         its steps: telemetry/analysis/episodes/drafts.py)
     stall                (waiting + running) x the stall's length, from the heartbeats
     telemetry_gap        0: with no records, nothing is known of what requests saw
     futile_speculation   0: what speculation costs each step is not in the records
@@ -162,10 +163,8 @@ def _slowed_request_seconds(tl: EngineTimeline, rows: slice) -> float:
 
 def _drafts_request_seconds(tl: EngineTimeline, rows: slice, episode: Episode) -> float:
     """The decode tokens of the iterations inside the episode, each later by what drafts add
-    to the time per output token."""
-    numbers = episode.numbers
-    added_s = numbers["token_time_with_drafts_s"] - numbers["token_time_without_drafts_s"]
-    return float(tl.col("num_decode_tokens")[rows].sum()) * added_s
+    to the time per output token (the mean of its steps' judgments, by their decode tokens)."""
+    return float(tl.col("num_decode_tokens")[rows].sum()) * episode.numbers["added_token_time_s"]
 
 
 EVICTING_KINDS = ("kv_cliff", "preemption_storm")  # they send running requests back to wait

@@ -19,9 +19,9 @@ Bounded memory, whatever the run's length: the window holds the newest WINDOW_ME
 messages at most; it keeps LOOKBACK_S of history, and more while a finding is open (back to its
 start), so a finding is costed as `explain` costs it unless it outlasts WINDOW_MESSAGES (then
 its cost is that of its newest part, a lower bound: ``truncated``). An iteration judged on the
-records before it (a long prefill, speculation's acceptance: HISTORY_JUDGED_KINDS) is judged
-first as it comes, with all that past in the window; judged again later, on a past the window
-has partly dropped, it opens no finding. Searching costs time in
+records before it (a long prefill, speculation's acceptance, a costly drafts step's fit:
+HISTORY_JUDGED_KINDS) is judged first as it comes, with all that past in the window; judged
+again later, on a past the window has partly dropped, it opens no finding. Searching costs time in
 proportion to the window: an engine's window is searched every EVALUATE_INTERVAL_S at most,
 and all engines' searches together take no more than MAX_EVALUATE_SHARE of the time (each
 engine's next search waits as long as its last one took, times the number of engines, divided
@@ -77,10 +77,12 @@ from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
 
 WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
-# History kept with no finding open (a leak; twice the past an iteration is judged on, a long
-# prefill's baseline time or a futile speculation's window, so that an iteration judged within
-# that long of its end is judged on all it is judged on in explain).
+# History kept with no finding open: a leak's minute, and the past an iteration is judged on
+# (a long prefill's baseline time, a futile speculation's window, a costly drafts step's window
+# and the step: 40 s at most) with JUDGE_WITHIN_S to spare, so that an iteration first searched
+# within that long of its record is judged on all explain judges it on.
 LOOKBACK_S = 60.0
+JUDGE_WITHIN_S = 20.0
 EVALUATE_INTERVAL_S = 1.0
 MAX_EVALUATE_SHARE = 0.1
 RECENT_CLOSED = 32  # closed findings kept per engine, for /findings
@@ -123,17 +125,11 @@ FINDING_KINDS = (
     "telemetry_gap",
 )
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
-# Kinds judged against a statistic of the whole timeline searched (costly drafts, by the fit
-# of iteration time): live, the window (the last LOOKBACK_S, back to an open finding's start)
-# as it was when the finding was followed last; in `explain`, the whole recording. Where the
-# recording outlasts the window and its iteration times drift, their count and cost can differ
-# between the two (docs/diagnosis.md, "Limits"); every other kind is judged on its own stretch
-# of records, or against the records before it (a long prefill), and agrees.
-WINDOW_RELATIVE_KINDS = frozenset(("costly_drafts",))
 # Kinds whose iterations are each judged on the records before them (the window's history):
 # one judged again once the window has dropped part of its past is judged on less than explain
-# judges it on, and opens no finding of its own (_judged_in_full).
-HISTORY_JUDGED_KINDS = frozenset(("long_prefill", "futile_speculation"))
+# judges it on, and opens no finding of its own (_judged_in_full). Every other kind is judged on
+# its own stretch of records.
+HISTORY_JUDGED_KINDS = frozenset(("long_prefill", "futile_speculation", "costly_drafts"))
 # Kinds whose episodes explain merges with an iteration that starts within close_after's
 # seconds of their end (episodes.group_by_time over iteration spans).
 SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculation"))
@@ -287,12 +283,16 @@ class EngineFindings:
         self._next_search_ns = 0
         self._busy_max = (0, 0)  # (waiting, running) at most during a stall
         # What an iteration is judged on before it (a long prefill's baseline, the window of
-        # a futile speculation): kept before each open finding, and within LOOKBACK_S for any
-        # iteration judged in time.
+        # a futile speculation, a costly drafts step's window and the step): kept before each
+        # open finding, and within LOOKBACK_S for any iteration judged in time.
         th = self.thresholds
-        history_s = max(th.long_prefill_baseline_time, th.futile_speculation_window_time)
+        history_s = max(
+            th.long_prefill_baseline_time,
+            th.futile_speculation_window_time,
+            th.costly_drafts_window_time + th.costly_drafts_step_time,
+        )
         self._history_ns = int(history_s * NS_PER_S)
-        assert 2 * self._history_ns <= LOOKBACK_S * NS_PER_S
+        assert history_s + JUDGE_WITHIN_S <= LOOKBACK_S
         self._dropped = False  # whether the window has dropped any message yet
 
     # ---------------------------------------------------------------------------------------

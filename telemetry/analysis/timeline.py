@@ -11,6 +11,7 @@ recordings (telemetry/sources/fpm_taps.py), whose timelines say how they were ca
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 from collections.abc import Iterable
 from pathlib import Path
@@ -57,6 +58,14 @@ class EngineTimeline:
 
     def col(self, name: str) -> np.ndarray:
         return self.columns[name]
+
+    def part(self, first: int, stop: int) -> EngineTimeline:
+        """The records of rows ``first`` to ``stop`` - 1 (views of these columns), with every
+        heartbeat and fact: what a fit over a stretch of the timeline reads."""
+        part = copy.copy(self)
+        part.records = self.records[first:stop]
+        part.columns = {name: column[first:stop] for name, column in self.columns.items()}
+        return part
 
     def known(self, unknown_bits: int) -> np.ndarray:
         """Rows whose source gave every field of ``unknown_bits`` (record.UNKNOWN_*)."""

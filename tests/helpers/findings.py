@@ -10,7 +10,7 @@ import pytest
 
 from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
 from telemetry.analysis.findings import episode_cost
-from telemetry.analysis.live_findings import WINDOW_RELATIVE_KINDS, LiveFinding, finding_kind
+from telemetry.analysis.live_findings import LiveFinding, finding_kind
 from telemetry.analysis.timeline import EngineTimeline, read_timelines
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sink import Sink
@@ -54,16 +54,10 @@ def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) ->
     return sorted(rows)
 
 
-def assert_same_findings(
-    expected: list[tuple], live: list[LiveFinding], loose_kinds: frozenset = frozenset()
-) -> None:
+def assert_same_findings(expected: list[tuple], live: list[LiveFinding]) -> None:
     """Each finding of explain's (``expected``, as ``explained`` gives them) is one of the
-    live ones: its kind, its opening iteration within one, its cost within 5%. Of
-    ``loose_kinds``, only that both found the kind or neither did."""
+    live ones: its kind, its opening iteration within one, its cost within 5%."""
     got = sorted((f.kind, f.iteration, f.cost) for f in live)
-    assert {k for k, _, _ in got} & loose_kinds == {k for k, _, _ in expected} & loose_kinds
-    expected = [finding for finding in expected if finding[0] not in loose_kinds]
-    got = [finding for finding in got if finding[0] not in loose_kinds]
     assert [k for k, _, _ in got] == [k for k, _, _ in expected], (expected, got)
     for (kind, iteration, cost), (_, live_iteration, live_cost) in zip(expected, got, strict=True):
         assert abs(live_iteration - iteration) <= 1, (kind, iteration, live_iteration)
@@ -72,10 +66,8 @@ def assert_same_findings(
 
 def assert_replay_agrees_with_explain(path: Path) -> list[LiveFinding]:
     """The replayed sidecar finds, on a real engine's recording at ``path`` (one engine),
-    what explain finds in it; its findings. Those judged against the whole timeline searched
-    (WINDOW_RELATIVE_KINDS: costly drafts) are compared by kind alone: a real engine's
-    iteration times drift within a recording, so the window's fit and the recording's differ."""
+    what explain finds in it; its findings."""
     (timeline,) = read_timelines([path])[0].values()
     live = replayed(path)
-    assert_same_findings(explained(timeline), live, WINDOW_RELATIVE_KINDS)
+    assert_same_findings(explained(timeline), live)
     return live

@@ -495,10 +495,11 @@ def idle() -> Simulator:
     return sim.run(35)
 
 
-def drafting(draft_token_time: float, accept_one_in: int) -> Simulator:
+def drafting(draft_token_time: float, accept_one_in: int, duration_s: float = 30) -> Simulator:
     """Healthy load with speculative decoding, drafts of 3 tokens: costly where a draft token
     costs what a request's own token does (compute-bound) and few are accepted, paying where
-    draft tokens are nearly free (memory-bound) and half of them are accepted."""
+    draft tokens are nearly free (memory-bound) and half of them are accepted. Not yet run:
+    requests arrive for ``duration_s``."""
     cost = Cost(
         base_time=STORY_COST.base_time,
         context_token_time=STORY_COST.context_token_time,
@@ -514,8 +515,21 @@ def drafting(draft_token_time: float, accept_one_in: int) -> Simulator:
         accept_one_in=accept_one_in,
         drafting_share=0.6,
     )
-    sim.add_requests(arrivals(4, 30, seed=5), num_prompt=96, num_output=60)
-    return sim.run(33)
+    sim.add_requests(arrivals(4, duration_s, seed=5), num_prompt=96, num_output=60)
+    return sim
+
+
+DRAFTS_CHANGE_S = 40.0  # drafts_that_change: when the traffic changes
+
+
+def drafts_that_change(accept_one_in_before: int, accept_one_in_after: int) -> Simulator:
+    """Speculative decoding whose draft tokens cost what a request's own token does, under
+    traffic whose drafts are accepted one request in ``accept_one_in_before`` until
+    DRAFTS_CHANGE_S, then one in ``accept_one_in_after`` (prompts that the drafts match, then
+    prompts they do not), for 80 s in all."""
+    sim = drafting(1e-3, accept_one_in_before, duration_s=80).run(DRAFTS_CHANGE_S)
+    sim.accept_one_in = accept_one_in_after
+    return sim.run(83)
 
 
 def futile_speculation(drafting_share: float = 0.03) -> Simulator:
@@ -555,8 +569,9 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "preemption storm": (preemption_storm, "preemption_storm"),
     "idle": (idle, None),
     "healthy but slow": (healthy_but_slow, None),
-    "drafts that cost": (lambda: drafting(1e-3, accept_one_in=4), "costly_drafts"),
-    "drafts that pay": (lambda: drafting(0.1e-3, accept_one_in=1), None),
+    "drafts that cost": (lambda: drafting(1e-3, accept_one_in=4).run(33), "costly_drafts"),
+    "drafts that pay": (lambda: drafting(0.1e-3, accept_one_in=1).run(33), None),
+    "drafts that stop paying": (lambda: drafts_that_change(1, 8), "costly_drafts"),
     "speculation that gains nothing": (futile_speculation, "futile_speculation"),
 }
 # --------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
                       (the chunk's size times the median cost of a context token over the same
                       30 s must account for the slowdown)
     costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
-                      output token, by the fit of iteration time (tune's payoff), at two
-                      standard errors in their favour, over 100+ drafting iterations
+                      output token, by the fit of iteration time (tune's payoff) over the 30 s
+                      before each 10 s step (30+ drafting iterations), at two standard errors
+                      in their favour
     futile_speculation
                       speculative decoding on, yet the 100+ decoding iterations of the 30 s
                       before an iteration accepted fewer tokens than 1% of their decoding

@@ -41,8 +41,13 @@ class Thresholds:
     long_prefill_min_extra_time: float = 0.005
     long_prefill_min_baseline_iterations: int = 10
     long_prefill_baseline_time: float = 30.0  # an iteration's baseline: this long before it
-    costly_drafts_min_added: float = 0.10  # of the time per output token, at 2 errors
-    costly_drafts_min_iterations: int = 100
+    # Costly drafts: each step of this many seconds (aligned to record time) is judged on the
+    # fit over the window before it, with at least this many drafting iterations, where drafts
+    # add this share of the time per output token at 2 errors.
+    costly_drafts_step_time: float = 10.0
+    costly_drafts_window_time: float = 30.0
+    costly_drafts_min_iterations: int = 30
+    costly_drafts_min_added: float = 0.10
     # Speculation that gains nothing: an iteration is judged on the decoding iterations of the
     # window before it (itself included), at least this many, accepting fewer tokens than this
     # share of their decoding requests.
