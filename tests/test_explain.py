@@ -18,13 +18,14 @@ from telemetry.analysis.episodes import (
     Thresholds,
     detect_episodes,
     detect_kv_saturation,
+    detect_telemetry_gaps,
 )
 from telemetry.analysis.explain import follow, main, read_timelines
 from telemetry.analysis.explain_report import format_engine
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.analysis.timeline_command import main as timeline_main
-from telemetry.lane.record import IterationRecord, SpecDecodeCounts, iteration_record
+from telemetry.lane.record import IterationRecord, SpecDecodeCounts, heartbeat, iteration_record
 from telemetry.lane.recording import RecordingReader, message_time_ns
 
 
@@ -265,6 +266,36 @@ def test_restarted_engine_is_a_silence_not_a_loss():
     timeline = build_timelines(first.messages + second.messages)[0]
     (gap,) = only(detect_episodes(timeline), "telemetry_gap")
     assert gap.numbers["restarted"] and gap.numbers["silent_time_s"] >= 4
+
+
+def test_holes_reordering_silences_and_restarts_in_one_stream():
+    """Messages by seq and time: 3 lost (a hole), two that came out of order (none lost), a
+    3.7 s silence with seq continuous (a silence), 4 s with one message lost (a hole, not a
+    silence), then the engine restarted (seq 1 after 20) 5 s later (a silence, restarted)."""
+    at_s = [
+        *[(seq, 1.0 + 0.1 * (seq - 1)) for seq in range(1, 11)],
+        (14, 2.0),
+        (16, 2.1),
+        (15, 2.2),
+        (17, 2.3),
+        (18, 6.0),
+        (20, 10.0),
+        (1, 15.0),
+        (2, 15.1),
+    ]
+    records = [
+        iteration_record(0, seq, number, start_ns=int(t * NS_PER_S), elapsed_ns=50_000_000)
+        for number, (seq, t) in enumerate(at_s, start=1)
+    ]
+    beat = heartbeat(0, 3, int(15.2 * NS_PER_S), int(15.2 * NS_PER_S))
+    gaps = detect_telemetry_gaps(build_timelines([*records, beat])[0], Thresholds())
+    holes = [(round(g.start_ns / NS_PER_S, 2), g.numbers["num_lost"]) for g in gaps[:2]]
+    assert holes == [(1.95, 3), (6.05, 1)]
+    silences = [
+        (round(g.start_ns / NS_PER_S, 2), round(g.end_ns / NS_PER_S, 2), g.numbers["restarted"])
+        for g in gaps[2:]
+    ]
+    assert silences == [(2.35, 6.05, False), (10.05, 15.05, True)]
 
 
 def test_dead_after_sets_how_long_a_silence_is_as_the_sidecars_flag_does(tmp_path, capsys):

@@ -4,7 +4,6 @@ silences (lost messages, a frozen or restarted process)."""
 from __future__ import annotations
 
 from itertools import pairwise
-from operator import attrgetter
 
 import numpy as np
 
@@ -81,9 +80,15 @@ def stall_thresholds(
     rule = StallRule(stall_after_ns)
     order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
     thresholds = [0] * len(times_ns)
+    if not times_ns:
+        return thresholds
+    # A message at or after the last time asked cannot change an answer (each is answered
+    # before the first message at its time): the replay stops there.
+    last_ns, ends = max(times_ns), tl.col("end_ns")
+    rows = np.flatnonzero(ends < last_ns)
     events = sorted(
-        [(end, 0, row) for row, end in enumerate(tl.col("end_ns").tolist())]
-        + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats)]
+        [(end, 0, row) for row, end in zip(rows.tolist(), ends[rows].tolist(), strict=True)]
+        + [(h.ts_ns, 1, index) for index, h in enumerate(tl.heartbeats) if h.ts_ns < last_ns]
     )
     # Python lists: the loop reads one element at a time, which numpy makes slow.
     scheduled = (tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")).tolist()
@@ -276,47 +281,49 @@ def detect_idle(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
 
 
 def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    """Holes in seq (lost messages) and silences (no message, not even a heartbeat)."""
-    segments = _seq_segments(sorted([*tl.records, *tl.heartbeats], key=message_time_ns))
-    holes, silences = [], []
-    for segment in segments:
-        by_seq = sorted(segment, key=attrgetter("msg_seq"))
-        holes += [
-            (a, b, b.msg_seq - a.msg_seq - 1)
-            for a, b in pairwise(by_seq)
-            if b.msg_seq > a.msg_seq + 1
-        ]
-    for number, segment in enumerate(segments):
-        messages = [segments[number - 1][-1], *segment] if number else segment
-        times = [message_time_ns(m) for m in messages]
-        # silent for longer than the live sidecar waits before it calls the engine dead
-        for i in _gaps_over(times, int(th.dead_after * NS_PER_S)):  # messages[i] -> messages[i + 1]
-            before, after = messages[i], messages[i + 1]
-            lost = after.msg_seq > before.msg_seq + 1 and after is not segment[0]
-            if not lost:
-                silences.append((before, after, after is segment[0]))
+    """Holes in seq (lost messages) and silences (no message, not even a heartbeat). Messages
+    in time order (an iteration at its end; records before heartbeats at the same time) are
+    split where seq starts again (a restarted engine); within a piece, seq order shows the
+    holes; between any two messages in time order, a silence longer than the live sidecar
+    waits before it calls the engine dead is one, unless messages were lost there."""
+    messages = [*tl.records, *tl.heartbeats]
+    beat_times = np.fromiter((h.ts_ns for h in tl.heartbeats), np.int64, len(tl.heartbeats))
+    order = np.argsort(np.concatenate([tl.col("end_ns"), beat_times]), kind="stable")
+    times = np.concatenate([tl.col("end_ns"), beat_times])[order]
+    seqs = np.fromiter((m.msg_seq for m in messages), np.int64, len(messages))[order]
+    starts = _seq_restarts(seqs)
+    holes = []
+    for first, stop in pairwise([*starts, len(seqs)]):
+        by_seq = np.argsort(seqs[first:stop], kind="stable") + first
+        gaps = np.diff(seqs[by_seq])
+        for k in np.flatnonzero(gaps > 1).tolist():
+            before, after = messages[order[by_seq[k]]], messages[order[by_seq[k + 1]]]
+            holes.append((before, after, int(gaps[k]) - 1))
+    is_start = np.zeros(len(seqs) + 1, dtype=bool)
+    is_start[starts] = True
+    silences = [
+        (messages[order[i]], messages[order[i + 1]], bool(is_start[i + 1]))
+        for i in np.flatnonzero(np.diff(times) > int(th.dead_after * NS_PER_S)).tolist()
+        if is_start[i + 1] or seqs[i + 1] <= seqs[i] + 1  # else messages were lost: a hole
+    ]
     return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
 
 
-def _gaps_over(times_ns: list[int], gap_ns: int) -> list[int]:
-    """The indexes i where times_ns[i + 1] - times_ns[i] > gap_ns."""
-    return np.flatnonzero(np.diff(np.array(times_ns, np.int64)) > gap_ns).tolist()
-
-
-def _seq_segments(messages: list) -> list[list]:
-    """Split time-ordered messages where seq starts again (a restarted engine)."""
-    segments: list[list] = []
-    highest_seq = 0
-    for message in messages:
-        restarted = message.msg_seq + SEQ_RESTART_SLACK < highest_seq or (
-            message.msg_seq == 1 and highest_seq > 1
+def _seq_restarts(seqs: np.ndarray) -> list[int]:
+    """Where seq starts again in time-ordered messages: 0, and each index whose seq is over
+    SEQ_RESTART_SLACK below the highest since the last such index, or is 1 after a higher one."""
+    starts = [0] if len(seqs) else []
+    while starts:
+        first = starts[-1]
+        highest_before = np.r_[0, np.maximum.accumulate(seqs[first:])[:-1]]
+        restarted = (seqs[first:] + SEQ_RESTART_SLACK < highest_before) | (
+            (seqs[first:] == 1) & (highest_before > 1)
         )
-        if restarted or not segments:
-            segments.append([])
-            highest_seq = 0
-        segments[-1].append(message)
-        highest_seq = max(highest_seq, message.msg_seq)
-    return segments
+        found = np.flatnonzero(restarted[1:])
+        if not found.size:
+            return starts
+        starts.append(first + 1 + int(found[0]))
+    return starts
 
 
 def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Episode]:
