@@ -73,6 +73,7 @@ from telemetry.analysis.findings import (
     rank_key,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.analysis.window_timeline import WindowTimeline
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
 
@@ -294,6 +295,7 @@ class EngineFindings:
         self._history_ns = int(history_s * NS_PER_S)
         assert history_s + JUDGE_WITHIN_S <= LOOKBACK_S
         self._dropped = False  # whether the window has dropped any message yet
+        self._window_timeline = WindowTimeline(engine_index)
 
     # ---------------------------------------------------------------------------------------
     # The window
@@ -337,9 +339,7 @@ class EngineFindings:
             closed.popleft()  # no episode in the window can overlap it any more
 
     def _timeline(self) -> EngineTimeline:
-        records = [m for m in self.messages if type(m) is IterationRecord]
-        heartbeats = [m for m in self.messages if type(m) is Heartbeat]
-        return EngineTimeline(self.engine_index, records, heartbeats)
+        return self._window_timeline.build(self.messages)
 
     def _search(self, now_ns: int) -> list[FindingEvent]:
         self._trim()

@@ -41,14 +41,20 @@ class EngineTimeline:
     """
 
     def __init__(
-        self, engine_index: int, records: list[IterationRecord], heartbeats: list[Heartbeat]
+        self,
+        engine_index: int,
+        records: list[IterationRecord],
+        heartbeats: list[Heartbeat],
+        columns: dict[str, np.ndarray] | None = None,
     ) -> None:
+        """``columns``: the records' columns already built (record_columns), the records then
+        already in start order (the live window's, telemetry/analysis/window_timeline.py)."""
         self.engine_index = engine_index
-        self.records = sorted(records, key=lambda r: r.start_ns)
+        self.records = records if columns else sorted(records, key=lambda r: r.start_ns)
         self.heartbeats = sorted(heartbeats, key=lambda h: h.ts_ns)
         self._anchor_ts_ns = [h.ts_ns for h in self.heartbeats]
         self._anchor_offset_ns = [h.wall_ns - h.ts_ns for h in self.heartbeats]
-        self.columns = _record_columns(self.records)
+        self.columns = columns or record_columns(self.records)
         self.facts = _latest_facts(self.heartbeats)
         self.capture: TapCapture | None = None  # a Dynamo FPM recording's; None: iterscope's
 
@@ -168,7 +174,8 @@ RECORD_FIELDS = (
 SPEC_DECODE_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def _record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
+def record_columns(records: list[IterationRecord]) -> dict[str, np.ndarray]:
+    """The columns of ``records`` (RECORD_FIELDS and the derived ones), in their order."""
     columns = {
         name: np.fromiter((getattr(r, name) for r in records), dtype=np.int64, count=len(records))
         for name in RECORD_FIELDS
