@@ -10,6 +10,7 @@ from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
+from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.explain import main
 from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_findings
 from telemetry.analysis.findings import build_findings, cost_text, episode_cost
@@ -119,11 +120,13 @@ def test_story3_queued_action_raises_max_num_seqs():
 def test_queued_action_on_a_flat_step_cost_raises_in_steps_not_to_the_extrapolation():
     """A GPU decode step costs about the same at batch 1 and 256 (it is launch-bound), so
     tune's fit allows hundreds of requests from a recording that never decoded more than 4:
-    the action raises the limit to twice what was seen and says the rest is extrapolated."""
+    the action raises the limit to twice what was seen and says the rest is extrapolated.
+    A light load first, then the burst: the action is drawn from the 30 s before it."""
     flat = Cost(base_time=0.010, context_token_time=2e-6, generation_token_time=1e-7)
     sim = Simulator(num_blocks=20000, max_num_seqs=4, max_num_batched_tokens=2048, cost=flat)
-    sim.add_requests(arrivals(60, 20, seed=3), num_prompt=200, num_output=100)
-    sim.run(25)
+    sim.add_requests(arrivals(1, 10, seed=3), num_prompt=200, num_output=100)
+    sim.add_requests(arrivals(60, 20, start_s=12, seed=3), num_prompt=200, num_output=100)
+    sim.run(35)
     _, (finding,) = findings_of(sim)
     timeline = build_timelines(sim.messages)[0]
     action = finding_action(timeline, finding, Thresholds())
@@ -236,17 +239,23 @@ def long_prefill_sim() -> Simulator:
 
 
 def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_path, capsys):
+    """The target is 3x the baseline the episode's first iteration was judged against (the
+    median decode-only iteration of the 30 s before it), and tune, given the iterations the
+    action quotes, prints its value."""
     from telemetry.analysis.tune import main as tune
 
     sim = long_prefill_sim()
     timeline, (finding,) = findings_of(sim)
     action = finding_action(timeline, finding, Thresholds())
-    decode_only = (timeline.col("num_prefill_tokens") == 0) & (timeline.col("num_decode_reqs") > 0)
-    baseline_ms = float(np.median(timeline.col("elapsed_ns")[decode_only])) / 1e6
+    first = int(timeline.col("start_ns").searchsorted(finding.worst.start_ns))
+    (baseline_ns,) = decode_baselines(timeline, np.array([first]), Thresholds())
     (command,) = quoted_commands(action)
     assert command[:2] == ["tune", PLACEHOLDERS["RECORDING"]]
     target = command[command.index("--itl-target") + 1]
-    assert target == f"{round(3 * baseline_ms, 1):g}ms"  # 3x the median decode-only iteration
+    assert target == f"{round(3 * baseline_ns / 1e6, 1):g}ms"
+    since = timeline.col("start_ns") >= finding.worst.start_ns - 30 * NS_PER_S
+    numbers = timeline.col("iteration")
+    assert command[command.index("--iterations") + 1] == f"{numbers[since][0]}-{numbers[first]}"
     value = int(action.split("Set --max-num-batched-tokens ")[1].split()[0])
     # a lower budget says what it costs prompts
     assert value < 2048 and action.endswith(
@@ -261,11 +270,11 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     tmp_path, capsys
 ):
     """Decoding requests that draft 3 tokens take 4 budget tokens each: on a CPU whose prompt
-    tokens cost 0.4 ms, the budget that keeps explain's latency holds 2 of them and a 64-token
-    chunk, so the action lowers --max-num-seqs with it (sized as if each took 1 token, it
-    allowed 8: 32 tokens of decodes in a 72-token budget beside a 64-token chunk). The
-    target quoted is per output token: the iteration time over the tokens a decoding
-    request gets in one, which the tune command quoted prints the same values for."""
+    tokens cost 0.4 ms, the budget that keeps explain's latency holds 4 of them and a 64-token
+    chunk, so the action lowers --max-num-seqs with it (sized as if each took 1 token, 80
+    tokens would seem to hold 16). The target quoted is per output token: the iteration time
+    over the tokens a decoding request gets in one, both over the 30 s before the episode,
+    which the tune command quoted prints the same values for."""
     from telemetry.analysis.tune import main as tune
 
     cost = Cost(
@@ -287,14 +296,17 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     )
     (command,) = quoted_commands(action)
     min_chunk = int(command[command.index("--min-chunk") + 1])
-    assert (budget, seqs, min_chunk) == (72, 2, 64)
+    assert (budget, seqs, min_chunk) == (80, 4, 64)
     assert budget >= seqs * (1 + 3) + min_chunk
-    decode_only = (timeline.col("num_prefill_tokens") == 0) & (timeline.col("num_decode_reqs") > 0)
-    baseline_ms = float(np.median(timeline.col("elapsed_ns")[decode_only])) / 1e6
-    decodes = timeline.col("num_decode_reqs").sum()
-    tokens = 1 + timeline.col("num_accepted_tokens").sum() / decodes
+    first = int(timeline.col("start_ns").searchsorted(finding.worst.start_ns))
+    (baseline_ns,) = decode_baselines(timeline, np.array([first]), Thresholds())
+    rows = (timeline.col("start_ns") >= finding.worst.start_ns - 30 * NS_PER_S) & (
+        timeline.col("start_ns") <= finding.worst.start_ns
+    )
+    decodes = timeline.col("num_decode_reqs")[rows].sum()
+    tokens = 1 + timeline.col("num_accepted_tokens")[rows].sum() / decodes
     target = command[command.index("--itl-target") + 1]
-    assert target == f"{round(3 * baseline_ms / tokens, 1):g}ms"
+    assert target == f"{round(3 * baseline_ns / 1e6 / tokens, 1):g}ms"
     assert f"over {tokens:.2f} tokens per decoding request and iteration" in action
     assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
     assert f"--max-num-seqs {seqs} --max-num-batched-tokens {budget} " in capsys.readouterr().out
@@ -310,7 +322,7 @@ def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cos
     sim = long_prefill_sim()  # --max-num-seqs 64, --max-num-batched-tokens 2048
     timeline, (finding,) = findings_of(sim)
     tight = Recommendation(0.0677, 10, 16, 0.018, 0.064, 554.0, 272.0, "latency target", 10)
-    monkeypatch.setattr(actions, "_tuned", lambda tl, th, **_: (tight, "`iterscope tune ...`"))
+    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: (tight, "`iterscope tune ...`"))
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith(
         "Set --max-num-batched-tokens 16 (now 2048) and --max-num-seqs 10 (now 64) together"

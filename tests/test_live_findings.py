@@ -32,6 +32,7 @@ from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.findings import (
     Findings,
     assert_replay_agrees_with_explain,
+    assert_same_actions,
     assert_same_findings,
     explained,
     replayed,
@@ -61,6 +62,7 @@ def test_the_replayed_sidecar_finds_what_explain_finds(name, tmp_path):
     (timeline,) = read_timelines([path])[0].values()
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
+    assert_same_actions(timeline, live)
     assert_timely(live)
     if truth is None:  # a healthy run, fast or slow: no finding at all, none flapping
         assert live == []

@@ -2,6 +2,7 @@
 
 import json
 
+import msgspec
 import numpy as np
 import pytest
 from scenarios import synthetic
@@ -135,6 +136,45 @@ def test_cli(bursty, tmp_path, capsys):
     assert main([str(path), "--itl-target", "5ms"]) == 1
     assert "below the fastest iteration" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl"), "--itl-target", "50ms"]) == 2
+
+
+def test_iterations_fits_those_iterations_alone(bursty, tmp_path, capsys):
+    """--iterations FIRST-LAST (as an action quotes it) fits the iterations numbered so, as a
+    recording of them alone; an engine restarted and numbered them again: the first run's,
+    said on stderr; numbers it does not hold, or not FIRST-LAST, are refused, saying so."""
+    timeline = build_timelines(bursty.messages)[0]
+    numbers = timeline.col("iteration")
+    first, last = int(numbers[100]), int(numbers[400])
+    alone = write_records(timeline.records[100:401], tmp_path / "alone.jsonl")
+    path = bursty.write(tmp_path / "bursty.jsonl")
+
+    said = []
+
+    def fit(*argv: str) -> dict:
+        assert main([*argv, "--itl-target", "50ms", "--json"]) == 0
+        out, err = capsys.readouterr()
+        said.append(err)
+        (engine,) = json.loads(out)["engines"]
+        return engine
+
+    expected = fit(str(alone))
+    assert fit(str(path), "--iterations", f"{first}-{last}") == expected
+    assert fit(str(path)) != expected
+    restarted = timeline.records  # the same run again, later: numbered alike
+    shifted = [
+        msgspec.structs.replace(r, start_ns=r.start_ns + timeline.last_ns) for r in restarted
+    ]
+    again = write_records([*timeline.records, *shifted], tmp_path / "again.jsonl")
+    assert fit(str(again), "--iterations", f"{first}-{last}") == expected
+    assert f"iterations {first}-{last} come 2 times (the engine restarted)" in said[-1]
+    assert not said[1]
+    assert main([str(path), "--itl-target", "50ms", "--iterations", "1-999999"]) == 1
+    assert "no iterations numbered 1 to 999999 in one run" in capsys.readouterr().err
+    for bad in ("400-100", "100", "a-b"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), "--itl-target", "50ms", f"--iterations={bad}"])
+        assert exit_info.value.code == 2
+        assert f"'{bad}' is not FIRST-LAST" in capsys.readouterr().err
 
 
 def test_too_few_iterations_is_a_clear_error(tmp_path, capsys):

@@ -8,6 +8,13 @@ requests wanted in at once against how many of the recorded mean length the cach
 command computes it and why it could not be given here. A tune command an action quotes
 prints the value the action gives: the target is quoted as it is parsed back.
 
+The budget and sequence limit are drawn from the iterations that started within
+ACTION_HISTORY_S before the episode, through its first (action_basis): the records the live
+sidecar holds when the finding opens, which `explain` reads alike, so the two give one action
+(and a live action, fixed from its opening, keeps the alert that quotes it one series); the
+tune command quoted fits those iterations alone (``--iterations FIRST-LAST``). For a long
+prefill its target is then 3x the very baseline the iteration was judged against.
+
 With speculative decoding tune's target is per output token and holds iterations to it times
 the tokens a decoding request gets per iteration (telemetry/analysis/tune.py): the target
 quoted is the iteration time explain holds to, divided by those tokens, so that tune holds
@@ -37,6 +44,7 @@ KV_KINDS = ("kv_saturation", "kv_cliff", "preemption_storm")
 KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
 MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default first
 SEQS_STEP = 2  # an action raises --max-num-seqs at most this many times what was recorded
+ACTION_HISTORY_S = 30.0  # the past a budget or sequence limit is drawn from (action_basis)
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
@@ -59,14 +67,26 @@ def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
     return f"{max(round(target_ms, 1), 0.1):g}ms"
 
 
+def action_basis(tl: EngineTimeline, episode: Episode) -> tuple[EngineTimeline, str]:
+    """The iterations a budget or sequence limit is drawn from: those that started within
+    ACTION_HISTORY_S before the episode, through its first (the module's docstring), and the
+    tune option that selects them."""
+    starts, numbers = tl.col("start_ns"), tl.col("iteration")
+    first = int(starts.searchsorted(episode.start_ns - int(ACTION_HISTORY_S * NS_PER_S)))
+    stop = int(starts.searchsorted(episode.start_ns, side="right"))
+    option = f" --iterations {numbers[first]}-{numbers[stop - 1]}" if stop > first else ""
+    return tl.stretch(first, stop), option
+
+
 def _tuned(
-    tl: EngineTimeline, th: Thresholds, sizes_budget: bool = False
+    tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool = False
 ) -> tuple[Recommendation | None, str]:
     """tune's recommendation at the latency explain holds iterations to, with the tune command
-    that prints it; or (None, why not). Where tune's default prefill chunk does not fit beside
-    one decoding request within the target, smaller chunks are tried (MIN_CHUNK_TOKENS).
-    ``sizes_budget``: the token budget is what is asked, which a fit without a cost per
-    prefill token only guesses: none then."""
+    that prints it (``option``: the iterations ``tl`` holds, action_basis); or (None, why
+    not). Where tune's default prefill chunk does not fit beside one decoding request within
+    the target, smaller chunks are tried (MIN_CHUNK_TOKENS). ``sizes_budget``: the token
+    budget is what is asked, which a fit without a cost per prefill token only guesses: none
+    then."""
     target = itl_target_text(tl, th)
     if target is None:
         return None, "no decode-only iteration was recorded to set a latency target from"
@@ -90,8 +110,9 @@ def _tuned(
             else ""
         )
         return rec, (
-            f"`iterscope tune RECORDING --itl-target {target}{chunk}` "
-            f"({th.long_prefill_ratio:g}x the median decode-only iteration{per_token})"
+            f"`iterscope tune RECORDING --itl-target {target}{chunk}{option}` "
+            f"({th.long_prefill_ratio:g}x the median decode-only iteration of the "
+            f"{ACTION_HISTORY_S:g} s before{per_token})"
         )
     return None, why_not
 
@@ -101,8 +122,8 @@ def _now(current: int | None) -> str:
     return f" (now {current})" if current else ""
 
 
-def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
-    rec, tuned = _tuned(tl, th, sizes_budget=True)
+def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool) -> str:
+    rec, tuned = _tuned(tl, th, option, sizes_budget=True)
     current = tl.facts.get("max_num_batched_tokens")
     if rec is None:
         return (
@@ -133,8 +154,8 @@ def _budget_action(tl: EngineTimeline, th: Thresholds, lower: bool) -> str:
     return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}{lowered}."
 
 
-def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
-    rec, tuned = _tuned(tl, th)
+def _seqs_action(tl: EngineTimeline, option: str, th: Thresholds) -> str:
+    rec, tuned = _tuned(tl, th, option)
     current = tl.facts.get("max_num_seqs")
     if rec is None:
         return f"Raise --max-num-seqs{_now(current)}; no value could be computed here: {tuned}."
@@ -148,7 +169,7 @@ def _seqs_action(tl: EngineTimeline, th: Thresholds) -> str:
     if rec.max_num_seqs > SEQS_STEP * seen > 0:
         return (
             f"Set --max-num-seqs {SEQS_STEP * seen}{_now(current)}: {tuned} allows "
-            f"{rec.max_num_seqs}, but the recording never decoded more than "
+            f"{rec.max_num_seqs}, but those iterations never decoded more than "
             f"{plural(rec.decode_reqs_seen, 'request')} at once, so that is extrapolated; "
             "raise it in steps and re-record."
         )
@@ -204,12 +225,10 @@ def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     """The one thing to change for this finding, naming the flag and, where known, the value."""
     kind, reason = finding.kind, finding.worst.numbers.get("reason")
-    if kind == "long_prefill":
-        return _budget_action(tl, th, lower=True)
-    if kind == "waiting" and reason == "waiting_budget":
-        return _budget_action(tl, th, lower=False)
+    if kind == "long_prefill" or (kind == "waiting" and reason == "waiting_budget"):
+        return _budget_action(*action_basis(tl, finding.worst), th, lower=kind == "long_prefill")
     if kind == "waiting" and reason == "waiting_seq_limit":
-        return _seqs_action(tl, th)
+        return _seqs_action(*action_basis(tl, finding.worst), th)
     if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
         return _kv_action(tl, finding.worst)
     return finding.worst.setting

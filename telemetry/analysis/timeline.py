@@ -65,6 +65,16 @@ class EngineTimeline:
     def col(self, name: str) -> np.ndarray:
         return self.columns[name]
 
+    def stretch(self, first: int, stop: int) -> EngineTimeline:
+        """Rows ``first`` to ``stop`` - 1 as a timeline of their own, with the heartbeats up to
+        the last one's end and the facts they said: the engine as it stood over that stretch."""
+        end_ns = int(self.col("end_ns")[first:stop].max()) if stop > first else 0
+        heartbeats = self.heartbeats[: bisect.bisect_right(self._anchor_ts_ns, end_ns)]
+        columns = {name: column[first:stop] for name, column in self.columns.items()}
+        stretch = EngineTimeline(self.engine_index, self.records[first:stop], heartbeats, columns)
+        stretch.capture = self.capture
+        return stretch
+
     def part(self, first: int, stop: int) -> EngineTimeline:
         """The records of rows ``first`` to ``stop`` - 1 (views of these columns), with every
         heartbeat and fact: what a fit over a stretch of the timeline reads."""

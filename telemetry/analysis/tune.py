@@ -727,10 +727,45 @@ def build_parser() -> argparse.ArgumentParser:
         "a decode-context cost (FPM engines whose context varied), else tune says it is not "
         "honoured",
     )
+    parser.add_argument(
+        "--iterations",
+        type=iteration_range,
+        metavar="FIRST-LAST",
+        help="fit only the iterations numbered FIRST to LAST (as a finding's action quotes them)",
+    )
     parser.add_argument("--engine", type=int, help="only this engine index")
     add_fpm_producer_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     return parser
+
+
+def iteration_range(text: str) -> tuple[int, int]:
+    """``FIRST-LAST``: two iteration numbers, FIRST not above LAST."""
+    first, dash, last = text.partition("-")
+    if not (dash and first.isdigit() and last.isdigit() and int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not FIRST-LAST, two iteration numbers with FIRST not above LAST "
+            "(e.g. 1200-1450)"
+        )
+    return int(first), int(last)
+
+
+def iterations_stretch(tl: EngineTimeline, first: int, last: int) -> tuple[EngineTimeline, int]:
+    """The iterations numbered ``first`` to ``last`` of one run of the engine (numbers that
+    only grow from one to the other), and how many such stretches the timeline holds: more
+    than one where the engine restarted and numbered them again (the first is taken)."""
+    numbers = tl.col("iteration")
+    stretches = []
+    for start in np.flatnonzero(numbers == first).tolist():
+        ends = np.flatnonzero(numbers[start:] == last)
+        stop = start + int(ends[0]) + 1 if ends.size else start
+        if ends.size and (np.diff(numbers[start:stop]) > 0).all():
+            stretches.append((start, stop))
+    if not stretches:
+        raise ValueError(
+            f"engine {tl.engine_index}: no iterations numbered {first} to {last} in one run"
+        )
+    return tl.stretch(*stretches[0]), len(stretches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -749,6 +784,15 @@ def main(argv: list[str] | None = None) -> int:
     results, status = [], 0
     for tl in timelines.values():
         try:
+            if args.iterations:
+                tl, num_stretches = iterations_stretch(tl, *args.iterations)
+                if num_stretches > 1:
+                    print(
+                        f"iterscope tune: engine {tl.engine_index}: iterations "
+                        f"{'-'.join(map(str, args.iterations))} come {num_stretches} times "
+                        "(the engine restarted): the first are fitted",
+                        file=sys.stderr,
+                    )
             fit, refused = at_decode_context(fit_iteration_time(tl), args.decode_context)
             kv_seqs, kv_length = kv_max_seqs(tl)
             rec = recommend(fit, args.itl_target, args.min_chunk, kv_seqs)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
-from telemetry.analysis.findings import episode_cost
+from telemetry.analysis.findings import Finding, episode_cost
 from telemetry.analysis.live_findings import LiveFinding, finding_kind
 from telemetry.analysis.timeline import EngineTimeline, read_timelines
 from telemetry.sidecar.replay import replay
@@ -64,10 +65,30 @@ def assert_same_findings(expected: list[tuple], live: list[LiveFinding]) -> None
         assert live_cost == pytest.approx(cost, rel=0.05, abs=0.01), (kind, cost, live_cost)
 
 
+# Kinds whose action's values come from tune over the records before them (actions.py,
+# action_basis): live and explain give the same text.
+TUNED_KINDS = ("long_prefill", "waiting_budget", "waiting_seq_limit")
+
+
+def assert_same_actions(timeline: EngineTimeline, live: list[LiveFinding]) -> None:
+    """Each live finding of TUNED_KINDS has the action explain gives its episode."""
+    actions = {}
+    for episode in detect_episodes(timeline):
+        kind = finding_kind(episode)
+        if kind in TUNED_KINDS:
+            finding = Finding(episode.kind, [episode], [0.0])
+            actions[kind, episode.start_ns] = finding_action(timeline, finding, Thresholds())
+    for finding in live:
+        if finding.kind in TUNED_KINDS:
+            assert finding.action == actions[finding.kind, finding.start_ns], finding.kind
+
+
 def assert_replay_agrees_with_explain(path: Path) -> list[LiveFinding]:
     """The replayed sidecar finds, on a real engine's recording at ``path`` (one engine),
-    what explain finds in it; its findings."""
+    what explain finds in it, with the same actions where tune gives their values; its
+    findings."""
     (timeline,) = read_timelines([path])[0].values()
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
+    assert_same_actions(timeline, live)
     return live
