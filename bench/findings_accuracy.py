@@ -7,8 +7,10 @@ Each scenario states its true top cause: a finding kind as the live sidecar name
 (telemetry/analysis/live_findings.py finding_kind: waiting with its reason, e.g.
 "waiting_kv"), or None for a run with no problem (then no problem finding may rank first).
 The synthetic scenarios (tests/scenarios/synthetic.py) run in a simulator with a known
-cost; ``--real`` adds the real-engine stories (tests/scenarios/real_engine.py: the engine core
-on a tiny model, recorded through a real sidecar, about a minute and a half). Both rank by
+cost; the real vLLM recordings of tests/data whose cause was measured side by side (VLLM: the
+same load served again without the cause) come next; ``--real`` adds the real-engine stories
+(tests/scenarios/real_engine.py: the engine core on a tiny model, recorded through a real
+sidecar, about a minute and a half). All rank by
 the same rule (telemetry/analysis/findings.py rank_key). Prints one line per scenario and
 the shares; the last line is one JSON object.
 """
@@ -43,6 +45,14 @@ REAL = {  # tests/scenarios/real_engine.py SCENARIOS -> true top cause
     "healthy-but-slow": None,
 }
 
+# tests/data recordings of vLLM 0.32's CPU build -> true top cause, as bench/drafts_payoff_vllm.py
+# measured it: the same load without --speculative-config, 2.46x and 1.45x faster per output
+# token (docs/diagnosis.md, "Speculative decoding").
+VLLM = {
+    "vllm_costly_drafts.jsonl": "costly_drafts",
+    "vllm_futile_speculation.jsonl": "futile_speculation",
+}
+
 
 def explain_top_cause(path: Path) -> str | None:
     """explain's finding 1 as a kind; None when it found no problem."""
@@ -71,6 +81,8 @@ def recordings(tmp: Path, real: bool) -> list[tuple[str, str | None, Path]]:
     runs = []
     for name, (make, truth) in SYNTHETIC.items():
         runs.append((f"synthetic {name}", truth, make().write(tmp / f"{len(runs)}.jsonl")))
+    for name, truth in VLLM.items():
+        runs.append((f"vllm {name.removesuffix('.jsonl')}", truth, ROOT / "tests" / "data" / name))
     if real:
         from scenarios import real_engine
 
