@@ -288,8 +288,9 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     waits before it calls the engine dead is one, unless messages were lost there."""
     messages = [*tl.records, *tl.heartbeats]
     beat_times = np.fromiter((h.ts_ns for h in tl.heartbeats), np.int64, len(tl.heartbeats))
-    order = np.argsort(np.concatenate([tl.col("end_ns"), beat_times]), kind="stable")
-    times = np.concatenate([tl.col("end_ns"), beat_times])[order]
+    times = np.concatenate([tl.col("end_ns"), beat_times])
+    order = np.argsort(times, kind="stable")
+    times = times[order]
     seqs = np.fromiter((m.msg_seq for m in messages), np.int64, len(messages))[order]
     starts = _seq_restarts(seqs)
     holes = []
