@@ -15,7 +15,7 @@ from telemetry.analysis.explain import main
 from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_findings
 from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
-from telemetry.lane.record import EVENT_FIRST_TOKEN, IterationRecord, heartbeat
+from telemetry.lane.record import EVENT_FIRST_TOKEN, Heartbeat, IterationRecord, heartbeat
 
 
 def findings_of(sim: Simulator):
@@ -438,18 +438,49 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
     assert "--max-num-batched-tokens 0.0%" in "\n".join(texts)
 
 
+def test_kv_actions_before_any_request_finished_say_they_are_bounds():
+    """No request finished before the cache filled: their length is known only as what they
+    held, a lower bound, so the cache's size is "at least" what that gives (here 1.6x, where
+    the requests' 300 tokens need 4x), and the sequence limit "or fewer"."""
+    sim = Simulator(num_blocks=40, max_num_seqs=64, max_num_batched_tokens=2048)
+    sim.add_requests([0.5] * 8, num_prompt=100, num_output=200)  # 2 of them fit, 8 at once
+    sim.run(20)
+    timeline, findings = findings_of(sim)
+    kv = next(f for f in findings if f.kind == "kv_saturation")
+    action = finding_action(timeline, kv, Thresholds())
+    factor = float(re.search(r"to at least ([\d.]+)x the cache's size now", action).group(1))
+    assert 1 < factor < 4 and "none finished; 8 wanted in at once" in action, action
+    assert re.search(r"or set --max-num-seqs [2-5] or fewer\.$", action), action
+    # Every request wanted in was running: fewer together, said to be a bound too.
+    sim = Simulator(num_blocks=40, max_num_seqs=64, max_num_batched_tokens=2048)
+    sim.add_requests(arrivals(4, 10), num_prompt=100, num_output=200)
+    sim.run(20)
+    timeline, findings = findings_of(sim)
+    kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
+    action = finding_action(timeline, kv, Thresholds())
+    assert action.startswith(
+        "Set --max-num-seqs 3 or fewer: 4 requests running together took KV usage to 100.0% "
+        "while still growing (none finished in the 30 s before); 3 would have held it near "
+        "90% then; or raise --kv-cache-memory"
+    ), action
+
+
 def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():
     """Ours: --kv-cache-memory. vLLM: its flag, and what overrides it where set (its CPU
-    build's environment variable, a block count override)."""
+    build's environment variable, a block count override). A light load first: the action
+    is sized by the requests that finished in the 30 s before."""
     sim = Simulator(num_blocks=40, max_num_seqs=64, max_num_batched_tokens=2048)
-    sim.add_requests(arrivals(4, 10), num_prompt=100, num_output=200)  # more than 40 blocks hold
+    sim.add_requests([0.5, 3.0], num_prompt=100, num_output=200)
+    sim.add_requests(arrivals(4, 10, start_s=6), num_prompt=100, num_output=200)
     sim.run(20)
     timeline, findings = findings_of(sim)
     kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
     ours = finding_action(timeline, kv, Thresholds())
     assert ours.startswith("Raise --kv-cache-memory to ") and "VLLM" not in ours, ours
-    timeline.facts["source"] = "vllm-scheduler"
-    vllm = finding_action(timeline, kv, Thresholds())
+    for message in sim.messages:  # the same run as vLLM's scheduler source reports it
+        if type(message) is Heartbeat:
+            message.source = "vllm-scheduler"
+    vllm = finding_action(build_timelines(sim.messages)[0], kv, Thresholds())
     assert vllm.startswith(
         "Raise --kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE where it is set, which "
         "overrides the flag on vLLM's CPU build; or --num-gpu-blocks-override where one is "

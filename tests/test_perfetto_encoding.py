@@ -18,8 +18,9 @@ import pytest
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import DebugAnnotation, TrackEvent
 
 from telemetry.analysis import proto_wire as wire
-from telemetry.analysis.episodes import INFO, detect_episodes
-from telemetry.analysis.findings import episode_cost
+from telemetry.analysis.actions import finding_action
+from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
+from telemetry.analysis.findings import build_findings, episode_cost
 from telemetry.analysis.perfetto_trace import annotation
 from telemetry.analysis.timeline import read_timelines
 from telemetry.analysis.timeline_command import main
@@ -49,14 +50,14 @@ def by_name(trace):
     return drawn, processes, counters
 
 
-def pop_costs(drawn) -> dict:
-    """The findings' costs taken out of ``by_name``'s slices: {(start, end): cost}."""
-    costs = {}
+def pop_args(drawn, name: str) -> dict:
+    """The findings' arg ``name`` taken out of ``by_name``'s slices: {(start, end): value}."""
+    values = {}
     for (what, _), slices in drawn[0].items():
-        for name, start_ns, end_ns, _, args in slices if what == "slices" else ():
-            if name.startswith("finding ") and "cost_request_s" in args:
-                costs[(start_ns, end_ns)] = args.pop("cost_request_s")
-    return costs
+        for slice_name, start_ns, end_ns, _, args in slices if what == "slices" else ():
+            if slice_name.startswith("finding ") and name in args:
+                values[(start_ns, end_ns)] = args.pop(name)
+    return values
 
 
 @pytest.mark.parametrize("recording", RECORDINGS)
@@ -68,17 +69,24 @@ def test_the_trace_reads_back_as_the_object_built_one_did(recording, tmp_path):
     after = tmp_path / "after.pftrace"
     assert main([str(source), "-o", str(after)]) == 0
     drawn = by_name(read_trace(after))
-    costs = pop_costs(drawn)
+    costs, actions = pop_args(drawn, "cost_request_s"), pop_args(drawn, "action")
     golden = by_name(read_trace(before))
-    pop_costs(golden)
+    pop_args(golden, "cost_request_s"), pop_args(golden, "action")
     assert drawn == golden
-    # the costs are today's cost rule's (an episode no longer costs the iteration that starts
-    # as its last one ends, as it did when the golden traces were made)
+    # the costs and actions are today's rules' (an episode no longer costs the iteration that
+    # starts as its last one ends, and actions are drawn from the 30 s before an episode, as
+    # they were not when the golden traces were made)
     (timeline,) = read_timelines([source])[0].values()
+    episodes = detect_episodes(timeline)
     assert costs == {
         (e.start_ns, e.end_ns): pytest.approx(episode_cost(timeline, e))
-        for e in detect_episodes(timeline)
+        for e in episodes
         if e.severity != INFO
+    }
+    assert actions == {
+        (e.start_ns, e.end_ns): finding_action(timeline, finding, Thresholds())
+        for finding in build_findings(timeline, episodes)
+        for e in finding.episodes
     }
     assert any(what == "instants" for what, _ in drawn[0]) == (recording == "preemptions")
     if recording != "preemptions":  # a few packets: the clock snapshot outweighs the savings

@@ -3,17 +3,20 @@
 Values come from the recording itself: the token budget and sequence limit from `tune`'s fit
 of iteration time (for a latency target of ``long_prefill_ratio`` times the median decode-only
 iteration, the point where explain calls an iteration stretched), the KV size from how many
-requests wanted in at once against how many of the recorded mean length the cache holds
-(what `kv-plan` computes from a model). Where a value cannot be derived, the action says which
-command computes it and why it could not be given here. A tune command an action quotes
-prints the value the action gives: the target is quoted as it is parsed back.
+requests wanted in at once against how many of their length the cache holds (what `kv-plan`
+computes from a model): the mean length of the requests that finished, or where none had, what
+each running one held, a lower bound (the action then says "at least"). Where a value cannot be
+derived, the action says which command computes it and why it could not be given here. A tune
+command an action quotes prints the value the action gives: the target is quoted as it is
+parsed back.
 
-The budget and sequence limit are drawn from the iterations that started within
-ACTION_HISTORY_S before the episode, through its first (action_basis): the records the live
-sidecar holds when the finding opens, which `explain` reads alike, so the two give one action
-(and a live action, fixed from its opening, keeps the alert that quotes it one series); the
-tune command quoted fits those iterations alone (``--iterations FIRST-LAST``). For a long
-prefill its target is then 3x the very baseline the iteration was judged against.
+Every value is drawn from the iterations that started within ACTION_HISTORY_S before the
+episode, through its first (action_basis): the records the live sidecar holds when the finding
+opens, which `explain` reads alike, so the two give one action (and a live action, fixed from
+its opening, keeps the alert that quotes it one series). What the episode did later (a demand
+that kept growing) is in its evidence, not its action. The tune command quoted fits those
+iterations alone (``--iterations FIRST-LAST``). For a long prefill its target is then 3x the
+very baseline the iteration was judged against.
 
 With speculative decoding tune's target is per output token and holds iterations to it times
 the tokens a decoding request gets per iteration (telemetry/analysis/tune.py): the target
@@ -23,11 +26,14 @@ iterations to explain's latency, and its budget holds each decoding request's dr
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
-from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text
+from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text, pct
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -176,49 +182,89 @@ def _seqs_action(tl: EngineTimeline, option: str, th: Thresholds) -> str:
     return f"Set --max-num-seqs {rec.max_num_seqs}{_now(current)}, from {tuned}."
 
 
-def _kv_action(tl: EngineTimeline, episode: Episode) -> str:
-    starts = tl.col("start_ns")
-    rows = slice(
-        int(np.searchsorted(starts, episode.start_ns)),
-        int(np.searchsorted(starts, episode.end_ns, side="right")),
-    )
-    wanted = tl.col("num_running_reqs")[rows] + tl.col("num_waiting_reqs")[rows]
+@dataclass
+class RequestLength:
+    """KV tokens a request takes, and whether that is a lower bound (requests still growing)."""
+
+    tokens: float
+    what: str
+    lower_bound: bool
+
+
+def _request_length(tl: EngineTimeline) -> RequestLength | None:
+    """The mean length of the requests that finished in ``tl``; else, a lower bound, the KV
+    tokens each running request held at the highest usage; None without a block size or any
+    KV in use."""
+    _, mean_length = kv_max_seqs(tl)
+    history = f"the {ACTION_HISTORY_S:g} s before"
+    if mean_length is not None:
+        return RequestLength(mean_length, f"the mean of those that finished in {history}", False)
+    block_size = int(tl.facts.get("block_size", 0))
+    usage = tl.kv_usage
+    if not block_size or not usage.size or usage.max() <= 0:
+        return None
+    peak = int(np.argmax(usage))
+    running = int(tl.col("num_running_reqs")[peak])
+    if running <= 0:
+        return None
+    held = float(usage[peak]) * tl.num_kv_blocks_total * block_size / running
+    what = f"what each running request held at the highest usage in {history}, none finished"
+    return RequestLength(held, what, True)
+
+
+def _at_most(value: int, bound: bool) -> str:
+    """A sequence limit, with `` or fewer`` where it is a bound (requests still growing)."""
+    return f"{value} or fewer" if bound and value > 1 else str(value)
+
+
+def _kv_action(tl: EngineTimeline) -> str:
+    """From the iterations of ``tl`` (action_basis): how many requests wanted in at once
+    against how many of their length the cache holds; or, where all fit, fewer together."""
+    wanted = tl.col("num_running_reqs") + tl.col("num_waiting_reqs")
     demand = int(wanted.max()) if wanted.size else 0
-    fit, mean_length = kv_max_seqs(tl)
-    if fit is None or mean_length is None or demand <= 0:
+    length = _request_length(tl)
+    if length is None or demand <= 0:
         return (
             f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
-            "here (the recording has no finished request or no block size): `iterscope "
+            "here (no block size or KV usage was recorded): `iterscope "
             "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
             "of your length a size holds."
         )
+    blocks = math.ceil(length.tokens / int(tl.facts["block_size"]))
+    fit = max(1, int(tl.num_kv_blocks_total // blocks))
     if demand <= fit:
-        return _kv_peak_action(tl, rows)
+        return _kv_peak_action(tl, growing=length.lower_bound)
+    at_least = "at least " if length.lower_bound else ""
     return (
-        f"Raise {kv_memory_flag(tl)} to {demand / fit:.1f}x the cache's size now (it holds "
-        f"{plural(fit, 'request')} of {mean_length:.0f} tokens, {demand} wanted in at once; "
-        "`iterscope "
-        f"kv-plan --model DIR --memory SIZE --request-len {mean_length:.0f}` shows how many "
-        f"such requests a SIZE holds), or set --max-num-seqs {fit}."
+        f"Raise {kv_memory_flag(tl)} to {at_least}{demand / fit:.1f}x the cache's size now (it "
+        f"holds {plural(fit, 'request')} of {length.tokens:.0f} tokens, {length.what}; "
+        f"{demand} wanted in at once then and at the first iteration; `iterscope kv-plan "
+        f"--model DIR --memory SIZE --request-len {length.tokens:.0f}` shows how many such "
+        f"requests a SIZE holds), or set --max-num-seqs {_at_most(fit, length.lower_bound)}."
     )
 
 
-def _kv_peak_action(tl: EngineTimeline, rows: slice) -> str:
-    """Fewer requests together, so that their peak stays near KV_TARGET_USAGE."""
-    usage = tl.kv_usage[rows]
+def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
+    """Fewer requests together, so that their peak stays near KV_TARGET_USAGE; ``growing``:
+    no request had finished, so those running were still growing (fewer still may be needed)."""
+    usage = tl.kv_usage
     peak = int(np.argmax(usage))
-    running = int(tl.col("num_running_reqs")[rows][peak])
+    running = int(tl.col("num_running_reqs")[peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
     kv_plan = "(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size holds)"
+    took = f"{plural(running, 'request')} running together took KV usage to {pct(usage[peak])}"
     if value >= running:  # fewer requests cannot help: one alone fills the cache
+        return f"Raise {kv_memory_text(tl)} {kv_plan}: {took}, fewer cannot run."
+    near = f"near {100 * KV_TARGET_USAGE:.0f}%"
+    if growing:
         return (
-            f"Raise {kv_memory_text(tl)} {kv_plan}: {plural(running, 'request')} running took "
-            f"KV usage to {100 * usage[peak]:.1f}%, fewer cannot run."
+            f"Set --max-num-seqs {_at_most(value, growing)}: {took} while still growing (none "
+            f"finished in the {ACTION_HISTORY_S:g} s before); {value} would have held it {near} "
+            f"then; or raise {kv_memory_text(tl)} {kv_plan}."
         )
     return (
-        f"Set --max-num-seqs {value}: {plural(running, 'request')} running together took KV "
-        f"usage to {100 * usage[peak]:.1f}%, and with {value} it stays near "
-        f"{100 * KV_TARGET_USAGE:.0f}%; or raise {kv_memory_text(tl)} {kv_plan}."
+        f"Set --max-num-seqs {value}: {took}, and with {value} it stays {near}; or raise "
+        f"{kv_memory_text(tl)} {kv_plan}."
     )
 
 
@@ -230,5 +276,5 @@ def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     if kind == "waiting" and reason == "waiting_seq_limit":
         return _seqs_action(*action_basis(tl, finding.worst), th)
     if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
-        return _kv_action(tl, finding.worst)
+        return _kv_action(action_basis(tl, finding.worst)[0])
     return finding.worst.setting
