@@ -7,6 +7,8 @@ real-engine stories, in time; its window stays bounded; what it finds reaches /m
 from __future__ import annotations
 
 import json
+import logging
+import re
 import urllib.request
 from pathlib import Path
 
@@ -156,13 +158,12 @@ def test_the_live_sidecar_logged_the_stall_while_it_happened(real_stories):
     assert "Engine stalled: ended after" in log
 
 
-def test_a_finding_longer_than_the_window_is_costed_from_its_newest_part(tmp_path, monkeypatch):
+def test_a_finding_longer_than_the_window_is_costed_from_its_newest_part(tmp_path):
     make, _ = SCENARIOS["story3 sequence limit"]
     path = make().write(tmp_path / "recording.jsonl")
     (timeline,) = read_timelines([path])[0].values()
     ((kind, iteration, cost),) = explained(timeline)
-    monkeypatch.setattr(live_findings, "WINDOW_MESSAGES", 300)  # ~6 s of this engine
-    (finding,) = replayed(path)
+    (finding,) = replayed(path, findings_window=300)  # ~6 s of this engine
     assert (finding.kind, finding.iteration) == (kind, iteration)
     assert finding.truncated and 0 < finding.cost < cost
 
@@ -197,6 +198,48 @@ def test_the_window_is_bounded_in_messages_and_time():
     kept_s = [(r.start_ns - findings.messages[0].start_ns) / NS_PER_S for r in findings.messages]
     assert len(findings.messages) == LOOKBACK_S + 1 and kept_s[-1] == LOOKBACK_S
     assert findings.num_searches == 1
+
+
+def test_a_window_that_holds_less_than_the_lookback_is_said_once(tmp_path, caplog):
+    """An engine whose messages come faster than the window holds LOOKBACK_S of (~21 a
+    second into 300 messages: ~14 s): the log says so once, with what it costs and the
+    --findings-window that holds LOOKBACK_S, and the window's span is a metric. What it warns
+    of: the drafts that stop paying at 40 s, judged on the 30 s before each step, open no
+    finding live; with the default window they do, and nothing is said."""
+    make, truth = SCENARIOS["drafts that stop paying"]
+    path = make().write(tmp_path / "recording.jsonl")
+    sink = PrometheusSink(CollectorRegistry())
+    with caplog.at_level(logging.WARNING, logger="iterscope.sidecar"):
+        short = [f.kind for f in replayed(path, findings_window=300)]
+        replay(path, [sink], findings_window=300)
+    notices = [r.getMessage() for r in caplog.records if "window is full" in r.getMessage()]
+    assert len(notices) == 2  # once in each replay
+    span_s = float(re.search(r"full at 300 messages, ([\d.]+) s of", notices[0]).group(1))
+    assert 10 < span_s < 18, notices[0]
+    assert f"less than the {LOOKBACK_S:g} s it keeps" in notices[0]
+    assert "--findings-window 10000 would hold 60 s at this rate (about 10 MB" in notices[0]
+    families = text_string_to_metric_families(generate_latest(sink.registry).decode())
+    (window,) = [f for f in families if f.name == "iterscope_findings_window_seconds"]
+    assert 10 < window.samples[0].value < 18
+    assert truth not in short
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="iterscope.sidecar"):
+        assert truth in [f.kind for f in replayed(path)]
+    assert not [r for r in caplog.records if "window is full" in r.getMessage()]
+
+
+def test_the_findings_window_is_a_sidecar_flag_of_positive_messages(capsys):
+    from telemetry.sidecar.cli import build_parser, load_sink_modules
+    from telemetry.sidecar.ingest import Ingest
+
+    parser = build_parser(load_sink_modules())
+    assert parser.parse_args([]).findings_window == live_findings.WINDOW_MESSAGES
+    assert parser.parse_args(["--findings-window", "90000"]).findings_window == 90000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--findings-window", "0"])
+    assert "--findings-window" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="findings_window"):
+        Ingest([], findings_window=0)
 
 
 def test_findings_reach_metrics_and_the_findings_endpoint(tmp_path):

@@ -16,9 +16,12 @@ finding.
 A closed finding that its episode later extends is not opened again: its cost is final.
 
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
-messages at most; it keeps LOOKBACK_S of history, and more while a finding is open (back to its
-start), so a finding is costed as `explain` costs it unless it outlasts WINDOW_MESSAGES (then
-its cost is that of its newest part, a lower bound: ``truncated``). An iteration judged on the
+messages at most (the sidecar's --findings-window); it keeps LOOKBACK_S of history, and more
+while a finding is open (back to its start), so a finding is costed as `explain` costs it
+unless it outlasts the window (then its cost is that of its newest part, a lower bound:
+``truncated``). An engine whose messages come faster than the window holds LOOKBACK_S of them
+is said once (``short_window_notice``): what is judged on the past may then not open live, and
+actions are drawn from less of it; the window's span is a metric. An iteration judged on the
 records before it (a long prefill, speculation's acceptance, a costly drafts step's fit:
 HISTORY_JUDGED_KINDS) is judged first as it comes, with all that past in the window; judged
 again later, on a past the window has partly dropped, it opens no finding. Searching costs time in
@@ -34,12 +37,13 @@ and ``totals``; the findings in it are updated in place, one number at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from telemetry.analysis.actions import finding_action
+from telemetry.analysis.actions import ACTION_HISTORY_S, finding_action
 from telemetry.analysis.episodes import (
     INFO,
     Episode,
@@ -78,6 +82,7 @@ from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import message_time_ns
 
 WINDOW_MESSAGES = 20_000  # per engine: ~200 s at 100 iterations per second
+MESSAGE_BYTES = 1000  # about what a message takes in the window: decoded, and in its columns
 # History kept with no finding open: a leak's minute, and the past an iteration is judged on
 # (a long prefill's baseline time, a futile speculation's window, a costly drafts step's window
 # and the step: 40 s at most) with JUDGE_WITHIN_S to spare, so that an iteration first searched
@@ -263,10 +268,20 @@ class FindingEvent:
 class EngineFindings:
     """One engine's window of messages and its findings (see the module docstring)."""
 
-    def __init__(self, engine_index: int, thresholds: Thresholds | None = None) -> None:
+    def __init__(
+        self,
+        engine_index: int,
+        thresholds: Thresholds | None = None,
+        window_messages: int = WINDOW_MESSAGES,
+    ) -> None:
         self.engine_index = engine_index
         self.thresholds = thresholds or Thresholds()
-        self.messages: deque[IterationRecord | Heartbeat] = deque(maxlen=WINDOW_MESSAGES)
+        self.messages: deque[IterationRecord | Heartbeat] = deque(maxlen=window_messages)
+        # The record time the window holds after its last search (a scrape reads it), and
+        # whether that was less than LOOKBACK_S with the window full (said once).
+        self.window_span_s = 0.0
+        self._short_window = False
+        self._short_window_said = False
         self.open: list[LiveFinding] = []
         self.closed: deque[LiveFinding] = deque(maxlen=RECENT_CLOSED)
         # Every closed finding the window may still show, oldest first, so that its episode
@@ -332,11 +347,34 @@ class EngineFindings:
         while messages and message_time_ns(messages[0]) < keep_from:
             messages.popleft()
             self._dropped = True
-        if len(messages) == messages.maxlen:  # full: the oldest ones make room
-            self._dropped = True
+        full = len(messages) == messages.maxlen  # full: the oldest ones make room
+        self._dropped = self._dropped or full
+        span_ns = message_time_ns(messages[-1]) - message_time_ns(messages[0])
+        self.window_span_s = span_ns / NS_PER_S
+        self._short_window = full and self.window_span_s < LOOKBACK_S
         closed = self._closed_in_window
         while closed and messages and closed[0].end_ns < message_time_ns(messages[0]):
             closed.popleft()  # no episode in the window can overlap it any more
+
+    def short_window_notice(self) -> str | None:
+        """Once, the first time the window was full with less than LOOKBACK_S in it: what
+        that costs and the --findings-window that would hold LOOKBACK_S at this rate."""
+        if not self._short_window or self._short_window_said:
+            return None
+        self._short_window_said = True
+        held, span_s = len(self.messages), self.window_span_s
+        needed = math.ceil(held * LOOKBACK_S / max(span_s, 1e-3) / 10_000) * 10_000
+        history_s = self._history_ns / NS_PER_S
+        return (
+            f"the live findings' window is full at {held:,} messages, {span_s:.1f} s of this "
+            f"engine's, less than the {LOOKBACK_S:g} s it keeps: an iteration judged on the "
+            f"{history_s:g} s before it (a long prefill, costly drafts, futile speculation) opens "
+            f"a finding only while the window holds that past, and an action is drawn from what "
+            f"it holds of the {ACTION_HISTORY_S:g} s before its episode, so live findings may "
+            f"miss or differ from what `explain` finds in a recording; --findings-window "
+            f"{needed} would hold {LOOKBACK_S:g} s at this rate (about "
+            f"{needed * MESSAGE_BYTES / 1e6:.0f} MB for this engine)"
+        )
 
     def _timeline(self) -> EngineTimeline:
         return self._window_timeline.build(self.messages)

@@ -23,6 +23,7 @@ from types import ModuleType
 
 import zmq
 
+from telemetry.analysis.live_findings import LOOKBACK_S, MESSAGE_BYTES, WINDOW_MESSAGES
 from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.lane.publisher import default_address
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
@@ -155,6 +156,16 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
         "stalls, leaks, ...: the log's finding lines, iterscope_finding_* and /findings)",
     )
     status.add_argument(
+        "--findings-window",
+        type=positive_int,
+        default=WINDOW_MESSAGES,
+        metavar="N",
+        help="messages of each engine the live findings search at most (about "
+        f"{MESSAGE_BYTES} bytes each): enough for the {LOOKBACK_S:g} s they keep, up to "
+        f"N / {LOOKBACK_S:g} messages a second; the log says when an engine's come faster "
+        "(default: %(default)s)",
+    )
+    status.add_argument(
         "--evict-after",
         type=float,
         default=EVICT_AFTER_S,
@@ -274,6 +285,7 @@ def run_live(args: argparse.Namespace, sinks: list[Sink]) -> int:
         max_engines=args.max_engines,
         evict_after_s=args.evict_after,
         live_findings=args.live_findings,
+        findings_window=args.findings_window,
     )
     if address.startswith("tcp://") and args.allow_remote and not args.curve_keys_dir:
         logger.warning(
@@ -369,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.stall_after,
                 max_engines=args.max_engines,
                 live_findings=args.live_findings,
+                findings_window=args.findings_window,
                 close_sinks=not args.serve_after_replay,
             )
             stats = ingest.health

@@ -63,9 +63,11 @@ class EngineTracker:
     def __post_init__(self) -> None:
         self.view = EngineView(self.engine_index)
 
-    def start_findings(self) -> None:
-        """Search this engine's messages for findings live (telemetry/analysis/live_findings)."""
-        self.findings = self.view.findings = EngineFindings(self.engine_index)
+    def start_findings(self, window_messages: int) -> None:
+        """Search this engine's newest ``window_messages`` messages at most for findings live
+        (telemetry/analysis/live_findings)."""
+        self.findings = EngineFindings(self.engine_index, window_messages=window_messages)
+        self.view.findings = self.findings
         self.remember = self.findings.messages.append
 
     def note_restart(self, now_ns: int) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from telemetry.analysis.live_findings import MAX_EVALUATE_SHARE
+from telemetry.analysis.live_findings import MAX_EVALUATE_SHARE, WINDOW_MESSAGES
 from telemetry.analysis.stall_rule import DEAD_AFTER_S
 from telemetry.lane.frame_checks import classify_undecodable
 from telemetry.lane.record import (
@@ -74,18 +74,21 @@ class Ingest:
         max_seq_jump: int = MAX_SEQ_JUMP,
         evict_after_s: float = EVICT_AFTER_S,
         live_findings: bool = True,
+        findings_window: int = WINDOW_MESSAGES,
     ) -> None:
         """``stall_after_s``: a fixed stall threshold; None adapts it to each engine's
         progress intervals (telemetry/sidecar/engine_tracker.py). ``evict_after_s``: how long
         a dead engine keeps its place among ``max_engines`` when a new one needs it.
-        ``live_findings``: search each engine's newest messages for findings as they come
-        (telemetry/analysis/live_findings.py)."""
+        ``live_findings``: search each engine's newest ``findings_window`` messages for
+        findings as they come (telemetry/analysis/live_findings.py)."""
         if dead_after_s <= 0 or (stall_after_s is not None and stall_after_s <= 0):
             raise ValueError("dead_after_s and stall_after_s must be positive")
         stall_after_ns = int(stall_after_s * 1e9) if stall_after_s else 0  # 0: adapt
         self._roster = EngineRoster(
             max_engines, int(evict_after_s * 1e9), max_seq_jump, known_last_seqs, stall_after_ns
         )  # raises on max_engines < 1
+        if findings_window < 1:
+            raise ValueError(f"findings_window ({findings_window}) must be at least 1")
         if evict_after_s < dead_after_s:
             raise ValueError(
                 f"evict_after_s ({evict_after_s}) must be at least dead_after_s "
@@ -99,6 +102,7 @@ class Ingest:
         self._max_frame_bytes = max_frame_bytes
         self._max_seq_jump = max_seq_jump
         self._live_findings = live_findings
+        self._findings_window = findings_window
         self._decoder = make_decoder()
         self._decode = self._decoder.decode
         self._on_iteration = [sink.on_iteration for sink in self.sinks]
@@ -250,7 +254,7 @@ class Ingest:
             self._call(self._on_engine_removed, *removed)
         state, num_lost = roster.meet(message, now_ns)
         if self._live_findings:
-            state.start_findings()
+            state.start_findings(self._findings_window)
             share = MAX_EVALUATE_SHARE / len(self.engines)  # of the time, shared by all
             for tracker in self.engines.values():
                 tracker.findings.search_share = share
@@ -348,6 +352,9 @@ class Ingest:
         if state.view.status is EngineStatus.STALLED:
             findings.note_busy(state.view.num_waiting_reqs, state.view.num_running_reqs)
         self._report_findings(state, findings.evaluate(now_ns, _skew_ns(state), force))
+        notice = findings.short_window_notice()
+        if notice is not None:
+            logger.warning("Engine %03d: %s", state.engine_index, notice)
 
     def finish_findings(self, now_ns: int) -> None:
         """Search every engine's window once more, whatever the time (a replay's end)."""

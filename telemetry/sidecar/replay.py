@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from telemetry.analysis.live_findings import WINDOW_MESSAGES
 from telemetry.lane.recording import message_time_ns, read_recording  # also imported from here
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
@@ -30,6 +31,7 @@ def replay(
     max_engines: int = DEFAULT_MAX_ENGINES,
     live_findings: bool = True,
     close_sinks: bool = True,
+    findings_window: int = WINDOW_MESSAGES,
 ) -> Ingest:
     """Feed a recording through ``sinks`` in order; returns the Ingest (stats, engines).
 
@@ -44,6 +46,7 @@ def replay(
         stall_after_s=stall_after_s,
         max_engines=max_engines,
         live_findings=live_findings,
+        findings_window=findings_window,
     )
     tick_ns = int(tick_interval_s * 1e9)
     now_ns: int | None = None

@@ -107,6 +107,12 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         "1 for each open live finding, with its title and the action that fixes it as labels.",
         ("kind", "title", "action"),
     ),
+    "findings_window_seconds": (
+        "Record time the live findings' window held at its last search: 60 s, or more while a "
+        "finding is open; less once the engine's messages come faster than --findings-window "
+        "holds 60 s of (what is judged on the past may then not open live).",
+        (),
+    ),
     "sidecar_up": ("1 while the sidecar serves this; absent when it is down.", ()),
     "sidecar_start_time_seconds": ("When the sidecar started (unix time).", ()),
     "sink_last_write_timestamp_seconds": (
@@ -647,6 +653,7 @@ class MetricsCollector(Collector):
     def findings(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
         """Each engine's live findings (telemetry/analysis/live_findings.py), when on."""
         active, info = gauge("finding_active"), gauge("finding_info")
+        window = gauge("findings_window_seconds")
         counters = {
             name: CounterMetricFamily(PREFIX + name, documentation, labels=[*LABELS, "kind"])
             for name, (documentation, _) in FINDING_COUNTERS.items()
@@ -656,6 +663,7 @@ class MetricsCollector(Collector):
             if findings is None:
                 continue
             snapshot, totals = findings.snapshot, dict(findings.totals)
+            window.add_metric(labels, findings.window_span_s)
             open_kinds = {f.kind for f in snapshot if not f.closed}
             for kind in FINDING_KINDS:
                 active.add_metric([*labels, kind], float(kind in open_kinds))
@@ -666,7 +674,7 @@ class MetricsCollector(Collector):
             for name, (_, index) in FINDING_COUNTERS.items():
                 for kind, values in totals.items():
                     counters[name].add_metric([*labels, kind], values[index])
-        return [active, info, *counters.values()]
+        return [active, info, window, *counters.values()]
 
     def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():
