@@ -175,6 +175,7 @@ EVENT_TYPE = _tag(TrackEvent, "type", wire.VARINT)
 TRACK_UUID = _tag(TrackEvent, "track_uuid", wire.VARINT)
 NAME_IID = _tag(TrackEvent, "name_iid", wire.VARINT)
 NAME = _tag(TrackEvent, "name", wire.LENGTH_DELIMITED)
+INTERNED_EVENT_NAMES = {name: NAME_IID + wire.varint(iid) for name, iid in EVENT_IIDS.items()}
 ANNOTATION = _tag(TrackEvent, "debug_annotations", wire.LENGTH_DELIMITED)
 COUNTER_VALUE = _tag(TrackEvent, "extra_counter_values", wire.VARINT)
 DOUBLE_COUNTER_VALUE = _tag(TrackEvent, "extra_double_counter_values", wire.FIXED64)
@@ -606,26 +607,26 @@ class EventWriter:
         track = TRACK_UUID + wire.varint(track_uuid)
         first = len(self.times)
         flow = TERMINATING_FLOW_ID + wire.fixed64(flow_id) if flow_id else b""
-        self._phase(whole, track, flow)
+        self._phase(whole, *_begin_end(track), flow)
         if request.milestone.preempted_ns:
             self._instants(first, request.milestone.preempted_ns, track)
 
     def slice(self, phase: Phase, track_uuid: int) -> None:
-        self._phase(phase, TRACK_UUID + wire.varint(track_uuid))
+        self._phase(phase, *_begin_end(TRACK_UUID + wire.varint(track_uuid)))
 
-    def _phase(self, phase: Phase, track: bytes, decode_flow: bytes = b"") -> None:
-        """The phase's begin, its children's events, its end: in time order, as
-        request_phases keeps children inside their parent and after one another; a
-        ``decode`` phase's begin carries ``decode_flow``."""
-        event = EVENT_TYPES[SLICE_BEGIN] + track + phase_bytes(phase)
+    def _phase(self, phase: Phase, begin: bytes, end: bytes, decode_flow: bytes = b"") -> None:
+        """The phase's begin, its children's events, its end (``begin`` and ``end``: the
+        events' type and track): in time order, as request_phases keeps children inside their
+        parent and after one another; a ``decode`` phase's begin carries ``decode_flow``."""
+        event = begin + phase_bytes(phase)
         if phase.name == "decode":
             event += decode_flow
         self.times.append(phase.start_ns)
         self.events.append(event)
         for child in phase.children:
-            self._phase(child, track, decode_flow)
+            self._phase(child, begin, end, decode_flow)
         self.times.append(phase.end_ns)
-        self.events.append(EVENT_TYPES[SLICE_END] + track)
+        self.events.append(end)
 
     def _instants(self, first: int, times_ns: list[int], track: bytes) -> None:
         """PREEMPTED marks at ``times_ns`` among the events from ``first`` on, in time order
@@ -659,18 +660,24 @@ class EventWriter:
             self.writer.write(wire.join_rows(wire.length_delimited_columns(PACKET, body)))
 
 
+def _begin_end(track: bytes) -> tuple[bytes, bytes]:
+    """A slice's begin and end events on ``track``, without the begin's name and args."""
+    return EVENT_TYPES[SLICE_BEGIN] + track, EVENT_TYPES[SLICE_END] + track
+
+
 def phase_bytes(phase: Phase) -> bytes:
     """A slice's name and args, as a TrackEvent's fields."""
     encoded = event_name(phase.name)
+    if not phase.args:  # most of a request's phases
+        return encoded
     for name, value in phase.args.items():
         encoded += annotation(name, value)
     return encoded
 
 
 def event_name(name: str) -> bytes:
-    if name in EVENT_IIDS:
-        return NAME_IID + wire.varint(EVENT_IIDS[name])
-    return wire.length_delimited(NAME, name.encode())
+    interned = INTERNED_EVENT_NAMES.get(name)
+    return interned if interned is not None else wire.length_delimited(NAME, name.encode())
 
 
 def annotation(name: str, value: object) -> bytes:

@@ -78,6 +78,8 @@ def constant(value: bytes, num_rows: int) -> Column:
 def varint_column(values: np.ndarray) -> Column:
     """Each value as a varint, as ``varint`` writes it."""
     unsigned = np.asarray(values).astype(np.int64).view(np.uint64)
+    if not unsigned.size or unsigned.max() < 0x80:  # one byte each: most counts and iids
+        return Column(unsigned.astype(np.uint8)[:, None], np.ones(len(unsigned), np.int64))
     num_bytes = 1 + np.searchsorted(_VARINT_LIMITS, unsigned, side="right")
     width = int(num_bytes.max(initial=1))
     shifts = np.uint64(7) * np.arange(width, dtype=np.uint64)
@@ -134,6 +136,9 @@ def join_rows(columns: Rows) -> bytes:
     """Row 0's columns in order, then row 1's, ...: every row's bytes, end to end."""
     data = np.hstack([c.data for c in columns])
     widths = [c.data.shape[1] for c in columns]
-    position = np.concatenate([np.arange(width) for width in widths])  # in its column
-    lengths = np.repeat(np.stack([c.lengths for c in columns], axis=1), widths, axis=1)
-    return data[position < lengths].tobytes()
+    # positions and lengths in the narrowest type that holds them: the mask is built from a
+    # matrix as large as the bytes
+    small = np.uint8 if max(widths) <= 0xFF else np.int64
+    position = np.concatenate([np.arange(width, dtype=small) for width in widths])
+    lengths = np.stack([c.lengths for c in columns], axis=1).astype(small)
+    return data[position < np.repeat(lengths, widths, axis=1)].tobytes()

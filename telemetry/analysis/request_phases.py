@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from telemetry.lane.record import EVENT_FINISHED, FINISH_REASONS, RequestMilestone
 
 
-@dataclass
+@dataclass(slots=True)
 class Phase:
     """One child slice of a request: its name, times and numbers."""
 
@@ -37,7 +37,7 @@ class Phase:
     children: list[Phase] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestPhases:
     """A request from arrival to finish, with its phases in time order."""
 
@@ -73,14 +73,11 @@ def request_phases(milestone: RequestMilestone, recording_end_ns: int) -> Reques
     finished = bool(milestone.event & EVENT_FINISHED)
     end_ns = milestone.finished_ns if finished else max(recording_end_ns, milestone.arrival_ns)
     first_token_ns = milestone.first_token_ns
-    chunks = [
-        Phase("prefill", start, end, {"chunk_index": i, "num_tokens": num_tokens})
-        for i, (start, end, num_tokens) in enumerate(milestone.prefill_chunks)
-    ]
-    before = [c for c in chunks if not first_token_ns or c.start_ns < first_token_ns]
-    after = [c for c in chunks if first_token_ns and c.start_ns >= first_token_ns]
     phases = [Phase("queued", milestone.arrival_ns, milestone.first_scheduled_ns or end_ns)]
-    phases += before
+    after: list[Phase] = []  # chunks computed again after the first token
+    for i, (start, end, num_tokens) in enumerate(milestone.prefill_chunks):
+        chunk = Phase("prefill", start, end, {"chunk_index": i, "num_tokens": num_tokens})
+        (after if first_token_ns and start >= first_token_ns else phases).append(chunk)
     if first_token_ns:
         phases.append(Phase("decode", first_token_ns, end_ns, children=after))
     _clamp(phases, milestone.arrival_ns, end_ns)
