@@ -126,13 +126,25 @@ def sidecar_lag() -> dashboard.Panel:
     )
 
 
+def findings_window() -> dashboard.Panel:
+    return timeseries_panel(
+        "Live findings' window",
+        "Seconds of each engine's messages the live findings searched last: 60 s (more while "
+        "a finding is open); below, the engine's messages come faster than the sidecar's "
+        "--findings-window holds 60 s of, and what is judged on the 40 s before an iteration "
+        "may not be found live (IterscopeFindingsWindowShort).",
+        [query(series("iterscope_findings_window_seconds"), engine_legend(), "A")],
+        unit="s",
+    )
+
+
 def build() -> dashboard.Dashboard:
     board = new_dashboard(
         UID,
         "iterscope / Pipeline health",
         "Completeness and freshness of iterscope telemetry: the engines heard and who reports "
         "them, records, drops, undecodable and rejected frames, sink failures, dropped spans, "
-        "heartbeats and sidecar lag.",
+        "heartbeats, sidecar lag and how much the live findings see.",
     )
     panels = [
         engines(),
@@ -144,6 +156,7 @@ def build() -> dashboard.Dashboard:
         otel_spans_dropped(),
         heartbeat_age(),
         sidecar_lag(),
+        findings_window(),
     ]
     for panel in panels:
         board = board.with_panel(panel)

@@ -39,6 +39,7 @@ EXPECTED_ALERTS = {
     "IterscopeInterTokenLatencyHigh",
     "IterscopeHTTPErrors",
     "IterscopeFinding",
+    "IterscopeFindingsWindowShort",
 }
 # Where runbook_url points by default: the docs/runbooks/ of the project's repository.
 # deploy/alerting.yml replaces the base in the rules deploy/ ships (tests/test_deploy.py).
