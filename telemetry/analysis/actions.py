@@ -26,7 +26,6 @@ iterations to explain's latency, and its budget holds each decoding request's dr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +42,7 @@ from telemetry.analysis.tune import (
     fit_iteration_time,
     kv_max_seqs,
     recommend,
+    requests_held,
 )
 from telemetry.analysis.words import plural
 
@@ -230,8 +230,7 @@ def _kv_action(tl: EngineTimeline) -> str:
             "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
             "of your length a size holds."
         )
-    blocks = math.ceil(length.tokens / int(tl.facts["block_size"]))
-    fit = max(1, int(tl.num_kv_blocks_total // blocks))
+    fit = requests_held(tl.num_kv_blocks_total, int(tl.facts["block_size"]), length.tokens)
     if demand <= fit:
         return _kv_peak_action(tl, growing=length.lower_bound)
     at_least = "at least " if length.lower_bound else ""

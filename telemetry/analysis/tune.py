@@ -372,7 +372,12 @@ def kv_max_seqs(tl: EngineTimeline) -> tuple[int | None, float | None]:
     if not lengths or not block_size or not tl.num_kv_blocks_total:
         return None, None
     mean_length = float(np.mean(lengths))
-    return max(1, int(tl.num_kv_blocks_total // math.ceil(mean_length / block_size))), mean_length
+    return requests_held(tl.num_kv_blocks_total, block_size, mean_length), mean_length
+
+
+def requests_held(num_blocks: int, block_size: int, tokens: float) -> int:
+    """How many requests of ``tokens`` tokens ``num_blocks`` KV blocks hold (at least 1)."""
+    return max(1, int(num_blocks // math.ceil(tokens / block_size)))
 
 
 @dataclass
