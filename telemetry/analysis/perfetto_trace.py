@@ -682,11 +682,18 @@ def event_name(name: str) -> bytes:
 
 def annotation(name: str, value: object) -> bytes:
     """A debug annotation: its name (interned where it can be) and its value by type."""
-    return _annotation(name, type(value), value)
+    kind = type(value)
+    if kind is float:  # a time in ms: nearly every one differs, not worth a cache entry
+        return _encode_annotation(name, kind, value)
+    return _annotation(name, kind, value)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a request's counts and reasons repeat: encoded once
 def _annotation(name: str, kind: type, value: object) -> bytes:
+    return _encode_annotation(name, kind, value)
+
+
+def _encode_annotation(name: str, kind: type, value: object) -> bytes:
     encoded = INTERNED_ARG_NAMES.get(name) or wire.length_delimited(ARG_NAME, name.encode())
     if kind is bool:
         encoded += BOOL_VALUE + wire.varint(int(value))
