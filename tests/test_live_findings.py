@@ -228,6 +228,20 @@ def test_a_window_that_holds_less_than_the_lookback_is_said_once(tmp_path, caplo
     assert not [r for r in caplog.records if "window is full" in r.getMessage()]
 
 
+def test_the_window_notice_is_the_line_the_docs_quote():
+    """docs/diagnosis.md quotes the notice of a default window full at 14.8 s (1,351 records a
+    second): the sidecar says it word for word, and only once."""
+    findings = EngineFindings(0)
+    num = live_findings.WINDOW_MESSAGES
+    for record in records(num, every_s=14.8 / (num - 1)):
+        findings.messages.append(record)
+    findings.evaluate(200 * NS_PER_S)
+    notice = findings.short_window_notice()
+    doc = (Path(__file__).parents[1] / "docs" / "diagnosis.md").read_text()
+    assert f"Engine 000: {notice}\n" in doc
+    assert findings.short_window_notice() is None
+
+
 def test_the_findings_window_is_a_sidecar_flag_of_positive_messages(capsys):
     from telemetry.sidecar.cli import build_parser, load_sink_modules
     from telemetry.sidecar.ingest import Ingest
