@@ -462,6 +462,18 @@ def test_an_iteration_judged_again_on_part_of_its_past_opens_no_finding():
     assert all(f.opened_ns - f.start_ns < 10 * NS_PER_S for f in live)
 
 
+def test_a_stall_just_over_its_threshold_is_stalled_live_though_no_tick_fell_in_it():
+    """tests/data/vllm_0.32_plugin_stall_at_threshold.jsonl: vLLM 0.32 through the stat-logger
+    plugin, its engine core stopped until the live sidecar said stalled (tests/test_vllm_live.py
+    under `make test-vllm-versions`, where this replay once missed it): iteration 253 held for
+    5.05 s against a 5 s threshold. A replay ticks every 0.1 s on its own grid, which may miss
+    the 52 ms over; the record of the next iteration says it: stalled, as explain calls it."""
+    path = Path(__file__).parent / "data" / "vllm_0.32_plugin_stall_at_threshold.jsonl"
+    live = assert_replay_agrees_with_explain(path)
+    (stall,) = [f for f in live if f.kind == "stall"]
+    assert stall.iteration == 253 and stall.closed
+
+
 def test_a_silence_just_over_dead_after_is_dead_live_though_no_tick_fell_in_it():
     """tests/data/vllm_0.28_scheduler_stopped.jsonl: vLLM 0.28 through the scheduler source,
     its engine core stopped until the live sidecar said dead (tests/test_vllm_scheduler_live.py

@@ -80,6 +80,11 @@ class StallRule:
             return self.stall_after_ns
         return max(_STALL_FLOOR_NS, STALL_FACTOR * self._intervals.max(now_ns))
 
+    def may_be_stalled(self, now_ns: int) -> bool:
+        """Cheaply, whether no progress came for longer than any threshold can be (is_stalled
+        then says)."""
+        return now_ns - self.last_progress_ns > (self.stall_after_ns or _STALL_FLOOR_NS)
+
     def is_stalled(self, now_ns: int) -> bool:
         """No progress for longer than the threshold (the caller knows work is in flight)."""
         return now_ns - self.last_progress_ns > self.threshold_ns(now_ns)

@@ -264,6 +264,8 @@ class Ingest:
         """The view takes the record in; progress is judged against the queues before it."""
         view = state.view
         had_work = view.num_waiting_reqs + view.num_running_reqs > 0
+        if had_work:
+            self._note_missed_stall(state, now_ns)
         if view.apply_iteration(record):
             state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
         elif not had_work:  # nothing waited or ran: idle, not stuck
@@ -274,6 +276,8 @@ class Ingest:
     def _note_heartbeat(self, state: EngineTracker, heartbeat: Heartbeat, now_ns: int) -> None:
         view = state.view
         pid_before, had_work, last_iteration = view.pid, view.has_work, view.last_iteration
+        if had_work:
+            self._note_missed_stall(state, now_ns)
         view.apply_heartbeat(heartbeat)
         if view.pid != pid_before:
             self._note_pid_change(state, pid_before)
@@ -283,6 +287,13 @@ class Ingest:
         elif not had_work:  # idle: the stall clock starts now
             state.stall.restart(now_ns)
         self._update_status(state, now_ns)
+
+    def _note_missed_stall(self, state: EngineTracker, now_ns: int) -> None:
+        """Work in flight and no progress for longer than the threshold, though no tick came
+        in that time: stalled until this message, as explain calls it (ticks are
+        TICK_INTERVAL_S apart; a stall just over the threshold can fall between two)."""
+        if state.view.status is _RUNNING and state.stall.may_be_stalled(now_ns):
+            self._update_status(state, now_ns)
 
     def _note_pid_change(self, state: EngineTracker, pid_before: int) -> None:
         """A restart changes the pid once; heartbeats switching back to the pid before it
