@@ -61,6 +61,9 @@ class StallRule:
         """``stall_after_ns``: a fixed threshold; 0 adapts it (the module docstring)."""
         self.stall_after_ns = stall_after_ns
         self.last_progress_ns = 0
+        # No threshold is shorter than this: before it, no stall (a bound cheap to compare).
+        self._shortest_threshold_ns = stall_after_ns or _STALL_FLOOR_NS
+        self.no_stall_before_ns = self._shortest_threshold_ns
         self._intervals = RecentMax(int(STALL_WINDOW_S * 1e9))
 
     def note_progress(self, now_ns: int, had_work: bool, was_silent: bool = False) -> None:
@@ -70,20 +73,17 @@ class StallRule:
         if interval_ns > _SHORTEST_LEARNT_NS and had_work and not was_silent:
             self._intervals.add(now_ns, interval_ns)
         self.last_progress_ns = now_ns
+        self.no_stall_before_ns = now_ns + self._shortest_threshold_ns
 
     def restart(self, now_ns: int) -> None:
         """No work in flight, or a new process: the wait for progress starts now."""
         self.last_progress_ns = now_ns
+        self.no_stall_before_ns = now_ns + self._shortest_threshold_ns
 
     def threshold_ns(self, now_ns: int) -> int:
         if self.stall_after_ns:
             return self.stall_after_ns
         return max(_STALL_FLOOR_NS, STALL_FACTOR * self._intervals.max(now_ns))
-
-    def may_be_stalled(self, now_ns: int) -> bool:
-        """Cheaply, whether no progress came for longer than any threshold can be (is_stalled
-        then says)."""
-        return now_ns - self.last_progress_ns > (self.stall_after_ns or _STALL_FLOOR_NS)
 
     def is_stalled(self, now_ns: int) -> bool:
         """No progress for longer than the threshold (the caller knows work is in flight)."""

@@ -264,7 +264,7 @@ class Ingest:
         """The view takes the record in; progress is judged against the queues before it."""
         view = state.view
         had_work = view.num_waiting_reqs + view.num_running_reqs > 0
-        if had_work:
+        if had_work and now_ns > state.stall.no_stall_before_ns:
             self._note_missed_stall(state, now_ns)
         if view.apply_iteration(record):
             state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
@@ -276,7 +276,7 @@ class Ingest:
     def _note_heartbeat(self, state: EngineTracker, heartbeat: Heartbeat, now_ns: int) -> None:
         view = state.view
         pid_before, had_work, last_iteration = view.pid, view.has_work, view.last_iteration
-        if had_work:
+        if had_work and now_ns > state.stall.no_stall_before_ns:
             self._note_missed_stall(state, now_ns)
         view.apply_heartbeat(heartbeat)
         if view.pid != pid_before:
@@ -289,10 +289,12 @@ class Ingest:
         self._update_status(state, now_ns)
 
     def _note_missed_stall(self, state: EngineTracker, now_ns: int) -> None:
-        """Work in flight and no progress for longer than the threshold, though no tick came
-        in that time: stalled until this message, as explain calls it (ticks are
-        TICK_INTERVAL_S apart; a stall just over the threshold can fall between two)."""
-        if state.view.status is _RUNNING and state.stall.may_be_stalled(now_ns):
+        """Work in flight and no progress for longer than the shortest threshold, though no
+        tick came in that time: stalled until this message if the threshold says so, as explain
+        calls it (ticks are TICK_INTERVAL_S apart; a stall just over the threshold can fall
+        between two). The caller compares with ``no_stall_before_ns`` first: one comparison
+        a message."""
+        if state.view.status is _RUNNING:
             self._update_status(state, now_ns)
 
     def _note_pid_change(self, state: EngineTracker, pid_before: int) -> None:
