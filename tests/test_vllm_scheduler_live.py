@@ -54,6 +54,7 @@ from tests.helpers.vllm import (
     counter_pairs,
     engine_status,
     iterscope,
+    plugin_gets_iteration_details,
     stop_and_continue,
     version_tuple,
 )
@@ -194,6 +195,10 @@ def test_an_untested_vllm_or_a_missing_attribute_schedules_plainly_and_says_so(c
     assert result["missing_reporter"] is False
     # the plugin steps aside for the scheduler source, and reports where it does not run
     assert result["plugin_reports"] == {"scheduler_runs": False, "scheduler_refuses": True}
+    # whether this vLLM's stats carry iteration details, as the plugin decides it
+    assert result["stats_carry_iteration_details"] is plugin_gets_iteration_details(
+        checks["version"]
+    )
     untested, *plugin_said, missing = result["said"]
     assert "schedules as plain vLLM and sends nothing" in untested
     assert "ITERSCOPE_VLLM_UNTESTED=1" in untested

@@ -152,6 +152,8 @@ def cadence_case() -> dict:
 def guard_case() -> dict:
     """An untested version and a missing attribute: each a plain scheduler that still runs;
     on the untested version the plugin (in vLLM's API server) reports the engine instead."""
+    from telemetry.sources.vllm_stat_logger import stats_carry_iteration_details
+
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -167,6 +169,7 @@ def guard_case() -> dict:
         run_step(scheduler)
     result["untested_finished"] = not scheduler.has_requests()
     result["plugin_reports"] = plugin_reports(scheduler.vllm_config)
+    result["stats_carry_iteration_details"] = stats_carry_iteration_details()
     vllm_scheduler.SCHEDULER_ATTRIBUTES += ("no_such_attribute",)  # as a later vLLM might
     scheduler = make_scheduler(64, 4, 512)
     result["missing_reporter"] = scheduler._iterscope is not None

@@ -248,8 +248,8 @@ def _untimed_hint(tl: EngineTimeline) -> str:
     if tl.known(UNTIMED_OR_UNSPLIT).all():
         return ""
     return (
-        " (the recording's source gave no iteration times or batch split: run vLLM with "
-        "--enable-logging-iteration-details)"
+        " (the recording's source gave no iteration times or batch split: run vLLM 0.26 or "
+        "later with --enable-logging-iteration-details, or iterscope's scheduler source)"
     )
 
 

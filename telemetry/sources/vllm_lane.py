@@ -32,7 +32,18 @@ from telemetry.lane.publisher import CPU_ENGINE_SEND_INTERVAL_S, ZmqPublisher, d
 ADDRESS_ENV = "ITERSCOPE_TELEMETRY_ADDRESS"
 CURVE_KEYS_ENV = "ITERSCOPE_CURVE_KEYS_DIR"
 CURVE_NAME_ENV = "ITERSCOPE_CURVE_ENGINE_NAME"
-TESTED_VLLM_VERSIONS = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+TESTED_VLLM_VERSIONS = (
+    "0.24.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+)
 UNTESTED_ENV = "ITERSCOPE_VLLM_UNTESTED"  # =1: the scheduler source tries an untested vLLM
 SCHEDULER_MODULE = "telemetry.sources.vllm_scheduler"  # the scheduler source's classes
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format

@@ -1,6 +1,6 @@
 """vLLM's per-step stats as iterscope records: the mapping, with no vLLM import.
 
-vLLM (checked against 0.27.1 to 0.33.0) calls a stat logger's ``record(scheduler_stats,
+vLLM (checked against 0.24.0 to 0.33.0) calls a stat logger's ``record(scheduler_stats,
 iteration_stats)`` in its API-server process once per engine step, plus a trailing call when
 the engine drains. ``RecordMaker.make`` turns one call into one ``IterationRecord``, or into
 None when the call reports no step (then only the queue lengths changed). docs/vllm.md has

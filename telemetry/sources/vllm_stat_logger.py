@@ -30,6 +30,7 @@ from typing import Any
 
 import vllm
 from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import SchedulerStats
 
 from telemetry.lane.publisher import ZmqPublisher
 from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER
@@ -59,10 +60,11 @@ class IterscopeStatLogger(StatLoggerBase):
         self._vllm_config = vllm_config
         self._publisher: ZmqPublisher | None = None
         observability = getattr(vllm_config, "observability_config", None)
+        details_asked = bool(getattr(observability, "enable_logging_iteration_details", False))
         self._maker = RecordMaker(
             engine_index,
             num_gpu_blocks(vllm_config),
-            bool(getattr(observability, "enable_logging_iteration_details", False)),
+            details_asked and stats_carry_iteration_details(),
         )
         if scheduler_source_selected(vllm_config):
             if scheduler_source_runs_on(vllm.__version__):
@@ -82,6 +84,14 @@ class IterscopeStatLogger(StatLoggerBase):
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
         if self._publisher is not None and engine_index == 0:
             _warn_if_untested_version()
+            if details_asked and not stats_carry_iteration_details():
+                logger.warning(
+                    "iterscope: vLLM %s logs each step's iteration details in its engine core "
+                    "but hands them to no stat logger (vLLM 0.26 and later do): the plugin's "
+                    "records have no iteration time and no count of prefill requests, shown "
+                    "as unknown; iterscope's scheduler source measures both (docs/vllm.md)",
+                    vllm.__version__,
+                )
 
     def log_engine_initialized(self) -> None:
         """The KV pool's size is known from here on."""
@@ -128,6 +138,13 @@ class IterscopeStatLogger(StatLoggerBase):
             SOURCE_VLLM_STAT_LOGGER,
             vllm.__version__,
         )
+
+
+def stats_carry_iteration_details() -> bool:
+    """Whether this vLLM hands stat loggers each step's iteration details
+    (``SchedulerStats.iteration_details``, from vLLM 0.26; before, only its engine core logs
+    them)."""
+    return hasattr(SchedulerStats, "iteration_details")
 
 
 def _warn_if_untested_version() -> None:

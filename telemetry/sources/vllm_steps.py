@@ -4,7 +4,7 @@
 (the only module here that imports vLLM): ``added`` when a request enters the scheduler,
 ``scheduled`` right after ``Scheduler.schedule()`` returns, ``updated`` right after
 ``Scheduler.update_from_output()`` returns. It reads vLLM's scheduler, SchedulerOutput and
-Request objects by attribute (checked against vLLM 0.27.1 to 0.33.0; the subclass checks at
+Request objects by attribute (checked against vLLM 0.24.0 to 0.33.0; the subclass checks at
 start-up that every attribute read here exists), so it can be tested with plain stand-ins.
 
     schedule() returns        record started: start_ns (before schedule), the batch by phase,
@@ -350,7 +350,7 @@ class StepReporter:
 def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
     """Whether the ``schedule(throttle_prefills)`` about to run holds every prefill back
     for vLLM's prefill cadence: read before the call, from the state vLLM decides it on
-    (vLLM 0.27-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
+    (vLLM 0.24-0.33 ``Scheduler.schedule``). The data-parallel engine core asks for it
     (``throttle_prefills``); vLLM 0.33 also keeps the cadence itself on an engine without
     data parallelism (``local_prefill_interval`` > 1). Either way vLLM lets prefills through
     when the last one left requests waiting (``prefill_capacity_bound``) or when every running
