@@ -61,10 +61,9 @@ class IterscopeStatLogger(StatLoggerBase):
         self._publisher: ZmqPublisher | None = None
         observability = getattr(vllm_config, "observability_config", None)
         details_asked = bool(getattr(observability, "enable_logging_iteration_details", False))
+        details_lost = details_asked and not stats_carry_iteration_details()
         self._maker = RecordMaker(
-            engine_index,
-            num_gpu_blocks(vllm_config),
-            details_asked and stats_carry_iteration_details(),
+            engine_index, num_gpu_blocks(vllm_config), details_asked and not details_lost
         )
         if scheduler_source_selected(vllm_config):
             if scheduler_source_runs_on(vllm.__version__):
@@ -84,7 +83,7 @@ class IterscopeStatLogger(StatLoggerBase):
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
         if self._publisher is not None and engine_index == 0:
             _warn_if_untested_version()
-            if details_asked and not stats_carry_iteration_details():
+            if details_lost:
                 logger.warning(
                     "iterscope: vLLM %s logs each step's iteration details in its engine core "
                     "but hands them to no stat logger (vLLM 0.26 and later do): the plugin's "
