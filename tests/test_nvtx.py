@@ -67,11 +67,13 @@ sink.close()
 
 
 def nvtx_include_dir() -> Path:
+    """The NVTX C headers of an installed nvidia-nvtx-cu12 (nvidia/nvtx/include), or of
+    CUDA 13's wheels (nvidia/cu13/include, as the GPU machines' image has them)."""
     spec = importlib.util.find_spec("nvidia")
     for root in spec.submodule_search_locations if spec else ():
-        include = Path(root) / "nvtx" / "include"
-        if (include / "nvtx3" / "nvToolsExt.h").exists():
-            return include
+        for include in (Path(root) / "nvtx" / "include", Path(root) / "cu13" / "include"):
+            if (include / "nvtx3" / "nvToolsExt.h").exists():
+                return include
     raise RuntimeError("NVTX C headers not found: pip install nvidia-nvtx-cu12")
 
 

@@ -27,18 +27,21 @@ with no padding (ITERSCOPE_CPU_KERNELS=0 turns it off). Otherwise, and as the re
 chunks that start at the same position, of equal or close lengths (runner.PAD_WASTE), share
 one torch call, padded to the longest: fresh prompts (from position 0), and chunks over a
 cached context of the same length (prompts over one cached chat template), whose keys are
-that context gathered from the cache followed by their own new K/V. Batched matmuls with a
-causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above. New K/V are written
-to the cache first (by attention, or before it by the decoder's RoPE kernel), and a padded
-query never needs a padded key: pads come after every real position of their chunk.
+that context gathered from the cache followed by their own new K/V. On CPU, batched matmuls
+with a causal bias up to PLAIN_PREFILL_MAX_LEN positions of context, SDPA above; on CUDA,
+SDPA always (one fused kernel, where the matmul path launches a few per 64 queries). New K/V
+are written to the cache first (by attention, or before it by the decoder's RoPE kernel), and
+a padded query never needs a padded key: pads come after every real position of their chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.attention_metadata import (
     AttentionMetadata,
@@ -57,6 +60,12 @@ PLAIN_PREFILL_MAX_LEN = 512
 # Query positions per matmul in that path: a chunk skips the keys after its last position
 # (8 x 256 tokens, bf16: 4.7-6.0 ms per layer against 6.7-9.3 in one piece, 2 threads).
 QUERY_CHUNK = 64
+# SDPA's backends for prompts on CUDA: flash, and the math path for chunks over a cached context
+# (which need a mask). cuDNN's builds a plan for each new shape, up to ~100 ms the first time,
+# and serving keeps making new ones; with mem-efficient too a first pass still had a 160 ms
+# step (bench/gpu_check.py --steps mixed, H200: 15.1-15.4k output tok/s and no step over 40 ms
+# with these two, first pass and second).
+CUDA_PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 class PagedAttention:
@@ -89,6 +98,12 @@ class PagedAttention:
         self.prefill_scratch = torch.empty(0)  # the prefill kernel's, grown as a step needs
         self.prefill_threads = 1  # of this step's prefill kernel calls
         self.triton = _triton_kernels(device)
+        # Prompts up to this many positions of context attend through the batched-matmul
+        # path. On CUDA none do: on an H200, SDPA took a step prefilling one 256-token prompt
+        # from 18.8 to 10.1 ms and one of 2048 tokens from 71.6 to 11.4 (bench/gpu_check.py
+        # --steps prefill).
+        self.plain_prefill_max_len = PLAIN_PREFILL_MAX_LEN if device.type == "cpu" else 0
+        self.sdpa_backends = CUDA_PROMPT_SDPA_BACKENDS if device.type == "cuda" else None
         # On CPUs without bf16 matmuls (AVX2), the plain prefill computes in float32: see
         # engine/model/linear.py. Scores and probabilities then also stay in float32.
         self.widen_plain_prefill = (
@@ -316,7 +331,7 @@ class PagedAttention:
         """q [n * length, H, D]: n chunks of ``length`` queries at positions offset, ...,
         offset + length - 1; keys/values [n, KVH, offset + length, D]."""
         num_chunks, kvh, context, dim = keys.shape
-        if context <= PLAIN_PREFILL_MAX_LEN:
+        if context <= self.plain_prefill_max_len:
             if self.widen_plain_prefill and q.dtype == torch.bfloat16:
                 widened = self._causal(q.float(), keys.float(), values.float(), length, offset)
                 return widened.to(q.dtype)
@@ -329,15 +344,19 @@ class PagedAttention:
                 grouped_q, keys.reshape(flat), values.reshape(flat), length, offset
             )
             return out.view(num_chunks, kvh, length, group, dim).transpose(1, 2).reshape(q.shape)
-        out = F.scaled_dot_product_attention(
-            q.view(num_chunks, length, self.num_heads, dim).transpose(1, 2),
-            keys,
-            values,
-            attn_mask=self._sdpa_mask(offset, length, q.device) if offset else None,
-            is_causal=not offset,
-            scale=self.scale,
-            enable_gqa=self.group_size > 1,
+        backends = (
+            sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext()
         )
+        with backends:
+            out = F.scaled_dot_product_attention(
+                q.view(num_chunks, length, self.num_heads, dim).transpose(1, 2),
+                keys,
+                values,
+                attn_mask=self._sdpa_mask(offset, length, q.device) if offset else None,
+                is_causal=not offset,
+                scale=self.scale,
+                enable_gqa=self.group_size > 1,
+            )
         return out.transpose(1, 2).reshape(q.shape)
 
     def _grouped_causal(
