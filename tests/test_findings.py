@@ -266,6 +266,41 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
+def test_where_carrying_prompts_at_all_exceeds_the_target_the_action_keeps_the_budget(
+    tmp_path, capsys
+):
+    """A GPU-like engine: decode-only iterations of 2-3 ms, and every iteration that carries
+    prompt tokens 15 ms more, whatever its chunk. Explain's latency target (3x the decode-only
+    median) is under that cost, so no budget meets it: the action says so and keeps the
+    budget (on an H200 it had said to set 320 tokens, where a 256-token chunk took 22 ms), and
+    the tune command it quotes prints the same figures."""
+    from telemetry.analysis.tune import main as tune
+
+    cost = Cost(
+        base_time=0.002,
+        context_token_time=5e-6,
+        generation_token_time=20e-6,
+        prompt_step_time=0.015,
+    )
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests(arrivals(1, 20, seed=1), num_prompt=300, num_output=150)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    timeline, findings = findings_of(sim.run(22))
+    (finding,) = [f for f in findings if f.kind == "long_prefill"]
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith("Keep --max-num-batched-tokens at 2048: by `iterscope tune")
+    assert "A smaller budget would only make more such iterations" in action
+    taken = re.search(
+        r"\(([\d.]+) ms by the fit before its first prompt token, ([\d.]+) ms", action
+    )
+    assert float(taken[2]) == pytest.approx(15.0, rel=0.1) and float(taken[1]) > float(taken[2])
+    assert float(taken[1]) * 1e-3 > 3 * float(np.median(timeline.col("elapsed_ns")) / NS_PER_S)
+    (command,) = quoted_commands(action)
+    assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 1
+    assert action.split(f"{command[-1]}`, ")[1].split(". A smaller")[0] in capsys.readouterr().err
+
+
 def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_its_draft(
     tmp_path, capsys
 ):
@@ -322,7 +357,8 @@ def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cos
     sim = long_prefill_sim()  # --max-num-seqs 64, --max-num-batched-tokens 2048
     timeline, (finding,) = findings_of(sim)
     tight = Recommendation(0.0677, 10, 16, 0.018, 0.064, 554.0, 272.0, "latency target", 10)
-    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: (tight, "`iterscope tune ...`"))
+    tuned = actions.Tuned(tight, "`iterscope tune ...`")
+    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: tuned)
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith(
         "Set --max-num-batched-tokens 16 (now 2048) and --max-num-seqs 10 (now 64) together"

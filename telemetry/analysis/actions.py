@@ -84,25 +84,33 @@ def action_basis(tl: EngineTimeline, episode: Episode) -> tuple[EngineTimeline, 
     return tl.stretch(first, stop), option
 
 
-def _tuned(
-    tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool = False
-) -> tuple[Recommendation | None, str]:
+@dataclass
+class Tuned:
+    """tune's recommendation for an action, with the tune command that prints it; or none,
+    why not, and whether that is because no token budget meets the target at all."""
+
+    rec: Recommendation | None
+    text: str
+    no_budget_meets_target: bool = False
+
+
+def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool = False) -> Tuned:
     """tune's recommendation at the latency explain holds iterations to, with the tune command
-    that prints it (``option``: the iterations ``tl`` holds, action_basis); or (None, why
-    not). Where tune's default prefill chunk does not fit beside one decoding request within
-    the target, smaller chunks are tried (MIN_CHUNK_TOKENS). ``sizes_budget``: the token
-    budget is what is asked, which a fit without a cost per prefill token only guesses: none
-    then."""
+    that prints it (``option``: the iterations ``tl`` holds, action_basis); or none and why
+    not. Where tune's default prefill chunk does not fit beside one decoding request within
+    the target, smaller chunks are tried (MIN_CHUNK_TOKENS); where even the smallest does not,
+    no budget meets the target, and why not is what tune says then.
+    ``sizes_budget``: the token budget is what is asked, which a fit without a cost per
+    prefill token only guesses: none then."""
     target = itl_target_text(tl, th)
     if target is None:
-        return None, "no decode-only iteration was recorded to set a latency target from"
+        return Tuned(None, "no decode-only iteration was recorded to set a latency target from")
     try:
         fit = fit_iteration_time(tl)
     except ValueError as error:
-        return None, str(error)
+        return Tuned(None, str(error))
     if sizes_budget and "prefill_tokens" not in fit.coefficients:
-        return None, NO_PREFILL_TOKEN_COST
-    why_not = ""
+        return Tuned(None, NO_PREFILL_TOKEN_COST)
     for min_chunk in MIN_CHUNK_TOKENS:
         try:
             rec = recommend(fit, parse_time(target), min_chunk, kv_max_seqs(tl)[0])
@@ -115,12 +123,14 @@ def _tuned(
             if fit.drafts
             else ""
         )
-        return rec, (
+        return Tuned(
+            rec,
             f"`iterscope tune RECORDING --itl-target {target}{chunk}{option}` "
             f"({th.long_prefill_ratio:g}x the median decode-only iteration of the "
-            f"{ACTION_HISTORY_S:g} s before{per_token})"
+            f"{ACTION_HISTORY_S:g} s before{per_token})",
         )
-    return None, why_not
+    command = f"`iterscope tune RECORDING --itl-target {target} --min-chunk {min_chunk}{option}`"
+    return Tuned(None, f"by {command}, {why_not}", no_budget_meets_target=True)
 
 
 def _now(current: int | None) -> str:
@@ -129,8 +139,16 @@ def _now(current: int | None) -> str:
 
 
 def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool) -> str:
-    rec, tuned = _tuned(tl, th, option, sizes_budget=True)
+    tuned_for = _tuned(tl, th, option, sizes_budget=True)
+    rec, tuned = tuned_for.rec, tuned_for.text
     current = tl.facts.get("max_num_batched_tokens")
+    if lower and tuned_for.no_budget_meets_target:
+        at = f" at {current}" if current else ""
+        return (
+            f"Keep --max-num-batched-tokens{at}: {tuned}. A smaller budget would only make more "
+            "such iterations: the cost is the engine's for each iteration that carries prompts "
+            "(on a GPU, typically those running outside its decode-only CUDA graphs)."
+        )
     if rec is None:
         return (
             f"{'Lower' if lower else 'Raise'} --max-num-batched-tokens{_now(current)};"
@@ -161,7 +179,8 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
 
 
 def _seqs_action(tl: EngineTimeline, option: str, th: Thresholds) -> str:
-    rec, tuned = _tuned(tl, th, option)
+    tuned_for = _tuned(tl, th, option)
+    rec, tuned = tuned_for.rec, tuned_for.text
     current = tl.facts.get("max_num_seqs")
     if rec is None:
         return f"Raise --max-num-seqs{_now(current)}; no value could be computed here: {tuned}."

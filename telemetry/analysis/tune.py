@@ -6,8 +6,12 @@ the iterations it is part of. We fit, by least squares over the recorded iterati
     iteration_time = base + prefill_token_time * prefill_tokens
                      + decode_token_time * decode_tokens + prefill_req_time * prefill_requests
                      + decode_kv_token_time * decode_kv_tokens
+                     + prompt_step_time * (1 if the iteration carries prompts, else 0)
 
-(decode requests equal decode tokens, one each, so they share one term; decode KV tokens, the
+(decode requests equal decode tokens, one each, so they share one term; the prompt step term
+is what an iteration costs for carrying any prompt at all: GPU engines replay decode-only
+iterations from CUDA graphs and run the others eager or piecewise, ~10 ms more on an H200 for
+SmolLM2 whatever the chunk, which a cost per token cannot hold; decode KV tokens, the
 decoding requests' context that attention reads, only where the records say it: FPM engines,
 whose predictions then put the recording's mean context behind each decoding request, or
 ``--decode-context TOKENS`` where the operator asks for another; draft tokens, see below). A
@@ -86,6 +90,7 @@ FEATURE_NAMES = [
     "prefill_reqs",
     "decode_kv_tokens",
     "draft_tokens",
+    "prompt_steps",
 ]
 # What `tune --json` calls them, which scripts read (the names from before the vocabulary
 # was prefill/decode, kept at this boundary): coefficients, and the Fit fields renamed since.
@@ -187,6 +192,7 @@ class Fit:
             "prefill_reqs": prefill_reqs,
             "decode_kv_tokens": decode_tokens * self.predicted_decode_context_tokens,
             "draft_tokens": draft_tokens,
+            "prompt_steps": float(prefill_tokens > 0 or prefill_reqs > 0),
         }
         return np.array([1.0, *(values[name] for name in self.coefficients)])
 
@@ -213,16 +219,19 @@ def _least_squares(x: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, 
     out negative beside a prefill request cost drops the request cost instead: prompts of
     about one length make the two nearly one column, and the split between them noise; the
     token budget limits tokens, so their cost is what it must know (given to the requests,
-    no budget would seem too large)."""
+    no budget would seem too large). A base that comes out negative is held at 0 (the rest
+    refitted): the features then share what a narrow range of them left to the intercept."""
     names = _independent([n for i, n in enumerate(names) if np.ptp(x[:, i]) > 0], x)
+    intercept = True
     while True:
-        solution, *_ = np.linalg.lstsq(_design(x, names), y, rcond=None)
-        negative = [n for n, c in zip(names, solution[1:], strict=True) if c < 0]
+        solution, *_ = np.linalg.lstsq(_design(x, names, intercept), y, rcond=None)
+        if intercept and solution[0] < 0:
+            intercept = False
+            continue
+        base, costs = (solution[0] if intercept else 0.0), solution[1:]
+        negative = [n for n, c in zip(names, costs, strict=True) if c < 0]
         if not negative:
-            return {
-                "base": float(solution[0]),
-                **dict(zip(names, map(float, solution[1:]), strict=True)),
-            }
+            return {"base": float(base), **dict(zip(names, map(float, costs), strict=True))}
         if negative[0] == "prefill_tokens" and "prefill_reqs" in names:
             names.remove("prefill_reqs")
         else:
@@ -239,9 +248,11 @@ def _independent(names: list[str], x: np.ndarray) -> list[str]:
     return kept
 
 
-def _design(x: np.ndarray, names: list[str]) -> np.ndarray:
-    """The fit's design matrix: a column of ones (the base), then the features ``names``."""
-    return np.column_stack([np.ones(len(x)), x[:, [FEATURE_NAMES.index(n) for n in names]]])
+def _design(x: np.ndarray, names: list[str], intercept: bool = True) -> np.ndarray:
+    """The fit's design matrix: a column of ones (the base, or of zeros where the base is
+    held at 0), then the features ``names``."""
+    ones = np.full(len(x), 1.0 if intercept else 0.0)
+    return np.column_stack([ones, x[:, [FEATURE_NAMES.index(n) for n in names]]])
 
 
 def _untimed_hint(tl: EngineTimeline) -> str:
@@ -257,13 +268,15 @@ def feature_columns(tl: EngineTimeline) -> np.ndarray:
     """The FEATURE_NAMES of each iteration, a column each. Decode tokens are one per decoding
     request: those produced less the accepted draft tokens (all those produced without
     drafts); draft tokens are those scored, accepted or not; decode KV tokens are FPM
-    engines' only (0, so left out, elsewhere)."""
+    engines' only (0, so left out, elsewhere); prompt steps are 1 where the iteration carries
+    prompt tokens."""
     columns = {
         "prefill_tokens": tl.col("num_prefill_tokens"),
         "decode_tokens": tl.col("num_decode_tokens") - tl.col("num_accepted_tokens"),
         "prefill_reqs": tl.col("num_prefill_reqs"),
         "decode_kv_tokens": tl.col("num_decode_kv_tokens"),
         "draft_tokens": tl.col("num_draft_tokens"),
+        "prompt_steps": tl.col("num_prefill_tokens") > 0,
     }
     return np.column_stack([columns[name] for name in FEATURE_NAMES]).astype(float)
 
@@ -310,10 +323,11 @@ def _covariance(
     solution: dict[str, float], x: np.ndarray, residuals: np.ndarray
 ) -> np.ndarray | None:
     """The covariance of the fitted (base, *coefficients), in ``solution``'s order: the
-    residuals' variance times the inverse of the design's Gram matrix. None without more rows
-    than fitted values."""
-    design = _design(x, [name for name in solution if name != "base"])
-    degrees_of_freedom = len(x) - design.shape[1]
+    residuals' variance times the inverse of the design's Gram matrix (a base held at 0,
+    exactly 0 as no fit gives it, has none). None without more rows than fitted values."""
+    intercept = solution["base"] != 0.0
+    design = _design(x, [name for name in solution if name != "base"], intercept)
+    degrees_of_freedom = len(x) - design.shape[1] + (not intercept)
     if degrees_of_freedom < 1:
         return None
     variance = float((residuals**2).sum()) / degrees_of_freedom
@@ -403,7 +417,17 @@ def recommend(
     slots = 1 + fit.draft_slots  # budget tokens per decoding request
     decode_token_time = fit.decode_request_time(fit.draft_slots)
     prefill_token_time = fit.coefficients.get("prefill_tokens", 0.0)
-    fixed_time = fit.base_time + fit.coefficients.get("prefill_reqs", 0.0)
+    fixed_time = fit.predict(prefill_reqs=1)  # the base, a prompt's and a prompt step's costs
+    floor = fixed_time + decode_token_time  # beside one decoding request, before any token
+    if floor > iteration_target:
+        carrying = fixed_time - fit.base_time  # a prompt's and a prompt step's costs
+        of_it = f", {carrying * 1000:.1f} ms of it for carrying a prompt at all" if carrying else ""
+        raise ValueError(
+            f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
+            f"below the fastest iteration that decodes one request{draft_text(fit)} beside a "
+            f"prompt ({floor * 1000:.1f} ms by the fit before its first prompt token{of_it}): "
+            "no token budget or --min-chunk meets it; raise the target"
+        )
     room_time = iteration_target - fixed_time - prefill_token_time * min_chunk_tokens
     if room_time < decode_token_time:
         fastest = fit.predict(
@@ -414,7 +438,7 @@ def recommend(
         )
         raise ValueError(
             f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
-            f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
+            f"below the fastest iteration that decodes one request{draft_text(fit)} beside a "
             f"{min_chunk_tokens}-token prefill chunk ({fastest * 1000:.1f} ms by the fit); "
             "raise the target or lower --min-chunk"
         )
@@ -520,7 +544,7 @@ def _iteration_text(fit: Fit, itl_target: float) -> str:
     return f" (iterations of {fit.iteration_target(itl_target) * 1000:.1f} ms)"
 
 
-def _draft_text(fit: Fit) -> str:
+def draft_text(fit: Fit) -> str:
     """`` with a K-token draft`` where the recording has drafts."""
     return f" with a {fit.draft_slots}-token draft" if fit.drafts else ""
 
@@ -639,6 +663,10 @@ def format_report(
         )
         if name in fit.coefficients
     )
+    if "prompt_steps" in fit.coefficients:
+        coefficient_text += (
+            f", {ms * fit.coefficients['prompt_steps']:.3f} ms per iteration carrying prompts"
+        )
     lines = [
         f"Engine {tl.engine_index}: fit over {plural(fit.num_iterations, 'iteration')} "
         f"({plural(fit.num_outliers, 'outlier')} left out)",

@@ -54,13 +54,16 @@ class SimRequest:
 
 @dataclass
 class Cost:
-    """Iteration time = base + per context token + per generation token, times (1 + noise)."""
+    """Iteration time = base + per context token + per generation token (+ a fixed cost for
+    an iteration that carries prompt tokens: a GPU engine's outside its CUDA graphs), times
+    (1 + noise)."""
 
     base_time: float = 0.004
     context_token_time: float = 20e-6
     generation_token_time: float = 300e-6
     noise: float = 0.02
     draft_token_time: float = 0.0  # per draft token scored (Simulator.num_spec_tokens)
+    prompt_step_time: float = 0.0  # per iteration with prompt tokens
 
 
 class Simulator:
@@ -297,6 +300,7 @@ class Simulator:
         num_gen_tokens = sum(n for (_, n), gen in pairs if gen)
         elapsed = self.cost.base_time + num_ctx_tokens * self.cost.context_token_time
         elapsed += num_gen_tokens * self.cost.generation_token_time
+        elapsed += self.cost.prompt_step_time if num_ctx_tokens else 0.0
         drafts = self._drafts(num_gen_tokens)
         if drafts is not None:
             elapsed += drafts.num_draft_tokens * self.cost.draft_token_time
