@@ -424,7 +424,7 @@ def recommend(
         of_it = f", {carrying * 1000:.1f} ms of it for carrying a prompt at all" if carrying else ""
         raise ValueError(
             f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
-            f"below the fastest iteration that decodes one request{draft_text(fit)} beside a "
+            f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
             f"prompt ({floor * 1000:.1f} ms by the fit before its first prompt token{of_it}): "
             "no token budget or --min-chunk meets it; raise the target"
         )
@@ -438,7 +438,7 @@ def recommend(
         )
         raise ValueError(
             f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
-            f"below the fastest iteration that decodes one request{draft_text(fit)} beside a "
+            f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
             f"{min_chunk_tokens}-token prefill chunk ({fastest * 1000:.1f} ms by the fit); "
             "raise the target or lower --min-chunk"
         )
@@ -544,7 +544,7 @@ def _iteration_text(fit: Fit, itl_target: float) -> str:
     return f" (iterations of {fit.iteration_target(itl_target) * 1000:.1f} ms)"
 
 
-def draft_text(fit: Fit) -> str:
+def _draft_text(fit: Fit) -> str:
     """`` with a K-token draft`` where the recording has drafts."""
     return f" with a {fit.draft_slots}-token draft" if fit.drafts else ""
 
