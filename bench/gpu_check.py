@@ -527,14 +527,26 @@ def serve_under_load(
     return figures
 
 
+NSYS_PLACES = (  # Nsight Systems' own layouts, then the nsys Nsight Compute bundles
+    "opt/nvidia/*/bin/nsys",
+    "opt/nvidia/*/*/bin/nsys",
+    "opt/nvidia/*/*/target-linux-x64/nsys",
+    "opt/nvidia/*/*/host/target-linux-x64/nsys",
+)
+
+
 def find_nsys() -> str | None:
-    """nsys on PATH, else one bundled with an Nsight install (Nsight Compute ships one)."""
+    """nsys on PATH, else one bundled with an Nsight install, where its install has the
+    QdstrmImporter that turns a capture into a report: the lent H200s' Nsight Compute ships
+    an nsys without one, which wrote a capture, made no report and had not exited a minute
+    after the stop (2026-11-26), device time spent for nothing."""
     found = shutil.which("nsys")
     if found:
         return found
-    for pattern in ("/opt/nvidia/*/bin/nsys", "/opt/nvidia/*/*/host/target-linux-x64/nsys"):
-        for path in sorted(Path("/").glob(pattern.lstrip("/"))):
-            return str(path)
+    for pattern in NSYS_PLACES:
+        for path in sorted(Path("/").glob(pattern)):
+            if next(path.parent.parent.glob("**/QdstrmImporter"), None) is not None:
+                return str(path)
     return None
 
 
@@ -543,8 +555,8 @@ def step_nvtx(args: argparse.Namespace) -> dict:
     and the sidecar's NvtxSink ranges (on when a tool is attached) next to the kernels."""
     nsys = find_nsys()
     if nsys is None:
-        return {"ok": None, "nsys": "not installed: the NVTX ranges were checked by the tests "
-                "step's capture tool (tests/test_nvtx.py), not by Nsight Systems"}  # fmt: skip
+        why = "none that makes reports: the NVTX ranges were checked by the tests step's "
+        return {"ok": None, "nsys": why + "capture tool (tests/test_nvtx.py), not by nsys"}
     report = Path(args.out) / "serve_nvtx"
     wrapper = [nsys, "profile", "-t", "cuda,nvtx", "-o", str(report), "--force-overwrite=true"]
     served = serve_under_load(Path(args.out), "nvtx", 32, wrapper, "--nvtx-markers")
