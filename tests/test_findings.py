@@ -266,6 +266,25 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
+def test_a_budget_below_every_prompt_chunk_it_was_drawn_from_is_said_to_be_extrapolated(
+    monkeypatch,
+):
+    """tune's note, in the action: lower it in steps and re-record."""
+    from telemetry.analysis import actions
+    from telemetry.analysis.tune import Recommendation
+
+    timeline, (finding,) = findings_of(long_prefill_sim())
+    rec = Recommendation(0.03, 16, 320, 0.01, 0.029, 554.0, 9000.0, "latency target", 16, 1900)
+    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(rec, "`tune ...`"))
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith("Set --max-num-batched-tokens 320 (now 2048), from `tune ...`")
+    assert action.endswith(
+        "; extrapolated (prompts came 1900+ tokens at a time): lower it in steps."
+    )
+    rec.min_prompt_tokens_seen = 32
+    assert "extrapolated" not in finding_action(timeline, finding, Thresholds())
+
+
 def test_where_carrying_prompts_at_all_exceeds_the_target_the_action_keeps_the_budget(
     tmp_path, capsys
 ):

@@ -299,6 +299,25 @@ def test_a_cost_of_carrying_prompts_at_all_is_fitted_apart_from_their_tokens():
     assert worst_iteration_time(fit, larger, rec.max_num_seqs) > 0.030
 
 
+def test_a_budget_below_every_recorded_prompt_chunk_is_said_to_be_extrapolated():
+    """Prompts of 1,900 to 1,999 tokens, one at a time: a budget for a 20 ms target holds
+    fewer tokens than any iteration with prompts did, where a cost of carrying prompts at all
+    could hide in the cost per token (as on an H200, docs/performance.md)."""
+    records = []
+    for number in range(1, 401):
+        decodes, prompts = 8 + number % 57, int(number % 5 == 0)
+        tokens = prompts * (1900 + number % 100)
+        elapsed_s = 0.002 + 20e-6 * decodes + 30e-6 * tokens
+        records.append(busy_record(number, elapsed_s, prompts, tokens, decodes))
+    fit = fit_iteration_time(build_timelines(records)[0])
+    assert fit.min_prompt_tokens_seen == 1900
+    rec = recommend(fit, 0.020, min_chunk_tokens=64)
+    assert rec.max_num_batched_tokens < 1900 and rec.min_prompt_tokens_seen == 1900
+    (note,) = [note for note in rec.notes if "below them" in note]
+    assert note.startswith("the recording's iterations with prompts held at least 1900 prompt")
+    assert not any("below them" in n for n in recommend(fit, 0.100, 64).notes)  # 2000+: seen
+
+
 def test_a_base_that_comes_out_below_0_is_held_at_0():
     """Decode-only iterations of 50 to 64 requests, each costing 60 us less 0.5 ms in all:
     least squares puts the base at -0.5 ms, which no iteration costs; held at 0, the cost per

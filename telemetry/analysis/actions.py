@@ -172,10 +172,24 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
     if seqs and value < seqs * slots:
         return (
             f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
-            f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}" + ttft.format("both") + "."
+            f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}"
+            + ttft.format("both")
+            + f"{_below_seen(rec)}."
         )
     lowered = ttft.format("it") if current and value < current else ""
-    return f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}{lowered}."
+    return (
+        f"Set --max-num-batched-tokens {value}{_now(current)}, from {tuned}{lowered}"
+        f"{_below_seen(rec)}."
+    )
+
+
+def _below_seen(rec: Recommendation) -> str:
+    """Where the budget is below every prompt-carrying iteration it was drawn from: said, with
+    what to do (tune's note says the same)."""
+    seen = rec.min_prompt_tokens_seen
+    if rec.max_num_batched_tokens >= seen:
+        return ""
+    return f"; extrapolated (prompts came {seen}+ tokens at a time): lower it in steps"
 
 
 def _seqs_action(tl: EngineTimeline, option: str, th: Thresholds) -> str:

@@ -125,6 +125,7 @@ class Fit:
     num_outliers: int
     max_tokens_seen: int
     max_decode_reqs_seen: int
+    min_prompt_tokens_seen: int = 0  # the fewest prompt tokens a fitted iteration with any had
     decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
     max_decode_context_seen: float = 0.0  # the largest of one iteration's own mean
     target_decode_context_tokens: int | None = None  # --decode-context, where it is honoured
@@ -312,6 +313,7 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         num_outliers=int((~keep).sum()),
         max_tokens_seen=int(num_tokens[busy].max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
+        min_prompt_tokens_seen=_min_prompt_tokens(x[keep]),
         decode_context_tokens=_decode_context(x),
         max_decode_context_seen=_max_decode_context(x),
         drafts=recorded_drafts(tl),
@@ -332,6 +334,13 @@ def _covariance(
         return None
     variance = float((residuals**2).sum()) / degrees_of_freedom
     return variance * np.linalg.pinv(design.T @ design)
+
+
+def _min_prompt_tokens(x: np.ndarray) -> int:
+    """The fewest prompt tokens of the rows that carry any (0 without such a row)."""
+    prompt_tokens = x[:, FEATURE_NAMES.index("prefill_tokens")]
+    carried = prompt_tokens[prompt_tokens > 0]
+    return int(carried.min()) if carried.size else 0
 
 
 def _decode_context(x: np.ndarray) -> float:
@@ -405,6 +414,7 @@ class Recommendation:
     prompt_throughput: float
     limited_by: str
     decode_reqs_seen: int = 0  # the most decoding requests in one recorded iteration
+    min_prompt_tokens_seen: int = 0  # the fewest prompt tokens of a fitted iteration with any
     notes: list[str] = field(default_factory=list)
 
 
@@ -462,6 +472,7 @@ def recommend(
         prompt_throughput=budget / chunk_only_time,
         limited_by=limited_by,
         decode_reqs_seen=fit.max_decode_reqs_seen,
+        min_prompt_tokens_seen=fit.min_prompt_tokens_seen,
         notes=_extrapolation_notes(fit, max_num_seqs, budget),
     )
 
@@ -518,6 +529,13 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
             f"the recording has at most {plural(fit.max_tokens_seen, 'token')} per "
             "iteration: "
             f"{budget} is extrapolated, re-record at the new settings to confirm"
+        )
+    if budget < fit.min_prompt_tokens_seen:
+        notes.append(
+            f"the recording's iterations with prompts held at least "
+            f"{plural(fit.min_prompt_tokens_seen, 'prompt token')}: {budget} is extrapolated "
+            "below them, where the cost of carrying prompts at all and their tokens' cannot be "
+            "told apart; lower the budget in steps and re-record to confirm"
         )
     if max_num_seqs > fit.max_decode_reqs_seen:
         notes.append(
