@@ -22,6 +22,9 @@ Steps (each runs even when an earlier one failed; each reports ok or its error):
               budget) with prompts through each attention path and set of SDPA backends
   serve       `iterscope serve --device cuda` with its sidecar under `iterscope bench` load:
               the 10 s log lines, /metrics, the recording and `iterscope explain` on it
+  budgets     the serve step at --max-num-batched-tokens 2048 (the CUDA default) and 8192:
+              whether fewer, larger iterations carrying prompts (each costs ~10 ms eager
+              whatever its chunk) serve faster
   nvtx        the engine's and the sidecar's NVTX ranges under Nsight Systems (`nsys`), if
               installed; else said so
 
@@ -39,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -47,7 +51,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STEPS = ("facts", "tests", "parity", "throughput", "decode", "prefill", "mixed", "serve", "nvtx")
+STEPS = (
+    "facts",
+    "tests",
+    "parity",
+    "throughput",
+    "decode",
+    "prefill",
+    "mixed",
+    "serve",
+    "budgets",
+    "nvtx",
+)
 GPU_TESTS = (
     "tests/test_triton_paged.py",
     "tests/test_cuda_graphs.py",
@@ -467,6 +482,24 @@ def metric_value(text: str, name: str) -> float:
 
 def step_serve(args: argparse.Namespace) -> dict:
     return serve_under_load(Path(args.out), "serve", num_prompts=256)
+
+
+def step_budgets(args: argparse.Namespace) -> dict:
+    """Two serves, each budget once, under the serve step's load: the figures `bench` gives
+    (their logs and recordings in a temporary folder: what comes back from a lent machine is
+    a few files)."""
+    figures = {}
+    out = Path(tempfile.mkdtemp(prefix="iterscope-budgets-"))
+    for budget in (2048, 8192):
+        served = serve_under_load(
+            out, f"budget_{budget}", 256, (), "--max-num-batched-tokens", str(budget)
+        )
+        figures[str(budget)] = {
+            key: served[key]
+            for key in ("ok", "output_tokens_per_s", "mean_ttft_ms", "mean_tpot_ms")
+        }
+    figures["ok"] = all(run["ok"] for run in figures.values())
+    return figures
 
 
 def serve_under_load(
