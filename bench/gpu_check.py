@@ -34,6 +34,7 @@ The last line is one JSON object: per step, ok and its figures or its error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -46,6 +47,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -371,21 +373,18 @@ def step_prefill(args: argparse.Namespace) -> dict:
     from engine.model.loader import load_model
 
     model = load_model("smollm2", dtype="bfloat16", device="cuda")
-    attention = model.decoder.attention
-    default_max_len = attention.plain_prefill_max_len
     rows = []
     for prompts, length, decoding in PREFILL_SHAPES:
         row = {"prompts": prompts, "length": length, "decoding": decoding}
-        for path, max_len in (("matmul", 1 << 30), ("sdpa", 0)):
-            attention.plain_prefill_max_len = max_len
-            times = time_prefill_steps(prefill_core(model, decoding), prompts, length)
+        for path in ("matmul", "sdpa_flash_or_math"):
+            with prompt_path(model.decoder.attention, path):
+                times = time_prefill_steps(prefill_core(model, decoding), prompts, length)
             row[f"{path}_ms"] = round(statistics.median(times) * 1e3, 2)
         rows.append(row)
         print(f"prefill step: {row}")
-    attention.plain_prefill_max_len = default_max_len
     return {
         "ok": True,
-        "default_plain_prefill_max_len": default_max_len,
+        "default_plain_prefill_max_len": model.decoder.attention.plain_prefill_max_len,
         "rows": rows,
         "top_host_operators_8x256": top_host_operators(model, 8, 256),
     }
@@ -404,6 +403,17 @@ def prompt_paths() -> dict[str, tuple[int, list | None]]:
         "sdpa_no_cudnn": (0, no_cudnn),
         "sdpa_flash_or_math": (0, CUDA_PROMPT_SDPA_BACKENDS),
     }
+
+
+@contextlib.contextmanager
+def prompt_path(attention, path: str) -> Iterator[None]:
+    """Prompts through ``path`` (prompt_paths) inside the block, the engine's own after."""
+    default = (attention.plain_prefill_max_len, attention.sdpa_backends)
+    attention.plain_prefill_max_len, attention.sdpa_backends = prompt_paths()[path]
+    try:
+        yield
+    finally:
+        attention.plain_prefill_max_len, attention.sdpa_backends = default
 
 
 def closed_loop(model, requests: int = 256, concurrency: int = 64) -> dict:
@@ -443,17 +453,13 @@ def step_mixed(args: argparse.Namespace) -> dict:
     from engine.model.loader import load_model
 
     model = load_model("smollm2", dtype="bfloat16", device="cuda")
-    attention = model.decoder.attention
-    default = (attention.plain_prefill_max_len, attention.sdpa_backends)
     closed_loop(model, requests=64)  # warm-up: kernels compiled
-    paths = prompt_paths()
-    runs: dict[str, list[dict]] = {path: [] for path in paths}
+    runs: dict[str, list[dict]] = {path: [] for path in prompt_paths()}
     for _ in range(2):
-        for path, (max_len, backends) in paths.items():
-            attention.plain_prefill_max_len, attention.sdpa_backends = max_len, backends
-            runs[path].append(closed_loop(model))
-            print(f"mixed {path}: {runs[path][-1]}", flush=True)
-    attention.plain_prefill_max_len, attention.sdpa_backends = default
+        for path, path_runs in runs.items():
+            with prompt_path(model.decoder.attention, path):
+                path_runs.append(closed_loop(model))
+            print(f"mixed {path}: {path_runs[-1]}", flush=True)
     return {"ok": True, "runs": runs}
 
 
