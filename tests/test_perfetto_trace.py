@@ -243,14 +243,14 @@ def test_a_preempted_request_s_recomputed_prefill_nests_in_its_decode():
         preempted_ns=[500],
         prefill_chunks=[(200, 300, 4), (300, 402, 4), (600, 700, 12)],
     )
-    phases = request_phases(m, recording_end_ns=5000).phases
-    assert [(p.name, p.start_ns, p.end_ns) for p in phases] == [
-        ("queued", 100, 200),
-        ("prefill", 200, 300),
-        ("prefill", 300, 402),  # stamped 2 ns after the first token: decode follows it
-        ("decode", 402, 1000),
+    request = request_phases(m, recording_end_ns=5000)
+    assert (request.queued_start_ns, request.queued_end_ns) == (100, 200)
+    assert request.prefills == [
+        (200, 300, 0, 4),
+        (300, 402, 1, 4),  # stamped 2 ns after the first token: decode follows it
     ]
-    assert [(c.name, c.start_ns, c.end_ns) for c in phases[-1].children] == [("prefill", 600, 700)]
+    assert (request.decode_start_ns, request.end_ns) == (402, 1000)
+    assert request.recomputed == [(600, 700, 2, 12)]
 
 
 def test_a_request_the_recording_does_not_see_finish_ends_where_the_recording_ends():
@@ -260,7 +260,41 @@ def test_a_request_the_recording_does_not_see_finish_ends_where_the_recording_en
     request = request_phases(m, recording_end_ns=900)
     assert (request.end_ns, request.finished) == (900, False)
     assert request.finish_reason.startswith("unfinished")
-    assert request.phases[-1].end_ns == 900
+    assert (request.decode_start_ns, request.recomputed) == (300, [])
+
+
+def test_phases_follow_one_another_inside_the_request_whatever_the_milestone_says():
+    """Times stamped by different calls may disagree (a chunk before the arrival, one ending
+    after the finish, chunks overlapping): every phase is clamped, none dropped."""
+    rng = random.Random(5)
+    for _ in range(500):
+        arrival_ns = rng.randint(0, 1000)
+        chunks, start_ns = [], arrival_ns + rng.randint(-100, 200)
+        for _ in range(rng.randint(0, 4)):
+            chunks.append((start_ns, start_ns + rng.randint(-20, 300), rng.randint(1, 99)))
+            start_ns += rng.randint(-50, 400)
+        finished = rng.random() < 0.7
+        m = milestone(
+            "r",
+            EVENT_FINISHED if finished else EVENT_FIRST_TOKEN,
+            arrival_ns=arrival_ns,
+            first_scheduled_ns=rng.choice([0, arrival_ns + rng.randint(-50, 300)]),
+            first_token_ns=rng.choice([0, arrival_ns + rng.randint(-100, 600)]),
+            finished_ns=arrival_ns + rng.randint(-200, 2000) if finished else 0,
+            prefill_chunks=chunks,
+        )
+        request = request_phases(m, recording_end_ns=rng.randint(0, 3000))
+        times = [request.queued_start_ns, request.queued_end_ns]
+        times += [t for chunk in request.prefills for t in chunk[:2]]
+        if request.decode_start_ns is not None:
+            times += [request.decode_start_ns]
+            times += [t for chunk in request.recomputed for t in chunk[:2]]
+        else:
+            assert not request.recomputed
+        assert times == sorted(times), m
+        assert min(arrival_ns, request.end_ns) == times[0] and times[-1] <= request.end_ns, m
+        drawn = request.prefills + request.recomputed
+        assert sorted(chunk[2:] for chunk in drawn) == [(i, c[2]) for i, c in enumerate(chunks)]
 
 
 def test_lanes_never_hold_two_overlapping_requests_and_are_as_few_as_the_most_at_once():

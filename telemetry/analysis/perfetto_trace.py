@@ -33,9 +33,9 @@ names and makes that clock the default (sequence_start).
 * Iterations: the sequence's defaults are also the iterations track and the counter tracks, so
   an iteration is two small packets: a slice begin with its args and a slice end carrying every
   counter's sample. These are encoded for all iterations at once with numpy (proto_wire.py).
-* Requests and findings: a packet per slice begin, end or instant, on its lane's track; each
-  TrackEvent is encoded one by one, then the events are put in time order and their packets
-  framed with numpy.
+* Requests and findings: a packet per slice begin, end or instant, on its lane's track; the
+  events are noted one by one (time, kind, track), then encoded a kind at a time, put in time
+  order and framed as packets, all with numpy.
 
 Track descriptors and the sequences' first packets are built with perfetto's protos.
 Every packet after a sequence's first omits SEQ_NEEDS_INCREMENTAL_STATE: the trace processor
@@ -49,8 +49,8 @@ import contextlib
 import functools
 import gc
 from collections.abc import Iterator
-from dataclasses import dataclass
-from operator import itemgetter
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import BinaryIO
 
 import numpy as np
@@ -68,7 +68,7 @@ from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.findings import build_findings
 from telemetry.analysis.request_phases import (
-    Phase,
+    Chunk,
     RequestPhases,
     assign_lanes,
     latest_milestones,
@@ -117,7 +117,6 @@ ITERATION_ARGS = (
     ("num_draft_tokens", 0),  # speculative decoding's, 0 (so not written) without it
     ("num_accepted_tokens", 0),
 )
-PREEMPTED = Phase("preempted", 0, 0)  # the instant marking a request's preemption
 ELAPSED_ARG = "elapsed_ms"  # only where the slice is drawn shorter than the iteration
 UNKNOWN_ARG = "unknown"  # the counts the source did not give
 REQUEST_ARGS = (
@@ -131,6 +130,8 @@ REQUEST_ARGS = (
     "chunk_index",
     "num_tokens",
 )
+REQUEST_COUNTS = REQUEST_ARGS[1:5]  # a request's integer args: its milestone's fields
+REQUEST_NUMBERS = attrgetter(*REQUEST_COUNTS, "arrival_ns", "first_token_ns", "first_scheduled_ns")
 CONTINUED_ARG = "continued"  # a finding that began before its trace file (EarlierFile)
 FINDING_ARGS = (
     "title",
@@ -515,22 +516,11 @@ def iteration_packets(columns: IterationColumns, sequence_id: int) -> bytes:
 
 def iteration_annotations(columns: IterationColumns) -> wire.Rows:
     """The iteration slice's args: the counts not 0, elapsed_ms where cut, unknown."""
-    n = len(columns.kinds)
     annotations = []
     for (name, _), values in zip(ITERATION_ARGS, columns.args.T, strict=True):
-        named_value = [
-            wire.constant(ARG_NAME_IID + wire.varint(ARG_IIDS[name]) + INT_VALUE, n),
-            wire.varint_column(values),
-        ]
-        arg = wire.length_delimited_columns(ANNOTATION, named_value)
-        annotations += wire.optional(arg, values != 0)
-    elapsed = [
-        wire.constant(ARG_NAME_IID + wire.varint(ARG_IIDS[ELAPSED_ARG]) + DOUBLE_VALUE, n),
-        wire.double_column(columns.cut_ms),
-    ]
-    annotations += wire.optional(
-        wire.length_delimited_columns(ANNOTATION, elapsed), columns.cut_ms != 0
-    )
+        annotations += wire.optional(int_annotation(name, values), values != 0)
+    elapsed = double_annotation(ELAPSED_ARG, columns.cut_ms)
+    annotations += wire.optional(elapsed, columns.cut_ms != 0)
     annotations.append(wire.lookup_column(columns.unknown, columns.unknown_table))
     return annotations
 
@@ -582,65 +572,79 @@ def incremental_times(first_ns: int, starts: np.ndarray, ends: np.ndarray) -> np
 
 
 # --- requests and findings: a packet per event -------------------------------------------
+@dataclass(slots=True)
+class Slice:
+    """A finding's slice (or a request's preemption mark): its name, times and args."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    args: dict = field(default_factory=dict)
+
+
+PREEMPTED = Slice("preempted", 0, 0)  # the instant marking a request's preemption
+# The kinds of event on the request and finding lanes, and each one's TrackEvent type: each
+# kind's TrackEvents are encoded together, with numpy (EventWriter.encode).
+REQUEST, QUEUED, PREFILL, DECODE, END, PREEMPTION, FINDING = range(7)
+KIND_TYPES = (SLICE_BEGIN, SLICE_BEGIN, SLICE_BEGIN, SLICE_BEGIN, SLICE_END, INSTANT, SLICE_BEGIN)
+
+
 class EventWriter:
     """Slice begins, ends and instants on lane tracks, in one sequence with an incremental
-    clock. Each event's TrackEvent is encoded as it comes; ``write`` puts the events in time
-    order (each track's in the order they came) and frames their packets (timestamps, lengths)
-    with numpy, EVENTS_PER_WRITE at a time."""
+    clock. Each event is noted as it comes (its time, kind, track and what its kind needs);
+    ``write`` encodes the TrackEvents a kind at a time, puts the events in time order (those at
+    one time in the order they came) and frames their packets (timestamps, lengths) with numpy,
+    EVENTS_PER_WRITE at a time."""
 
     def __init__(self, writer: TraceWriter, sequence_id: int) -> None:
         self.writer = writer
         self.sequence_id = sequence_id
         self.times: list[int] = []
-        self.events: list[bytes] = []
+        self.kinds: list[int] = []
+        self.tracks: list[int] = []
+        self.requests: list[RequestPhases] = []  # a REQUEST's each
+        self.chunks: list[int] = []  # a PREFILL's chunk index and number of tokens each
+        self.flows: list[int] = []  # a DECODE's flow id each (0: none)
+        self.findings: list[bytes] = []  # a FINDING's name and args each, encoded
 
     def request(self, request: RequestPhases, track_uuid: int, flow_id: int) -> None:
         """The request's slice, its phases nested in it (its decode slice ends the flow
         ``flow_id`` from the iteration of its first token; 0: none), and its preemptions."""
-        whole = Phase(
-            f"request {request.milestone.request_id}",
-            request.start_ns,
-            request.end_ns,
-            request_args(request),
-            request.phases,
-        )
-        track = TRACK_UUID + wire.varint(track_uuid)
-        first = len(self.times)
-        flow = TERMINATING_FLOW_ID + wire.fixed64(flow_id) if flow_id else b""
-        self._phase(whole, *_begin_end(track), flow)
-        if request.milestone.preempted_ns:
-            self._instants(first, request.milestone.preempted_ns, track)
+        times, kinds = self.times, self.kinds
+        first = len(times)
+        times += (request.start_ns, request.queued_start_ns, request.queued_end_ns)
+        kinds += (REQUEST, QUEUED, END)
+        self.requests.append(request)
+        self._prefills(request.prefills)
+        if request.decode_start_ns is not None:
+            times.append(request.decode_start_ns)
+            kinds.append(DECODE)
+            self.flows.append(flow_id)
+            self._prefills(request.recomputed)
+            times.append(request.end_ns)
+            kinds.append(END)
+        times.append(request.end_ns)
+        kinds.append(END)
+        preempted_ns = request.milestone.preempted_ns  # after the events at the same time
+        times += preempted_ns
+        kinds += [PREEMPTION] * len(preempted_ns)
+        self.tracks += [track_uuid] * (len(times) - first)
 
-    def slice(self, phase: Phase, track_uuid: int) -> None:
-        self._phase(phase, *_begin_end(TRACK_UUID + wire.varint(track_uuid)))
+    def _prefills(self, chunks: list[Chunk]) -> None:
+        for start_ns, end_ns, index, num_tokens in chunks:
+            self.times += (start_ns, end_ns)
+            self.kinds += (PREFILL, END)
+            self.chunks += (index, num_tokens)
 
-    def _phase(self, phase: Phase, begin: bytes, end: bytes, decode_flow: bytes = b"") -> None:
-        """The phase's begin, its children's events, its end (``begin`` and ``end``: the
-        events' type and track): in time order, as request_phases keeps children inside their
-        parent and after one another; a ``decode`` phase's begin carries ``decode_flow``."""
-        event = begin + phase_bytes(phase)
-        if phase.name == "decode":
-            event += decode_flow
-        self.times.append(phase.start_ns)
-        self.events.append(event)
-        for child in phase.children:
-            self._phase(child, begin, end, decode_flow)
-        self.times.append(phase.end_ns)
-        self.events.append(end)
-
-    def _instants(self, first: int, times_ns: list[int], track: bytes) -> None:
-        """PREEMPTED marks at ``times_ns`` among the events from ``first`` on, in time order
-        (after the events at the same time)."""
-        mark = EVENT_TYPES[INSTANT] + track + phase_bytes(PREEMPTED)
-        events = list(zip(self.times[first:], self.events[first:], strict=True))
-        events += [(ts_ns, mark) for ts_ns in times_ns]
-        events.sort(key=itemgetter(0))  # stable
-        self.times[first:] = [ts_ns for ts_ns, _ in events]
-        self.events[first:] = [event for _, event in events]
+    def slice(self, finding: Slice, track_uuid: int) -> None:
+        self.times += (finding.start_ns, finding.end_ns)
+        self.kinds += (FINDING, END)
+        self.tracks += (track_uuid, track_uuid)
+        self.findings.append(slice_bytes(finding))
 
     def write(self) -> None:
         """The sequence: its first packets, then every event in time order."""
-        if not self.events:
+        if not self.times:
             return
         times = np.array(self.times, np.int64)
         order = np.argsort(times, kind="stable")
@@ -648,29 +652,103 @@ class EventWriter:
             self.writer.write_message(packet)
         deltas = np.diff(times[order], prepend=times[order[0]])
         sequence = SEQUENCE_ID + wire.varint(self.sequence_id)
+        encoded, starts, lengths = self.encode()
         for start in range(0, len(order), EVENTS_PER_WRITE):
-            rows = order[start : start + EVENTS_PER_WRITE].tolist()
-            events = wire.bytes_column([self.events[i] for i in rows])
+            rows = order[start : start + EVENTS_PER_WRITE]
             body = [
                 wire.constant(TIMESTAMP, len(rows)),
                 wire.varint_column(deltas[start : start + len(rows)]),
                 wire.constant(sequence, len(rows)),
-                *wire.length_delimited_columns(TRACK_EVENT, [events]),
+                *wire.length_delimited_columns(
+                    TRACK_EVENT, [wire.slices_column(encoded, starts[rows], lengths[rows])]
+                ),
             ]
             self.writer.write(wire.join_rows(wire.length_delimited_columns(PACKET, body)))
 
+    def encode(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every event's TrackEvent: the bytes of all (a kind's after another's), and where
+        each event begins in them and how long it is, in the order the events came."""
+        kinds = np.array(self.kinds, np.int8)
+        tracks = np.array(self.tracks, np.int64)
+        counts = np.bincount(kinds, minlength=len(KIND_TYPES)).tolist()
+        starts = np.zeros(len(kinds), np.int64)
+        lengths = np.zeros(len(kinds), np.int64)
+        parts, size = [], 0
+        for kind, payload in enumerate(self._payloads(counts)):
+            if not counts[kind]:
+                continue
+            rows = np.flatnonzero(kinds == kind)
+            columns = [
+                wire.constant(EVENT_TYPES[KIND_TYPES[kind]] + TRACK_UUID, len(rows)),
+                wire.varint_column(tracks[rows]),
+                *payload,
+            ]
+            row_lengths = wire.rows_length(columns)
+            starts[rows] = size + np.cumsum(row_lengths) - row_lengths
+            lengths[rows] = row_lengths
+            parts.append(wire.join_rows(columns))
+            size += len(parts[-1])
+        return np.frombuffer(b"".join(parts) + b"\0", np.uint8), starts, lengths
 
-def _begin_end(track: bytes) -> tuple[bytes, bytes]:
-    """A slice's begin and end events on ``track``, without the begin's name and args."""
-    return EVENT_TYPES[SLICE_BEGIN] + track, EVENT_TYPES[SLICE_END] + track
+    def _payloads(self, counts: list[int]) -> list[wire.Rows]:
+        """What follows the type and track in each kind's TrackEvents (``counts``: how many
+        there are of each kind)."""
+        chunks = np.array(self.chunks, np.int64).reshape(-1, 2)
+        flows = np.array(self.flows, np.uint64)
+        flow = wire.field_columns(TERMINATING_FLOW_ID, wire.fixed64_column(flows))
+        return [
+            request_begins(self.requests),  # REQUEST
+            [wire.constant(event_name("queued"), counts[QUEUED])],
+            [
+                wire.constant(event_name("prefill"), counts[PREFILL]),
+                *int_annotation("chunk_index", chunks[:, 0]),
+                *int_annotation("num_tokens", chunks[:, 1]),
+            ],
+            [wire.constant(event_name("decode"), counts[DECODE]), *wire.optional(flow, flows != 0)],
+            [],  # END
+            [wire.constant(slice_bytes(PREEMPTED), counts[PREEMPTION])],
+            [wire.bytes_column(self.findings)],  # FINDING
+        ]
 
 
-def phase_bytes(phase: Phase) -> bytes:
+def request_begins(requests: list[RequestPhases]) -> wire.Rows:
+    """A request slice's name and args: its outcome (finish reason, tokens, preemptions, and
+    TTFT and queue time where it has them)."""
+    milestones = [r.milestone for r in requests]
+    names = [wire.length_delimited(NAME, f"request {m.request_id}".encode()) for m in milestones]
+    reasons = [r.finish_reason for r in requests]
+    table = {reason: code for code, reason in enumerate(dict.fromkeys(reasons))}
+    codes = np.array([table[reason] for reason in reasons], np.int64)
+    begins = [
+        wire.bytes_column(names),
+        wire.lookup_column(codes, [annotation("finish_reason", reason) for reason in table]),
+    ]
+    values = np.array([REQUEST_NUMBERS(m) for m in milestones], np.int64).reshape(-1, 7)
+    for name, column in zip(REQUEST_COUNTS, values[:, :4].T, strict=True):
+        begins += int_annotation(name, column)
+    arrival_ns, first_token_ns, first_scheduled_ns = values[:, 4:].T
+    for name, ns in (("ttft_ms", first_token_ns), ("queue_ms", first_scheduled_ns)):
+        ms = double_annotation(name, (ns - arrival_ns) / 1e6)
+        begins += wire.optional(ms, ns != 0)
+    return begins
+
+
+def int_annotation(name: str, values: np.ndarray) -> wire.Rows:
+    """A debug annotation per row: the interned arg ``name`` with an integer value."""
+    named = wire.constant(INTERNED_ARG_NAMES[name] + INT_VALUE, len(values))
+    return wire.length_delimited_columns(ANNOTATION, [named, wire.varint_column(values)])
+
+
+def double_annotation(name: str, values: np.ndarray) -> wire.Rows:
+    """A debug annotation per row: the interned arg ``name`` with a double value."""
+    named = wire.constant(INTERNED_ARG_NAMES[name] + DOUBLE_VALUE, len(values))
+    return wire.length_delimited_columns(ANNOTATION, [named, wire.double_column(values)])
+
+
+def slice_bytes(drawn: Slice) -> bytes:
     """A slice's name and args, as a TrackEvent's fields."""
-    encoded = event_name(phase.name)
-    if not phase.args:  # most of a request's phases
-        return encoded
-    for name, value in phase.args.items():
+    encoded = event_name(drawn.name)
+    for name, value in drawn.args.items():
         encoded += annotation(name, value)
     return encoded
 
@@ -804,24 +882,7 @@ def unknown_annotation(bits: int) -> bytes:
     return annotation(UNKNOWN_ARG, ", ".join(n for bit, n in UNKNOWN_NAMES.items() if bits & bit))
 
 
-def request_args(request: RequestPhases) -> dict:
-    """The request's outcome: finish reason, TTFT, queue time, tokens, preemptions."""
-    m = request.milestone
-    args = {
-        "finish_reason": request.finish_reason,
-        "num_prompt_tokens": m.num_prompt_tokens,
-        "num_cached_tokens": m.num_cached_tokens,
-        "num_output_tokens": m.num_output_tokens,
-        "num_preemptions": m.num_preemptions,
-    }
-    if m.first_token_ns:
-        args["ttft_ms"] = (m.first_token_ns - m.arrival_ns) / 1e6
-    if m.first_scheduled_ns:
-        args["queue_ms"] = (m.first_scheduled_ns - m.arrival_ns) / 1e6
-    return args
-
-
-def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Phase]:
+def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Slice]:
     """A slice per episode of each finding explain reports, with the finding's action."""
     episodes = detect_episodes(tl, thresholds)
     for finding in build_findings(tl, episodes):
@@ -835,10 +896,10 @@ def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Phase
                 "cost_label": finding.cost_label,
                 "explanation": episode.explanation,
             }
-            yield Phase(f"finding {finding.kind}", episode.start_ns, episode.end_ns, args)
+            yield Slice(f"finding {finding.kind}", episode.start_ns, episode.end_ns, args)
 
 
-def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Phase]:
+def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Slice]:
     """The findings over both files that end after the earlier file; each that began before
     it ended is marked, as whole or as cut at the start of the messages held."""
     tl = earlier.timeline

@@ -5,8 +5,9 @@ Two ways to build the same bytes:
 * one message at a time: ``varint``, ``tag`` and ``length_delimited`` return bytes to join;
 * many messages at once, with numpy: a message is a list of ``Column``s (each a matrix of
   bytes with a length per row), one row per message; ``join_rows`` lays every row's columns
-  end to end. ``varint_column`` and ``double_column`` encode a value per row, ``constant``
-  repeats fixed bytes, ``bytes_column`` and ``lookup_column`` take bytes encoded already,
+  end to end. ``varint_column``, ``double_column`` and ``fixed64_column`` encode a value per
+  row, ``constant`` repeats fixed bytes, ``bytes_column``, ``slices_column`` and
+  ``lookup_column`` take bytes encoded already,
   ``optional`` drops a row's columns where a field is absent and ``length_delimited_columns``
   wraps a row's columns as a length-delimited field (a nested message, or a trace's packet).
 
@@ -77,7 +78,7 @@ def constant(value: bytes, num_rows: int) -> Column:
 
 def varint_column(values: np.ndarray) -> Column:
     """Each value as a varint, as ``varint`` writes it."""
-    unsigned = np.asarray(values).astype(np.int64).view(np.uint64)
+    unsigned = np.asarray(values, np.int64).view(np.uint64)
     if not unsigned.size or unsigned.max() < 0x80:  # one byte each: most counts and iids
         return Column(unsigned.astype(np.uint8)[:, None], np.ones(len(unsigned), np.int64))
     num_bytes = 1 + np.searchsorted(_VARINT_LIMITS, unsigned, side="right")
@@ -90,8 +91,13 @@ def varint_column(values: np.ndarray) -> Column:
 
 def double_column(values: np.ndarray) -> Column:
     """Each value as a little-endian double (fixed64)."""
-    data = np.ascontiguousarray(values, dtype="<f8").view(np.uint8).reshape(-1, 8)
-    return Column(data, np.full(len(data), 8, np.int64))
+    return fixed64_column(np.asarray(values, "<f8"))
+
+
+def fixed64_column(values: np.ndarray) -> Column:
+    """Each value's 8 bytes, little-endian (``values``: a numpy array of 8-byte numbers)."""
+    data = np.ascontiguousarray(values, values.dtype.newbyteorder("<")).view(np.uint8)
+    return Column(data.reshape(-1, 8), np.full(len(values), 8, np.int64))
 
 
 def lookup_column(codes: np.ndarray, table: list[bytes]) -> Column:
@@ -107,8 +113,13 @@ def lookup_column(codes: np.ndarray, table: list[bytes]) -> Column:
 def bytes_column(values: list[bytes]) -> Column:
     """Row i holds ``values[i]``."""
     lengths = np.fromiter(map(len, values), np.int64, len(values))
-    flat = np.frombuffer(b"".join(values) + b"\0", np.uint8)  # a byte to point the padding at
-    starts = np.cumsum(lengths) - lengths
+    flat = np.frombuffer(b"".join(values) + b"\0", np.uint8)
+    return slices_column(flat, np.cumsum(lengths) - lengths, lengths)
+
+
+def slices_column(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> Column:
+    """Row i holds ``flat[starts[i] : starts[i] + lengths[i]]``; ``flat`` (uint8) ends with a
+    spare byte, which the padding points at."""
     offsets = starts[:, None] + np.arange(int(lengths.max(initial=1)))
     return Column(flat[np.minimum(offsets, len(flat) - 1)], lengths)
 
@@ -123,7 +134,10 @@ def optional(columns: Rows, present: np.ndarray) -> Rows:
 
 
 def rows_length(columns: Rows) -> np.ndarray:
-    return np.sum([c.lengths for c in columns], axis=0)
+    total = columns[0].lengths.copy()
+    for column in columns[1:]:
+        total += column.lengths
+    return total
 
 
 def length_delimited_columns(field_tag: bytes, columns: Rows) -> Rows:
@@ -140,5 +154,7 @@ def join_rows(columns: Rows) -> bytes:
     # matrix as large as the bytes
     small = np.uint8 if max(widths) <= 0xFF else np.int64
     position = np.concatenate([np.arange(width, dtype=small) for width in widths])
-    lengths = np.stack([c.lengths for c in columns], axis=1).astype(small)
+    lengths = np.empty((len(columns[0].lengths), len(columns)), small)
+    for i, column in enumerate(columns):
+        lengths[:, i] = column.lengths
     return data[position < np.repeat(lengths, widths, axis=1)].tobytes()

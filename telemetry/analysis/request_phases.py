@@ -14,37 +14,35 @@ still running, or the recording was cut) ends where the recording ends:
 
 Children never overlap and lie inside their parent: each starts no earlier than the one
 before it ends and ends no later than the request (times that disagree by a few ns, as a
-chunk's end and the first token stamped by two calls, are clamped, never dropped).
+chunk's end and the first token stamped by two calls, are clamped, never dropped). A trace
+draws tens of thousands of requests, so the phases are plain numbers, not an object each.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from telemetry.lane.record import EVENT_FINISHED, FINISH_REASONS, RequestMilestone
 
-
-@dataclass(slots=True)
-class Phase:
-    """One child slice of a request: its name, times and numbers."""
-
-    name: str
-    start_ns: int
-    end_ns: int
-    args: dict = field(default_factory=dict)
-    children: list[Phase] = field(default_factory=list)
+Chunk = tuple[int, int, int, int]  # a prefill chunk's start_ns, end_ns, index, num_tokens
 
 
 @dataclass(slots=True)
 class RequestPhases:
-    """A request from arrival to finish, with its phases in time order."""
+    """A request from arrival to finish, its phases clamped as the module doc says: queued
+    from ``queued_start_ns`` to ``queued_end_ns``, then ``prefills``, then, if it had a first
+    token, decode from ``decode_start_ns`` to ``end_ns`` with ``recomputed`` nested in it."""
 
     milestone: RequestMilestone
     end_ns: int
     finished: bool
-    phases: list[Phase]
+    queued_start_ns: int
+    queued_end_ns: int
+    prefills: list[Chunk]
+    decode_start_ns: int | None  # None: no first token
+    recomputed: list[Chunk]  # chunks computed again after the first token
 
     @property
     def start_ns(self) -> int:
@@ -71,27 +69,43 @@ def latest_milestones(milestones: Iterable[RequestMilestone]) -> list[RequestMil
 def request_phases(milestone: RequestMilestone, recording_end_ns: int) -> RequestPhases:
     """The request's phases; one not finished in the recording ends at ``recording_end_ns``."""
     finished = bool(milestone.event & EVENT_FINISHED)
-    end_ns = milestone.finished_ns if finished else max(recording_end_ns, milestone.arrival_ns)
+    arrival_ns = milestone.arrival_ns
+    end_ns = milestone.finished_ns if finished else max(recording_end_ns, arrival_ns)
     first_token_ns = milestone.first_token_ns
-    phases = [Phase("queued", milestone.arrival_ns, milestone.first_scheduled_ns or end_ns)]
-    after: list[Phase] = []  # chunks computed again after the first token
-    for i, (start, end, num_tokens) in enumerate(milestone.prefill_chunks):
-        chunk = Phase("prefill", start, end, {"chunk_index": i, "num_tokens": num_tokens})
-        (after if first_token_ns and start >= first_token_ns else phases).append(chunk)
-    if first_token_ns:
-        phases.append(Phase("decode", first_token_ns, end_ns, children=after))
-    _clamp(phases, milestone.arrival_ns, end_ns)
-    return RequestPhases(milestone, end_ns, finished, phases)
+    queued_start_ns = min(arrival_ns, end_ns)
+    queued_end_ns = min(max(milestone.first_scheduled_ns or end_ns, queued_start_ns), end_ns)
+    chunks = [(start, end, i, n) for i, (start, end, n) in enumerate(milestone.prefill_chunks)]
+    if first_token_ns:  # chunks that start at or after the first token were computed again
+        recomputed = [chunk for chunk in chunks if chunk[0] >= first_token_ns]
+        chunks = [chunk for chunk in chunks if chunk[0] < first_token_ns]
+    prefills, previous_end_ns = _clamp(chunks, queued_end_ns, end_ns)
+    if not first_token_ns:
+        return RequestPhases(
+            milestone, end_ns, finished, queued_start_ns, queued_end_ns, prefills, None, []
+        )
+    decode_start_ns = min(max(first_token_ns, previous_end_ns), end_ns)
+    recomputed = _clamp(recomputed, decode_start_ns, end_ns)[0]
+    return RequestPhases(
+        milestone,
+        end_ns,
+        finished,
+        queued_start_ns,
+        queued_end_ns,
+        prefills,
+        decode_start_ns,
+        recomputed,
+    )
 
 
-def _clamp(phases: list[Phase], start_ns: int, end_ns: int) -> None:
-    """Make ``phases`` follow one another inside [start_ns, end_ns] (see the module doc)."""
-    previous_end_ns = start_ns
-    for phase in phases:
-        phase.start_ns = min(max(phase.start_ns, previous_end_ns), end_ns)
-        phase.end_ns = min(max(phase.end_ns, phase.start_ns), end_ns)
-        _clamp(phase.children, phase.start_ns, phase.end_ns)
-        previous_end_ns = phase.end_ns
+def _clamp(chunks: list[Chunk], start_ns: int, end_ns: int) -> tuple[list[Chunk], int]:
+    """``chunks`` made to follow one another inside [start_ns, end_ns], and where the last
+    one ends (``start_ns`` if none)."""
+    clamped = []
+    for chunk_start_ns, chunk_end_ns, index, num_tokens in chunks:
+        chunk_start_ns = min(max(chunk_start_ns, start_ns), end_ns)
+        start_ns = min(max(chunk_end_ns, chunk_start_ns), end_ns)
+        clamped.append((chunk_start_ns, start_ns, index, num_tokens))
+    return clamped, start_ns
 
 
 def assign_lanes(spans: list[tuple[int, int]]) -> list[int]:
