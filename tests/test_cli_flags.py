@@ -169,3 +169,42 @@ def test_serve_refuses_a_model_it_cannot_find_before_starting_anything(
     monkeypatch.setattr(serve.signal, "signal", lambda *_: None)  # keep pytest's SIGTERM
     assert serve.main([str(tmp_path / "no-such-model")]) == 1
     assert "not found: give smollm2, a .gguf file, or a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--no-sidecar", "--record", "run.jsonl"],
+            "--record=run.jsonl: options of the sidecar started here, and --no-sidecar starts "
+            "none; drop --no-sidecar to start one",
+        ),
+        (
+            ["--telemetry-address", "ipc:///tmp/s.sock", "--metrics-port", "9", "--record", "r"],
+            "--metrics-port=9 --record=r: options of the sidecar started here, and "
+            "--telemetry-address starts none; give them to the sidecar at that address",
+        ),
+        (
+            ["--telemetry-address", "foo://x"],
+            "--telemetry-address must be ipc://PATH or tcp://HOST:PORT, got 'foo://x'",
+        ),
+        (
+            ["--no-sidecar", "--telemetry-address", "ipc:///tmp/s.sock"],
+            "--no-sidecar turns telemetry off and --telemetry-address sends it on: give one",
+        ),
+    ],
+)
+def test_serve_refuses_telemetry_options_it_would_ignore_before_starting_anything(
+    flags, expected, capsys, monkeypatch
+):
+    """A --record without the sidecar that would write it lost the recording in silence."""
+    from engine.entrypoints import serve
+
+    def load(model):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve, "load_tokenizer", load)
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(flags)
+    assert exit_.value.code == 2
+    assert expected in capsys.readouterr().err

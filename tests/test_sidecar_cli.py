@@ -3,9 +3,11 @@
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+from contextlib import nullcontext
 
 import pytest
 
@@ -77,6 +79,46 @@ def test_bad_addresses_are_refused_before_anything_starts(
     assert said in capsys.readouterr().err
     assert not record.exists()
     assert not [r for r in caplog.records if "Prometheus metrics on" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--dead-after", "0"], "argument --dead-after: '0' is not a duration above 0"),
+        (["--record-max-files", "0"], "argument --record-max-files: expected a whole number >= 1"),
+        (["--fpm-port", "70000"], "argument --fpm-port: expected a port number 1-65535, got"),
+        (["--rcvhwm", "0"], "argument --rcvhwm: expected a whole number >= 1, got '0'"),
+        (
+            ["--dead-after", "60", "--evict-after", "30"],
+            "--evict-after (30 s) must be at least --dead-after (60 s)",
+        ),
+    ],
+)
+def test_bad_values_are_refused_in_the_flags_words_before_anything_starts(
+    arguments, said, tmp_path, caplog, capsys
+):
+    record = tmp_path / "run.jsonl"
+    with (
+        caplog.at_level("INFO"),
+        pytest.raises(SystemExit) if "argument" in said else nullcontext(),
+    ):
+        code = sidecar_cli.main([*arguments, "--metrics-port", "0", "--record", str(record)])
+        assert code == 2
+    assert said in capsys.readouterr().err
+    assert not record.exists()
+    assert not [r for r in caplog.records if "Prometheus metrics on" in r.getMessage()]
+
+
+def test_a_metrics_port_in_use_is_said_with_its_flags(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert (
+            sidecar_cli.main(["--metrics-port", str(port), "--address", "tcp://127.0.0.1:0"]) == 2
+        )
+    said = capsys.readouterr().err
+    assert f"cannot serve /metrics on 127.0.0.1:{port} (--metrics-host, --metrics-port): " in said
 
 
 def test_engine_options_start_a_sidecar_by_default():

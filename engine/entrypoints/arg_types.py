@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Callable
 
 from engine.settings import DTYPE, Fraction, Kind, MemorySize, PowerOfTwo, WholeNumber
+from telemetry.sidecar.arg_types import port as port  # the sidecar's rule, one for both
 
 
 def of_kind(kind: Kind) -> Callable[[str], object]:
@@ -36,19 +37,6 @@ def int_in_range(minimum: int, maximum: int | None = None) -> Callable[[str], in
 def power_of_two(maximum: int) -> Callable[[str], int]:
     """1, 2, 4, ... up to ``maximum``."""
     return of_kind(PowerOfTwo(maximum))
-
-
-def port(text: str) -> int:
-    """A TCP port, 0 meaning any free one."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"expected a port number 0-65535 (0 picks a free one), got {text!r}"
-        )
-    return value
 
 
 def positive_float(text: str) -> float:

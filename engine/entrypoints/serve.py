@@ -73,9 +73,11 @@ def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> Engine
     return EngineCoreClient(config, load_model=load_model)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """Bound and listening before uvicorn starts, so port 0 can be reported and connections
-    made before uvicorn accepts simply wait in the backlog.
+def bound_socket(host: str, port: int) -> socket.socket:
+    """Bound before the model loads, so a port in use or a bad host is said at once, naming
+    the flags; ``listen()`` comes once the engine runs (connections before are refused).
+    Listening before uvicorn starts, port 0 can be reported and connections made before
+    uvicorn accepts simply wait in the backlog.
 
     The protocol is named (IPPROTO_TCP, not 0): asyncio turns Nagle's algorithm off
     (TCP_NODELAY) only on connections whose socket says TCP, and with it on, a streamed
@@ -84,8 +86,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        reason = error.strerror or str(error)
+        raise OSError(f"cannot listen on {host}:{port} (--host, --port): {reason}") from None
     return sock
 
 
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     resolve_model_argument(parser, args)
     args.sidecar_arg = sidecar_arguments(args)
+    if (problem := sidecar_process.check_arguments(args)) is not None:
+        parser.error(problem)
     logging.basicConfig(
         level=logging.INFO,
         format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
@@ -129,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     keep_large_blocks_mapped()
     sidecar = client = None
     try:
-        tokenizer = load_tokenizer(args.model)  # first: a wrong model starts nothing
+        sock = bound_socket(args.host, args.port)
+        tokenizer = load_tokenizer(args.model)  # a wrong model starts nothing
         sidecar = sidecar_process.start_from_args(args)
         sidecar_metrics_url = api_metrics.sidecar_metrics_url(args, sidecar)
         config = engine_config(args, sidecar_process.telemetry_address(args, sidecar))
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             args.engine_stall_timeout,
             args.request_timeout,
         )
-        sock = listening_socket(args.host, args.port)
+        sock.listen(2048)
         limits = HttpLimits(args.max_request_body, args.request_body_timeout, args.api_key)
         uv_config = uvicorn.Config(
             build_app(frontend, limits, sidecar_metrics_url),

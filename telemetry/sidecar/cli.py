@@ -23,9 +23,11 @@ from types import ModuleType
 
 import zmq
 
+from telemetry.analysis.cli_time import positive_time
 from telemetry.analysis.live_findings import LOOKBACK_S, MESSAGE_BYTES, WINDOW_MESSAGES
 from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S
 from telemetry.lane.publisher import default_address
+from telemetry.sidecar.arg_types import positive_int
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES, EVICT_AFTER_S
 from telemetry.sidecar.fpm_engines import FpmEngines
 from telemetry.sidecar.fpm_socket import FpmSubscriber, endpoints_by_rank
@@ -58,13 +60,6 @@ def load_sink_modules(names: tuple[str, ...] = SINK_MODULES) -> list[ModuleType]
             if error.name != name:  # the sink exists but one of its imports is missing
                 raise
     return modules
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
@@ -104,7 +99,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     )
     lane.add_argument(
         "--rcvhwm",
-        type=int,
+        type=positive_int,
         default=DEFAULT_RCVHWM,
         metavar="N",
         help="messages queued before the lane drops (default: %(default)s)",
@@ -133,14 +128,14 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     status = parser.add_argument_group("engine status")
     status.add_argument(
         "--dead-after",
-        type=float,
+        type=positive_time,
         default=DEAD_AFTER_S,
         metavar="S",
         help="no message for this long: dead (default: %(default)s)",
     )
     status.add_argument(
         "--stall-after",
-        type=float,
+        type=positive_time,
         default=None,
         metavar="S",
         help="work in flight, no iteration for this long: stalled (default: "
@@ -167,7 +162,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--evict-after",
-        type=float,
+        type=positive_time,
         default=EVICT_AFTER_S,
         metavar="S",
         help="a dead engine silent this long gives its place to a new engine "
@@ -195,7 +190,7 @@ def add_fpm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fpm.add_argument(
         "--fpm-dp-ranks",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="each tcp:// --fpm endpoint is the first of N ports, one per data-parallel rank "
@@ -260,6 +255,15 @@ def check_private_directory(directory: str) -> None:
             f"the lane's directory {directory} is writable by others (mode "
             f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it or choose another "
             "--address"
+        )
+
+
+def check_status_arguments(args: argparse.Namespace) -> None:
+    """ValueError, in the flags' words, where the engine-status flags disagree."""
+    if args.evict_after < args.dead_after:
+        raise ValueError(
+            f"--evict-after ({args.evict_after:g} s) must be at least --dead-after "
+            f"({args.dead_after:g} s): only a dead engine gives up its place"
         )
 
 
@@ -368,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 "--fpm and --fpm-port serve live engines: they cannot go with --replay"
             )
+        check_status_arguments(args)
         if not args.replay:
             check_live_arguments(args)
         sinks = build_sinks(sink_modules, args)

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from telemetry.sidecar.lane_loop import check_address
 from telemetry.sidecar.run_dirs import SOCKET_FILE, make_private_run_dir, write_pids
 
 METRICS_URL_FILE = "metrics_url"  # in the run directory: where the sidecar serves /metrics
@@ -104,11 +105,17 @@ class SidecarProcess:
         write_pids(self.run_dir, [os.getpid(), process.pid])
         deadline = time.monotonic() + ready_timeout_s
         while not os.path.exists(self.socket_path):
-            if process.poll() is not None or time.monotonic() > deadline:
+            exited = process.poll() is not None
+            if exited or time.monotonic() > deadline:
                 terminate(process, timeout_s=1)
+                why = (
+                    f"exited (status {process.returncode}; its error is above)"
+                    if exited
+                    else f"did not start within {ready_timeout_s:g} s"
+                )
                 raise RuntimeError(
-                    f"the sidecar did not start listening on {self.address} "
-                    f"(exit status {process.returncode}); command: {' '.join(self._command)}"
+                    f"the sidecar {why} before listening on {self.address}; "
+                    f"command: {' '.join(self._command)}"
                 )
             time.sleep(0.02)
         self._metrics_url = self._read_metrics_url()
@@ -245,6 +252,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pass ARG to the sidecar started here, e.g. --sidecar-arg=--record=run.jsonl "
         "(repeatable; default none)",
     )
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the telemetry options, before anything starts, or None: the
+    sidecar's options (``args.sidecar_arg``) where no sidecar is started here would be
+    ignored (a recording never made), and an address the lane cannot take would fail only
+    once the model is loaded."""
+    if args.no_sidecar and args.telemetry_address:
+        return "--no-sidecar turns telemetry off and --telemetry-address sends it on: give one"
+    if args.sidecar_arg and (args.no_sidecar or args.telemetry_address):
+        flag = "--no-sidecar" if args.no_sidecar else "--telemetry-address"
+        elsewhere = (
+            "drop --no-sidecar to start one"
+            if args.no_sidecar
+            else "give them to the sidecar at that address (`iterscope sidecar ...`)"
+        )
+        return (
+            f"{' '.join(args.sidecar_arg)}: options of the sidecar started here, and "
+            f"{flag} starts none; {elsewhere}"
+        )
+    if args.telemetry_address:
+        try:
+            check_address(args.telemetry_address, bind=False, what="--telemetry-address")
+        except ValueError as error:
+            return str(error)
+    return None
 
 
 def start_from_args(args: argparse.Namespace) -> SidecarProcess | None:

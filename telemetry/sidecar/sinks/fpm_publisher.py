@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import zmq
 
 from telemetry.lane.record import SOURCE_FPM, Heartbeat, IterationRecord
+from telemetry.sidecar.arg_types import fixed_port, positive_int
 from telemetry.sidecar.engine_view import EngineStatus, EngineView
 from telemetry.sidecar.fpm_encode import frames, from_record, idle_message
 from telemetry.sidecar.sink import Sink
@@ -136,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("FPM publishing (Dynamo's planner and other consumers)")
     group.add_argument(
         "--fpm-port",
-        type=int,
+        type=fixed_port,
         default=None,
         metavar="PORT",
         help="publish one forward-pass metrics message per record of the lane's engines on "
@@ -151,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--fpm-sndhwm",
-        type=int,
+        type=positive_int,
         default=DEFAULT_SNDHWM,
         metavar="N",
         help="messages queued per subscriber before PUB drops for it (a seq gap there; "
@@ -162,7 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> FpmPublisherSink | None:
     if args.fpm_port is None:
         return None
-    if not 1 <= args.fpm_port <= 65535:
-        raise ValueError(f"--fpm-port must be a port number, got {args.fpm_port}")
     worker_id = args.fpm_worker_id or default_worker_id()
-    return FpmPublisherSink(f"tcp://*:{args.fpm_port}", worker_id, args.fpm_sndhwm)
+    try:
+        return FpmPublisherSink(f"tcp://*:{args.fpm_port}", worker_id, args.fpm_sndhwm)
+    except zmq.ZMQError as error:
+        raise OSError(f"cannot publish FPM on port {args.fpm_port} (--fpm-port): {error}") from None

@@ -36,6 +36,7 @@ import msgspec
 
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.lane.recording import recording_files, rotated_path
+from telemetry.sidecar.arg_types import positive_int
 from telemetry.sidecar.engine_view import EngineView
 from telemetry.sidecar.sink import Sink
 
@@ -193,14 +194,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--record", metavar="PATH", help="record every message to a JSONL file")
     group.add_argument(
         "--record-max-bytes",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_BYTES,
         metavar="N",
         help="rotate the recording at this size (default: %(default)s)",
     )
     group.add_argument(
         "--record-max-files",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_FILES,
         metavar="N",
         help="files kept, the current one included (default: %(default)s)",

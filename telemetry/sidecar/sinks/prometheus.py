@@ -61,6 +61,7 @@ from telemetry.lane.record import (
     RequestMilestone,
     is_known,
 )
+from telemetry.sidecar.arg_types import port
 from telemetry.sidecar.engine_view import EngineStatus, EngineView, kv_usage_ratio
 from telemetry.sidecar.histogram import Histogram, check_bounds
 from telemetry.sidecar.metrics_http import metrics_url, serve_metrics, write_metrics_url
@@ -816,7 +817,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=DEFAULT_METRICS_PORT,
         help="port to serve /metrics on; 0 picks a free one (default %(default)s)",
     )
@@ -844,7 +845,14 @@ def build(args: argparse.Namespace) -> PrometheusSink | None:
         return None
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, dict(args.metrics_buckets), args.vllm_compatible_names)
-    port = sink.serve(args.metrics_host, args.metrics_port)
+    try:
+        bound_port = sink.serve(args.metrics_host, args.metrics_port)
+    except OSError as error:
+        where = f"{args.metrics_host}:{args.metrics_port}"
+        reason = error.strerror or str(error)
+        raise OSError(
+            f"cannot serve /metrics on {where} (--metrics-host, --metrics-port): {reason}"
+        ) from None
     if args.metrics_url_file:
-        write_metrics_url(args.metrics_url_file, metrics_url(args.metrics_host, port))
+        write_metrics_url(args.metrics_url_file, metrics_url(args.metrics_host, bound_port))
     return sink
