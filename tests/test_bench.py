@@ -3,16 +3,18 @@ token counts must agree with what the sidecar counted from the engine's own reco
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from engine.entrypoints import bench_client, bench_load, bench_summary
-from engine.entrypoints.bench_backends import BenchRequest, RequestResult
+from engine.entrypoints.bench_backends import BenchRequest, HttpBackend, RequestResult
 from engine.entrypoints.serve_args import TINY_MODEL
 from tests.helpers import REPO
 from tests.helpers.prom import scrape, total
@@ -234,3 +236,210 @@ def test_in_process_bench_writes_a_result(tmp_path, capsys):
 def test_unreachable_server_is_a_clear_error(capsys):
     assert bench_client.main(["--base-url", "http://127.0.0.1:9", "--no-progress"]) == 1
     assert "cannot read http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+def test_every_flag_help_states_its_default():
+    parser = bench_client.build_parser()
+    missing = [
+        action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings
+        and not isinstance(action, argparse._HelpAction)
+        and "default" not in (action.help or "")
+    ]
+    assert missing == []
+    help_text = " ".join(parser.format_help().split())
+    for flag, default in (
+        ("--num-prompts", 100),
+        ("--random-input-len", 128),
+        ("--random-output-len", 64),
+        ("--seed", 0),
+    ):
+        assert re.search(rf"{flag} N .*?\(default {default}\)", help_text), flag
+
+
+def refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_client.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--num-prompts", "0", "a whole number >= 1"),
+        ("--num-prompts", "many", "a whole number >= 1"),
+        ("--random-input-len", "-3", "a whole number >= 1"),
+        ("--random-output-len", "0", "a whole number >= 1"),
+        ("--random-range-ratio", "1", "a number in [0, 1)"),
+        ("--random-range-ratio", "-0.1", "a number in [0, 1)"),
+        ("--seed", "-1", "a whole number >= 0"),
+        ("--request-rate", "0", "a number > 0"),
+        ("--max-concurrency", "0", "a whole number >= 1"),
+        ("--vocab-size", "-5", "a whole number >= 1"),
+        ("--vocab-size", "0", "a whole number >= 1"),
+        ("--base-url", "127.0.0.1:8000", "an http:// or https:// URL"),
+        ("--base-url", "http://host:port", "an http:// or https:// URL"),
+    ],
+)
+def test_bad_values_name_flag_value_and_form(flag, value, expected, capsys):
+    message = refusal([flag, value], capsys)
+    assert message.startswith("iterscope bench: error: argument ")
+    assert flag in message and repr(value) in message and expected in message
+
+
+def test_good_values_are_converted():
+    args = bench_client.build_parser().parse_args(
+        ["--base-url", "https://h:8443/", "--seed", "7", "--random-range-ratio", "0.5"]
+    )
+    assert (args.base_url, args.seed, args.random_range_ratio) == ("https://h:8443/", 7, 0.5)
+    assert bench_client.build_parser().parse_args(["--request-rate", "inf"]).request_rate > 1e300
+
+
+def test_a_result_file_that_cannot_be_written_is_refused_before_any_load(tmp_path, capsys):
+    missing = tmp_path / "nodir" / "r.json"
+    message = refusal(["--result-file", str(missing)], capsys)
+    assert "argument --result-file" in message and repr(str(missing)) in message
+    assert "no folder" in message
+    message = refusal(["--result-file", str(tmp_path)], capsys)
+    assert "argument --result-file" in message and "folder" in message
+    # main refuses it too, before it reads the server (none listens on port 9)
+    argv = ["--base-url", "http://127.0.0.1:9", "--result-file", str(missing)]
+    with pytest.raises(SystemExit):
+        bench_client.main(argv)
+    assert "cannot read" not in capsys.readouterr().err
+
+
+def test_a_writable_result_file_is_checked_without_a_trace(tmp_path):
+    """The check opens the file; one that was not there is not left behind, one that was is
+    kept as it was."""
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("before")
+    parse = bench_client.build_parser().parse_args
+    assert parse(["--result-file", str(new)]).result_file == str(new)
+    assert parse(["--result-file", str(old)]).result_file == str(old)
+    assert not new.exists() and old.read_text() == "before"
+
+
+class FakeHttpBackend(CountingBackend):
+    """HttpBackend's methods, answered here; ``on_card`` runs when the card is read."""
+
+    on_card = staticmethod(lambda: None)
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__()
+        self.model = None
+
+    async def model_card(self) -> dict:
+        FakeHttpBackend.on_card()
+        return {"id": "fake", "vocab_size": 100}
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_result_file_that_fails_at_the_end_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """The folder goes away during the run: the summary is printed, then one line says the
+    file was not written."""
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    monkeypatch.setattr(bench_client, "HttpBackend", FakeHttpBackend)
+    monkeypatch.setattr(FakeHttpBackend, "on_card", staticmethod(folder.rmdir))
+    argv = ["--num-prompts", "3", "--no-progress", "--result-file", str(folder / "r.json")]
+    assert bench_client.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "Successful requests:" in out
+    assert err.strip().splitlines() == [
+        f"iterscope bench: could not write --result-file {str(folder / 'r.json')!r}: "
+        "No such file or directory (the summary printed above is this run's result)"
+    ]
+
+
+def test_a_result_file_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_client, "HttpBackend", FakeHttpBackend)
+    path = tmp_path / "r.json"
+    argv = ["--num-prompts", "3", "--no-progress", "--result-file", str(path)]
+    assert bench_client.main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["num_completed"] == 3 and result["settings"]["result_file"] == str(path)
+
+
+def mock_backend(handler) -> HttpBackend:
+    """An HttpBackend for http://127.0.0.1:9470 whose answers come from ``handler``."""
+    backend = HttpBackend("http://127.0.0.1:9470")
+    backend.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return backend
+
+
+async def read_card(backend: HttpBackend) -> dict:
+    try:
+        return await backend.model_card()
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(
+    "status, body, shown",
+    [
+        (200, b"# HELP iterscope_requests_running ...\n", "'# HELP iterscope_requests_running"),
+        (200, b'{"status": "ok"}', '{"status": "ok"}'),
+        (200, b'{"data": []}', '{"data": []}'),
+        (404, b"<html>\n<p>Not Found</p>", "HTTP 404"),
+    ],
+)
+def test_a_server_that_is_not_openai_is_a_one_line_error(status, body, shown):
+    backend = mock_backend(lambda request: httpx.Response(status, content=body))
+    with pytest.raises(RuntimeError) as error:
+        asyncio.run(read_card(backend))
+    message = str(error.value)
+    assert message.startswith("http://127.0.0.1:9470/v1/models does not answer like an OpenAI")
+    assert 'expected HTTP 200 with JSON {"data": [{"id": ...}]}' in message
+    assert shown in message and "\n" not in message
+
+
+def test_the_first_model_card_is_read():
+    card = {"id": "m", "vocab_size": 50}
+    backend = mock_backend(lambda request: httpx.Response(200, json={"data": [card]}))
+    assert asyncio.run(read_card(backend)) == card
+
+
+def test_a_non_openai_server_stops_main_with_one_line(capsys, monkeypatch):
+    def metrics_page(base_url: str) -> HttpBackend:
+        return mock_backend(lambda request: httpx.Response(200, text="# HELP x\nx 1\n"))
+
+    monkeypatch.setattr(bench_client, "HttpBackend", metrics_page)
+    assert bench_client.main(["--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("iterscope bench: http://127.0.0.1:9470/v1/models does not answer")
+    assert err.count("\n") == 1 and "Expecting value" not in err
+
+
+def test_completions_that_are_not_openai_fail_each_request_in_one_line():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, text="data: not json\n\n")
+        return httpx.Response(404, text="<html>\nno\n</html>")
+
+    async def send_both() -> list[RequestResult]:
+        backend = mock_backend(handler)
+        try:
+            first = await backend.send(BenchRequest([1, 2], 3))
+            backend.base_url = "http://127.0.0.1:9470/elsewhere"
+            return [first, await backend.send(BenchRequest([1, 2], 3))]
+        finally:
+            await backend.close()
+
+    streamed, refused = asyncio.run(send_both())
+    assert not streamed.success and not refused.success
+    assert streamed.error == "expected server-sent events of JSON objects, got 'data: not json'"
+    assert refused.error.startswith(
+        "http://127.0.0.1:9470/elsewhere/v1/completions answered HTTP 404"
+    )
+    assert "\n" not in refused.error
+
+
+def test_a_card_with_an_unusable_vocab_size_gives_none(tmp_path):
+    (tmp_path / "config.json").write_text("not json")
+    assert bench_client.card_vocab_size({"id": "m", "root": str(tmp_path)}) is None
+    assert bench_client.card_vocab_size({"id": "m", "vocab_size": "many"}) is None

@@ -35,6 +35,56 @@ class RequestResult:
     e2e_time: float = 0.0
 
 
+MODELS_TIMEOUT_S = 30.0  # for /v1/models only: a request's own time is what is measured
+
+
+def first_model(response: Any) -> dict[str, Any] | None:
+    """The first model card of an OpenAI /v1/models answer; None if it is not one."""
+    if response.status_code != 200:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    models = body.get("data") if isinstance(body, dict) else None
+    if not (isinstance(models, list) and models and isinstance(models[0], dict)):
+        return None
+    return models[0] if "id" in models[0] else None
+
+
+def describe(response: Any, limit: int = 80) -> str:
+    """An answer in one line: status, content type and the start of the body."""
+    kind = response.headers.get("content-type", "no content-type")
+    return f"HTTP {response.status_code} ({kind}): {response.text[:limit]!r}"
+
+
+async def read_stream(response: Any, result: RequestResult, clock: TokenClock) -> str:
+    """Read a streamed completion into ``result``; the error in one line, or "" if none."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = _event(line)
+        if chunk is None:
+            return f"expected server-sent events of JSON objects, got {line[:80]!r}"
+        if "error" in chunk:
+            error = chunk["error"]
+            return str(error.get("message", error) if isinstance(error, dict) else error)
+        if chunk.get("choices"):
+            clock.note_token(result)
+        if chunk.get("usage"):
+            result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+            result.num_output_tokens = chunk["usage"]["completion_tokens"]
+    return ""
+
+
+def _event(line: str) -> dict[str, Any] | None:
+    try:
+        chunk = json.loads(line[len("data: ") :])
+    except ValueError:
+        return None
+    return chunk if isinstance(chunk, dict) else None
+
+
 class HttpBackend:
     """Streams /v1/completions of an OpenAI-compatible server (token-id prompts)."""
 
@@ -46,14 +96,22 @@ class HttpBackend:
         self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
 
     async def model_card(self) -> dict[str, Any]:
+        """The first model /v1/models lists; a RuntimeError in one line, naming the URL, when
+        the server cannot be reached or does not answer like an OpenAI server."""
         import httpx
 
+        url = f"{self.base_url}/v1/models"
         try:
-            response = await self.http.get(f"{self.base_url}/v1/models")
-            response.raise_for_status()
+            response = await self.http.get(url, timeout=MODELS_TIMEOUT_S)
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"cannot read {self.base_url}/v1/models: {exc}") from exc
-        return response.json()["data"][0]
+            raise RuntimeError(f"cannot read {url}: {type(exc).__name__}: {exc}") from None
+        card = first_model(response)
+        if card is None:
+            raise RuntimeError(
+                f"{url} does not answer like an OpenAI server: expected HTTP 200 with JSON "
+                f'{{"data": [{{"id": ...}}]}}, got {describe(response)}'
+            )
+        return card
 
     async def send(self, request: BenchRequest) -> RequestResult:
         payload = {
@@ -67,29 +125,17 @@ class HttpBackend:
         }
         result = RequestResult(num_prompt_tokens=len(request.prompt_token_ids))
         clock = TokenClock()
+        url = f"{self.base_url}/v1/completions"
         try:
-            async with self.http.stream(
-                "POST", f"{self.base_url}/v1/completions", json=payload
-            ) as response:
+            async with self.http.stream("POST", url, json=payload) as response:
                 if response.status_code != 200:
-                    result.error = (await response.aread()).decode(errors="replace")
+                    await response.aread()
+                    result.error = f"{url} answered {describe(response, limit=300)}"
                     return result
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: ") :])
-                    if "error" in chunk:
-                        result.error = chunk["error"]["message"]
-                        return result
-                    if chunk.get("choices"):
-                        clock.note_token(result)
-                    if chunk.get("usage"):
-                        result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
-                        result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                result.error = await read_stream(response, result, clock)
         except Exception as exc:  # a benchmark reports failures, it does not stop on them
             result.error = f"{type(exc).__name__}: {exc}"
-            return result
-        return clock.finish(result)
+        return result if result.error else clock.finish(result)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -137,4 +183,6 @@ class TokenClock:
     def finish(self, result: RequestResult) -> RequestResult:
         result.e2e_time = self.last - self.start
         result.success = result.num_output_tokens > 0
+        if not result.success and not result.error:
+            result.error = "no output tokens in the answer"
         return result

@@ -27,71 +27,179 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from engine.entrypoints import arg_types
 from engine.entrypoints.bench_backends import HttpBackend, InProcessBackend
 from engine.entrypoints.bench_load import random_dataset, run_benchmark
 from engine.entrypoints.bench_summary import format_summary, result_json, summarize
 
 
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host (and a port that is a number, if given)."""
+    try:
+        parts = urlsplit(text)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
+    except ValueError:
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(
+            f"expected an http:// or https:// URL, e.g. http://127.0.0.1:8000, got {text!r}"
+        )
+    return text
+
+
+def share_below_one(text: str) -> float:
+    """A number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), e.g. 0.25, got {text!r}")
+    return value
+
+
+def writable_file(text: str) -> str:
+    """A file path the run can write its result to, checked by opening it before any load is
+    sent (so a typo in its folder does not lose a finished run). A file that was not there
+    is removed again; one that was is left as it was."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path, got the folder {text!r}")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"expected a file path in an existing folder, got {text!r} "
+            f"(there is no folder {str(path.parent)!r})"
+        )
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected a file path that can be written, got {text!r} ({error.strerror})"
+        ) from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every bad value is refused here, naming the flag, the value and the form expected."""
     from engine.entrypoints.serve_args import add_engine_arguments
     from telemetry.sidecar import process as sidecar_process
 
     parser = argparse.ArgumentParser(prog="iterscope bench", description=__doc__.split("\n")[0])
-    target = parser.add_argument_group("target")
-    target.add_argument(
-        "--base-url",
-        default="http://127.0.0.1:8000",
-        help="the server to load (default %(default)s)",
-    )
-    target.add_argument(
-        "--in-process",
-        action="store_true",
-        help="no HTTP: start the engine-core process here (engine options "
-        "below) and send to it directly",
-    )
-    load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=100)
-    load.add_argument("--random-input-len", type=int, default=128)
-    load.add_argument("--random-output-len", type=int, default=64)
-    load.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths vary uniformly by +- this share (default 0: exact)",
-    )
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="requests per second, Poisson arrivals (default inf: all at once)",
-    )
-    load.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="at most this many requests in flight (default: no limit)",
-    )
-    load.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="token ids are drawn below this (default: from /v1/models or the model's tokenizer)",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument("--result-file", default=None, metavar="PATH", help="write a JSON result")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_target_arguments(parser.add_argument_group("target"))
+    _add_load_arguments(parser.add_argument_group("load"))
+    _add_output_arguments(parser.add_argument_group("output"))
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
     return parser
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+def _add_target_arguments(target: argparse._ArgumentGroup) -> None:
+    target.add_argument(
+        "--base-url",
+        metavar="URL",
+        type=http_url,
+        default="http://127.0.0.1:8000",
+        help="the OpenAI-compatible server to load (default %(default)s)",
+    )
+    target.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no HTTP: start the engine-core process here (engine options "
+        "below) and send to it directly (default off)",
+    )
+
+
+def _add_load_arguments(load: argparse._ArgumentGroup) -> None:
+    whole = arg_types.int_in_range
+    load.add_argument(
+        "--num-prompts",
+        metavar="N",
+        type=whole(1),
+        default=100,
+        help="requests to send (default %(default)s)",
+    )
+    load.add_argument(
+        "--random-input-len",
+        metavar="N",
+        type=whole(1),
+        default=128,
+        help="prompt tokens per request (default %(default)s)",
+    )
+    load.add_argument(
+        "--random-output-len",
+        metavar="N",
+        type=whole(1),
+        default=64,
+        help="output tokens per request, exact: ignore_eos (default %(default)s)",
+    )
+    load.add_argument(
+        "--random-range-ratio",
+        metavar="R",
+        type=share_below_one,
+        default=0.0,
+        help="lengths vary uniformly by +- this share, in [0, 1) (default 0: exact)",
+    )
+    load.add_argument(
+        "--seed",
+        metavar="N",
+        type=whole(0),
+        default=0,
+        help="seeds the prompts, their lengths and the arrivals (default %(default)s)",
+    )
+    load.add_argument(
+        "--request-rate",
+        metavar="RATE",
+        type=arg_types.positive_float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        metavar="N",
+        type=whole(1),
+        default=None,
+        help="at most this many requests in flight (default: no limit)",
+    )
+    load.add_argument(
+        "--vocab-size",
+        metavar="N",
+        type=whole(1),
+        default=None,
+        help="token ids are drawn below this (default: from /v1/models or the model's tokenizer)",
+    )
+
+
+def _add_output_arguments(out: argparse._ArgumentGroup) -> None:
+    out.add_argument(
+        "--result-file",
+        type=writable_file,
+        default=None,
+        metavar="PATH",
+        help="write a JSON result here; its folder must exist (default: none)",
+    )
+    out.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (default: a progress bar)"
+    )
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """Write --result-file; a failure (the folder went away meanwhile, a full disk) is a
+    RuntimeError in one line that names the flag and the file."""
+    text = json.dumps(result)
+    try:
+        Path(path).write_text(text)
+    except OSError as error:
+        raise RuntimeError(
+            f"could not write --result-file {path!r}: {error.strerror or error} "
+            "(the summary printed above is this run's result)"
+        ) from None
 
 
 async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dict[str, Any]:
@@ -119,21 +227,28 @@ async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dic
         print(f"first failure: {failures[0]}", file=sys.stderr)
     if args.result_file:
         settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
-        with open(args.result_file, "w") as file:
-            json.dump(result_json(metrics, settings, results), file)
+        write_result(args.result_file, result_json(metrics, settings, results))
     return metrics
 
 
 def card_vocab_size(card: dict[str, Any]) -> int | None:
     """The vocabulary size a /v1/models card gives: ours says it; vLLM's does not, but its
-    ``root`` is the model's directory, whose config.json does when it is on this machine."""
+    ``root`` is the model's directory, whose config.json does when it is on this machine.
+    None when neither gives a whole number >= 1."""
     if card.get("vocab_size"):
-        return int(card["vocab_size"])
+        return _vocab_size(card["vocab_size"])
     config = Path(str(card.get("root") or "")) / "config.json"
     if not card.get("root") or not config.is_file():
         return None
-    size = json.loads(config.read_text()).get("vocab_size")
-    return int(size) if size else None
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return _vocab_size(settings.get("vocab_size")) if isinstance(settings, dict) else None
+
+
+def _vocab_size(value: Any) -> int | None:
+    return value if type(value) is int and value >= 1 else None
 
 
 async def _bench_http(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,11 +257,11 @@ async def _bench_http(args: argparse.Namespace) -> dict[str, Any]:
         card = await backend.model_card()
         backend.model = card["id"]
         vocab_size = args.vocab_size or card_vocab_size(card)
-        if not vocab_size:
+        if vocab_size is None:
             raise ValueError(
                 f"the server reports no vocab_size and its model {card.get('root')!r} is not a "
-                "directory here with a config.json: give --vocab-size (the model's "
-                "config.json says it)"
+                "directory here with a config.json that gives one: give --vocab-size (the "
+                "model's config.json says it)"
             )
         return await _bench(args, backend, vocab_size)
     finally:
@@ -183,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        _check_args(args)
         metrics = _bench_in_process(args) if args.in_process else asyncio.run(_bench_http(args))
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"iterscope bench: {exc}", file=sys.stderr)
