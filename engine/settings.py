@@ -28,7 +28,6 @@ DTYPE_ALIASES = {
     "half": "float16",
 }
 _MEMORY_UNITS = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -39,15 +38,36 @@ _MEMORY_UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+_MEMORY_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+MEMORY_SIZE_FORM = "a size with its unit, e.g. 512MiB, 4GiB or 4.5GB"
 
 
 def parse_memory_size(text: str) -> int:
-    """'24GiB' -> bytes. Accepts B, KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _MEMORY_UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 24GiB, 512MiB or 4.5GB")
-    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+    """'24GiB' -> bytes, for a size written on a command line.
+
+    Takes B, KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB (powers of 2), in any case. The
+    unit is required, B included: a bare ``512`` could mean bytes or MiB, and as bytes it
+    would start an engine that fails later. The size must be above 0 bytes. ValueError says
+    ``expected a size with its unit, ..., got 'TEXT'`` and, where that is the trouble, that
+    it has no unit, an unknown unit, or is not above 0 bytes.
+    """
+    match = _MEMORY_SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"expected {MEMORY_SIZE_FORM}, got {text!r}")
+    number, unit = match.group(1), match.group(2)
+    if not unit:
+        raise ValueError(
+            f"expected {MEMORY_SIZE_FORM}, got {text!r}: it has no unit (write {number}B for bytes)"
+        )
+    if unit.lower() not in _MEMORY_UNITS:
+        raise ValueError(
+            f"expected {MEMORY_SIZE_FORM}, got {text!r}: {unit!r} is not a unit; use B, "
+            "KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    size = int(float(number) * _MEMORY_UNITS[unit.lower()])
+    if size < 1:
+        raise ValueError(f"expected {MEMORY_SIZE_FORM}, got {text!r}: it is not above 0 bytes")
+    return size
 
 
 class Kind:
@@ -120,13 +140,20 @@ class Fraction(Kind):
 
 @dataclass(frozen=True)
 class MemorySize(Kind):
-    expected: str = "a size with its unit, e.g. 512MiB, 4GiB or 4.5GB"
+    """Bytes. From a command line, text with its unit (``parse_memory_size``, whose error
+    says what is wrong); from a Python caller or config (``EngineConfig(kv_cache_memory_bytes=
+    4 << 20)``), a plain int of bytes, which ``accepts`` checks."""
+
+    expected: str = f"a whole number of bytes above 0 (on a command line, {MEMORY_SIZE_FORM})"
 
     def read(self, text: str) -> int:
         return parse_memory_size(text)
 
     def accepts(self, value: int) -> bool:
         return value >= 1
+
+    def parse(self, text: str) -> int:
+        return parse_memory_size(text)
 
 
 @dataclass(frozen=True)

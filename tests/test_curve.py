@@ -282,6 +282,70 @@ def test_command_line_creates_keys(tmp_path, capsys):
     assert curve.main([str(tmp_path / "k"), "--engines", "server"]) == 2
 
 
+def test_command_line_is_iterscope_curve_keys(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        curve.main(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: iterscope curve-keys ")
+    with pytest.raises(SystemExit) as exit_info:
+        curve.main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: iterscope curve-keys ")
+    assert "iterscope curve-keys: error: the following arguments are required: keys_dir" in err
+
+
+@pytest.mark.parametrize("keys_under_file", [False, True])
+def test_command_line_refuses_a_file_for_the_keys_directory(tmp_path, capsys, keys_under_file):
+    file = tmp_path / "empty.jsonl"
+    file.write_text("")
+    assert curve.main([str(file / "keys" if keys_under_file else file)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"iterscope curve-keys: {file} is a file, not a directory: KEYS_DIR must be a "
+        "directory to create or extend\n"
+    )
+    assert list(tmp_path.iterdir()) == [file] and file.read_text() == ""
+
+
+def test_command_line_checks_every_name_before_writing(tmp_path, capsys):
+    assert curve.main([str(tmp_path / "keys"), "--engines", "fine", "server"]) == 2
+    assert capsys.readouterr().err.startswith("iterscope curve-keys: invalid engine name")
+    assert not (tmp_path / "keys").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_command_line_says_which_path_it_cannot_create(capsys):
+    assert curve.main(["/proc/keys_qa"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith("iterscope curve-keys: cannot create or write /proc/keys_qa: ")
+
+
+def test_a_failed_write_leaves_no_partial_certificate(tmp_path, capsys, monkeypatch):
+    create = zmq.auth.create_certificates
+
+    def public_half_then_fail(directory, name):
+        if not name.startswith("broken"):
+            return create(directory, name)
+        path = Path(directory) / f"{name}.key"
+        path.write_text("half")
+        raise OSError(28, "No space left on device", str(path.with_suffix(".key_secret")))
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", public_half_then_fail)
+    keys = tmp_path / "keys"
+    assert curve.main([str(keys), "--engines", "good", "broken"]) == 2  # a new directory
+    assert capsys.readouterr().err == (
+        f"iterscope curve-keys: cannot create or write {keys / 'broken.key_secret'}: "
+        "No space left on device\n"
+    )
+    assert not keys.exists()
+    curve.generate_keys(keys, ["good"])  # an existing directory keeps what it held
+    before = sorted(p.relative_to(keys) for p in keys.rglob("*"))
+    assert curve.main([str(keys), "--engines", "good", "broken-2"]) == 2
+    assert sorted(p.relative_to(keys) for p in keys.rglob("*")) == before
+
+
 def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
     from telemetry.sidecar.ingest import Ingest
     from telemetry.sidecar.lane_loop import LaneLoop

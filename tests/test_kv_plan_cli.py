@@ -80,10 +80,44 @@ def test_embedded_model_is_read_from_its_gguf(capsys):
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--memory", "1GiB"]) == 2
     assert "no config.json" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps(STORY5_CONFIG))
-    assert main(["--model", str(tmp_path), "--memory", "lots"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        (
+            "--memory",
+            "lots",
+            "expected a size with its unit, e.g. 512MiB, 4GiB or 4.5GB, got 'lots'",
+        ),
+        ("--memory", "512", "got '512': it has no unit (write 512B for bytes)"),
+        ("--memory", "0MiB", "got '0MiB': it is not above 0 bytes"),
+        ("--weights", "16", "got '16': it has no unit"),
+        ("--block-size", "7", "expected a power of two up to 256 (e.g. 16), got '7'"),
+        ("--block-size", "512", "expected a power of two up to 256 (e.g. 16), got '512'"),
+        ("--max-model-len", "0", "expected a whole number >= 1, got '0'"),
+        ("--gpu-memory-utilization", "90", "expected a fraction in (0, 1], e.g. 0.9, got '90'"),
+    ],
+)
+def test_values_the_engine_refuses_are_refused_in_serves_words(
+    story5_dir, flag, value, expected, capsys
+):
+    """The same rule as `iterscope serve`'s flag (engine/settings.py), so no plan is printed
+    for a value the engine would not start with."""
+    budget = [] if flag == "--memory" else ["--memory", "1GiB"]
+    argv = ["--model", str(story5_dir), *budget, flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
     out, err = capsys.readouterr()
-    assert "cannot read memory size 'lots'" in err and out == ""
+    assert exit_info.value.code == 2 and out == ""
+    assert f"iterscope kv-plan: error: argument {flag}: " in err and expected in err
+
+
+def test_every_block_size_the_engine_takes_is_planned(story5_dir, capsys):
+    argv = ["--model", str(story5_dir), "--memory", "4.5GiB", "--max-model-len", "1024"]
+    for block_size in (1, 32, 256):
+        assert main([*argv, "--block-size", str(block_size)]) == 0
+        assert "KV cache size: 32,768 tokens" in capsys.readouterr().out
 
 
 def test_max_model_len_above_the_models_is_refused(story5_dir, capsys):
@@ -116,9 +150,37 @@ def test_gpu_budget_subtracts_weights_and_activation_peak_like_the_engine(story5
     assert "minus weights: 0.00 GiB" in out and "minus activation peak: 1.00 GiB" in out
     assert f"Available KV cache memory: {budget / GIB:.2f} GiB" in out
     assert main([*argv[:-2], "--weights", "4.5GiB"]) == 2  # nothing left for the KV cache
-    assert "raise gpu_memory_utilization (--gpu-memory-utilization)" in capsys.readouterr().err
+    assert "raise --gpu-memory-utilization to 0.56 or more" in capsys.readouterr().err
     assert main(argv[:6]) == 2
     assert "--gpu-memory needs --activation-peak" in capsys.readouterr().err
+
+
+def test_no_memory_left_names_kv_plans_flags_and_the_engines(story5_dir, capsys):
+    argv = ["--model", str(story5_dir), "--gpu-memory", "24GiB", "--gpu-memory-utilization"]
+    assert main([*argv, "0.5", "--weights", "15GiB", "--activation-peak", "1GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err == (
+        "iterscope kv-plan: no memory left for the KV cache: weights (15.00 GiB) plus "
+        "activation peak (1.00 GiB) = 16.00 GiB, which fills the 0.5 x 24.00 GiB = 12.00 GiB "
+        "the engine may use; raise --gpu-memory-utilization to 0.67 or more, or lower the "
+        "activation peak (`iterscope serve` with a smaller --max-num-batched-tokens, then "
+        "pass the peak it logs as --activation-peak)\n"
+    )
+    argv += ["0.67", "--weights", "15GiB", "--activation-peak", "1GiB", "--max-model-len", "512"]
+    assert main(argv) == 0
+
+
+@pytest.mark.parametrize(("weights", "peak"), [("1GiB", "1GiB"), ("0.5GiB", "0.5GiB")])
+def test_weights_and_activations_that_fill_the_card_need_another_model_or_gpu(
+    story5_dir, weights, peak, capsys
+):
+    argv = ["--model", str(story5_dir), "--gpu-memory", "1GiB", "--gpu-memory-utilization", "1"]
+    assert main([*argv, "--weights", weights, "--activation-peak", peak]) == 2
+    err = capsys.readouterr().err
+    assert "which fills the whole card (1.00 GiB), so no --gpu-memory-utilization can help" in err
+    assert err.endswith("use a smaller model, a quantized one, or a GPU with more memory\n")
+    assert "--max-num-batched-tokens" not in err
 
 
 @pytest.mark.live

@@ -90,16 +90,36 @@ def test_cuda_budget_subtracts_weights_and_activations():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("24GiB", 24 * GIB), ("4.5GiB", int(4.5 * GIB)), ("512MiB", 512 << 20), ("1GB", 10**9)],
+    [
+        ("24GiB", 24 * GIB),
+        ("4.5GiB", int(4.5 * GIB)),
+        ("512MiB", 512 << 20),
+        ("1GB", 10**9),
+        ("512B", 512),
+        (" 2 kib ", 2048),
+    ],
 )
 def test_parse_memory_size(text, expected):
     assert parse_memory_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-1GiB"])
-def test_parse_memory_size_rejects_garbage(text):
-    with pytest.raises(ValueError, match="cannot read memory size"):
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", ""),
+        ("GiB", ""),
+        ("-1GiB", ""),
+        ("12 parsecs", ": 'parsecs' is not a unit; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"),
+        ("512", ": it has no unit (write 512B for bytes)"),
+        ("0MiB", ": it is not above 0 bytes"),
+        ("0.4B", ": it is not above 0 bytes"),
+    ],
+)
+def test_parse_memory_size_says_what_is_wrong(text, reason):
+    expected = f"expected a size with its unit, e.g. 512MiB, 4GiB or 4.5GB, got {text!r}{reason}"
+    with pytest.raises(ValueError) as error:
         parse_memory_size(text)
+    assert str(error.value) == expected
 
 
 @pytest.mark.parametrize(
@@ -123,7 +143,8 @@ def test_parse_memory_size_rejects_garbage(text):
         ),
         (
             {"kv_cache_memory_bytes": 0},
-            r"kv_cache_memory_bytes \(--kv-cache-memory\) must be a size with its unit",
+            r"kv_cache_memory_bytes \(--kv-cache-memory\) must be a whole number of bytes above 0 "
+            r"\(on a command line, a size with its unit, e.g. 512MiB",
         ),
         ({"dtype": "int3"}, r"dtype \(--dtype\) must be auto, float32, bfloat16 or float16"),
         ({"device": "tpu"}, r"device \(--device\) must be cpu or cuda, got 'tpu'"),

@@ -10,18 +10,24 @@
 files) and the activation peak (the engine measures it at start-up and logs it), each term
 printed. The model's shape comes from its config.json or a GGUF file's metadata. Uses the
 engine's own planning code, so the lines and the error are the ones the engine prints at
-start-up. Exits 1 when max_model_len does not fit, 2 on bad input (message on stderr).
+start-up. It plans for iterscope's engine and reads each value with the rule `iterscope
+serve` reads its flag with (a size with its unit, ``--block-size`` a power of two up to 256),
+so it refuses what the engine would, in the same words. Exits 1 when max_model_len does not
+fit, 2 on bad input (message on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config import EngineConfig
+from engine.entrypoints import arg_types
 from engine.kv_planning import (
     GIB,
     KvPlan,
@@ -30,9 +36,11 @@ from engine.kv_planning import (
     kv_bytes_per_token,
     plan_kv_cache,
 )
-from engine.settings import DTYPE_ALIASES, parse_memory_size
+from engine.settings import DTYPE_ALIASES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# serve's rule for --block-size (engine/config.py), so kv-plan refuses what the engine refuses
+BLOCK_SIZE_KIND = next(f.metadata["kind"] for f in fields(EngineConfig) if f.name == "block_size")
 
 
 @dataclass(frozen=True)
@@ -82,37 +90,76 @@ def read_model_shape(model: str) -> ModelShape:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterscope kv-plan",
-        description="How many tokens and concurrent requests fit in a KV cache budget.",
+        description="How many tokens and concurrent requests fit in a KV cache budget of "
+        "iterscope's engine (its flags take values as `iterscope serve` does).",
     )
     parser.add_argument("--model", required=True, help="HF directory, .gguf file or smollm2")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument(
         "--memory",
+        type=arg_types.memory_size,
+        metavar="SIZE",
         help="memory for the KV cache, e.g. 4.5GiB, 24GiB, 512MiB (serve's --kv-cache-memory)",
     )
     budget.add_argument(
-        "--gpu-memory", help="the card's total memory, e.g. 80GiB: plan as the engine budgets a GPU"
+        "--gpu-memory",
+        type=arg_types.memory_size,
+        metavar="SIZE",
+        help="the card's total memory, e.g. 80GiB: plan as the engine budgets a GPU",
     )
+    _add_gpu_arguments(parser)
+    _add_shape_arguments(parser)
+    return parser
+
+
+def _add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-utilization",
-        type=float,
+        type=arg_types.fraction,
         default=0.9,
+        metavar="FRACTION",
         help="share of --gpu-memory the engine may use (default 0.9, as serve)",
     )
-    parser.add_argument("--weights", help="weights' memory (default: the model's weight files)")
     parser.add_argument(
-        "--activation-peak",
-        help="activation peak, as the engine logs it at start-up (needed with --gpu-memory)",
+        "--weights",
+        type=arg_types.memory_size,
+        metavar="SIZE",
+        help="weights' memory (default: the model's weight files)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, help="tokens per request to plan for (default: the model's)"
+        "--activation-peak",
+        type=arg_types.memory_size,
+        metavar="SIZE",
+        help="activation peak, as the engine logs it at start-up (needed with --gpu-memory)",
+    )
+
+
+def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    at_least_one = arg_types.int_in_range(1)
+    parser.add_argument(
+        "--max-model-len",
+        type=at_least_one,
+        metavar="N",
+        help="tokens per request to plan for (default: the model's)",
     )
     parser.add_argument(
         "--dtype", help="KV dtype: bf16, fp16 or fp32 (default: the checkpoint's, else bf16)"
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--request-len", type=int, help="request length for the concurrency line")
-    return parser
+    parser.add_argument(
+        "--block-size",
+        type=arg_types.of_kind(BLOCK_SIZE_KIND),
+        default=16,
+        metavar="N",
+        help=f"tokens per KV cache block: {BLOCK_SIZE_KIND.expected}, as `iterscope serve` "
+        "takes (default 16). This plans for iterscope's engine; vLLM's block sizes depend "
+        "on its attention backend",
+    )
+    parser.add_argument(
+        "--request-len",
+        type=at_least_one,
+        metavar="N",
+        help="request length for the concurrency line (default: --max-model-len)",
+    )
 
 
 def weight_files_bytes(model: str) -> int:
@@ -129,32 +176,59 @@ def weight_files_bytes(model: str) -> int:
 def kv_budget(args: argparse.Namespace) -> tuple[int, list[str], str]:
     """(KV bytes, the lines that show how they were reached, the flag that gives more)."""
     if args.memory is not None:
-        return parse_memory_size(args.memory), [], "--memory"
+        return args.memory, [], "--memory"
     if args.activation_peak is None:
         raise ValueError(
             "--gpu-memory needs --activation-peak: the engine measures it at "
             "start-up and logs it ('activation peak X GiB')"
         )
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-        )
-    total = parse_memory_size(args.gpu_memory)
-    weights = (
-        parse_memory_size(args.weights)
-        if args.weights is not None
-        else weight_files_bytes(args.model)
-    )
-    peak = parse_memory_size(args.activation_peak)
-    budget = cuda_kv_budget_bytes(total, args.gpu_memory_utilization, weights, peak)
+    total, utilization, peak = args.gpu_memory, args.gpu_memory_utilization, args.activation_peak
+    weights = args.weights if args.weights is not None else weight_files_bytes(args.model)
+    check_gpu_budget(total, utilization, weights, peak)
+    budget = cuda_kv_budget_bytes(total, utilization, weights, peak)
     lines = [
-        f"GPU memory: {total / GIB:.2f} GiB x {args.gpu_memory_utilization:g} utilization = "
-        f"{int(total * args.gpu_memory_utilization) / GIB:.2f} GiB",
+        f"GPU memory: {total / GIB:.2f} GiB x {utilization:g} utilization = "
+        f"{int(total * utilization) / GIB:.2f} GiB",
         f"  minus weights: {weights / GIB:.2f} GiB",
         f"  minus activation peak: {peak / GIB:.2f} GiB",
         f"  = KV cache budget: {budget / GIB:.2f} GiB",
     ]
     return budget, lines, "--gpu-memory-utilization"
+
+
+def check_gpu_budget(total: int, utilization: float, weights: int, peak: int) -> None:
+    """ValueError, in kv-plan's own flags, when nothing is left for the KV cache: the
+    utilization that would leave some, or, when weights and activation peak fill the whole
+    card, that no utilization can."""
+    fixed = weights + peak
+    allowed = int(total * utilization)
+    if allowed > fixed:
+        return
+    terms = (
+        f"no memory left for the KV cache: weights ({weights / GIB:.2f} GiB) plus activation "
+        f"peak ({peak / GIB:.2f} GiB) = {fixed / GIB:.2f} GiB"
+    )
+    if fixed >= total:
+        raise ValueError(
+            f"{terms}, which fills the whole card ({total / GIB:.2f} GiB), so no "
+            "--gpu-memory-utilization can help: use a smaller model, a quantized one, or a GPU "
+            "with more memory"
+        )
+    raise ValueError(
+        f"{terms}, which fills the {utilization:g} x {total / GIB:.2f} GiB = "
+        f"{allowed / GIB:.2f} GiB the engine may use; "
+        f"raise --gpu-memory-utilization to {least_utilization(total, fixed):.2f} or more, or "
+        "lower the activation peak (`iterscope serve` with a smaller --max-num-batched-tokens, "
+        "then pass the peak it logs as --activation-peak)"
+    )
+
+
+def least_utilization(total: int, fixed: int) -> float:
+    """The smallest utilization in hundredths that leaves memory beyond ``fixed`` (< total)."""
+    hundredths = math.floor(fixed * 100 / total)
+    while int(total * (hundredths / 100)) <= fixed:  # as cuda_kv_budget_bytes rounds
+        hundredths += 1
+    return hundredths / 100
 
 
 def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], str]:
@@ -196,12 +270,7 @@ def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], 
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in ("block_size", "max_model_len", "request_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    args = build_parser().parse_args(argv)
     try:
         lines, not_fitting = plan_lines(read_model_shape(args.model), args)
     except (ValueError, FileNotFoundError) as error:

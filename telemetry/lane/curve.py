@@ -19,7 +19,8 @@ Server-side checking of client keys runs in pyzmq's ZAP authenticator thread, on
 context, started by ``configure_server`` and stopped by ``stop_server_auth`` (stop it before
 terminating the context, whose ``term()`` waits for the authenticator's socket).
 
-Generate keys with ``python -m telemetry.lane.curve KEYS_DIR --engines engine-a engine-b``.
+Generate keys with ``iterscope curve-keys KEYS_DIR --engines engine-a engine-b`` (or
+``python -m telemetry.lane.curve``, the same command).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -35,6 +37,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+PROG = "iterscope curve-keys"
 SERVER_NAME = "server"
 CLIENTS_DIR = "clients"
 DEFAULT_ENGINE_NAME = "engine"
@@ -48,17 +51,31 @@ def generate_keys(keys_dir: str | os.PathLike, engine_names: list[str]) -> None:
     """Create the server certificate (if absent) and one certificate per engine name.
 
     Existing certificates are kept, so adding an engine later does not invalidate the others.
-    Secret files are made readable by their owner only.
+    Secret files are made readable by their owner only. Names and the path are checked before
+    anything is written (ValueError for an invalid name, NotADirectoryError for a file where
+    the directory should be); an OSError while writing leaves no partial certificate, nor the
+    keys directory when this call created it.
     """
     root = Path(keys_dir)
-    (root / CLIENTS_DIR).mkdir(parents=True, exist_ok=True)
-    if not (root / f"{SERVER_NAME}.key_secret").exists():
-        _create_certificate(root, SERVER_NAME)
     for name in engine_names:
         _check_name(name)
+    _check_keys_dir(root)
+    created_root = not root.exists()
+    try:
+        _write_missing_certificates(root, engine_names)
+    except OSError:
+        if created_root:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _write_missing_certificates(root: Path, engine_names: list[str]) -> None:
+    (root / CLIENTS_DIR).mkdir(parents=True, exist_ok=True)
+    if not (root / f"{SERVER_NAME}.key_secret").exists():
+        _create_certificate(root, SERVER_NAME, root)
+    for name in engine_names:
         if not (root / f"{name}.key_secret").exists():
-            _create_certificate(root, name)
-            os.replace(root / f"{name}.key", root / CLIENTS_DIR / f"{name}.key")
+            _create_certificate(root, name, root / CLIENTS_DIR)
 
 
 def configure_server(socket: zmq.Socket, keys_dir: str | os.PathLike) -> ThreadAuthenticator:
@@ -117,16 +134,33 @@ def _start_authenticator(context: zmq.Context, clients_dir: Path) -> ThreadAuthe
         return authenticator
 
 
-def _create_certificate(root: Path, name: str) -> None:
-    _, secret_file = zmq.auth.create_certificates(root, name)
-    os.chmod(secret_file, 0o600)
+def _check_keys_dir(root: Path) -> None:
+    """The nearest existing path of ``root/clients``, ``root`` and its parents is a directory."""
+    for path in (root / CLIENTS_DIR, root, *root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise NotADirectoryError(f"{path} is a file, not a directory")
+            return
+
+
+def _create_certificate(root: Path, name: str, public_dir: Path) -> None:
+    """Write ``root/NAME.key_secret`` and ``public_dir/NAME.key``: both, or neither."""
+    public_file = public_dir / f"{name}.key"
+    try:
+        created_public, secret_file = zmq.auth.create_certificates(root, name)
+        os.chmod(secret_file, 0o600)
+        os.replace(created_public, public_file)
+    except OSError:
+        for path in (root / f"{name}.key", root / f"{name}.key_secret", public_file):
+            path.unlink(missing_ok=True)
+        raise
 
 
 def _load_secret_certificate(path: Path) -> tuple[bytes, bytes]:
     if not path.is_file():
         raise FileNotFoundError(
             f"CURVE secret key file {path} not found; create keys with "
-            f"`python -m telemetry.lane.curve {path.parent} --engines NAME ...`"
+            f"`{PROG} {path.parent} --engines NAME ...`"
         )
     public_key, secret_key = zmq.auth.load_certificate(path)
     if not secret_key:
@@ -148,7 +182,7 @@ def _checked_clients_dir(clients_dir: Path) -> Path:
     if not clients_dir.is_dir() or not any(clients_dir.glob("*.key")):
         raise FileNotFoundError(
             f"no engine public keys (*.key) in {clients_dir}: the sidecar would accept no "
-            "engine; generate them with `python -m telemetry.lane.curve KEYS_DIR --engines NAME`"
+            f"engine; generate them with `{PROG} KEYS_DIR --engines NAME`"
         )
     return clients_dir.resolve()
 
@@ -161,9 +195,9 @@ def _check_name(name: str) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m telemetry.lane.curve",
+        prog=PROG,
         description="Create CURVE keys for telemetry lanes across hosts (see docs/deploy.md).",
     )
     parser.add_argument("keys_dir", help="directory to create or extend")
@@ -174,17 +208,31 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"one certificate per engine host (default: {DEFAULT_ENGINE_NAME})",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         generate_keys(args.keys_dir, args.engines)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:
+        print(f"{PROG}: {_error_text(error, args.keys_dir)}", file=sys.stderr)
         return 2
     root = Path(args.keys_dir)
     print(f"sidecar host: {root / 'server.key_secret'} and {root / CLIENTS_DIR}/")
     for name in args.engines:
         print(f"engine {name}: {root / (name + '.key_secret')} and {root / 'server.key'}")
     return 0
+
+
+def _error_text(error: Exception, keys_dir: str) -> str:
+    """One line for what went wrong: the check's own words, or the OS's about a path."""
+    if isinstance(error, NotADirectoryError) and not error.filename:
+        return f"{error}: KEYS_DIR must be a directory to create or extend"
+    if isinstance(error, OSError):
+        path = error.filename or keys_dir
+        return f"cannot create or write {path}: {error.strerror or error}"
+    return str(error)
 
 
 if __name__ == "__main__":
