@@ -1,6 +1,7 @@
 """`iterscope timeline`: recordings drawn as Perfetto traces, read back with perfetto's protos."""
 
 import random
+import re
 from itertools import pairwise
 
 import msgspec
@@ -9,6 +10,7 @@ from scenarios.synthetic import SCENARIOS, write_records
 
 from telemetry.analysis.actions import finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
+from telemetry.analysis.explain import main as explain_main
 from telemetry.analysis.findings import build_findings
 from telemetry.analysis.perfetto_trace import BATCH_KINDS, drawn_ends
 from telemetry.analysis.request_phases import assign_lanes, request_phases
@@ -331,6 +333,48 @@ def test_bad_input_fails_with_a_reason_and_leaves_the_output_untouched(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["run.pftrace"] + (["rec.jsonl"] if content else [])
     )
+
+
+def test_a_folder_given_as_the_recording_is_said_to_be_one(tmp_path, capsys):
+    """timeline and explain say a folder is one, naming the recordings in it (they said: no
+    such recording file); exit 2 as for a missing file."""
+    for name in ("b.jsonl", "a.jsonl", "c.jsonl.gz", "d.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("")
+    commands = {
+        "timeline": lambda path: main([path, "-o", str(tmp_path / "t.pftrace")]),
+        "explain": lambda path: explain_main([path]),
+    }
+    for name, command in commands.items():
+        assert command(str(tmp_path)) == 2, name
+        err = capsys.readouterr().err
+        assert (
+            f"{name}: {tmp_path} is a folder, not a recording: give a .jsonl file in it "
+            "(a.jsonl, b.jsonl, c.jsonl.gz, ...)"
+        ) in err
+        empty = tmp_path / "empty"
+        empty.mkdir(exist_ok=True)
+        assert command(str(empty)) == 2, name
+        assert f"{empty} is a folder, not a recording (and holds no .jsonl file)" in (
+            capsys.readouterr().err
+        )
+
+
+@pytest.mark.parametrize("story", ["KV capacity", "healthy"])
+def test_the_summary_counts_findings_as_explain_does(story, tmp_path, capsys):
+    """The trace draws a slice per episode; the summary says the findings and their episodes
+    in explain's count (it said "19 findings" where explain said "4 findings from 19
+    episodes")."""
+    recording = SCENARIOS[story][0]().write(tmp_path / "rec.jsonl")
+    explain_main([str(recording)])
+    said = re.search(r"(\d+ findings?) from (\d+ episodes?)", capsys.readouterr().out)
+    assert main([str(recording), "-o", str(tmp_path / "run.pftrace")]) == 0
+    out = capsys.readouterr().out
+    if said is None:  # explain found no problem
+        assert "MB): 1 engine, " in out and ", 0 findings\n" in out and "episode" not in out
+        return
+    findings, episodes = said.groups()
+    assert findings != episodes.replace("episode", "finding")  # the check tells them apart
+    assert f", {findings} ({episodes})\n" in out
 
 
 def test_the_output_may_not_be_a_recording(tmp_path, capsys):

@@ -128,7 +128,7 @@ def test_cli(bursty, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Recommended for ITL <= 50.0 ms: --max-num-seqs" in text
     assert "fit error: RMSE" in text and "decode tokens/s" in text
-    assert main([str(path), "--itl-target", "0.05", "--json"]) == 0
+    assert main([str(path), "--itl-target", "0.05s", "--json"]) == 0
     (engine,) = json.loads(capsys.readouterr().out)["engines"]
     assert engine["recommendation"]["worst_iteration_time"] <= 0.05
     # the JSON keys scripts read, as before the code's words became prefill/decode
@@ -176,7 +176,9 @@ def test_iterations_fits_those_iterations_alone(bursty, tmp_path, capsys):
     assert f"iterations {first}-{last} come 2 times (the engine restarted)" in said[-1]
     assert not said[1]
     assert main([str(path), "--itl-target", "50ms", "--iterations", "1-999999"]) == 1
-    assert "no iterations numbered 1 to 999999 in one run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "iterscope tune: engine 0: no iterations numbered 1 to 999999 in one run" in err
+    assert err.count("engine 0") == 1
     for bad in ("400-100", "100", "a-b"):
         with pytest.raises(SystemExit) as exit_info:
             main([str(path), "--itl-target", "50ms", f"--iterations={bad}"])
@@ -188,7 +190,43 @@ def test_too_few_iterations_is_a_clear_error(tmp_path, capsys):
     sim = synthetic.Simulator().run(3)  # heartbeats only
     path = sim.write(tmp_path / "idle.jsonl")
     assert main([str(path), "--itl-target", "50ms"]) == 1
-    assert "at least 10 are needed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("iterscope tune: engine 0: 0 iterations did work")  # said once
+    assert "at least 10 are needed" in err
+
+
+def test_a_latency_target_carries_its_unit(bursty, tmp_path, capsys):
+    """--itl-target 50 is refused, naming the flag and the form (read as 50 seconds it gave
+    absurd budgets); with a unit, the same target in any unit gives the same limits."""
+    path = bursty.write(tmp_path / "bursty.jsonl")
+    for bare in ("50", "0.05"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), "--itl-target", bare])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --itl-target: '{bare}' has no unit" in err and "e.g. 50ms" in err
+    for nonsense in ("0ms", "-5ms", "fastms"):
+        with pytest.raises(SystemExit):
+            main([str(path), f"--itl-target={nonsense}"])
+        assert f"'{nonsense}' is not a latency above 0" in capsys.readouterr().err
+    limits = []
+    for target in ("50ms", "0.05s", "50000us", "50MS"):
+        assert main([str(path), "--itl-target", target, "--json"]) == 0
+        (engine,) = json.loads(capsys.readouterr().out)["engines"]
+        limits.append(engine["recommendation"]["max_num_seqs"])
+    assert len(set(limits)) == 1
+
+
+def test_a_folder_is_said_to_be_one(bursty, tmp_path, capsys):
+    """A folder given as the recording: said so, with the recordings in it (was: no such
+    recording file)."""
+    bursty.write(tmp_path / "bursty.jsonl")
+    assert main([str(tmp_path), "--itl-target", "50ms"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{tmp_path} is a folder, not a recording: give a .jsonl file in it (bursty.jsonl)" in err
+    )
+    assert "no such recording file" not in err
 
 
 def test_unreachable_target_error_names_a_fastest_iteration_above_the_target(bursty_timeline):

@@ -306,10 +306,11 @@ def read_timelines(
 
     A file's rotated predecessors (``rec.jsonl.1``, ...) are read too. Dynamo's FPM
     recordings are read alone (ValueError beside iterscope's), ``fpm_producer`` saying what
-    their wall_time means (telemetry.sources.fpm.PRODUCERS)."""
-    missing = [str(p) for p in paths if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"no such recording file: {', '.join(missing)}")
+    their wall_time means (telemetry.sources.fpm.PRODUCERS). FileNotFoundError where a path
+    given is no file: missing, a folder or something else (not_recording_files says which)."""
+    why_not = not_recording_files([Path(p) for p in paths])
+    if why_not:
+        raise FileNotFoundError(why_not)
     taps = [is_tap(p) for p in paths]
     if any(taps):
         if not all(taps):
@@ -329,6 +330,37 @@ def read_timelines(
                     engine_pids.setdefault(given, set()).add(item.pid)
     _refuse_two_engines_as_one(pids)
     return build_timelines(messages), len(messages), num_bad_lines
+
+
+# What recording files are named (iterscope's; Dynamo's FPM trace segments), for a folder given
+# instead of one: the names it holds that may be.
+RECORDING_SUFFIXES = (".jsonl", ".jsonl.gz")
+NAMES_SHOWN = 3
+
+
+def not_recording_files(paths: list[Path]) -> str | None:
+    """Why some of ``paths`` are no recording file, for the error line; None where all are
+    files. A folder is said to be one, with the recordings it seems to hold."""
+    missing = [str(p) for p in paths if not p.exists()]
+    whys = [f"no such recording file: {', '.join(missing)}"] if missing else []
+    for path in paths:
+        if path.is_dir():
+            whys.append(_folder_text(path))
+        elif path.exists() and not path.is_file():
+            whys.append(f"{path} is not a regular file (give a recording file)")
+    return "; ".join(whys) or None
+
+
+def _folder_text(folder: Path) -> str:
+    """'F is a folder, not a recording: give a .jsonl file in it (a.jsonl, b.jsonl, ...)'."""
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.name.endswith(RECORDING_SUFFIXES))
+    except OSError:
+        names = []
+    if not names:
+        return f"{folder} is a folder, not a recording (and holds no .jsonl file)"
+    shown = ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
+    return f"{folder} is a folder, not a recording: give a .jsonl file in it ({shown})"
 
 
 def nothing_to_read(

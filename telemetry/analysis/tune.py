@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from telemetry.analysis.cli_time import parse_time
+from telemetry.analysis.cli_time import latency
 from telemetry.analysis.fpm_recording import add_fpm_producer_argument, tune_lines
 from telemetry.analysis.spec_decode import (
     Drafts,
@@ -283,15 +283,14 @@ def feature_columns(tl: EngineTimeline) -> np.ndarray:
 
 
 def fit_iteration_time(tl: EngineTimeline) -> Fit:
-    """Least-squares fit of iteration time; raises ValueError when there is too little data."""
+    """Least-squares fit of iteration time; raises ValueError when there is too little data
+    (its message does not name the engine: the caller's line does)."""
     num_tokens = tl.num_computed_tokens
     busy = (num_tokens > 0) & tl.known(UNTIMED_OR_UNSPLIT)
     if busy.sum() < 10:
         raise ValueError(
-            f"engine {tl.engine_index}: {plural(int(busy.sum()), 'iteration')} "
-            "did work "
-            "with a measured time and batch; at least 10 are needed to fit "
-            "iteration time" + _untimed_hint(tl)
+            f"{plural(int(busy.sum()), 'iteration')} did work with a measured time and "
+            "batch; at least 10 are needed to fit iteration time" + _untimed_hint(tl)
         )
     x = feature_columns(tl)[busy]
     y = tl.col("elapsed_ns")[busy] / NS_PER_S
@@ -761,7 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("recordings", nargs="+", type=Path, help="JSONL recording file(s)")
     parser.add_argument(
-        "--itl-target", type=parse_time, required=True, help="inter-token latency target, e.g. 50ms"
+        "--itl-target",
+        type=latency,
+        required=True,
+        metavar="LATENCY",
+        help="inter-token latency target, with its unit: 50ms, 0.05s, 50000us",
     )
     parser.add_argument(
         "--min-chunk",
@@ -813,20 +816,18 @@ def iterations_stretch(tl: EngineTimeline, first: int, last: int) -> tuple[Engin
         if ends.size and (np.diff(numbers[start:stop]) > 0).all():
             stretches.append((start, stop))
     if not stretches:
-        raise ValueError(
-            f"engine {tl.engine_index}: no iterations numbered {first} to {last} in one run"
-        )
+        raise ValueError(f"no iterations numbered {first} to {last} in one run")
     return tl.stretch(*stretches[0]), len(stretches)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.itl_target <= 0 or args.min_chunk < 0:
-        print("iterscope tune: --itl-target must be > 0 and --min-chunk >= 0", file=sys.stderr)
+    if args.min_chunk < 0:
+        print("iterscope tune: --min-chunk must be >= 0", file=sys.stderr)
         return 2
     try:
         all_timelines, _, num_bad = read_timelines(args.recordings, args.fpm_producer)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # missing, a folder, unreadable, not a recording
         print(f"iterscope tune: {error}", file=sys.stderr)
         return 2
     timelines = all_timelines
