@@ -73,7 +73,7 @@ def start_server(
         "--max-model-len",
         str(args.max_model_len),
         "--kv-cache-memory",
-        str(args.kv_cache_memory),
+        f"{args.kv_cache_memory}B",
         "--cpu-threads",
         str(args.cpu_threads),
         "--metrics-port",
@@ -184,7 +184,12 @@ def explain(record_path: Path) -> None:
 
 def timeline(record_path: Path) -> None:
     """`iterscope timeline`: the recording as a Perfetto trace next to it, and how to open it."""
-    from telemetry.analysis.timeline_command import VIEWER_URL, TimelineError, convert
+    from telemetry.analysis.timeline_command import (
+        VIEWER_URL,
+        TimelineError,
+        convert,
+        findings_text,
+    )
 
     trace_path = record_path.with_suffix(".pftrace")
     try:
@@ -194,7 +199,7 @@ def timeline(record_path: Path) -> None:
         return
     print(
         f"\n>>> timeline written to {trace_path} ({counts.num_iterations} iterations, "
-        f"{counts.num_requests} requests, {counts.num_findings} findings): open {VIEWER_URL} "
+        f"{counts.num_requests} requests, {findings_text(counts)}): open {VIEWER_URL} "
         "and drop the file on it (the browser reads it locally; nothing is uploaded)",
         flush=True,
     )

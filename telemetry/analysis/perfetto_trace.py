@@ -200,7 +200,8 @@ class TraceCounts:
     num_iterations: int = 0
     num_counter_samples: int = 0
     num_requests: int = 0
-    num_findings: int = 0
+    num_findings: int = 0  # as explain counts them: each of one kind and reason
+    num_finding_episodes: int = 0  # a slice each
     num_bytes: int = 0
 
 
@@ -416,12 +417,13 @@ class TraceWriter:
             found = list(finding_slices(tl, self.thresholds))
         else:
             found = continued_findings(earlier, self.thresholds)
-        slices = sorted(found, key=lambda s: s.start_ns)
+        slices = sorted((found_slice for _, found_slice in found), key=lambda s: s.start_ns)
         lanes = assign_lanes([(s.start_ns, s.end_ns) for s in slices])
         lane_uuids = self._lanes(process_uuid, "findings", lanes)
         for finding_slice, lane in zip(slices, lanes, strict=True):
             events.slice(finding_slice, lane_uuids[lane])
-        self.counts.num_findings += len(slices)
+        self.counts.num_findings += len({number for number, _ in found})
+        self.counts.num_finding_episodes += len(slices)
 
 
 def sequence_start(sequence_id: int, first_ns: int) -> tuple[TracePacket, TracePacket]:
@@ -882,10 +884,14 @@ def unknown_annotation(bits: int) -> bytes:
     return annotation(UNKNOWN_ARG, ", ".join(n for bit, n in UNKNOWN_NAMES.items() if bits & bit))
 
 
-def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Slice]:
-    """A slice per episode of each finding explain reports, with the finding's action."""
+NumberedSlice = tuple[int, Slice]  # a finding's slice, and the finding's number
+
+
+def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[NumberedSlice]:
+    """A slice per episode of each finding explain reports, with the finding's action, and
+    the finding's number among them."""
     episodes = detect_episodes(tl, thresholds)
-    for finding in build_findings(tl, episodes):
+    for number, finding in enumerate(build_findings(tl, episodes)):
         action = finding_action(tl, finding, thresholds)
         for episode, cost in zip(finding.episodes, finding.costs, strict=True):
             args = {
@@ -896,20 +902,20 @@ def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Slice
                 "cost_label": finding.cost_label,
                 "explanation": episode.explanation,
             }
-            yield Slice(f"finding {finding.kind}", episode.start_ns, episode.end_ns, args)
+            yield number, Slice(f"finding {finding.kind}", episode.start_ns, episode.end_ns, args)
 
 
-def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[Slice]:
+def continued_findings(earlier: EarlierFile, thresholds: Thresholds) -> list[NumberedSlice]:
     """The findings over both files that end after the earlier file; each that began before
     it ended is marked, as whole or as cut at the start of the messages held."""
     tl = earlier.timeline
     first_ns = int(tl.col("start_ns")[0]) if tl.num_iterations else tl.first_ns
     found = []
-    for finding in finding_slices(tl, thresholds):
+    for number, finding in finding_slices(tl, thresholds):
         if finding.end_ns <= earlier.end_ns:
             continue  # drawn whole in the earlier file
         if finding.start_ns <= earlier.end_ns:
             whole = finding.start_ns > first_ns  # not where the messages held begin
             finding.args[CONTINUED_ARG] = CONTINUED_WHOLE if whole else CONTINUED_CUT
-        found.append(finding)
+        found.append((number, finding))
     return found

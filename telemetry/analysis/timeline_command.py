@@ -16,8 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from telemetry.analysis.episodes import Thresholds, detect_episodes
-from telemetry.analysis.findings import build_findings
+from telemetry.analysis.episodes import Thresholds
 from telemetry.analysis.liveness_flags import add_liveness_arguments, liveness_thresholds
 from telemetry.analysis.perfetto_trace import TraceCounts, write_trace
 from telemetry.analysis.timeline import EngineTimeline, nothing_to_read, read_timelines
@@ -59,16 +58,6 @@ def convert(
 ) -> tuple[TraceCounts, int]:
     """Write the trace of ``recordings`` to ``output``: (what it holds, unreadable lines).
     Raises TimelineError, leaving ``output`` as it was, when there is nothing to draw."""
-    timelines, num_bad = drawable(recordings, output, engine_index)
-    return _write_whole(timelines, output, thresholds), num_bad
-
-
-def drawable(
-    recordings: list[Path], output: Path, engine_index: int | None = None
-) -> tuple[dict[int, EngineTimeline], int]:
-    """The timelines of ``recordings`` to draw (only ``engine_index``'s where given) and the
-    number of unreadable lines; TimelineError where there are none, or ``output`` is one of
-    the recordings."""
     inputs = {path.resolve() for path in recordings}
     if output.resolve() in inputs:
         raise TimelineError(f"the output {output} is one of the recordings; choose another name")
@@ -81,7 +70,7 @@ def drawable(
         timelines = {k: v for k, v in timelines.items() if k == engine_index}
     if not timelines:
         raise TimelineError(nothing_to_read(read, num_bad, engine_index))
-    return timelines, num_bad
+    return _write_whole(timelines, output, thresholds), num_bad
 
 
 def _write_whole(
@@ -107,44 +96,34 @@ def _write_whole(
     return counts
 
 
-def count_findings(timelines: dict[int, EngineTimeline], thresholds: Thresholds | None) -> int:
-    """explain's findings over ``timelines`` (its episodes merged by kind and reason), where
-    the trace draws a slice per episode. The search again: the trace's counts hold only the
-    slices."""
-    thresholds = thresholds or Thresholds()
-    return sum(
-        len(build_findings(tl, detect_episodes(tl, thresholds))) for tl in timelines.values()
-    )
-
-
-def findings_text(num_findings: int, num_episodes: int) -> str:
+def findings_text(counts: TraceCounts) -> str:
     """'1 finding (4 episodes)', as explain counts them; '0 findings'."""
-    if not num_findings:
+    if not counts.num_findings:
         return plural(0, "finding")
-    return f"{plural(num_findings, 'finding')} ({plural(num_episodes, 'episode')})"
+    episodes = plural(counts.num_finding_episodes, "episode")
+    return f"{plural(counts.num_findings, 'finding')} ({episodes})"
 
 
-def summary(output: Path, counts: TraceCounts, num_findings: int, num_bad: int) -> str:
+def summary(output: Path, counts: TraceCounts, num_bad: int) -> str:
     """The line that says what the trace at ``output`` holds."""
     return (
         f"iterscope timeline: wrote {output} ({counts.num_bytes / 1e6:.1f} MB): "
         f"{plural(counts.num_engines, 'engine')}, {plural(counts.num_iterations, 'iteration')}, "
         f"{plural(counts.num_requests, 'request')}, "
-        f"{findings_text(num_findings, counts.num_findings)}"
+        f"{findings_text(counts)}"
         + (f"; {plural(num_bad, 'unreadable line')} skipped" if num_bad else "")
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    thresholds = liveness_thresholds(args)
     try:
-        timelines, num_bad = drawable(args.recordings, args.output, args.engine)
-        counts = _write_whole(timelines, args.output, thresholds)
+        counts, num_bad = convert(
+            args.recordings, args.output, liveness_thresholds(args), args.engine
+        )
     except TimelineError as error:
         print(f"iterscope timeline: {error}", file=sys.stderr)
         return 2
-    num_findings = count_findings(timelines, thresholds) if counts.num_findings else 0
-    print(summary(args.output, counts, num_findings, num_bad))
+    print(summary(args.output, counts, num_bad))
     print(f"open it at {VIEWER_URL} (Open trace file; read in the browser, nothing is uploaded)")
     return 0
