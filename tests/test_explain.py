@@ -2,9 +2,9 @@
 
 import io
 import json
+import logging
 import re
 import threading
-import time
 from itertools import pairwise
 
 import msgspec
@@ -20,13 +20,17 @@ from telemetry.analysis.episodes import (
     detect_kv_saturation,
     detect_telemetry_gaps,
 )
-from telemetry.analysis.explain import follow, main, read_timelines
+from telemetry.analysis.explain import main, read_timelines
 from telemetry.analysis.explain_report import format_engine
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.analysis.timeline_command import main as timeline_main
 from telemetry.lane.record import IterationRecord, SpecDecodeCounts, heartbeat, iteration_record
 from telemetry.lane.recording import RecordingReader, message_time_ns
+from telemetry.sidecar.follow import follow
+from telemetry.sidecar.replay import replay
+from telemetry.sidecar.sinks.log import LogSink
+from tests.helpers.wait import wait_until
 
 
 def episodes_of(sim: Simulator, engine_index: int = 0):
@@ -426,6 +430,8 @@ def test_nothing_to_read_says_why_in_every_command(story1, tmp_path, capsys):
 
 
 def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
+    """The sidecar's lines, as it said them live: the stall when it opens, mid-recording,
+    and when it closes once the rest has come."""
     encoder = msgspec.json.Encoder()
     lines = [encoder.encode(m) + b"\n" for m in stalled.messages]
     path = tmp_path / "live.jsonl"
@@ -433,58 +439,47 @@ def test_follow_prints_the_stall_as_the_recording_grows(stalled, tmp_path):
         i for i, m in enumerate(stalled.messages) if getattr(m, "ts_ns", 0) >= stalled.at(17.0)
     )  # mid-stall: frozen for 6 s+, past the 5 s threshold
     path.write_bytes(b"".join(lines[:cut]))
+    out = io.StringIO()
+    reads = []
 
     def grow():
-        time.sleep(0.4)
+        wait_until(lambda: "Engine stalled since" in out.getvalue(), 10, "the stall said")
+        reads.append(out.getvalue())
         with open(path, "ab") as f:
             f.write(b"".join(lines[cut:]))
 
     writer = threading.Thread(target=grow)
     writer.start()
-    out = io.StringIO()
-    follow([path], Thresholds(), interval_time=0.05, max_time=1.2, out=out)
+    follow([path], Thresholds(), interval_s=0.05, max_time_s=1.5, out=out)
     writer.join()
     text = out.getvalue()
-    assert "[engine 0, ongoing]" in text and "[engine 0, ended]" in text
-    assert text.count("Engine stalled") >= 2
+    assert "ended after" not in reads[0].split("Engine stalled since", 1)[1], reads[0]
+    assert "INFO Engine 000: Engine stalled: ended after" in text, text
+    assert text.index("Engine stalled since") < text.index("Engine stalled: ended after")
 
 
-def test_follow_says_a_condition_that_comes_and_goes_in_full_once_then_a_line_each(tmp_path):
-    """Three long prefills 4-7 s apart: the first in full, the others one line each, as the
-    sidecar's log folds them (live_findings.follows_closely); the summary still has all."""
+def test_follow_says_what_the_sidecar_said_live(tmp_path):
+    """Three long prefills 4-7 s apart: the sidecar's log says the first as it opens and
+    closes, the repeats in one line (finding_log.py); follow prints exactly the lines a
+    replay through the sidecar prints, then explain's summary with all three."""
     cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
     sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
     sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
     sim.run(22)
+    path = sim.write(tmp_path / "rec.jsonl")
     out = io.StringIO()
-    follow([sim.write(tmp_path / "rec.jsonl")], Thresholds(), 0.05, max_time=0.3, out=out)
+    follow([path], Thresholds(), 0.05, max_time_s=0.3, out=out)
     text = out.getvalue()
-    assert text.count("[engine 0, new]") == 1 and text.count("[engine 0, again]") == 2, text
-    assert text.count("Long prefill chunks stretch decode latency") == 4  # 3 + the summary's
-    assert text.count("      evidence") == 1  # the first episode's details only
-    assert "Long prefill chunks stretch decode latency: 3 times" in text
-
-
-def test_follow_says_a_repeat_that_lasts_in_full():
-    """A repeat is one line when it appears; if it lasts PROMOTE_AFTER_S, in full then, and
-    at its end, as the sidecar's log promotes it."""
-    from types import SimpleNamespace
-
-    from telemetry.analysis.explain import Shown, _news
-    from telemetry.analysis.live_findings import PROMOTE_AFTER_S
-
-    def episode(ongoing: bool, seconds: float):
-        return SimpleNamespace(ongoing=ongoing, duration_time=seconds)
-
-    assert _news(None, episode(True, 1.0), is_repeat=True) == ("ongoing", True)
-    brief = Shown(ongoing=True, end_ns=0, brief=True)
-    assert _news(brief, episode(True, 2.0), is_repeat=True) is None  # said once
-    assert _news(brief, episode(False, 2.0), is_repeat=True) is None  # its end too
-    assert _news(brief, episode(True, PROMOTE_AFTER_S), is_repeat=True) == ("ongoing", False)
-    promoted = Shown(ongoing=True, end_ns=0, brief=False)
-    assert _news(promoted, episode(False, 12.0), is_repeat=True) == ("ended", False)
-    assert _news(None, episode(False, 1.0), is_repeat=False) == ("new", False)
+    said = []
+    replay(path, [LogSink(emit=lambda level, line: said.append((level, line)))])
+    levels = {"INFO": logging.INFO, "WARNING": logging.WARNING}
+    printed = [line.partition(" ") for line in text.splitlines()]
+    printed = [(levels[level], line) for level, _, line in printed if level in levels]
+    assert printed == [(level, line) for level, line in said if level >= logging.INFO]
+    assert text.count("WARNING Engine 000: Long prefill chunks stretch decode latency since") == 1
+    assert "Long prefill chunks stretch decode latency again: 2 more times" in text, text
+    assert "Long prefill chunks stretch decode latency: 3 times" in text  # the summary
 
 
 def test_follow_reads_files_rotated_while_following(story2, tmp_path):
@@ -545,7 +540,7 @@ def test_follow_reads_nothing_twice_when_a_rotation_lands_between_listing_and_op
 def test_follow_keeps_a_bounded_window(story2, tmp_path):
     path = story2.write(tmp_path / "story2.jsonl")
     out = io.StringIO()
-    follow([path], Thresholds(), interval_time=0.05, max_time=0.3, out=out, window_messages=300)
+    follow([path], Thresholds(), interval_s=0.05, max_time_s=0.3, out=out, window_messages=300)
     (newest,) = build_timelines(story2.messages[-300:]).values()
     summary = "\n".join(format_engine(newest, detect_episodes(newest), Thresholds()))
     assert out.getvalue().endswith(summary + "\n")
@@ -677,3 +672,24 @@ def test_without_drafts_the_summary_says_nothing_of_them():
     summary = summarize(build_timelines(synthetic.story3_bursty(64).messages)[0])
     assert not any("speculative" in line for line in format_summary(summary))
     assert "spec_decode" not in summary.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--plot", "{tmp}/no-such-folder/p.png"], "there is no folder"),
+        (["--plot", "{tmp}/copy.jsonl"], "expected a file name ending .png, .svg, .pdf"),
+        (["--plot", "{tmp}/no-extension"], "expected a file name ending .png, .svg, .pdf"),
+        (["--follow", "--interval", "0"], "argument --interval: '0' is not a duration above 0"),
+        (["--follow", "--max-time", "0s"], "argument --max-time: '0s' is not a duration above 0"),
+    ],
+)
+def test_bad_flags_are_refused_before_reading_anything(flags, said, story2, tmp_path, capsys):
+    """A plot that could not be written was a traceback after the whole analysis; an
+    --interval of 0 made --follow spin."""
+    path = story2.write(tmp_path / "story2.jsonl")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(path), *(flag.format(tmp=tmp_path) for flag in flags)])
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["story2.jsonl"]

@@ -14,12 +14,49 @@ import os
 from collections.abc import Iterable
 
 from telemetry.analysis.live_findings import WINDOW_MESSAGES
+from telemetry.lane.record import Message
 from telemetry.lane.recording import message_time_ns, read_recording  # also imported from here
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
 from telemetry.sidecar.sink import Sink
 
 MAX_TICKS_PER_GAP = 100
+
+
+class RecordClock:
+    """Feeds an Ingest messages of a recording at record time: ticks every ``tick_interval_s``
+    of it (a gap of more than MAX_TICKS_PER_GAP ticks crossed in one step), then each message,
+    stamped with the latest engine time seen so far. Fed in batches as a file grows
+    (`explain --follow`) or all at once (``replay``)."""
+
+    def __init__(self, ingest: Ingest, tick_interval_s: float = TICK_INTERVAL_S) -> None:
+        self.ingest = ingest
+        self.now_ns: int | None = None  # the record time reached
+        self._tick_ns = int(tick_interval_s * 1e9)
+        self._next_tick_ns = 0
+
+    def feed(self, items: Iterable[Message | str]) -> None:
+        """Messages, and the reasons of lines that did not decode (counted as undecodable)."""
+        ingest = self.ingest
+        for item in items:
+            if isinstance(item, str):
+                ingest.count_undecodable(item)
+                continue
+            if self.now_ns is None:
+                self._next_tick_ns = message_time_ns(item)
+            now_ns = self.now_ns = max(self.now_ns or 0, message_time_ns(item))
+            if now_ns - self._next_tick_ns > MAX_TICKS_PER_GAP * self._tick_ns:
+                self._next_tick_ns = now_ns
+            while self._next_tick_ns <= now_ns:
+                ingest.tick(self._next_tick_ns)
+                self._next_tick_ns += self._tick_ns
+            ingest.on_message(item, now_ns)
+
+    def finish(self) -> None:
+        """The end of the recording: a last tick, and every engine's window searched."""
+        if self.now_ns is not None:
+            self.ingest.tick(self.now_ns)
+            self.ingest.finish_findings(self.now_ns)
 
 
 def replay(
@@ -48,25 +85,9 @@ def replay(
         live_findings=live_findings,
         findings_window=findings_window,
     )
-    tick_ns = int(tick_interval_s * 1e9)
-    now_ns: int | None = None
-    next_tick_ns = 0
-    for item in read_recording(path):
-        if isinstance(item, str):
-            ingest.count_undecodable(item)
-            continue
-        if now_ns is None:
-            next_tick_ns = message_time_ns(item)
-        now_ns = max(now_ns or 0, message_time_ns(item))
-        if now_ns - next_tick_ns > MAX_TICKS_PER_GAP * tick_ns:
-            next_tick_ns = now_ns
-        while next_tick_ns <= now_ns:
-            ingest.tick(next_tick_ns)
-            next_tick_ns += tick_ns
-        ingest.on_message(item, now_ns)
-    if now_ns is not None:
-        ingest.tick(now_ns)
-        ingest.finish_findings(now_ns)
+    clock = RecordClock(ingest, tick_interval_s)
+    clock.feed(read_recording(path))
+    clock.finish()
     if close_sinks:
         ingest.close()
     return ingest
