@@ -257,13 +257,16 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     numbers = timeline.col("iteration")
     assert command[command.index("--iterations") + 1] == f"{numbers[since][0]}-{numbers[first]}"
     value = int(action.split("Set --max-num-batched-tokens ")[1].split()[0])
+    # tune's sequence limit is below the engine's: the two are said together, as tune says them
+    seqs = int(action.split(" and --max-num-seqs ")[1].split()[0])
+    assert "(now 64) together, from `iterscope tune" in action and seqs < 64
     # a lower budget says what it costs prompts
     assert value < 2048 and action.endswith(
-        "so time to first token grows: keep it if it matters more than inter-token latency."
+        "so time to first token grows: keep both if it matters more than inter-token latency."
     )
     assert re.search(r"prompts are then computed at \d+ tokens/s at most", action)
     assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
-    assert f"--max-num-batched-tokens {value} " in capsys.readouterr().out
+    assert f"--max-num-seqs {seqs} --max-num-batched-tokens {value} " in capsys.readouterr().out
 
 
 def test_a_budget_below_every_prompt_chunk_it_was_drawn_from_is_said_to_be_extrapolated(
@@ -274,7 +277,7 @@ def test_a_budget_below_every_prompt_chunk_it_was_drawn_from_is_said_to_be_extra
     from telemetry.analysis.tune import Recommendation
 
     timeline, (finding,) = findings_of(long_prefill_sim())
-    rec = Recommendation(0.03, 16, 320, 0.01, 0.029, 554.0, 9000.0, "latency target", 16, 1900)
+    rec = Recommendation(0.03, 64, 320, 0.01, 0.029, 554.0, 9000.0, "latency target", 16, 1900)
     monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(rec, "`tune ...`"))
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith("Set --max-num-batched-tokens 320 (now 2048), from `tune ...`")

@@ -659,3 +659,17 @@ def test_a_stream_past_its_request_timeout_ends_with_an_error_event_and_an_abort
         bodies[-1]["error"]["code"] == 504 and "--request-timeout" in bodies[-1]["error"]["message"]
     )
     assert len(client.aborted) == 1
+
+
+def test_a_body_that_is_not_json_is_said_so_with_the_parser_s_reason():
+    """It read '1: JSON decode error'."""
+    http, _ = scripted_app()
+    response = http.post(
+        "/v1/completions", content=b"{bad json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("the request body is not valid JSON: "), message
+    assert "(at character 1)" in message
+    response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
+    assert response.json()["error"]["message"].startswith("max_tokens: "), response.text

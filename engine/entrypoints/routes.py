@@ -100,10 +100,16 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-        ]
-        return error(400, "; ".join(problems), "invalid_request_error")
+        return error(400, "; ".join(map(problem_text, exc.errors())), "invalid_request_error")
+
+
+def problem_text(problem: dict) -> str:
+    """One of a request's validation problems: the field and what is wrong with it; a body
+    that is no JSON at all, with the parser's reason and where it stopped."""
+    if problem.get("type") == "json_invalid":
+        reason = problem.get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON: {reason} (at character {problem['loc'][-1]})"
+    return f"{'.'.join(str(p) for p in problem['loc'][1:]) or 'body'}: {problem['msg']}"
 
 
 async def answer(

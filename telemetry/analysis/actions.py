@@ -168,8 +168,10 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
         "time to first token grows: keep {} if it matters more than inter-token latency"
     )
     # A budget below the sequence limit the engine refuses; one below its decoding requests'
-    # drafts would leave some of them out of each iteration.
-    if seqs and value < seqs * slots:
+    # drafts would leave some of them out of each iteration; and where tune's sequence limit
+    # is below the engine's, it sized the two together (a full batch of decodes alone would
+    # miss the target): said together, as tune prints them.
+    if seqs and (value < seqs * slots or rec.max_num_seqs < seqs):
         return (
             f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
             f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}"
