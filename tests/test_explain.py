@@ -693,3 +693,31 @@ def test_bad_flags_are_refused_before_reading_anything(flags, said, story2, tmp_
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["story2.jsonl"]
+
+
+def test_token_rates_say_their_span_where_the_recording_is_longer():
+    """The rates are over the iterations (first start to last end); a recording whose
+    heartbeats go on for minutes after the last iteration gives a longer span on the line
+    above, which the rates were not divided by."""
+    records = [
+        iteration_record(
+            0,
+            n,
+            n,
+            start_ns=n * 100_000_000,
+            elapsed_ns=50_000_000,
+            num_prefill_reqs=1,
+            num_prefill_tokens=10,
+            num_running_reqs=1,
+        )
+        for n in range(1, 101)
+    ]  # 10 tokens every 0.1 s: 100 tokens/s over 9.95 s
+    beats = [heartbeat(0, 101, 60 * NS_PER_S, 1_700_000_000 * NS_PER_S)]
+    lines = format_summary(summarize(build_timelines([*records, *beats])[0]))
+    tokens = next(line for line in lines if line.startswith("tokens:"))
+    assert tokens == (
+        "tokens: 1000 prefill (100.5 tokens/s), 0 decode (0.0 tokens/s) over the 9.9 s from "
+        "the first iteration to the last"
+    )
+    lines = format_summary(summarize(build_timelines(records)[0]))
+    assert next(line for line in lines if line.startswith("tokens:")).endswith("(0.0 tokens/s)")

@@ -59,6 +59,7 @@ class Summary:
     mixed_share: float
     num_prefill_tokens: int
     num_decode_tokens: int  # produced, accepted draft tokens included
+    active_time: float  # from the first iteration's start to the last one's end: the rates'
     prompt_throughput: float
     generation_throughput: float
     mean_running_reqs: float
@@ -141,6 +142,7 @@ def summarize(tl: EngineTimeline) -> Summary:
         mixed_share=_share((prefill_tokens > 0) & (decode_tokens > 0)),
         num_prefill_tokens=int(prefill_tokens.sum()),
         num_decode_tokens=int(decode_tokens.sum()),
+        active_time=active_time,
         prompt_throughput=float(prefill_tokens.sum() / active_time) if active_time else 0.0,
         generation_throughput=float(decode_tokens.sum() / active_time) if active_time else 0.0,
         mean_running_reqs=float(tl.col("num_running_reqs").mean()) if tl.num_iterations else 0.0,
@@ -200,8 +202,13 @@ def batched_or_queued(s: Summary) -> str:
             f"(max {s.max_batch_reqs}), too few arrived together to batch"
         )
     if s.waiting_share < QUEUED_MIN_SHARE:
+        # A request arriving while an iteration runs waits for the next one to take it in:
+        # its queue time, with none left waiting after an iteration.
         median = (
-            f" (median queue time {secs(s.queue_time_p50 * NS_PER_S)})" if s.num_timed_reqs else ""
+            f"; they waited only for the next iteration to take them in (median queue time "
+            f"{secs(s.queue_time_p50 * NS_PER_S)})"
+            if s.num_timed_reqs
+            else ""
         )
         queued = (
             f"not queued: requests were left waiting in only {pct(s.waiting_share)} of "
@@ -240,7 +247,7 @@ def format_summary(s: Summary) -> list[str]:
         f"iteration on average; decode-only {pct(s.decode_only_share)}, prefill-only "
         f"{pct(s.prefill_only_share)}, mixed {pct(s.mixed_share)} of iterations",
         f"tokens: {s.num_prefill_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
-        f"{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s)",
+        f"{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s){_rates_span(s)}",
         *([summary_line(s.spec_decode)] if s.spec_decode else []),
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
@@ -265,3 +272,11 @@ def _kv_text(s: Summary) -> str:
     if s.mean_kv_usage is None or s.peak_kv_usage is None:
         return "KV cache: not reported by the source"
     return f"KV cache: mean {pct(s.mean_kv_usage)}, peak {pct(s.peak_kv_usage)}"
+
+
+def _rates_span(s: Summary) -> str:
+    """The rates are over the iterations' span: said where the recording's, which the
+    iterations line gives, is longer than that by more than a second or 1%."""
+    if s.duration_time - s.active_time <= max(1.0, 0.01 * s.duration_time):
+        return ""
+    return f" over the {s.active_time:.1f} s from the first iteration to the last"
