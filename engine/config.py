@@ -141,7 +141,7 @@ class EngineConfig:
         None,
         "--telemetry-curve-keys-dir",
         "CURVE keys for a tcp telemetry lane to a sidecar "
-        "on another host (python -m telemetry.lane.curve; docs/deploy.md)",
+        "on another host (iterscope curve-keys; docs/deploy.md)",
         metavar="DIR",
         default_text="none: ipc lane",
     )

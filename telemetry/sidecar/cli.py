@@ -95,7 +95,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
         "--curve-keys-dir",
         metavar="DIR",
         help="accept only engines with CURVE keys listed in DIR/clients "
-        "(see python -m telemetry.lane.curve)",
+        "(see iterscope curve-keys)",
     )
     lane.add_argument(
         "--rcvhwm",
