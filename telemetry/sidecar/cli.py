@@ -94,8 +94,7 @@ def build_parser(sink_modules: list[ModuleType]) -> argparse.ArgumentParser:
     lane.add_argument(
         "--curve-keys-dir",
         metavar="DIR",
-        help="accept only engines with CURVE keys listed in DIR/clients "
-        "(see iterscope curve-keys)",
+        help="accept only engines with CURVE keys listed in DIR/clients (see iterscope curve-keys)",
     )
     lane.add_argument(
         "--rcvhwm",
