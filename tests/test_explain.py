@@ -27,6 +27,7 @@ from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.analysis.timeline_command import main as timeline_main
 from telemetry.lane.record import IterationRecord, SpecDecodeCounts, heartbeat, iteration_record
 from telemetry.lane.recording import RecordingReader, message_time_ns
+from telemetry.sidecar import explain_command
 from telemetry.sidecar.follow import follow
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks.log import LogSink
@@ -689,7 +690,7 @@ def test_bad_flags_are_refused_before_reading_anything(flags, said, story2, tmp_
     --interval of 0 made --follow spin."""
     path = story2.write(tmp_path / "story2.jsonl")
     with pytest.raises(SystemExit) as exit_:
-        main([str(path), *(flag.format(tmp=tmp_path) for flag in flags)])
+        explain_command.main([str(path), *(flag.format(tmp=tmp_path) for flag in flags)])
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["story2.jsonl"]

@@ -19,6 +19,7 @@ import pytest
 from telemetry.analysis import explain, tune
 from telemetry.analysis.timeline import read_timelines
 from telemetry.lane.record import Heartbeat
+from telemetry.sidecar import explain_command
 from telemetry.sidecar.fpm_engines import FpmEngines
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.sinks.jsonl import JsonlSink
@@ -120,7 +121,7 @@ def test_dynamo_recordings_are_read_alone(tmp_path, capsys):
     assert "read alone" in capsys.readouterr().err
     mixed = [str(RECEIVED), str(shutil.copy(FULL, tmp_path / FULL.name))]
     assert tune.main([*mixed, "--itl-target", "50ms"]) == 2
-    assert explain.main([str(FULL), "--follow", "--max-time", "1s"]) == 2
+    assert explain_command.main([str(FULL), "--follow", "--max-time", "1s"]) == 2
     assert "--follow reads iterscope's recordings only" in capsys.readouterr().err
 
 

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("engine.entrypoints.serve", "OpenAI-compatible HTTP server + engine core + sidecar"),
     "sidecar": ("telemetry.sidecar.cli", "ingest telemetry records: logs, /metrics, traces"),
     "bench": ("engine.entrypoints.bench_client", "load generator like `vllm bench serve`"),
-    "explain": ("telemetry.analysis.explain", "episodes and a summary from a recording"),
+    "explain": ("telemetry.sidecar.explain_command", "episodes and a summary from a recording"),
     "timeline": ("telemetry.analysis.timeline_command", "a recording as a Perfetto trace"),
     "top": ("telemetry.sidecar.top", "a running sidecar's engines and open findings, live"),
     "tune": ("telemetry.analysis.tune", "recommend max_num_batched_tokens / max_num_seqs"),

@@ -9,9 +9,10 @@ counted and skipped. Dynamo's FPM recordings are read too (telemetry/sources/fpm
 with lines saying how they were captured and what their iteration times are
 (telemetry/analysis/fpm_recording.py).
 
-``--follow`` reads the files as the sidecar writes them and prints what the live sidecar
-printed, through its own Ingest, live findings and log (telemetry/sidecar/follow.py), then
-this summary of the newest messages.
+``iterscope explain --follow`` reads the files as the sidecar writes them and prints what the
+live sidecar printed, through its own ingest, live findings and log: the command
+(telemetry/sidecar/explain_command.py) adds that to this module's flags, in the sidecar's
+layer, which this one never imports.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import sys
 from pathlib import Path
 
-from telemetry.analysis.cli_time import positive_time
 from telemetry.analysis.episodes import detect_episodes
 from telemetry.analysis.explain_report import format_engine, report_json
 from telemetry.analysis.fpm_recording import (
@@ -39,6 +39,11 @@ from telemetry.analysis.timeline import (
 )
 from telemetry.analysis.words import plural
 from telemetry.sources.fpm_taps import is_tap
+
+
+def fpm_taps(paths: list[Path]) -> list[Path]:
+    """Which of ``paths`` are Dynamo's FPM recordings (read here; not by --follow)."""
+    return [path for path in paths if path.is_file() and is_tap(path)]
 
 
 def _only_engine(timelines: dict[int, EngineTimeline], engine_index: int | None) -> dict:
@@ -92,40 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engine", type=int, help="only this engine index")
     add_fpm_producer_argument(parser)
-    parser.add_argument(
-        "--follow",
-        action="store_true",
-        help="keep reading the files as they grow and print what the live sidecar printed "
-        "(findings as they open and close, its 10 s lines), then the summary",
-    )
-    parser.add_argument(
-        "--interval",
-        type=positive_time,
-        default=1.0,
-        help="how often --follow reads the files (default 1s)",
-    )
-    parser.add_argument(
-        "--max-time",
-        type=positive_time,
-        default=None,
-        help="stop --follow after this long (default: until Ctrl-C)",
-    )
     add_liveness_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    thresholds = liveness_thresholds(args)
-    if args.follow:
-        if any(p.is_file() and is_tap(p) for p in args.recordings):
-            print("iterscope explain: --follow reads iterscope's recordings only", file=sys.stderr)
-            return 2
-        from telemetry.sidecar.follow import follow
+    return run(build_parser().parse_args(argv))
 
-        return follow(
-            args.recordings, thresholds, args.interval, args.max_time, engine_index=args.engine
-        )
+
+def run(args: argparse.Namespace) -> int:
+    """The analysis of ``args.recordings`` (build_parser's flags), printed; the exit status."""
+    thresholds = liveness_thresholds(args)
     try:
         timelines, num_messages, num_bad = read_timelines(args.recordings, args.fpm_producer)
     except (OSError, ValueError) as error:

@@ -42,6 +42,7 @@ class ServerProcess:
     def __init__(self, tmp_path: Path, *extra_args: str, startup_timeout_s: float = 120) -> None:
         self.log_path = tmp_path / "serve.log"
         self.record_path = tmp_path / "recording.jsonl"
+        sidecar = "--no-sidecar" not in extra_args  # else serve refuses the sidecar's flags
         command = [
             sys.executable,
             "-m",
@@ -49,17 +50,14 @@ class ServerProcess:
             "serve",
             "--port",
             "0",
-            "--metrics-port",
-            "0",
-            "--record",
-            str(self.record_path),
+            *(("--metrics-port", "0", "--record", str(self.record_path)) if sidecar else ()),
             *extra_args,
         ]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             self.base_url = self._wait_for(r"on (http://\S+)/v1\n", startup_timeout_s)
-            if "--no-sidecar" not in extra_args:
+            if sidecar:
                 self.metrics_url = self._wait_for(r"metrics on (http://\S+/metrics)", 10)
         except BaseException:
             self.stop()
