@@ -327,7 +327,7 @@ class FakeHttpBackend(CountingBackend):
 
     on_card = staticmethod(lambda: None)
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
         super().__init__()
         self.model = None
 
@@ -398,6 +398,21 @@ def test_a_server_that_is_not_openai_is_a_one_line_error(status, body, shown):
     assert shown in message and "\n" not in message
 
 
+def test_the_api_key_is_sent_and_a_401_asks_for_it(monkeypatch):
+    """A server started with --api-key answered 401, which read as no OpenAI server at all."""
+    monkeypatch.setenv("ITERSCOPE_API_KEY", "from-env")
+    assert bench_client.build_parser().parse_args([]).api_key == "from-env"
+    backend = HttpBackend("http://127.0.0.1:9470", api_key="k")
+    assert backend.http.headers["authorization"] == "Bearer k"
+    asyncio.run(backend.close())
+    backend = mock_backend(lambda request: httpx.Response(401, json={"error": {}}))
+    with pytest.raises(RuntimeError) as error:
+        asyncio.run(read_card(backend))
+    assert str(error.value) == (
+        "http://127.0.0.1:9470/v1/models answered 401: the server wants an API key; give --api-key"
+    )
+
+
 def test_the_first_model_card_is_read():
     card = {"id": "m", "vocab_size": 50}
     backend = mock_backend(lambda request: httpx.Response(200, json={"data": [card]}))
@@ -405,7 +420,7 @@ def test_the_first_model_card_is_read():
 
 
 def test_a_non_openai_server_stops_main_with_one_line(capsys, monkeypatch):
-    def metrics_page(base_url: str) -> HttpBackend:
+    def metrics_page(base_url: str, **_) -> HttpBackend:
         return mock_backend(lambda request: httpx.Response(200, text="# HELP x\nx 1\n"))
 
     monkeypatch.setattr(bench_client, "HttpBackend", metrics_page)

@@ -205,3 +205,13 @@ def test_serve_refuses_telemetry_options_it_would_ignore_before_starting_anythin
         serve.main(flags)
     assert exit_.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_iterscope_without_a_command_says_its_usage_and_fails(capsys):
+    from engine.entrypoints.cli import main as iterscope
+
+    assert iterscope([]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("usage: iterscope <command> [options]")
+    assert iterscope(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: iterscope <command> [options]")

@@ -88,12 +88,16 @@ def _event(line: str) -> dict[str, Any] | None:
 class HttpBackend:
     """Streams /v1/completions of an OpenAI-compatible server (token-id prompts)."""
 
-    def __init__(self, base_url: str, model: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None) -> None:
+        """``api_key``: sent as ``Authorization: Bearer KEY`` (a server started with one)."""
         import httpx
 
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=None), headers=headers
+        )
 
     async def model_card(self) -> dict[str, Any]:
         """The first model /v1/models lists; a RuntimeError in one line, naming the URL, when
@@ -105,6 +109,8 @@ class HttpBackend:
             response = await self.http.get(url, timeout=MODELS_TIMEOUT_S)
         except httpx.HTTPError as exc:
             raise RuntimeError(f"cannot read {url}: {type(exc).__name__}: {exc}") from None
+        if response.status_code == 401:
+            raise RuntimeError(f"{url} answered 401: the server wants an API key; give --api-key")
         card = first_model(response)
         if card is None:
             raise RuntimeError(

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,12 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_target_arguments(target: argparse._ArgumentGroup) -> None:
+    from engine.entrypoints.serve_args import API_KEY_ENV
+
     target.add_argument(
         "--base-url",
         metavar="URL",
         type=http_url,
         default="http://127.0.0.1:8000",
         help="the OpenAI-compatible server to load (default %(default)s)",
+    )
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help="sent as 'Authorization: Bearer KEY', for a server started with one (default: "
+        f"${API_KEY_ENV} if set, as `serve` reads it, else none)",
     )
     target.add_argument(
         "--in-process",
@@ -252,7 +262,7 @@ def _vocab_size(value: Any) -> int | None:
 
 
 async def _bench_http(args: argparse.Namespace) -> dict[str, Any]:
-    backend = HttpBackend(args.base_url)
+    backend = HttpBackend(args.base_url, api_key=args.api_key)
     try:
         card = await backend.model_card()
         backend.model = card["id"]

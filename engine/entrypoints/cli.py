@@ -33,9 +33,12 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(usage())
         return 0
+    if not argv:  # a command was expected: said on stderr, as argparse says a missing one
+        print(usage(), file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"iterscope: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
