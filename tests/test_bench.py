@@ -3,7 +3,6 @@ token counts must agree with what the sidecar counted from the engine's own reco
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -17,6 +16,7 @@ from engine.entrypoints import bench_client, bench_load, bench_summary
 from engine.entrypoints.bench_backends import BenchRequest, HttpBackend, RequestResult
 from engine.entrypoints.serve_args import TINY_MODEL
 from tests.helpers import REPO
+from tests.helpers.flags import flags_without_default, refusal
 from tests.helpers.prom import scrape, total
 from tests.helpers.serve import ServerProcess
 from tests.helpers.wait import wait_until
@@ -240,14 +240,7 @@ def test_unreachable_server_is_a_clear_error(capsys):
 
 def test_every_flag_help_states_its_default():
     parser = bench_client.build_parser()
-    missing = [
-        action.option_strings[-1]
-        for action in parser._actions
-        if action.option_strings
-        and not isinstance(action, argparse._HelpAction)
-        and "default" not in (action.help or "")
-    ]
-    assert missing == []
+    assert flags_without_default(parser) == []
     help_text = " ".join(parser.format_help().split())
     for flag, default in (
         ("--num-prompts", 100),
@@ -258,11 +251,8 @@ def test_every_flag_help_states_its_default():
         assert re.search(rf"{flag} N .*?\(default {default}\)", help_text), flag
 
 
-def refusal(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        bench_client.build_parser().parse_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+def refused(argv: list[str], capsys) -> str:
+    return refusal(bench_client.build_parser(), argv, capsys)
 
 
 @pytest.mark.parametrize(
@@ -284,7 +274,7 @@ def refusal(argv: list[str], capsys) -> str:
     ],
 )
 def test_bad_values_name_flag_value_and_form(flag, value, expected, capsys):
-    message = refusal([flag, value], capsys)
+    message = refused([flag, value], capsys)
     assert message.startswith("iterscope bench: error: argument ")
     assert flag in message and repr(value) in message and expected in message
 
@@ -299,10 +289,10 @@ def test_good_values_are_converted():
 
 def test_a_result_file_that_cannot_be_written_is_refused_before_any_load(tmp_path, capsys):
     missing = tmp_path / "nodir" / "r.json"
-    message = refusal(["--result-file", str(missing)], capsys)
+    message = refused(["--result-file", str(missing)], capsys)
     assert "argument --result-file" in message and repr(str(missing)) in message
     assert "no folder" in message
-    message = refusal(["--result-file", str(tmp_path)], capsys)
+    message = refused(["--result-file", str(tmp_path)], capsys)
     assert "argument --result-file" in message and "folder" in message
     # main refuses it too, before it reads the server (none listens on port 9)
     argv = ["--base-url", "http://127.0.0.1:9", "--result-file", str(missing)]

@@ -3,38 +3,17 @@ the flag, the value and the form expected, before anything starts."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from engine.entrypoints import demo, serve_args
-
-
-def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [
-        action
-        for action in parser._actions
-        if action.option_strings and not isinstance(action, argparse._HelpAction)
-    ]
+from tests.helpers.flags import flags_without_default, options, refusal
 
 
 @pytest.mark.parametrize(
     "parser", [serve_args.build_parser(), demo.build_parser()], ids=["serve", "demo"]
 )
 def test_every_flag_help_states_its_default(parser):
-    missing = [
-        action.option_strings[-1]
-        for action in options(parser)
-        if "default" not in (action.help or "")
-    ]
-    assert missing == []
-
-
-def refusal(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+    assert flags_without_default(parser) == []
 
 
 @pytest.mark.parametrize(

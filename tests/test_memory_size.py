@@ -8,15 +8,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.entrypoints import demo, serve_args
 from engine.settings import MemorySize
+from tests.helpers.flags import refusal
 
 FORM = "expected a size with its unit, e.g. 512MiB, 4GiB or 4.5GB"
-
-
-def refusal(parser, argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("build_parser", [serve_args.build_parser, demo.build_parser])
