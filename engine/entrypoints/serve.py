@@ -74,9 +74,9 @@ def start_engine(config: EngineConfig, cpu_threads: int | None = None) -> Engine
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """Bound before the model loads, so a port in use or a bad host is said at once, naming
-    the flags; ``listen()`` comes once the engine runs (connections before are refused).
-    Listening before uvicorn starts, port 0 can be reported and connections made before
+    """Bound before the model loads, so that a port in use or a bad host is said at once,
+    naming the flags. The caller listens once the engine runs (connections before that are
+    refused) and before uvicorn starts, so port 0 can be reported and connections made before
     uvicorn accepts simply wait in the backlog.
 
     The protocol is named (IPPROTO_TCP, not 0): asyncio turns Nagle's algorithm off
