@@ -544,3 +544,53 @@ def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():
         "overrides the flag on vLLM's CPU build; or --num-gpu-blocks-override where one is "
         "set) to "
     ), vllm
+
+
+def test_the_cache_s_multiple_counts_the_blocks_the_requests_take():
+    """4 requests of 450 tokens want 4 x 29 = 116 of the 56 blocks: 2.1x the cache (it said
+    4.0x, the 4 wanted over the 1 that fits, a count rounded down), as `kv-plan` finds."""
+    sim = Simulator(num_blocks=56, max_num_seqs=8, max_num_batched_tokens=2048)
+    sim.add_requests([0.5] * 4 + [8] * 4 + [16] * 4, num_prompt=300, num_output=150)
+    sim.run(40)
+    timeline, findings = findings_of(sim)
+    waiting = next(f for f in findings if f.kind == "waiting")
+    action = finding_action(timeline, waiting, Thresholds())
+    assert action.startswith(
+        "Raise --kv-cache-memory to 2.1x the cache's size now (it holds 1 request of 450 "
+        "tokens, 29 blocks each, the mean of those that finished"
+    ), action
+    assert action.endswith("or set --max-num-seqs 1."), action
+
+
+def test_kv_actions_during_a_leak_send_to_the_leak_not_to_fewer_requests():
+    """396 of 400 blocks held by no request: fewer requests together (the KV findings said
+    --max-num-seqs 2 and 3, from the usage a few requests took) cannot help."""
+    timeline, findings = findings_of(synthetic.story2_leak())
+    actions = {f.kind: finding_action(timeline, f, Thresholds()) for f in findings}
+    assert actions["kv_leak"].startswith("Not a tuning setting: a block-accounting bug.")
+    for kind in ("kv_saturation", "waiting"):
+        assert re.match(
+            r"Restart the engine to recover the \d+ blocks held by no running request "
+            r"\(\d+\.\d% of the cache at its highest usage here: the KV leak finding\)",
+            actions[kind],
+        ), actions[kind]
+        assert "--max-num-seqs" not in actions[kind]
+
+
+def test_an_action_without_enough_iterations_before_it_points_to_tune_over_the_run(
+    monkeypatch,
+):
+    """An episode early in a run has few iterations in the 30 s before it; the recording has
+    more, and tune over it may give the value the action could not."""
+    from telemetry.analysis import actions
+
+    timeline, findings = findings_of(synthetic.story3_bursty(max_num_seqs=2))
+    waiting = next(f for f in findings if f.kind == "waiting")
+    early = timeline.stretch(0, 5)  # a basis of too few iterations
+    monkeypatch.setattr(actions, "action_basis", lambda tl, episode: (early, ""))
+    action = finding_action(timeline, waiting, Thresholds())
+    assert "at least 10 are needed to fit iteration time, in the 30 s before it; " in action
+    assert re.search(
+        r"`iterscope tune RECORDING --itl-target [\d.]+ms` over more of the run may give one\.$",
+        action,
+    ), action

@@ -26,6 +26,7 @@ iterations to explain's latency, and its budget holds each decoding request's dr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,16 +34,17 @@ import numpy as np
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
 from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text, pct
+from telemetry.analysis.episodes.kv import leak_min_blocks, leaked_blocks
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import (
     NO_PREFILL_TOKEN_COST,
+    UNTIMED_OR_UNSPLIT,
     Recommendation,
     fit_iteration_time,
     kv_max_seqs,
     recommend,
-    requests_held,
 )
 from telemetry.analysis.words import plural
 
@@ -108,7 +110,13 @@ def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool =
     try:
         fit = fit_iteration_time(tl)
     except ValueError as error:
-        return Tuned(None, str(error))
+        if not tl.known(UNTIMED_OR_UNSPLIT).all():  # the source gives no times: nowhere
+            return Tuned(None, str(error))
+        return Tuned(  # too few iterations before the episode: more of the run may do
+            None,
+            f"{error}, in the {ACTION_HISTORY_S:g} s before it; `iterscope tune RECORDING "
+            f"--itl-target {target}` over more of the run may give one",
+        )
     if sizes_budget and "prefill_tokens" not in fit.coefficients:
         return Tuned(None, NO_PREFILL_TOKEN_COST)
     for min_chunk in MIN_CHUNK_TOKENS:
@@ -252,9 +260,13 @@ def _at_most(value: int, bound: bool) -> str:
     return f"{value} or fewer" if bound and value > 1 else str(value)
 
 
-def _kv_action(tl: EngineTimeline) -> str:
-    """From the iterations of ``tl`` (action_basis): how many requests wanted in at once
-    against how many of their length the cache holds; or, where all fit, fewer together."""
+def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
+    """From the iterations of ``tl`` (action_basis): where blocks held by no request fill the
+    cache, the leak; else how many requests wanted in at once against how many of their
+    length the cache holds; or, where all fit, fewer together."""
+    leak = _leak_text(tl, th)
+    if leak:
+        return leak
     wanted = tl.col("num_running_reqs") + tl.col("num_waiting_reqs")
     demand = int(wanted.max()) if wanted.size else 0
     length = _request_length(tl)
@@ -265,16 +277,41 @@ def _kv_action(tl: EngineTimeline) -> str:
             "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
             "of your length a size holds."
         )
-    fit = requests_held(tl.num_kv_blocks_total, int(tl.facts["block_size"]), length.tokens)
-    if demand <= fit:
+    blocks_each = math.ceil(length.tokens / int(tl.facts["block_size"]))
+    fit = tl.num_kv_blocks_total // blocks_each  # 0: not one fits
+    if 0 < demand <= fit:
         return _kv_peak_action(tl, growing=length.lower_bound)
     at_least = "at least " if length.lower_bound else ""
+    fewer = (
+        f", or set --max-num-seqs {_at_most(fit, length.lower_bound)}"
+        if fit
+        else ": fewer together cannot help, not one fits"
+    )
+    factor = demand * blocks_each / tl.num_kv_blocks_total  # the blocks they take, paged
     return (
-        f"Raise {kv_memory_flag(tl)} to {at_least}{demand / fit:.1f}x the cache's size now (it "
-        f"holds {plural(fit, 'request')} of {length.tokens:.0f} tokens, {length.what}; "
-        f"{demand} wanted in at once then and at the first iteration; `iterscope kv-plan "
-        f"--model DIR --memory SIZE --request-len {length.tokens:.0f}` shows how many such "
-        f"requests a SIZE holds), or set --max-num-seqs {_at_most(fit, length.lower_bound)}."
+        f"Raise {kv_memory_flag(tl)} to {at_least}{factor:.1f}x the cache's size now (it holds "
+        f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
+        f"{plural(blocks_each, 'block')} each, {length.what}; {demand} wanted in at once then "
+        f"and at the first iteration; `iterscope kv-plan --model DIR --memory SIZE "
+        f"--request-len {length.tokens:.0f}` shows how many such requests a SIZE holds){fewer}."
+    )
+
+
+def _leak_text(tl: EngineTimeline, th: Thresholds) -> str | None:
+    """Where blocks held by no request (leaked_blocks, the leak finding's rule) are a leak
+    at the iterations' highest usage, the action is the leak's: fewer requests or a larger
+    cache only put off the day it fills again."""
+    excess = leaked_blocks(tl)
+    if not excess.size:
+        return None
+    peak = int(np.argmax(tl.kv_usage))
+    if excess[peak] < leak_min_blocks(tl, th):
+        return None
+    return (
+        f"Restart the engine to recover the {plural(int(excess[peak]), 'block')} held by no "
+        f"running request ({pct(excess[peak] / tl.num_kv_blocks_total)} of the cache at its "
+        "highest usage here: the KV leak finding) and report it with this recording; fewer "
+        "requests together or a larger cache would only put off the day it fills again."
     )
 
 
@@ -310,5 +347,5 @@ def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     if kind == "waiting" and reason == "waiting_seq_limit":
         return _seqs_action(*action_basis(tl, finding.worst), th)
     if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
-        return _kv_action(action_basis(tl, finding.worst)[0])
+        return _kv_action(action_basis(tl, finding.worst)[0], th)
     return finding.worst.setting

@@ -165,7 +165,9 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
     after = slice(low + 1, after_end)
     # Only what the timeline holds: live, a cliff is found within a second of it
     seen_after_ns = min(AFTER_NS, tl.last_ns - int(tl.col("end_ns")[low]))
-    next_time = "the next 5 s" if seen_after_ns >= AFTER_NS else f"the {secs(seen_after_ns)} since"
+    next_time = (
+        "the next 5 s" if seen_after_ns >= AFTER_NS else f"the {secs(seen_after_ns)} recorded since"
+    )
     num_after = after_end - low - 1
     num_prefill_after = int(tl.col("num_prefill_tokens")[after].sum())
     num_decode_after = int(tl.col("num_decode_tokens")[after].sum())
@@ -185,9 +187,13 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"running {int(running[high])} -> {int(running[low])}, waiting "
             f"{int(waiting[high])} -> {int(waiting[low])} "
             f"({_waiting_kv_text(tl, low)}); "
-            f"preemptions counted: {num_preemptions}; in {next_time} "
-            f"{plural(num_after, 'iteration')} ran "
-            f"({num_prefill_after} prefill tokens, {num_decode_after} decode tokens)"
+            f"preemptions counted: {num_preemptions}; "
+            + (
+                f"{plural(num_after, 'iteration')} ran in {next_time} ({num_prefill_after} "
+                f"prefill tokens, {num_decode_after} decode tokens)"
+                if num_after
+                else f"no iteration ran in {next_time}"
+            )
         ),
         explanation=_cliff_explanation(
             num_preemptions, num_evicted, num_after, num_prefill_after, next_time
@@ -231,7 +237,7 @@ def _cliff_explanation(
             "evicted by a path that does not count as a preemption."
         )
     if not num_after:
-        return why + f" No iteration followed in {next_time} of the recording."
+        return why + f" No iteration followed in {next_time}."
     if num_preemptions:
         return why
     return (
@@ -251,16 +257,9 @@ def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     block size or the tokens held (vLLM does not report them) only the idle case is seen:
     blocks used while nothing runs.
     """
-    block_size = int(tl.facts.get("block_size", 0))
-    used, running = tl.col("num_kv_blocks_used"), tl.col("num_running_reqs")
-    idle_case = np.where(running > 0, used, 0)
-    if block_size:
-        by_tokens = -(-tl.col("num_kv_tokens") // block_size) + 2 * running
-        needed = np.where(tl.known(UNKNOWN_KV_TOKENS), by_tokens, idle_case)
-    else:
-        needed = idle_case
-    excess = used - needed
-    min_blocks = max(th.leak_min_blocks, math.ceil(0.01 * tl.num_kv_blocks_total))
+    excess = leaked_blocks(tl)
+    running = tl.col("num_running_reqs")
+    min_blocks = leak_min_blocks(tl, th)
     episodes = []
     for first, last in _growing_runs(excess, min_blocks):
         span = slice(first, last + 1)
@@ -269,6 +268,25 @@ def detect_kv_leaks(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
             continue
         episodes.append(_leak_episode(tl, first, last, excess, nothing_running))
     return episodes
+
+
+def leaked_blocks(tl: EngineTimeline) -> np.ndarray:
+    """Per iteration, the KV blocks used beyond what the running requests' tokens need: those
+    held by no request (a lower bound; detect_kv_leaks says why)."""
+    block_size = int(tl.facts.get("block_size", 0))
+    used, running = tl.col("num_kv_blocks_used"), tl.col("num_running_reqs")
+    idle_case = np.where(running > 0, used, 0)
+    if block_size:
+        by_tokens = -(-tl.col("num_kv_tokens") // block_size) + 2 * running
+        needed = np.where(tl.known(UNKNOWN_KV_TOKENS), by_tokens, idle_case)
+    else:
+        needed = idle_case
+    return used - needed
+
+
+def leak_min_blocks(tl: EngineTimeline, th: Thresholds) -> int:
+    """The fewest blocks held by no request that make a leak."""
+    return max(th.leak_min_blocks, math.ceil(0.01 * tl.num_kv_blocks_total))
 
 
 def _growing_runs(excess: np.ndarray, min_blocks: int) -> list[tuple[int, int]]:
