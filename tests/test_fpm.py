@@ -451,3 +451,23 @@ def test_a_heartbeat_says_idle_only_from_a_producer_that_heartbeats_only_while_i
         engines.on_frames(idle_frames(0), 3 * S)  # restarted: nothing of the last process
         assert messages[-1].num_waiting_reqs == 0 and messages[-1].msg_seq == 1
     assert waiting == {"sglang": 0, "dynamo-vllm": 4, "unknown": 4}
+
+
+def test_a_spinning_fpm_engine_says_kv_usage_and_reasons_are_not_reported():
+    """Requests queued and nothing scheduled: the stall's evidence says FPM reports neither why
+    they wait nor KV usage, never a measured 0% (docs/fpm.md, What is unknown)."""
+    from telemetry.analysis.episodes import detect_episodes
+    from telemetry.analysis.timeline import build_timelines
+
+    _, engines, messages = feed(producer="sglang")
+    engines.on_frames(busy_frames(0), S)
+    for seq in range(1, 13):
+        engines.on_frames(fpm_frames(seq, queued={"num_prefill_requests": 2}), (1 + seq) * S)
+    timeline = build_timelines(messages)[0]
+    (spinning,) = [e for e in detect_episodes(timeline) if e.title.startswith("Engine spinning")]
+    assert spinning.evidence.endswith(
+        "waiting by reason at the end: not reported by the source (fpm-sglang); "
+        "KV usage not reported"
+    )
+    assert "%" not in spinning.evidence
+    assert "kv_leak cannot be found here" in spinning.setting

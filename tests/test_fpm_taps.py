@@ -305,3 +305,17 @@ def test_two_components_with_one_worker_id_are_two_engines(tmp_path):
         "iterscope.worker/dynamo-w0",
     ]
     assert [tl.num_iterations for tl in timelines.values()] == [NUM_ITERATIONS] * 2
+
+
+def test_a_waiting_episode_of_a_dynamo_recording_says_kv_usage_is_not_reported(capsys):
+    """FPM reports no KV blocks: the waiting finding says so and draws nothing from a 0%."""
+    assert explain.main([str(RECEIVED), "--fpm-producer", "dynamo-vllm"]) == 0
+    text = capsys.readouterr().out
+    findings = text.split("\n\n")[2]
+    assert "1. Requests waiting: reason not reported" in findings
+    assert "running mean 4.3; KV usage not reported\n" in findings
+    assert "do        KV usage is not reported by the source (fpm-dynamo-vllm) either, so" in text
+    assert "0.0%" not in findings and "peaked at" not in findings
+    (engine,) = explain_json(capsys, str(RECEIVED), "--fpm-producer", "dynamo-vllm")["engines"]
+    (waiting,) = [f for f in engine["findings"] if f["kind"] == "waiting"]
+    assert waiting["worst"]["numbers"]["peak_usage"] is None

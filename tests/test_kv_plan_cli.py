@@ -221,3 +221,21 @@ def test_console_command_does_not_fit_exits_1_with_the_error_on_stderr(story5_di
     assert result.returncode == 1
     assert "To serve at least one request" in result.stderr
     assert "To serve" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("max_len", "said"),
+    [(["--max-model-len", "40960"], "40,960"), ([], "40,960 (its default: the model's)")],
+)
+def test_a_request_longer_than_the_max_model_len_is_refused(story5_dir, max_len, said, capsys):
+    """The engine refuses a request above max_model_len, so no concurrency is printed for it."""
+    argv = ["--model", str(story5_dir), "--memory", "45.94GiB", *max_len]
+    assert main([*argv, "--request-len", "80800"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err == (
+        f"iterscope kv-plan: --request-len 80,800 is above --max-model-len {said}; the engine "
+        "refuses a request longer than its max model length\n"
+    )
+    assert main([*argv, "--request-len", "40960"]) == 0
+    assert "Maximum concurrency for 40,960 tokens per request:" in capsys.readouterr().out

@@ -231,18 +231,31 @@ def least_utilization(total: int, fixed: int) -> float:
     return hundredths / 100
 
 
-def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], str]:
-    """The report, and why max_model_len does not fit ("" when it does)."""
-    dtype = DTYPE_ALIASES.get((args.dtype or shape.dtype).lower())
-    if dtype is None or dtype == "auto":
-        raise ValueError(f"--dtype {args.dtype!r} is not one of bf16, fp16, fp32")
-    available, budget_lines, memory_flag = kv_budget(args)
+def checked_max_model_len(shape: ModelShape, args: argparse.Namespace) -> int:
+    """The max model length to plan for (--max-model-len, else the model's), refusing one
+    above the model's own limit and a --request-len above it, as the engine refuses both."""
     max_model_len = args.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {max_model_len:,} is above the model's own limit "
             f"(max_position_embeddings {shape.max_position_embeddings:,}); the engine refuses it"
         )
+    if args.request_len is not None and args.request_len > max_model_len:
+        default = "" if args.max_model_len else " (its default: the model's)"
+        raise ValueError(
+            f"--request-len {args.request_len:,} is above --max-model-len {max_model_len:,}"
+            f"{default}; the engine refuses a request longer than its max model length"
+        )
+    return max_model_len
+
+
+def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The report, and why max_model_len does not fit ("" when it does)."""
+    dtype = DTYPE_ALIASES.get((args.dtype or shape.dtype).lower())
+    if dtype is None or dtype == "auto":
+        raise ValueError(f"--dtype {args.dtype!r} is not one of bf16, fp16, fp32")
+    available, budget_lines, memory_flag = kv_budget(args)
+    max_model_len = checked_max_model_len(shape, args)
     bytes_per_token = kv_bytes_per_token(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, DTYPE_BYTES[dtype]
     )

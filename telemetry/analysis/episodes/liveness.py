@@ -12,14 +12,14 @@ from telemetry.analysis.episodes.episode import (
     Episode,
     Thresholds,
     group_by_time,
-    pct,
     secs,
     span_episode,
     true_runs,
 )
+from telemetry.analysis.episodes.queues import kv_usage_at, kv_usage_text
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
-from telemetry.analysis.words import plural
+from telemetry.analysis.words import not_reported, plural
 from telemetry.lane.record import Heartbeat
 from telemetry.lane.recording import message_time_ns
 
@@ -222,11 +222,7 @@ def detect_spinning(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         if last - first + 1 < th.spin_min_iterations:
             continue
         span = slice(first, last + 1)
-        reasons = (
-            {r.limit: int(tl.col(r.field)[last]) for r in WAIT_REASONS.values()}
-            if tl.waiting_reasons_known
-            else "not reported by the source"
-        )
+        kv_usage = kv_usage_at(tl, last)
         episodes.append(
             span_episode(
                 tl,
@@ -238,18 +234,36 @@ def detect_spinning(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     f"{plural(last - first + 1, 'iteration')} scheduled no request while up to "
                     f"{int(tl.col('num_waiting_reqs')[span].max())} waited and "
                     f"{int(tl.col('num_running_reqs')[span].max())} ran; waiting by reason at the "
-                    f"end: {reasons}; KV usage {pct(tl.kv_usage[last])}"
+                    f"end: {waiting_reasons_text(tl, last)}; {kv_usage_text(kv_usage)}"
                 ),
                 explanation=(
                     "The loop is alive but admits nothing: the first waiting request cannot be "
                     "admitted (e.g. it needs more free KV blocks than exist) and nothing running "
                     "will free them."
                 ),
-                setting="Check for leaked KV blocks (kv_leak) and requests larger than the cache.",
+                setting=_spinning_setting(kv_usage is not None),
                 numbers={"num_iterations": last - first + 1},
             )
         )
     return episodes
+
+
+def waiting_reasons_text(tl: EngineTimeline, row: int) -> str:
+    """The requests waiting after record ``row`` by reason, leaving out a count of 0:
+    ``KV capacity 33, --max-num-seqs 2``; ``none`` when no reason holds any."""
+    if not tl.waiting_reasons_known:
+        return not_reported(tl.facts.get("source"))
+    counts = [(r.limit, int(tl.col(r.field)[row])) for r in WAIT_REASONS.values()]
+    return ", ".join(f"{limit} {count}" for limit, count in counts if count) or "none"
+
+
+def _spinning_setting(kv_reported: bool) -> str:
+    if kv_reported:
+        return "Check for leaked KV blocks (kv_leak) and requests larger than the cache."
+    return (
+        "Check the engine's own KV metrics for leaked blocks (the source reports none, so "
+        "kv_leak cannot be found here) and for requests larger than the cache."
+    )
 
 
 def detect_idle(tl: EngineTimeline, th: Thresholds) -> list[Episode]:

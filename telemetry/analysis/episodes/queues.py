@@ -18,6 +18,20 @@ from telemetry.analysis.episodes.episode import (
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
+from telemetry.lane.record import UNKNOWN_KV_BLOCKS
+
+
+def kv_usage_at(tl: EngineTimeline, rows: slice | int) -> float | None:
+    """The highest KV usage in ``rows``, None where the source does not report KV blocks
+    there (FPM: its 0 is not a measured 0)."""
+    if not bool(np.all(tl.known(UNKNOWN_KV_BLOCKS)[rows])):
+        return None
+    return float(np.max(tl.kv_usage[rows]))
+
+
+def kv_usage_text(usage: float | None, label: str = "KV usage") -> str:
+    """``KV usage peak 45.0%``, or ``KV usage not reported`` (the source names no KV blocks)."""
+    return f"{label} {pct(usage)}" if usage is not None else "KV usage not reported"
 
 
 def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -40,7 +54,7 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
                 title="Preemption storm",
                 evidence=(
                     f"{plural(num_preemptions, 'preemption')} in {plural(len(rows), 'iteration')}; "
-                    f"KV usage peak {pct(tl.kv_usage[span].max())}; "
+                    f"{kv_usage_text(kv_usage_at(tl, span), 'KV usage peak')}; "
                     f"{plural(num_prefill_tokens, 'prefill token')} computed "
                     f"meanwhile (recompute included); waiting up to "
                     f"{int(tl.col('num_waiting_reqs')[span].max())}"
@@ -92,7 +106,7 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     if not tl.waiting_reasons_known:
         label, cause = "reason not reported", "of a limit the source does not name"
         split = not_reported(tl.facts.get("source"))
-    peak_usage = float(tl.kv_usage[span].max())
+    peak_usage = kv_usage_at(tl, span)
     return span_episode(
         tl,
         first,
@@ -103,7 +117,7 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
             f"waiting > 0 in {plural(last - first + 1, 'iteration')} (mean "
             f"{num_waiting.mean():.1f}, max {int(num_waiting.max())}); "
             f"reasons: {split}; running mean {tl.col('num_running_reqs')[span].mean():.1f}; "
-            f"KV usage peak {pct(peak_usage)}"
+            f"{kv_usage_text(peak_usage, 'KV usage peak')}"
         ),
         explanation=f"Requests queued because {cause}; their time to first token grows.",
         setting=_waiting_setting(tl, reason, peak_usage),
@@ -116,16 +130,15 @@ def _waiting_episode(tl: EngineTimeline, first: int, last: int) -> Episode:
     )
 
 
-def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
+def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float | None) -> str:
     if reason == "waiting_kv":
         return (
             f"Raise {kv_memory_text(tl)}, lower --max-model-len, or send fewer concurrent "
             f"requests ({KV_PLAN_TEXT})."
         )
     if reason == "waiting_seq_limit":
-        room = "KV had room" if peak_usage < 0.9 else "KV was nearly full too"
         return (
-            f"Raise {flag_text(tl, 'max_num_seqs')}: {room} (peak {pct(peak_usage)}); "
+            f"Raise {flag_text(tl, 'max_num_seqs')}: {_kv_room_text(tl, peak_usage)}; "
             f"{TUNE_TEXT} picks a value that keeps it."
         )
     if reason == "waiting_budget":
@@ -136,12 +149,36 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float) -> str:
     if reason == "waiting_other":
         return _held_back_action(tl)
     if not tl.waiting_reasons_known:
-        return (
-            f"KV usage peaked at {pct(peak_usage)}: near 100% the cache is the limit (raise "
-            f"{kv_memory_text(tl)}; {KV_PLAN_TEXT}); well below, --max-num-seqs or "
-            f"--max-num-batched-tokens is ({TUNE_TEXT} picks both)."
-        )
+        return _unnamed_limit_action(tl, peak_usage)
     return "Check the engine's admission logic: requests waited with no limit reported."
+
+
+def _kv_room_text(tl: EngineTimeline, peak_usage: float | None) -> str:
+    """Whether the KV cache had room beside the sequence limit, when the source says."""
+    if peak_usage is None:
+        return (
+            f"KV usage is {not_reported(tl.facts.get('source'))}, so whether the cache had "
+            "room is not known"
+        )
+    room = "KV had room" if peak_usage < 0.9 else "KV was nearly full too"
+    return f"{room} (peak {pct(peak_usage)})"
+
+
+def _unnamed_limit_action(tl: EngineTimeline, peak_usage: float | None) -> str:
+    """The action for requests that waited for a limit the source does not name: read from
+    the KV usage peak where the source reports it, else both limits and how to tell them
+    apart."""
+    kv_limit = f"the cache is the limit (raise {kv_memory_text(tl)}; {KV_PLAN_TEXT})"
+    other_limits = f"--max-num-seqs or --max-num-batched-tokens is ({TUNE_TEXT} picks both)"
+    if peak_usage is None:
+        return (
+            f"KV usage is {not_reported(tl.facts.get('source'))} either, so the limit is not "
+            f"known: if the engine's own metrics show its KV cache nearly full, {kv_limit}; "
+            f"if not, {other_limits}."
+        )
+    return (
+        f"KV usage peaked at {pct(peak_usage)}: near 100% {kv_limit}; well below, {other_limits}."
+    )
 
 
 def _held_back_action(tl: EngineTimeline) -> str:
