@@ -68,7 +68,8 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
         and "0.10 request-s delayed" in (headlines[0])
     )
     assert "0.03 request-s slowed" in headlines[1]
-    assert "  ... 1 more finding; --all lists every episode." in lines  # the gap, below
+    # no room left to name the gap, below: counted
+    assert "  ... 1 more finding; --all lists every episode, with its evidence and action." in lines
 
 
 def test_an_episode_costs_its_own_iterations_not_the_next_one_back_to_back():

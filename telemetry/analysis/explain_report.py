@@ -74,14 +74,19 @@ MAX_FINDING_LINES = 15  # the ranked findings fit on one screen above the summar
 MAX_ACTION_LINES = MAX_FINDING_LINES - 5
 
 
+def headline(number: int, finding: Finding) -> str:
+    """A finding in one line: what, how often, how long, what it cost."""
+    cost = cost_phrase(finding.cost, finding.cost_label)
+    return (
+        f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
+        f"{finding.total_time:.2f} s in all, {cost}"
+    )
+
+
 def format_finding(tl: EngineTimeline, number: int, finding: Finding, action: str) -> list[str]:
     """Headline, worst instance with its figures, and the action (wrapped)."""
     worst = finding.worst
-    cost = cost_phrase(finding.cost, finding.cost_label)
-    lines = [
-        f"  {number}. {finding.title}: {plural(finding.count, 'time')}, "
-        f"{finding.total_time:.2f} s in all, {cost}"
-    ]
+    lines = [headline(number, finding)]
     lines += _wrapped(
         "worst",
         f"{clock_text(tl, worst.start_ns)} ({worst.duration_time:.2f} s): {worst.evidence}",
@@ -95,7 +100,9 @@ def format_findings(
     tl: EngineTimeline, findings: list[Finding], thresholds: Thresholds
 ) -> list[str]:
     """The findings in rank order (faults, then the costliest), in at most MAX_FINDING_LINES
-    lines; the first is always shown whole, so the top finding is never cut."""
+    lines: whole while they fit (the first always, so the top finding is never cut), then
+    the others' headlines while there is room, so every finding is named on the first screen
+    as far as it goes."""
     if not findings:
         return [
             "  No problem found: no saturation, preemption storm, sustained waiting, "
@@ -117,10 +124,13 @@ def format_findings(
             break
         lines += block
         shown += 1
-    if shown < len(findings):
-        lines.append(
-            f"  ... {plural(len(findings) - shown, 'more finding')}; --all lists every episode."
-        )
+    rest = findings[shown:]
+    if rest:
+        room = max(0, MAX_FINDING_LINES - 1 - len(lines))  # the last line is the pointer
+        lines += [headline(number, f) for number, f in enumerate(rest[:room], shown + 1)]
+        unnamed = len(rest) - min(room, len(rest))
+        more = f"{plural(unnamed, 'more finding')}; " if unnamed else ""
+        lines.append(f"  ... {more}--all lists every episode, with its evidence and action.")
     return lines
 
 
