@@ -21,6 +21,9 @@ from dashboards.metric_names import SERIES_NAMES  # noqa: E402
 
 ALERTS_DIR = REPO / "dashboards" / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.yml"))
+# What `make dashboards` (deploy/generate.py) writes from RULE_FILES for the deployments.
+DEPLOYED_RULES_FILE = REPO / "deploy" / "prometheus" / "rules" / "iterscope.yml"
+PROMETHEUS_RULE_FILE = REPO / "deploy" / "k8s" / "generated" / "prometheusrule.yaml"
 TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.yml"))
 EXPECTED_ALERTS = {
     "IterscopeKVCacheSaturated",
@@ -71,7 +74,7 @@ def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
 
 def load_rules() -> dict[str, list[dict]]:
     """Alert name -> its rules, over every rule file (recording rules left out). Most alerts
-    have one rule; IterscopeFinding has one per severity."""
+    have one rule; IterscopeFinding has three (one per severity, one for an unknown cost)."""
     rules: dict[str, list[dict]] = {}
     for path in RULE_FILES:
         for group in yaml.safe_load(path.read_text())["groups"]:
@@ -84,10 +87,45 @@ def load_rules() -> dict[str, list[dict]]:
 RULES = load_rules()
 
 
+def prometheus_rule_groups() -> list[dict]:
+    """The rule groups of the generated PrometheusRule (Kubernetes)."""
+    (rule,) = [
+        document
+        for document in yaml.safe_load_all(PROMETHEUS_RULE_FILE.read_text())
+        if document and document.get("kind") == "PrometheusRule"
+    ]
+    return rule["spec"]["groups"]
+
+
+def shipped_rule_files(directory: Path) -> list[Path]:
+    """Every rules file iterscope ships: the defaults of dashboards/alerts/, the generated file
+    the compose stack's Prometheus loads, and the PrometheusRule's groups, written as a rules
+    file into ``directory`` (promtool reads no Kubernetes object)."""
+    k8s_rules = directory / "prometheusrule-groups.yml"
+    k8s_rules.write_text(yaml.safe_dump({"groups": prometheus_rule_groups()}))
+    return [*RULE_FILES, DEPLOYED_RULES_FILE, k8s_rules]
+
+
 @pytest.mark.live
-def test_rule_files_pass_promtool_check():
-    result = run_promtool("check", "rules", *map(str, RULE_FILES))
+def test_shipped_rule_files_pass_promtool_check_with_lint_fatal(tmp_path):
+    """`promtool check rules --lint-fatal`: valid, and no lint finding either (two rules of one
+    alert name with the same labels are duplicates, which Prometheus cannot tell apart)."""
+    result = run_promtool("check", "rules", "--lint-fatal", *map(str, shipped_rule_files(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_two_rules_of_a_rules_file_share_a_name_and_labels(tmp_path):
+    """promtool's duplicate-rule lint, without promtool: within one rules file, no two rules
+    (alerting or recording) have the same name and the same labels. IterscopeFinding's two
+    warning rules differ by the label cost="unknown"."""
+    for path in shipped_rule_files(tmp_path):
+        seen: dict[tuple, str] = {}
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("alert") or rule["record"]
+                key = (name, tuple(sorted((rule.get("labels") or {}).items())))
+                assert key not in seen, f"{path.name}: {key} in {seen.get(key)} and {group['name']}"
+                seen[key] = group["name"]
 
 
 @pytest.mark.live
@@ -368,3 +406,61 @@ def test_conflict_runbook_quotes_the_sidecars_log_lines(caplog):
     runbook = (REPO / "docs" / "runbooks" / "IterscopeEngineIndexConflict.md").read_text()
     assert sidecar_lines[0] in runbook
     assert conflict_lines[0] in runbook
+
+
+def duration_s(text: str) -> int:
+    """Seconds of a Prometheus duration of one unit (``30s``, ``5m``, ``1h``)."""
+    value, unit = re.fullmatch(r"(\d+)([smh])", text).groups()
+    return int(value) * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_findings_window_alert_fires_after_the_10_minutes_its_texts_say():
+    """IterscopeFindingsWindowShort: every window of max_over_time below 50 s for the whole
+    `for:` is below 50 s for range + for, which its description, runbook and the alerts table
+    of docs/dashboards.md call 10 minutes; the offset (the series that old) holds a new engine
+    to the same 10 minutes. findings_test.yml pins both at the boundary."""
+    (rule,) = RULES["IterscopeFindingsWindowShort"]
+    expr = " ".join(rule["expr"].split())
+    match = re.fullmatch(
+        r"max_over_time\(iterscope_findings_window_seconds\[(\w+)\]\) < 50 and "
+        r"iterscope_findings_window_seconds offset (\w+)",
+        expr,
+    )
+    assert match, expr
+    assert match[1] == match[2], expr
+    assert duration_s(match[1]) + duration_s(rule["for"]) == 10 * 60
+    assert "for 10 minutes" in rule["annotations"]["description"]
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeFindingsWindowShort.md").read_text()
+    assert "For 10 minutes this engine's window held less than 50 s" in runbook
+    assert f"`max_over_time(iterscope_findings_window_seconds[{match[1]}]) < 50`" in runbook
+    table = (REPO / "docs" / "dashboards.md").read_text()
+    assert f"`max_over_time(iterscope_findings_window_seconds[{match[1]}]) < 50` for " in table
+
+
+def test_near_full_runbook_does_not_say_nobody_waits_for_kv():
+    """IterscopeKVCacheNearFull reads the usage alone, and IterscopeKVCacheSaturated needs 95%
+    and most iterations blocked: between 90% and 95% with requests waiting for KV, the near
+    full alert fires alone (kv_cache_test.yml, engine 2). Its runbook must say so."""
+    (near_full,) = RULES["IterscopeKVCacheNearFull"]
+    (saturated,) = RULES["IterscopeKVCacheSaturated"]
+    assert "kv_blocked" not in near_full["expr"] and "kv_blocked" in saturated["expr"]
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeKVCacheNearFull.md").read_text()
+    assert not re.search(r"nothing is (queued|waiting) for kv", runbook, re.IGNORECASE)
+    assert "between 90% and 95%" in runbook and "`kv_capacity`" in runbook
+
+
+def test_finding_runbook_says_the_kv_kinds_draw_their_values_from_their_own_episodes():
+    """The KV kinds a too-small cache opens share a remedy, not an action: each action's
+    numbers come from the requests of its own episode (actions._kv_action), so they differ."""
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeFinding.md").read_text()
+    assert "all with the same action" not in runbook
+    assert "same remedy" in runbook and "its own episode" in runbook
+
+
+def test_stall_runbook_names_what_the_rule_reads():
+    """IterscopeEngineStalled counts tokens, not iterations (a spinning loop iterates)."""
+    (rule,) = RULES["IterscopeEngineStalled"]
+    assert "iterscope_iterations_total" not in rule["expr"]
+    runbook = (REPO / "docs" / "runbooks" / "IterscopeEngineStalled.md").read_text()
+    assert "reads the iteration counter" not in runbook
+    assert "reads the token counters" in runbook
