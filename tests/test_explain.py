@@ -726,3 +726,17 @@ def test_token_rates_say_their_span_where_the_recording_is_longer():
     )
     lines = format_summary(summarize(build_timelines(records)[0]))
     assert next(line for line in lines if line.startswith("tokens:")).endswith("(0.0 tokens/s)")
+
+
+def test_a_saturation_ended_by_a_preemption_counts_it_as_the_cliff_after_it_does():
+    """The iteration that brings usage below 95% is the saturation's too: where it preempted
+    (as the cliff counts), the saturation said "0 preemptions ... none was preempted"."""
+    rows = [synthetic.Row(0.010, running=2, waiting=0, blocks_used=100, gen_reqs=2)] * 12
+    rows += [synthetic.Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1, preemptions=1)]
+    rows += [synthetic.Row(0.010, running=1, waiting=1, blocks_used=50, gen_reqs=1)] * 5
+    episodes = detect_episodes(build_timelines(synthetic.scripted(rows))[0])
+    (cliff,) = only(episodes, "kv_cliff")
+    (saturation,) = only(episodes, "kv_saturation")
+    assert cliff.numbers["num_preemptions"] == saturation.numbers["num_preemptions"] == 1
+    assert "none was preempted" not in saturation.explanation
+    assert "1 running request that needed a new block was preempted" in saturation.explanation

@@ -35,7 +35,9 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         if last - first + 1 < th.kv_saturated_min_iterations:
             continue
         span = slice(first, last + 1)
-        num_preemptions = int(tl.col("num_preemptions")[span].sum())
+        # The iteration that brought usage below the threshold is the saturation's too: a
+        # preemption there is what ended it (freeing the blocks), as the cliff after it says.
+        num_preemptions = int(tl.col("num_preemptions")[first : last + 2].sum())
         max_waiting_kv = int(tl.col("num_waiting_kv_reqs")[span].max())
         max_waiting = int(tl.col("num_waiting_reqs")[span].max())
         peak = float(usage[span].max())
