@@ -28,6 +28,8 @@ from tests.helpers.perfetto_reader import read_trace
 
 GOLDEN = Path(__file__).parent / "data" / "timeline_golden"
 RECORDINGS = ["story1_KV_cliff", "KV_capacity", "preemption_storm", "preemptions"]
+# A finding slice's args that today's rules write, compared with them, not with the golden
+TODAYS_ARGS = ("cost_request_s", "action", "evidence", "explanation")
 
 
 def by_name(trace):
@@ -69,15 +71,21 @@ def test_the_trace_reads_back_as_the_object_built_one_did(recording, tmp_path):
     after = tmp_path / "after.pftrace"
     assert main([str(source), "-o", str(after)]) == 0
     drawn = by_name(read_trace(after))
-    costs, actions = pop_args(drawn, "cost_request_s"), pop_args(drawn, "action")
+    today = {name: pop_args(drawn, name) for name in TODAYS_ARGS}
+    costs, actions = today["cost_request_s"], today["action"]
     golden = by_name(read_trace(before))
-    pop_args(golden, "cost_request_s"), pop_args(golden, "action")
+    for name in TODAYS_ARGS:
+        pop_args(golden, name)
     assert drawn == golden
-    # the costs and actions are today's rules' (an episode no longer costs the iteration that
-    # starts as its last one ends, and actions are drawn from the 30 s before an episode, as
-    # they were not when the golden traces were made)
+    # the costs, actions, evidence and explanations are today's rules' (an episode no longer
+    # costs the iteration that starts as its last one ends, actions are drawn from the 30 s
+    # before an episode, a KV saturation counts the preemption that ended it, as they were
+    # not when the golden traces were made)
     (timeline,) = read_timelines([source])[0].values()
     episodes = detect_episodes(timeline)
+    drawn_episodes = [e for f in build_findings(timeline, episodes) for e in f.episodes]
+    for name in ("evidence", "explanation"):
+        assert today[name] == {(e.start_ns, e.end_ns): getattr(e, name) for e in drawn_episodes}
     assert costs == {
         (e.start_ns, e.end_ns): pytest.approx(episode_cost(timeline, e))
         for e in episodes
