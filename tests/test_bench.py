@@ -351,8 +351,9 @@ def test_a_result_file_is_written(tmp_path, monkeypatch):
     path = tmp_path / "r.json"
     argv = ["--num-prompts", "3", "--no-progress", "--result-file", str(path)]
     assert bench_client.main(argv) == 0
-    result = json.loads(path.read_text())
+    result = json.loads(path.read_text(), parse_constant=pytest.fail)  # strict: no Infinity
     assert result["num_completed"] == 3 and result["settings"]["result_file"] == str(path)
+    assert result["settings"]["request_rate"] == "inf"  # the default, as vLLM writes it
 
 
 def mock_backend(handler) -> HttpBackend:

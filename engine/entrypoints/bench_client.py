@@ -199,6 +199,12 @@ def _add_output_arguments(out: argparse._ArgumentGroup) -> None:
     )
 
 
+def json_number(value: Any) -> Any:
+    """``inf`` (the default --request-rate) as the text "inf", as vLLM's result files have it:
+    JSON has no Infinity, and strict readers refuse the file."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def write_result(path: str, result: dict[str, Any]) -> None:
     """Write --result-file; a failure (the folder went away meanwhile, a full disk) is a
     RuntimeError in one line that names the flag and the file."""
@@ -236,7 +242,9 @@ async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dic
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)
     if args.result_file:
-        settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+        settings = {
+            k: json_number(v) for k, v in vars(args).items() if isinstance(v, (int, float, str))
+        }
         write_result(args.result_file, result_json(metrics, settings, results))
     return metrics
 
