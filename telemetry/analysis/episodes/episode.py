@@ -9,6 +9,7 @@ import numpy as np
 
 from telemetry.analysis.stall_rule import DEAD_AFTER_S
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.lane.record import UNKNOWN_KV_BLOCKS
 
 PROBLEM = "problem"
 INFO = "info"
@@ -127,6 +128,19 @@ def group_by_time(
 
 def pct(ratio: float) -> str:
     return f"{100 * ratio:.1f}%"
+
+
+def kv_usage_at(tl: EngineTimeline, rows: slice | int) -> float | None:
+    """The highest KV usage in ``rows``, None where the source does not report KV blocks
+    there (FPM: its 0 is not a measured 0)."""
+    if not bool(np.all(tl.known(UNKNOWN_KV_BLOCKS)[rows])):
+        return None
+    return float(np.max(tl.kv_usage[rows]))
+
+
+def kv_usage_text(usage: float | None, label: str = "KV usage") -> str:
+    """``KV usage peak 45.0%``, or ``KV usage not reported`` (the source names no KV blocks)."""
+    return f"{label} {pct(usage)}" if usage is not None else "KV usage not reported"
 
 
 def secs(time_ns: int | float) -> str:

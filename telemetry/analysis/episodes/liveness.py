@@ -12,11 +12,12 @@ from telemetry.analysis.episodes.episode import (
     Episode,
     Thresholds,
     group_by_time,
+    kv_usage_at,
+    kv_usage_text,
     secs,
     span_episode,
     true_runs,
 )
-from telemetry.analysis.episodes.queues import kv_usage_at, kv_usage_text
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural

@@ -12,26 +12,14 @@ from telemetry.analysis.episodes.episode import (
     flag_text,
     group_by_time,
     kv_memory_text,
+    kv_usage_at,
+    kv_usage_text,
     pct,
     span_episode,
     true_runs,
 )
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
-from telemetry.lane.record import UNKNOWN_KV_BLOCKS
-
-
-def kv_usage_at(tl: EngineTimeline, rows: slice | int) -> float | None:
-    """The highest KV usage in ``rows``, None where the source does not report KV blocks
-    there (FPM: its 0 is not a measured 0)."""
-    if not bool(np.all(tl.known(UNKNOWN_KV_BLOCKS)[rows])):
-        return None
-    return float(np.max(tl.kv_usage[rows]))
-
-
-def kv_usage_text(usage: float | None, label: str = "KV usage") -> str:
-    """``KV usage peak 45.0%``, or ``KV usage not reported`` (the source names no KV blocks)."""
-    return f"{label} {pct(usage)}" if usage is not None else "KV usage not reported"
 
 
 def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
