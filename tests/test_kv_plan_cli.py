@@ -33,14 +33,17 @@ def story5_dir(tmp_path):
 
 
 def test_story5_does_not_fit_and_says_why(story5_dir, capsys):
-    code = main(["--model", str(story5_dir), "--memory", "4.5GiB", "--max-model-len", "40960"])
+    """Story 5 ran on a GPU: --dtype auto there is 2 bytes (bfloat16 or float16)."""
+    argv = ["--model", str(story5_dir), "--memory", "4.5GiB", "--max-model-len", "40960"]
+    code = main([*argv, "--device", "cuda"])
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert code == 1 and len(lines) == 6
-    assert lines[1] == (
+    assert code == 1 and len(lines) == 7
+    assert lines[1].startswith("KV cache dtype: bfloat16 (--dtype auto on a GPU: ")
+    assert lines[2] == (
         "KV bytes per token: 147,456 (2 x 36 layers x 8 KV heads x 128 head_dim x 2 bytes)"
     )
-    assert lines[2:6] == [
+    assert lines[3:7] == [
         "Available KV cache memory: 4.50 GiB",
         "KV cache size: 32,768 tokens",
         "Maximum concurrency for 40,960 tokens per request: 0.80x",
@@ -57,6 +60,7 @@ def test_story5_does_not_fit_and_says_why(story5_dir, capsys):
 
 def test_story5_fits_with_a_shorter_max_len(story5_dir, capsys):
     argv = ["--model", str(story5_dir), "--memory", "4.5GiB", "--max-model-len", "8192"]
+    argv += ["--dtype", "bf16"]
     assert main([*argv, "--request-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "Maximum concurrency for 4,096 tokens per request: 8.00x" in out
@@ -68,11 +72,50 @@ def test_fp32_doubles_bytes_per_token(story5_dir, capsys):
     assert "KV bytes per token: 294,912" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("flags", "dtype", "bytes_per_token"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", "bfloat16", "147,456"),
+        ("fpu avx2 amx_bf16", "bfloat16", "147,456"),
+        ("fpu avx2 avx512f", "float32", "294,912"),
+    ],
+)
+def test_the_default_dtype_is_the_one_serve_picks_on_this_cpu(
+    story5_dir, tmp_path, monkeypatch, flags, dtype, bytes_per_token, capsys
+):
+    """Not the checkpoint's bfloat16: `serve --dtype auto` runs float32 on a CPU without
+    native bfloat16, where a bfloat16 plan would promise twice the cache there is."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr("engine.auto_dtype.CPUINFO", cpuinfo)
+    assert main(["--model", str(story5_dir), "--memory", "24GiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"KV cache dtype: {dtype} (--dtype auto here: the CPU ")
+    assert lines[2].startswith(f"KV bytes per token: {bytes_per_token} ")
+
+
+def test_a_gpu_budget_on_a_cpu_is_refused(story5_dir, capsys):
+    argv = ["--model", str(story5_dir), "--gpu-memory", "24GiB", "--activation-peak", "1GiB"]
+    assert main([*argv, "--weights", "1GiB", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "iterscope kv-plan: --gpu-memory plans the engine on a GPU; drop --device cpu\n"
+    )
+
+
+@pytest.mark.live
+def test_an_embedded_models_weights_are_its_gguf(capsys):
+    """--gpu-memory without --weights sizes the embedded model's own file."""
+    argv = ["--model", "smollm2", "--gpu-memory", "8GiB", "--activation-peak", "1GiB"]
+    assert main([*argv, "--max-model-len", "2048"]) == 0
+    assert "  minus weights: 0.09 GiB" in capsys.readouterr().out
+
+
 @pytest.mark.live
 def test_embedded_model_is_read_from_its_gguf(capsys):
     assert main(["--model", "smollm2", "--memory", "512MiB", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "(30 layers, 3 KV heads, head_dim 64, float32" in out
+    assert "(30 layers, 3 KV heads, head_dim 64, max_position_embeddings 8,192)" in out
+    assert "KV cache dtype: float32 (--dtype float32)" in out
     assert "KV bytes per token: 46,080" in out
     assert "KV cache size: 11,648 tokens" in out  # 512 MiB / (16 x 46,080 B) = 728 blocks
 

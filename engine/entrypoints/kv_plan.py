@@ -8,11 +8,15 @@
 ``--gpu-memory`` plans the way the engine budgets on a GPU: the card's memory times
 ``--gpu-memory-utilization``, minus the weights (default: the size of the model's weight
 files) and the activation peak (the engine measures it at start-up and logs it), each term
-printed. The model's shape comes from its config.json or a GGUF file's metadata. Uses the
-engine's own planning code, so the lines and the error are the ones the engine prints at
-start-up. It plans for iterscope's engine and reads each value with the rule `iterscope
-serve` reads its flag with (a size with its unit, ``--block-size`` a power of two up to 256),
-so it refuses what the engine would, in the same words. Exits 1 when max_model_len does not
+printed. The KV cache has the engine's dtype: ``--dtype``, by default what `iterscope serve
+--dtype auto` picks for ``--device`` (on this machine's CPU bfloat16 only where it computes
+it natively, else float32; on a GPU 2 bytes, bfloat16 or float16), never the checkpoint's own
+dtype, which the engine does not follow either. The model's shape comes from its config.json
+or a GGUF file's metadata. Uses the engine's own planning code, so the lines and the error
+are the ones the engine prints at start-up. It plans for iterscope's engine and reads each
+value with the rule `iterscope serve` reads its flag with (a size with its unit,
+``--block-size`` a power of two up to 256), so it refuses what the engine would, in the same
+words. Exits 1 when max_model_len does not
 fit, 2 on bad input (message on stderr).
 """
 
@@ -26,7 +30,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.auto_dtype import auto_dtype
+from engine.config import DEVICES, EngineConfig
 from engine.entrypoints import arg_types
 from engine.kv_planning import (
     GIB,
@@ -36,7 +41,6 @@ from engine.kv_planning import (
     kv_bytes_per_token,
     plan_kv_cache,
 )
-from engine.settings import DTYPE_ALIASES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # serve's rule for --block-size (engine/config.py), so kv-plan refuses what the engine refuses
@@ -50,7 +54,6 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    dtype: str  # the checkpoint's own dtype, "bfloat16" when it says nothing
 
 
 def shape_from_hf_config(hf: dict[str, Any], name: str) -> ModelShape:
@@ -64,7 +67,6 @@ def shape_from_hf_config(hf: dict[str, Any], name: str) -> ModelShape:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            dtype=DTYPE_ALIASES.get(str(hf.get("torch_dtype") or hf.get("dtype")), "bfloat16"),
         )
     except KeyError as error:
         raise ValueError(f"{name}: config.json lacks {error.args[0]!r}") from None
@@ -143,7 +145,18 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per request to plan for (default: the model's)",
     )
     parser.add_argument(
-        "--dtype", help="KV dtype: bf16, fp16 or fp32 (default: the checkpoint's, else bf16)"
+        "--dtype",
+        type=arg_types.dtype,
+        default="auto",
+        metavar="DTYPE",
+        help="the engine's dtype, as `iterscope serve --dtype` takes it: auto, float32, "
+        "bfloat16, float16 (or fp32, bf16, fp16, half); auto (the default) picks as serve "
+        "does for --device",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="where the engine runs, as serve's --device (default cpu; cuda with --gpu-memory)",
     )
     parser.add_argument(
         "--block-size",
@@ -163,8 +176,13 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def weight_files_bytes(model: str) -> int:
-    """Bytes of the model's weight files: a .gguf file, or a directory's safetensors/bin."""
+    """Bytes of the model's weight files: a .gguf file (an embedded model's too), or a
+    directory's safetensors/bin."""
     path = Path(model).expanduser()
+    if not path.exists():
+        from engine.model.paths import resolve_model_path  # embedded names, e.g. smollm2
+
+        path = resolve_model_path(model)
     if path.is_file():
         return path.stat().st_size
     files = [*path.glob("*.safetensors"), *path.glob("*.bin")] if path.is_dir() else []
@@ -249,11 +267,33 @@ def checked_max_model_len(shape: ModelShape, args: argparse.Namespace) -> int:
     return max_model_len
 
 
+def planned_device(args: argparse.Namespace) -> str:
+    """serve's --device: cpu unless said, cuda with --gpu-memory (which plans a GPU)."""
+    if args.gpu_memory is None:
+        return args.device or "cpu"
+    if args.device == "cpu":
+        raise ValueError("--gpu-memory plans the engine on a GPU; drop --device cpu")
+    return "cuda"
+
+
+def kv_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """(the KV cache's dtype, why): --dtype, or what serve's --dtype auto picks on the device:
+    on a CPU this machine's rule (engine/auto_dtype.py); on a GPU, which this machine may not
+    have, bfloat16 from compute capability 8.0 and float16 before, the same 2 bytes."""
+    if args.dtype != "auto":
+        return args.dtype, f"--dtype {args.dtype}"
+    if planned_device(args) == "cuda":
+        return "bfloat16", (
+            "--dtype auto on a GPU: bfloat16 from compute capability 8.0, float16 before it, "
+            "2 bytes either way"
+        )
+    dtype, reason = auto_dtype("cpu")
+    return dtype, f"--dtype auto here: {reason}"
+
+
 def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], str]:
     """The report, and why max_model_len does not fit ("" when it does)."""
-    dtype = DTYPE_ALIASES.get((args.dtype or shape.dtype).lower())
-    if dtype is None or dtype == "auto":
-        raise ValueError(f"--dtype {args.dtype!r} is not one of bf16, fp16, fp32")
+    dtype, why_dtype = kv_dtype(args)
     available, budget_lines, memory_flag = kv_budget(args)
     max_model_len = checked_max_model_len(shape, args)
     bytes_per_token = kv_bytes_per_token(
@@ -261,8 +301,9 @@ def plan_lines(shape: ModelShape, args: argparse.Namespace) -> tuple[list[str], 
     )
     lines = [
         f"Model: {shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
-        f"head_dim {shape.head_dim}, {dtype}, max_position_embeddings "
+        f"head_dim {shape.head_dim}, max_position_embeddings "
         f"{shape.max_position_embeddings:,})",
+        f"KV cache dtype: {dtype} ({why_dtype})",
         f"KV bytes per token: {bytes_per_token:,} (2 x {shape.num_layers} layers x "
         f"{shape.num_kv_heads} KV heads x {shape.head_dim} head_dim x {DTYPE_BYTES[dtype]} "
         "bytes)",
