@@ -552,6 +552,27 @@ def test_follow_keeps_a_bounded_window(story2, tmp_path):
     assert newest.num_iterations < 300 < len(story2.messages)
 
 
+def test_follow_reads_what_its_last_interval_added(story2, tmp_path, monkeypatch):
+    """Lines written while follow sleeps its last interval are in the summary it ends with."""
+    from telemetry.sidecar import follow as follow_module
+
+    path = tmp_path / "story2.jsonl"
+    story2.write(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:100]))
+
+    def sleep_and_grow(seconds: float) -> None:
+        with open(path, "ab") as f:  # the writer goes on while follow sleeps
+            f.write(b"".join(lines[100:]))
+
+    monkeypatch.setattr(follow_module.time, "sleep", sleep_and_grow)
+    out = io.StringIO()
+    follow([path], Thresholds(), interval_s=3600, max_time_s=0.0001, out=out)
+    (whole,) = build_timelines(story2.messages).values()
+    summary = "\n".join(format_engine(whole, detect_episodes(whole), Thresholds()))
+    assert out.getvalue().endswith(summary + "\n")
+
+
 def test_reached_through_the_iterscope_command(story2, tmp_path, capsys):
     from engine.entrypoints.cli import main as iterscope
 

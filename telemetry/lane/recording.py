@@ -116,13 +116,13 @@ class RecordingReader:
         self._last_seen: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> call number
         self._num_calls = 0
 
-    def read_new(self, final: bool = False) -> list[Message]:
-        """Messages added since the last call; ``final`` also decodes an unterminated last line
-        (which a writer may still be completing when following)."""
+    def read_new(self) -> list[Message]:
+        """Complete lines added since the last call: an unterminated last line is left for the
+        next call (its writer may still be completing it)."""
         messages: list[Message] = []
         seen: set[tuple[int, int]] = set()
         for path in with_rotated_files(self.paths):
-            messages += self._read_path(path, final, seen)
+            messages += self._read_path(path, seen)
         self._num_calls += 1
         for key in seen:
             self._last_seen[key] = self._num_calls
@@ -132,7 +132,7 @@ class RecordingReader:
                 self._offsets.pop(key, None)
         return messages
 
-    def _read_path(self, path: Path, final: bool, seen: set[tuple[int, int]]) -> list[Message]:
+    def _read_path(self, path: Path, seen: set[tuple[int, int]]) -> list[Message]:
         try:
             with open(path, "rb") as file:
                 stat = os.fstat(file.fileno())
@@ -147,7 +147,7 @@ class RecordingReader:
         except FileNotFoundError:
             return []
         seen.add(key)
-        end = len(data) if final else data.rfind(b"\n") + 1
+        end = data.rfind(b"\n") + 1
         self._offsets[key] = offset + end
         return self._decode_lines(data[:end])
 

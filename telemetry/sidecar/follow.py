@@ -59,18 +59,27 @@ def follow(
     print(f"following {', '.join(map(str, paths))} (Ctrl-C to stop)", file=out, flush=True)
     try:
         while deadline is None or time.monotonic() < deadline:
-            messages = of_engine(reader.read_new(), engine_index)
-            newest.extend(messages)
-            clock.feed(messages)
+            feed(reader, clock, newest, engine_index)
             time.sleep(interval_s)
     except KeyboardInterrupt:
         pass
+    feed(reader, clock, newest, engine_index)  # what the last interval added
     clock.finish()
     ingest.close()
     for tl in build_timelines(newest).values():
         lines = format_engine(tl, detect_episodes(tl, thresholds), thresholds)
         print("\n" + "\n".join(lines), file=out)
     return 0
+
+
+def feed(
+    reader: RecordingReader, clock: RecordClock, newest: deque, engine_index: int | None
+) -> None:
+    """The messages added since the last read (of ``engine_index`` only, unless None) to the
+    sidecar's clock and the newest ones kept for the summary."""
+    messages = of_engine(reader.read_new(), engine_index)
+    newest.extend(messages)
+    clock.feed(messages)
 
 
 def of_engine(messages: list[Message], engine_index: int | None) -> list[Message]:
