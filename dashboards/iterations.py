@@ -12,6 +12,8 @@ from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
 
 from dashboards.common import (
     KV_BLOCKED_SHARE,
+    PER_ENGINE,
+    RATE,
     engine_legend,
     heatmap_panel,
     histogram_mean,
@@ -57,21 +59,28 @@ def tokens_per_iteration() -> dashboard.Panel:
 def batch_composition() -> dashboard.Panel:
     return timeseries_panel(
         "Batch composition: prefill vs decode tokens",
-        "Mean prefill tokens and decode tokens (one per decoding request) per iteration, "
-        "stacked, per engine.",
+        "Mean prefill tokens and decode tokens per iteration, stacked, per engine (decode "
+        "tokens: one per decoding request, more with speculative decoding's accepted tokens).",
         [
             query(
                 histogram_mean("iterscope_iteration_context_tokens"),
                 engine_legend("prefill"),
                 "A",
             ),
-            query(
-                histogram_mean("iterscope_iteration_generation_requests"),
-                engine_legend("decode"),
-                "B",
-            ),
+            query(mean_decode_tokens(), engine_legend("decode"), "B"),
         ],
         stacked=True,
+    )
+
+
+def mean_decode_tokens() -> str:
+    """Decode tokens per iteration: all of an iteration's tokens less its prefill tokens, both
+    histograms observed once per iteration (so one count divides both sums)."""
+    tokens, prefill = "iterscope_iteration_tokens", "iterscope_iteration_context_tokens"
+    return (
+        f"(sum by ({PER_ENGINE}) (rate({series(tokens + '_sum')}[{RATE}]))"
+        f" - sum by ({PER_ENGINE}) (rate({series(prefill + '_sum')}[{RATE}])))"
+        f" / sum by ({PER_ENGINE}) (rate({series(tokens + '_count')}[{RATE}]))"
     )
 
 
