@@ -97,7 +97,9 @@ def test_requests_are_counted_by_route_template_status_class_and_method(sidecar,
     expected[("POST", "5xx", "/v1/completions")] += 1
     assert {key[1] for key in expected} == {"2xx", "4xx", "5xx"}  # the table covers each
 
-    found = families(http.get("/metrics"))
+    answer = http.get("/metrics")
+    assert "_created" not in answer.text  # no undocumented creation-time gauges
+    found = families(answer)
     counted = {
         (labels["method"], labels["status"], labels["handler"]): value
         for labels, value in (

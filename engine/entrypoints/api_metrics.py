@@ -36,7 +36,14 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from starlette.routing import Match
 
 logger = logging.getLogger("iterscope.serve")
@@ -58,6 +65,11 @@ class HttpSeries:
     """The frontend's HTTP instruments, in a registry of their own."""
 
     def __init__(self) -> None:
+        # No ``*_created`` series: prometheus_client would add one gauge per counter and
+        # histogram, holding when it was made, which nobody queries and the docs do not
+        # list. The switch is process-wide; nothing else in the API process uses
+        # prometheus_client's instruments (the sidecar's series are text passed through).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "http_requests",
