@@ -7,7 +7,12 @@ import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.lane.record import IterationRecord, make_decoder, make_encoder
+from telemetry.lane.record import (
+    UNKNOWN_MILESTONES,
+    IterationRecord,
+    make_decoder,
+    make_encoder,
+)
 from telemetry.sidecar.fpm_engines import FpmEngines
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.replay import replay
@@ -69,6 +74,35 @@ def test_an_fpm_engine_has_its_figures_as_gauges_and_our_engine_has_none():
     assert {f"iterscope_{name}" for name in FPM_GAUGES} == set(BUSY_GAUGES)
     assert engine_values(scraped, "0") == BUSY_GAUGES
     assert engine_values(scraped, "1") == {}  # no series, not 0
+
+
+def test_an_fpm_engine_has_no_series_of_what_fpm_does_not_say():
+    """No request lifecycles, preemptions or prefix-cache hits in FPM: absent for its
+    engine, where an empty histogram or a 0 would read as no request ever finishing. Our
+    engine beside it has them all."""
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(1, engine_index=0), fpm_record(0, 2))
+    send(sink, heartbeat(1, engine_index=1), synthetic_record(1, 1, 5 * S, S))
+    scraped = families(registry)
+    absent = [
+        *(
+            f"iterscope_{name}"
+            for name, bits in prometheus.UNREPORTED_HISTOGRAMS.items()
+            if bits & UNKNOWN_MILESTONES
+        ),
+        "iterscope_requests_finished",
+        "iterscope_prompt_tokens_cached",
+        "iterscope_preemptions",
+        "iterscope_prefix_cache_queries",
+        "iterscope_prefix_cache_hits",
+        "iterscope_kv_cache_usage_ratio",
+    ]
+    for name in absent:
+        engines = {dict(labels)["engine"] for labels in scraped.get(name, {})}
+        assert engines == {"1"}, name
+    for name in ("iterscope_iteration_tokens", "iterscope_iteration_duration_seconds"):
+        assert {dict(labels)["engine"] for labels in scraped[name]} == {"0", "1"}, name
 
 
 def test_the_fpm_gauges_read_zero_once_the_producer_heartbeats_idle():

@@ -175,6 +175,8 @@ def test_vllm_steps_reach_every_sink_and_agree_with_vllm(stack):
     assert total(ours, "iterscope_iteration_duration_seconds_count") == (
         num_vllm_steps if timed else 0
     )
+    durations = [key for key in ours if key[0] == "iterscope_iteration_duration_seconds_count"]
+    assert bool(durations) is timed  # untimed: no series, not an empty one
     assert ("hands them to no stat logger" in vllm_log) is not timed
     sidecar_log = stack["tmp"] / "sidecar.log"
     wait_until(

@@ -53,6 +53,7 @@ from telemetry.lane.record import (
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_BLOCKS,
     UNKNOWN_KV_TOKENS,
+    UNKNOWN_MILESTONES,
     UNKNOWN_PREEMPTIONS,
     UNKNOWN_PREFIX_CACHE,
     UNKNOWN_WAITING_REASONS,
@@ -204,6 +205,25 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "request_preemptions": ("Preemptions per finished request.", (0, 1, 2, 3, 5, 10, 20, 50)),
 }
 # fmt: on
+# Histograms a source may not feed (record.UNKNOWN_* bits): absent for its engines, where an
+# empty series would read as requests that never came or never finished.
+UNREPORTED_HISTOGRAMS = {
+    "iteration_duration_seconds": UNKNOWN_ELAPSED,
+    **dict.fromkeys(
+        (
+            "time_to_first_token_seconds",
+            "time_per_output_token_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_prompt_tokens",
+            "request_generation_tokens",
+        ),
+        UNKNOWN_MILESTONES,
+    ),
+    "request_preemptions": UNKNOWN_MILESTONES | UNKNOWN_PREEMPTIONS,
+}
 # Counters of an engine: name (after the prefix, without _total) -> (help, its value). The
 # values are read at scrape time: record sums and losses from the engine's view (Ingest's),
 # the milestone counts from this sink's EngineMetrics.
@@ -249,7 +269,9 @@ COUNTERS: dict[str, tuple[str, CounterValue]] = {
     ),
 }
 # Counters a source may not report (record.UNKNOWN_* bits): absent for its engines, not 0.
+# So are the finished requests (FINISHED_COUNTER) of a source without milestones.
 UNREPORTED_COUNTERS = {
+    "prompt_tokens_cached": UNKNOWN_MILESTONES | UNKNOWN_PREFIX_CACHE,  # counted at milestones
     "preemptions": UNKNOWN_PREEMPTIONS,
     "kv_blocked_iterations": UNKNOWN_WAITING_REASONS,
     "prefix_cache_queries": UNKNOWN_PREFIX_CACHE,
@@ -635,6 +657,8 @@ class MetricsCollector(Collector):
             PREFIX + FINISHED_COUNTER, "Requests finished.", labels=[*LABELS, "finish_reason"]
         )
         for metrics, labels in engines:
+            if not metrics.engine.reports(UNKNOWN_MILESTONES):
+                continue
             for reason, count in list(metrics.num_finished_by_reason.items()):
                 finished.add_metric([*labels, reason], count)
         yield finished
@@ -680,9 +704,11 @@ class MetricsCollector(Collector):
     def histograms(self, engines: list[tuple[EngineMetrics, list[str]]]) -> Iterator[Metric]:
         for name, (documentation, _) in HISTOGRAMS.items():
             family = HistogramMetricFamily(PREFIX + name, documentation, labels=LABELS)
-            for engine, labels in engines:
-                buckets, total_sum = engine.histograms[name].cumulative_buckets()
-                family.add_metric(labels, buckets, total_sum)
+            unknown_bits = UNREPORTED_HISTOGRAMS.get(name, 0)
+            for metrics, labels in engines:
+                if metrics.engine.reports(unknown_bits):
+                    buckets, total_sum = metrics.histograms[name].cumulative_buckets()
+                    family.add_metric(labels, buckets, total_sum)
             yield family
 
     def sidecar_counters(self) -> Iterator[Metric]:
