@@ -595,3 +595,24 @@ def test_an_action_without_enough_iterations_before_it_points_to_tune_over_the_r
         r"`iterscope tune RECORDING --itl-target [\d.]+ms` over more of the run may give one\.$",
         action,
     ), action
+
+
+def test_an_action_without_a_decode_only_iteration_before_it_says_so_of_that_stretch(
+    monkeypatch,
+):
+    """The summary beside it may count many decode-only iterations in the whole run: the
+    action says it found none before the episode, and where tune may find one."""
+    from telemetry.analysis import actions
+
+    timeline, findings = findings_of(synthetic.story3_bursty(max_num_seqs=2))
+    waiting = next(f for f in findings if f.kind == "waiting")
+    prefills = np.flatnonzero(timeline.col("num_prefill_tokens") > 0)
+    first_prefill = int(prefills[0])
+    basis = timeline.stretch(first_prefill, first_prefill + 1)  # one iteration, prompts in it
+    monkeypatch.setattr(actions, "action_basis", lambda tl, episode: (basis, ""))
+    action = finding_action(timeline, waiting, Thresholds())
+    assert action.endswith(
+        "no value could be computed here: no decode-only iteration ran in the 30 s before the "
+        "episode to set a latency target from; `iterscope tune RECORDING --itl-target TIME` "
+        "over more of the run may give one."
+    ), action

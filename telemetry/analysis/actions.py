@@ -106,7 +106,12 @@ def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool =
     prefill token only guesses: none then."""
     target = itl_target_text(tl, th)
     if target is None:
-        return Tuned(None, "no decode-only iteration was recorded to set a latency target from")
+        return Tuned(
+            None,
+            f"no decode-only iteration ran in the {ACTION_HISTORY_S:g} s before the episode to "
+            "set a latency target from; `iterscope tune RECORDING --itl-target TIME` over more "
+            "of the run may give one",
+        )
     try:
         fit = fit_iteration_time(tl)
     except ValueError as error:
