@@ -68,8 +68,7 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
         and "0.10 request-s delayed" in (headlines[0])
     )
     assert "0.03 request-s slowed" in headlines[1]
-    # no room left to name the gap, below: counted
-    assert "  ... 1 more finding; --all lists every episode, with its evidence and action." in lines
+    assert headlines[2] == "  3. Engine silent: 1 time, 4.01 s in all, cost not measurable"
 
 
 def test_an_episode_costs_its_own_iterations_not_the_next_one_back_to_back():
@@ -413,6 +412,8 @@ def test_a_budget_a_fit_can_only_guess_is_not_given_as_a_value(monkeypatch):
 
 PLACEHOLDERS = {
     "RECORDING": "rec.jsonl",
+    "DTYPE": "float32",
+    "LEN": "4096",
     "DIR": "model",
     "SIZE": "4GiB",
     "TOKENS": "512",

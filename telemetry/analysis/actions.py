@@ -33,7 +33,14 @@ import numpy as np
 
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
-from telemetry.analysis.episodes.episode import kv_memory_flag, kv_memory_text, pct
+from telemetry.analysis.episodes.episode import (
+    KV_PLAN_OF_THE_ENGINE,
+    KV_PLAN_TEXT,
+    kv_memory_flag,
+    kv_memory_text,
+    kv_plan_command,
+    pct,
+)
 from telemetry.analysis.episodes.kv import leak_min_blocks, leaked_blocks
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode, recorded_drafts
@@ -278,9 +285,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     if length is None or demand <= 0:
         return (
             f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
-            "here (no block size or KV usage was recorded): `iterscope "
-            "kv-plan --model DIR --memory SIZE --request-len TOKENS` shows how many requests "
-            "of your length a size holds."
+            f"here (no block size or KV usage was recorded): {KV_PLAN_TEXT}."
         )
     blocks_each = math.ceil(length.tokens / int(tl.facts["block_size"]))
     fit = tl.num_kv_blocks_total // blocks_each  # 0: not one fits
@@ -297,8 +302,8 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
         f"Raise {kv_memory_flag(tl)} to {at_least}{factor:.1f}x the cache's size now (it holds "
         f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
         f"{plural(blocks_each, 'block')} each, {length.what}; {demand} wanted in at once then "
-        f"and at the first iteration; `iterscope kv-plan --model DIR --memory SIZE "
-        f"--request-len {length.tokens:.0f}` shows how many such requests a SIZE holds){fewer}."
+        f"and at the first iteration; {kv_plan_command(f'{length.tokens:.0f}')}, "
+        f"{KV_PLAN_OF_THE_ENGINE}, shows how many such requests a SIZE holds){fewer}."
     )
 
 
@@ -327,7 +332,9 @@ def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
     peak = int(np.argmax(usage))
     running = int(tl.col("num_running_reqs")[peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
-    kv_plan = "(`iterscope kv-plan --model DIR --memory SIZE` shows how many requests a size holds)"
+    kv_plan = (
+        f"({kv_plan_command(None)}, {KV_PLAN_OF_THE_ENGINE}, shows how many requests a size holds)"
+    )
     took = f"{plural(running, 'request')} running together took KV usage to {pct(usage[peak])}"
     if value >= running:  # fewer requests cannot help: one alone fills the cache
         return f"Raise {kv_memory_text(tl)} {kv_plan}: {took}, fewer cannot run."
