@@ -15,6 +15,8 @@ import pytest
 from engine.entrypoints import bench_client, bench_load, bench_summary
 from engine.entrypoints.bench_backends import BenchRequest, HttpBackend, RequestResult
 from engine.entrypoints.serve_args import TINY_MODEL
+from telemetry.lane.record import IterationRecord
+from telemetry.lane.recording import read_recording
 from tests.helpers import REPO
 from tests.helpers.flags import flags_without_default, refusal
 from tests.helpers.prom import scrape, total
@@ -231,6 +233,47 @@ def test_in_process_bench_writes_a_result(tmp_path, capsys):
     assert (result["total_input_tokens"], result["total_output_tokens"]) == (96, 30)
     assert all(len(r["itl_times"]) == 4 for r in result["requests"])
     assert "Benchmark result" in capsys.readouterr().out
+
+
+@pytest.mark.live
+def test_in_process_bench_takes_serves_sidecar_shortcuts(tmp_path):
+    """--record as `serve` takes it: the recording holds the bench's own tokens."""
+    recording = tmp_path / "run.jsonl"
+    argv = ["--in-process", "--model", TINY_MODEL, "--kv-cache-memory", "1MiB"]
+    argv += ["--cpu-threads", "1", "--num-prompts", "6", "--random-input-len", "16"]
+    argv += ["--random-output-len", "5", "--no-progress", "--record", str(recording)]
+    assert bench_client.main(argv) == 0
+    records = [m for m in read_recording(recording) if isinstance(m, IterationRecord)]
+    assert sum(r.num_prefill_tokens for r in records) == 96
+    assert sum(r.num_decode_tokens for r in records) == 30 - 6  # first tokens come of prefill
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--max-num-seqs", "4"], ["--record", "run.jsonl"], ["--no-sidecar"], ["--model", "x"]],
+)
+def test_engine_and_sidecar_options_over_http_are_refused_not_ignored(options, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_client.main(["--base-url", "http://127.0.0.1:9", *options])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"error: {options[0]}: options of the engine and sidecar that --in-process " in err
+
+
+@pytest.mark.parametrize(
+    ("options", "sidecar_arg"),
+    [
+        ([], ["--metrics-port=0"]),  # not the default port: a running serve's sidecar has it
+        (["--metrics-port", "9999"], ["--metrics-port=9999"]),
+        (["--sidecar-arg=--metrics-port=9998"], ["--metrics-port=9998"]),
+        (["--record", "r.jsonl"], ["--metrics-port=0", "--record=r.jsonl"]),
+        (["--no-sidecar"], []),
+    ],
+)
+def test_the_in_process_sidecar_gets_a_free_metrics_port_unless_told(options, sidecar_arg):
+    args = bench_client.build_parser().parse_args(["--in-process", *options])
+    assert bench_client.sidecar_options(args) is None
+    assert args.sidecar_arg == sidecar_arg
 
 
 def test_unreachable_server_is_a_clear_error(capsys):

@@ -89,16 +89,52 @@ def writable_file(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every bad value is refused here, naming the flag, the value and the form expected."""
-    from engine.entrypoints.serve_args import add_engine_arguments
-    from telemetry.sidecar import process as sidecar_process
-
     parser = argparse.ArgumentParser(prog="iterscope bench", description=__doc__.split("\n")[0])
     _add_target_arguments(parser.add_argument_group("target"))
     _add_load_arguments(parser.add_argument_group("load"))
     _add_output_arguments(parser.add_argument_group("output"))
+    _add_in_process_arguments(parser)
+    return parser
+
+
+def _add_in_process_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's and its sidecar's options, as `serve` takes them: only --in-process
+    starts either."""
+    from engine.entrypoints.serve_args import add_engine_arguments, add_sidecar_shortcuts
+    from telemetry.sidecar import process as sidecar_process
+
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
-    return parser
+    add_sidecar_shortcuts(parser, metrics_port_default="a free one")
+
+
+def in_process_options_given(args: argparse.Namespace) -> list[str]:
+    """The engine and sidecar flags given a value other than their default: over HTTP the
+    server runs with its own, so the bench refuses them there rather than ignore them."""
+    options = argparse.ArgumentParser(add_help=False)
+    _add_in_process_arguments(options)
+    return [
+        action.option_strings[0]
+        for action in options._actions
+        if getattr(args, action.dest) != action.default
+    ]
+
+
+def sidecar_options(args: argparse.Namespace) -> str | None:
+    """``args.sidecar_arg`` with serve's shortcuts added; what is wrong with them, or None.
+    The sidecar started here serves /metrics on a free port unless a port is given: the
+    default one is a running `serve`'s sidecar's, which the bench usually runs beside."""
+    from engine.entrypoints.serve_args import sidecar_arguments
+    from telemetry.sidecar import process as sidecar_process
+
+    starts_sidecar = not (args.no_sidecar or args.telemetry_address)
+    given = args.metrics_port is not None or any(
+        arg.startswith("--metrics-port") for arg in args.sidecar_arg
+    )
+    if starts_sidecar and not given:
+        args.metrics_port = 0
+    args.sidecar_arg = sidecar_arguments(args)
+    return sidecar_process.check_arguments(args)
 
 
 def _add_target_arguments(target: argparse._ArgumentGroup) -> None:
@@ -308,7 +344,15 @@ def _bench_in_process(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.in_process and (given := in_process_options_given(args)):
+        parser.error(
+            f"{', '.join(given)}: options of the engine and sidecar that --in-process starts; "
+            "over HTTP the server runs with its own (give them to `iterscope serve`)"
+        )
+    if args.in_process and (problem := sidecar_options(args)) is not None:
+        parser.error(problem)
     logging.basicConfig(
         level=logging.INFO,
         format="%(levelname)s %(asctime)s [%(name)s] %(message)s",

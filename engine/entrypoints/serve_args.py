@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(parser)
     sidecar_process.add_arguments(parser)
     api_metrics.add_arguments(parser)
-    _add_sidecar_shortcuts(parser)
+    add_sidecar_shortcuts(parser)
     return parser
 
 
@@ -165,14 +165,19 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sidecar_shortcuts(parser: argparse.ArgumentParser) -> None:
+def add_sidecar_shortcuts(
+    parser: argparse.ArgumentParser, metrics_port_default: str = str(DEFAULT_METRICS_PORT)
+) -> None:
+    """The sidecar options `serve` and `bench --in-process` take as their own flags
+    (``sidecar_arguments`` turns them into the sidecar's); ``metrics_port_default``: what
+    the help says the port is without --metrics-port."""
     group = parser.add_argument_group("sidecar shortcuts (passed to the sidecar started here)")
     group.add_argument(
         "--metrics-port",
         type=arg_types.port,
         default=None,
         metavar="PORT",
-        help=f"the sidecar's /metrics port, 0 picks a free one (default {DEFAULT_METRICS_PORT})",
+        help=f"the sidecar's /metrics port, 0 picks a free one (default {metrics_port_default})",
     )
     group.add_argument(
         "--record",
