@@ -133,6 +133,9 @@ class EngineCore:
         self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
         self.num_scheduled_reqs = len(scheduled.scheduled)
+        # The queues this iteration runs with, for heartbeats sent while it runs (a long
+        # prefill would show the requests it took in as still waiting).
+        self.publisher.note_queues(len(self.scheduler.waiting), len(self.scheduler.running))
         model_start_ns = time.monotonic_ns()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()

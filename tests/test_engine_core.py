@@ -132,6 +132,15 @@ def test_queue_lengths_are_noted_when_a_request_arrives():
     assert core.publisher.queue_notes == [(1, 0), (2, 0)]
 
 
+def test_queue_lengths_are_noted_as_an_iteration_starts_running():
+    """Heartbeats sent during a long iteration say the queues it runs with."""
+    core = make_core(num_blocks=16, max_num_seqs=1)
+    core.add_request(make_request("a", [1, 2, 3], 2))
+    core.add_request(make_request("b", [1, 2, 3], 2))
+    core.step()
+    assert core.publisher.queue_notes[-1] == (1, 1)  # a taken in, b still waiting
+
+
 def test_leaked_blocks_stay_used_with_nothing_running():
     core = make_core(num_blocks=16)
     leak_blocks_per_finish(core, 1)

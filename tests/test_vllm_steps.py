@@ -119,6 +119,18 @@ def run_new(scheduler, reporter, request, tokens, cached_tokens=0):
     return (request, tokens)
 
 
+def test_heartbeats_during_a_step_say_the_queues_it_runs_with(setup):
+    """The queues are noted when schedule() returns: a long prefill step's heartbeats show
+    the requests it took in as running, not still waiting."""
+    scheduler, publisher, reporter = setup
+    requests = [Request(name, 100) for name in "abc"]
+    admit(scheduler, reporter, *requests)
+    assert publisher.queues[-1] == (3, 0)
+    new = [run_new(scheduler, reporter, r, 100) for r in requests[:2]]
+    reporter.scheduled(scheduler, output(new=new), time.monotonic_ns())
+    assert publisher.queues[-1] == (1, 2)
+
+
 def test_a_prefill_then_decode_step_fills_every_field(setup):
     scheduler, publisher, reporter = setup
     a, b = Request("a", 100), Request("b", 50)

@@ -178,6 +178,9 @@ class StepReporter:
         record = iteration_record(self.engine_index, 0, self.iteration, start_ns=start_ns)
         prefilling = self._fill_batch(record, scheduler, output, start_ns)
         num_waiting, num_deferred = self._count_waiting(scheduler)
+        # The queues as this step runs them, for the heartbeats sent while it runs (a long
+        # prefill step showed the queue from before it took requests in).
+        self.publisher.note_queues(num_waiting, len(scheduler.running))
         record.num_waiting_reqs = num_waiting
         record.num_waiting_other_reqs = num_deferred
         num_held = num_waiting - num_deferred
