@@ -232,6 +232,29 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     assert len(lines.lines) == before
 
 
+def test_a_death_ends_when_the_engine_is_heard_again_though_its_first_message_is_old():
+    """A stopped engine's sender sends first what it queued before the stop: that record's
+    delay is no clock difference, and the close line says the whole silence (it said 0.0 s)."""
+    lines = Lines()
+    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
+    seq = 0
+    for second in range(100, 106):
+        seq += 1
+        ingest.on_message(heartbeat(0, second, running=1, msg_seq=seq), second * SECOND + 1000)
+        seq += 1
+        ingest.on_message(record(0, second + 0.5, seq, msg_seq=seq), int((second + 0.5) * SECOND))
+        ingest.tick(int((second + 0.6) * SECOND))
+    for tenth in range(61, 160):  # stopped from 105.6 s to 121 s: dead after 2.5 s
+        ingest.tick(100 * SECOND + tenth * SECOND // 10)
+    seq += 1
+    queued = record(0, 105.55, seq, msg_seq=seq)  # made just before the stop, sent after it
+    ingest.on_message(queued, 121 * SECOND)
+    seq += 1
+    ingest.on_message(heartbeat(0, 121, running=1, msg_seq=seq), 121 * SECOND + 1000)
+    ended = [text for text in lines.texts(logging.INFO) if "Engine down: ended after" in text]
+    assert len(ended) == 1 and ended[0].startswith("Engine 000: Engine down: ended after 15.5 s")
+
+
 def test_a_stall_names_the_last_iteration_that_scheduled_work():
     """An engine spinning on empty iterations (story 2's leak) is stalled at the last one
     that did something, not at the latest empty one."""

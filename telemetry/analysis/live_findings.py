@@ -219,6 +219,10 @@ class LiveFinding:
     closed: bool = False
     truncated: bool = False  # outlasted the window: cost is its newest part's
     source_episode: Episode | None = field(default=None, repr=False)
+    # A stall or death: the sidecar's clock minus the engine's when it opened, which its end
+    # is converted with. The messages that end a silence may have waited in the engine's
+    # sender all through it: their delay is no clock difference.
+    skew_ns: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -320,7 +324,7 @@ class EngineFindings:
         of a replay); returns the findings opened and closed, in that order. ``now_ns`` is
         the sidecar's clock, ``skew_ns`` that clock minus the engine's (findings keep engine
         time; the two differ for an engine on another host)."""
-        self._extend_status_findings(now_ns - skew_ns)
+        self._extend_status_findings(now_ns)
         events: list[FindingEvent] = []
         newest = self.messages[-1] if self.messages else None
         if newest is self._newest_searched or (now_ns < self._next_search_ns and not force):
@@ -525,13 +529,14 @@ class EngineFindings:
             if finding.kind in STATUS_KINDS.values() and finding.kind != kind
         ]
         for event in events:
-            event.finding.end_ns = now_ns
+            event.finding.end_ns = opened_ns - event.finding.skew_ns
             self._update_busy_cost(event.finding)
             self._close(event.finding)
         if kind and not any(finding.kind == kind for finding in self.open):
             self._busy_max = busy
             finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid)
             finding.opened_ns = opened_ns
+            finding.skew_ns = skew_ns
             events.append(FindingEvent("opened", finding))
         if events:
             self._publish()
@@ -564,9 +569,10 @@ class EngineFindings:
         return finding
 
     def _extend_status_findings(self, now_ns: int) -> None:
+        """Open stalls and deaths last until ``now_ns`` (the sidecar's clock)."""
         for finding in self.open:
             if finding.kind in (STALL, DEAD):
-                finding.end_ns = now_ns
+                finding.end_ns = now_ns - finding.skew_ns
                 self._update_busy_cost(finding)
                 self._status_evidence(finding)
 
