@@ -4,6 +4,7 @@ import logging
 import random
 import re
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -230,6 +231,35 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     before = len(lines.lines)
     sink.on_iteration(record(0, 130), ingest.engines[0].view)  # late, from the dead engine
     assert len(lines.lines) == before
+
+
+@pytest.mark.parametrize(
+    ("source", "dump"),
+    [
+        ("iterscope", "`py-spy dump --pid 4242`"),
+        ("vllm-scheduler", "`py-spy dump --pid 4242`"),
+        ("vllm-stat-logger", "`py-spy dump --pid $(pgrep -P 4242 -f EngineCore)`"),
+    ],
+)
+def test_a_stall_says_which_process_to_dump_live_and_in_explain(source, dump, tmp_path):
+    """vLLM's stat-logger plugin sends from the API server: the engine core that stalled is
+    its child. The live sidecar (a replay through it) and explain say the same."""
+    from telemetry.analysis.episodes import detect_episodes
+    from telemetry.analysis.timeline import build_timelines
+    from telemetry.sidecar.replay import replay
+    from tests.scenarios import synthetic
+
+    sim = synthetic.stalled()
+    for message in sim.messages:
+        if isinstance(message, Heartbeat):
+            message.source, message.pid = source, 4242
+    lines = Lines()
+    replay(sim.write(tmp_path / "stalled.jsonl"), [LogSink(emit=lines)])
+    (stall,) = [text for text in lines.texts(logging.WARNING) if "Engine stalled since" in text]
+    assert dump in stall
+    (timeline,) = build_timelines(sim.messages).values()
+    (episode,) = [e for e in detect_episodes(timeline) if e.kind == "stall"]
+    assert dump in episode.setting
 
 
 def test_a_death_ends_when_the_engine_is_heard_again_though_its_first_message_is_old():

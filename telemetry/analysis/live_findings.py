@@ -515,12 +515,14 @@ class EngineFindings:
         last_iteration: int,
         pid: int,
         skew_ns: int = 0,
+        source: str = "",
     ) -> list[FindingEvent]:
         """The engine's status changed (the sidecar's: "running", "stalled", "dead", ...): a
         stall or death opens a finding, leaving it closes that finding. ``since_ns``: the last
         progress (stalled) or the last message (dead), on ``now_ns``'s clock (the sidecar's;
         ``skew_ns``: it minus the engine's); ``busy``: (waiting, running) now;
-        ``last_iteration``: the last that made progress."""
+        ``last_iteration``: the last that made progress; ``pid`` and ``source``: the
+        process that sends the engine's telemetry, and how (record.SOURCES)."""
         opened_ns, now_ns, since_ns = now_ns, now_ns - skew_ns, since_ns - skew_ns
         kind = STATUS_KINDS.get(status)
         events = [
@@ -534,7 +536,7 @@ class EngineFindings:
             self._close(event.finding)
         if kind and not any(finding.kind == kind for finding in self.open):
             self._busy_max = busy
-            finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid)
+            finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid, source)
             finding.opened_ns = opened_ns
             finding.skew_ns = skew_ns
             events.append(FindingEvent("opened", finding))
@@ -547,7 +549,7 @@ class EngineFindings:
         self._busy_max = (max(self._busy_max[0], waiting), max(self._busy_max[1], running))
 
     def _open_status(
-        self, kind: str, now_ns: int, since_ns: int, last_iteration: int, pid: int
+        self, kind: str, now_ns: int, since_ns: int, last_iteration: int, pid: int, source: str
     ) -> LiveFinding:
         stalled = kind == STALL
         finding = LiveFinding(
@@ -555,7 +557,7 @@ class EngineFindings:
             kind=STALL if stalled else DEAD,
             title="Engine stalled" if stalled else "Engine down",
             evidence="",
-            action=stall_setting(pid) if stalled else SILENCE_SETTING,
+            action=stall_setting(pid, source) if stalled else SILENCE_SETTING,
             start_ns=since_ns,
             end_ns=now_ns,
             iteration=last_iteration,

@@ -342,7 +342,14 @@ class Ingest:
         since_ns = state.last_message_ns if status is _DEAD else state.stall.last_progress_ns
         busy = (view.num_waiting_reqs, view.num_running_reqs)
         events = state.findings.note_status(
-            status.value, now_ns, since_ns, busy, view.last_iteration, view.pid, _skew_ns(state)
+            status.value,
+            now_ns,
+            since_ns,
+            busy,
+            view.last_iteration,
+            view.pid,
+            _skew_ns(state),
+            view.source,
         )
         self._report_findings(state, events)
 

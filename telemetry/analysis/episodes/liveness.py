@@ -21,7 +21,7 @@ from telemetry.analysis.episodes.episode import (
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
-from telemetry.lane.record import Heartbeat
+from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER, Heartbeat
 from telemetry.lane.recording import message_time_ns
 
 SILENCE_SETTING = (
@@ -121,12 +121,22 @@ def stall_thresholds(
     return thresholds
 
 
-def stall_setting(pid: int) -> str:
-    """What to do about a stalled engine process ``pid`` (0: not known)."""
+def stall_setting(pid: int, source: str = "") -> str:
+    """What to do about a stalled engine whose telemetry comes from process ``pid`` (0: not
+    known). vLLM's stat-logger plugin runs in the API server, so its pid is the API server's:
+    the engine core that stalls is its child process, titled EngineCore (EngineCore_DPn)."""
+    pid_text = pid or "PID"
+    if source == SOURCE_VLLM_STAT_LOGGER:
+        process = (
+            f"vLLM's engine core process, a child of the API server (pid {pid_text}) that "
+            f"sends this telemetry (e.g. `py-spy dump --pid $(pgrep -P {pid_text} -f "
+            "EngineCore)`)"
+        )
+    else:
+        process = f"the engine process (e.g. `py-spy dump --pid {pid_text}`)"
     return (
-        "Not a tuning setting: take a stack dump of the engine process (e.g. `py-spy dump "
-        f"--pid {pid or 'PID'}`), check the device, restart the engine if it does "
-        "not recover (alert and runbook: IterscopeEngineStalled)."
+        f"Not a tuning setting: take a stack dump of {process}, check the device, restart "
+        "the engine if it does not recover (alert and runbook: IterscopeEngineStalled)."
     )
 
 
@@ -177,7 +187,7 @@ def _stall_episode(tl, group, since_ns, until_ns, ongoing, inside, threshold_ns)
             "heartbeats continued, so the process was alive: a forward pass or the loop was "
             f"stuck or very slow ({where}). Clients got no token meanwhile."
         ),
-        setting=stall_setting(group[0].pid),
+        setting=stall_setting(group[0].pid, group[0].source),
         ongoing=ongoing,
         numbers={
             "frozen_iteration": group[0].last_iteration,
