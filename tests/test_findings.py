@@ -617,3 +617,21 @@ def test_an_action_without_a_decode_only_iteration_before_it_says_so_of_that_str
         "episode to set a latency target from; `iterscope tune RECORDING --itl-target TIME` "
         "over more of the run may give one."
     ), action
+
+
+def test_a_storm_costs_until_its_requests_run_again_not_while_later_arrivals_wait():
+    """3 preempted with nobody waiting before; 60 ms later all 3 are taken in again (they
+    wait at the queue's front), while 3 requests that arrived meanwhile wait on for 200 ms:
+    those are not the storm's (the cost counted them to the end: 0.81 request-s)."""
+    rows = (
+        [Row(0.010, running=10, waiting=0, blocks_used=90, gen_reqs=10)] * 3
+        + [Row(0.010, running=7, waiting=3, blocks_used=96, gen_reqs=7, preemptions=3)]
+        + [Row(0.010, running=7, waiting=3, blocks_used=96, gen_reqs=7)] * 5
+        + [Row(0.010, running=10, waiting=3, blocks_used=99, gen_reqs=7, ctx_tokens=300)]
+        + [Row(0.010, running=10, waiting=3, blocks_used=99, gen_reqs=10)] * 20
+    )
+    timeline = build_timelines(synthetic.scripted(rows))[0]
+    findings = build_findings(timeline, detect_episodes(timeline))
+    (storm,) = [f for f in findings if f.kind == "preemption_storm"]
+    # waited 6 iterations of 10 ms each, then recomputed in the 10 ms iteration that took them
+    assert storm.cost == pytest.approx(3 * 6 * 0.010 + 3 * 0.010)

@@ -16,10 +16,13 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          time until the next iteration starts)
     kv_cliff             the requests it turned back to waiting x the time until they run
                          again: from the cliff, each iteration's waiting count above the count
-                         before it (at most the number evicted) times the time until the next
-                         iteration starts, until that count falls back to 0, plus the time of
-                         each iteration that admits them again (they recompute their prompt in
-                         it); to the end of the recording if they never run again
+                         before it (at most the number evicted, and at most those evicted and
+                         not yet taken in again: evicted requests wait at the front of the
+                         queue, so requests arriving behind them are not the cliff's) times the
+                         time until the next iteration starts, until that count falls back to
+                         0, plus the time of each iteration that admits them again (they
+                         recompute their prompt in it); to the end of the recording if they
+                         never run again
     preemption_storm     the same for the requests it preempted (at most its preemptions),
                          counted from the iteration before its first preemption: waiting that
                          was there before the storm is not the storm's, waiting it caused is
@@ -131,11 +134,27 @@ def _waiting_request_seconds(tl: EngineTimeline, rows: slice) -> float:
     return _queued_request_seconds(tl, rows, tl.col("num_waiting_reqs")[rows])
 
 
+def _not_readmitted(tl: EngineTimeline, first: int) -> np.ndarray:
+    """From row ``first`` on: how many requests that left running other than by finishing
+    (evicted, whether counted as preemptions or not) were not yet taken in again. Engines put
+    evicted requests at the front of the waiting queue (ours, vLLM's), so every request taken
+    into running after an eviction is one of them until none is left. Each iteration's
+    evictions less its admissions is the fall in running less the requests that finished;
+    the count never goes below 0 (admissions with none evicted are of other requests)."""
+    running = tl.col("num_running_reqs")[first:].astype(np.int64)
+    finished = tl.col("num_finished_reqs")[first:].astype(np.int64)
+    net_out = -np.diff(running, prepend=running[0]) - finished
+    net_out[0] = 0
+    total = np.cumsum(net_out)
+    return total - np.minimum.accumulate(np.minimum(total, 0))
+
+
 def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -> float:
     """What a cliff starting at row ``first`` (before any eviction) cost the requests it sent
     back to waiting (see the module's docstring)."""
     waiting = tl.col("num_waiting_reqs")
     evicted = np.clip(waiting[first:] - waiting[first], 0, max(num_evicted, 0))
+    evicted = np.minimum(evicted, _not_readmitted(tl, first))
     raised = np.flatnonzero(evicted > 0)
     if not raised.size:
         return 0.0

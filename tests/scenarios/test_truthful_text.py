@@ -196,9 +196,11 @@ def test_plural_agrees_with_the_count():
     assert plural(1, "request-s", "request-s") == "1 request-s"
 
 
-def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys):
+def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys, monkeypatch):
     """One of everything (an iteration, a preemption, a request, a finding, a file...): the
-    text says each in the singular, and writes no "(s)"."""
+    text says each in the singular, and writes no "(s)". The first screen made short enough
+    to leave one of the cliff's three findings unnamed."""
+    monkeypatch.setattr("telemetry.analysis.explain_report.MAX_FINDING_LINES", 11)
     path = synthetic.write_records(
         synthetic.scripted(synthetic.SCRIPTED_CLIFF), tmp_path / "cliff.jsonl"
     )
