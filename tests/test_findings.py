@@ -635,3 +635,28 @@ def test_a_storm_costs_until_its_requests_run_again_not_while_later_arrivals_wai
     (storm,) = [f for f in findings if f.kind == "preemption_storm"]
     # waited 6 iterations of 10 ms each, then recomputed in the 10 ms iteration that took them
     assert storm.cost == pytest.approx(3 * 6 * 0.010 + 3 * 0.010)
+
+
+def test_an_action_gives_no_value_from_a_rough_fit_and_tune_says_it_is_rough(capsys, tmp_path):
+    """Iteration times that the batch does not explain (every other one 8x longer, as on a
+    loaded host): the fit's mean error is far above ROUGH_FIT_ERROR, so the action gives no
+    --max-num-seqs of it and says why; tune prints its values with a warning."""
+    from telemetry.analysis.tune import ROUGH_FIT_ERROR
+    from telemetry.analysis.tune import main as tune_main
+
+    sim = synthetic.story3_bursty(max_num_seqs=2)
+    for number, record in enumerate(m for m in sim.messages if isinstance(m, IterationRecord)):
+        if number % 2:
+            record.elapsed_ns *= 8
+    timeline, findings = findings_of(sim)
+    waiting = next(f for f in findings if f.kind == "waiting")
+    action = finding_action(timeline, waiting, Thresholds())
+    assert "no value could be computed here: the fit of iteration time over the 30 s before " in (
+        action
+    )
+    assert "too rough to draw one from (mean |error| " in action
+    error = float(action.split("mean |error| ")[1].split("%")[0]) / 100
+    assert error > ROUGH_FIT_ERROR
+    path = sim.write(tmp_path / "rough.jsonl")
+    tune_main([str(path), "--itl-target", "1s"])
+    assert "the fit is rough (mean |error| above 35%)" in capsys.readouterr().out

@@ -47,8 +47,10 @@ from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.tune import (
     NO_PREFILL_TOKEN_COST,
+    ROUGH_FIT_ERROR,
     UNTIMED_OR_UNSPLIT,
     Recommendation,
+    fit_error_text,
     fit_iteration_time,
     kv_max_seqs,
     recommend,
@@ -128,6 +130,13 @@ def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool =
             None,
             f"{error}, in the {ACTION_HISTORY_S:g} s before it; `iterscope tune RECORDING "
             f"--itl-target {target}` over more of the run may give one",
+        )
+    if fit.mean_abs_error_ratio > ROUGH_FIT_ERROR:
+        return Tuned(
+            None,
+            f"the fit of iteration time over the {ACTION_HISTORY_S:g} s before the episode is "
+            f"too rough to draw one from ({fit_error_text(fit)}); `iterscope tune RECORDING "
+            f"--itl-target {target}` over a steadier stretch may give one",
         )
     if sizes_budget and "prefill_tokens" not in fit.coefficients:
         return Tuned(None, NO_PREFILL_TOKEN_COST)

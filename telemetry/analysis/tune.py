@@ -110,6 +110,11 @@ NO_PREFILL_TOKEN_COST = (
 )
 BUDGET_MULTIPLE = 16
 MAX_SEQS_CAP = 4096
+# Above this mean |error| a fit is rough: tune says so beside its values, and an action
+# (actions.py) gives none from it. Steady recordings fit to 1-15% here; a run whose
+# iterations wait on something the features do not hold (a loaded host, a frozen step
+# left in) fits to 60-90%.
+ROUGH_FIT_ERROR = 0.35
 
 
 @dataclass
@@ -660,6 +665,21 @@ def _draft_lines(fit: Fit, payoff: DraftPayoff | None) -> list[str]:
 # Command line
 
 
+def fit_error_text(fit: Fit) -> str:
+    """``mean |error| 65.5%, R^2 0.860``, as the report's fit line says it."""
+    return f"mean |error| {100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}"
+
+
+def _rough_fit_lines(fit: Fit) -> list[str]:
+    if fit.mean_abs_error_ratio <= ROUGH_FIT_ERROR:
+        return []
+    return [
+        f"  the fit is rough (mean |error| above {100 * ROUGH_FIT_ERROR:.0f}%): iteration time "
+        "here depends on more than the batch, so the values below are guesses; fit a steadier "
+        "stretch (--iterations) or a run without other load"
+    ]
+
+
 def format_report(
     tl: EngineTimeline,
     fit: Fit,
@@ -688,8 +708,8 @@ def format_report(
         f"Engine {tl.engine_index}: fit over {plural(fit.num_iterations, 'iteration')} "
         f"({plural(fit.num_outliers, 'outlier')} left out)",
         f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
-        f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, mean |error| "
-        f"{100 * fit.mean_abs_error_ratio:.1f}%, R^2 {fit.r_squared:.3f}",
+        f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, {fit_error_text(fit)}",
+        *_rough_fit_lines(fit),
         *_draft_lines(fit, draft_payoff(tl, fit)),
     ]
     if fit.target_decode_context_tokens is not None:
