@@ -16,8 +16,7 @@ or a GGUF file's metadata. Uses the engine's own planning code, so the lines and
 are the ones the engine prints at start-up. It plans for iterscope's engine and reads each
 value with the rule `iterscope serve` reads its flag with (a size with its unit,
 ``--block-size`` a power of two up to 256), so it refuses what the engine would, in the same
-words. Exits 1 when max_model_len does not
-fit, 2 on bad input (message on stderr).
+words. Exits 1 when max_model_len does not fit, 2 on bad input (message on stderr).
 """
 
 from __future__ import annotations
