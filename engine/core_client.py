@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -126,7 +127,8 @@ class EngineCoreClient:
                     return message
             elif not self.process.is_alive():
                 raise EngineDeadError(
-                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                    f"the engine process exited during start-up "
+                    f"({exit_text(self.process.exitcode)})"
                 )
         raise TimeoutError(f"the engine did not start within {timeout_s:.0f} s")
 
@@ -220,7 +222,7 @@ class EngineCoreClient:
         with no reader would block a plain send forever)."""
         self._raise_if_dead()
         if not self.process.is_alive():
-            raise EngineDeadError(f"the engine process died (exit code {self.process.exitcode})")
+            raise EngineDeadError(f"the engine process died ({exit_text(self.process.exitcode)})")
         if self._input_channel.try_send(frame):
             return
         raise EngineBusyError(
@@ -245,8 +247,8 @@ class EngineCoreClient:
                 self._drain_outputs()
                 reason = "shut down" if self._shutting_down else "died"
                 self._mark_dead(
-                    f"the engine process {reason} (pid {self.process.pid}, exit code "
-                    f"{self.process.exitcode})"
+                    f"the engine process {reason} (pid {self.process.pid}, "
+                    f"{exit_text(self.process.exitcode)})"
                 )
                 return
 
@@ -276,9 +278,18 @@ class EngineCoreClient:
         deliver(deliveries)
 
     def _mark_dead(self, text: str) -> None:
+        """No more outputs will come: every stream ends with ``text``, and, unless this
+        process asked for it, the log says so (the server lives on, answering 503)."""
         with self._streams_lock:
             self._dead_error = EngineDeadError(text)
             streams, self._streams = list(self._streams.values()), {}
+        if not self._shutting_down:
+            logger.error(
+                "%s; %d requests in flight end with an error, new ones are refused (503) and "
+                "/health says dead: restart the server",
+                text,
+                len(streams),
+            )
         deliver([(stream, EngineDeadError(text)) for stream in streams])
 
     # Shutdown ----------------------------------------------------------------------------
@@ -332,3 +343,14 @@ def _environment(added: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def exit_text(exitcode: int | None) -> str:
+    """``exit code 1``, or ``killed by SIGKILL`` for a process a signal ended (multiprocessing
+    reports it as minus the signal's number)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -219,17 +220,24 @@ def test_ctrl_c_to_the_process_group_leaves_shutdown_to_the_client():
     assert client.process.exitcode == 0
 
 
-def test_engine_death_wakes_every_waiter():
+def test_engine_death_wakes_every_waiter_and_is_logged(caplog):
+    """The server lives on answering 503: its log says the engine died, how, and what to do."""
     client = start_client()
     try:
         streams = [client.add_request([1, 2, index], greedy(240)) for index in range(3)]
         streams[0].get(timeout=10)
         os.kill(client.process.pid, signal.SIGKILL)
         for stream in streams:
-            with pytest.raises(EngineDeadError, match="died"):
+            with pytest.raises(EngineDeadError, match="died .*killed by SIGKILL"):
                 while True:
                     stream.get(timeout=5)  # queue.Empty here would mean nobody told us
         assert not client.is_alive
+        (logged,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert logged.getMessage().startswith(
+            f"the engine process died (pid {client.process.pid}, killed by SIGKILL); "
+            "3 requests in flight end with an error"
+        )
+        assert logged.getMessage().endswith("/health says dead: restart the server")
         with pytest.raises(EngineDeadError):
             client.add_request([1, 2], greedy(2))
     finally:

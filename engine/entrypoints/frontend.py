@@ -19,7 +19,12 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from engine.core_client import DEFAULT_STALL_AFTER_S, EngineCoreClient, EngineDeadError
+from engine.core_client import (
+    DEFAULT_STALL_AFTER_S,
+    EngineCoreClient,
+    EngineDeadError,
+    exit_text,
+)
 from engine.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.entrypoints.fanout import choice_params, choice_request_id, interleave
 from engine.entrypoints.openai_protocol import InvalidRequest
@@ -230,5 +235,5 @@ class Frontend:
         (and with it this event loop): look at the process itself first."""
         if not self.client.is_alive:
             raise EngineDeadError(
-                f"the engine process is gone (exit code {self.client.process.exitcode})"
+                f"the engine process is gone ({exit_text(self.client.process.exitcode)})"
             )
