@@ -127,6 +127,47 @@ def test_engines_appear_only_with_a_heartbeat_and_what_came_before_counts_as_los
     assert sample(scrape_text(registry), 'iterscope_records_dropped_total{engine="3"') == 6
 
 
+@pytest.mark.parametrize("known_last_seq", [None, 100])
+def test_drops_reported_by_records_before_the_heartbeat_reach_the_sinks_on_it(
+    tmp_path, known_last_seq
+):
+    """A restarted sidecar first meets what the engine queued: a record saying it dropped
+    40 messages while no sidecar listened. The heartbeat the sinks see carries those drops,
+    so the recording (and explain on it) tells the engine's drops from the lane's loss."""
+    from telemetry.analysis.episodes import detect_episodes
+    from telemetry.analysis.timeline import build_timelines
+    from telemetry.lane.recording import read_recording
+    from telemetry.sidecar.sinks.jsonl import JsonlSink
+
+    path = tmp_path / "rec.jsonl"
+    known = {0: known_last_seq} if known_last_seq else None
+    ingest = Ingest([JsonlSink(str(path))], known_last_seqs=known, live_findings=False)
+    if known_last_seq:  # the recording before the sidecar restarted
+        first = Ingest([JsonlSink(str(path))], live_findings=False)
+        first.on_frame(encode(heartbeat(known_last_seq - 1, engine_index=0)), now_ns=SECOND)
+        first.on_frame(encode(record(known_last_seq, engine_index=0)), now_ns=SECOND)
+        first.close()
+    ingest.on_frame(encode(record(150, engine_index=0, num_dropped=40)), now_ns=2 * SECOND)
+    ingest.on_frame(encode(heartbeat(151, engine_index=0)), now_ns=2 * SECOND + 1)
+    ingest.on_frame(encode(record(152, engine_index=0)), now_ns=2 * SECOND + 2)
+    ingest.close()
+    # with the recording's last seq, the whole gap; without, what the engine said it dropped
+    # and the record that came before the heartbeat
+    lost = 151 - known_last_seq - 1 if known_last_seq else 40 + 1
+    assert ingest.engines[0].view.num_dropped_total == lost
+    recorded = [m for m in read_recording(path) if m.msg_seq == 151]
+    assert recorded[0].num_dropped == 40
+    if known_last_seq:
+        (gap,) = [
+            e
+            for e in detect_episodes(build_timelines(read_recording(path))[0])
+            if e.kind == "telemetry_gap"
+        ]
+        assert (
+            "40 of them dropped by the engine" in gap.evidence and "10 lost after" in gap.evidence
+        )
+
+
 def test_5000_fake_engines_keep_counters_truthful_and_a_scrape_small():
     ingest, registry, recorder = prometheus_ingest()
     base_size = len(scrape_text(registry))

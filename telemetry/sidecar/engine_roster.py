@@ -61,6 +61,9 @@ class EngineRoster:
         # engine index -> messages lost before its first heartbeat (records that came first,
         # and the drops they reported); at most MAX_ENGINE_INDEX + 1 entries.
         self._lost_before_met: dict[int, int] = {}
+        # engine index -> of those, the drops the engine reported (not the records): carried
+        # onto the heartbeat that introduces it (``meet``)
+        self._dropped_before_met: dict[int, int] = {}
 
     def note_record_before_met(self, record: IterationRecord) -> None:
         """A record of an engine no heartbeat introduced yet: it, and the drops it reports,
@@ -68,6 +71,8 @@ class EngineRoster:
         index = record.engine_index
         lost = self._lost_before_met.get(index, 0) + 1 + record.num_dropped
         self._lost_before_met[index] = min(lost, self._max_seq_jump)
+        dropped = self._dropped_before_met.get(index, 0) + record.num_dropped
+        self._dropped_before_met[index] = min(dropped, self._max_seq_jump)
 
     def is_full(self) -> bool:
         return len(self.engines) >= self._max_engines
@@ -86,12 +91,19 @@ class EngineRoster:
 
     def meet(self, heartbeat: Heartbeat, now_ns: int) -> tuple[EngineTracker, int]:
         """Track the heartbeat's engine (the caller made room); its new state and the
-        messages it lost before this heartbeat."""
+        messages it lost before this heartbeat. The drops that records rejected before it
+        reported are added to the heartbeat's own ``num_dropped``, so that the sinks (a
+        recording, explain on it) see what the engine itself dropped, not only a gap in
+        ``msg_seq`` (a restarted sidecar meets an engine's queued records first)."""
         index = heartbeat.engine_index
         state = self.engines[index] = EngineTracker(index, stall=StallRule(self._stall_after_ns))
         state.stall.restart(now_ns)
         state.last_message_ns = now_ns  # its first message: no silence before it
-        lost_before = self._lost_before_met.pop(index, 0)
+        dropped_before = self._dropped_before_met.pop(index, 0)
+        heartbeat.num_dropped = min(
+            heartbeat.num_dropped + dropped_before, heartbeat.msg_seq - 1, self._max_seq_jump
+        )
+        lost_before = self._lost_before_met.pop(index, 0) - dropped_before
         known_seq = self._known_last_seqs.pop(index, None)
         if known_seq is not None and 0 <= heartbeat.msg_seq - known_seq - 1 <= self._max_seq_jump:
             return state, heartbeat.msg_seq - known_seq - 1  # exact: the recording's last seq
