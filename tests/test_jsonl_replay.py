@@ -203,6 +203,20 @@ def test_explain_counts_bad_lines_as_replay_does(tmp_path):
     assert num_messages == ingest.health.num_messages == len(good)
 
 
+def test_a_value_beyond_64_bits_is_an_unreadable_line_not_a_crash(tmp_path):
+    """The analysis holds counts and times in signed 64-bit columns: a corrupt line with a
+    larger one is counted unreadable by explain and replay alike (both crashed on it)."""
+    path = tmp_path / "rec.jsonl"
+    good = run_messages(num_engines=1, seconds=1)[:3]
+    huge = msgspec.structs.replace(good[1], msg_seq=99, start_ns=2**63 + 5)
+    encoder = msgspec.json.Encoder()
+    path.write_bytes(b"".join(encoder.encode(m) + b"\n" for m in [*good, huge]))
+    ingest = replay(path, [])
+    _, num_messages, num_bad = read_timelines([path])
+    assert num_bad == ingest.health.num_undecodable["malformed"] == 1
+    assert num_messages == ingest.health.num_messages == len(good)
+
+
 def test_jsonl_sink_rejects_nonsense_limits(tmp_path):
     with pytest.raises(ValueError, match="max_files"):
         JsonlSink(tmp_path / "r.jsonl", max_files=0)

@@ -65,8 +65,10 @@ TAG_HEARTBEAT = SCHEMA_VERSION * 16 + KIND_HEARTBEAT
 MAX_ENGINE_INDEX = 4095  # the sidecar drops other indexes (bounds the state garbage can create)
 
 # Counts and times are never negative: the typed decoder rejects a frame that says otherwise
-# (counted as malformed), so garbage cannot make a Prometheus counter go down.
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# (counted as malformed), so garbage cannot make a Prometheus counter go down. Nor above a
+# signed 64-bit integer, which the analysis' columns hold (a recording's line saying more is
+# unreadable, not a crash).
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 # A variance of token counts: finite (NaN and infinities fail), tokens squared.
 Variance = Annotated[float, msgspec.Meta(ge=0.0, le=1e18)]
 
