@@ -231,6 +231,7 @@ def test_in_process_bench_writes_a_result(tmp_path, capsys):
     assert status == 0
     result = json.loads(result_path.read_text())
     assert (result["total_input_tokens"], result["total_output_tokens"]) == (96, 30)
+    assert result["settings"]["model"] == TINY_MODEL and result["settings"]["block_size"] == 16
     assert all(len(r["itl_times"]) == 4 for r in result["requests"])
     assert "Benchmark result" in capsys.readouterr().out
 
@@ -397,6 +398,9 @@ def test_a_result_file_is_written(tmp_path, monkeypatch):
     result = json.loads(path.read_text(), parse_constant=pytest.fail)  # strict: no Infinity
     assert result["num_completed"] == 3 and result["settings"]["result_file"] == str(path)
     assert result["settings"]["request_rate"] == "inf"  # the default, as vLLM writes it
+    # the served model, and none of the engine's flags: over HTTP they did not apply
+    assert result["settings"]["model"] == "fake"
+    assert not {"dtype", "max_num_seqs", "block_size"} & set(result["settings"])
 
 
 def mock_backend(handler) -> HttpBackend:

@@ -108,16 +108,33 @@ def _add_in_process_arguments(parser: argparse.ArgumentParser) -> None:
     add_sidecar_shortcuts(parser, metrics_port_default="a free one")
 
 
+def _in_process_actions() -> list[argparse.Action]:
+    options = argparse.ArgumentParser(add_help=False)
+    _add_in_process_arguments(options)
+    return options._actions
+
+
 def in_process_options_given(args: argparse.Namespace) -> list[str]:
     """The engine and sidecar flags given a value other than their default: over HTTP the
     server runs with its own, so the bench refuses them there rather than ignore them."""
-    options = argparse.ArgumentParser(add_help=False)
-    _add_in_process_arguments(options)
     return [
         action.option_strings[0]
-        for action in options._actions
+        for action in _in_process_actions()
         if getattr(args, action.dest) != action.default
     ]
+
+
+def result_settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """--result-file's settings: the flags that applied to this run (over HTTP not the engine's
+    and sidecar's, whose defaults would name a model the server may not run) and ``model``,
+    the one the load went to."""
+    unused = set() if args.in_process else {action.dest for action in _in_process_actions()}
+    settings = {
+        name: json_number(value)
+        for name, value in vars(args).items()
+        if isinstance(value, (int, float, str)) and name not in unused
+    }
+    return {**settings, "model": model}
 
 
 def sidecar_options(args: argparse.Namespace) -> str | None:
@@ -278,9 +295,7 @@ async def _bench(args: argparse.Namespace, backend: Any, vocab_size: int) -> dic
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)
     if args.result_file:
-        settings = {
-            k: json_number(v) for k, v in vars(args).items() if isinstance(v, (int, float, str))
-        }
+        settings = result_settings(args, getattr(backend, "model", None) or args.model)
         write_result(args.result_file, result_json(metrics, settings, results))
     return metrics
 
