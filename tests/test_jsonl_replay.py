@@ -217,6 +217,21 @@ def test_a_value_beyond_64_bits_is_an_unreadable_line_not_a_crash(tmp_path):
     assert num_messages == ingest.health.num_messages == len(good)
 
 
+def test_a_gzipped_recording_reads_as_the_plain_one(tmp_path):
+    """logrotate compresses rotated recordings: explain and replay read them gunzipped (explain
+    took one for a Dynamo FPM trace, which are gzip too, and found no line of that kind)."""
+    import gzip
+
+    plain = tmp_path / "rec.jsonl"
+    encoder = msgspec.json.Encoder()
+    plain.write_bytes(b"".join(encoder.encode(m) + b"\n" for m in run_messages(1, seconds=2)))
+    packed = tmp_path / "rec.jsonl.1.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(read_recording(packed)) == list(read_recording(plain))
+    assert read_timelines([packed])[1:] == read_timelines([plain])[1:]
+    assert replay(packed, []).health.num_messages == replay(plain, []).health.num_messages
+
+
 def test_jsonl_sink_rejects_nonsense_limits(tmp_path):
     with pytest.raises(ValueError, match="max_files"):
         JsonlSink(tmp_path / "r.jsonl", max_files=0)

@@ -13,10 +13,12 @@ frame, so a replay and ``explain`` count bad lines the same way.
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -78,10 +80,32 @@ def read_recording(paths: StrPath | Iterable[StrPath]) -> Iterator[Message | str
         yield from read_file(file_path)
 
 
-def read_file(file_path: Path) -> Iterator[Message | str]:
-    """Every line of one file (no rotated files): a message, or why the line is not one."""
-    decoder = msgspec.json.Decoder(Message)
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_recording(file_path: StrPath) -> BinaryIO:
+    """A recording file for reading, gunzipped as it is read where it is gzip (a rotated file
+    that logrotate compressed)."""
     with open(file_path, "rb") as file:
+        gzipped = file.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    return gzip.open(file_path, "rb") if gzipped else open(file_path, "rb")
+
+
+def is_gzipped_recording(file_path: StrPath) -> bool:
+    """Whether a gzip file holds an iterscope recording (its first line a JSON array), not
+    one of Dynamo's FPM traces (JSON objects)."""
+    try:
+        with gzip.open(file_path, "rb") as file:
+            return file.read(1) == b"["
+    except (OSError, EOFError):
+        return False
+
+
+def read_file(file_path: Path) -> Iterator[Message | str]:
+    """Every line of one file (no rotated files; gzip or not): a message, or why the line is
+    not one."""
+    decoder = msgspec.json.Decoder(Message)
+    with open_recording(file_path) as file:
         for line in file:
             yield decode_line(decoder, line)
 

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import msgspec
 
 from telemetry.lane.record import Heartbeat, Message
+from telemetry.lane.recording import GZIP_MAGIC, is_gzipped_recording
 from telemetry.sources.fpm import FPM_VERSION, ForwardPassMetrics
 from telemetry.sources.fpm_streams import FpmStreams
 
@@ -48,7 +49,6 @@ TRACE_SCHEMA = "dynamo.fpm.trace.v1"
 RECEIVED = "received"  # recv_forward_pass_metrics --output: what one receiver got
 FULL, SAMPLED = "full", "sampled"  # the trace's capture modes
 NS_PER_MS = 1_000_000
-GZIP_MAGIC = b"\x1f\x8b"
 NO_SEQ_JUMP_LIMIT = 1 << 62  # a file is read whole: no forged jump to fend off
 
 
@@ -99,9 +99,12 @@ class Tap:
 
 def is_tap(path: str | Path) -> bool:
     """Whether ``path`` is one of Dynamo's FPM recordings (else an iterscope recording, whose
-    lines are JSON arrays): a gzip file, or a first line that is a JSON object."""
+    lines are JSON arrays, gzipped or not): a gzip file that holds no iterscope recording, or
+    a first line that is a JSON object."""
     head = _head(path)
-    return head == GZIP_MAGIC or head[:1] == b"{"
+    if head == GZIP_MAGIC:
+        return not is_gzipped_recording(path)
+    return head[:1] == b"{"
 
 
 def read_tap(paths: Iterable[str | Path], producer: str = "unknown") -> Tap:
