@@ -225,3 +225,51 @@ def test_a_killed_sidecar_of_the_engine_commands_is_restarted_and_the_gap_counte
     real_gap = max(seqs_second) - last_seq_first - len(seqs_second)
     assert real_gap > 0
     assert dropped == real_gap
+
+
+def test_a_sidecar_that_fails_to_restart_says_each_failure_and_the_attempts(monkeypatch, caplog):
+    """The port it needs is taken for a while: each failed start is logged with its cause,
+    not as the first sidecar exiting again, and the restart that works says after how many
+    attempts (it repeated the dead sidecar's pid and status at each try)."""
+    from telemetry.sidecar import process as process_module
+
+    class Exited:
+        pid, returncode = 4242, -9
+
+        def poll(self):
+            return self.returncode
+
+    class Running(Exited):
+        pid = 4343
+
+        def poll(self):
+            return None
+
+    outcomes = []
+
+    def launch(self, ready_timeout_s=30.0):
+        if outcomes:
+            raise outcomes.pop(0)
+        return Running()
+
+    monkeypatch.setattr(process_module, "WATCH_INTERVAL_S", 0.01)
+    monkeypatch.setattr(process_module, "RESTART_BACKOFF_MAX_S", 0.01)
+    monkeypatch.setattr(process_module.SidecarProcess, "_launch", launch)
+    sidecar = process_module.SidecarProcess(["true"], "ipc:///nowhere", "/nonexistent", {})
+    sidecar.process = Exited()  # it died
+    outcomes[:] = [RuntimeError("the sidecar exited (status 2) before listening"), OSError("busy")]
+    with caplog.at_level(logging.INFO, logger="iterscope.telemetry"):
+        sidecar.supervise()
+        wait_until(lambda: sidecar.num_restarts == 1, 10, "the restart that works")
+        sidecar._stopping.set()
+        sidecar._watcher.join(5)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("(pid 4242) exited with status -9" in line for line in said) == 1
+    assert [line for line in said if line.startswith("restarting the sidecar failed")] == [
+        "restarting the sidecar failed: the sidecar exited (status 2) before listening",
+        "restarting the sidecar failed: busy",
+    ]
+    assert (
+        said[-1]
+        == "the sidecar runs again (pid 4343, restart 1, after 3 attempts) on ipc:///nowhere"
+    )

@@ -145,28 +145,39 @@ class SidecarProcess:
                 status,
                 delay_s,
             )
-            if self._stopping.wait(delay_s):
-                return
-            num_failures += 1
+            num_attempts = 0
+            while True:  # until one starts: each failed start says why, then waits longer
+                if self._stopping.wait(delay_s):
+                    return
+                num_failures += 1
+                num_attempts += 1
+                if self._restart(num_attempts):
+                    break
+                delay_s = min(RESTART_BACKOFF_MAX_S, 2.0**num_failures)
+                logger.warning("trying again in %g s", delay_s)
             started = time.monotonic()
-            self._restart()
 
-    def _restart(self) -> None:
+    def _restart(self, num_attempts: int) -> bool:
+        """Start the sidecar again; whether it runs (a failed start is logged with its
+        cause, the sidecar's own error above it)."""
         with self._lock:
             if self._stopping.is_set():
-                return
+                return True
             try:
                 self.process = self._launch()
-            except (RuntimeError, OSError) as error:  # the next poll sees it exited
+            except (RuntimeError, OSError) as error:
                 logger.error("restarting the sidecar failed: %s", error)
-                return
+                return False
             self.num_restarts += 1
+        attempts = f", after {num_attempts} attempts" if num_attempts > 1 else ""
         logger.info(
-            "the sidecar runs again (pid %d, restart %d) on %s",
+            "the sidecar runs again (pid %d, restart %d%s) on %s",
             self.process.pid,
             self.num_restarts,
+            attempts,
             self.address,
         )
+        return True
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (the sidecar flushes its sinks), SIGKILL after ``timeout_s``; exit status."""
