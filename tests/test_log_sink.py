@@ -283,6 +283,25 @@ def test_a_death_ends_when_the_engine_is_heard_again_though_its_first_message_is
     ingest.on_message(heartbeat(0, 121, running=1, msg_seq=seq), 121 * SECOND + 1000)
     ended = [text for text in lines.texts(logging.INFO) if "Engine down: ended after" in text]
     assert len(ended) == 1 and ended[0].startswith("Engine 000: Engine down: ended after 15.5 s")
+    assert "restarted" not in ended[0]  # the same process, resumed
+
+
+def test_a_death_that_ends_with_a_new_process_says_the_engine_restarted():
+    """Live as explain ("restarted"): a new pid and seq from 1 after the silence."""
+    lines = Lines()
+    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
+    for seq, second in enumerate(range(100, 104), 1):
+        beat = heartbeat(0, second, running=1, msg_seq=seq)
+        beat.pid = 111
+        ingest.on_message(beat, second * SECOND)
+        ingest.tick(second * SECOND + 1)
+    for tenth in range(31, 100):
+        ingest.tick(100 * SECOND + tenth * SECOND // 10)
+    beat = heartbeat(0, 110, running=0, msg_seq=1)
+    beat.pid = 222
+    ingest.on_message(beat, 110 * SECOND)
+    (ended,) = [text for text in lines.texts(logging.INFO) if "Engine down: ended after" in text]
+    assert ": the engine restarted (a new process), cost " in ended
 
 
 def test_a_stall_names_the_last_iteration_that_scheduled_work():

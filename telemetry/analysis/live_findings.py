@@ -223,6 +223,7 @@ class LiveFinding:
     # is converted with. The messages that end a silence may have waited in the engine's
     # sender all through it: their delay is no clock difference.
     skew_ns: int = 0
+    restarted: bool = False  # a stall or death that ended with a new process of the engine
 
     @property
     def duration_s(self) -> float:
@@ -516,13 +517,15 @@ class EngineFindings:
         pid: int,
         skew_ns: int = 0,
         source: str = "",
+        restarted_ns: int = 0,
     ) -> list[FindingEvent]:
         """The engine's status changed (the sidecar's: "running", "stalled", "dead", ...): a
         stall or death opens a finding, leaving it closes that finding. ``since_ns``: the last
         progress (stalled) or the last message (dead), on ``now_ns``'s clock (the sidecar's;
         ``skew_ns``: it minus the engine's); ``busy``: (waiting, running) now;
         ``last_iteration``: the last that made progress; ``pid`` and ``source``: the
-        process that sends the engine's telemetry, and how (record.SOURCES)."""
+        process that sends the engine's telemetry, and how (record.SOURCES); ``restarted_ns``:
+        when a new process of the engine was last seen (0: never), on the sidecar's clock."""
         opened_ns, now_ns, since_ns = now_ns, now_ns - skew_ns, since_ns - skew_ns
         kind = STATUS_KINDS.get(status)
         events = [
@@ -532,6 +535,7 @@ class EngineFindings:
         ]
         for event in events:
             event.finding.end_ns = opened_ns - event.finding.skew_ns
+            event.finding.restarted = restarted_ns >= event.finding.opened_ns
             self._update_busy_cost(event.finding)
             self._close(event.finding)
         if kind and not any(finding.kind == kind for finding in self.open):

@@ -56,6 +56,7 @@ class EngineTracker:
     last_message_ns: int = 0
     stall: StallRule = field(default_factory=StallRule)  # progress, the stall threshold
     previous_pid: int = 0  # the pid before the latest change
+    restarted_ns: int = 0  # when a new process of this engine was last seen (seq or pid)
     view: EngineView = field(init=False)
     findings: EngineFindings | None = None  # live findings (None: turned off)
     remember: Callable[[Message], None] | None = None  # adds a message to their window
@@ -74,6 +75,7 @@ class EngineTracker:
         """A new process: its progress is counted from now."""
         self.view.last_iteration = 0
         self.stall.restart(now_ns)
+        self.restarted_ns = now_ns
 
     def gap_before(self, message: Message, is_heartbeat: bool) -> int | None:
         """Messages of this engine lost right before ``message``; None: its seq is suspect.

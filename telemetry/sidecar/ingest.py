@@ -281,6 +281,8 @@ class Ingest:
         view.apply_heartbeat(heartbeat)
         if view.pid != pid_before:
             self._note_pid_change(state, pid_before)
+            if pid_before:
+                state.restarted_ns = now_ns
         # Iterations whose records were all lost still count as progress.
         if view.last_iteration > last_iteration:
             state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
@@ -350,6 +352,7 @@ class Ingest:
             view.pid,
             _skew_ns(state),
             view.source,
+            state.restarted_ns,
         )
         self._report_findings(state, events)
 

@@ -71,8 +71,9 @@ def finding_line(event: FindingEvent) -> Line:
             f"{finding.evidence}. Action: {finding.action}"
         )
     lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
+    restarted = ": the engine restarted (a new process)" if finding.restarted else ""
     return logging.INFO, (
-        f"{head}: ended after {finding.duration_s:.1f} s (since {since}), "
+        f"{head}: ended after {finding.duration_s:.1f} s (since {since}){restarted}, "
         f"{_with_word(cost)}{lower_bound}"
     )
 
