@@ -351,3 +351,31 @@ def test_recordings_and_their_rotations_are_readable_by_their_owner_only(tmp_pat
     files = sorted(tmp_path.glob("rec.jsonl*"))
     assert len(files) > 1  # rotated at least once
     assert {oct(file.stat().st_mode & 0o777) for file in files} == {oct(0o600)}
+
+
+def test_a_disk_full_at_close_says_how_many_lines_were_lost(tmp_path, monkeypatch, caplog):
+    """Through the sidecar's Ingest: every failed write is one line (an OSError needs no
+    traceback), and the close, however many failures came before, says what it lost."""
+    from telemetry.sidecar.sinks import jsonl
+
+    disk = FlakyDisk()
+    monkeypatch.setattr(jsonl.os, "write", disk.write)
+    path = tmp_path / "rec.jsonl"
+    ingest = Ingest([JsonlSink(path)], live_findings=False)
+    disk.full = True
+    messages = run_messages(num_engines=1, seconds=3)
+    with caplog.at_level(logging.ERROR, logger="iterscope.sidecar"):
+        for second in range(12):  # a flush fails at every tick
+            ingest.on_message(messages[second], second * 10**9)
+            ingest.tick(second * 10**9 + 1)
+        ingest.close()
+    errors = [record for record in caplog.records if record.levelno == logging.ERROR]
+    assert [r.exc_info for r in errors if r.exc_info] == []  # no tracebacks
+    assert errors[0].getMessage().startswith(
+        "the jsonl sink failed: [Errno 28] No space left on device (1 sink failures so far)"
+    )
+    assert errors[-1].getMessage() == (
+        f"closing the jsonl sink failed: [Errno 28] the recording {path} could not be written "
+        "at close (No space left on device): 12 buffered lines lost"
+    )
+    assert ingest.sinks[0].num_lines_lost == 12

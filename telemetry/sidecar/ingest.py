@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 
 import msgspec
@@ -162,11 +163,23 @@ class Ingest:
                 self._sink_failed(method.__self__)
 
     def _sink_failed(self, sink: Sink) -> None:
-        """Counted in total and on the sink itself (``num_errors``, its /metrics series)."""
+        """Counted in total and on the sink itself (``num_errors``, its /metrics series); the
+        first few and then every 10,000th logged: an OSError (a full disk) in one line, any
+        other error with its traceback (a bug)."""
         sink.num_errors += 1
         self.health.num_sink_errors += 1
         num = self.health.num_sink_errors
-        if num <= 10 or num % 10_000 == 0:
+        if num > 10 and num % 10_000:
+            return
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            logger.error(
+                "the %s sink failed: %s (%d sink failures so far); ingest goes on",
+                sink_name(sink),
+                error,
+                num,
+            )
+        else:
             logger.exception(
                 "the %s sink failed (%d sink failures so far); ingest goes on", sink_name(sink), num
             )
@@ -385,7 +398,21 @@ class Ingest:
             self._evaluate_findings(state, now_ns, force=True)
 
     def close(self) -> None:
-        self._call(self._close)
+        """Close every sink. A failure here is always logged, however many came before: it
+        is the last word on what a sink could not write."""
+        for close in self._close:
+            try:
+                close()
+            except Exception as error:
+                sink = close.__self__
+                sink.num_errors += 1
+                self.health.num_sink_errors += 1
+                logger.error(
+                    "closing the %s sink failed: %s",
+                    sink_name(sink),
+                    error,
+                    exc_info=not isinstance(error, OSError),
+                )
 
 
 def _skew_ns(state: EngineTracker) -> int:

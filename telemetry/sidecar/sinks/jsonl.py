@@ -182,11 +182,24 @@ class JsonlSink(Sink):
         self.flush()
 
     def close(self) -> None:
+        """Write what is buffered and close. Lines that cannot be written now never will be:
+        they are counted lost and the error says how many (past the sidecar's first few sink
+        errors nothing else would say it)."""
         if self._fd < 0:
             return
-        self.flush()
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            self.flush()
+        except OSError as error:
+            num_before = self.num_lines_lost
+            self._drop_unwritten_lines()
+            raise OSError(
+                error.errno,
+                f"the recording {self.path} could not be written at close ({error.strerror}): "
+                f"{self.num_lines_lost - num_before} buffered lines lost",
+            ) from None
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,8 +79,9 @@ class PerfettoTimelineSink(Sink):
         self.interval_s = interval_s
         self.max_pending = max_pending
         # Health (Sink): num_lines_lost, the messages dropped (counted under _pending_lock,
-        # by either thread), and last_write_time, in /metrics as the JSONL sink's are.
-        self.num_write_errors = 0
+        # by either thread), num_errors, the writes that failed (counted by the writer, which
+        # Ingest never calls: its own calls only append), and last_write_time, in /metrics as
+        # the JSONL sink's are.
         self._pending: list[IterationRecord | Heartbeat] = []
         self._pending_lock = threading.Lock()
         self._file_messages: list[IterationRecord | Heartbeat] = []  # the writer's own
@@ -173,8 +174,8 @@ class PerfettoTimelineSink(Sink):
         try:
             self.write()
         except OSError as error:
-            self.num_write_errors += 1
-            if self.num_write_errors == 1:
+            self.num_errors += 1
+            if self.num_errors == 1:
                 logger.error(
                     "cannot write the timeline %s: %s (counted from now on)", self.path, error
                 )
