@@ -371,8 +371,12 @@ def test_a_disk_full_at_close_says_how_many_lines_were_lost(tmp_path, monkeypatc
         ingest.close()
     errors = [record for record in caplog.records if record.levelno == logging.ERROR]
     assert [r.exc_info for r in errors if r.exc_info] == []  # no tracebacks
-    assert errors[0].getMessage().startswith(
-        "the jsonl sink failed: [Errno 28] No space left on device (1 sink failures so far)"
+    assert (
+        errors[0]
+        .getMessage()
+        .startswith(
+            "the jsonl sink failed: [Errno 28] No space left on device (1 sink failures so far)"
+        )
     )
     assert errors[-1].getMessage() == (
         f"closing the jsonl sink failed: [Errno 28] the recording {path} could not be written "
