@@ -660,3 +660,25 @@ def test_an_action_gives_no_value_from_a_rough_fit_and_tune_says_it_is_rough(cap
     path = sim.write(tmp_path / "rough.jsonl")
     tune_main([str(path), "--itl-target", "1s"])
     assert "the fit is rough (mean |error| above 35%)" in capsys.readouterr().out
+
+
+def test_two_processes_on_one_engine_index_are_no_lost_telemetry():
+    """Their seqs interleave, so each one's messages are holes in the other's: the gap
+    finding names the conflict and its fix, not a send high-water mark."""
+    sim = synthetic.story3_bursty(64)
+    other = synthetic.story3_bursty(64)
+    for message in sim.messages:
+        if isinstance(message, Heartbeat):
+            message.pid = 111
+    for message in other.messages:  # the second process started 10 s later
+        if isinstance(message, Heartbeat):
+            message.pid = 222
+            message.ts_ns += 10 * NS_PER_S
+        else:
+            message.start_ns += 10 * NS_PER_S
+    timeline = build_timelines([*sim.messages, *other.messages])[0]
+    gaps = [e for e in detect_episodes(timeline) if e.kind == "telemetry_gap"]
+    assert len(gaps) == 1
+    assert gaps[0].title == "Telemetry mixed: two engine processes publish as one"
+    assert "switch between pids 111 and 222" in gaps[0].evidence
+    assert gaps[0].setting.startswith("Give each engine process its own --engine-index")

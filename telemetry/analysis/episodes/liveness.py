@@ -352,8 +352,26 @@ def _seq_restarts(seqs: np.ndarray) -> list[int]:
     return starts
 
 
+def conflicting_pids(heartbeats: list[Heartbeat]) -> tuple[int, int] | None:
+    """Two processes that publish as one engine: its heartbeats (in time order) switch back to
+    a pid seen before another, as the sidecar's conflict check says (a restart changes the
+    pid once); the two pids, else None."""
+    seen: list[int] = []
+    for heartbeat in heartbeats:
+        pid = heartbeat.pid
+        if not pid or (seen and seen[-1] == pid):
+            continue
+        if pid in seen:
+            return min(pid, seen[-1]), max(pid, seen[-1])
+        seen.append(pid)
+    return None
+
+
 def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Episode]:
     times = [message_time_ns(before) for before, _, _ in holes]
+    conflict = conflicting_pids(tl.heartbeats)
+    if conflict is not None:
+        return [_conflict_episode(tl, holes, times, conflict)] if holes else []
     episodes = []
     for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S)):
         group = holes[first : last + 1]
@@ -386,6 +404,35 @@ def _hole_episodes(tl: EngineTimeline, holes: list, th: Thresholds) -> list[Epis
             )
         )
     return episodes
+
+
+def _conflict_episode(
+    tl: EngineTimeline, holes: list, times: list[int], pids: tuple[int, int]
+) -> Episode:
+    """Seq holes that two processes' interleaved numbering makes: nothing need be lost."""
+    start_ns, end_ns = times[0], message_time_ns(holes[-1][1])
+    return Episode(
+        kind="telemetry_gap",
+        engine_index=tl.engine_index,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        title="Telemetry mixed: two engine processes publish as one",
+        evidence=(
+            f"heartbeats switch between pids {pids[0]} and {pids[1]}; "
+            f"{plural(len(holes), 'seq hole')} where each one's messages fall between the "
+            "other's numbers"
+        ),
+        explanation=(
+            f"Two engine processes publish as engine {tl.engine_index}: their records mix, so "
+            "this engine's figures and findings are of both, and the holes in its seq are each "
+            "other's messages, not lost ones."
+        ),
+        setting=(
+            "Give each engine process its own --engine-index (runbook: "
+            "IterscopeEngineIndexConflict); no send high-water mark helps."
+        ),
+        numbers={"num_lost": 0, "num_dropped_by_engine": 0, "conflicting_pids": list(pids)},
+    )
 
 
 def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Episode:
