@@ -682,3 +682,18 @@ def test_two_processes_on_one_engine_index_are_no_lost_telemetry():
     assert gaps[0].title == "Telemetry mixed: two engine processes publish as one"
     assert "switch between pids 111 and 222" in gaps[0].evidence
     assert gaps[0].setting.startswith("Give each engine process its own --engine-index")
+
+
+def test_the_cache_s_multiple_is_rounded_up_so_the_size_holds_them():
+    """8 requests of 14 blocks in a 68-block cache want 112 blocks, 1.647x: the action says
+    1.7x (1.6x, rounded down, left 3 blocks short, and the engine kept preempting)."""
+    sim = Simulator(num_blocks=68, max_num_seqs=8, max_num_batched_tokens=2048)
+    sim.add_requests([0.5] * 8 + [12] * 8 + [24] * 8, num_prompt=96, num_output=128)
+    sim.run(60)
+    timeline, findings = findings_of(sim)
+    kv = next(f for f in findings if f.kind == "kv_saturation")
+    action = finding_action(timeline, kv, Thresholds())
+    assert action.startswith(
+        "Raise --kv-cache-memory to 1.7x the cache's size now (it holds 4 requests of 224 "
+        "tokens, 14 blocks each"
+    ), action

@@ -306,7 +306,8 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
         if fit
         else ": fewer together cannot help, not one fits"
     )
-    factor = demand * blocks_each / tl.num_kv_blocks_total  # the blocks they take, paged
+    # the blocks they take, paged; rounded up, so the size said holds them all
+    factor = math.ceil(demand * blocks_each * 10 / tl.num_kv_blocks_total) / 10
     return (
         f"Raise {kv_memory_flag(tl)} to {at_least}{factor:.1f}x the cache's size now (it holds "
         f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
