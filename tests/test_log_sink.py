@@ -286,6 +286,38 @@ def test_a_death_ends_when_the_engine_is_heard_again_though_its_first_message_is
     assert "restarted" not in ended[0]  # the same process, resumed
 
 
+def test_a_frozen_engine_that_resumes_is_down_then_running_not_stalled():
+    """SIGSTOP for 10 s with requests running: the silence is the death's finding; when the
+    engine is heard again its first message must not make it stalled since before the stop
+    (the live log said "Engine stalled ... heartbeats continue" after the fact; explain, on
+    the same recording, only the silence)."""
+    lines = Lines()
+    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
+    seq = 0
+    for second in range(100, 106):
+        seq += 1
+        ingest.on_message(heartbeat(0, second, running=4, msg_seq=seq), second * SECOND)
+        seq += 1
+        ingest.on_message(
+            record(0, second + 0.5, seq, msg_seq=seq, num_running_reqs=4, num_decode_reqs=4),
+            int((second + 0.5) * SECOND),
+        )
+        ingest.tick(int((second + 0.6) * SECOND))
+    for tenth in range(56, 156):  # stopped: dead after 2.5 s
+        ingest.tick(100 * SECOND + tenth * SECOND // 10)
+    seq += 1  # resumed: a heartbeat still at the iteration before the stop, then progress
+    ingest.on_message(heartbeat(0, 115.6, running=4, msg_seq=seq), int(115.6 * SECOND))
+    ingest.tick(int(115.61 * SECOND))
+    seq += 1
+    ingest.on_message(
+        record(0, 115.7, seq, msg_seq=seq, num_running_reqs=4, num_decode_reqs=4),
+        int(115.7 * SECOND),
+    )
+    texts = lines.texts()
+    assert not [text for text in texts if "stalled" in text], texts
+    assert "Engine 000: dead -> running" in texts
+
+
 def test_a_death_that_ends_with_a_new_process_says_the_engine_restarted():
     """Live as explain ("restarted"): a new pid and seq from 1 after the silence."""
     lines = Lines()

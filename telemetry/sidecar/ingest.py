@@ -213,6 +213,11 @@ class Ingest:
             # silent for longer than dead_after, though no tick came in that time: dead until
             # now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
             self._update_status(state, now_ns)
+        if state.view.status is _DEAD:
+            # Heard again after a silence, which is a finding of its own: the wait for
+            # progress starts here, else the silence would read as a stall too once messages
+            # resume (explain, which finds no stall across a silence, never calls it one).
+            state.stall.restart(now_ns)
         self.health.num_messages += 1
         state.last_seq = message.msg_seq
         state.last_message_ns = now_ns
