@@ -697,3 +697,24 @@ def test_the_cache_s_multiple_is_rounded_up_so_the_size_holds_them():
         "Raise --kv-cache-memory to 1.7x the cache's size now (it holds 4 requests of 224 "
         "tokens, 14 blocks each"
     ), action
+
+
+def test_a_raised_budget_never_comes_with_fewer_requests_at_once(monkeypatch):
+    """Prompts waiting for the token budget: tune's value at explain's latency target came
+    with --max-num-seqs 1 (now 32), and applied, waiting grew 5x. The action raises the budget
+    alone and says why it gives no value."""
+    from types import SimpleNamespace
+
+    from telemetry.analysis import actions
+
+    timeline = build_timelines(synthetic.story3_bursty(4).messages)[0]
+    timeline.facts["max_num_seqs"], timeline.facts["max_num_batched_tokens"] = 32, 64
+    rec = SimpleNamespace(max_num_batched_tokens=65, max_num_seqs=1)
+    tuned = actions.Tuned(rec, "`iterscope tune RECORDING --itl-target 449.2ms` (3x ...)")
+    monkeypatch.setattr(actions, "_tuned", lambda *args, **kwargs: tuned)
+    action = actions._budget_action(timeline, "", Thresholds(), lower=False)
+    assert action.startswith(
+        "Raise --max-num-batched-tokens (now 64) as far as your inter-token latency allows: "
+    ), action
+    assert "gives 65 only with --max-num-seqs 1 (now 32), fewer requests at once" in action
+    assert "Set --max-num-seqs" not in action

@@ -190,6 +190,16 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
             f"{value}, so a latency target that loose does not call for a change."
         )
     seqs = tl.facts.get("max_num_seqs")
+    if not lower and seqs and rec.max_num_seqs < seqs:
+        # Prompts wait for the budget: fewer requests at once would queue them for the
+        # sequence limit instead (applied, waiting grew 5x).
+        return (
+            f"Raise --max-num-batched-tokens{_now(current)} as far as your inter-token latency "
+            f"allows: at the latency explain holds iterations to, {tuned} gives {value} only "
+            f"with --max-num-seqs {rec.max_num_seqs}{_now(seqs)}, fewer requests at once, "
+            "which would queue them for the sequence limit instead; `iterscope tune RECORDING "
+            "--itl-target T`, with T your own target, gives the budget for it."
+        )
     slots = 1 + draft_slots(recorded_drafts(tl))  # budget tokens per decoding request
     # A smaller budget computes prompts more slowly: said where the budget is lowered.
     ttft = (
