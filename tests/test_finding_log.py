@@ -117,6 +117,26 @@ def test_a_repeat_that_lasts_is_said_on_its_own_while_it_lasts():
     assert log.flush() == []  # nothing left to sum: it was said on its own
 
 
+def test_a_repeat_far_costlier_than_the_one_said_is_said_on_its_own_at_once():
+    """A warm-up blip said first (0.11 request-s), then the real episode 3 s later: once it
+    costs PROMOTE_COST and twice the blip, it is said at the next window's close, not after
+    the load, in a sum (the live log said nothing of an 8.6 s, 49.7 request-s episode)."""
+    log = FindingLog()
+    blip = finding(start_s=100.0, end_s=100.2, cost=0.11)
+    log.on_finding(FindingEvent("opened", blip))
+    log.on_finding(FindingEvent("closed", blip))
+    real = finding(start_s=103.0, end_s=104.0, cost=0.15)
+    assert log.on_finding(FindingEvent("opened", real)) == []
+    real.cost = 0.2  # cheap so far: a repeat
+    assert log.due(int(104 * SECOND)) == []
+    real.end_ns += 3 * SECOND  # live_findings extends it in place, cost growing
+    real.cost = 12.0
+    (said,) = log.due(int(110 * SECOND))
+    assert said[0] == logging.WARNING and " since " in said[1] and "again" not in said[1]
+    (closed,) = log.on_finding(FindingEvent("closed", real))
+    assert closed[0] == logging.INFO and "ended after 4.0 s" in closed[1]
+
+
 def test_one_that_opens_while_another_of_its_kind_is_open_is_a_repeat():
     log = FindingLog()
     first, second = finding(start_s=100.0, end_s=103.0), finding(start_s=102.0, end_s=104.0)

@@ -146,6 +146,8 @@ SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculat
 # Faults always count on their own.
 REPEAT_WINDOW_S = 30.0
 PROMOTE_AFTER_S = 10.0  # a repeat that lasts this long is no flicker: said in full
+# so is one that costs this much (request-seconds) and twice what the last one said cost
+PROMOTE_COST = 1.0
 ALWAYS_SAID = frozenset((*FAULT_KINDS, STALL, SPINNING, DEAD))
 
 

@@ -14,9 +14,11 @@ So, per engine and kind:
   first log window that closes REPEAT_WINDOW_S or more after the kind's last line, and at the
   sidecar's exit. A condition that keeps coming back thus prints a line every half minute,
   and one after it stopped;
-- but a repeat still open PROMOTE_AFTER_S after it began is no flicker: at the next log
-  window's close it is said as any finding is (its WARNING then, its INFO when it closes), so
-  a long, costly episode is never left unsaid while it lasts.
+- but a repeat still open PROMOTE_AFTER_S after it began, or that already cost PROMOTE_COST
+  request-seconds and twice what the kind's last said finding cost, is no flicker: at the
+  next log window's close it is said as any finding is (its WARNING then, its INFO when it
+  closes), so a long or costly episode is never left unsaid while it lasts behind a small one
+  said first.
 
 Faults (an engine stalled, spinning or dead, a KV leak) always print: each one matters.
 Decisions follow record time (the findings' engine times and the log clock), not the
@@ -35,6 +37,7 @@ from telemetry.analysis.findings import cost_phrase
 from telemetry.analysis.live_findings import (
     ALWAYS_SAID,
     PROMOTE_AFTER_S,
+    PROMOTE_COST,
     REPEAT_WINDOW_S,
     FindingEvent,
     LiveFinding,
@@ -91,6 +94,7 @@ class Repeats:
     cost: float = 0.0
     first_start_wall_ns: int = 0
     last_closed: LiveFinding | None = None
+    said_cost: float = 0.0  # what the kind's last said finding cost, at its close
 
     def is_repeat(self, finding: LiveFinding) -> bool:
         """One of its kind is open, or ended less than REPEAT_WINDOW_S before it began."""
@@ -109,11 +113,14 @@ class Repeats:
         self.last_closed = finding
 
     def promote(self) -> list[Line]:
-        """The open repeats that lasted PROMOTE_AFTER_S: said now, and from now on as any."""
+        """The open repeats that lasted PROMOTE_AFTER_S, or cost PROMOTE_COST and twice what
+        the last said one of the kind did: said now, and from now on as any."""
+        costly = max(PROMOTE_COST, 2 * self.said_cost)
         lasting = [
             finding
             for finding in self.folded.values()
-            if finding.duration_s >= PROMOTE_AFTER_S and not finding.closed
+            if not finding.closed
+            and (finding.duration_s >= PROMOTE_AFTER_S or finding.cost >= costly)
         ]
         for finding in lasting:
             del self.folded[id(finding)]
@@ -158,6 +165,7 @@ class FindingLog:
         if repeats.folded.pop(id(finding), None) is not None:
             repeats.add_closed(finding)
             return []
+        repeats.said_cost = finding.cost
         repeats.last_line_wall_ns = end_wall_ns(finding)
         return [finding_line(event)]
 
