@@ -718,3 +718,24 @@ def test_a_raised_budget_never_comes_with_fewer_requests_at_once(monkeypatch):
     ), action
     assert "gives 65 only with --max-num-seqs 1 (now 32), fewer requests at once" in action
     assert "Set --max-num-seqs" not in action
+
+
+def test_no_problem_found_in_a_recording_that_ends_mid_work_says_so():
+    """An engine killed with 4 requests running left a recording explain called "No problem
+    found"; a recording cannot tell that from one stopped mid-load, so it says both."""
+    sim = synthetic.story3_bursty(64)
+    cut = build_timelines(sim.messages[: len(sim.messages) // 2])[0]
+    lines = format_findings(cut, [], Thresholds())
+    assert lines[0].startswith("  No problem found: ")
+    assert re.match(
+        r"  It ends mid-work, with \d+ requests running and 0 waiting: the recording stopped ",
+        lines[1],
+    ), lines
+    assert lines[1].endswith(
+        "or the engine died there (the sidecar's log says 'Engine down' if it did)."
+    )
+    idle = build_timelines(synthetic.kv_capacity().messages)[0]
+    idle.records[-1].num_running_reqs = idle.records[-1].num_waiting_reqs = 0
+    for heartbeat in idle.heartbeats:
+        heartbeat.num_running_reqs = heartbeat.num_waiting_reqs = 0
+    assert len(format_findings(idle, [], Thresholds())) == 1  # all done: nothing to add

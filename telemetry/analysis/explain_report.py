@@ -106,7 +106,8 @@ def format_findings(
     if not findings:
         return [
             "  No problem found: no saturation, preemption storm, sustained waiting, "
-            "stall, leak, telemetry gap or latency spike."
+            "stall, leak, telemetry gap or latency spike.",
+            *_ends_mid_work(tl),
         ]
     num_episodes = sum(f.count for f in findings)
     order = (
@@ -132,6 +133,29 @@ def format_findings(
         more = f"{plural(unnamed, 'more finding')}; " if unnamed else ""
         lines.append(f"  ... {more}--all lists every episode, with its evidence and action.")
     return lines
+
+
+def _ends_mid_work(tl: EngineTimeline) -> list[str]:
+    """Where the recording's last message has work in flight, that it stops mid-work: a
+    recording cannot tell an engine that died from a recording that was stopped (the live
+    sidecar's log can: "Engine down"), and "No problem found" alone read as a healthy run."""
+    last_record = tl.records[-1] if tl.records else None
+    last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
+    if last_record is None and last_heartbeat is None:
+        return []
+    record_end_ns = tl.col("end_ns")[-1] if last_record is not None else -1
+    if last_heartbeat is not None and last_heartbeat.ts_ns >= record_end_ns:
+        last = last_heartbeat
+    else:
+        last = last_record
+    running, waiting = last.num_running_reqs, last.num_waiting_reqs
+    if running + waiting == 0:
+        return []
+    return [
+        f"  It ends mid-work, with {plural(running, 'request')} running and {waiting} "
+        "waiting: the recording stopped (or is still being written) while the engine worked, "
+        "or the engine died there (the sidecar's log says 'Engine down' if it did)."
+    ]
 
 
 def format_engine(
