@@ -736,6 +736,6 @@ def test_no_problem_found_in_a_recording_that_ends_mid_work_says_so():
     )
     idle = build_timelines(synthetic.kv_capacity().messages)[0]
     idle.records[-1].num_running_reqs = idle.records[-1].num_waiting_reqs = 0
-    for beat in idle.beats:
+    for beat in idle.heartbeats:
         beat.num_running_reqs = beat.num_waiting_reqs = 0
     assert len(format_findings(idle, [], Thresholds())) == 1  # all done: nothing to add
