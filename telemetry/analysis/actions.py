@@ -34,11 +34,10 @@ import numpy as np
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
 from telemetry.analysis.episodes.episode import (
-    KV_PLAN_OF_THE_ENGINE,
     KV_PLAN_TEXT,
     kv_memory_flag,
     kv_memory_text,
-    kv_plan_command,
+    kv_plan_text,
     pct,
 )
 from telemetry.analysis.episodes.kv import leak_min_blocks, leaked_blocks
@@ -322,8 +321,8 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
         f"Raise {kv_memory_flag(tl)} to {at_least}{factor:.1f}x the cache's size now (it holds "
         f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
         f"{plural(blocks_each, 'block')} each, {length.what}; {demand} wanted in at once then "
-        f"and at the first iteration; {kv_plan_command(f'{length.tokens:.0f}')}, "
-        f"{KV_PLAN_OF_THE_ENGINE}, shows how many such requests a SIZE holds){fewer}."
+        f"and at the first iteration; "
+        f"{kv_plan_text(f'{length.tokens:.0f}', 'such requests a SIZE holds')}){fewer}."
     )
 
 
@@ -352,9 +351,7 @@ def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
     peak = int(np.argmax(usage))
     running = int(tl.col("num_running_reqs")[peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
-    kv_plan = (
-        f"({kv_plan_command(None)}, {KV_PLAN_OF_THE_ENGINE}, shows how many requests a size holds)"
-    )
+    kv_plan = f"({kv_plan_text(None, 'requests a size holds')})"
     took = f"{plural(running, 'request')} running together took KV usage to {pct(usage[peak])}"
     if value >= running:  # fewer requests cannot help: one alone fills the cache
         return f"Raise {kv_memory_text(tl)} {kv_plan}: {took}, fewer cannot run."

@@ -164,24 +164,22 @@ KV_MEMORY_TEXTS = {
     "vllm": f"{_VLLM_KV_SIZE}; without any of them: a higher --gpu-memory-utilization)",
 }
 TUNE_TEXT = "`iterscope tune RECORDING --itl-target T`, with T your inter-token latency target,"
-KV_PLAN_OF_THE_ENGINE = "with DTYPE and LEN the engine's --dtype and --max-model-len"
 
 
-def kv_plan_command(request_len: str | None = "TOKENS") -> str:
-    """kv-plan's command for the recorded engine's cache (KV_PLAN_OF_THE_ENGINE says what
-    DTYPE and LEN are: the recording does not carry them). kv-plan needs both besides the
-    memory: its defaults are serve's, not the engine's, and a max model length that SIZE
-    cannot hold makes it exit 1."""
+def kv_plan_text(request_len: str | None, holds: str) -> str:
+    """kv-plan's command for the recorded engine's cache and what it shows (``holds``: of
+    what, e.g. "requests a size holds"). DTYPE and LEN, the engine's own --dtype and
+    --max-model-len, are placeholders (the recording does not carry them); kv-plan needs both
+    besides the memory: its defaults are serve's, not the engine's, and a max model length
+    that SIZE cannot hold makes it exit 1."""
     length = f" --request-len {request_len}" if request_len else ""
     return (
         f"`iterscope kv-plan --model DIR --memory SIZE --dtype DTYPE --max-model-len LEN{length}`"
+        f", with DTYPE and LEN the engine's --dtype and --max-model-len, shows how many {holds}"
     )
 
 
-KV_PLAN_TEXT = (
-    f"{kv_plan_command()}, {KV_PLAN_OF_THE_ENGINE}, shows how many requests of that length a "
-    "size holds"
-)
+KV_PLAN_TEXT = kv_plan_text("TOKENS", "requests of that length a size holds")
 
 
 def engine_kind(timeline: EngineTimeline) -> str:
