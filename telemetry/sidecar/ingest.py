@@ -162,26 +162,27 @@ class Ingest:
             except Exception:
                 self._sink_failed(method.__self__)
 
-    def _sink_failed(self, sink: Sink) -> None:
+    def _sink_failed(self, sink: Sink, closing: bool = False) -> None:
         """Counted in total and on the sink itself (``num_errors``, its /metrics series); the
         first few and then every 10,000th logged: an OSError (a full disk) in one line, any
-        other error with its traceback (a bug)."""
+        other error with its traceback (a bug). ``closing``: a close failed, always logged,
+        however many failures came before: the last word on what a sink could not write."""
         sink.num_errors += 1
         self.health.num_sink_errors += 1
         num = self.health.num_sink_errors
-        if num > 10 and num % 10_000:
+        if not closing and num > 10 and num % 10_000:
             return
         error = sys.exc_info()[1]
-        if isinstance(error, OSError):
-            logger.error(
-                "the %s sink failed: %s (%d sink failures so far); ingest goes on",
-                sink_name(sink),
-                error,
-                num,
+        name, traceback = sink_name(sink), not isinstance(error, OSError)
+        if closing:
+            logger.error("closing the %s sink failed: %s", name, error, exc_info=traceback)
+        elif traceback:
+            logger.exception(
+                "the %s sink failed (%d sink failures so far); ingest goes on", name, num
             )
         else:
-            logger.exception(
-                "the %s sink failed (%d sink failures so far); ingest goes on", sink_name(sink), num
+            logger.error(
+                "the %s sink failed: %s (%d sink failures so far); ingest goes on", name, error, num
             )
 
     def on_message(self, message: Message, now_ns: int) -> None:
@@ -403,21 +404,12 @@ class Ingest:
             self._evaluate_findings(state, now_ns, force=True)
 
     def close(self) -> None:
-        """Close every sink. A failure here is always logged, however many came before: it
-        is the last word on what a sink could not write."""
+        """Close every sink; a failure is counted and always logged (``_sink_failed``)."""
         for close in self._close:
             try:
                 close()
-            except Exception as error:
-                sink = close.__self__
-                sink.num_errors += 1
-                self.health.num_sink_errors += 1
-                logger.error(
-                    "closing the %s sink failed: %s",
-                    sink_name(sink),
-                    error,
-                    exc_info=not isinstance(error, OSError),
-                )
+            except Exception:
+                self._sink_failed(close.__self__, closing=True)
 
 
 def _skew_ns(state: EngineTracker) -> int:
