@@ -61,7 +61,7 @@ class Runner(Protocol):
 class Publisher(Protocol):
     def publish(self, record: IterationRecord) -> None: ...
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None: ...
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None: ...
 
     def close(self) -> None: ...
 
@@ -133,9 +133,14 @@ class EngineCore:
         self.markers.begin(self.iteration)
         scheduled = self.scheduler.schedule(start_ns)
         self.num_scheduled_reqs = len(scheduled.scheduled)
-        # The queues this iteration runs with, for heartbeats sent while it runs (a long
-        # prefill would show the requests it took in as still waiting).
-        self.publisher.note_queues(len(self.scheduler.waiting), len(self.scheduler.running))
+        # The queues this iteration runs with and its size, for heartbeats sent while it
+        # runs (a long prefill would show the requests it took in as still waiting, and look
+        # like a stall to a sidecar that does not know how big it is).
+        self.publisher.note_queues(
+            len(self.scheduler.waiting),
+            len(self.scheduler.running),
+            scheduled.num_prefill_tokens + scheduled.num_decode_tokens,
+        )
         model_start_ns = time.monotonic_ns()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()

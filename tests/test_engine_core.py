@@ -129,16 +129,16 @@ def test_queue_lengths_are_noted_when_a_request_arrives():
     core = make_core(num_blocks=16)
     core.add_request(make_request("a", [1, 2, 3], 2))
     core.add_request(make_request("b", [1, 2, 3], 2))
-    assert core.publisher.queue_notes == [(1, 0), (2, 0)]
+    assert core.publisher.queue_notes == [(1, 0, 0), (2, 0, 0)]
 
 
 def test_queue_lengths_are_noted_as_an_iteration_starts_running():
-    """Heartbeats sent during a long iteration say the queues it runs with."""
+    """Heartbeats sent during a long iteration say the queues it runs with and its size."""
     core = make_core(num_blocks=16, max_num_seqs=1)
     core.add_request(make_request("a", [1, 2, 3], 2))
     core.add_request(make_request("b", [1, 2, 3], 2))
     core.step()
-    assert core.publisher.queue_notes[-1] == (1, 1)  # a taken in, b still waiting
+    assert core.publisher.queue_notes[-1] == (1, 1, 3)  # a's 3 tokens in, b still waiting
 
 
 def test_leaked_blocks_stay_used_with_nothing_running():

@@ -171,6 +171,32 @@ def test_heartbeat_carries_clock_anchor(tmp_path):
         pull.close(linger=0)
 
 
+def test_heartbeats_say_the_size_of_the_step_under_way_until_its_record(tmp_path):
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
+    decoder = make_decoder()
+
+    def next_heartbeat() -> Heartbeat:
+        while True:
+            assert pull.poll(5000)
+            message = decoder.decode(pull.recv())
+            if isinstance(message, Heartbeat):
+                return message
+
+    try:
+        publisher.note_queues(0, 2, step_tokens=8000)
+        next_heartbeat()  # may have been read before the note
+        assert next_heartbeat().step_tokens == 8000
+        publisher.publish(iteration_record(0, 0, 1, num_prefill_tokens=8000))
+        next_heartbeat()
+        assert next_heartbeat().step_tokens == 0
+    finally:
+        publisher.close()
+        pull.close(linger=0)
+
+
 def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkeypatch):
     monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush() wakes it
     address = f"ipc://{tmp_path}/lane.sock"

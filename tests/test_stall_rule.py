@@ -6,7 +6,7 @@ for a real hang."""
 from __future__ import annotations
 
 from telemetry.analysis.episodes import Thresholds, build_timelines, detect_episodes
-from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, StallRule
+from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S, StallRule
 from telemetry.lane.record import heartbeat, iteration_record
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
@@ -15,13 +15,17 @@ from tests.helpers.lane import RecordingSink
 SECOND = 1_000_000_000
 
 
-def slow_engine(step_s: list[float], queued: int = 2) -> list:
+def slow_engine(
+    step_s: list[float], queued: int = 2, tokens: list[int] | None = None, say_step: bool = True
+) -> list:
     """An engine whose iterations take ``step_s`` seconds each, requests always in flight,
-    heartbeats every second in between (their last_iteration frozen inside an iteration)."""
+    heartbeats every second in between (their last_iteration frozen inside an iteration).
+    ``tokens``: each iteration's size (500 each by default), which its heartbeats say as
+    ``step_tokens`` if ``say_step`` (an older sender does not)."""
     messages, seq, now_ns, iteration = [], 1, SECOND, 0
     messages.append(heartbeat(0, seq, now_ns, now_ns, num_waiting_reqs=queued, pid=7))
     next_heartbeat_ns = now_ns + SECOND
-    for duration in step_s:
+    for duration, num_tokens in zip(step_s, tokens or [500] * len(step_s), strict=True):
         end_ns = now_ns + int(duration * SECOND)
         while next_heartbeat_ns < end_ns:
             seq += 1
@@ -35,6 +39,7 @@ def slow_engine(step_s: list[float], queued: int = 2) -> list:
                     num_waiting_reqs=queued,
                     num_running_reqs=1,
                     pid=7,
+                    step_tokens=num_tokens if say_step else 0,
                 )
             )
             next_heartbeat_ns += SECOND
@@ -48,7 +53,7 @@ def slow_engine(step_s: list[float], queued: int = 2) -> list:
                 start_ns=now_ns,
                 elapsed_ns=end_ns - now_ns,
                 num_prefill_reqs=1,
-                num_prefill_tokens=500,
+                num_prefill_tokens=num_tokens,
                 num_running_reqs=1,
                 num_waiting_reqs=queued,
                 num_waiting_seq_limit_reqs=queued,
@@ -163,3 +168,52 @@ def test_a_first_iteration_that_began_before_the_first_busy_heartbeat_is_progres
             )
     assert EngineStatus.STALLED not in live_statuses(messages)
     assert explained_stalls(messages) == []
+
+
+def test_a_step_bigger_than_any_measured_gets_the_time_its_size_can_take_in_both():
+    """An 8,000-token prompt after 500-token iterations of 0.3 s took 32 s (seen on our
+    engine): its heartbeats say its size, so neither the sidecar nor explain calls it a
+    stall (the bound: 2 x 0.3 s x 16^2 = 154 s). A sender that does not say the size gets
+    the threshold it earned, as before."""
+    steps, tokens = [0.3] * 10 + [32.0] + [0.3] * 3, [500] * 10 + [8000] + [500] * 3
+    messages = slow_engine(steps, tokens=tokens)
+    assert EngineStatus.STALLED not in live_statuses(messages)
+    assert explained_stalls(messages) == []
+    unsaid = slow_engine(steps, tokens=tokens, say_step=False)
+    assert EngineStatus.STALLED in live_statuses(unsaid)
+    (stall,) = explained_stalls(unsaid)
+    assert stall.numbers["stall_threshold_s"] == STALL_FLOOR_S
+
+
+def test_a_big_step_that_outlasts_its_bound_is_a_stall_in_both():
+    steps, tokens = [0.3] * 10 + [200.0] + [0.3], [500] * 10 + [8000] + [500]
+    messages = slow_engine(steps, tokens=tokens)
+    assert EngineStatus.STALLED in live_statuses(messages)
+    (stall,) = explained_stalls(messages)
+    assert abs(stall.numbers["stall_threshold_s"] - STALL_FACTOR * 0.3 * 16**2) < 0.01
+
+
+def test_a_step_no_bigger_than_measured_gets_no_slack():
+    steps, tokens = [0.3] * 10 + [20.0] + [0.3], [500] * 10 + [400] + [500]
+    messages = slow_engine(steps, tokens=tokens)
+    assert EngineStatus.STALLED in live_statuses(messages)
+    (stall,) = explained_stalls(messages)
+    assert stall.numbers["stall_threshold_s"] == STALL_FLOOR_S
+
+
+def test_the_biggest_iteration_is_forgotten_after_the_window():
+    rule = StallRule()
+    rule.note_progress(SECOND, had_work=True, num_tokens=1000, elapsed_ns=SECOND)
+    rule.note_progress(2 * SECOND, had_work=True, num_tokens=500, elapsed_ns=SECOND // 2)
+    assert rule.biggest_iteration(3 * SECOND) == (1000, SECOND)
+    rule.note_step(2000)
+    assert rule.threshold_ns(3 * SECOND) == STALL_FACTOR * 4 * SECOND
+    late_ns = int((STALL_WINDOW_S + 10) * SECOND)
+    assert rule.biggest_iteration(late_ns) == (0, 0)
+    assert rule.threshold_ns(late_ns) == STALL_FLOOR_S * SECOND
+    # A new bucket keeps the one before for half a window.
+    rule.note_progress(late_ns, had_work=True, num_tokens=300, elapsed_ns=SECOND)
+    half_ns = int(STALL_WINDOW_S / 2 * SECOND)
+    rule.note_progress(late_ns + half_ns, had_work=True, num_tokens=200, elapsed_ns=SECOND)
+    assert rule.biggest_iteration(late_ns + half_ns + SECOND) == (300, SECOND)
+    assert rule.biggest_iteration(late_ns + 2 * half_ns + SECOND) == (200, SECOND)

@@ -73,8 +73,9 @@ class Publisher:
     def publish(self, record) -> None:
         self.records.append(record)
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None:
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None:
         self.queues.append((num_waiting, num_running))
+        self.step_tokens = step_tokens
 
 
 def output(new=(), cached=(), preempted=(), finished=()):
@@ -129,6 +130,7 @@ def test_heartbeats_during_a_step_say_the_queues_it_runs_with(setup):
     new = [run_new(scheduler, reporter, r, 100) for r in requests[:2]]
     reporter.scheduled(scheduler, output(new=new), time.monotonic_ns())
     assert publisher.queues[-1] == (1, 2)
+    assert publisher.step_tokens == 200  # the step's size, for the stall rule
 
 
 def test_a_prefill_then_decode_step_fills_every_field(setup):

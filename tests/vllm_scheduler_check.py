@@ -62,7 +62,7 @@ class ListPublisher:
     def publish(self, record) -> None:
         self.records.append(record)
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None:
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None:
         pass
 
     def close(self) -> None:

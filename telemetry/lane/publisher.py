@@ -59,7 +59,7 @@ class NullPublisher:
     def publish(self, record: IterationRecord) -> None:
         self.last_iteration = record.iteration
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None:
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None:
         pass
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -102,6 +102,7 @@ class ZmqPublisher:
         self._num_queue_full = 0
         self._num_waiting = 0
         self._num_running = 0
+        self._step_tokens = 0
         self._queue: collections.deque = collections.deque()
         self._queue_capacity = queue_capacity
         self._facts = dict(facts or {}, pid=os.getpid())
@@ -125,15 +126,19 @@ class ZmqPublisher:
             self.last_iteration = record.iteration
         self._num_waiting = record.num_waiting_reqs
         self._num_running = record.num_running_reqs
+        self._step_tokens = 0
         if len(self._queue) < self._queue_capacity:
             self._queue.append(record)
         else:
             self._num_queue_full += 1
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None:
-        """Queue lengths changed outside an iteration (a request arrived while idle)."""
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None:
+        """Queue lengths changed outside a record: a request arrived while idle, or an
+        iteration was scheduled (``step_tokens``: the tokens it computes, said by heartbeats
+        until its record is published)."""
         self._num_waiting = num_waiting
         self._num_running = num_running
+        self._step_tokens = step_tokens
 
     def update_facts(self, **facts: object) -> None:
         """Static Heartbeat fields learnt after start-up (a vLLM server's KV pool size).
@@ -207,6 +212,7 @@ class ZmqPublisher:
             num_running_reqs=self._num_running,
             num_dropped=seq - self._last_sent_seq - 1,
             **self._facts,
+            step_tokens=self._step_tokens,
         )
         self._send(heartbeat)
 

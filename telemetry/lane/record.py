@@ -26,10 +26,10 @@ Invariants the sidecar relies on:
   it as unknown, never as a measured 0. Our own engine knows every field (``unknown`` = 0).
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
   ``model_elapsed_ns``, ``fpm``, ``spec_decode``, ``first_token_latencies_ns``, the
-  Heartbeat's ``source``, ``prefill_schedule_interval``, ``engine_version`` and
-  ``num_speculative_tokens``) come last with a default, so frames of older senders still
-  decode, and readers that predate a field ignore it (msgspec skips an array-like frame's
-  extra trailing elements).
+  Heartbeat's ``source``, ``prefill_schedule_interval``, ``engine_version``,
+  ``num_speculative_tokens`` and ``step_tokens``) come last with a default, so frames of
+  older senders still decode, and readers that predate a field ignore it (msgspec skips an
+  array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
   (FpmFigures); None for every other source, which costs our engine's frame one byte.
 - ``spec_decode`` counts speculative decoding's draft tokens scored and accepted in the
@@ -241,6 +241,10 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     # Speculative decoding's draft length (vLLM's num_speculative_tokens); 0 = none, or not said.
     # Said even when no draft is proposed: a proposer that finds none still costs every step.
     num_speculative_tokens: Count = 0
+    # Tokens the iteration running when the heartbeat was sent scheduled; 0 = between
+    # iterations, or the source cannot say (vLLM's stat-logger plugin, FPM producers). The
+    # stall rule gives a step bigger than any it measured the time its size can take.
+    step_tokens: Count = 0
 
 
 Message = IterationRecord | Heartbeat

@@ -286,7 +286,13 @@ class Ingest:
         if had_work and now_ns > state.stall.no_stall_before_ns:
             self._note_missed_stall(state, now_ns)
         if view.apply_iteration(record):
-            state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
+            state.stall.note_progress(
+                now_ns,
+                had_work,
+                view.status is _DEAD,
+                record.num_prefill_tokens + record.num_decode_tokens,
+                record.elapsed_ns,
+            )
         elif not had_work:  # nothing waited or ran: idle, not stuck
             state.stall.restart(now_ns)
         if view.status is not _RUNNING:
@@ -307,6 +313,7 @@ class Ingest:
             state.stall.note_progress(now_ns, had_work, view.status is _DEAD)
         elif not had_work:  # idle: the stall clock starts now
             state.stall.restart(now_ns)
+        state.stall.note_step(heartbeat.step_tokens)
         self._update_status(state, now_ns)
 
     def _note_missed_stall(self, state: EngineTracker, now_ns: int) -> None:

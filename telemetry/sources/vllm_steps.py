@@ -80,7 +80,7 @@ MAX_PENDING_STEPS = 8  # scheduled, not yet updated: vLLM's batch queue holds at
 class Publisher(Protocol):
     def publish(self, record: IterationRecord) -> None: ...
 
-    def note_queues(self, num_waiting: int, num_running: int) -> None: ...
+    def note_queues(self, num_waiting: int, num_running: int, step_tokens: int = 0) -> None: ...
 
 
 @dataclass
@@ -178,9 +178,12 @@ class StepReporter:
         record = iteration_record(self.engine_index, 0, self.iteration, start_ns=start_ns)
         prefilling = self._fill_batch(record, scheduler, output, start_ns)
         num_waiting, num_deferred = self._count_waiting(scheduler)
-        # The queues as this step runs them, for the heartbeats sent while it runs (a long
-        # prefill step showed the queue from before it took requests in).
-        self.publisher.note_queues(num_waiting, len(scheduler.running))
+        # The queues as this step runs them and its size, for the heartbeats sent while it
+        # runs (a long prefill step showed the queue from before it took requests in, and
+        # looked like a stall to a sidecar that did not know how big it was).
+        self.publisher.note_queues(
+            num_waiting, len(scheduler.running), output.total_num_scheduled_tokens
+        )
         record.num_waiting_reqs = num_waiting
         record.num_waiting_other_reqs = num_deferred
         num_held = num_waiting - num_deferred

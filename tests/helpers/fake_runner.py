@@ -127,8 +127,8 @@ class RecordingPublisher:
     def publish(self, record):
         self.records.append(record)
 
-    def note_queues(self, num_waiting, num_running):
-        self.queue_notes.append((num_waiting, num_running))
+    def note_queues(self, num_waiting, num_running, step_tokens=0):
+        self.queue_notes.append((num_waiting, num_running, step_tokens))
 
     def close(self):
         pass

@@ -93,6 +93,7 @@ def stall_thresholds(
     )
     # Python lists: the loop reads one element at a time, which numpy makes slow.
     scheduled = (tl.col("num_prefill_tokens") + tl.col("num_decode_tokens")).tolist()
+    elapsed = tl.col("elapsed_ns").tolist()
     in_flight = (tl.col("num_waiting_reqs") + tl.col("num_running_reqs")).tolist()
     iterations = tl.col("iteration").tolist()
     had_work, last_iteration, last_message_ns, next_query = False, 0, None, 0
@@ -101,20 +102,24 @@ def stall_thresholds(
             thresholds[order[next_query]] = rule.threshold_ns(times_ns[order[next_query]])
             next_query += 1
         was_silent = last_message_ns is not None and time_ns - last_message_ns > dead_after_ns
+        num_tokens = elapsed_ns = 0
         if is_heartbeat:
             heartbeat = tl.heartbeats[index]
             progress = heartbeat.last_iteration > last_iteration
             last_iteration = max(last_iteration, heartbeat.last_iteration)
             work_after = heartbeat.num_waiting_reqs + heartbeat.num_running_reqs > 0
         else:
-            progress = bool(scheduled[index])
+            num_tokens, elapsed_ns = scheduled[index], elapsed[index]
+            progress = bool(num_tokens)
             if progress:
                 last_iteration = max(last_iteration, iterations[index])
             work_after = bool(in_flight[index])
         if progress:
-            rule.note_progress(time_ns, had_work, was_silent)
+            rule.note_progress(time_ns, had_work, was_silent, num_tokens, elapsed_ns)
         elif not had_work:
             rule.restart(time_ns)
+        if is_heartbeat:
+            rule.note_step(heartbeat.step_tokens)
         had_work, last_message_ns = work_after, time_ns
     for query in order[next_query:]:
         thresholds[query] = rule.threshold_ns(times_ns[query])
