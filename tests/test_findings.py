@@ -249,22 +249,23 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     action = finding_action(timeline, finding, Thresholds())
     first = int(timeline.col("start_ns").searchsorted(finding.worst.start_ns))
     (baseline_ns,) = decode_baselines(timeline, np.array([first]), Thresholds())
-    (command,) = quoted_commands(action)
+    command, own_target = quoted_commands(action)  # explain's target, then the operator's
+    assert own_target == ["tune", PLACEHOLDERS["RECORDING"], "--itl-target", PLACEHOLDERS["T"]]
     assert command[:2] == ["tune", PLACEHOLDERS["RECORDING"]]
     target = command[command.index("--itl-target") + 1]
     assert target == f"{round(3 * baseline_ns / 1e6, 1):g}ms"
     since = timeline.col("start_ns") >= finding.worst.start_ns - 30 * NS_PER_S
     numbers = timeline.col("iteration")
     assert command[command.index("--iterations") + 1] == f"{numbers[since][0]}-{numbers[first]}"
-    value = int(action.split("Set --max-num-batched-tokens ")[1].split()[0])
-    # tune's sequence limit is below the engine's: the two are said together, as tune says them
-    seqs = int(action.split(" and --max-num-seqs ")[1].split()[0])
-    assert "(now 64) together, from `iterscope tune" in action and seqs < 64
-    # a lower budget says what it costs prompts
-    assert value < 2048 and action.endswith(
-        "so time to first token grows: keep both if it matters more than inter-token latency."
+    # tune holds the target only with fewer sequences than decoded at once here: the action
+    # quotes its values and gives none (both set would queue the rest for the sequence limit)
+    found = re.search(
+        r"gives (\d+) only with --max-num-seqs (\d+) \(now 64\), fewer than the (\d+) requests",
+        action,
     )
-    assert re.search(r"prompts are then computed at \d+ tokens/s at most", action)
+    value, seqs, decoded = (int(group) for group in found.groups())
+    assert action.startswith("Lower --max-num-batched-tokens (now 2048) as far as")
+    assert value < 2048 and seqs < decoded <= timeline.col("num_decode_reqs").max()
     assert tune([str(sim.write(tmp_path / "rec.jsonl")), *command[2:]]) == 0
     assert f"--max-num-seqs {seqs} --max-num-batched-tokens {value} " in capsys.readouterr().out
 
@@ -327,11 +328,13 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     tmp_path, capsys
 ):
     """Decoding requests that draft 3 tokens take 4 budget tokens each: on a CPU whose prompt
-    tokens cost 0.4 ms, the budget that keeps explain's latency holds 4 of them and a 64-token
-    chunk, so the action lowers --max-num-seqs with it (sized as if each took 1 token, 80
-    tokens would seem to hold 16). The target quoted is per output token: the iteration time
-    over the tokens a decoding request gets in one, both over the 30 s before the episode,
-    which the tune command quoted prints the same values for."""
+    tokens cost 0.4 ms, the budget that keeps explain's latency holds 8 of them and a 16-token
+    chunk, so the action lowers --max-num-seqs with it (sized as if each took 1 token, 48
+    tokens would seem to hold 32), no lower than the requests that decoded at once. The target
+    quoted is per output token: the iteration time over the tokens a decoding request gets in
+    one, both over the 30 s before the episode, which the tune command quoted prints the same
+    values for. The action says the two together, as tune says them, and what the lower
+    budget costs prompts."""
     from telemetry.analysis.tune import main as tune
 
     cost = Cost(
@@ -343,18 +346,24 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     sim = Simulator(
         num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost, num_spec_tokens=3
     )
-    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests(arrivals(1, 20), num_prompt=32, num_output=150)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
     timeline, (finding,) = findings_of(sim.run(22))
     action = finding_action(timeline, finding, Thresholds())
+    assert "(now 64) together, from `iterscope tune" in action
+    assert action.endswith(
+        "so time to first token grows: keep both if it matters more than inter-token latency."
+    )
+    assert re.search(r"prompts are then computed at \d+ tokens/s at most", action)
     budget, seqs = (
         int(re.search(rf"--{flag} (\d+) \(now", action).group(1))
         for flag in ("max-num-batched-tokens", "max-num-seqs")
     )
     (command,) = quoted_commands(action)
     min_chunk = int(command[command.index("--min-chunk") + 1])
-    assert (budget, seqs, min_chunk) == (80, 4, 64)
+    assert (budget, seqs, min_chunk) == (48, 8, 16)
     assert budget >= seqs * (1 + 3) + min_chunk
+    assert seqs >= timeline.col("num_decode_reqs").max()
     first = int(timeline.col("start_ns").searchsorted(finding.worst.start_ns))
     (baseline_ns,) = decode_baselines(timeline, np.array([first]), Thresholds())
     rows = (timeline.col("start_ns") >= finding.worst.start_ns - 30 * NS_PER_S) & (
@@ -386,6 +395,28 @@ def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cos
         "Set --max-num-batched-tokens 16 (now 2048) and --max-num-seqs 10 (now 64) together"
     )
     assert "272 tokens/s at most, so time to first token grows" in action
+
+
+def test_a_budget_that_needs_fewer_requests_than_decoded_gives_no_value(monkeypatch):
+    """Where tune holds the target only with fewer sequences than the engine decoded at once,
+    setting both would queue the rest for the sequence limit (applied on a CPU: later
+    arrivals waited 51 s for a first token): the action lowers the budget without a value."""
+    from telemetry.analysis import actions
+    from telemetry.analysis.tune import Recommendation
+
+    sim = long_prefill_sim()
+    timeline, (finding,) = findings_of(sim)
+    tight = Recommendation(0.0677, 2, 18, 0.018, 0.064, 554.0, 167.0, "latency target", 3)
+    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(tight, "`tune ...`"))
+    action = finding_action(timeline, finding, Thresholds())
+    assert action.startswith(
+        "Lower --max-num-batched-tokens (now 2048) as far as your inter-token latency allows"
+    )
+    assert (
+        "gives 18 only with --max-num-seqs 2 (now 64), fewer than the 3 requests that decoded"
+        in action
+    )
+    assert "together" not in action and "Set " not in action
 
 
 def test_a_budget_a_fit_can_only_guess_is_not_given_as_a_value(monkeypatch):

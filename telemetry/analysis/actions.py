@@ -199,6 +199,18 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
             "which would queue them for the sequence limit instead; `iterscope tune RECORDING "
             "--itl-target T`, with T your own target, gives the budget for it."
         )
+    if lower and seqs and rec.max_num_seqs < min(seqs, rec.decode_reqs_seen):
+        # The target is met only with fewer requests decoding than the engine ran at once:
+        # the rest would queue for the sequence limit (applied, later arrivals waited 51 s).
+        return (
+            f"Lower --max-num-batched-tokens{_now(current)} as far as your inter-token "
+            f"latency allows, so that prompts are split into chunks: at the latency explain "
+            f"holds iterations to, {tuned} gives {value} only with --max-num-seqs "
+            f"{rec.max_num_seqs}{_now(seqs)}, fewer than the "
+            f"{plural(rec.decode_reqs_seen, 'request')} that decoded at once here, which "
+            "would queue them for the sequence limit instead; `iterscope tune RECORDING "
+            "--itl-target T`, with T your own target, gives the budget for it."
+        )
     slots = 1 + draft_slots(recorded_drafts(tl))  # budget tokens per decoding request
     # A smaller budget computes prompts more slowly: said where the budget is lowered.
     ttft = (
