@@ -12,6 +12,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,9 +28,10 @@ from telemetry.analysis.live_findings import (
     rank_kinds,
 )
 from telemetry.analysis.timeline import NS_PER_S, read_timelines
-from telemetry.lane.record import Heartbeat, IterationRecord, iteration_record
+from telemetry.lane.record import Heartbeat, IterationRecord, heartbeat, iteration_record
 from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.replay import replay
+from telemetry.sidecar.sinks.log import LogSink
 from telemetry.sidecar.sinks.prometheus import PrometheusSink
 from tests.helpers.findings import (
     Findings,
@@ -501,3 +503,62 @@ def test_a_real_vllm_whose_drafts_cost_more_than_they_save_is_told_so_live_and_i
     assert_timely([drafts])
     assert rank_kinds(live)[0] == "costly_drafts"
     assert "stall" not in {finding.kind for finding in live}
+
+
+def waiting_that_changes_reason() -> list:
+    """Two requests wait 3 s for the sequence limit, then 12 s for the token budget, with
+    no break in between: one stretch of waiting, mostly for the budget."""
+    start_ns, step_ns = 100 * NS_PER_S, NS_PER_S // 10
+    messages = [heartbeat(0, 1, start_ns, start_ns, num_running_reqs=2, max_num_seqs=2, pid=9)]
+    for i in range(200):
+        reason = (
+            {}
+            if i >= 150
+            else {"num_waiting_seq_limit_reqs": 2}
+            if i < 30
+            else {"num_waiting_budget_reqs": 2}
+        )
+        messages.append(
+            iteration_record(
+                0,
+                i + 2,
+                i + 1,
+                start_ns=start_ns + i * step_ns,
+                elapsed_ns=step_ns - 1000,
+                num_decode_reqs=2,
+                num_decode_tokens=2,
+                num_running_reqs=2,
+                num_waiting_reqs=2 if reason else 0,
+                num_kv_blocks_used=10,
+                num_kv_blocks_free=90,
+                **reason,
+            )
+        )
+    return messages
+
+
+def test_waiting_whose_main_reason_changes_is_one_finding_as_in_explain(tmp_path, caplog):
+    """Live, the waiting opens as the sequence limit's and becomes the budget's as that
+    reason takes over: one finding with explain's kind, cost and action (it was two, the
+    same waiting counted twice, with opposite actions), and a log line saying the change."""
+    path = tmp_path / "recording.jsonl"
+    path.write_bytes(
+        b"".join(msgspec.json.encode(m) + b"\n" for m in waiting_that_changes_reason())
+    )
+    (timeline,) = read_timelines([path])[0].values()
+    sink = Findings()
+    with caplog.at_level(logging.WARNING):
+        replay(path, [sink, LogSink()])
+    assert [(what, finding.kind) for what, finding in sink.events] == [
+        ("opened", "waiting_budget"),
+        ("changed", "waiting_budget"),
+        ("closed", "waiting_budget"),
+    ]
+    assert sink.events[1][1] is sink.events[0][1]  # the one finding, changed in place
+    live = sink.findings
+    assert explained(timeline)[0][0] == "waiting_budget"
+    assert_same_findings(explained(timeline), live)
+    assert_same_actions(timeline, live)
+    (changed,) = [r.message for r in caplog.records if "until now" in r.message]
+    assert changed.startswith("Engine 000: Requests waiting: --max-num-batched-tokens since ")
+    assert 'until now "Requests waiting: --max-num-seqs"' in changed

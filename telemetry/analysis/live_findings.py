@@ -12,7 +12,10 @@ A finding opens when its episode first appears in the window (each detector's mi
 count is its minimum: 10 iterations of KV >= 95%, waiting for 1 s and 10 iterations, ...) and
 closes when the episode stopped growing for as long as `explain` would still merge a new
 stretch into it (close_after: records and seconds per kind), so one condition opens one
-finding.
+finding. Requests waiting are one condition whatever holds them: explain names its waiting
+episode by the main reason so far, so where that changes, the open finding changes kind with
+it (a "changed" event, its action drawn anew), rather than a second finding over the same
+waiting.
 A closed finding that its episode later extends is not opened again: its cost is final.
 
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
@@ -130,6 +133,7 @@ FINDING_KINDS = (
     "dead",
     "telemetry_gap",
 )
+WAITING_KINDS = frozenset(kind for kind in FINDING_KINDS if kind.startswith("waiting"))
 STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -> finding kind
 # Kinds whose iterations are each judged on the records before them (the window's history):
 # one judged again once the window has dropped part of its past is judged on less than explain
@@ -266,10 +270,12 @@ def rank_kinds(findings: list[LiveFinding]) -> list[str]:
 
 @dataclass
 class FindingEvent:
-    """A finding opened or closed (``what``), for the sinks."""
+    """A finding opened, changed or closed (``what``), for the sinks. "changed": a waiting
+    finding whose main reason changed; ``previous``: its kind and title before."""
 
-    what: str  # "opened" | "closed"
+    what: str  # "opened" | "changed" | "closed"
     finding: LiveFinding
+    previous: tuple[str, str] = ("", "")
 
 
 class EngineFindings:
@@ -410,6 +416,8 @@ class EngineFindings:
                     continue
                 finding = self._open_from(tl, episode, kind, now_ns)
                 opened.append(FindingEvent("opened", finding))
+            elif finding.kind != kind:
+                opened.append(self._change_kind(tl, finding, episode, kind))
             self._follow(tl, finding, episode)
             seen.add(id(finding))
         closed = [
@@ -433,15 +441,32 @@ class EngineFindings:
 
     @staticmethod
     def _match(findings, kind: str, episode: Episode) -> LiveFinding | None:
-        """The finding of ``kind`` this episode is (it overlaps it in time)."""
+        """The finding this episode of ``kind`` is: of its kind, or of any waiting kind for
+        a waiting episode (explain finds one waiting episode for a stretch of waiting, named
+        by its main reason so far), and overlapping it in time."""
+        waiting = kind in WAITING_KINDS
         for finding in findings:
             if (
-                finding.kind == kind
+                (finding.kind == kind or (waiting and finding.kind in WAITING_KINDS))
                 and episode.start_ns <= finding.end_ns
                 and episode.end_ns >= finding.start_ns
             ):
                 return finding
         return None
+
+    def _change_kind(
+        self, tl: EngineTimeline, finding: LiveFinding, episode: Episode, kind: str
+    ) -> FindingEvent:
+        """The waiting episode's main reason changed: the finding takes the new kind, title
+        and action (explain, reading the recording up to now, would name it so). Its cost so
+        far stays counted under the kind it had; what it costs from now on, under the new."""
+        event = FindingEvent("changed", finding, (finding.kind, finding.title))
+        finding.kind, finding.title = kind, episode.title
+        finding.action = finding_action(
+            tl, Finding(episode.kind, [episode], [episode_cost(tl, episode)]), self.thresholds
+        )
+        self.totals.setdefault(kind, [0, 0.0])[0] += 1
+        return event
 
     def _open_from(self, tl: EngineTimeline, episode: Episode, kind: str, now_ns: int):
         row = int(tl.col("start_ns").searchsorted(episode.start_ns))

@@ -7,7 +7,9 @@ every one of them would drown the log (83 lines in 40 s of a vLLM run with a sma
 So, per engine and kind:
 
 - a finding prints as it happens: a WARNING when it opens (what, since when, the evidence,
-  the action), an INFO when it closes (how long, what it cost);
+  the action), an INFO when it closes (how long, what it cost); a waiting finding whose main
+  reason changes prints a WARNING with its new title and action, at most once in
+  REPEAT_WINDOW_S;
 - unless it opens while one of its kind is open, or within REPEAT_WINDOW_S of the end of
   the kind's previous one: a repeat prints nothing of its own; the repeats are summed and
   said in one WARNING (how many, since when, time and cost in all, the newest action), at the
@@ -62,15 +64,16 @@ def _with_word(cost: str) -> str:
 
 
 def finding_line(event: FindingEvent) -> Line:
-    """A live finding's opening (WARNING) or closing (INFO) line."""
+    """A live finding's opening or change (WARNING) or closing (INFO) line."""
     finding = event.finding
     head = f"Engine {finding.engine_index:03d}: {finding.title}"
     since = clock_text(finding.start_wall_ns)
     where = f"iteration {finding.iteration}, " if finding.iteration else ""
     cost = cost_phrase(finding.cost, finding.cost_label)
-    if event.what == "opened":
+    if event.what != "closed":
+        was = f'until now "{event.previous[1]}"; ' if event.what == "changed" else ""
         return logging.WARNING, (
-            f"{head} since {since} ({where}{finding.duration_s:.1f} s so far, {cost}): "
+            f"{head} since {since} ({was}{where}{finding.duration_s:.1f} s so far, {cost}): "
             f"{finding.evidence}. Action: {finding.action}"
         )
     lower_bound = " at least (it outlasted the window)" if finding.truncated else ""
@@ -148,10 +151,14 @@ class FindingLog:
 
     def __init__(self) -> None:
         self._repeats: dict[tuple[int, str], Repeats] = {}
+        # id() of each said finding whose change was said -> its end then (engine time)
+        self._change_said_ns: dict[int, int] = {}
 
     def on_finding(self, event: FindingEvent) -> list[Line]:
         finding = event.finding
         repeats = self._repeats.setdefault((finding.engine_index, finding.kind), Repeats())
+        if event.what == "changed":
+            return self._on_change(event, repeats)
         if event.what == "opened":
             if repeats.is_repeat(finding):
                 repeats.folded[id(finding)] = finding
@@ -162,11 +169,29 @@ class FindingLog:
         if repeats.last_end_ns is None or finding.end_ns > repeats.last_end_ns:
             repeats.last_end_ns = finding.end_ns  # of those closed, the one that ended last
         repeats.said.discard(id(finding))
+        self._change_said_ns.pop(id(finding), None)
         if repeats.folded.pop(id(finding), None) is not None:
             repeats.add_closed(finding)
             return []
         repeats.said_cost = finding.cost
         repeats.last_line_wall_ns = end_wall_ns(finding)
+        return [finding_line(event)]
+
+    def _on_change(self, event: FindingEvent, repeats: Repeats) -> list[Line]:
+        """A waiting finding's main reason changed: it moves to its new kind's repeats. Said
+        if it was said, at most once in REPEAT_WINDOW_S (a share near half can flip at every
+        search); its closing line names the reason it ended with."""
+        finding, key = event.finding, id(event.finding)
+        before = self._repeats.setdefault((finding.engine_index, event.previous[0]), Repeats())
+        if before.folded.pop(key, None) is not None:
+            repeats.folded[key] = finding
+            return []
+        before.said.discard(key)
+        repeats.said.add(key)
+        said_ns = self._change_said_ns.get(key)
+        if said_ns is not None and finding.end_ns - said_ns < REPEAT_WINDOW_S * NS_PER_S:
+            return []
+        self._change_said_ns[key] = finding.end_ns
         return [finding_line(event)]
 
     def forget(self, engine_index: int) -> list[Line]:
