@@ -53,22 +53,23 @@ CLIFF_ROWS = synthetic.SCRIPTED_CLIFF
 def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp_path, capsys):
     timeline = build_timelines(scripted(CLIFF_ROWS))[0]
     findings = build_findings(timeline, detect_episodes(timeline))
-    assert [f.kind for f in findings] == ["kv_cliff", "long_prefill", "telemetry_gap"]
-    cliff, prefill, gap = findings
+    assert [f.kind for f in findings] == ["telemetry_gap", "kv_cliff", "long_prefill"]
+    silence, cliff, prefill = findings
     assert cliff.cost == pytest.approx(6 * 0.010 + 0.040)  # waited, then recomputed
     assert prefill.cost == pytest.approx(0.040 - 0.010)
-    # The silence costs nothing measurable and lasts longest: it still ranks last.
-    assert gap.cost == 0 and gap.total_time > cliff.total_time + prefill.total_time
+    # The silence: the 2 requests in flight before it got nothing for its 4.01 s (it ranked
+    # last, "cost not measurable", below 0.03 request-s; a 10 s freeze with 4 requests too)
+    assert silence.cost == pytest.approx(2 * 4.01) and silence.cost_label == "halted"
     path = synthetic.write_records(scripted(CLIFF_ROWS), tmp_path / "cliff.jsonl")
     assert main([str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     headlines = [line for line in lines if re.match(r"  \d\. ", line)]
+    assert headlines[0] == "  1. Engine silent: 1 time, 4.01 s in all, 8.0 request-s halted"
     assert (
-        headlines[0].startswith("  1. KV cache cliff")
-        and "0.10 request-s delayed" in (headlines[0])
+        headlines[1].startswith("  2. KV cache cliff")
+        and "0.10 request-s delayed" in (headlines[1])
     )
-    assert "0.03 request-s slowed" in headlines[1]
-    assert headlines[2] == "  3. Engine silent: 1 time, 4.01 s in all, cost not measurable"
+    assert "0.03 request-s slowed" in headlines[2]
 
 
 def test_an_episode_costs_its_own_iterations_not_the_next_one_back_to_back():

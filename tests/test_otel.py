@@ -361,7 +361,7 @@ def test_findings_of_an_engine_no_longer_tracked_are_exported_open(receiver, mon
     assert {span.attributes["iterscope.finding.state"] for span in spans} == {"open"}
     assert {span.resource["iterscope.model"] for span in spans} == {"SmolLM2-135M"}
     (dead,) = by_name(spans, "finding dead")
-    assert dead.attributes["iterscope.finding.cost_label"] == "unknown"
+    assert dead.attributes["iterscope.finding.cost_label"] == "halted"
     assert dead.end_ns == wall(now_ns - 100_000_000)  # the last tick before the newcomer
     ingest.on_message(record(2, engine_index=1, num_preemptions=1), now_ns)  # sampled
     ingest.close()

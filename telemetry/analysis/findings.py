@@ -33,7 +33,12 @@ What an episode costs requests (request-seconds), from the records inside its ti
                          than without drafts, by the fit that judged its step (the mean over
                          its steps: telemetry/analysis/episodes/drafts.py)
     stall                (waiting + running) x the stall's length, from the heartbeats
-    telemetry_gap        0: with no records, nothing is known of what requests saw
+    silence              (waiting + running) as the last message before it said x its
+                         length: a frozen or dead engine gives them no token meanwhile
+                         (request-s halted; a telemetry_gap episode, its own finding; the
+                         sidecar's dead finding)
+    telemetry_gap        0 for lost messages: with no records, nothing is known of what
+                         requests saw
     futile_speculation   0: what speculation costs each step is not in the records
 """
 
@@ -54,6 +59,7 @@ COST_LABELS = {
     "long_prefill": "slowed",
     "costly_drafts": "slowed",
     "stall": "stalled",
+    "silence": "halted",  # a telemetry_gap episode with silent_time_s (is_silence)
     "telemetry_gap": "unknown",
     "futile_speculation": "unknown",
     "kv_cliff": "delayed",
@@ -96,7 +102,8 @@ class Finding:
 
     @property
     def cost_label(self) -> str:
-        return COST_LABELS.get(self.kind, "waiting")
+        kind = "silence" if is_silence(self.episodes[0]) else self.kind
+        return COST_LABELS.get(kind, "waiting")
 
     @property
     def is_fault(self) -> bool:
@@ -197,8 +204,15 @@ def eviction_baseline_row(tl: EngineTimeline, episode: Episode) -> int:
     return max(first - 1, 0) if episode.kind == "preemption_storm" else first
 
 
+def is_silence(episode: Episode) -> bool:
+    """A silence (no message, not even a heartbeat): the sidecar's dead engine, after the fact."""
+    return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
+
+
 def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     """Request-seconds the episode cost (see the module's docstring)."""
+    if is_silence(episode):
+        return episode.numbers.get("in_flight_reqs", 0) * episode.duration_time
     if COST_LABELS.get(episode.kind) == "unknown":
         return 0.0
     if episode.kind in EVICTING_KINDS:
@@ -217,7 +231,10 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
 
 
 def _group_key(episode: Episode) -> tuple[str, str]:
-    return episode.kind, str(episode.numbers.get("reason", ""))
+    """Waiting by reason; silences apart from lost messages (their costs differ)."""
+    return episode.kind, "silence" if is_silence(episode) else str(
+        episode.numbers.get("reason", "")
+    )
 
 
 def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]:

@@ -67,6 +67,7 @@ from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
 from telemetry.analysis.episodes.liveness import (
     SILENCE_SETTING,
     detect_spinning,
+    in_flight_text,
     stall_setting,
     work_text,
 )
@@ -77,6 +78,7 @@ from telemetry.analysis.findings import (
     Finding,
     episode_cost,
     eviction_baseline_row,
+    is_silence,
     rank_key,
 )
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -182,11 +184,6 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
     if kind in ("costly_drafts", "futile_speculation"):  # up to idle_min_time apart: one
         return 1, th.idle_min_time, True
     return 1, 0.0, True  # a KV cliff, a spinning stall: one row without it
-
-
-def is_silence(episode: Episode) -> bool:
-    """A silence `explain` finds after the fact: live, the dead finding is that silence."""
-    return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
 
 
 def finding_kind(episode: Episode) -> str:
@@ -594,7 +591,7 @@ class EngineFindings:
             iteration=last_iteration,
             opened_ns=now_ns,
             start_wall_ns=self._wall_ns(since_ns),
-            cost_label=COST_LABELS["stall"] if stalled else "unknown",
+            cost_label=COST_LABELS["stall" if stalled else "silence"],
         )
         self._add_open(finding)
         self._update_busy_cost(finding)
@@ -610,7 +607,9 @@ class EngineFindings:
                 self._status_evidence(finding)
 
     def _update_busy_cost(self, finding: LiveFinding) -> None:
-        if finding.kind == STALL:  # findings.py: (waiting + running) x the stall's length
+        """findings.py: (waiting + running) x the stall's length, the most of each at once
+        while it lasted; for a dead engine, what its last message said (a silence's cost)."""
+        if finding.kind in (STALL, DEAD):
             self._set_cost(finding, sum(self._busy_max) * finding.duration_s)
 
     def _status_evidence(self, finding: LiveFinding) -> None:
@@ -626,7 +625,7 @@ class EngineFindings:
             finding.evidence = (
                 f"no message for {secs(finding.end_ns - finding.start_ns)} (heartbeats come "
                 "every second): the engine process is gone, frozen whole, or cut off from the "
-                "lane"
+                f"lane; {in_flight_text(sum(self._busy_max))} at its last message"
             )
 
     # ---------------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def test_every_printed_count_agrees_with_its_noun(tmp_path, capsys, monkeypatch)
     """One of everything (an iteration, a preemption, a request, a finding, a file...): the
     text says each in the singular, and writes no "(s)". The first screen made short enough
     to leave one of the cliff's three findings unnamed."""
-    monkeypatch.setattr("telemetry.analysis.explain_report.MAX_FINDING_LINES", 11)
+    monkeypatch.setattr("telemetry.analysis.explain_report.MAX_FINDING_LINES", 7)
     path = synthetic.write_records(
         synthetic.scripted(synthetic.SCRIPTED_CLIFF), tmp_path / "cliff.jsonl"
     )

@@ -440,8 +440,16 @@ def _conflict_episode(
     )
 
 
+def in_flight_text(num_in_flight: int) -> str:
+    """``4 requests in flight`` (waiting or running), ``no request in flight``."""
+    return (
+        f"{plural(num_in_flight, 'request')} in flight" if num_in_flight else "no request in flight"
+    )
+
+
 def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Episode:
     start_ns, end_ns = message_time_ns(before), message_time_ns(after)
+    in_flight = before.num_waiting_reqs + before.num_running_reqs
     if restarted:
         what = "then the engine started again (seq restarted)"
         why = "The engine process died or was restarted: no heartbeat came while it was gone."
@@ -457,8 +465,16 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
         start_ns=start_ns,
         end_ns=end_ns,
         title="Engine silent" + (": restarted" if restarted else ""),
-        evidence=f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}",
+        evidence=(
+            f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}; "
+            f"{in_flight_text(in_flight)} at the last message before it"
+        ),
         explanation=why,
         setting=SILENCE_SETTING,
-        numbers={"silent_time_s": (end_ns - start_ns) / NS_PER_S, "restarted": restarted},
+        numbers={
+            "silent_time_s": (end_ns - start_ns) / NS_PER_S,
+            "restarted": restarted,
+            # what the last message before it said was in flight: no token for them meanwhile
+            "in_flight_reqs": in_flight,
+        },
     )
