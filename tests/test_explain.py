@@ -761,3 +761,24 @@ def test_a_saturation_ended_by_a_preemption_counts_it_as_the_cliff_after_it_does
     assert cliff.numbers["num_preemptions"] == saturation.numbers["num_preemptions"] == 1
     assert "none was preempted" not in saturation.explanation
     assert "1 running request that needed a new block was preempted" in saturation.explanation
+
+
+def test_each_episode_of_all_has_the_action_its_live_finding_gave(tmp_path, capsys):
+    """`--all` printed the detector's generic setting under each episode ("Raise
+    --max-num-seqs: KV had room") beside the finding's action ("Keep --max-num-seqs at 7"):
+    each episode's change line is now its own action, the worst one's the finding's."""
+    from telemetry.analysis.actions import episode_action, finding_action
+    from telemetry.analysis.findings import build_findings
+
+    make, _ = synthetic.SCENARIOS["story3 sequence limit"]
+    path = make().write(tmp_path / "recording.jsonl")
+    (timeline,) = read_timelines([path])[0].values()
+    episodes = detect_episodes(timeline)
+    assert main([str(path), "--all"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for episode in episodes:
+        assert "change " + " ".join(episode_action(timeline, episode, Thresholds()).split()) in text
+    (finding,) = build_findings(timeline, episodes)
+    assert finding_action(timeline, finding, Thresholds()) == episode_action(
+        timeline, finding.worst, Thresholds()
+    )

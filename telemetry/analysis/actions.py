@@ -390,3 +390,9 @@ def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
         return _kv_action(action_basis(tl, finding.worst)[0], th)
     return finding.worst.setting
+
+
+def episode_action(tl: EngineTimeline, episode: Episode, th: Thresholds) -> str:
+    """One episode's action: what its live finding gives (live, each episode is a finding),
+    and explain's for a finding whose worst episode it is."""
+    return finding_action(tl, Finding(episode.kind, [episode], [0.0]), th)

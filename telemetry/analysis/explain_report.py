@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import asdict
 
-from telemetry.analysis.actions import finding_action
+from telemetry.analysis.actions import episode_action, finding_action
 from telemetry.analysis.clock import clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.findings import Finding, build_findings, cost_phrase
@@ -56,7 +56,12 @@ def _wrapped(label: str, text: str, max_lines: int | None = None) -> list[str]:
     )
 
 
-def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[str]:
+def format_episode(
+    tl: EngineTimeline, number: int, episode: Episode, thresholds: Thresholds
+) -> list[str]:
+    """An episode with its evidence, why, and the change its live finding gave (an episode of
+    waiting for the sequence limit said "raise it, KV had room" under a finding that said to
+    keep it: the detector's generic setting, not the action)."""
     until = "(ongoing)" if episode.ongoing else clock_text(tl, episode.end_ns)
     lines = [
         f"  {number}. {clock_text(tl, episode.start_ns)} -> {until} "
@@ -64,7 +69,7 @@ def format_episode(tl: EngineTimeline, number: int, episode: Episode) -> list[st
     ]
     lines += _wrapped("evidence", episode.evidence)
     lines += _wrapped("why", episode.explanation)
-    lines += _wrapped("change", episode.setting)
+    lines += _wrapped("change", episode_action(tl, episode, thresholds))
     return lines
 
 
@@ -175,7 +180,7 @@ def format_engine(
         lines.append("")
         lines.append(f"  Episodes ({len(episodes)}):" if episodes else "  Episodes: none")
         for number, episode in enumerate(episodes, 1):
-            lines += format_episode(tl, number, episode)
+            lines += format_episode(tl, number, episode, thresholds)
     return lines
 
 

@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from telemetry.analysis.actions import ACTION_HISTORY_S, finding_action
+from telemetry.analysis.actions import ACTION_HISTORY_S, episode_action
 from telemetry.analysis.episodes import (
     INFO,
     Episode,
@@ -75,7 +75,6 @@ from telemetry.analysis.findings import (
     COST_LABELS,
     EVICTING_KINDS,
     FAULT_KINDS,
-    Finding,
     episode_cost,
     eviction_baseline_row,
     is_silence,
@@ -459,17 +458,14 @@ class EngineFindings:
         far stays counted under the kind it had; what it costs from now on, under the new."""
         event = FindingEvent("changed", finding, (finding.kind, finding.title))
         finding.kind, finding.title = kind, episode.title
-        finding.action = finding_action(
-            tl, Finding(episode.kind, [episode], [episode_cost(tl, episode)]), self.thresholds
-        )
+        finding.action = episode_action(tl, episode, self.thresholds)
         self.totals.setdefault(kind, [0, 0.0])[0] += 1
         return event
 
     def _open_from(self, tl: EngineTimeline, episode: Episode, kind: str, now_ns: int):
         row = int(tl.col("start_ns").searchsorted(episode.start_ns))
         iteration = int(tl.col("iteration")[row]) if row < tl.num_iterations else 0
-        cost = episode_cost(tl, episode)
-        action = finding_action(tl, Finding(episode.kind, [episode], [cost]), self.thresholds)
+        action = episode_action(tl, episode, self.thresholds)
         finding = LiveFinding(
             engine_index=self.engine_index,
             kind=kind,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.analysis.actions import finding_action
+from telemetry.analysis.actions import episode_action
 from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
-from telemetry.analysis.findings import Finding, episode_cost
+from telemetry.analysis.findings import episode_cost
 from telemetry.analysis.live_findings import LiveFinding, finding_kind
 from telemetry.analysis.timeline import EngineTimeline, read_timelines
 from telemetry.sidecar.replay import replay
@@ -72,14 +72,12 @@ STATUS_KINDS = ("stall", "dead")
 
 
 def assert_same_actions(timeline: EngineTimeline, live: list[LiveFinding]) -> None:
-    """Each live finding but the status kinds has the action explain gives its episode, word
-    for word."""
-    actions = {}
-    for episode in detect_episodes(timeline):
-        finding = Finding(episode.kind, [episode], [0.0])
-        actions[finding_kind(episode), episode.start_ns] = finding_action(
-            timeline, finding, Thresholds()
-        )
+    """Each live finding but the status kinds has the action explain gives its episode
+    (`explain --all`), word for word."""
+    actions = {
+        (finding_kind(episode), episode.start_ns): episode_action(timeline, episode, Thresholds())
+        for episode in detect_episodes(timeline)
+    }
     for finding in live:
         if finding.kind not in STATUS_KINDS:
             assert finding.action == actions[finding.kind, finding.start_ns], finding.kind
