@@ -120,6 +120,22 @@ def test_replay_prints_the_lines_the_live_run_printed(tmp_path):
     assert sum(e.view.num_dropped_total for e in ingest.engines.values()) > 0
 
 
+def test_replay_stamps_its_log_lines_with_the_times_the_live_run_printed_them(tmp_path, caplog):
+    """Each line's time is its record time as wall time (the heartbeats' clock anchor), as
+    the live sidecar's clock read it then, not the time of the replay."""
+    messages = run_messages(seconds=12)
+    live(messages, tmp_path / "rec.jsonl")
+    with caplog.at_level(logging.INFO):
+        replay(tmp_path / "rec.jsonl", [LogSink(interval_s=5)])
+    stamps_ns = [int(r.created * 1e9) for r in caplog.records if "throughput" in r.getMessage()]
+    assert len(stamps_ns) >= 2
+    first_ns, last_ns = OFFSET_NS + SECOND, OFFSET_NS + 13 * SECOND
+    assert all(first_ns <= stamp <= last_ns for stamp in stamps_ns), stamps_ns
+    windows = sorted(set(stamps_ns))  # each engine's line and the sum, at each window's close
+    assert windows[1] - windows[0] == pytest.approx(5 * SECOND, abs=SECOND // 10)
+    assert not logging.getLogger().handlers[0].filters  # taken off after the replay
+
+
 def test_replay_leaves_the_sinks_open_when_asked(tmp_path):
     """--serve-after-replay serves what was replayed: its sinks stay open until the caller
     closes them (they were closed at the replay's end, the /metrics server with them)."""

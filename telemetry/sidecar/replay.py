@@ -5,16 +5,20 @@ a heartbeat's ts_ns), on the engines' monotonic clock, which engines on one host
 drives what a live sidecar drives with its own clock: ticks (every ``tick_interval_s`` of
 record time; a gap of more than MAX_TICKS_PER_GAP ticks is crossed in one step), and with
 them stall and death detection. The log sink's windows already follow record time, so a
-replay prints the log lines the live run printed.
+replay prints the log lines the live run printed, stamped with the wall time of the record
+time they were printed at (the newest heartbeat's clock anchor; RecordTimeStamps), not with
+the time of the replay.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from telemetry.analysis.live_findings import WINDOW_MESSAGES
-from telemetry.lane.record import Message
+from telemetry.lane.record import Heartbeat, Message
 from telemetry.lane.recording import message_time_ns, read_recording  # also imported from here
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
@@ -34,6 +38,15 @@ class RecordClock:
         self.now_ns: int | None = None  # the record time reached
         self._tick_ns = int(tick_interval_s * 1e9)
         self._next_tick_ns = 0
+        self._wall_offset_ns: int | None = None  # wall minus engine time, newest heartbeat's
+        self._driven_ns = 0  # the record time of the tick or message being fed
+
+    def wall_ns(self) -> int | None:
+        """The record time of the tick or message being fed, as wall time; None before a
+        heartbeat anchored it."""
+        if self._wall_offset_ns is None:
+            return None
+        return self._driven_ns + self._wall_offset_ns
 
     def feed(self, items: Iterable[Message | str]) -> None:
         """Messages, and the reasons of lines that did not decode (counted as undecodable)."""
@@ -42,14 +55,18 @@ class RecordClock:
             if isinstance(item, str):
                 ingest.count_undecodable(item)
                 continue
+            if type(item) is Heartbeat:
+                self._wall_offset_ns = item.wall_ns - item.ts_ns
             if self.now_ns is None:
                 self._next_tick_ns = message_time_ns(item)
             now_ns = self.now_ns = max(self.now_ns or 0, message_time_ns(item))
             if now_ns - self._next_tick_ns > MAX_TICKS_PER_GAP * self._tick_ns:
                 self._next_tick_ns = now_ns
             while self._next_tick_ns <= now_ns:
+                self._driven_ns = self._next_tick_ns
                 ingest.tick(self._next_tick_ns)
                 self._next_tick_ns += self._tick_ns
+            self._driven_ns = now_ns
             ingest.on_message(item, now_ns)
 
     def finish(self) -> None:
@@ -57,6 +74,35 @@ class RecordClock:
         if self.now_ns is not None:
             self.ingest.tick(self.now_ns)
             self.ingest.finish_findings(self.now_ns)
+
+
+class RecordTimeStamps(logging.Filter):
+    """Stamps each log record with the replay clock's wall time, where it has one."""
+
+    def __init__(self, clock: RecordClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        wall_ns = self.clock.wall_ns()
+        if wall_ns is not None:
+            record.created = wall_ns / 1e9
+            record.msecs = wall_ns // 1_000_000 % 1000
+        return True
+
+
+@contextmanager
+def record_time_stamps(clock: RecordClock) -> Iterator[None]:
+    """While it lasts, the root logger's handlers stamp records with ``clock``'s time."""
+    stamps = RecordTimeStamps(clock)
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(stamps)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(stamps)
 
 
 def replay(
@@ -86,8 +132,9 @@ def replay(
         findings_window=findings_window,
     )
     clock = RecordClock(ingest, tick_interval_s)
-    clock.feed(read_recording(path))
-    clock.finish()
-    if close_sinks:
-        ingest.close()
+    with record_time_stamps(clock):
+        clock.feed(read_recording(path))
+        clock.finish()
+        if close_sinks:
+            ingest.close()
     return ingest
