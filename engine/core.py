@@ -234,6 +234,8 @@ class EngineCore:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "source": SOURCE_ITERSCOPE,
             "engine_version": ENGINE_VERSION,
+            "dtype": self.config.torch_dtype_name,
+            "max_model_len": self.kv_plan.max_model_len,
         }
 
 

@@ -267,3 +267,13 @@ def test_engine_index_outside_what_the_sidecar_accepts_is_a_config_error():
         EngineConfig(engine_index=4096)
     with pytest.raises(ValueError, match="engine_index"):
         EngineConfig(engine_index=-1)
+
+
+def test_heartbeat_facts_say_the_dtype_it_computes_in_and_its_max_model_len():
+    """auto resolved for the device (kv-plan's --dtype auto would follow the checkpoint)."""
+    core = make_core(num_blocks=16, max_model_len=128, dtype="auto", device="cpu")
+    facts = core.facts("m")
+    assert facts["dtype"] in ("float32", "bfloat16") and facts["dtype"] == (
+        core.config.torch_dtype_name
+    )
+    assert facts["max_model_len"] == 128

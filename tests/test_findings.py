@@ -771,3 +771,32 @@ def test_no_problem_found_in_a_recording_that_ends_mid_work_says_so():
     for beat in idle.heartbeats:
         beat.num_running_reqs = beat.num_waiting_reqs = 0
     assert len(format_findings(idle, [], Thresholds())) == 1  # all done: nothing to add
+
+
+def test_kv_actions_quote_kv_plan_with_the_dtype_and_length_the_heartbeats_say():
+    """Heartbeats that say the engine's dtype and max model length give the kv-plan command
+    in a KV action those values, runnable as quoted but for the model and the memory; a
+    sender that predates them leaves DTYPE and LEN to fill in, and says so."""
+    from engine.entrypoints import kv_plan
+
+    sim = Simulator(num_blocks=56, max_num_seqs=8, max_num_batched_tokens=2048)
+    sim.add_requests([0.5] * 4 + [8] * 4 + [16] * 4, num_prompt=300, num_output=150)
+    sim.run(40)
+    timeline, findings = findings_of(sim)
+    waiting = next(f for f in findings if f.kind == "waiting")
+    unsaid = finding_action(timeline, waiting, Thresholds())
+    assert "--dtype DTYPE --max-model-len LEN --request-len 450`, with DTYPE and LEN" in unsaid
+    for message in sim.messages:
+        if isinstance(message, Heartbeat):
+            message.dtype, message.max_model_len = "bfloat16", 2048
+    timeline, findings = findings_of(sim)
+    waiting = next(f for f in findings if f.kind == "waiting")
+    action = finding_action(timeline, waiting, Thresholds())
+    (command,) = quoted_commands(action)
+    assert command == [
+        "kv-plan",
+        *("--model", PLACEHOLDERS["DIR"], "--memory", PLACEHOLDERS["SIZE"]),
+        *("--dtype", "bfloat16", "--max-model-len", "2048", "--request-len", "450"),
+    ]
+    kv_plan.build_parser().parse_args(command[1:])
+    assert "DTYPE" not in action and "LEN" not in action

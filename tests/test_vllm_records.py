@@ -352,3 +352,15 @@ def test_explain_reads_vllm_records_without_inventing_reasons_or_leaks():
     assert "reasons: not reported by the source;" in waiting.evidence
     summary = " ".join(format_summary(summarize(timeline)))
     assert "reasons not reported by the source" in summary
+
+
+def test_the_dtype_and_max_model_len_are_facts_of_the_engine():
+    """So a KV action can quote kv-plan for the engine exactly (explain, live findings)."""
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(dtype="torch.bfloat16", max_model_len=4096)
+    )
+    facts = engine_facts(config, 63, "vllm-scheduler", "0.32.0")
+    assert (facts["dtype"], facts["max_model_len"]) == ("bfloat16", 4096)
+    beat = make_decoder().decode(make_encoder().encode(lane_heartbeat(0, 1, 5, 6, **facts)))
+    assert (beat.dtype, beat.max_model_len) == ("bfloat16", 4096)
+    assert "dtype" not in engine_facts(SimpleNamespace(), 63, "vllm-scheduler", "0.32.0")

@@ -34,9 +34,9 @@ import numpy as np
 from telemetry.analysis.cli_time import parse_time
 from telemetry.analysis.episodes import Episode, Thresholds
 from telemetry.analysis.episodes.episode import (
-    KV_PLAN_TEXT,
     kv_memory_flag,
     kv_memory_text,
+    kv_plan_hint,
     kv_plan_text,
     pct,
 )
@@ -315,7 +315,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     if length is None or demand <= 0:
         return (
             f"Raise {kv_memory_text(tl)} or lower --max-num-seqs; no value could be computed "
-            f"here (no block size or KV usage was recorded): {KV_PLAN_TEXT}."
+            f"here (no block size or KV usage was recorded): {kv_plan_hint(tl)}."
         )
     blocks_each = math.ceil(length.tokens / int(tl.facts["block_size"]))
     fit = tl.num_kv_blocks_total // blocks_each  # 0: not one fits
@@ -334,7 +334,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
         f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
         f"{plural(blocks_each, 'block')} each, {length.what}; {demand} wanted in at once then "
         f"and at the first iteration; "
-        f"{kv_plan_text(f'{length.tokens:.0f}', 'such requests a SIZE holds')}){fewer}."
+        f"{kv_plan_text(tl, f'{length.tokens:.0f}', 'such requests a SIZE holds')}){fewer}."
     )
 
 
@@ -363,7 +363,7 @@ def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
     peak = int(np.argmax(usage))
     running = int(tl.col("num_running_reqs")[peak])
     value = max(1, int(running * KV_TARGET_USAGE / max(float(usage[peak]), 1e-9)))
-    kv_plan = f"({kv_plan_text(None, 'requests a size holds')})"
+    kv_plan = f"({kv_plan_text(tl, None, 'requests a size holds')})"
     took = f"{plural(running, 'request')} running together took KV usage to {pct(usage[peak])}"
     if value >= running:  # fewer requests cannot help: one alone fills the cache
         return f"Raise {kv_memory_text(tl)} {kv_plan}: {took}, fewer cannot run."

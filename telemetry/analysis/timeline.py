@@ -231,6 +231,8 @@ FACT_FIELDS = (
     "prefill_schedule_interval",
     "engine_version",
     "num_speculative_tokens",
+    "dtype",
+    "max_model_len",
 )
 
 

@@ -27,9 +27,9 @@ Invariants the sidecar relies on:
   Fields added since the first release (``unknown``, ``num_waiting_other_reqs``,
   ``model_elapsed_ns``, ``fpm``, ``spec_decode``, ``first_token_latencies_ns``, the
   Heartbeat's ``source``, ``prefill_schedule_interval``, ``engine_version``,
-  ``num_speculative_tokens`` and ``step_tokens``) come last with a default, so frames of
-  older senders still decode, and readers that predate a field ignore it (msgspec skips an
-  array-like frame's extra trailing elements).
+  ``num_speculative_tokens``, ``step_tokens``, ``dtype`` and ``max_model_len``) come last
+  with a default, so frames of older senders still decode, and readers that predate a field
+  ignore it (msgspec skips an array-like frame's extra trailing elements).
 - ``fpm`` holds what a forward-pass-metrics producer says beyond the record's own fields
   (FpmFigures); None for every other source, which costs our engine's frame one byte.
 - ``spec_decode`` counts speculative decoding's draft tokens scored and accepted in the
@@ -245,6 +245,10 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     # iterations, or the source cannot say (vLLM's stat-logger plugin, FPM producers). The
     # stall rule gives a step bigger than any it measured the time its size can take.
     step_tokens: Count = 0
+    # The dtype the engine computes in ("bfloat16", auto resolved) and its max model length:
+    # static facts that let a KV action quote kv-plan for this engine exactly; ""/0 = not said.
+    dtype: str = ""
+    max_model_len: Count = 0
 
 
 Message = IterationRecord | Heartbeat

@@ -263,6 +263,12 @@ def engine_facts(
     interval = int(getattr(scheduler, "prefill_schedule_interval", 1) or 1)
     if interval > 1:  # a cadence: prompts held between its steps (telemetry/sources/vllm_steps.py)
         facts["prefill_schedule_interval"] = interval
+    model_config = getattr(vllm_config, "model_config", None)
+    dtype = getattr(model_config, "dtype", None)
+    if dtype is not None:  # a torch.dtype: "torch.bfloat16"
+        facts["dtype"] = str(dtype).removeprefix("torch.")
+    if getattr(model_config, "max_model_len", None):
+        facts["max_model_len"] = int(model_config.max_model_len)
     spec = getattr(vllm_config, "speculative_config", None)
     if getattr(spec, "num_speculative_tokens", None):
         facts["num_speculative_tokens"] = int(spec.num_speculative_tokens)

@@ -48,13 +48,13 @@ from __future__ import annotations
 from telemetry.analysis.episodes.drafts import detect_costly_drafts, detect_futile_speculation
 from telemetry.analysis.episodes.episode import (
     INFO,
-    KV_PLAN_TEXT,
     PROBLEM,
     TUNE_TEXT,
     Episode,
     Thresholds,
     flag_text,
     group_by_time,
+    kv_plan_hint,
     pct,
     secs,
     true_runs,
@@ -76,7 +76,7 @@ __all__ = [
     "DETECTORS",
     "FACT_FIELDS",
     "INFO",
-    "KV_PLAN_TEXT",
+    "kv_plan_hint",
     "NS_PER_S",
     "PROBLEM",
     "RECORD_FIELDS",

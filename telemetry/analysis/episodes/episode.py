@@ -166,20 +166,28 @@ KV_MEMORY_TEXTS = {
 TUNE_TEXT = "`iterscope tune RECORDING --itl-target T`, with T your inter-token latency target,"
 
 
-def kv_plan_text(request_len: str | None, holds: str) -> str:
+def kv_plan_text(timeline: EngineTimeline, request_len: str | None, holds: str) -> str:
     """kv-plan's command for the recorded engine's cache and what it shows (``holds``: of
-    what, e.g. "requests a size holds"). DTYPE and LEN, the engine's own --dtype and
-    --max-model-len, are placeholders (the recording does not carry them); kv-plan needs both
-    besides the memory: its defaults are serve's, not the engine's, and a max model length
-    that SIZE cannot hold makes it exit 1."""
+    what, e.g. "requests a size holds"). kv-plan needs the engine's own --dtype and
+    --max-model-len besides the memory (its defaults are serve's, not the engine's, and a
+    max model length that SIZE cannot hold makes it exit 1): the values its heartbeats say,
+    else DTYPE and LEN placeholders (a sender that predates them)."""
     length = f" --request-len {request_len}" if request_len else ""
+    dtype, max_model_len = timeline.facts.get("dtype"), timeline.facts.get("max_model_len")
+    if dtype and max_model_len:
+        return (
+            f"`iterscope kv-plan --model DIR --memory SIZE --dtype {dtype} --max-model-len "
+            f"{max_model_len}{length}` shows how many {holds}"
+        )
     return (
         f"`iterscope kv-plan --model DIR --memory SIZE --dtype DTYPE --max-model-len LEN{length}`"
         f", with DTYPE and LEN the engine's --dtype and --max-model-len, shows how many {holds}"
     )
 
 
-KV_PLAN_TEXT = kv_plan_text("TOKENS", "requests of that length a size holds")
+def kv_plan_hint(timeline: EngineTimeline) -> str:
+    """kv-plan's command for requests of a length the reader gives (TOKENS)."""
+    return kv_plan_text(timeline, "TOKENS", "requests of that length a size holds")
 
 
 def engine_kind(timeline: EngineTimeline) -> str:

@@ -9,12 +9,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from telemetry.analysis.episodes.episode import (
     INFO,
-    KV_PLAN_TEXT,
     PROBLEM,
     Episode,
     Thresholds,
     flag_text,
     kv_memory_text,
+    kv_plan_hint,
     pct,
     secs,
     span_episode,
@@ -71,7 +71,7 @@ def detect_kv_saturation(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                 setting=(
                     f"Raise {kv_memory_text(tl)}, lower --max-model-len, or lower "
                     f"{flag_text(tl, 'max_num_seqs')} or client concurrency so peak usage stays "
-                    f"below ~90% ({KV_PLAN_TEXT}; runbook: IterscopeKVCacheSaturated)."
+                    f"below ~90% ({kv_plan_hint(tl)}; runbook: IterscopeKVCacheSaturated)."
                 ),
                 severity=PROBLEM if num_blocked or num_preemptions else INFO,
                 numbers={
@@ -204,7 +204,7 @@ def _kv_cliff_episode(tl: EngineTimeline, high: int, low: int) -> Episode:
             f"Peak KV usage reached {pct(usage[high])} with "
             f"{plural(int(running[high]), 'request')}: lower "
             f"{flag_text(tl, 'max_num_seqs')} or client concurrency so the peak stays below "
-            f"~90%, or raise {kv_memory_text(tl)} ({KV_PLAN_TEXT})."
+            f"~90%, or raise {kv_memory_text(tl)} ({kv_plan_hint(tl)})."
         ),
         numbers={
             "usage_before": float(usage[high]),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from telemetry.analysis.episodes.episode import (
-    KV_PLAN_TEXT,
     TUNE_TEXT,
     Episode,
     Thresholds,
     flag_text,
     group_by_time,
     kv_memory_text,
+    kv_plan_hint,
     kv_usage_at,
     kv_usage_text,
     pct,
@@ -54,7 +54,7 @@ def detect_preemption_storms(tl: EngineTimeline, th: Thresholds) -> list[Episode
                 setting=(
                     f"Lower {flag_text(tl, 'max_num_seqs')} or client concurrency, or raise "
                     f"{kv_memory_text(tl)}, so the requests admitted together fit until they "
-                    f"finish ({KV_PLAN_TEXT}; runbook: IterscopePreemptionStorm)."
+                    f"finish ({kv_plan_hint(tl)}; runbook: IterscopePreemptionStorm)."
                 ),
                 numbers={"num_preemptions": num_preemptions, "num_iterations": len(rows)},
             )
@@ -122,7 +122,7 @@ def _waiting_setting(tl: EngineTimeline, reason: str, peak_usage: float | None) 
     if reason == "waiting_kv":
         return (
             f"Raise {kv_memory_text(tl)}, lower --max-model-len, or send fewer concurrent "
-            f"requests ({KV_PLAN_TEXT})."
+            f"requests ({kv_plan_hint(tl)})."
         )
     if reason == "waiting_seq_limit":
         return (
@@ -156,7 +156,7 @@ def _unnamed_limit_action(tl: EngineTimeline, peak_usage: float | None) -> str:
     """The action for requests that waited for a limit the source does not name: read from
     the KV usage peak where the source reports it, else both limits and how to tell them
     apart."""
-    kv_limit = f"the cache is the limit (raise {kv_memory_text(tl)}; {KV_PLAN_TEXT})"
+    kv_limit = f"the cache is the limit (raise {kv_memory_text(tl)}; {kv_plan_hint(tl)})"
     other_limits = f"--max-num-seqs or --max-num-batched-tokens is ({TUNE_TEXT} picks both)"
     if peak_usage is None:
         return (
