@@ -73,12 +73,19 @@ def frames_rejected() -> dashboard.Panel:
     # Sidecar-level: the engine a rejected frame claims is what cannot be trusted.
     expr = f"sum by (reason) (rate(iterscope_frames_rejected_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     disconnects = f"sum(rate(iterscope_lane_disconnects_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
+    handshakes = f"sum(rate(iterscope_lane_handshake_failures_total{{{SIDECAR_SELECTOR}}}[{RATE}]))"
     return timeseries_panel(
         "Rejected frames and lane disconnects per second",
         "Decoded frames that failed the sidecar's checks, by reason (a record before its "
-        "engine's heartbeat, an engine beyond --max-engines, an implausible seq), and lane "
-        "connections that ended (engines exiting, senders cut off for over-size frames).",
-        [query(expr, "{{reason}}", "A"), query(disconnects, "disconnects/s", "B")],
+        "engine's heartbeat, an engine beyond --max-engines, an implausible seq), lane "
+        "connections that ended (engines exiting, senders cut off for over-size frames), and "
+        "senders whose handshake failed (on a CURVE lane: no keys, or keys not trusted; their "
+        "engines never show up).",
+        [
+            query(expr, "{{reason}}", "A"),
+            query(disconnects, "disconnects/s", "B"),
+            query(handshakes, "failed handshakes/s", "C"),
+        ],
         unit="ops",
     )
 

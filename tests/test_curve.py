@@ -346,14 +346,17 @@ def test_a_failed_write_leaves_no_partial_certificate(tmp_path, capsys, monkeypa
     assert sorted(p.relative_to(keys) for p in keys.rglob("*")) == before
 
 
-def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir):
+def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir, caplog):
+    """The engine without keys gets nothing through, and the sidecar says why (it was
+    invisible on both sides: only the disconnect counter moved)."""
     from telemetry.sidecar.ingest import Ingest
     from telemetry.sidecar.lane_loop import LaneLoop
 
     sink = RecordingSink()
     context = zmq.Context()
     address = f"tcp://127.0.0.1:{free_port()}"
-    sidecar = LaneLoop(address, Ingest([sink]), context=context, curve_keys_dir=str(keys_dir))
+    ingest = Ingest([sink])
+    sidecar = LaneLoop(address, ingest, context=context, curve_keys_dir=str(keys_dir))
     thread = threading.Thread(target=sidecar.run, daemon=True)
     thread.start()
     try:
@@ -380,6 +383,47 @@ def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir
         )
         assert engine_indexes()[3] == 0
         assert plain.num_sent_total == 0 and plain.num_dropped_total > 0
+        wait_until(
+            lambda: ingest.health.num_lane_handshake_failures >= 1,
+            DEADLINE_S,
+            lambda: "a failed handshake counted",
+        )
+        said = [r.getMessage() for r in caplog.records if "the lane's handshake" in r.getMessage()]
+        assert said[0].startswith(
+            f"a sender to {address} failed the lane's handshake (1 so far): no CURVE keys"
+        )
+    finally:
+        sidecar.stop()
+        thread.join(timeout=5)
+        curve.stop_server_auth(context)
+        context.term()
+
+
+def test_a_sender_with_keys_the_sidecar_does_not_trust_is_said_so(
+    engines, keys_dir, intruder_keys_dir, caplog
+):
+    from telemetry.sidecar.ingest import Ingest
+    from telemetry.sidecar.lane_loop import LaneLoop
+
+    context = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ingest = Ingest([])
+    sidecar = LaneLoop(address, ingest, context=context, curve_keys_dir=str(keys_dir))
+    thread = threading.Thread(target=sidecar.run, daemon=True)
+    thread.start()
+    try:
+        intruder = engines(
+            address, 1, curve_keys_dir=str(intruder_keys_dir), curve_engine_name="engine-a"
+        )
+
+        def refused() -> bool:
+            intruder.publish(record(1))
+            return ingest.health.num_lane_handshake_failures >= 1
+
+        wait_until(refused, DEADLINE_S, lambda: "a failed handshake counted", interval_s=0.05)
+        said = [r.getMessage() for r in caplog.records if "the lane's handshake" in r.getMessage()]
+        assert "its CURVE key is not among the engine keys this sidecar trusts" in said[0]
+        assert ingest.health.num_messages == 0
     finally:
         sidecar.stop()
         thread.join(timeout=5)

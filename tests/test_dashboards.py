@@ -28,6 +28,7 @@ SIDECAR_SERIES = {
     "iterscope_frames_undecodable_total",
     "iterscope_frames_rejected_total",
     "iterscope_lane_disconnects_total",
+    "iterscope_lane_handshake_failures_total",
     "iterscope_otel_spans_dropped_total",
     "iterscope_sink_errors_total",
     "iterscope_sink_lines_lost_total",

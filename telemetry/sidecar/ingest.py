@@ -153,6 +153,10 @@ class Ingest:
         engine's own frame is also the seq gap its next message reports."""
         self.health.num_lane_disconnects += 1
 
+    def count_lane_handshake_failure(self) -> None:
+        """A peer's ZMQ handshake failed (lane_loop.py says what that means, and logs it)."""
+        self.health.num_lane_handshake_failures += 1
+
     def _call(self, methods: list, *args: object) -> None:
         """Call one sink method on every sink (``methods``: that method, bound to each);
         one that raises is counted and the rest still run."""

@@ -2,8 +2,9 @@
 
     LaneLoop receives frames in batches, stamps each batch with one ``time.monotonic_ns()``
              and hands the frames to ``Ingest.on_frame`` (telemetry/sidecar/ingest.py); ticks
-             the Ingest about every TICK_INTERVAL_S; counts the lane's disconnects (from the
-             socket's monitor) through ``Ingest.count_lane_disconnect``
+             the Ingest about every TICK_INTERVAL_S; counts the lane's disconnects and failed
+             handshakes (from the socket's monitor) through ``Ingest.count_lane_disconnect``
+             and ``count_lane_handshake_failure``, and says what a failed handshake means
 
 Invariants:
 - One thread runs ``run()``: every Ingest call, and so every sink call, comes from it, in
@@ -20,12 +21,14 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from telemetry.sidecar.ingest import MAX_FRAME_BYTES, TICK_INTERVAL_S, Ingest
 
@@ -33,7 +36,17 @@ GUARD_FRAME_BYTES = 16 * MAX_FRAME_BYTES  # beyond this ZMQ cuts the sender off 
 DEFAULT_RCVHWM = 65536  # messages; ~100 B each, so at most a few MiB queued
 RECV_BATCH = 4096
 DRAIN_LIMIT_S = 2.0  # at stop, at most this long ingesting what is already received
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+# A sender that fails its handshake retries every 100 ms or so (ZMQ's reconnect interval):
+# the first few are said, then one line a minute at most, with the count.
+HANDSHAKE_LINES_AT_ONCE = 3
+HANDSHAKE_LINE_INTERVAL_S = 60.0
 T = TypeVar("T")
+logger = logging.getLogger("iterscope.sidecar")
 
 
 def check_address(
@@ -110,7 +123,8 @@ class LaneLoop:
         # as soon as the frame's size is read. ZMQ drops that frame without a word; the
         # disconnect is what can be counted (see count_lane_disconnect).
         self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self._handshake_said_s = 0.0  # when a failed handshake was last logged (monotonic)
         if bind:
             self._socket.bind(address)
         else:
@@ -160,10 +174,49 @@ class LaneLoop:
     def _count_disconnects(self) -> None:
         while True:
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: one event
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]
             except zmq.Again:
                 return
-            self.ingest.count_lane_disconnect()
+            event = parse_monitor_message(frames)["event"]
+            if event & HANDSHAKE_FAILED:
+                self.ingest.count_lane_handshake_failure()
+                self._say_handshake_failure(event)
+            else:
+                self.ingest.count_lane_disconnect()
+
+    def _say_handshake_failure(self, event: int) -> None:
+        """What a failed handshake means, where nothing else would say it: a sender refused
+        by the handshake never gets a message through, so no engine shows up, no seq gap
+        counts it, and the sender itself only counts drops it reports to nobody."""
+        count = self.ingest.health.num_lane_handshake_failures
+        now_s = time.monotonic()
+        if count > HANDSHAKE_LINES_AT_ONCE and now_s - self._handshake_said_s < (
+            HANDSHAKE_LINE_INTERVAL_S
+        ):
+            return
+        self._handshake_said_s = now_s
+        if not self._curve:
+            why = (
+                "not a ZMQ sender, or one with CURVE keys (start this sidecar with the same "
+                "--curve-keys-dir)"
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (
+                "its CURVE key is not among the engine keys this sidecar trusts (give it one "
+                "made by `iterscope curve-keys` in this sidecar's --curve-keys-dir)"
+            )
+        else:
+            why = (
+                "no CURVE keys (start our engine with --telemetry-curve-keys-dir, vLLM with "
+                "ITERSCOPE_CURVE_KEYS_DIR: docs/deploy.md), or the wrong sidecar key"
+            )
+        logger.warning(
+            "a sender to %s failed the lane's handshake (%d so far): %s. Its messages are "
+            "refused: its engine does not show up here (iterscope_lane_handshake_failures_total)",
+            self.address,
+            count,
+            why,
+        )
 
     def _drain(self) -> None:
         """On stop, ingest what ZMQ already received (up to DRAIN_LIMIT_S): closing the

@@ -35,6 +35,9 @@ class PipelineHealth:
         default_factory=lambda: dict.fromkeys(REJECTED_REASONS, 0)
     )
     num_lane_disconnects: int = 0  # connections that ended (an engine exited, a guard cut)
+    # peers whose ZMQ handshake failed: on a CURVE lane, an engine without keys or with
+    # keys the sidecar does not trust (its messages never arrive, so nothing else counts it)
+    num_lane_handshake_failures: int = 0
 
     @property
     def num_undecodable_total(self) -> int:

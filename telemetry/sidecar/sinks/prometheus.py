@@ -307,6 +307,8 @@ SIDECAR_COUNTERS = {
     "frames_rejected": "Decoded frames that failed a check and were dropped (see docs/metrics.md).",
     "lane_disconnects": "Lane connections that ended: engines exiting, senders cut off by the "
     "size guard.",
+    "lane_handshake_failures": "Peers whose ZMQ handshake failed: on a CURVE lane, engines "
+    "without keys or with keys the sidecar does not trust.",
     "sink_errors": "Calls on the sink that raised (ingest went on).",
     "sink_lines_lost": "Messages the sink accepted but gave up writing.",
     "otel_spans_dropped": "Sidecar counter otel_spans_dropped.",
@@ -671,9 +673,13 @@ class MetricsCollector(Collector):
             for reason, count in list(counts.items()):
                 family.add_metric(["", "", reason], count)
             yield family
-        disconnects = sidecar_counter("lane_disconnects")
-        disconnects.add_metric(["", ""], health.num_lane_disconnects)
-        yield disconnects
+        for name, count in (
+            ("lane_disconnects", health.num_lane_disconnects),
+            ("lane_handshake_failures", health.num_lane_handshake_failures),
+        ):
+            family = sidecar_counter(name)
+            family.add_metric(["", ""], count)
+            yield family
 
     def findings(self, engines: list[tuple[EngineMetrics, list[str]]]) -> list[Metric]:
         """Each engine's live findings (telemetry/analysis/live_findings.py), when on."""
