@@ -580,15 +580,23 @@ def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():
     ), vllm
 
 
+def cache_too_small() -> Simulator:
+    """Requests of 450 tokens (29 blocks) in fours on a cache of 56 blocks."""
+    sim = Simulator(num_blocks=56, max_num_seqs=8, max_num_batched_tokens=2048)
+    sim.add_requests([0.5] * 4 + [8] * 4 + [16] * 4, num_prompt=300, num_output=150)
+    return sim.run(40)
+
+
+def waiting_action(sim: Simulator) -> str:
+    timeline, findings = findings_of(sim)
+    waiting = next(f for f in findings if f.kind == "waiting")
+    return finding_action(timeline, waiting, Thresholds())
+
+
 def test_the_cache_s_multiple_counts_the_blocks_the_requests_take():
     """4 requests of 450 tokens want 4 x 29 = 116 of the 56 blocks: 2.1x the cache (it said
     4.0x, the 4 wanted over the 1 that fits, a count rounded down), as `kv-plan` finds."""
-    sim = Simulator(num_blocks=56, max_num_seqs=8, max_num_batched_tokens=2048)
-    sim.add_requests([0.5] * 4 + [8] * 4 + [16] * 4, num_prompt=300, num_output=150)
-    sim.run(40)
-    timeline, findings = findings_of(sim)
-    waiting = next(f for f in findings if f.kind == "waiting")
-    action = finding_action(timeline, waiting, Thresholds())
+    action = waiting_action(cache_too_small())
     assert action.startswith(
         "Raise --kv-cache-memory to 2.1x the cache's size now (it holds 1 request of 450 "
         "tokens, 29 blocks each, the mean of those that finished"
@@ -779,19 +787,13 @@ def test_kv_actions_quote_kv_plan_with_the_dtype_and_length_the_heartbeats_say()
     sender that predates them leaves DTYPE and LEN to fill in, and says so."""
     from engine.entrypoints import kv_plan
 
-    sim = Simulator(num_blocks=56, max_num_seqs=8, max_num_batched_tokens=2048)
-    sim.add_requests([0.5] * 4 + [8] * 4 + [16] * 4, num_prompt=300, num_output=150)
-    sim.run(40)
-    timeline, findings = findings_of(sim)
-    waiting = next(f for f in findings if f.kind == "waiting")
-    unsaid = finding_action(timeline, waiting, Thresholds())
+    sim = cache_too_small()
+    unsaid = waiting_action(sim)
     assert "--dtype DTYPE --max-model-len LEN --request-len 450`, with DTYPE and LEN" in unsaid
     for message in sim.messages:
         if isinstance(message, Heartbeat):
             message.dtype, message.max_model_len = "bfloat16", 2048
-    timeline, findings = findings_of(sim)
-    waiting = next(f for f in findings if f.kind == "waiting")
-    action = finding_action(timeline, waiting, Thresholds())
+    action = waiting_action(sim)
     (command,) = quoted_commands(action)
     assert command == [
         "kv-plan",

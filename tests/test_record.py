@@ -171,27 +171,28 @@ def test_heartbeat_carries_clock_anchor(tmp_path):
         pull.close(linger=0)
 
 
+def heartbeat_where(pull: zmq.Socket, wanted, timeout_s: float = 5.0) -> Heartbeat | None:
+    """The first heartbeat received for which ``wanted(heartbeat)``; None by the timeout."""
+    decoder, deadline = make_decoder(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pull.poll(100):
+            message = decoder.decode(pull.recv())
+            if isinstance(message, Heartbeat) and wanted(message):
+                return message
+    return None
+
+
 def test_heartbeats_say_the_size_of_the_step_under_way_until_its_record(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(address)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
-    decoder = make_decoder()
-
-    def next_heartbeat() -> Heartbeat:
-        while True:
-            assert pull.poll(5000)
-            message = decoder.decode(pull.recv())
-            if isinstance(message, Heartbeat):
-                return message
-
     try:
         publisher.note_queues(0, 2, step_tokens=8000)
-        next_heartbeat()  # may have been read before the note
-        assert next_heartbeat().step_tokens == 8000
+        assert heartbeat_where(pull, lambda beat: beat.step_tokens == 8000) is not None
         publisher.publish(iteration_record(0, 0, 1, num_prefill_tokens=8000))
-        next_heartbeat()
-        assert next_heartbeat().step_tokens == 0
+        after = heartbeat_where(pull, lambda beat: beat.last_iteration == 1)
+        assert after is not None and after.step_tokens == 0
     finally:
         publisher.close()
         pull.close(linger=0)
@@ -258,7 +259,6 @@ def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(address)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
-    decoder = make_decoder()
     try:
         publisher.publish(decode_record(iteration=5))
         for iteration in range(6, 9):
@@ -272,13 +272,7 @@ def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
                 )
             )
         assert publisher.flush()
-        deadline = time.monotonic() + 5
-        heartbeat = None
-        while heartbeat is None and time.monotonic() < deadline:
-            if pull.poll(100):
-                message = decoder.decode(pull.recv())
-                if isinstance(message, Heartbeat) and message.num_waiting_reqs == 3:
-                    heartbeat = message
+        heartbeat = heartbeat_where(pull, lambda beat: beat.num_waiting_reqs == 3)
     finally:
         publisher.close()
         pull.close(linger=0)
