@@ -555,6 +555,19 @@ def test_kv_actions_before_any_request_finished_say_they_are_bounds():
         "while still growing (none finished in the 30 s before); 3 would have held it near "
         "90% then; or raise --kv-cache-memory"
     ), action
+    # Where the heartbeats say the longest length the engine allows, how many of that
+    # length fit: the limit that holds them whatever they grow to (40 blocks of 16 tokens;
+    # 300-token requests: "3 or fewer" applied still preempts once they grow past 213).
+    for message in sim.messages:
+        if isinstance(message, Heartbeat):
+            message.max_model_len = 300
+    timeline, findings = findings_of(sim)
+    kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
+    action = finding_action(timeline, kv, Thresholds())
+    assert (
+        "3 would have held it near 90% then (2 requests of the longest the engine allows, "
+        "300 tokens, fit whatever they grow to); or raise" in action
+    ), action
 
 
 def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():

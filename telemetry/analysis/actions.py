@@ -302,6 +302,21 @@ def _at_most(value: int, bound: bool) -> str:
     return f"{value} or fewer" if bound and value > 1 else str(value)
 
 
+def _longest_fit_text(tl: EngineTimeline) -> str:
+    """For requests still growing, whose length is only a lower bound: how many requests of
+    the longest length the engine allows (its max_model_len, where its heartbeats say it)
+    the cache holds, the limit that keeps them all whatever they grow to; "" if unknown."""
+    max_model_len = int(tl.facts.get("max_model_len", 0))
+    block_size = int(tl.facts.get("block_size", 0))
+    if not max_model_len or not block_size or not tl.num_kv_blocks_total:
+        return ""
+    fit = tl.num_kv_blocks_total // math.ceil(max_model_len / block_size)
+    return (
+        f" ({plural(fit, 'request')} of the longest the engine allows, {max_model_len:,} "
+        "tokens, fit whatever they grow to)"
+    )
+
+
 def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     """From the iterations of ``tl`` (action_basis): where blocks held by no request fill the
     cache, the leak; else how many requests wanted in at once against how many of their
@@ -324,6 +339,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     at_least = "at least " if length.lower_bound else ""
     fewer = (
         f", or set --max-num-seqs {_at_most(fit, length.lower_bound)}"
+        + (_longest_fit_text(tl) if length.lower_bound else "")
         if fit
         else ": fewer together cannot help, not one fits"
     )
@@ -372,7 +388,7 @@ def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
         return (
             f"Set --max-num-seqs {_at_most(value, growing)}: {took} while still growing (none "
             f"finished in the {ACTION_HISTORY_S:g} s before); {value} would have held it {near} "
-            f"then; or raise {kv_memory_text(tl)} {kv_plan}."
+            f"then{_longest_fit_text(tl)}; or raise {kv_memory_text(tl)} {kv_plan}."
         )
     return (
         f"Set --max-num-seqs {value}: {took}, and with {value} it stays {near}; or raise "
