@@ -6,7 +6,13 @@ for a real hang."""
 from __future__ import annotations
 
 from telemetry.analysis.episodes import Thresholds, build_timelines, detect_episodes
-from telemetry.analysis.stall_rule import STALL_FACTOR, STALL_FLOOR_S, STALL_WINDOW_S, StallRule
+from telemetry.analysis.stall_rule import (
+    STALL_FACTOR,
+    STALL_FLOOR_S,
+    STALL_STEP_CAP_S,
+    STALL_WINDOW_S,
+    StallRule,
+)
 from telemetry.lane.record import heartbeat, iteration_record
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
@@ -201,19 +207,33 @@ def test_a_step_no_bigger_than_measured_gets_no_slack():
     assert stall.numbers["stall_threshold_s"] == STALL_FLOOR_S
 
 
-def test_the_biggest_iteration_is_forgotten_after_the_window():
+def test_the_biggest_iteration_is_kept_and_the_slack_capped():
+    """An engine's speed per token does not age: the biggest iteration measured is kept (the
+    first big request after an idle quarter of an hour is no stall either); from a small
+    step the square grows fast (a 21-token step of 86 ms gave a 7,000-token one 5.3 hours),
+    so the slack stops at STALL_STEP_CAP_S: a hang inside the step is found then."""
     rule = StallRule()
     rule.note_progress(SECOND, had_work=True, num_tokens=1000, elapsed_ns=SECOND)
     rule.note_progress(2 * SECOND, had_work=True, num_tokens=500, elapsed_ns=SECOND // 2)
-    assert rule.biggest_iteration(3 * SECOND) == (1000, SECOND)
+    assert (rule.biggest_tokens, rule.biggest_ns) == (1000, SECOND)
     rule.note_step(2000)
     assert rule.threshold_ns(3 * SECOND) == STALL_FACTOR * 4 * SECOND
-    late_ns = int((STALL_WINDOW_S + 10) * SECOND)
-    assert rule.biggest_iteration(late_ns) == (0, 0)
-    assert rule.threshold_ns(late_ns) == STALL_FLOOR_S * SECOND
-    # A new bucket keeps the one before for half a window.
-    rule.note_progress(late_ns, had_work=True, num_tokens=300, elapsed_ns=SECOND)
-    half_ns = int(STALL_WINDOW_S / 2 * SECOND)
-    rule.note_progress(late_ns + half_ns, had_work=True, num_tokens=200, elapsed_ns=SECOND)
-    assert rule.biggest_iteration(late_ns + half_ns + SECOND) == (300, SECOND)
-    assert rule.biggest_iteration(late_ns + 2 * half_ns + SECOND) == (200, SECOND)
+    assert rule.threshold_ns(int(3 * STALL_WINDOW_S * SECOND)) == STALL_FACTOR * 4 * SECOND
+    rule.note_step(1000)  # no bigger than measured: no slack
+    assert rule.threshold_ns(3 * SECOND) == STALL_FLOOR_S * SECOND
+    small = StallRule()
+    small.note_progress(SECOND, had_work=True, num_tokens=21, elapsed_ns=86_000_000)
+    small.note_step(7000)
+    assert small.threshold_ns(2 * SECOND) == STALL_STEP_CAP_S * SECOND
+
+
+def test_an_engine_s_first_step_is_given_the_cap_where_its_size_is_said():
+    """A 7,000-token prompt as a fresh vLLM's first step took 23.7 s: with nothing measured
+    to scale from, the step is given STALL_STEP_CAP_S, live and in explain (it was a stall
+    with a restart advised). A sender that does not say the size: the floor, as before."""
+    messages = slow_engine([23.7, 0.3, 0.3], tokens=[7000, 20, 20])
+    assert EngineStatus.STALLED not in live_statuses(messages)
+    assert explained_stalls(messages) == []
+    unsaid = slow_engine([23.7, 0.3, 0.3], tokens=[7000, 20, 20], say_step=False)
+    assert EngineStatus.STALLED in live_statuses(unsaid)
+    assert len(explained_stalls(unsaid)) == 1

@@ -13,14 +13,16 @@ An interval counts only when work was in flight during it and the engine was not
 
 A step bigger than any measured gets the time its size can take: where heartbeats say how
 many tokens N the iteration under way scheduled (``step_tokens``) and that is more than the
-biggest iteration of the last STALL_WINDOW_S (M tokens in D s, its own elapsed time; kept
-in two buckets, so "the last" is half that window to all of it), the threshold is at least
-STALL_FACTOR x D x (N / M)^2. An iteration's time grows at most with
-the square of its tokens (a fixed part, the weights' work per token, attention's per pair of
-tokens), so an engine computing an 8,000-token prompt after 500-token ones is not called
-stalled before it could have finished, and a hang inside it is still found, later. Steps no
-bigger than what was measured keep the threshold above: an engine that has run a full token
-budget once gets no slack.
+biggest iteration the rule has measured (M tokens in D s, its own elapsed time; an engine's
+speed per token does not age, so it is kept for good), the threshold is at least
+STALL_FACTOR x D x (N / M)^2, at most STALL_STEP_CAP_S; with nothing measured yet (the
+engine's first step), STALL_STEP_CAP_S. An iteration's time grows at most with the square of
+its tokens (a fixed part, the weights' work per token, attention's per pair of tokens), so an
+engine computing an 8,000-token prompt after 500-token ones, or as its first step, is not
+called stalled before it could have finished; the cap bounds how late a hang inside such a
+step is found (from a 21-token step of 86 ms, the square gave a 7,000-token one 5.3 hours).
+Steps no bigger than what was measured keep the threshold above: an engine that has run a
+full token budget once gets no slack.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ DEAD_AFTER_S = 2.5
 STALL_FLOOR_S = 5.0
 STALL_FACTOR = 2
 STALL_WINDOW_S = 600.0
+# The most a step bigger than any measured (or the first) is given before it is a stall.
+STALL_STEP_CAP_S = 600.0
 _STALL_FLOOR_NS = int(STALL_FLOOR_S * 1e9)
-_HALF_WINDOW_NS = int(STALL_WINDOW_S * 1e9) // 2
+_STEP_CAP_NS = int(STALL_STEP_CAP_S * 1e9)
 # Shorter progress intervals cannot raise the threshold above the floor: not worth keeping.
 _SHORTEST_LEARNT_NS = _STALL_FLOOR_NS // STALL_FACTOR
 
@@ -78,13 +82,9 @@ class StallRule:
         self.no_stall_before_ns = self._shortest_threshold_ns
         self._intervals = RecentMax(int(STALL_WINDOW_S * 1e9))
         self.step_tokens = 0  # tokens of the iteration under way, heartbeats say; 0: unknown
-        # The biggest iteration measured (its tokens, then its elapsed time), in two buckets
-        # of half the window each: the one since _bucket_start_ns and the one before it.
-        # Plain integers, not a RecentMax: every record passes here, and a comparison costs a
-        # tenth of a deque's update.
-        self._biggest_tokens = self._biggest_ns = 0
-        self._before_tokens = self._before_ns = 0
-        self._bucket_start_ns = 0
+        # The biggest iteration measured: its tokens, then its elapsed time (the longest of
+        # those that size). Plain integers: every record passes here.
+        self.biggest_tokens = self.biggest_ns = 0
 
     def note_progress(
         self,
@@ -105,20 +105,10 @@ class StallRule:
         self.last_progress_ns = now_ns
         self.no_stall_before_ns = now_ns + self._shortest_threshold_ns
         self.step_tokens = 0
-        if now_ns - self._bucket_start_ns >= _HALF_WINDOW_NS:
-            self._next_bucket(now_ns)
-        if num_tokens >= self._biggest_tokens and (
-            num_tokens > self._biggest_tokens or elapsed_ns > self._biggest_ns
+        if num_tokens >= self.biggest_tokens and (
+            num_tokens > self.biggest_tokens or elapsed_ns > self.biggest_ns
         ):
-            self._biggest_tokens, self._biggest_ns = num_tokens, elapsed_ns
-
-    def _next_bucket(self, now_ns: int) -> None:
-        if now_ns - self._bucket_start_ns >= 2 * _HALF_WINDOW_NS:  # the last one is too old
-            self._before_tokens = self._before_ns = 0
-        else:
-            self._before_tokens, self._before_ns = self._biggest_tokens, self._biggest_ns
-        self._biggest_tokens = self._biggest_ns = 0
-        self._bucket_start_ns = now_ns
+            self.biggest_tokens, self.biggest_ns = num_tokens, elapsed_ns
 
     def note_step(self, step_tokens: int) -> None:
         """A heartbeat: the iteration under way scheduled ``step_tokens`` (0: unknown)."""
@@ -135,27 +125,19 @@ class StallRule:
             return self.stall_after_ns
         threshold_ns = max(_STALL_FLOOR_NS, STALL_FACTOR * self._intervals.max(now_ns))
         if self.step_tokens:
-            return max(threshold_ns, self.step_bound_ns(now_ns))
+            return max(threshold_ns, self.step_bound_ns())
         return threshold_ns
 
-    def biggest_iteration(self, now_ns: int) -> tuple[int, int]:
-        """(tokens, elapsed_ns) of the biggest iteration measured in the last half to whole
-        STALL_WINDOW_S; (0, 0) if none."""
-        age_ns = now_ns - self._bucket_start_ns
-        current = (
-            (self._biggest_tokens, self._biggest_ns) if age_ns < 2 * _HALF_WINDOW_NS else (0, 0)
-        )
-        if age_ns < _HALF_WINDOW_NS:
-            return max(current, (self._before_tokens, self._before_ns))
-        return current
-
-    def step_bound_ns(self, now_ns: int) -> int:
-        """The time the iteration under way may take for its size, times STALL_FACTOR, if it
-        is bigger than every iteration measured in the window; else 0 (no slack)."""
-        biggest_tokens, biggest_ns = self.biggest_iteration(now_ns)
-        if not biggest_tokens or self.step_tokens <= biggest_tokens:
+    def step_bound_ns(self) -> int:
+        """The time the iteration under way may take for its size, times STALL_FACTOR, at
+        most STALL_STEP_CAP_S (all of it with nothing measured), if it is bigger than every
+        iteration measured; else 0 (no slack)."""
+        if self.step_tokens <= self.biggest_tokens:
             return 0
-        return int(STALL_FACTOR * biggest_ns * (self.step_tokens / biggest_tokens) ** 2)
+        if not self.biggest_tokens:
+            return _STEP_CAP_NS
+        scaled = STALL_FACTOR * self.biggest_ns * (self.step_tokens / self.biggest_tokens) ** 2
+        return min(int(scaled), _STEP_CAP_NS)
 
     def is_stalled(self, now_ns: int) -> bool:
         """No progress for longer than the threshold (the caller knows work is in flight)."""
