@@ -188,3 +188,27 @@ def test_the_log_sink_sums_repeats_at_its_window_close_and_at_exit():
     sums_at_exit = [text for text in lines.texts(logging.WARNING) if " again: " in text]
     assert len(sums_at_exit) == len(sums) + 1
     assert sum(said_times(text) for text in sums_at_exit) == 49
+
+
+def test_a_repeat_that_changes_to_a_kind_with_no_recent_finding_is_said_then():
+    """Waiting for the sequence limit 10 s after the last such finding is a repeat (folded);
+    when the token budget becomes its main reason and no budget finding came before, it is
+    no repeat of that kind: said at the change (it was said 15 s late, at a promotion). A
+    second change within REPEAT_WINDOW_S is not said again."""
+    log = FindingLog()
+    first = finding("waiting_seq_limit", 100.0, 101.0)
+    assert log.on_finding(FindingEvent("opened", first))
+    assert log.on_finding(FindingEvent("closed", first))
+    second = finding("waiting_seq_limit", 111.0, 112.0)
+    assert log.on_finding(FindingEvent("opened", second)) == []  # a repeat: folded
+    previous = (second.kind, second.title)
+    second.kind, second.title = "waiting_budget", "waiting_budget title"
+    ((level, text),) = log.on_finding(FindingEvent("changed", second, previous))
+    assert level == logging.WARNING
+    assert text.startswith("Engine 000: waiting_budget title since ")
+    assert 'until now "waiting_seq_limit title"' in text
+    second.kind, second.title = "waiting_seq_limit", "waiting_seq_limit title"
+    back = ("waiting_budget", "waiting_budget title")
+    assert log.on_finding(FindingEvent("changed", second, back)) == []  # said 0 s ago
+    ((_, closing),) = log.on_finding(FindingEvent("closed", second))
+    assert closing.startswith("Engine 000: waiting_seq_limit title: ended after")

@@ -179,13 +179,18 @@ class FindingLog:
 
     def _on_change(self, event: FindingEvent, repeats: Repeats) -> list[Line]:
         """A waiting finding's main reason changed: it moves to its new kind's repeats. Said
-        if it was said, at most once in REPEAT_WINDOW_S (a share near half can flip at every
-        search); its closing line names the reason it ended with."""
+        if it was said, or if it was folded as a repeat of its old kind but is none of its
+        new kind (a waiting stretch opened as a repeat of the sequence limit's and became
+        the token budget's was said 15 s late), at most once in REPEAT_WINDOW_S (a share
+        near half can flip at every search); its closing line names the reason it ended
+        with."""
         finding, key = event.finding, id(event.finding)
         before = self._repeats.setdefault((finding.engine_index, event.previous[0]), Repeats())
         if before.folded.pop(key, None) is not None:
-            repeats.folded[key] = finding
-            return []
+            if repeats.is_repeat(finding):  # a repeat of its new kind too: still folded
+                repeats.folded[key] = finding
+                return []
+            # no repeat of its new kind: said now, as it would have been had it opened so
         before.said.discard(key)
         repeats.said.add(key)
         said_ns = self._change_said_ns.get(key)
