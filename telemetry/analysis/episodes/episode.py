@@ -166,6 +166,9 @@ KV_MEMORY_TEXTS = {
 TUNE_TEXT = "`iterscope tune RECORDING --itl-target T`, with T your inter-token latency target,"
 
 
+KV_PLAN_BLOCK_SIZE = 16  # kv-plan's default --block-size (serve's)
+
+
 def kv_plan_text(timeline: EngineTimeline, request_len: str | None, holds: str) -> str:
     """kv-plan's command for the recorded engine's cache and what it shows (``holds``: of
     what, e.g. "requests a size holds"). kv-plan needs the engine's own --dtype and
@@ -173,6 +176,11 @@ def kv_plan_text(timeline: EngineTimeline, request_len: str | None, holds: str) 
     max model length that SIZE cannot hold makes it exit 1): the values its heartbeats say,
     else DTYPE and LEN placeholders (a sender that predates them)."""
     length = f" --request-len {request_len}" if request_len else ""
+    block_size = int(timeline.facts.get("block_size", 0))
+    # kv-plan plans in blocks of 16 by default: the engine's own size where it is another
+    # (vLLM's CPU build: 128; a request of 130 tokens then takes 2 blocks, not 9)
+    if block_size and block_size != KV_PLAN_BLOCK_SIZE:
+        length += f" --block-size {block_size}"
     dtype, max_model_len = timeline.facts.get("dtype"), timeline.facts.get("max_model_len")
     if dtype and max_model_len:
         return (
