@@ -8,6 +8,8 @@ the healthy run. Iteration
 times on a shared CPU vary a lot, so the assertions are about what happened, not how fast.
 """
 
+import re
+
 import pytest
 
 from telemetry.analysis.episodes import INFO, detect_episodes
@@ -109,5 +111,6 @@ def test_stall_hook(real_story, capsys):
     assert stall.numbers["stall_threshold_s"] == 5.0  # the live sidecar's floor
     assert not kinds(episodes) & {"kv_leak", "kv_cliff", "telemetry_gap", "idle"}
     assert "most of the time went inside that iteration" in stall.explanation
+    assert re.search(r"took [\d.]+ s \((\d+ prompt tokens, )?\d+ decoding\)", stall.explanation)
     assert "hung" not in stall.explanation
     assert top_finding(timeline, episodes, capsys, recording).kind == "stall"

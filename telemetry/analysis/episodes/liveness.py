@@ -153,9 +153,20 @@ def _stall_where(tl: EngineTimeline, since_ns: int, ongoing: bool, inside: bool)
     row = int(np.searchsorted(tl.col("start_ns"), since_ns, side="left"))
     gap_ns = int(tl.col("start_ns")[row]) - since_ns
     spent = "inside that iteration" if inside else "between iterations"
+    prompt_tokens = int(tl.col("num_prefill_tokens")[row])
+    decoding = int(tl.col("num_decode_reqs")[row])
+    size = ", ".join(
+        part
+        for part in (
+            f"{prompt_tokens:,} prompt tokens" if prompt_tokens else "",
+            f"{decoding} decoding" if decoding else "",
+        )
+        if part
+    )
     return (
         f"the next iteration started {secs(gap_ns)} after the last one ended and took "
-        f"{secs(tl.col('elapsed_ns')[row])}: most of the time went {spent}"
+        f"{secs(tl.col('elapsed_ns')[row])}{f' ({size})' if size else ''}: most of the time "
+        f"went {spent}"
     )
 
 
