@@ -313,7 +313,7 @@ def _longest_fit_text(tl: EngineTimeline) -> str:
     fit = tl.num_kv_blocks_total // math.ceil(max_model_len / block_size)
     return (
         f" ({plural(fit, 'request')} of the longest the engine allows, {max_model_len:,} "
-        "tokens, fit whatever they grow to)"
+        f"tokens, {'fits' if fit == 1 else 'fit'} whatever they grow to)"
     )
 
 
@@ -337,12 +337,17 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     if 0 < demand <= fit:
         return _kv_peak_action(tl, growing=length.lower_bound)
     at_least = "at least " if length.lower_bound else ""
-    fewer = (
-        f", or set --max-num-seqs {_at_most(fit, length.lower_bound)}"
-        + (_longest_fit_text(tl) if length.lower_bound else "")
-        if fit
-        else ": fewer together cannot help, not one fits"
-    )
+    seqs = fit
+    if length.lower_bound:  # a bound: below the most that ran at once, or it changes nothing
+        seqs = min(fit, int(tl.col("num_running_reqs").max()) - 1)
+    if not fit:
+        fewer = ": fewer together cannot help, not one fits"
+    elif seqs <= 0:
+        fewer = ": fewer together cannot help, one ran at a time"
+    else:
+        fewer = f", or set --max-num-seqs {_at_most(seqs, length.lower_bound)}" + (
+            _longest_fit_text(tl) if length.lower_bound else ""
+        )
     # the blocks they take, paged; rounded up, so the size said holds them all
     factor = math.ceil(demand * blocks_each * 10 / tl.num_kv_blocks_total) / 10
     return (
