@@ -782,3 +782,34 @@ def test_each_episode_of_all_has_the_action_its_live_finding_gave(tmp_path, caps
     assert finding_action(timeline, finding, Thresholds()) == episode_action(
         timeline, finding.worst, Thresholds()
     )
+
+
+def test_batch_composition_is_by_decoding_requests_not_tokens_produced():
+    """A vLLM source counts a prompt's first token as produced (num_decode_tokens 1) in a
+    step that decoded no request: that step is prefill-only, not mixed."""
+    records = [
+        iteration_record(
+            0,
+            1,
+            1,
+            start_ns=0,
+            elapsed_ns=10,
+            num_prefill_reqs=1,
+            num_prefill_tokens=7000,
+            num_decode_tokens=1,
+            num_running_reqs=1,
+        ),
+        iteration_record(
+            0,
+            2,
+            2,
+            start_ns=20,
+            elapsed_ns=10,
+            num_decode_reqs=1,
+            num_decode_tokens=1,
+            num_running_reqs=1,
+        ),
+    ]
+    summary = summarize(build_timelines(records)[0])
+    shares = (summary.decode_only_share, summary.prefill_only_share, summary.mixed_share)
+    assert shares == (0.5, 0.5, 0.0)

@@ -115,7 +115,8 @@ def summarize(tl: EngineTimeline) -> Summary:
     """Summary of a timeline; every figure is 0 when the timeline has no iteration."""
     elapsed = tl.col("elapsed_ns")[tl.timed] / NS_PER_S
     prefill_tokens, decode_tokens = tl.col("num_prefill_tokens"), tl.col("num_decode_tokens")
-    batch_reqs = tl.col("num_prefill_reqs") + tl.col("num_decode_reqs")
+    decode_reqs = tl.col("num_decode_reqs")
+    batch_reqs = tl.col("num_prefill_reqs") + decode_reqs
     batch_tokens = tl.num_computed_tokens
     waiting = tl.col("num_waiting_reqs")
     span_time = (tl.last_ns - tl.first_ns) / NS_PER_S
@@ -137,9 +138,11 @@ def summarize(tl: EngineTimeline) -> Summary:
         mean_batch_reqs=float(batch_reqs.mean()) if batch_reqs.size else 0.0,
         max_batch_reqs=int(batch_reqs.max()) if batch_reqs.size else 0,
         mean_batch_tokens=float(batch_tokens.mean()) if batch_tokens.size else 0.0,
-        decode_only_share=_share((prefill_tokens == 0) & (decode_tokens > 0)),
-        prefill_only_share=_share((prefill_tokens > 0) & (decode_tokens == 0)),
-        mixed_share=_share((prefill_tokens > 0) & (decode_tokens > 0)),
+        # by decoding requests, not tokens produced: a vLLM source counts a prompt's first
+        # token as produced, and a lone prefill step read as mixed
+        decode_only_share=_share((prefill_tokens == 0) & (decode_reqs > 0)),
+        prefill_only_share=_share((prefill_tokens > 0) & (decode_reqs == 0)),
+        mixed_share=_share((prefill_tokens > 0) & (decode_reqs > 0)),
         num_prefill_tokens=int(prefill_tokens.sum()),
         num_decode_tokens=int(decode_tokens.sum()),
         active_time=active_time,
