@@ -835,3 +835,21 @@ def test_the_kv_plan_quote_names_the_engine_s_block_size_where_kv_plan_s_default
         "`iterscope kv-plan --model DIR --memory SIZE --dtype bfloat16 --max-model-len 2048 "
         f"--request-len 130{flag}` shows how many such requests a SIZE holds"
     )
+
+
+def test_a_rough_fit_with_an_r_squared_near_1_says_why_they_disagree():
+    """'too rough (mean |error| 73.3%, R^2 1.000)' read as a contradiction: the R^2 is the
+    few longest iterations', the error the many short ones'."""
+    from dataclasses import replace
+
+    from telemetry.analysis.tune import fit_error_text, fit_iteration_time
+
+    fit = fit_iteration_time(build_timelines(long_prefill_sim().messages)[0])
+    rough = replace(fit, mean_abs_error_ratio=0.733, r_squared=0.9996)
+    assert fit_error_text(rough) == (
+        "mean |error| 73.3%, R^2 1.000, which the few longest iterations set: the many short "
+        "ones are the error"
+    )
+    assert fit_error_text(replace(fit, mean_abs_error_ratio=0.733, r_squared=0.5)) == (
+        "mean |error| 73.3%, R^2 0.500"
+    )
