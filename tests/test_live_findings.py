@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.analysis import live_findings
 from telemetry.analysis.episodes import Thresholds, detect_episodes
+from telemetry.analysis.findings import episode_cost
 from telemetry.analysis.live_findings import (
     FINDING_KINDS,
     LOOKBACK_S,
@@ -27,7 +28,7 @@ from telemetry.analysis.live_findings import (
     finding_kind,
     rank_kinds,
 )
-from telemetry.analysis.timeline import NS_PER_S, read_timelines
+from telemetry.analysis.timeline import NS_PER_S, build_timelines, read_timelines
 from telemetry.lane.record import Heartbeat, IterationRecord, heartbeat, iteration_record
 from telemetry.lane.recording import message_time_ns
 from telemetry.sidecar.replay import replay
@@ -562,3 +563,54 @@ def test_waiting_whose_main_reason_changes_is_one_finding_as_in_explain(tmp_path
     (changed,) = [r.message for r in caplog.records if "until now" in r.message]
     assert changed.startswith("Engine 000: Requests waiting: --max-num-batched-tokens since ")
     assert 'until now "Requests waiting: --max-num-seqs"' in changed
+
+
+def frozen_mid_iteration(sim, after_s: float, for_s: float) -> list:
+    """The simulator's messages as if its process froze for ``for_s`` inside the first
+    iteration after ``after_s`` that carries a prompt chunk beside decoding requests: that
+    iteration takes ``for_s`` longer, every message after its start comes that much later."""
+    records = [m for m in sim.messages if type(m) is IterationRecord]
+    frozen = next(
+        r
+        for r in records
+        if r.start_ns >= sim.at(after_s) and r.num_prefill_tokens and r.num_decode_reqs
+    )
+    shift_ns = int(for_s * NS_PER_S)
+    for message in sim.messages:
+        if type(message) is Heartbeat and message.ts_ns > frozen.start_ns:
+            message.ts_ns += shift_ns
+            message.wall_ns += shift_ns
+        elif type(message) is IterationRecord and message.start_ns > frozen.start_ns:
+            message.start_ns += shift_ns
+    frozen.elapsed_ns += shift_ns
+    frozen.model_elapsed_ns += shift_ns
+    messages = sorted(sim.messages, key=message_time_ns)
+    for seq, message in enumerate(messages, start=messages[0].msg_seq):
+        message.msg_seq = seq
+    return messages
+
+
+def test_an_iteration_frozen_mid_way_is_the_silence_s_not_a_long_prefill(tmp_path):
+    """A SIGSTOP inside a prompt chunk made that chunk an 11.5 s "long prefill", ranked above
+    the silence and charged the same request-seconds twice, and the waiting across it counted
+    again: the freeze is the silence's alone, live and in explain."""
+    make, _ = SCENARIOS["story3 sequence limit"]
+    messages = frozen_mid_iteration(make(), after_s=5.0, for_s=11.0)
+    path = tmp_path / "frozen.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(m) + b"\n" for m in messages))
+    (timeline,) = read_timelines([path])[0].values()
+    episodes = detect_episodes(timeline, Thresholds())
+    (silence,) = [e for e in episodes if "silent_time_s" in e.numbers]
+    assert silence.numbers["silent_time_s"] >= 10.9
+    assert not [e for e in episodes if e.kind == "long_prefill" and e.numbers["max_elapsed_s"] > 10]
+    # the waiting across the freeze costs what it did unfrozen, give or take the second
+    # between the last message and the stop (it was 11 s x the requests waiting more)
+    unfrozen = build_timelines(make().messages)[0]
+    frozen_cost, unfrozen_cost = (
+        sum(episode_cost(tl, e) for e in detect_episodes(tl) if e.kind == "waiting")
+        for tl in (timeline, unfrozen)
+    )
+    most_waiting = int(timeline.col("num_waiting_reqs").max())
+    assert unfrozen_cost > 0 and abs(frozen_cost - unfrozen_cost) <= most_waiting * 1.1
+    live = replayed(path)
+    assert_same_findings(explained(timeline), live)

@@ -50,6 +50,7 @@ import numpy as np
 
 from telemetry.analysis.episodes import INFO, Episode, Thresholds
 from telemetry.analysis.episodes.latency import decode_baselines
+from telemetry.analysis.episodes.silences import Silences
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
@@ -128,12 +129,17 @@ def _span_rows(tl: EngineTimeline, episode: Episode) -> slice:
 
 def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray) -> float:
     """Each row's count (aligned with ``rows``) times the time until the next iteration starts:
-    a record's waiting count holds until then. The last row's holds until it ends."""
+    a record's waiting count holds until then. The last row's holds until it ends. Time the
+    engine was silent (frozen whole) is the silence's cost, not counted here again."""
     starts, ends = tl.col("start_ns"), tl.col("end_ns")
     if rows.stop <= rows.start:
         return 0.0
     next_starts = np.r_[starts[rows.start + 1 : rows.stop], ends[rows.stop - 1]]
     durations = np.maximum(next_starts - starts[rows], 0)
+    dead_after_s = Thresholds().dead_after
+    if durations.max() > dead_after_s * NS_PER_S:  # else no silence fits in one: not sought
+        silent = Silences(tl, dead_after_s).overlap_ns(starts[rows], next_starts)
+        durations = np.maximum(durations - silent, 0)
     return float((counts * durations).sum() / NS_PER_S)
 
 

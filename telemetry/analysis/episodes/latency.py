@@ -5,6 +5,11 @@ median decode-only iteration of the ``long_prefill_baseline_time`` before it sta
 ``long_prefill_min_baseline_iterations`` of them. So a judgment never changes as later records
 come, and the live sidecar, which keeps that much history before every iteration it judges
 (telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
+
+An iteration during which the engine went silent (no message, heartbeats included, for
+longer than ``dead_after``: the whole process frozen) is not judged: its time is the
+freeze's, which the silence is (a SIGSTOP inside a 128-token chunk made it an 11.5 s "long
+prefill", ranked above the silence and charged the same request-seconds twice).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from telemetry.analysis.episodes.episode import (
     secs,
     span_episode,
 )
+from telemetry.analysis.episodes.silences import Silences
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import plural
 
@@ -84,6 +90,11 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         & (elapsed >= th.long_prefill_ratio * fastest_ns)
         & (elapsed - fastest_ns >= th.long_prefill_min_extra_time * NS_PER_S)
     )
+    if (elapsed[candidates] > th.dead_after * NS_PER_S).any():  # else none holds a silence
+        silent = Silences(tl, th.dead_after).overlap_ns(
+            tl.col("start_ns")[candidates], tl.col("end_ns")[candidates]
+        )
+        candidates = candidates[silent == 0]  # a frozen process's time is the silence's
     baselines = decode_baselines(tl, candidates, th)
     slow = elapsed[candidates]
     # NaN (no baseline) compares False: not judged
