@@ -614,3 +614,74 @@ def test_an_iteration_frozen_mid_way_is_the_silence_s_not_a_long_prefill(tmp_pat
     assert unfrozen_cost > 0 and abs(frozen_cost - unfrozen_cost) <= most_waiting * 1.1
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
+
+
+def decoding_then_a_long_step(step_s: float) -> list:
+    """Two requests decoding in 30 ms iterations for 100 s (heartbeats every second), then
+    an 8,000-token prompt computed beside them in one step of ``step_s``, then decoding."""
+    messages, seq, now_ns, iteration = [], 0, 10 * NS_PER_S, 0
+    next_beat_ns = now_ns
+
+    def beats_until(end_ns: int, step_tokens: int) -> None:
+        nonlocal seq, next_beat_ns
+        while next_beat_ns < end_ns:
+            seq += 1
+            messages.append(
+                heartbeat(
+                    0,
+                    seq,
+                    next_beat_ns,
+                    next_beat_ns,
+                    last_iteration=iteration,
+                    num_running_reqs=3,
+                    pid=5,
+                    block_size=16,
+                    num_kv_blocks_total=1000,
+                    step_tokens=step_tokens,
+                )
+            )
+            next_beat_ns += NS_PER_S
+
+    def step(elapsed_ns: int, prompt_tokens: int = 0) -> None:
+        nonlocal seq, now_ns, iteration
+        beats_until(now_ns + elapsed_ns, prompt_tokens + 2)
+        iteration += 1
+        seq += 1
+        messages.append(
+            iteration_record(
+                0,
+                seq,
+                iteration,
+                start_ns=now_ns,
+                elapsed_ns=elapsed_ns,
+                num_prefill_reqs=int(bool(prompt_tokens)),
+                num_prefill_tokens=prompt_tokens,
+                num_decode_reqs=2,
+                num_decode_tokens=2,
+                num_running_reqs=3,
+                num_kv_blocks_used=100,
+                num_kv_blocks_free=900,
+                num_kv_tokens=1600,
+            )
+        )
+        now_ns += elapsed_ns
+
+    for _ in range(int(100 / 0.03)):
+        step(30_000_000)
+    step(int(step_s * NS_PER_S), prompt_tokens=8000)
+    for _ in range(200):
+        step(30_000_000)
+    return messages
+
+
+def test_a_step_longer_than_the_lookback_less_its_history_opens_live(tmp_path):
+    """A 45 s step of an engine older than LOOKBACK_S: its record comes 45 s after it began,
+    and the 30 s before it that it is judged on had been dropped from the window: explain
+    found it, live (and a replay) never did."""
+    path = tmp_path / "long_step.jsonl"
+    messages = decoding_then_a_long_step(45.0)
+    path.write_bytes(b"".join(msgspec.json.encode(m) + b"\n" for m in messages))
+    (timeline,) = read_timelines([path])[0].values()
+    expected = explained(timeline)
+    assert [kind for kind, _, _ in expected] == ["long_prefill"]
+    assert_same_findings(expected, replayed(path))

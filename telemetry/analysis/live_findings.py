@@ -80,6 +80,7 @@ from telemetry.analysis.findings import (
     is_silence,
     rank_key,
 )
+from telemetry.analysis.stall_rule import STALL_STEP_CAP_S
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.window_timeline import WindowTimeline
 from telemetry.lane.record import Heartbeat, IterationRecord
@@ -347,10 +348,22 @@ class EngineFindings:
         return events
 
     def _trim(self) -> None:
-        """Drop messages older than LOOKBACK_S before the newest, or than the oldest open
-        finding's start (the deque's maxlen bounds the rest)."""
+        """Drop messages older than LOOKBACK_S before the newest, or before the start of the
+        newest record or of any not searched yet, or than the oldest open finding's start
+        (the deque's maxlen bounds the rest). The records' starts: a 45 s step's record comes
+        45 s after it began, and its judgment needs the history before that (dropped, the
+        step never opened a finding live); kept for STALL_STEP_CAP_S of a step at most."""
         messages = self.messages
-        keep_from = message_time_ns(messages[-1]) - int(LOOKBACK_S * NS_PER_S)
+        lookback_ns = int(LOOKBACK_S * NS_PER_S)
+        newest_ns = message_time_ns(messages[-1])
+        since_ns, seen_record = newest_ns, False
+        for message in reversed(messages):
+            if type(message) is IterationRecord:
+                since_ns, seen_record = min(since_ns, message.start_ns), True
+            if seen_record and message is self._newest_searched:
+                break
+        since_ns = max(since_ns, newest_ns - int(STALL_STEP_CAP_S * NS_PER_S))
+        keep_from = since_ns - lookback_ns
         for finding in self.open:  # with the history its first iteration was judged on
             keep_from = min(keep_from, finding.start_ns - self._history_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
