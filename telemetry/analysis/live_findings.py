@@ -348,22 +348,26 @@ class EngineFindings:
         return events
 
     def _trim(self) -> None:
-        """Drop messages older than LOOKBACK_S before the newest, or before the start of the
-        newest record or of any not searched yet, or than the oldest open finding's start
-        (the deque's maxlen bounds the rest). The records' starts: a 45 s step's record comes
-        45 s after it began, and its judgment needs the history before that (dropped, the
-        step never opened a finding live); kept for STALL_STEP_CAP_S of a step at most."""
+        """Drop messages older than LOOKBACK_S before the newest message, the newest record's
+        start and the start of any record not searched yet that took over half of
+        JUDGE_WITHIN_S, or than the oldest open finding's start (the deque's maxlen bounds
+        the rest). The records' starts: a 45 s step's record comes 45 s after it began, and
+        its judgment needs the history before that (dropped, the step never opened a finding
+        live); for a step of STALL_STEP_CAP_S at most."""
         messages = self.messages
-        lookback_ns = int(LOOKBACK_S * NS_PER_S)
         newest_ns = message_time_ns(messages[-1])
-        since_ns, seen_record = newest_ns, False
+        long_ns = int(JUDGE_WITHIN_S * NS_PER_S) // 2  # a shorter step's past is within reach
+        since_ns, newest_record, searched = newest_ns, True, False
         for message in reversed(messages):
-            if type(message) is IterationRecord:
-                since_ns, seen_record = min(since_ns, message.start_ns), True
-            if seen_record and message is self._newest_searched:
+            searched = searched or message is self._newest_searched  # and all before it
+            if type(message) is IterationRecord and (
+                newest_record or (not searched and message.elapsed_ns > long_ns)
+            ):
+                since_ns, newest_record = min(since_ns, message.start_ns), False
+            if searched and not newest_record:
                 break
         since_ns = max(since_ns, newest_ns - int(STALL_STEP_CAP_S * NS_PER_S))
-        keep_from = since_ns - lookback_ns
+        keep_from = since_ns - int(LOOKBACK_S * NS_PER_S)  # the history, JUDGE_WITHIN_S to spare
         for finding in self.open:  # with the history its first iteration was judged on
             keep_from = min(keep_from, finding.start_ns - self._history_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
