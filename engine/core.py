@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -28,6 +29,7 @@ from telemetry.lane.record import (
     SOURCE_ITERSCOPE,
     IterationRecord,
     RequestMilestone,
+    step_time_bound_ns,
 )
 
 
@@ -96,6 +98,12 @@ class EngineCore:
         self.startup_notes: list[str] = []  # start-up's lines after the KV plan (CUDA graphs)
         self.iteration = 0
         self.num_scheduled_reqs = 0  # in the last iteration; 0 with work left = blocked
+        # (tokens, elapsed ns) of the biggest iteration so far, the longest of that size
+        self.biggest_step = (0, 0)
+        # called as an iteration bigger than any before starts, with the seconds it may take
+        # (record.step_time_bound_ns): engine/core_process.py tells the client, whose /health
+        # waits that long before "stalled"
+        self.on_big_step: Callable[[float], None] = lambda bound_s: None
         self._pending_milestones: list[RequestMilestone] = []
 
     @property
@@ -136,14 +144,18 @@ class EngineCore:
         # The queues this iteration runs with and its size, for heartbeats sent while it
         # runs (a long prefill would show the requests it took in as still waiting, and look
         # like a stall to a sidecar that does not know how big it is).
+        step_tokens = scheduled.num_prefill_tokens + scheduled.num_decode_tokens
         self.publisher.note_queues(
-            len(self.scheduler.waiting),
-            len(self.scheduler.running),
-            scheduled.num_prefill_tokens + scheduled.num_decode_tokens,
+            len(self.scheduler.waiting), len(self.scheduler.running), step_tokens
         )
+        bound_ns = step_time_bound_ns(step_tokens, *self.biggest_step)
+        if bound_ns:
+            self.on_big_step(bound_ns / 1e9)
         model_start_ns = time.monotonic_ns()
         sampled = self.runner.execute(scheduled.scheduled) if scheduled.scheduled else []
         end_ns = time.monotonic_ns()
+        if (step_tokens, end_ns - start_ns) > self.biggest_step:
+            self.biggest_step = (step_tokens, end_ns - start_ns)
         updated = self.scheduler.update(scheduled.scheduled, sampled, start_ns, end_ns)
         outputs, milestones = self._outputs(updated, end_ns)
         self.publisher.publish(

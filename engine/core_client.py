@@ -86,6 +86,7 @@ class EngineCoreClient:
         self._output.bind(output_address)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self.last_message_s = time.monotonic()  # when the engine was last heard from
+        self.big_step_s = 0.0  # what its last message said a big iteration it began may take
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._probe_replies: queue.Queue[ProbeReply] = queue.Queue()
@@ -198,13 +199,15 @@ class EngineCoreClient:
 
     def engine_status(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
         """ "dead" (the process is gone), "stalled" (requests in flight and no message from
-        the engine for ``stall_after_s``; it beats every PROGRESS_BEAT_S while it works),
-        "running" (requests in flight) or "idle". Cheap: no message to the engine."""
+        the engine for ``stall_after_s``, or for the time an iteration bigger than any before
+        may take, where its last message said one was starting; it beats every
+        PROGRESS_BEAT_S between iterations while it works), "running" (requests in flight) or
+        "idle". Cheap: no message to the engine."""
         if not self.is_alive:
             return "dead"
         if not self._streams:
             return "idle"
-        if time.monotonic() - self.last_message_s > stall_after_s:
+        if time.monotonic() - self.last_message_s > max(stall_after_s, self.big_step_s):
             return "stalled"
         return "running"
 
@@ -265,6 +268,7 @@ class EngineCoreClient:
             return
         if not isinstance(message, EngineOutputs):
             return
+        self.big_step_s = message.big_step_s  # until the next message
         deliveries = []
         with self._streams_lock:
             for output in message.outputs:

@@ -66,6 +66,10 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[RequestOutput]
+    # > 0: sent as an iteration bigger than any before starts, the seconds it may take for
+    # its size (telemetry.lane.record.step_time_bound_ns): the client waits that long before
+    # it calls the engine stalled, as no progress beat can come while the iteration runs
+    big_step_s: float = 0.0
 
 
 class ProbeReply(msgspec.Struct, tag="probe_reply", array_like=True):

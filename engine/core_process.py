@@ -147,6 +147,7 @@ class _EngineLoop:
         self.parent_pid = os.getppid()
         self.running = True
         self.last_sent_s = time.monotonic()
+        core.on_big_step = self._say_big_step
 
     def run(self) -> None:
         while self.running and os.getppid() == self.parent_pid:
@@ -160,6 +161,11 @@ class _EngineLoop:
                 now = time.monotonic()
                 if request_outputs or now - self.last_sent_s >= PROGRESS_BEAT_S:
                     self._send(EngineOutputs(request_outputs))
+
+    def _say_big_step(self, bound_s: float) -> None:
+        """An iteration bigger than any before starts, which may take ``bound_s``: the client
+        hears it first, since no progress beat can come until it ends."""
+        self._send(EngineOutputs([], big_step_s=bound_s))
 
     def _step(self) -> list[RequestOutput]:
         """One iteration; an error in it ends the engine, and the clients hear why."""

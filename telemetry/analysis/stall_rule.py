@@ -16,7 +16,8 @@ many tokens N the iteration under way scheduled (``step_tokens``) and that is mo
 biggest iteration the rule has measured (M tokens in D s, its own elapsed time; an engine's
 speed per token does not age, so it is kept for good), the threshold is at least
 STALL_FACTOR x D x (N / M)^2, at most STALL_STEP_CAP_S; with nothing measured yet (the
-engine's first step), STALL_STEP_CAP_S. An iteration's time grows at most with the square of
+engine's first step), STALL_STEP_CAP_S (record.step_time_bound_ns, which our engine's own
+/health applies too). An iteration's time grows at most with the square of
 its tokens (a fixed part, the weights' work per token, attention's per pair of tokens), so an
 engine computing an 8,000-token prompt after 500-token ones, or as its first step, is not
 called stalled before it could have finished; the cap bounds how late a hang inside such a
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import collections
 
+from telemetry.lane.record import STEP_TIME_CAP_NS, step_time_bound_ns
+
 # No message for this long is dead (heartbeats come every second: dead is reported within 3 s
 # of a kill); a pause that long is the process's, not an interval between iterations.
 DEAD_AFTER_S = 2.5
@@ -36,9 +39,8 @@ STALL_FLOOR_S = 5.0
 STALL_FACTOR = 2
 STALL_WINDOW_S = 600.0
 # The most a step bigger than any measured (or the first) is given before it is a stall.
-STALL_STEP_CAP_S = 600.0
+STALL_STEP_CAP_S = STEP_TIME_CAP_NS / 1e9
 _STALL_FLOOR_NS = int(STALL_FLOOR_S * 1e9)
-_STEP_CAP_NS = int(STALL_STEP_CAP_S * 1e9)
 # Shorter progress intervals cannot raise the threshold above the floor: not worth keeping.
 _SHORTEST_LEARNT_NS = _STALL_FLOOR_NS // STALL_FACTOR
 
@@ -129,15 +131,9 @@ class StallRule:
         return threshold_ns
 
     def step_bound_ns(self) -> int:
-        """The time the iteration under way may take for its size, times STALL_FACTOR, at
-        most STALL_STEP_CAP_S (all of it with nothing measured), if it is bigger than every
-        iteration measured; else 0 (no slack)."""
-        if self.step_tokens <= self.biggest_tokens:
-            return 0
-        if not self.biggest_tokens:
-            return _STEP_CAP_NS
-        scaled = STALL_FACTOR * self.biggest_ns * (self.step_tokens / self.biggest_tokens) ** 2
-        return min(int(scaled), _STEP_CAP_NS)
+        """The time the iteration under way may take for its size (record.step_time_bound_ns),
+        if it is bigger than every iteration measured; else 0 (no slack)."""
+        return step_time_bound_ns(self.step_tokens, self.biggest_tokens, self.biggest_ns)
 
     def is_stalled(self, now_ns: int) -> bool:
         """No progress for longer than the threshold (the caller knows work is in flight)."""

@@ -289,6 +289,25 @@ def heartbeat(
     return Heartbeat(engine_index, msg_seq, ts_ns, wall_ns, **{**_HEARTBEAT_ZEROS, **fields})
 
 
+# The most a step bigger than any measured (or an engine's first) may take before it is stalled.
+STEP_TIME_CAP_NS = 600 * 1_000_000_000
+
+
+def step_time_bound_ns(step_tokens: int, biggest_tokens: int, biggest_ns: int) -> int:
+    """How long an iteration of ``step_tokens`` may take, given the biggest one measured
+    (``biggest_tokens`` in ``biggest_ns``; 0: none): twice that time times the square of
+    their ratio (an iteration's time grows at most with the square of its tokens: a fixed
+    part, the weights' work per token, attention's per pair), at most STEP_TIME_CAP_NS, all
+    of it with nothing measured. One rule for the sidecar's stall rule (a heartbeat's
+    ``step_tokens``) and the engine's own /health; 0 for a step no bigger than measured."""
+    if step_tokens <= biggest_tokens:
+        return 0
+    if not biggest_tokens:
+        return STEP_TIME_CAP_NS
+    scaled = 2 * biggest_ns * (step_tokens / biggest_tokens) ** 2
+    return min(int(scaled), STEP_TIME_CAP_NS)
+
+
 def make_encoder() -> msgspec.msgpack.Encoder:
     """An encoder; each thread that sends owns its own."""
     return msgspec.msgpack.Encoder()
