@@ -136,6 +136,27 @@ def test_replay_stamps_its_log_lines_with_the_times_the_live_run_printed_them(tm
     assert not logging.getLogger().handlers[0].filters  # taken off after the replay
 
 
+def test_a_freeze_longer_than_ten_seconds_is_dead_at_its_own_time_in_replay(tmp_path, caplog):
+    """A whole-process freeze of 15 s with a request running: live said "dead" 2.5 s in; the
+    replay crossed any gap over 10 s in one step and said it when the engine came back."""
+    beats = [
+        heartbeat(0, n + 1, (10 + n) * SECOND, (10 + n) * SECOND + OFFSET_NS, num_running_reqs=1)
+        for n in range(5)
+    ]
+    beats += [
+        heartbeat(0, n + 6, (29 + n) * SECOND, (29 + n) * SECOND + OFFSET_NS, num_running_reqs=1)
+        for n in range(3)
+    ]
+    path = tmp_path / "frozen.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(m) + b"\n" for m in beats))
+    with caplog.at_level(logging.INFO):
+        replay(path, [LogSink(interval_s=5)])
+    (dead,) = [r for r in caplog.records if "-> dead" in r.getMessage()]
+    said_ns = int(dead.created * 1e9) - OFFSET_NS
+    # the last heartbeat at 14 s, dead 2.5 s later (at the next tick), as live
+    assert 16 * SECOND + SECOND // 2 <= said_ns <= 16 * SECOND + SECOND * 7 // 10, said_ns
+
+
 def test_replay_leaves_the_sinks_open_when_asked(tmp_path):
     """--serve-after-replay serves what was replayed: its sinks stay open until the caller
     closes them (they were closed at the replay's end, the /metrics server with them)."""

@@ -3,7 +3,7 @@
 The replay clock is record time: the latest engine time seen so far (an iteration's end,
 a heartbeat's ts_ns), on the engines' monotonic clock, which engines on one host share. It
 drives what a live sidecar drives with its own clock: ticks (every ``tick_interval_s`` of
-record time; a gap of more than MAX_TICKS_PER_GAP ticks is crossed in one step), and with
+record time; of a long gap, the first MAX_TICKS_PER_GAP ticks, the rest in one step), and with
 them stall and death detection. The log sink's windows already follow record time, so a
 replay prints the log lines the live run printed, stamped with the wall time of the record
 time they were printed at (the newest heartbeat's clock anchor; RecordTimeStamps), not with
@@ -24,12 +24,14 @@ from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
 from telemetry.sidecar.sink import Sink
 
-MAX_TICKS_PER_GAP = 100
+# Ticks through a gap between messages, at most: a minute (death and a finding during a
+# freeze are stamped at their own times, as live), then the rest of a long gap in one step.
+MAX_TICKS_PER_GAP = 600
 
 
 class RecordClock:
     """Feeds an Ingest messages of a recording at record time: ticks every ``tick_interval_s``
-    of it (a gap of more than MAX_TICKS_PER_GAP ticks crossed in one step), then each message,
+    of it (a gap's first MAX_TICKS_PER_GAP ticks, the rest in one step), then each message,
     stamped with the latest engine time seen so far. Fed in batches as a file grows
     (`explain --follow`) or all at once (``replay``)."""
 
@@ -60,12 +62,14 @@ class RecordClock:
             if self.now_ns is None:
                 self._next_tick_ns = message_time_ns(item)
             now_ns = self.now_ns = max(self.now_ns or 0, message_time_ns(item))
-            if now_ns - self._next_tick_ns > MAX_TICKS_PER_GAP * self._tick_ns:
-                self._next_tick_ns = now_ns
+            num_ticks = 0
             while self._next_tick_ns <= now_ns:
+                if num_ticks == MAX_TICKS_PER_GAP:  # the rest of a long gap in one step
+                    self._next_tick_ns = now_ns
                 self._driven_ns = self._next_tick_ns
                 ingest.tick(self._next_tick_ns)
                 self._next_tick_ns += self._tick_ns
+                num_ticks += 1
             self._driven_ns = now_ns
             ingest.on_message(item, now_ns)
 
