@@ -1,6 +1,7 @@
 """CURVE on the telemetry lane: engines publish over loopback tcp to a PULL socket set up by
 telemetry.lane.curve; only engines holding listed keys get through."""
 
+import logging
 import stat
 import threading
 import time
@@ -390,7 +391,8 @@ def test_real_sidecar_with_keys_accepts_only_engines_with_keys(engines, keys_dir
         )
         said = [r.getMessage() for r in caplog.records if "the lane's handshake" in r.getMessage()]
         assert said[0].startswith(
-            f"a sender to {address} failed the lane's handshake (1 so far): no CURVE keys"
+            f"a sender to {address} failed the lane's handshake (failed handshakes of this "
+            "kind so far: 1): no CURVE keys"
         )
     finally:
         sidecar.stop()
@@ -416,17 +418,44 @@ def test_a_sender_with_keys_the_sidecar_does_not_trust_is_said_so(
             address, 1, curve_keys_dir=str(intruder_keys_dir), curve_engine_name="engine-a"
         )
 
-        def refused() -> bool:
+        def said_untrusted() -> bool:
             intruder.publish(record(1))
-            return ingest.health.num_lane_handshake_failures >= 1
+            return any("not among the engine keys" in r.getMessage() for r in caplog.records)
 
-        wait_until(refused, DEADLINE_S, lambda: "a failed handshake counted", interval_s=0.05)
-        said = [r.getMessage() for r in caplog.records if "the lane's handshake" in r.getMessage()]
-        assert "its CURVE key is not among the engine keys this sidecar trusts" in said[0]
+        wait_until(said_untrusted, DEADLINE_S, lambda: "the untrusted key said", interval_s=0.05)
         assert ingest.health.num_messages == 0
     finally:
         sidecar.stop()
         thread.join(timeout=5)
+        curve.stop_server_auth(context)
+        context.term()
+
+
+def test_failed_handshakes_are_said_per_cause_so_a_second_sender_is_not_hidden(
+    keys_dir, tmp_path, caplog
+):
+    """An engine without keys retries every 100 ms or so: its failures are said 3 times, then
+    once a minute. An engine with an untrusted key that failed once after it went unsaid for
+    that minute: each cause has its own count and its own minute."""
+    from telemetry.sidecar.ingest import Ingest
+    from telemetry.sidecar.lane_loop import HANDSHAKE_LINES_AT_ONCE, LaneLoop
+
+    context = zmq.Context()
+    ingest = Ingest([])
+    sidecar = LaneLoop(
+        f"ipc://{tmp_path}/lane.sock", ingest, context=context, curve_keys_dir=str(keys_dir)
+    )
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(10):
+                sidecar._say_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            sidecar._say_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == HANDSHAKE_LINES_AT_ONCE + 1
+        assert "of this kind so far: 1): its CURVE key is not among" in said[-1]
+    finally:
+        sidecar.stop()
+        sidecar.run()  # returns at once, closing the socket
         curve.stop_server_auth(context)
         context.term()
 

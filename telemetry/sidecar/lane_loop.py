@@ -124,7 +124,9 @@ class LaneLoop:
         # disconnect is what can be counted (see count_lane_disconnect).
         self._socket.setsockopt(zmq.MAXMSGSIZE, GUARD_FRAME_BYTES)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        self._handshake_said_s = 0.0  # when a failed handshake was last logged (monotonic)
+        # per cause (the monitor's event), when a failed handshake was last logged and how
+        # many there were: a second sender failing for another cause is said at once
+        self._handshakes: dict[int, list[float]] = {}
         if bind:
             self._socket.bind(address)
         else:
@@ -187,14 +189,15 @@ class LaneLoop:
     def _say_handshake_failure(self, event: int) -> None:
         """What a failed handshake means, where nothing else would say it: a sender refused
         by the handshake never gets a message through, so no engine shows up, no seq gap
-        counts it, and the sender itself only counts drops it reports to nobody."""
-        count = self.ingest.health.num_lane_handshake_failures
+        counts it, and the sender itself only counts drops it reports to nobody. Per cause,
+        the first HANDSHAKE_LINES_AT_ONCE, then one line a minute (a refused sender retries
+        every 100 ms or so); the count is of handshakes, not senders."""
+        said = self._handshakes.setdefault(event, [0.0, 0])
+        said[1] += 1
         now_s = time.monotonic()
-        if count > HANDSHAKE_LINES_AT_ONCE and now_s - self._handshake_said_s < (
-            HANDSHAKE_LINE_INTERVAL_S
-        ):
+        if said[1] > HANDSHAKE_LINES_AT_ONCE and now_s - said[0] < HANDSHAKE_LINE_INTERVAL_S:
             return
-        self._handshake_said_s = now_s
+        said[0] = now_s
         if not self._curve:
             why = (
                 "not a ZMQ sender, or one with CURVE keys (start this sidecar with the same "
@@ -208,13 +211,15 @@ class LaneLoop:
         else:
             why = (
                 "no CURVE keys (start our engine with --telemetry-curve-keys-dir, vLLM with "
-                "ITERSCOPE_CURVE_KEYS_DIR: docs/deploy.md), or the wrong sidecar key"
+                "ITERSCOPE_CURVE_KEYS_DIR: docs/deploy.md), or keys made for another sidecar "
+                "(its server.key is not this sidecar's)"
             )
         logger.warning(
-            "a sender to %s failed the lane's handshake (%d so far): %s. Its messages are "
-            "refused: its engine does not show up here (iterscope_lane_handshake_failures_total)",
+            "a sender to %s failed the lane's handshake (failed handshakes of this kind so "
+            "far: %d): %s. Its messages are refused: its engine does not show up here "
+            "(iterscope_lane_handshake_failures_total)",
             self.address,
-            count,
+            said[1],
             why,
         )
 
