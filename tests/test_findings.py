@@ -853,3 +853,25 @@ def test_a_rough_fit_with_an_r_squared_near_1_says_why_they_disagree():
     assert fit_error_text(replace(fit, mean_abs_error_ratio=0.733, r_squared=0.5)) == (
         "mean |error| 73.3%, R^2 0.500"
     )
+
+
+def test_keeping_the_budget_of_requests_waiting_for_it_says_the_true_reason(monkeypatch):
+    """Requests waited for a budget of 64 and tune allows 48 at explain's latency: "a
+    latency target that loose does not call for a change" was said (the target is tighter,
+    not looser); the reason is that a larger budget would break it."""
+    from telemetry.analysis import actions
+    from telemetry.analysis.tune import Recommendation
+
+    make, _ = synthetic.SCENARIOS["token budget"]
+    timeline, findings = findings_of(make())
+    waiting = next(f for f in findings if f.kind == "waiting")
+    current = timeline.facts["max_num_batched_tokens"]
+    rec = Recommendation(0.05, 64, current - 16, 0.01, 0.05, 500.0, 900.0, "latency target", 4)
+    monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(rec, "`tune ...`"))
+    action = finding_action(timeline, waiting, Thresholds())
+    assert action.startswith(
+        f"Keep --max-num-batched-tokens at {current}: at the latency explain holds iterations "
+        f"to, `tune ...` allows {current - 16}, no more than now, so a larger budget would "
+        "break it"
+    ), action
+    assert "loose" not in action

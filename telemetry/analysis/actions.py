@@ -183,10 +183,17 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
             f" no value could be computed here: {tuned}."
         )
     value = rec.max_num_batched_tokens
-    if current and (value >= current if lower else value <= current):
+    if current and lower and value >= current:
         return (
             f"Keep --max-num-batched-tokens at {current}: {tuned} suggests "
             f"{value}, so a latency target that loose does not call for a change."
+        )
+    if current and not lower and value <= current:  # prompts wait, but more would be slower
+        return (
+            f"Keep --max-num-batched-tokens at {current}: at the latency explain holds "
+            f"iterations to, {tuned} allows {value}, no more than now, so a larger budget "
+            "would break it; `iterscope tune RECORDING --itl-target T`, with T your own "
+            "target, gives the budget for it."
         )
     seqs = tl.facts.get("max_num_seqs")
     if not lower and seqs and rec.max_num_seqs < seqs:
