@@ -346,6 +346,31 @@ def test_inter_token_latency_weighted_and_only_across_consecutive_iterations():
     )
 
 
+def test_a_preempted_request_s_gap_between_tokens_is_an_inter_token_interval():
+    """Preempted after its first token at 1.5 s, recomputed in chunks ending 2.1 s and 2.4 s:
+    its next token came 0.9 s after the one before, an interval no pair of iterations it
+    decoded in holds (a client saw 14 such, the largest, that /metrics left out). A
+    preemption before its first token (1.1 s) is no gap between tokens."""
+    sink, registry = new_sink()
+    finished = make_milestone(
+        EVENT_FINISHED,
+        preempted_ns=[1_100 * MS, 1_500 * MS],
+        prefill_chunks=[
+            (1_060 * MS, 1_090 * MS, 300),
+            (1_200 * MS, 1_250 * MS, 300),
+            (1_600 * MS, 2_100 * MS, 256),
+            (2_100 * MS, 2_400 * MS, 60),
+        ],
+    )
+    send(sink, make_record(1, milestones=[finished]))
+    samples = scrape(registry)
+    labels = {"model_name": ""}
+    assert value(samples, "iterscope_inter_token_latency_seconds_count", **labels) == 1
+    assert value(samples, "iterscope_inter_token_latency_seconds_sum", **labels) == pytest.approx(
+        0.9
+    )
+
+
 def counter_like_values(samples: dict) -> dict:
     """Every sample that must never decrease: counters and histogram buckets/counts/sums."""
     return {

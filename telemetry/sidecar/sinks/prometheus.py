@@ -373,6 +373,25 @@ def series_names() -> set[str]:
     )
 
 
+def preemption_gaps_ns(milestone: RequestMilestone) -> list[int]:
+    """The gap each preemption after its first token made between a finished request's
+    tokens: from the start of the iteration that preempted it (its last token came at the end
+    of the one before) to the end of the last prefill chunk that recomputed it, which gives
+    its next token. None of these is between two iterations it decoded in, so the iteration
+    intervals miss them (they were the 14 largest of a client's 2,280 intervals)."""
+    bounds = [*milestone.preempted_ns, milestone.finished_ns]
+    gaps = []
+    for preempted_ns, next_ns in zip(bounds, bounds[1:], strict=False):
+        if preempted_ns < milestone.first_token_ns:
+            continue  # no token yet: no gap between tokens
+        ends = [
+            end for start, end, _ in milestone.prefill_chunks if preempted_ns <= start < next_ns
+        ]
+        if ends:
+            gaps.append(max(ends) - preempted_ns)
+    return gaps
+
+
 class EngineMetrics:
     """What the sink keeps of one engine besides its view (telemetry/sidecar/engine_view.py,
     which the gauges, the labels, the record sums and the losses are read from): histograms
@@ -458,6 +477,8 @@ class EngineMetrics:
                 (milestone.first_token_ns - milestone.first_scheduled_ns) / 1e9
             )
             histograms["request_decode_time_seconds"].observe(decode_ns / 1e9)
+            for gap_ns in preemption_gaps_ns(milestone):  # no iteration interval holds them
+                self._inter_token.observe(gap_ns / 1e9)
             if milestone.num_output_tokens > 1:
                 histograms["time_per_output_token_seconds"].observe(  # ns first: 7.5 ms
                     decode_ns / (milestone.num_output_tokens - 1) / 1e9  # stays le="0.0075"
