@@ -422,6 +422,11 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
 
 
+class PromptStepTooSlow(ValueError):
+    """No budget meets the target: an iteration that carries any prompt at all, before its
+    first prompt token, is slower than the target (a fixed cost: no smaller chunk helps)."""
+
+
 def recommend(
     fit: Fit, itl_target: float, min_chunk_tokens: int = 512, kv_seqs: int | None = None
 ) -> Recommendation:
@@ -436,7 +441,7 @@ def recommend(
     if floor > iteration_target:
         carrying = fixed_time - fit.base_time  # a prompt's and a prompt step's costs
         of_it = f", {carrying * 1000:.1f} ms of it for carrying a prompt at all" if carrying else ""
-        raise ValueError(
+        raise PromptStepTooSlow(
             f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
             f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
             f"prompt ({floor * 1000:.1f} ms by the fit before its first prompt token{of_it}): "
