@@ -27,6 +27,13 @@ from telemetry.lane.recording import message_time_ns
 SILENCE_SETTING = (
     "Check the engine's logs and exit status (alert and runbook: IterscopeEngineDown)."
 )
+# A silence with seq continuous: the same process stopped whole and went on.
+FROZEN_SETTING = (
+    "Not a tuning setting: the whole process stopped and went on (SIGSTOP, a debugger, the "
+    "host swapping or starved of CPU, a native call holding the interpreter): check the "
+    "host's memory and CPU pressure and what signals the process (alert and runbook: "
+    "IterscopeEngineDown)."
+)
 SEQ_RESTART_SLACK = 64  # a seq this far below the highest seen means the engine restarted
 
 
@@ -481,7 +488,7 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
             f"{in_flight_text(in_flight)} at the last message before it"
         ),
         explanation=why,
-        setting=SILENCE_SETTING,
+        setting=SILENCE_SETTING if restarted else FROZEN_SETTING,
         numbers={
             "silent_time_s": (end_ns - start_ns) / NS_PER_S,
             "restarted": restarted,
