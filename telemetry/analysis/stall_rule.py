@@ -17,11 +17,11 @@ biggest iteration the rule has measured (M tokens in D s, its own elapsed time; 
 speed per token does not age, so it is kept for good), the threshold is at least
 STALL_FACTOR x D x (N / M)^2, at most STALL_STEP_CAP_S; with nothing measured yet (the
 engine's first step), STALL_STEP_CAP_S (record.step_time_bound_ns, which our engine's own
-/health applies too). An iteration's time grows at most with the square of
-its tokens (a fixed part, the weights' work per token, attention's per pair of tokens), so an
-engine computing an 8,000-token prompt after 500-token ones, or as its first step, is not
-called stalled before it could have finished; the cap bounds how late a hang inside such a
-step is found (from a 21-token step of 86 ms, the square gave a 7,000-token one 5.3 hours).
+/health applies too). An iteration's time grows at most with the square of its tokens (a
+fixed part, the weights' work per token, attention's per pair of tokens), so an engine
+computing an 8,000-token prompt after 500-token ones, or as its first step, is not called
+stalled before it could have finished; the cap bounds how late a hang inside such a step is
+found (from a 21-token step of 86 ms, the square gave a 7,000-token one 5.3 hours).
 Steps no bigger than what was measured keep the threshold above: an engine that has run a
 full token budget once gets no slack.
 """
