@@ -318,21 +318,29 @@ def test_engine_process_publishes_records_and_heartbeats(tmp_path):
     assert heartbeat.pid == client.ready.pid
 
 
+def states_until_finished(client, stream, stall_after_s: float = 0.5) -> set[str]:
+    """The engine states the client reads (stalled after ``stall_after_s``) every 0.1 s
+    until ``stream`` finishes (30 s at most)."""
+    states = set()
+    deadline = time.monotonic() + 30
+    while not stream.finished and time.monotonic() < deadline:
+        states.add(client.engine_status(stall_after_s))
+        with contextlib.suppress(queue.Empty):
+            stream.get(timeout=0.1)
+    return states
+
+
 def test_an_iteration_bigger_than_any_before_is_given_its_time_before_stalled():
     """An engine's first iteration (or a prompt longer than all before) may take long: a
     7,000-token prompt took 24-45 s on 2 CPU cores, and /health said "stalled" (503, a
     readiness probe takes the pod out) while the sidecar rightly said running. The engine
     says such an iteration is starting and the time it may take (the sidecar's rule); the
-    client waits that long. A later small iteration that hangs is stalled as before."""
+    client waits that long (a small iteration that hangs is stalled as before: the test
+    after)."""
     client = start_client(stalling(FakeRunner, at_call=1, seconds=2.0))
     try:
         stream = client.add_request([1, 2, 3], greedy(4))
-        states = set()
-        deadline = time.monotonic() + 30
-        while not stream.finished and time.monotonic() < deadline:
-            states.add(client.engine_status(0.5))
-            with contextlib.suppress(queue.Empty):
-                stream.get(timeout=0.1)
+        states = states_until_finished(client, stream)
         assert stream.finished and "running" in states and "stalled" not in states, states
     finally:
         client.shutdown()
@@ -345,12 +353,7 @@ def test_engine_state_tells_stalled_from_running_and_idle():
     try:
         assert client.engine_status(0.5) == "idle"
         stream = client.add_request([1, 2, 3], greedy(10))
-        states = set()
-        deadline = time.monotonic() + 30
-        while not stream.finished and time.monotonic() < deadline:
-            states.add(client.engine_status(0.5))
-            with contextlib.suppress(queue.Empty):
-                stream.get(timeout=0.1)
+        states = states_until_finished(client, stream)
         assert stream.finished and {"running", "stalled"} <= states
         assert client.engine_status(0.5) == "idle"
     finally:
