@@ -813,3 +813,19 @@ def test_batch_composition_is_by_decoding_requests_not_tokens_produced():
     summary = summarize(build_timelines(records)[0])
     shares = (summary.decode_only_share, summary.prefill_only_share, summary.mixed_share)
     assert shares == (0.5, 0.5, 0.0)
+
+
+def test_json_findings_name_the_kind_the_live_sidecar_and_alerts_use(tmp_path, capsys):
+    """explain's kinds are its episodes' (a silence is a telemetry_gap, waiting is waiting):
+    `live_kind` is the one /metrics, the alerts and the live findings use, to join them."""
+    path = synthetic.write_records(
+        synthetic.scripted(synthetic.SCRIPTED_CLIFF), tmp_path / "cliff.jsonl"
+    )
+    assert main([str(path), "--json"]) == 0
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    kinds = {finding["kind"]: finding["live_kind"] for finding in engine["findings"]}
+    assert kinds == {
+        "telemetry_gap": "dead",
+        "kv_cliff": "kv_cliff",
+        "long_prefill": "long_prefill",
+    }

@@ -14,6 +14,7 @@ from telemetry.analysis.actions import episode_action, finding_action
 from telemetry.analysis.clock import clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.findings import Finding, build_findings, cost_phrase
+from telemetry.analysis.live_findings import finding_kind
 from telemetry.analysis.summary import format_summary, summarize
 from telemetry.analysis.timeline import EngineTimeline
 from telemetry.analysis.words import not_reported, plural
@@ -195,6 +196,8 @@ def episode_json(tl: EngineTimeline, episode: Episode) -> dict:
 def finding_json(tl: EngineTimeline, finding: Finding, thresholds: Thresholds) -> dict:
     return {
         "kind": finding.kind,
+        # the kind as the live sidecar, /metrics and the alerts name it (waiting_kv, dead...)
+        "live_kind": finding_kind(finding.worst),
         "title": finding.title,
         "count": finding.count,
         "total_time_s": finding.total_time,
