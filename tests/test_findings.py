@@ -213,6 +213,7 @@ def test_json_findings(tmp_path, capsys):
     top = engine["findings"][0]
     assert set(top) == {
         "kind",
+        "live_kind",
         "title",
         "count",
         "total_time_s",
