@@ -61,7 +61,7 @@ def test_explain_finds_drafts_that_cost_more_than_they_save(costly):
     drafts has no drafts behind it and is not judged; the others are, the episode's figures
     are its latest step's, and each of its decode tokens came later by its own step's."""
     timeline = build_timelines(costly.messages)[0]
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert findings[0].kind == "costly_drafts"
     (episode,) = findings[0].episodes
     steps, drafting = row_steps(timeline), timeline.col("num_drafts") > 0
@@ -239,7 +239,7 @@ def test_on_a_real_vllm_the_finding_is_first_and_says_what_tune_says():
     per output token without drafts)."""
     path = Path(__file__).parent / "data" / "vllm_costly_drafts.jsonl"
     (timeline,) = read_timelines([path])[0].values()
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert [finding.kind for finding in findings][:1] == ["costly_drafts"]
     (episode,) = findings[0].episodes
     drafting = timeline.col("num_drafts") > 0

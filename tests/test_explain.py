@@ -778,7 +778,7 @@ def test_each_episode_of_all_has_the_action_its_live_finding_gave(tmp_path, caps
     text = " ".join(capsys.readouterr().out.split())
     for episode in episodes:
         assert "change " + " ".join(episode_action(timeline, episode, Thresholds()).split()) in text
-    (finding,) = build_findings(timeline, episodes)
+    (finding,) = build_findings(timeline, episodes, Thresholds())
     assert finding_action(timeline, finding, Thresholds()) == episode_action(
         timeline, finding.worst, Thresholds()
     )

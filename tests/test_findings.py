@@ -20,7 +20,7 @@ from telemetry.lane.record import EVENT_FIRST_TOKEN, Heartbeat, IterationRecord,
 
 def findings_of(sim: Simulator):
     timeline = build_timelines(sim.messages)[0]
-    return timeline, build_findings(timeline, detect_episodes(timeline))
+    return timeline, build_findings(timeline, detect_episodes(timeline), Thresholds())
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ CLIFF_ROWS = synthetic.SCRIPTED_CLIFF
 
 def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp_path, capsys):
     timeline = build_timelines(scripted(CLIFF_ROWS))[0]
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert [f.kind for f in findings] == ["telemetry_gap", "kv_cliff", "long_prefill"]
     silence, cliff, prefill = findings
     assert cliff.cost == pytest.approx(6 * 0.010 + 0.040)  # waited, then recomputed
@@ -81,14 +81,14 @@ def test_an_episode_costs_its_own_iterations_not_the_next_one_back_to_back():
     timeline = build_timelines(scripted(rows))[0]
     (saturated,) = [e for e in detect_episodes(timeline) if e.kind == "kv_saturation"]
     assert timeline.col("start_ns")[10] == saturated.end_ns  # back to back
-    assert episode_cost(timeline, saturated) == pytest.approx(10 * 2 * 0.010)
+    assert episode_cost(timeline, saturated, Thresholds()) == pytest.approx(10 * 2 * 0.010)
 
 
 def test_a_fault_ranks_first_even_before_it_costs_requests():
     """Blocks held with nothing running cost no request time yet, but only a restart fixes it."""
     leaking = [Row(0.010, running=0, waiting=0, blocks_used=20)] * 3
     timeline = build_timelines(scripted(CLIFF_ROWS[:11] + leaking))[0]
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert [f.kind for f in findings] == ["kv_leak", "kv_cliff", "long_prefill"]
     assert findings[0].cost == 0 < findings[2].cost < findings[1].cost
     text = "\n".join(format_findings(timeline, findings, Thresholds()))
@@ -144,7 +144,7 @@ def test_requests_held_back_by_the_engine_are_not_sent_to_an_admission_limit():
     for record in records:
         record.num_waiting_other_reqs, record.num_waiting_kv_reqs = record.num_waiting_kv_reqs, 0
     timeline = build_timelines(records)[0]
-    (finding,) = build_findings(timeline, detect_episodes(timeline))
+    (finding,) = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert finding.kind == "waiting" and finding.worst.numbers["reason"] == "waiting_other"
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith("Not an admission limit")
@@ -153,7 +153,7 @@ def test_requests_held_back_by_the_engine_are_not_sent_to_an_admission_limit():
     start_ns = records[0].start_ns
     cadence = heartbeat(0, 1000, start_ns, start_ns, prefill_schedule_interval=8)
     timeline = build_timelines([cadence, *records])[0]
-    (finding,) = build_findings(timeline, detect_episodes(timeline))
+    (finding,) = build_findings(timeline, detect_episodes(timeline), Thresholds())
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith("Lower --prefill-schedule-interval (now 8), down to 1 to turn")
     assert "once every 8 steps" in action
@@ -187,7 +187,7 @@ def test_same_kind_episodes_merge_into_one_finding():
     episodes = detect_episodes(timeline)
     assert finding.kind == "long_prefill" and finding.count == len(episodes) == 3
     assert finding.total_time == pytest.approx(sum(e.duration_time for e in episodes))
-    costs = [episode_cost(timeline, e) for e in episodes]
+    costs = [episode_cost(timeline, e, Thresholds()) for e in episodes]
     assert finding.cost == pytest.approx(sum(costs)) and min(costs) > 0
     assert finding.worst == episodes[costs.index(max(costs))]
     action = finding_action(timeline, finding, Thresholds())
@@ -687,7 +687,7 @@ def test_a_storm_costs_until_its_requests_run_again_not_while_later_arrivals_wai
         + [Row(0.010, running=10, waiting=3, blocks_used=99, gen_reqs=10)] * 20
     )
     timeline = build_timelines(synthetic.scripted(rows))[0]
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     (storm,) = [f for f in findings if f.kind == "preemption_storm"]
     # waited 6 iterations of 10 ms each, then recomputed in the 10 ms iteration that took them
     assert storm.cost == pytest.approx(3 * 6 * 0.010 + 3 * 0.010)

@@ -94,7 +94,7 @@ def scenario():
 
 def test_explain_finds_speculation_that_gains_nothing(scenario):
     timeline = build_timelines(scenario.messages)[0]
-    findings = build_findings(timeline, detect_episodes(timeline))
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert [finding.kind for finding in findings] == [KIND]
     (episode,) = findings[0].episodes
     first = int(timeline.col("start_ns").searchsorted(episode.start_ns))
@@ -197,7 +197,9 @@ def test_drafts_that_cost_and_gain_nothing_are_this_kind_not_costly_drafts():
     payoff = draft_payoff(timeline, fit_iteration_time(timeline))
     assert -payoff.saving - 2 * payoff.saving_error > 0.1
     assert detect_costly_drafts(timeline, Thresholds()) == []
-    assert [f.kind for f in build_findings(timeline, detect_episodes(timeline))] == [KIND]
+    assert [f.kind for f in build_findings(timeline, detect_episodes(timeline), Thresholds())] == [
+        KIND
+    ]
 
 
 def test_on_a_real_vllm_the_live_sidecar_and_explain_both_say_it():

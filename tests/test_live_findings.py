@@ -83,7 +83,8 @@ def test_finding_1_is_the_true_cause_live_and_in_explain(name, tmp_path):
     path = make().write(tmp_path / "recording.jsonl")
     (timeline,) = read_timelines([path])[0].values()
     explained_first = [
-        finding_kind(f.worst) for f in build_findings(timeline, detect_episodes(timeline))
+        finding_kind(f.worst)
+        for f in build_findings(timeline, detect_episodes(timeline), Thresholds())
     ][:1]
     assert rank_kinds(replayed(path))[:1] == explained_first == ([truth] if truth else [])
 
@@ -607,13 +608,31 @@ def test_an_iteration_frozen_mid_way_is_the_silence_s_not_a_long_prefill(tmp_pat
     # between the last message and the stop (it was 11 s x the requests waiting more)
     unfrozen = build_timelines(make().messages)[0]
     frozen_cost, unfrozen_cost = (
-        sum(episode_cost(tl, e) for e in detect_episodes(tl) if e.kind == "waiting")
+        sum(episode_cost(tl, e, Thresholds()) for e in detect_episodes(tl) if e.kind == "waiting")
         for tl in (timeline, unfrozen)
     )
     most_waiting = int(timeline.col("num_waiting_reqs").max())
     assert unfrozen_cost > 0 and abs(frozen_cost - unfrozen_cost) <= most_waiting * 1.1
     live = replayed(path)
     assert_same_findings(explained(timeline), live)
+
+
+def test_the_waiting_cost_takes_out_silences_by_the_run_s_dead_after():
+    """A 4 s freeze is a silence at the default dead_after (2.5 s), and the waiting across it
+    is the silence's cost; with --dead-after 5 it is no silence, and the waiting it held is
+    the waiting's cost (episode_cost took silences out at the default whatever the run's)."""
+    make, _ = SCENARIOS["story3 sequence limit"]
+    timeline = build_timelines(frozen_mid_iteration(make(), after_s=5.0, for_s=4.0))[0]
+
+    def waiting_cost(thresholds: Thresholds) -> float:
+        episodes = detect_episodes(timeline, thresholds)
+        return sum(episode_cost(timeline, e, thresholds) for e in episodes if e.kind == "waiting")
+
+    frozen_row = int(timeline.col("elapsed_ns").argmax())
+    waiting_across = int(timeline.col("num_waiting_reqs")[frozen_row])
+    assert waiting_across > 0
+    by_default, patient = waiting_cost(Thresholds()), waiting_cost(Thresholds(dead_after=5.0))
+    assert patient - by_default == pytest.approx(waiting_across * 4.0, rel=0.1)
 
 
 def decoding_then_a_long_step(step_s: float) -> list:

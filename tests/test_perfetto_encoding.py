@@ -83,17 +83,19 @@ def test_the_trace_reads_back_as_the_object_built_one_did(recording, tmp_path):
     # not when the golden traces were made)
     (timeline,) = read_timelines([source])[0].values()
     episodes = detect_episodes(timeline)
-    drawn_episodes = [e for f in build_findings(timeline, episodes) for e in f.episodes]
+    drawn_episodes = [
+        e for f in build_findings(timeline, episodes, Thresholds()) for e in f.episodes
+    ]
     for name in ("evidence", "explanation"):
         assert today[name] == {(e.start_ns, e.end_ns): getattr(e, name) for e in drawn_episodes}
     assert costs == {
-        (e.start_ns, e.end_ns): pytest.approx(episode_cost(timeline, e))
+        (e.start_ns, e.end_ns): pytest.approx(episode_cost(timeline, e, Thresholds()))
         for e in episodes
         if e.severity != INFO
     }
     assert actions == {
         (e.start_ns, e.end_ns): finding_action(timeline, finding, Thresholds())
-        for finding in build_findings(timeline, episodes)
+        for finding in build_findings(timeline, episodes, Thresholds())
         for e in finding.episodes
     }
     assert any(what == "instants" for what, _ in drawn[0]) == (recording == "preemptions")

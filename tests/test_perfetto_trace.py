@@ -109,7 +109,7 @@ def test_every_iteration_counter_sample_request_and_finding_is_in_the_trace_at_i
             assert drawn.args["ttft_ms"] == pytest.approx(ttft_ms)
 
     th = Thresholds()
-    findings = build_findings(tl, detect_episodes(tl, th))
+    findings = build_findings(tl, detect_episodes(tl, th), th)
     drawn = sorted(
         (s.start_ns, s.name, s.args["action"])
         for lane in trace.children(process_uuid, "findings ")

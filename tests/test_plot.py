@@ -10,7 +10,7 @@ from scenarios import synthetic
 from scenarios.synthetic import Cost, Simulator, arrivals
 
 from telemetry.analysis.clock import clock_text
-from telemetry.analysis.episodes import detect_episodes
+from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.explain import main
 from telemetry.analysis.findings import build_findings
 from telemetry.analysis.plot import batch_kinds, draw_timelines
@@ -38,7 +38,7 @@ def story2():
 def drawn(sim: Simulator):
     timelines = build_timelines(sim.messages)
     episodes = {k: detect_episodes(tl) for k, tl in timelines.items()}
-    figure = draw_timelines(timelines, episodes)
+    figure = draw_timelines(timelines, episodes, Thresholds())
     figure.canvas.draw()
     return timelines, episodes, figure
 
@@ -141,7 +141,7 @@ def test_one_marker_per_finding_at_its_worst_time_as_in_the_text(
     text = capsys.readouterr().out
     timelines, episodes, figure = drawn(story2)
     tl = timelines[0]
-    findings = build_findings(tl, episodes[0])
+    findings = build_findings(tl, episodes[0], Thresholds())
     markers = finding_markers(figure)
     assert len(findings) >= 3 and len(markers) == len(findings)
     (top_legend,) = [g for g in figure.legends if "findings" in g.get_title().get_text()]

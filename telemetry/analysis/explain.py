@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
         episodes = {k: detect_episodes(tl, thresholds) for k, tl in timelines.items()}
         try:
-            plot_timelines(timelines, episodes, args.plot)
+            plot_timelines(timelines, episodes, thresholds, args.plot)
         except OSError as error:
             print(f"iterscope explain: cannot write --plot {args.plot}: {error}", file=sys.stderr)
             return 1

@@ -174,7 +174,7 @@ def format_engine(
             f"  recorded {clock_text(tl, tl.first_ns, with_date=True)} -> "
             f"{clock_text(tl, tl.last_ns)}"
         )
-    lines += format_findings(tl, build_findings(tl, episodes), thresholds)
+    lines += format_findings(tl, build_findings(tl, episodes, thresholds), thresholds)
     lines.append("")
     lines += [f"  {line}" for line in format_summary(summarize(tl))]
     if show_all:
@@ -217,7 +217,10 @@ def report_json(timelines: dict[int, EngineTimeline], thresholds: Thresholds) ->
                 "engine_index": tl.engine_index,
                 "facts": tl.facts,
                 "summary": summarize(tl).to_dict(),
-                "findings": [finding_json(tl, f, thresholds) for f in build_findings(tl, episodes)],
+                "findings": [
+                    finding_json(tl, f, thresholds)
+                    for f in build_findings(tl, episodes, thresholds)
+                ],
                 "episodes": [episode_json(tl, e) for e in episodes],
             }
         )

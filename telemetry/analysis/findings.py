@@ -127,7 +127,9 @@ def _span_rows(tl: EngineTimeline, episode: Episode) -> slice:
     return slice(first, stop)
 
 
-def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray) -> float:
+def _queued_request_seconds(
+    tl: EngineTimeline, rows: slice, counts: np.ndarray, dead_after_s: float
+) -> float:
     """Each row's count (aligned with ``rows``) times the time until the next iteration starts:
     a record's waiting count holds until then. The last row's holds until it ends. Time the
     engine was silent (frozen whole) is the silence's cost, not counted here again."""
@@ -136,15 +138,14 @@ def _queued_request_seconds(tl: EngineTimeline, rows: slice, counts: np.ndarray)
         return 0.0
     next_starts = np.r_[starts[rows.start + 1 : rows.stop], ends[rows.stop - 1]]
     durations = np.maximum(next_starts - starts[rows], 0)
-    dead_after_s = Thresholds().dead_after
     if durations.max() > dead_after_s * NS_PER_S:  # else no silence fits in one: not sought
         silent = Silences(tl, dead_after_s).overlap_ns(starts[rows], next_starts)
         durations = np.maximum(durations - silent, 0)
     return float((counts * durations).sum() / NS_PER_S)
 
 
-def _waiting_request_seconds(tl: EngineTimeline, rows: slice) -> float:
-    return _queued_request_seconds(tl, rows, tl.col("num_waiting_reqs")[rows])
+def _waiting_request_seconds(tl: EngineTimeline, rows: slice, th: Thresholds) -> float:
+    return _queued_request_seconds(tl, rows, tl.col("num_waiting_reqs")[rows], th.dead_after)
 
 
 def _not_readmitted(tl: EngineTimeline, first: int) -> np.ndarray:
@@ -162,7 +163,9 @@ def _not_readmitted(tl: EngineTimeline, first: int) -> np.ndarray:
     return total - np.minimum.accumulate(np.minimum(total, 0))
 
 
-def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -> float:
+def _evicted_request_seconds(
+    tl: EngineTimeline, first: int, num_evicted: int, th: Thresholds
+) -> float:
     """What a cliff starting at row ``first`` (before any eviction) cost the requests it sent
     back to waiting (see the module's docstring)."""
     waiting = tl.col("num_waiting_reqs")
@@ -173,7 +176,7 @@ def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -
         return 0.0
     back = np.flatnonzero(evicted[raised[0] :] == 0)
     stop = first + raised[0] + int(back[0]) if back.size else tl.num_iterations
-    waited = _queued_request_seconds(tl, slice(first, stop), evicted[: stop - first])
+    waited = _queued_request_seconds(tl, slice(first, stop), evicted[: stop - first], th.dead_after)
     # Up to the row that admits the last of them: a fall in the count is requests admitted
     # again, each recomputing its prompt in that row's iteration.
     span = evicted[: stop - first + 1]
@@ -182,13 +185,13 @@ def _evicted_request_seconds(tl: EngineTimeline, first: int, num_evicted: int) -
     return waited + recompute_ns / NS_PER_S
 
 
-def _slowed_request_seconds(tl: EngineTimeline, rows: slice) -> float:
+def _slowed_request_seconds(tl: EngineTimeline, rows: slice, th: Thresholds) -> float:
     """Each mixed iteration's decoding requests x its time beyond its own baseline (the
     median decode-only iteration before it, as the detector judged it; none: nothing)."""
     num_decode_reqs = tl.col("num_decode_reqs")
     mixed = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
     index = np.arange(rows.start, rows.stop)[mixed[rows]]
-    extra_ns = tl.col("elapsed_ns")[index] - decode_baselines(tl, index, Thresholds())
+    extra_ns = tl.col("elapsed_ns")[index] - decode_baselines(tl, index, th)
     extra_ns = np.where(np.isnan(extra_ns), 0.0, np.maximum(extra_ns, 0.0))
     return float((num_decode_reqs[index] * extra_ns).sum()) / NS_PER_S
 
@@ -215,8 +218,9 @@ def is_silence(episode: Episode) -> bool:
     return episode.kind == "telemetry_gap" and "silent_time_s" in episode.numbers
 
 
-def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
-    """Request-seconds the episode cost (see the module's docstring)."""
+def episode_cost(tl: EngineTimeline, episode: Episode, thresholds: Thresholds) -> float:
+    """Request-seconds the episode cost (see the module's docstring), by the thresholds its
+    episodes were detected with (silences: ``dead_after``; long prefill: the baselines)."""
     if is_silence(episode):
         return episode.numbers.get("in_flight_reqs", 0) * episode.duration_time
     if COST_LABELS.get(episode.kind) == "unknown":
@@ -224,7 +228,7 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     if episode.kind in EVICTING_KINDS:
         first = eviction_baseline_row(tl, episode)
         num_evicted = episode.numbers.get("num_evicted", episode.numbers.get("num_preemptions"))
-        return _evicted_request_seconds(tl, first, num_evicted)
+        return _evicted_request_seconds(tl, first, num_evicted, thresholds)
     if episode.kind == "stall" and "max_running_reqs" in episode.numbers:
         busy = episode.numbers["max_waiting_reqs"] + episode.numbers["max_running_reqs"]
         return busy * episode.duration_time
@@ -232,8 +236,8 @@ def episode_cost(tl: EngineTimeline, episode: Episode) -> float:
     if episode.kind == "costly_drafts":
         return _drafts_request_seconds(tl, rows, episode)
     if episode.kind == "long_prefill":
-        return _slowed_request_seconds(tl, rows)
-    return _waiting_request_seconds(tl, rows)
+        return _slowed_request_seconds(tl, rows, thresholds)
+    return _waiting_request_seconds(tl, rows, thresholds)
 
 
 def _group_key(episode: Episode) -> tuple[str, str]:
@@ -243,8 +247,11 @@ def _group_key(episode: Episode) -> tuple[str, str]:
     )
 
 
-def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]:
-    """Problem episodes merged by kind, ranked (see the module's docstring and _rank_key)."""
+def build_findings(
+    tl: EngineTimeline, episodes: list[Episode], thresholds: Thresholds
+) -> list[Finding]:
+    """Problem episodes (detected with ``thresholds``) merged by kind, ranked (see the
+    module's docstring and _rank_key)."""
     groups: dict[tuple[str, str], Finding] = {}
     for episode in episodes:
         if episode.severity == INFO:
@@ -252,7 +259,7 @@ def build_findings(tl: EngineTimeline, episodes: list[Episode]) -> list[Finding]
         key = _group_key(episode)
         finding = groups.setdefault(key, Finding(episode.kind, [], []))
         finding.episodes.append(episode)
-        finding.costs.append(episode_cost(tl, episode))
+        finding.costs.append(episode_cost(tl, episode, thresholds))
     return sorted(groups.values(), key=_rank_key, reverse=True)
 
 

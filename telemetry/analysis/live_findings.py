@@ -504,7 +504,7 @@ class EngineFindings:
         finding.end_ns = max(finding.end_ns, episode.end_ns)
         finding.title, finding.evidence = episode.title, episode.evidence
         finding.source_episode = episode
-        cost = episode_cost(tl, episode)
+        cost = episode_cost(tl, episode, self.thresholds)
         if episode.start_ns > finding.start_ns:  # the window no longer holds its start
             finding.truncated = True
             cost = max(cost, finding.cost)

@@ -891,7 +891,7 @@ def finding_slices(tl: EngineTimeline, thresholds: Thresholds) -> Iterator[Numbe
     """A slice per episode of each finding explain reports, with the finding's action, and
     the finding's number among them."""
     episodes = detect_episodes(tl, thresholds)
-    for number, finding in enumerate(build_findings(tl, episodes)):
+    for number, finding in enumerate(build_findings(tl, episodes, thresholds)):
         action = finding_action(tl, finding, thresholds)
         for episode, cost in zip(finding.episodes, finding.costs, strict=True):
             args = {

@@ -26,7 +26,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from telemetry.analysis.clock import clock_text  # noqa: E402
-from telemetry.analysis.episodes import Episode  # noqa: E402
+from telemetry.analysis.episodes import Episode, Thresholds  # noqa: E402
 from telemetry.analysis.findings import build_findings  # noqa: E402
 from telemetry.analysis.plot_time import TimeAxis  # noqa: E402
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline  # noqa: E402
@@ -61,9 +61,12 @@ BATCH_STYLES = {
 
 
 def draw_timelines(
-    timelines: dict[int, EngineTimeline], episodes: dict[int, list[Episode]]
+    timelines: dict[int, EngineTimeline],
+    episodes: dict[int, list[Episode]],
+    thresholds: Thresholds,
 ) -> Figure:
-    """Every engine's series, episodes and findings on one figure (not saved, not closed)."""
+    """Every engine's series, episodes (detected with ``thresholds``) and findings on one
+    figure (not saved, not closed)."""
     axis = TimeAxis(timelines)
     figure, axes = plt.subplots(4, 1, figsize=(12, 11), sharex=True)
     kv_ax, queue_ax, token_ax, time_ax = axes
@@ -81,16 +84,19 @@ def draw_timelines(
         _plot_iteration_times(time_ax, t, tl, marker, suffix)
     _label_axes(axes, axis)  # before the findings' markers, which go in the figure's legend
     kinds = _shade_episodes(axes, axis, timelines, episodes)
-    findings = _mark_findings(axes, axis, timelines, episodes)
+    findings = _mark_findings(axes, axis, timelines, episodes, thresholds)
     _figure_legends(figure, kinds, findings)
     return figure
 
 
 def plot_timelines(
-    timelines: dict[int, EngineTimeline], episodes: dict[int, list[Episode]], path: Path
+    timelines: dict[int, EngineTimeline],
+    episodes: dict[int, list[Episode]],
+    thresholds: Thresholds,
+    path: Path,
 ) -> Path:
     """Draw every engine's series on one figure and save it as PNG (or any matplotlib format)."""
-    figure = draw_timelines(timelines, episodes)
+    figure = draw_timelines(timelines, episodes, thresholds)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return Path(path)
@@ -195,7 +201,11 @@ def _shade_episodes(
 
 
 def _mark_findings(
-    axes, axis: TimeAxis, timelines: dict[int, EngineTimeline], episodes: dict[int, list[Episode]]
+    axes,
+    axis: TimeAxis,
+    timelines: dict[int, EngineTimeline],
+    episodes: dict[int, list[Episode]],
+    thresholds: Thresholds,
 ) -> list[Line2D]:
     """A numbered marker above the top panel, and a dotted line through every panel, at each
     finding's worst instance; numbered and timed as in explain's text (costliest first)."""
@@ -204,7 +214,7 @@ def _mark_findings(
     for engine_index, engine_episodes in episodes.items():
         tl = timelines[engine_index]
         prefix = f"engine {engine_index}, " if len(timelines) > 1 else ""
-        for number, finding in enumerate(build_findings(tl, engine_episodes), 1):
+        for number, finding in enumerate(build_findings(tl, engine_episodes, thresholds), 1):
             (x,) = axis.x(tl, [finding.worst.start_ns])
             for ax in axes:
                 ax.axvline(x, color=FINDING_COLOUR, ls=":", lw=1)

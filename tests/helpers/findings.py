@@ -51,7 +51,7 @@ def explained(timeline: EngineTimeline, thresholds: Thresholds | None = None) ->
         if kind == "dead":  # live names the last iteration before the silence
             before = int(timeline.col("end_ns").searchsorted(episode.start_ns, side="right"))
             iteration = int(timeline.col("iteration")[before - 1]) if before else 0
-        rows.append((kind, iteration, episode_cost(timeline, episode)))
+        rows.append((kind, iteration, episode_cost(timeline, episode, thresholds or Thresholds())))
     return sorted(rows)
 
 

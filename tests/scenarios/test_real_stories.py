@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from telemetry.analysis.episodes import INFO, detect_episodes
+from telemetry.analysis.episodes import INFO, Thresholds, detect_episodes
 from telemetry.analysis.explain import main, read_timelines
 from telemetry.analysis.findings import build_findings
 from telemetry.analysis.summary import summarize
@@ -36,7 +36,7 @@ KV_WAIT_KINDS = {"kv_cliff", "kv_saturation", "preemption_storm"}
 
 def top_finding(timeline, episodes, capsys, recording):
     """The first finding, checked to be the first the text prints."""
-    findings = build_findings(timeline, episodes)
+    findings = build_findings(timeline, episodes, Thresholds())
     assert findings
     assert main([str(recording)]) == 0
     first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  1. "))
@@ -89,7 +89,9 @@ def test_story1_kv_cliff_with_counted_preemption(real_story, capsys):
     top = top_finding(timeline, episodes, capsys, recording)
     assert top.kind in KV_WAIT_KINDS or top.worst.numbers.get("reason") == "waiting_kv", top.kind
     # The requests sent back to waiting cost their wait and their recompute: not nothing.
-    assert top.cost > 0 and top.cost >= max(f.cost for f in build_findings(timeline, episodes))
+    assert top.cost > 0 and top.cost >= max(
+        f.cost for f in build_findings(timeline, episodes, Thresholds())
+    )
 
 
 def test_story2_leak_hook(real_story, capsys):
