@@ -31,6 +31,7 @@ STATE_CODES = {
     "running": (1, "green"),
     "stalled": (2, "orange"),
     "dead": (3, "red"),
+    "closed": (4, "grey"),  # its lane closed with nothing in flight: a shutdown
 }
 # The columns of the open findings table, in order: an engine, then what is wrong and the fix.
 FINDING_COLUMNS = ("instance", "engine", "kind", "title", "action")
@@ -40,7 +41,7 @@ def engine_state_expr() -> str:
     """One series per engine (instance, engine): the code of its current state (STATE_CODES).
 
     iterscope_engine_state is 1 for the current state and 0 for the others, so the current
-    state's code is the maximum of state * code over the four states.
+    state's code is the maximum of state * code over the states.
     """
     terms = []
     for state, (code, _) in STATE_CODES.items():

@@ -22,11 +22,12 @@ from tests.helpers.lane import RecordingSink, heartbeat, record
 from tests.helpers.wait import wait_until
 
 SECOND = 1_000_000_000
-IDLE, RUNNING, STALLED, DEAD = (
+IDLE, RUNNING, STALLED, DEAD, CLOSED = (
     EngineStatus.IDLE,
     EngineStatus.RUNNING,
     EngineStatus.STALLED,
     EngineStatus.DEAD,
+    EngineStatus.CLOSED,
 )
 
 
@@ -141,6 +142,41 @@ def test_a_silence_longer_than_dead_after_is_dead_though_no_tick_fell_in_it(
         # and its live finding, opened and closed (as explain's silence)
         (finding,) = ingest.engines[0].findings.closed
         assert finding.kind == "dead" and finding.duration_s == pytest.approx(silent_s)
+
+
+def closed_then(in_flight: int, restart: bool) -> tuple[RecordingSink, Ingest]:
+    """An engine that idles, closes its lane (its last heartbeat says so, with ``in_flight``
+    requests running), stays silent for 10 s (ticks every 0.1 s), then, if ``restart``,
+    starts again (its seq from 1, a new pid)."""
+    sink = RecordingSink()
+    ingest = Ingest([sink], dead_after_s=2.5)
+    engine = ScriptedEngine(ingest)
+    engine.message(heartbeat, pid=10)
+    engine.message(heartbeat, pid=10, running=in_flight, closing=True)
+    for _ in range(100):
+        engine.now_ns += SECOND // 10
+        ingest.tick(engine.now_ns)
+    if restart:
+        engine.msg_seq = 0
+        engine.message(heartbeat, pid=11)
+    return sink, ingest
+
+
+def test_an_engine_that_closes_its_lane_with_nothing_in_flight_is_closed_never_dead():
+    """A clean shutdown (the publisher's closing heartbeat, nothing in flight) was "Engine
+    down" after 2.5 s, with a finding and an alert: it is closed, and a restart opens it."""
+    sink, ingest = closed_then(in_flight=0, restart=True)
+    assert [status for status, _ in statuses(sink)] == [IDLE, CLOSED, IDLE]
+    assert statuses(sink)[1][1] == 0  # at the closing heartbeat itself
+    assert sink.of("finding") == [] and list(ingest.engines[0].findings.closed) == []
+
+
+def test_an_engine_that_closes_its_lane_with_requests_in_flight_is_dead():
+    """Requests cut off by a shutdown got no token after it: judged as any silence."""
+    sink, ingest = closed_then(in_flight=2, restart=False)
+    assert [status for status, _ in statuses(sink)] == [IDLE, RUNNING, DEAD]
+    (finding,) = ingest.engines[0].findings.open
+    assert finding.kind == "dead"
 
 
 class StuckRunner(FakeRunner):

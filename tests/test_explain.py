@@ -31,6 +31,7 @@ from telemetry.sidecar import explain_command
 from telemetry.sidecar.follow import follow
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks.log import LogSink
+from tests.helpers.findings import explained, replayed
 from tests.helpers.wait import wait_until
 
 
@@ -275,6 +276,27 @@ def test_restarted_engine_is_a_silence_not_a_loss():
     timeline = build_timelines(first.messages + second.messages)[0]
     (gap,) = only(detect_episodes(timeline), "telemetry_gap")
     assert gap.numbers["restarted"] and gap.numbers["silent_time_s"] >= 4
+
+
+def test_an_engine_that_closed_its_lane_and_restarted_is_no_silence_live_or_in_explain(
+    tmp_path, capsys
+):
+    """A clean shutdown (a closing heartbeat, nothing in flight) and a start 5 s later: no
+    silence, no "Engine down", in explain and in the sidecar's replay alike; a recording that
+    ends with one says the engine shut down there."""
+    first = Simulator(cost=synthetic.STORY_COST)
+    first.add_requests(arrivals(2, 3), num_prompt=32, num_output=10)
+    first.run(10).close()
+    second = Simulator(cost=synthetic.STORY_COST, start_s=1015.0).run(5)
+    path = tmp_path / "restarted.jsonl"
+    path.write_bytes(
+        first.write(tmp_path / "a").read_bytes() + second.write(tmp_path / "b").read_bytes()
+    )
+    (timeline,) = read_timelines([path])[0].values()
+    assert "telemetry_gap" not in {e.kind for e in detect_episodes(timeline)}
+    assert explained(timeline) == [] and replayed(path) == []
+    assert main([str(first.write(tmp_path / "closed.jsonl"))]) == 0
+    assert "It ends as the engine closed its telemetry lane at " in capsys.readouterr().out
 
 
 def test_holes_reordering_silences_and_restarts_in_one_stream():

@@ -402,7 +402,33 @@ def test_an_engine_index_conflict_is_an_error_line_at_most_once_per_interval():
 
 
 def test_status_values_are_the_sink_contract():
-    assert [status.value for status in EngineStatus] == ["idle", "running", "stalled", "dead"]
+    assert [status.value for status in EngineStatus] == [
+        "idle",
+        "running",
+        "stalled",
+        "dead",
+        "closed",
+    ]
+
+
+def test_a_clean_close_is_an_info_line_and_the_window_is_printed_at_once():
+    """An engine that closed its lane with nothing in flight: "closed" at INFO, not "dead"
+    at WARNING, and its last iterations' line comes now, as a dead engine's does."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    ingest = Ingest([sink], dead_after_s=2.5)
+    ingest.on_message(heartbeat(0, 100, msg_seq=1), now_ns=100 * SECOND)
+    ingest.on_message(record(0, 100.5, msg_seq=2, num_running_reqs=0), now_ns=int(100.5 * SECOND))
+    closing = lane_heartbeat(0, 3, int(101 * SECOND), int(101 * SECOND), closing=True)
+    ingest.on_message(closing, now_ns=101 * SECOND)
+    for tenth in range(1, 100):
+        ingest.tick(101 * SECOND + tenth * SECOND // 10)
+    assert lines.texts(logging.WARNING) == []
+    assert [text for text in lines.texts(logging.INFO) if "->" in text] == [
+        "Engine 000: running -> closed (it closed its telemetry lane with nothing in flight: a "
+        "shutdown, not a death; last iteration 1)"
+    ]
+    assert any("Avg generation throughput" in text for text in lines.texts(logging.INFO))
 
 
 def test_close_prints_the_open_window_so_every_record_is_in_a_line():

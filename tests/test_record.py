@@ -13,6 +13,7 @@ from telemetry.lane.record import (
     RequestMilestone,
     SpecDecodeCounts,
     heartbeat,
+    is_clean_close,
     iteration_record,
     make_decoder,
     make_encoder,
@@ -251,6 +252,28 @@ def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path,
     assert publisher.num_dropped_total == 6
     assert isinstance(messages[-1], Heartbeat) and messages[-1].num_dropped == 6
     assert sum(m.num_dropped for m in messages) == 6
+
+
+def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatch):
+    """The sidecar reads the silence after a closing heartbeat as a shutdown, not a death:
+    the last message says so, with the queues of the last record, and no other does."""
+    monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
+    try:
+        assert publisher.flush()  # the first heartbeat
+        publisher.publish(decode_record(num_running_reqs=0, num_waiting_reqs=0))
+        publisher.close()
+        messages = []
+        while pull.poll(500):
+            messages.append(make_decoder().decode(pull.recv()))
+    finally:
+        pull.close(linger=0)
+    assert [type(m) for m in messages] == [Heartbeat, IterationRecord, Heartbeat]
+    assert [m.closing for m in messages if type(m) is Heartbeat] == [False, True]
+    assert is_clean_close(messages[-1]) and not is_clean_close(messages[0])
 
 
 def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):

@@ -22,6 +22,8 @@ import openai
 import pytest
 
 from bench.vllm_server import BEST_CPU_FLAGS, PLUGIN_FLAGS, start_vllm, stop_server
+from telemetry.lane.record import is_clean_close
+from telemetry.lane.recording import read_recording
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.ahead import ahead, take
 from tests.helpers.findings import assert_replay_agrees_with_explain
@@ -83,6 +85,7 @@ def speculating_stack(tmp: Path, source: str, **vllm_kwargs) -> Iterator[dict]:
             "api_port": api_port,
             "sidecar_log": tmp / "sidecar.log",
             "recording": tmp / "run.jsonl",
+            "server": server,
         }
     finally:
         if server is not None:
@@ -187,3 +190,20 @@ def test_the_replayed_sidecar_finds_what_explain_finds(spec_stack, tmp_path):
     within 5%)."""
     recording = shutil.copy(spec_stack["recording"], tmp_path / "run.jsonl")
     assert_replay_agrees_with_explain(recording)
+
+
+def test_a_vllm_stopped_by_its_operator_is_closed_not_dead(spec_stack):
+    """Last of spec_stack's tests: vLLM stopped as an operator stops it (SIGTERM to its
+    process group) sends its source's closing heartbeat with nothing in flight: the sidecar
+    says "closed" at once, never "dead" (a shutdown was "Engine down", a finding and an
+    alert), and the recording ends with that heartbeat, which explain reads as a shutdown."""
+    stop_server(spec_stack["server"])
+    log = spec_stack["sidecar_log"]
+    wait_until(lambda: "-> closed" in log.read_text(), 15, "the closed line", interval_s=POLL_S)
+    assert "-> dead" not in log.read_text() and "Engine down" not in log.read_text()
+
+    def last_message():
+        return [m for m in read_recording(spec_stack["recording"]) if not isinstance(m, str)][-1]
+
+    # the recording is flushed as the sidecar writes it (at most a second later)
+    wait_until(lambda: is_clean_close(last_message()), 5, "the closing heartbeat recorded")

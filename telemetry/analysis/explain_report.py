@@ -144,7 +144,8 @@ def format_findings(
 def _ends_mid_work(tl: EngineTimeline) -> list[str]:
     """Where the recording's last message has work in flight, that it stops mid-work: a
     recording cannot tell an engine that died from a recording that was stopped (the live
-    sidecar's log can: "Engine down"), and "No problem found" alone read as a healthy run."""
+    sidecar's log can: "Engine down"), and "No problem found" alone read as a healthy run.
+    Where the last message is a closing heartbeat, the engine shut down there: said so."""
     last_record = tl.records[-1] if tl.records else None
     last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
     if last_record is None and last_heartbeat is None:
@@ -155,6 +156,15 @@ def _ends_mid_work(tl: EngineTimeline) -> list[str]:
     else:
         last = last_record
     running, waiting = last.num_running_reqs, last.num_waiting_reqs
+    if last is last_heartbeat and last.closing:  # the engine said it closed its lane
+        at = clock_text(tl, last.ts_ns)
+        if running + waiting == 0:
+            return [f"  It ends as the engine closed its telemetry lane at {at}: a shutdown."]
+        return [
+            f"  It ends as the engine closed its telemetry lane at {at} with "
+            f"{plural(running, 'request')} running and {waiting} waiting: a shutdown cut "
+            "them off (no token came for them after)."
+        ]
     if running + waiting == 0:
         return []
     return [

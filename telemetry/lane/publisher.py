@@ -3,14 +3,15 @@
 The engine loop's only cost per iteration is ``publish``: a bounded ``deque.append`` of the
 record it filled (no encoding, no syscall, no lock). A sender thread of this module owns the
 socket and the encoder: every ``SEND_INTERVAL_S`` it stamps, encodes and sends what is
-queued, and about once a second it sends a Heartbeat. Torch releases the GIL in its kernels,
-so this work overlaps the forward pass instead of sitting between two of them. The period is
-long on purpose: on a CPU where torch uses every core, each wake-up of another thread stalls
-a parallel region. Waking every 2 ms cost the engine about 5% of its throughput
-(bench/telemetry_throughput.py), and even every 20 ms cost `iterscope serve` on a 2-core CPU
-~5% of its output tok/s against every 100 ms (docs/performance.md): engines whose torch
-threads hold every core (ours on CPU, vLLM's engine core) send every CPU_ENGINE_SEND_INTERVAL_S,
-the rest every SEND_INTERVAL_S, which keeps a record's way to /metrics within 50 ms.
+queued, and about once a second it sends a Heartbeat (at ``close``, a last one that says
+so). Torch releases the GIL in its kernels, so this work overlaps the forward pass instead
+of sitting between two of them. The period is long on purpose: on a CPU where torch uses
+every core, each wake-up of another thread stalls a parallel region. Waking every 2 ms cost
+the engine about 5% of its throughput (bench/telemetry_throughput.py), and even every 20 ms
+cost `iterscope serve` on a 2-core CPU ~5% of its output tok/s against every 100 ms
+(docs/performance.md): engines whose torch threads hold every core (ours on CPU, vLLM's
+engine core) send every CPU_ENGINE_SEND_INTERVAL_S, the rest every SEND_INTERVAL_S, which
+keeps a record's way to /metrics within 50 ms.
 
     engine thread                 sender thread (owns socket + encoder)
     publish(record) --deque-->    seq = next; num_dropped = seq - last_sent_seq - 1
@@ -153,8 +154,10 @@ class ZmqPublisher:
         return done.wait(timeout_s)
 
     def close(self) -> None:
-        """Send what is queued, then stop the sender thread and close the socket, giving
-        ZMQ up to CLOSE_LINGER_MS to deliver the frames it still holds."""
+        """Send what is queued and a closing heartbeat (the last message: the sidecar and
+        explain read the silence after it as a shutdown, not a death), then stop the sender
+        thread and close the socket, giving ZMQ up to CLOSE_LINGER_MS to deliver the frames
+        it still holds."""
         self._closed.set()
         self._wake.set()
         self._thread.join(timeout=5)
@@ -167,12 +170,12 @@ class ZmqPublisher:
         while True:
             closing = self._closed.is_set()
             self._send_queued()
-            unsent_gap = self._next_seq - 1 > self._last_sent_seq  # drops no message carried
-            if time.monotonic() >= next_heartbeat_s or (closing and unsent_gap):
+            if closing:  # the last message: the sidecar reads the silence after it as a close
+                self._send_heartbeat(closing=True)
+                return
+            if time.monotonic() >= next_heartbeat_s:
                 self._send_heartbeat()
                 next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
-            if closing:
-                return
             self._wake.wait(self._send_interval_s)
             self._wake.clear()
 
@@ -199,7 +202,7 @@ class ZmqPublisher:
             self._next_seq += num_new
             self.num_dropped_total += num_new
 
-    def _send_heartbeat(self) -> None:
+    def _send_heartbeat(self, closing: bool = False) -> None:
         ts_ns = time.monotonic_ns()
         seq = self._take_seq()
         heartbeat = Heartbeat(
@@ -213,6 +216,7 @@ class ZmqPublisher:
             num_dropped=seq - self._last_sent_seq - 1,
             **self._facts,
             step_tokens=self._step_tokens,
+            closing=closing,
         )
         self._send(heartbeat)
 

@@ -249,9 +249,24 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     # static facts that let a KV action quote kv-plan for this engine exactly; ""/0 = not said.
     dtype: str = ""
     max_model_len: Count = 0
+    # The publisher's last message: it is closing (the engine shuts down, or its source stops
+    # reporting). With nothing in flight the silence after it is a shutdown, not a death.
+    closing: bool = False
 
 
 Message = IterationRecord | Heartbeat
+
+
+def is_clean_close(message: Message) -> bool:
+    """A closing heartbeat with nothing waiting or running: the engine closed its lane with
+    no request cut off, so the silence after it is no death (the sidecar's "closed" status,
+    and no silence episode in explain). One closing with work in flight is judged as any
+    silence: its requests got no token after it."""
+    return (
+        type(message) is Heartbeat
+        and message.closing
+        and not (message.num_waiting_reqs or message.num_running_reqs)
+    )
 
 
 def _required_zeros(struct_type: type[msgspec.Struct], named: int) -> dict[str, int]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_tracker import MAX_SEQ_JUMP, EngineTracker
-from telemetry.sidecar.engine_view import EngineStatus
+from telemetry.sidecar.engine_view import SILENT_STATUSES
 
 DEFAULT_MAX_ENGINES = 64  # data-parallel ranks behind one sidecar; /metrics grows ~30 KB each
 # A dead engine silent this long may give its place to a new one (a data-parallel
@@ -79,11 +79,12 @@ class EngineRoster:
 
     def evict_dead_engine(self, now_ns: int) -> tuple[int, int] | None:
         """Make room for a new engine: the engine silent longest is removed if it is dead
-        and silent for longer than ``evict_after_s``; its (engine index, silent ns), None if
-        there is none. Its last seq is kept, so if it comes back its gap is exact."""
+        (or closed its lane) and silent for longer than ``evict_after_s``; its (engine index,
+        silent ns), None if there is none. Its last seq is kept, so if it comes back its gap
+        is exact."""
         oldest = min(self.engines.values(), key=lambda state: state.last_message_ns)
         silent_ns = now_ns - oldest.last_message_ns
-        if oldest.view.status is not EngineStatus.DEAD or silent_ns <= self._evict_after_ns:
+        if oldest.view.status not in SILENT_STATUSES or silent_ns <= self._evict_after_ns:
             return None
         del self.engines[oldest.engine_index]
         self._known_last_seqs[oldest.engine_index] = oldest.last_seq

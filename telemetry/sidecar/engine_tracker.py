@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from telemetry.analysis.live_findings import EngineFindings
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.lane.record import Message
-from telemetry.sidecar.engine_view import EngineStatus, EngineView
+from telemetry.sidecar.engine_view import SILENT_STATUSES, EngineView
 
 # A single message may account for at most this many lost messages: about 4.6 hours of an
 # engine iterating a thousand times a second with no sidecar listening.
@@ -90,6 +90,6 @@ class EngineTracker:
         gap = seq - self.last_seq - 1
         if message.num_dropped <= gap <= message.num_dropped + MAX_IN_TRANSIT:
             return gap
-        if is_heartbeat and self.view.status is EngineStatus.DEAD:
+        if is_heartbeat and self.view.status in SILENT_STATUSES:
             return message.num_dropped
         return None

@@ -43,7 +43,7 @@ import enum
 from itertools import zip_longest
 
 from telemetry.analysis.live_findings import EngineFindings
-from telemetry.lane.record import Heartbeat, IterationRecord, SpecDecodeCounts
+from telemetry.lane.record import Heartbeat, IterationRecord, SpecDecodeCounts, is_clean_close
 
 
 class EngineStatus(str, enum.Enum):
@@ -58,12 +58,21 @@ class EngineStatus(str, enum.Enum):
              reported within 3 s). Heartbeats come from the publisher's thread, which runs
              while the engine loop is stuck; only a process that is gone, frozen whole
              (SIGSTOP) or cut off from the lane sends none.
+    CLOSED:  its last message said the lane closes with nothing in flight (record.py's
+             is_clean_close: a shutdown, or a source that stops reporting): its silence is
+             no death, and no finding or alert. A message after it opens the lane again.
     """
 
     IDLE = "idle"
     RUNNING = "running"
     STALLED = "stalled"
     DEAD = "dead"
+    CLOSED = "closed"
+
+
+# No message is expected from an engine in these (the roster may evict it; a message after
+# one comes after a silence).
+SILENT_STATUSES = (EngineStatus.DEAD, EngineStatus.CLOSED)
 
 
 def kv_blocks_total(record: IterationRecord) -> int:
@@ -176,6 +185,7 @@ class EngineView:
         self.last_record: IterationRecord | None = None  # of this process
         self.heartbeat_kv_blocks_total = 0
         self.status: EngineStatus | None = None  # None: not judged yet
+        self.closed = False  # its latest message closed the lane cleanly (is_clean_close)
         self.totals = RecordTotals()
         self.num_messages = 0  # received, checked and passed to the sinks
         self.num_dropped_total = 0  # lost in seq gaps
@@ -242,3 +252,4 @@ class EngineView:
             self.last_iteration = heartbeat.last_iteration
         self.num_waiting_reqs = heartbeat.num_waiting_reqs
         self.num_running_reqs = heartbeat.num_running_reqs
+        self.closed = is_clean_close(heartbeat)

@@ -57,6 +57,7 @@ MAX_FRAME_BYTES = 1 << 20  # a record with hundreds of milestones is still far b
 TICK_INTERVAL_S = 0.1
 _RUNNING = EngineStatus.RUNNING  # read once: an Enum member looked up on its class costs ~80 ns
 _DEAD = EngineStatus.DEAD
+_CLOSED = EngineStatus.CLOSED
 
 logger = logging.getLogger("iterscope.sidecar")
 
@@ -218,7 +219,7 @@ class Ingest:
             # silent for longer than dead_after, though no tick came in that time: dead until
             # now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
             self._update_status(state, now_ns)
-        if state.view.status is _DEAD:
+        if state.view.status is _DEAD or state.view.status is _CLOSED:
             # Heard again after a silence, which is a finding of its own: the wait for
             # progress starts here, else the silence would read as a stall too once messages
             # resume (explain, which finds no stall across a silence, never calls it one).
@@ -300,6 +301,7 @@ class Ingest:
         elif not had_work:  # nothing waited or ran: idle, not stuck
             state.stall.restart(now_ns)
         if view.status is not _RUNNING:
+            view.closed = False  # a record: the lane is open again
             self._update_status(state, now_ns)
 
     def _note_heartbeat(self, state: EngineTracker, heartbeat: Heartbeat, now_ns: int) -> None:
@@ -349,8 +351,11 @@ class Ingest:
         state.previous_pid = pid_before
 
     def status_of(self, state: EngineTracker, now_ns: int) -> EngineStatus:
-        """Dead: no message (the publisher's thread sends them, heartbeats included, whether
-        or not the engine loop moves). Stalled: messages, work in flight, no progress."""
+        """Closed: its last message closed the lane cleanly. Dead: no message (the publisher's
+        thread sends them, heartbeats included, whether or not the engine loop moves).
+        Stalled: messages, work in flight, no progress."""
+        if state.view.closed:
+            return _CLOSED
         if now_ns - state.last_message_ns > self._dead_after_ns:
             return EngineStatus.DEAD
         if not state.view.has_work:

@@ -228,8 +228,8 @@ def engine_lines(index: int, before: Scrape | None, after: Scrape, width: int | 
     previous = before.engines.get(index) if before is not None else None
     window_s = after.time_s - before.time_s if before is not None else 0.0
     status = _status(samples)
-    # A dead engine's gauges hold what it last reported, not what it holds now.
-    stale = "  (last reported, before it went silent)" if status == "dead" else ""
+    # A dead or closed engine's gauges hold what it last reported, not what it holds now.
+    stale = "  (last reported, before it went silent)" if status in ("dead", "closed") else ""
     lines = [f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status}"]
     source = _source(samples)
     if source is not None:

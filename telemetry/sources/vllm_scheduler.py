@@ -11,7 +11,8 @@ hands what it saw to a StepReporter (telemetry/sources/vllm_steps.py), which fil
 and queues it to the lane publisher: an O(1) hand-off, no encoding or I/O on vLLM's step
 path. The publisher's own thread sends the records and a heartbeat every second carrying
 this process's pid, so a hung forward pass reads as stalled, and a stopped or killed engine
-core (no heartbeats) as dead, whatever the API server does.
+core (no heartbeats) as dead, whatever the API server does; an engine core told to stop
+closes the lane first (telemetry/sources/vllm_stop.py), so a shutdown is no death.
 
 Version guard: vLLM's scheduler internals are not a stable interface. At start-up the
 subclass checks vLLM's version (TESTED_VLLM_VERSIONS) and every attribute the reporter reads;
@@ -42,6 +43,7 @@ from telemetry.sources.vllm_lane import (
 )
 from telemetry.sources.vllm_records import engine_facts, num_usable_blocks
 from telemetry.sources.vllm_steps import StepReporter, prefills_held, waiting_queues
+from telemetry.sources.vllm_stop import StopWatch
 
 MAX_ERRORS = 1000
 # What StepReporter reads of the scheduler (and of its KV manager's block pool, and of its
@@ -65,11 +67,29 @@ class ReportingScheduler:
     in the bases, so ``super()`` is vLLM's scheduler)."""
 
     _iterscope: StepReporter | None = None
+    _iterscope_stop: StopWatch | None = None
     _iterscope_errors = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._iterscope = make_reporter(self)
+        if self._iterscope is not None:
+            drains = getattr(self.vllm_config, "shutdown_timeout", 0) > 0
+            self._iterscope_stop = StopWatch(
+                self.shutdown_reporter, self.get_num_unfinished_requests, drains
+            )
+
+    def has_requests(self) -> bool:
+        """vLLM's answer; its busy loop asks before it waits for work, which lets the stop
+        watch hook vLLM's stop signals, and close the lane once a drain is done."""
+        has_requests = super().has_requests()
+        stop = self._iterscope_stop
+        if stop is not None and stop.waiting:
+            try:
+                stop.on_loop(has_requests)
+            except Exception:
+                self._iterscope_failed()
+        return has_requests
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)

@@ -81,7 +81,14 @@ def record(msg_seq, engine_index=0, iteration=None, num_dropped=0, **overrides):
 
 
 def heartbeat(
-    msg_seq, engine_index=0, last_iteration=0, waiting=0, running=0, num_dropped=0, pid=0
+    msg_seq,
+    engine_index=0,
+    last_iteration=0,
+    waiting=0,
+    running=0,
+    num_dropped=0,
+    pid=0,
+    closing=False,
 ):
     return lane_heartbeat(
         engine_index,
@@ -93,6 +100,7 @@ def heartbeat(
         num_running_reqs=running,
         num_dropped=num_dropped,
         pid=pid,
+        closing=closing,
     )
 
 

@@ -181,30 +181,38 @@ class Simulator:
         self._heartbeats_until(to_ns)
         self.now_ns = max(self.now_ns, to_ns)
 
+    def close(self) -> Simulator:
+        """The publisher's close: a last heartbeat, now, that says so."""
+        self._heartbeat(self.now_ns, closing=True)
+        return self
+
     def _heartbeats_until(self, to_ns: int) -> None:
         while self.next_heartbeat_ns <= to_ns:
-            ts_ns = self.next_heartbeat_ns
-            self._send(
-                heartbeat(
-                    self.engine_index,
-                    0,
-                    ts_ns,
-                    ts_ns + self.wall_offset_ns,
-                    last_iteration=self.iteration,
-                    num_waiting_reqs=len(self.waiting),
-                    num_running_reqs=len(self.running),
-                    model_name="sim",
-                    device_name="CPU",
-                    block_size=self.block_size,
-                    num_kv_blocks_total=self.num_blocks,
-                    max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    pid=4242,
-                    num_speculative_tokens=self.num_spec_tokens,
-                ),
-                ts_ns,
-            )
+            self._heartbeat(self.next_heartbeat_ns)
             self.next_heartbeat_ns += NS
+
+    def _heartbeat(self, ts_ns: int, closing: bool = False) -> None:
+        self._send(
+            heartbeat(
+                self.engine_index,
+                0,
+                ts_ns,
+                ts_ns + self.wall_offset_ns,
+                last_iteration=self.iteration,
+                num_waiting_reqs=len(self.waiting),
+                num_running_reqs=len(self.running),
+                model_name="sim",
+                device_name="CPU",
+                block_size=self.block_size,
+                num_kv_blocks_total=self.num_blocks,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                pid=4242,
+                num_speculative_tokens=self.num_spec_tokens,
+                closing=closing,
+            ),
+            ts_ns,
+        )
 
     def _send(self, message, send_ns: int) -> None:
         self.msg_seq += 1

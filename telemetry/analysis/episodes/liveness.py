@@ -21,7 +21,7 @@ from telemetry.analysis.episodes.episode import (
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
-from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER, Heartbeat
+from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER, Heartbeat, is_clean_close
 from telemetry.lane.recording import message_time_ns
 
 SILENCE_SETTING = (
@@ -333,7 +333,8 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     in time order (an iteration at its end; records before heartbeats at the same time) are
     split where seq starts again (a restarted engine); within a piece, seq order shows the
     holes; between any two messages in time order, a silence longer than the live sidecar
-    waits before it calls the engine dead is one, unless messages were lost there."""
+    waits before it calls the engine dead is one, unless messages were lost there or the
+    message before it closed the lane cleanly (record.is_clean_close: a shutdown)."""
     messages = [*tl.records, *tl.heartbeats]
     beat_times = np.fromiter((h.ts_ns for h in tl.heartbeats), np.int64, len(tl.heartbeats))
     times = np.concatenate([tl.col("end_ns"), beat_times])
@@ -353,7 +354,8 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     silences = [
         (messages[order[i]], messages[order[i + 1]], bool(is_start[i + 1]))
         for i in np.flatnonzero(np.diff(times) > int(th.dead_after * NS_PER_S)).tolist()
-        if is_start[i + 1] or seqs[i + 1] <= seqs[i] + 1  # else messages were lost: a hole
+        if (is_start[i + 1] or seqs[i + 1] <= seqs[i] + 1)  # else messages were lost: a hole
+        and not is_clean_close(messages[order[i]])
     ]
     return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
 

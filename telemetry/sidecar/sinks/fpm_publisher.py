@@ -35,7 +35,7 @@ import zmq
 
 from telemetry.lane.record import SOURCE_FPM, Heartbeat, IterationRecord
 from telemetry.sidecar.arg_types import fixed_port, positive_int
-from telemetry.sidecar.engine_view import EngineStatus, EngineView
+from telemetry.sidecar.engine_view import SILENT_STATUSES, EngineView
 from telemetry.sidecar.fpm_encode import frames, from_record, idle_message
 from telemetry.sidecar.sink import Sink
 from telemetry.sources.fpm import ForwardPassMetrics
@@ -99,7 +99,7 @@ class FpmPublisherSink(Sink):
         clock_ns = self._clock()
         for stream in self._streams.values():
             engine = stream.engine
-            if engine.status is EngineStatus.DEAD:
+            if engine.status in SILENT_STATUSES:
                 continue
             if clock_ns - stream.last_sent_ns >= HEARTBEAT_AFTER_NS:
                 seq = stream.take_seq(clock_ns)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from telemetry.analysis.live_findings import FindingEvent
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.sidecar.engine_view import EngineStatus, EngineView, RecordTotals
+from telemetry.sidecar.engine_view import SILENT_STATUSES, EngineStatus, EngineView, RecordTotals
 from telemetry.sidecar.iteration_line import format_iteration_line
 from telemetry.sidecar.pipeline_health import PipelineHealth
 from telemetry.sidecar.sink import Sink
@@ -203,12 +203,13 @@ class LogSink(Sink):
             log.start_window()
             engine = log.engine
             quiet = counts.num_iterations == 0 and not engine.has_work
-            if quiet or (log.status is EngineStatus.DEAD and counts.num_iterations == 0):
-                continue  # a dead engine's last iterations still get their line
-            # The time the engine was there: from when it was first seen, and for a dead
-            # one up to its last message (so a replay, whatever ends its window, agrees).
+            silent = log.status in SILENT_STATUSES
+            if quiet or (silent and counts.num_iterations == 0):
+                continue  # a dead or closed engine's last iterations still get their line
+            # The time the engine was there: from when it was first seen, and for a dead or
+            # closed one up to its last message (so a replay, whatever ends its window, agrees).
             seen_ns = max(start_ns, log.first_wall_ns or start_ns)
-            gone = log.status is EngineStatus.DEAD and log.last_wall_ns
+            gone = silent and log.last_wall_ns
             until_ns = min(end_ns, log.last_wall_ns) if gone else end_ns
             window_time = (until_ns - seen_ns if seen_ns < until_ns else self.interval_ns) / 1e9
             figures = engine_figures(engine, counts, window_time)
@@ -227,8 +228,8 @@ class LogSink(Sink):
         log = self._log_of(engine_index)
         previous, log.status = log.status, status
         self._status_line(engine_index, previous, status, log.engine)
-        all_dead = all(other.status is EngineStatus.DEAD for other in self.engines.values())
-        if status is EngineStatus.DEAD and all_dead and self._clock_ns is not None:
+        all_silent = all(other.status in SILENT_STATUSES for other in self.engines.values())
+        if status in SILENT_STATUSES and all_silent and self._clock_ns is not None:
             # No engine moves the log clock any more: print the window with the last
             # iterations now, not at the sidecar's exit, and start the next one.
             self._close_window()
@@ -251,6 +252,12 @@ class LogSink(Sink):
             text = f"Engine {engine_index:03d}: {previous.value} -> {status.value}"
         if status in (EngineStatus.STALLED, EngineStatus.DEAD):
             self.emit(logging.WARNING, f"{text} ({queues})")
+        elif status is EngineStatus.CLOSED:
+            self.emit(
+                logging.INFO,
+                f"{text} (it closed its telemetry lane with nothing in flight: a shutdown, not "
+                f"a death; last iteration {engine.last_iteration})",
+            )
         elif {previous, status} == {EngineStatus.IDLE, EngineStatus.RUNNING}:
             self.emit(logging.DEBUG, text)  # every request under light load: not news
         else:
