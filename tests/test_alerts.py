@@ -38,6 +38,7 @@ EXPECTED_ALERTS = {
     "IterscopeEngineIndexConflict",
     "IterscopeRecordingFailing",
     "IterscopeSidecarAbsent",
+    "IterscopeAPIServerDown",
     "IterscopeTTFTHigh",
     "IterscopeInterTokenLatencyHigh",
     "IterscopeHTTPErrors",
@@ -464,3 +465,30 @@ def test_stall_runbook_names_what_the_rule_reads():
     runbook = (REPO / "docs" / "runbooks" / "IterscopeEngineStalled.md").read_text()
     assert "reads the iteration counter" not in runbook
     assert "reads the token counters" in runbook
+
+
+def test_finding_alert_keys_on_labels_that_stay_while_a_cause_persists():
+    """A finding that reopens with another action is another iterscope_finding_info series: the
+    rules read iterscope_finding_active (engine and kind), and the annotations, not the labels,
+    carry the latest title and action."""
+    for rule in RULES["IterscopeFinding"]:
+        assert "iterscope_finding_active" in rule["expr"]
+        assert "iterscope_finding_info" not in rule["expr"]
+        assert "iterscope_finding_info" in rule["annotations"]["description"]
+        assert "open for 5 minutes" not in rule["annotations"]["description"]
+
+
+def test_stalled_runbook_says_engine_down_inhibits_it():
+    """The shipped Alertmanager config inhibits every alert of an engine while
+    IterscopeEngineDown fires, IterscopeEngineStalled included: the runbooks that tell the two
+    apart must say so."""
+    config = yaml.safe_load((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    (down_rule,) = [
+        rule
+        for rule in config["inhibit_rules"]
+        if rule["source_matchers"] == ['alertname="IterscopeEngineDown"']
+    ]
+    assert 'alertname!="IterscopeEngineDown"' in down_rule["target_matchers"]
+    for name in ("IterscopeEngineStalled", "IterscopeEngineDown"):
+        runbook = (REPO / "docs" / "runbooks" / f"{name}.md").read_text()
+        assert "deploy/alertmanager/alertmanager.yml" in runbook and "inhibit" in runbook, name
