@@ -195,31 +195,34 @@ def check_every_panel_query(prometheus: PrometheusHandle, instance: str, timeout
 
 
 def check_finding_alert(prometheus: PrometheusHandle, instance: str) -> None:
-    """IterscopeFinding fires for a finding the sidecar's /findings shows open, its
-    description quoting that finding's action. (A saturated cache also opens KV findings one
-    after another, each with its own action: the alert compared is one still open.)"""
+    """IterscopeFinding fires for a kind of finding the sidecar's /findings lists, its
+    summary and description quoting the title and action of one of them (the latest, read
+    by the annotations' query from iterscope_finding_info: a saturated cache opens KV findings
+    one after another, each with its own action, and the alert is one series per kind)."""
 
-    def alert_of_an_open_finding() -> dict | None:
+    def alert_of_a_listed_finding() -> tuple[dict, dict] | None:
         findings = http_get_json(f"http://{instance}/findings")["findings"]
-        open_findings = {(f["kind"], f["action"]) for f in findings if f["state"] == "open"}
         for alert in prometheus.alerts():
-            labels = alert["labels"]
-            if (
-                labels["alertname"] == "IterscopeFinding"
-                and alert["state"] == "firing"
-                and (labels["kind"], labels["action"]) in open_findings
-            ):
-                return alert
+            labels, annotations = alert["labels"], alert["annotations"]
+            if labels["alertname"] != "IterscopeFinding" or alert["state"] != "firing":
+                continue
+            action = annotations["description"].partition("Action of the latest: ")[2]
+            for finding in findings:
+                if (finding["kind"], finding["action"]) == (labels["kind"], action):
+                    return alert, finding
         return None
 
-    alert = prometheus.wait_until(
-        alert_of_an_open_finding, 30, "IterscopeFinding firing for a finding open in /findings"
+    alert, finding = prometheus.wait_until(
+        alert_of_a_listed_finding, 30, "IterscopeFinding firing for a finding in /findings"
     )
     labels = alert["labels"]
     assert labels["instance"] == instance and labels["engine"] == "0"
     assert labels["severity"] == "warning"  # the saturation's findings are tuning findings
-    assert alert["annotations"]["description"].endswith(f"Action: {labels['action']}")
-    assert alert["annotations"]["summary"].endswith(f"on {instance} (fake-llm): {labels['title']}")
+    assert set(labels) >= {"kind", "model_name"} and not {"title", "action"} & set(labels)
+    summary = alert["annotations"]["summary"]
+    assert summary.startswith(f"Engine 0 on {instance} (fake-llm): "), summary
+    titles = {f["title"] for f in http_get_json(f"http://{instance}/findings")["findings"]}
+    assert summary.partition("(fake-llm): ")[2] in titles | {finding["title"]}, summary
 
 
 def test_dashboards_and_alerts_on_a_live_engine(tmp_path):
