@@ -18,8 +18,11 @@ reaches ``flush_bytes``. A sidecar killed mid-write can leave a partial last lin
 sidecar to open the file cuts it off, and reads the last ``msg_seq`` of every engine back, so the
 messages it never wrote are counted as lost (``known_last_seqs``).
 
-A write that fails (a full disk) keeps what was not written, never what was: nothing is
-written twice, and a line cut by a partial write is completed first. While writes keep
+A write that fails (a full disk, a file size limit, an I/O error) leaves the file ending at
+a whole line: the lines it wrote whole stay, a line it cut is truncated off the file
+(``os.ftruncate``) and kept in the buffer with the lines not written, to be written again
+once writes succeed; nothing is written twice. Only if that truncate fails too does the file
+end inside a line (logged); the next write then completes that line first. While writes keep
 failing, at most MAX_UNWRITTEN_BYTES are held; whole lines beyond that are dropped and
 counted in ``num_lines_lost``. The failure itself propagates, so the sidecar counts it
 (``num_errors``); both, and ``last_write_time``, are series of /metrics.
@@ -28,6 +31,7 @@ counted in ``num_lines_lost``. The failure itself propagates, so the sidecar cou
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from pathlib import Path
@@ -43,10 +47,11 @@ from telemetry.sidecar.sink import Sink
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_MAX_FILES = 4
 DEFAULT_FLUSH_BYTES = 1 << 20
-NEWLINE = ord("\n")
 # Recordings hold request timings and ids of a whole service: readable by their owner only.
 RECORDING_MODE = 0o600
 MAX_UNWRITTEN_BYTES = 64 << 20  # held while writes fail (disk full); beyond it lines are lost
+
+logger = logging.getLogger("iterscope.sidecar")
 
 
 class LineHead(msgspec.Struct, array_like=True):
@@ -142,23 +147,55 @@ class JsonlSink(Sink):
     on_heartbeat = _append
 
     def flush(self) -> None:
-        """Write the buffered lines (whole lines only), rotating first if the file is full."""
+        """Write the buffered lines (whole lines only), rotating first if the file is full.
+
+        The file's length is read once per flush (one ``lseek``), so that a write that fails
+        part way can be cut back to the last whole line it wrote (``_keep_whole_lines``).
+        """
         if not self._buffer:
             return
         if self._size and self._size + len(self._buffer) > self.max_bytes:
             self._rotate()
         buffer = self._buffer
+        start, num_written = self._size, 0
         try:
-            while buffer:
-                num_written = os.write(self._fd, buffer)
-                self._midline = num_written > 0 and buffer[num_written - 1] != NEWLINE
-                del buffer[:num_written]
-                self._size += num_written
-            self.last_write_time = time.time()
+            start = os.lseek(self._fd, 0, os.SEEK_END)  # where a failed write is cut back to
+            while num_written < len(buffer):  # one write, unless one falls short
+                rest = buffer[num_written:] if num_written else buffer
+                num_written += os.write(self._fd, rest)
         except OSError:
+            self._keep_whole_lines(start, num_written)
             if len(buffer) > MAX_UNWRITTEN_BYTES:
                 self._drop_unwritten_lines()
             raise
+        buffer.clear()
+        self._midline = False
+        self._size = start + num_written
+        self.last_write_time = time.time()
+
+    def _keep_whole_lines(self, start: int, num_written: int) -> None:
+        """After a failed write of the buffer at file offset ``start``, of which ``num_written``
+        bytes reached the file: the whole lines written leave the buffer, and a line cut part
+        way is truncated off the file, so the file ends at a whole line and the buffer starts
+        with the first line not in it. Should the truncate fail, the cut line's written part
+        stays in the file and ``_midline`` says the buffer starts with its rest."""
+        buffer = self._buffer
+        whole = buffer.rfind(b"\n", 0, num_written) + 1
+        if whole:
+            self._midline = False  # a stub before this flush was completed
+        if whole < num_written:
+            try:
+                os.ftruncate(self._fd, start + whole)  # O_APPEND: the next write goes to the end
+            except OSError as error:
+                logger.error(
+                    "the recording %s ends inside a line: cutting off a partial write failed "
+                    "(%s); the next write that succeeds completes the line",
+                    self.path,
+                    error,
+                )
+                whole, self._midline = num_written, True
+        del buffer[:whole]
+        self._size = start + whole
 
     def _drop_unwritten_lines(self) -> None:
         """Keep only the rest of a line a partial write began, so the file stays whole."""
