@@ -2,13 +2,14 @@
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
-from telemetry.analysis.actions import finding_action
+from telemetry.analysis.actions import episode_action, finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.explain import main
@@ -542,20 +543,27 @@ def test_kv_actions_before_any_request_finished_say_they_are_bounds():
     kv = next(f for f in findings if f.kind == "kv_saturation")
     action = finding_action(timeline, kv, Thresholds())
     factor = float(re.search(r"to at least ([\d.]+)x the cache's size now", action).group(1))
-    assert 1 < factor < 4 and "none finished; 8 wanted in at once" in action, action
+    assert (
+        1 < factor < 4
+        and "none finished in the 30 s before it or during it; up to 8 wanted in at once" in action
+    ), action
     limit = int(re.search(r"or set --max-num-seqs (\d+) or fewer\.$", action).group(1))
     # below the most that ran at once, which a limit at or above it would not change
     assert 2 <= limit < timeline.col("num_running_reqs").max(), action
-    # Every request wanted in was running: fewer together, said to be a bound too.
+    # Every request wanted in was running: fewer together, said to be a bound too (the
+    # action as the live finding first says it, at the episode's first iteration, before any
+    # request finished; explain, and the live finding as the episode grows, read the requests
+    # that finish during it: test_kv_actions_are_sized_by_the_requests_that_fill_the_cache).
     sim = Simulator(num_blocks=40, max_num_seqs=64, max_num_batched_tokens=2048)
     sim.add_requests(arrivals(4, 10), num_prompt=100, num_output=200)
     sim.run(20)
     timeline, findings = findings_of(sim)
     kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
-    action = finding_action(timeline, kv, Thresholds())
+    action = episode_action(timeline, replace(kv.worst, end_ns=kv.worst.start_ns), Thresholds())
     assert action.startswith(
         "Set --max-num-seqs 3 or fewer: 4 requests running together took KV usage to 100.0% "
-        "while still growing (none finished in the 30 s before); 3 would have held it near "
+        "while still growing (none finished in the 30 s before it or during it); 3 would have "
+        "held it near "
         "90% then; or raise --kv-cache-memory"
     ), action
     # Where the heartbeats say the longest length the engine allows, how many of that
@@ -566,11 +574,34 @@ def test_kv_actions_before_any_request_finished_say_they_are_bounds():
             message.max_model_len = 300
     timeline, findings = findings_of(sim)
     kv = next(f for f in findings if f.kind in ("kv_saturation", "waiting"))
-    action = finding_action(timeline, kv, Thresholds())
+    action = episode_action(timeline, replace(kv.worst, end_ns=kv.worst.start_ns), Thresholds())
     assert (
         "3 would have held it near 90% then (2 requests of the longest the engine allows, "
         "300 tokens, fit whatever they grow to); or raise" in action
     ), action
+
+
+def test_kv_actions_are_sized_by_the_requests_that_fill_the_cache():
+    """Two 31-token requests of a warm-up finished in the 30 s before the cache filled with
+    300-token ones: the action sized the cache by the warm-up ("Set --max-num-seqs 4" where
+    the cache held 1.8 of them, which changed nothing when applied). It reads the requests
+    that run in the episode; at its opening, before any of them finished, what each running
+    request held, more than the warm-up's, as a bound. (The live finding's action follows
+    the episode: tests/test_live_findings.py.)"""
+    sim = Simulator(num_blocks=34, max_num_seqs=32, max_num_batched_tokens=1024)
+    sim.add_requests([0.5, 0.6], num_prompt=16, num_output=15)  # the warm-up
+    sim.add_requests(arrivals(4, 30, start_s=5), num_prompt=100, num_output=200)
+    sim.run(60)
+    timeline, findings = findings_of(sim)
+    (waiting,) = [f for f in findings if f.kind == "waiting"]
+    action = finding_action(timeline, waiting, Thresholds())
+    assert "(it holds 1 request of 294 tokens, 19 blocks each, the mean of those " in action
+    assert action.endswith(", or set --max-num-seqs 1."), action
+    opening = episode_action(
+        timeline, replace(waiting.worst, end_ns=waiting.worst.start_ns), Thresholds()
+    )
+    assert opening.startswith("Raise --kv-cache-memory to at least "), opening
+    assert "those that finished in the 30 s before it or during it were shorter, 31 " in opening
 
 
 def test_kv_actions_name_what_sizes_the_cache_in_the_recorded_engines_words():

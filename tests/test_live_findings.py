@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.analysis import live_findings
+from telemetry.analysis.actions import episode_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.findings import episode_cost
 from telemetry.analysis.live_findings import (
@@ -43,7 +44,7 @@ from tests.helpers.findings import (
     replayed,
 )
 from tests.scenarios import real_engine
-from tests.scenarios.synthetic import SCENARIOS
+from tests.scenarios.synthetic import SCENARIOS, Simulator, arrivals
 
 # How long after its condition began each kind may open, at most, before the 2 s the issue
 # allows on top: the detector's own minimum (waiting 1 s; 10 iterations, well under 1 s in
@@ -633,6 +634,21 @@ def test_the_waiting_cost_takes_out_silences_by_the_run_s_dead_after():
     assert waiting_across > 0
     by_default, patient = waiting_cost(Thresholds()), waiting_cost(Thresholds(dead_after=5.0))
     assert patient - by_default == pytest.approx(waiting_across * 4.0, rel=0.1)
+
+
+def test_a_kv_finding_s_action_follows_its_episode_and_ends_as_explain_s(tmp_path):
+    """A KV size reads the requests that run in the episode (actions.kv_action_basis): the
+    live finding opened on a warm-up's short requests ("at least", a bound) and, as requests
+    of the episode finish, says what explain says of the whole episode."""
+    sim = Simulator(num_blocks=34, max_num_seqs=32, max_num_batched_tokens=1024)
+    sim.add_requests([0.5, 0.6], num_prompt=16, num_output=15)  # the warm-up
+    sim.add_requests(arrivals(4, 30, start_s=5), num_prompt=100, num_output=200)
+    path = sim.run(60).write(tmp_path / "kv.jsonl")
+    (timeline,) = read_timelines([path])[0].values()
+    (episode,) = [e for e in detect_episodes(timeline) if e.kind == "waiting"]
+    (live,) = [f for f in replayed(path) if f.kind == "waiting_kv"]
+    assert live.action == episode_action(timeline, episode, Thresholds())
+    assert "(it holds 1 request of 294 tokens" in live.action
 
 
 def decoding_then_a_long_step(step_s: float) -> list:

@@ -10,13 +10,16 @@ derived, the action says which command computes it and why it could not be given
 command an action quotes prints the value the action gives: the target is quoted as it is
 parsed back.
 
-Every value is drawn from the iterations that started within ACTION_HISTORY_S before the
-episode, through its first (action_basis): the records the live sidecar holds when the finding
-opens, which `explain` reads alike, so the two give one action (and a live action, fixed from
-its opening, keeps the alert that quotes it one series). What the episode did later (a demand
-that kept growing) is in its evidence, not its action. The tune command quoted fits those
-iterations alone (``--iterations FIRST-LAST``). For a long prefill its target is then 3x the
-very baseline the iteration was judged against.
+A budget or sequence limit is drawn from the iterations that started within ACTION_HISTORY_S
+before the episode, through its first (action_basis): the records the live sidecar holds when
+the finding opens, which `explain` reads alike, so the two give one action. The tune command
+quoted fits those iterations alone (``--iterations FIRST-LAST``). For a long prefill its
+target is then 3x the very baseline the iteration was judged against. A KV size reads the
+episode too (kv_action_basis): the requests that fill the cache are those that run in it, and
+the 30 s before may hold only a warm-up's short ones (two 31-token requests sized a cache that
+held 1.8 of the 300-token requests that filled it: "Set --max-num-seqs 4", which changed
+nothing). The live finding's action follows its episode as it grows (live_findings), so it
+ends as explain's for that episode; the alert reads the latest.
 
 With speculative decoding tune's target is per output token and holds iterations to it times
 the tokens a decoding request gets per iteration (telemetry/analysis/tune.py): the target
@@ -62,6 +65,7 @@ KV_TARGET_USAGE = 0.9  # peak usage to plan for: headroom for requests that grow
 MIN_CHUNK_TOKENS = (512, 256, 128, 64, 16)  # tune's --min-chunk: its default first
 SEQS_STEP = 2  # an action raises --max-num-seqs at most this many times what was recorded
 ACTION_HISTORY_S = 30.0  # the past a budget or sequence limit is drawn from (action_basis)
+KV_HISTORY_TEXT = f"the {ACTION_HISTORY_S:g} s before it or during it"  # kv_action_basis
 
 
 def _decode_baseline_s(tl: EngineTimeline) -> float | None:
@@ -82,6 +86,22 @@ def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
         th.long_prefill_ratio * baseline_s * 1000 / output_tokens_per_decode(recorded_drafts(tl))
     )
     return f"{max(round(target_ms, 1), 0.1):g}ms"
+
+
+def kv_action_basis(tl: EngineTimeline, episode: Episode) -> EngineTimeline:
+    """The iterations a KV size is drawn from: those that started within ACTION_HISTORY_S
+    before the episode, through its last (the module's docstring)."""
+    starts = tl.col("start_ns")
+    first = int(starts.searchsorted(episode.start_ns - int(ACTION_HISTORY_S * NS_PER_S)))
+    return tl.stretch(first, int(starts.searchsorted(episode.end_ns, side="right")))
+
+
+def reads_whole_episode(episode: Episode) -> bool:
+    """Whether the episode's action reads the episode itself (a KV size), not only what came
+    before it: its live finding's action is then drawn again as the episode grows."""
+    return episode.kind in KV_KINDS or (
+        episode.kind == "waiting" and episode.numbers.get("reason") == "waiting_kv"
+    )
 
 
 def action_basis(tl: EngineTimeline, episode: Episode) -> tuple[EngineTimeline, str]:
@@ -285,16 +305,32 @@ class RequestLength:
     tokens: float
     what: str
     lower_bound: bool
+    why_bound: str = ""  # why it is a bound: none finished, or those that did were shorter
 
 
 def _request_length(tl: EngineTimeline) -> RequestLength | None:
-    """The mean length of the requests that finished in ``tl``; else, a lower bound, the KV
-    tokens each running request held at the highest usage; None without a block size or any
-    KV in use."""
+    """The mean length of the requests that finished in ``tl``; else, or where the running
+    requests held more each at the highest usage (those that finished were shorter ones), a
+    lower bound: the KV tokens each running request held then. None without a block size or
+    any KV in use."""
     _, mean_length = kv_max_seqs(tl)
-    history = f"the {ACTION_HISTORY_S:g} s before"
-    if mean_length is not None:
-        return RequestLength(mean_length, f"the mean of those that finished in {history}", False)
+    history = KV_HISTORY_TEXT
+    finished = f"the mean of those that finished in {history}"
+    held = _held_at_peak(tl)
+    if mean_length is not None and (held is None or held <= mean_length):
+        return RequestLength(mean_length, finished, False)
+    if held is None:
+        return None
+    if mean_length is None:
+        why = f"none finished in {history}"
+    else:
+        why = f"those that finished in {history} were shorter, {mean_length:.0f} tokens"
+    what = f"what each running request held at the highest usage, {why}"
+    return RequestLength(held, what, True, why)
+
+
+def _held_at_peak(tl: EngineTimeline) -> float | None:
+    """KV tokens each running request held at the highest usage; None if unknown."""
     block_size = int(tl.facts.get("block_size", 0))
     usage = tl.kv_usage
     if not block_size or not usage.size or usage.max() <= 0:
@@ -303,9 +339,7 @@ def _request_length(tl: EngineTimeline) -> RequestLength | None:
     running = int(tl.col("num_running_reqs")[peak])
     if running <= 0:
         return None
-    held = float(usage[peak]) * tl.num_kv_blocks_total * block_size / running
-    what = f"what each running request held at the highest usage in {history}, none finished"
-    return RequestLength(held, what, True)
+    return float(usage[peak]) * tl.num_kv_blocks_total * block_size / running
 
 
 def _at_most(value: int, bound: bool) -> str:
@@ -329,7 +363,7 @@ def _longest_fit_text(tl: EngineTimeline) -> str:
 
 
 def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
-    """From the iterations of ``tl`` (action_basis): where blocks held by no request fill the
+    """From the iterations of ``tl`` (kv_action_basis): where blocks held by no request fill the
     cache, the leak; else how many requests wanted in at once against how many of their
     length the cache holds; or, where all fit, fewer together."""
     leak = _leak_text(tl, th)
@@ -346,7 +380,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     blocks_each = math.ceil(length.tokens / int(tl.facts["block_size"]))
     fit = tl.num_kv_blocks_total // blocks_each  # 0: not one fits
     if 0 < demand <= fit:
-        return _kv_peak_action(tl, growing=length.lower_bound)
+        return _kv_peak_action(tl, length)
     at_least = "at least " if length.lower_bound else ""
     seqs = fit
     if length.lower_bound:  # a bound: below the most that ran at once, or it changes nothing
@@ -364,8 +398,7 @@ def _kv_action(tl: EngineTimeline, th: Thresholds) -> str:
     return (
         f"Raise {kv_memory_flag(tl)} to {at_least}{factor:.1f}x the cache's size now (it holds "
         f"{plural(fit, 'request')} of {length.tokens:.0f} tokens, "
-        f"{plural(blocks_each, 'block')} each, {length.what}; {demand} wanted in at once then "
-        f"and at the first iteration; "
+        f"{plural(blocks_each, 'block')} each, {length.what}; up to {demand} wanted in at once; "
         f"{kv_plan_text(tl, f'{length.tokens:.0f}', 'such requests a SIZE holds')}){fewer}."
     )
 
@@ -388,9 +421,11 @@ def _leak_text(tl: EngineTimeline, th: Thresholds) -> str | None:
     )
 
 
-def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
-    """Fewer requests together, so that their peak stays near KV_TARGET_USAGE; ``growing``:
-    no request had finished, so those running were still growing (fewer still may be needed)."""
+def _kv_peak_action(tl: EngineTimeline, length: RequestLength) -> str:
+    """Fewer requests together, so that their peak stays near KV_TARGET_USAGE; where
+    ``length`` is a lower bound, those running were still growing (fewer still may be
+    needed)."""
+    growing = length.lower_bound
     usage = tl.kv_usage
     peak = int(np.argmax(usage))
     running = int(tl.col("num_running_reqs")[peak])
@@ -402,8 +437,8 @@ def _kv_peak_action(tl: EngineTimeline, growing: bool) -> str:
     near = f"near {100 * KV_TARGET_USAGE:.0f}%"
     if growing:
         return (
-            f"Set --max-num-seqs {_at_most(value, growing)}: {took} while still growing (none "
-            f"finished in the {ACTION_HISTORY_S:g} s before); {value} would have held it {near} "
+            f"Set --max-num-seqs {_at_most(value, growing)}: {took} while still growing "
+            f"({length.why_bound}); {value} would have held it {near} "
             f"then{_longest_fit_text(tl)}; or raise {kv_memory_text(tl)} {kv_plan}."
         )
     return (
@@ -420,7 +455,7 @@ def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     if kind == "waiting" and reason == "waiting_seq_limit":
         return _seqs_action(*action_basis(tl, finding.worst), th)
     if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
-        return _kv_action(action_basis(tl, finding.worst)[0], th)
+        return _kv_action(kv_action_basis(tl, finding.worst), th)
     return finding.worst.setting
 
 

@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from telemetry.analysis.actions import ACTION_HISTORY_S, episode_action
+from telemetry.analysis.actions import ACTION_HISTORY_S, episode_action, reads_whole_episode
 from telemetry.analysis.episodes import (
     INFO,
     Episode,
@@ -504,6 +504,8 @@ class EngineFindings:
         finding.end_ns = max(finding.end_ns, episode.end_ns)
         finding.title, finding.evidence = episode.title, episode.evidence
         finding.source_episode = episode
+        if reads_whole_episode(episode):  # a KV size: drawn from the episode so far
+            finding.action = episode_action(tl, episode, self.thresholds)
         cost = episode_cost(tl, episode, self.thresholds)
         if episode.start_ns > finding.start_ns:  # the window no longer holds its start
             finding.truncated = True
