@@ -241,6 +241,23 @@ def long_prefill_sim() -> Simulator:
     return sim.run(22)
 
 
+def test_a_sequence_limit_above_the_requests_seen_is_said_to_be_extrapolated():
+    """One request decoded beside the long prompts: the limit tune sizes with the budget (16)
+    is 16x what the fit saw, as tune's note says; the action said it as a measured value (a
+    warm-up's lone request gave "--max-num-seqs 3" live, then "Keep" 30 s later)."""
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests([0.1], num_prompt=32, num_output=3000)
+    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    timeline, (finding,) = findings_of(sim.run(22))
+    action = finding_action(timeline, finding, Thresholds())
+    assert "and --max-num-seqs 16 (now 64) together" in action, action
+    assert action.endswith(
+        "; --max-num-seqs 16 is extrapolated (at most 1 request decoded at once there): "
+        "re-record at the new settings to confirm."
+    ), action
+
+
 def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_path, capsys):
     """The target is 3x the baseline the episode's first iteration was judged against (the
     median decode-only iteration of the 30 s before it), and tune, given the iterations the
@@ -355,7 +372,9 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     action = finding_action(timeline, finding, Thresholds())
     assert "(now 64) together, from `iterscope tune" in action
     assert action.endswith(
-        "so time to first token grows: keep both if it matters more than inter-token latency."
+        "so time to first token grows: keep both if it matters more than inter-token latency; "
+        "--max-num-seqs 8 is extrapolated (at most 3 requests decoded at once there): "
+        "re-record at the new settings to confirm."
     )
     assert re.search(r"prompts are then computed at \d+ tokens/s at most", action)
     budget, seqs = (

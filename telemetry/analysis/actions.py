@@ -257,7 +257,7 @@ def _budget_action(tl: EngineTimeline, option: str, th: Thresholds, lower: bool)
             f"Set --max-num-batched-tokens {value}{_now(current)} and --max-num-seqs "
             f"{rec.max_num_seqs}{_now(seqs)} together, from {tuned}"
             + ttft.format("both")
-            + f"{_below_seen(rec)}."
+            + f"{_below_seen(rec)}{_seqs_beyond_seen(rec)}."
         )
     lowered = ttft.format("it") if current and value < current else ""
     return (
@@ -273,6 +273,19 @@ def _below_seen(rec: Recommendation) -> str:
     if rec.max_num_batched_tokens >= seen:
         return ""
     return f"; extrapolated (prompts came {seen}+ tokens at a time): lower it in steps"
+
+
+def _seqs_beyond_seen(rec: Recommendation) -> str:
+    """Where the sequence limit is above the most requests that decoded at once in the
+    iterations it was drawn from: said, with what to do (tune's note says the same; a limit
+    drawn from a warm-up's lone request was applied as it stood)."""
+    if rec.max_num_seqs <= rec.decode_reqs_seen:
+        return ""
+    return (
+        f"; --max-num-seqs {rec.max_num_seqs} is extrapolated (at most "
+        f"{plural(rec.decode_reqs_seen, 'request')} decoded at once there): re-record at the "
+        "new settings to confirm"
+    )
 
 
 def _seqs_action(tl: EngineTimeline, option: str, th: Thresholds) -> str:
