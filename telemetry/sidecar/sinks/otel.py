@@ -7,11 +7,11 @@ exporter and the bounded queue one thread exports from) in otel_export.py. This 
 the state between records: one EngineTracer per engine, created at its first heartbeat.
 
 Invariants: ingest never blocks on export, and every span lost is counted, exposed to
-Prometheus as ``iterscope_otel_spans_dropped_total`` through ``sidecar_counters()``. Records
-of an engine that arrive before its first heartbeat (no clock anchor, no model name yet) are
-held back, at most MAX_PENDING_RECORDS per engine, and replayed at that heartbeat (Ingest
-admits an engine only with a heartbeat, so this holds records only when the sink is fed by
-hand); a record that no longer fits counts as the spans it would have made.
+Prometheus as ``iterscope_otel_spans_dropped_total`` through ``sidecar_counters()``. Ingest
+admits an engine only with a heartbeat, which the sink sees first (its clock anchor and model
+name); a record of an engine with no tracer, which only a sink fed by hand gets, counts as the
+spans it would have made (docs/tracing.md: records before a restarted sidecar meets an engine
+are rejected by Ingest, counted there).
 
 A live finding's span is made when it closes. Findings still open when the sidecar stops (or
 when their engine is no longer tracked) are exported then, ``iterscope.finding.state`` "open",
@@ -23,7 +23,6 @@ engine view (``engine.findings.open``), never kept here a second time.
 from __future__ import annotations
 
 import argparse
-import collections
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -48,8 +47,6 @@ from telemetry.sidecar.sinks.otel_spans import (
     request_span_count,
 )
 
-MAX_PENDING_RECORDS = 4096  # per engine, held until its first heartbeat
-
 
 class OtelSink(Sink):
     """The sidecar's trace sink (see the module docstring)."""
@@ -69,10 +66,9 @@ class OtelSink(Sink):
         self.processor = BoundedSpanProcessor(
             exporter, max_queue_size=max_queue_size, schedule_delay_s=schedule_delay_s
         )
-        self.num_pending_dropped = 0  # spans lost because their engine never sent a heartbeat
+        self.num_unplaced = 0  # spans with no tracer to place them: no heartbeat seen
         self._service_name = service_name
         self._engines: dict[int, EngineTracer] = {}
-        self._pending: dict[int, collections.deque[IterationRecord]] = {}
         self._finding_views: dict[int, EngineView] = {}  # engines that had a finding
 
     # --- Sink protocol -------------------------------------------------------------------
@@ -82,8 +78,8 @@ class OtelSink(Sink):
         if not finished and reason is None:
             return
         tracer = self._engines.get(record.engine_index)
-        if tracer is None:
-            self._hold(record, sum(map(request_span_count, finished)) + (reason is not None))
+        if tracer is None:  # no heartbeat seen (Ingest admits none without)
+            self.num_unplaced += sum(map(request_span_count, finished)) + (reason is not None)
             return
         for milestone in finished:
             emit_request_spans(tracer, engine, milestone)
@@ -93,10 +89,9 @@ class OtelSink(Sink):
     def on_heartbeat(self, heartbeat: Heartbeat, engine: EngineView) -> None:
         if heartbeat.engine_index in self._engines:
             return
-        tracer = EngineTracer(heartbeat, self._service_name, self.processor)
-        self._engines[heartbeat.engine_index] = tracer
-        for record in self._pending.pop(heartbeat.engine_index, ()):
-            self.on_iteration(record, engine)
+        self._engines[heartbeat.engine_index] = EngineTracer(
+            heartbeat, self._service_name, self.processor
+        )
 
     def on_finding(self, event: FindingEvent, engine: EngineView) -> None:
         self._finding_views[engine.engine_index] = engine
@@ -120,7 +115,7 @@ class OtelSink(Sink):
 
     def sidecar_counters(self) -> dict[str, float]:
         """Read by the Prometheus sink at scrape time."""
-        return {"otel_spans_dropped": float(self.processor.num_dropped + self.num_pending_dropped)}
+        return {"otel_spans_dropped": float(self.processor.num_dropped + self.num_unplaced)}
 
     def _emit_open_findings(self, engine: EngineView) -> None:
         findings = engine.findings
@@ -133,16 +128,9 @@ class OtelSink(Sink):
     def _emit_finding(self, finding: LiveFinding, engine: EngineView, end_ns: int) -> None:
         tracer = self._engines.get(engine.engine_index)
         if tracer is None:  # no heartbeat seen (Ingest admits none without): nowhere to place it
-            self.num_pending_dropped += 1
+            self.num_unplaced += 1
             return
         emit_finding_span(tracer, engine, finding, end_ns)
-
-    def _hold(self, record: IterationRecord, num_spans: int) -> None:
-        pending = self._pending.setdefault(record.engine_index, collections.deque())
-        if len(pending) >= MAX_PENDING_RECORDS:
-            self.num_pending_dropped += num_spans
-            return
-        pending.append(record)
 
 
 # --- sidecar CLI plumbing ----------------------------------------------------------------
