@@ -254,6 +254,25 @@ def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path,
     assert sum(m.num_dropped for m in messages) == 6
 
 
+def test_a_sidecar_that_binds_late_gets_the_first_heartbeat(tmp_path):
+    """A sidecar started just before the engine on a busy machine may accept the connection
+    after 100 ms: the first heartbeat waited that long, then was dropped ("1 telemetry
+    messages lost" on an idle engine); the sender now waits up to CONNECT_WAIT_MS for it."""
+    address = f"ipc://{tmp_path}/lane.sock"
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        time.sleep(0.3)
+        pull.bind(address)
+        assert pull.poll(5000), "no message"
+        first = make_decoder().decode(pull.recv())
+    finally:
+        publisher.close()
+        pull.close(linger=0)
+    assert (type(first), first.msg_seq, first.num_dropped) == (Heartbeat, 1, 0)
+    assert publisher.num_dropped_total == 0
+
+
 def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatch):
     """The sidecar reads the silence after a closing heartbeat as a shutdown, not a death:
     the last message says so, with the queues of the last record, and no other does."""

@@ -43,7 +43,12 @@ HEARTBEAT_INTERVAL_S = 1.0
 SEND_INTERVAL_S = 0.02  # the sender thread's wake-up period
 CPU_ENGINE_SEND_INTERVAL_S = 0.1  # where the engine's torch threads hold every core
 CLOSE_LINGER_MS = 1000  # at close, how long ZMQ may take to deliver what it holds
-CONNECT_WAIT_MS = 100  # once, at start-up
+# Once, at start-up, in the sender thread: how long its first send waits for the connection
+# (a send before it completes is dropped, ZMQ_IMMEDIATE); a sidecar started just before the
+# engine on a busy machine can take longer than 100 ms to accept it (the first heartbeat was
+# lost at one start in three: "1 telemetry messages lost" on an idle engine).
+CONNECT_WAIT_MS = 1000
+CONNECT_POLL_MS = 20  # close() cuts the wait short within this
 
 
 def default_address() -> str:
@@ -166,7 +171,11 @@ class ZmqPublisher:
     # Sender thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_heartbeat_s = 0.0
+        self._wait_for_connection()
+        # First a heartbeat: the sidecar meets an engine by it, and counts records before it
+        # as lost (those published while the sender waited for the connection).
+        self._send_heartbeat()
+        next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
         while True:
             closing = self._closed.is_set()
             self._send_queued()
@@ -178,6 +187,12 @@ class ZmqPublisher:
                 next_heartbeat_s = time.monotonic() + self._heartbeat_interval_s
             self._wake.wait(self._send_interval_s)
             self._wake.clear()
+
+    def _wait_for_connection(self) -> None:
+        """Up to CONNECT_WAIT_MS for the sidecar to accept the connection, unless closed."""
+        for _ in range(CONNECT_WAIT_MS // CONNECT_POLL_MS):
+            if self._closed.is_set() or self._socket.poll(CONNECT_POLL_MS, zmq.POLLOUT):
+                return
 
     def _send_queued(self) -> None:
         queue = self._queue
@@ -254,8 +269,5 @@ def _connect(
         except (OSError, ValueError):
             socket.close(linger=0)
             raise
-    socket.connect(address)
-    # With ZMQ_IMMEDIATE a send before the connection completes is dropped: give a
-    # listening sidecar a moment, so the first heartbeat is not reported as lost.
-    socket.poll(CONNECT_WAIT_MS, zmq.POLLOUT)
+    socket.connect(address)  # completed while the sender thread waits (CONNECT_WAIT_MS)
     return socket
