@@ -232,6 +232,15 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkey
     assert sum(m.num_dropped for m in messages) == 6
 
 
+def close_and_receive(publisher: ZmqPublisher, pull: zmq.Socket) -> list:
+    """Close the publisher; every message the PULL socket then has, decoded."""
+    publisher.close()
+    messages = []
+    while pull.poll(500):
+        messages.append(make_decoder().decode(pull.recv()))
+    return messages
+
+
 def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path, monkeypatch):
     """No later message would carry the gap of records dropped right before shutdown."""
     monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
@@ -243,10 +252,7 @@ def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path,
         assert publisher.flush()  # the first heartbeat
         for _ in range(10):  # the sender thread sleeps: 6 find the queue full
             publisher.publish(decode_record())
-        publisher.close()
-        messages = []
-        while pull.poll(500):
-            messages.append(make_decoder().decode(pull.recv()))
+        messages = close_and_receive(publisher, pull)
     finally:
         pull.close(linger=0)
     assert publisher.num_dropped_total == 6
@@ -284,10 +290,7 @@ def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatc
     try:
         assert publisher.flush()  # the first heartbeat
         publisher.publish(decode_record(num_running_reqs=0, num_waiting_reqs=0))
-        publisher.close()
-        messages = []
-        while pull.poll(500):
-            messages.append(make_decoder().decode(pull.recv()))
+        messages = close_and_receive(publisher, pull)
     finally:
         pull.close(linger=0)
     assert [type(m) for m in messages] == [Heartbeat, IterationRecord, Heartbeat]
