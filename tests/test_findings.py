@@ -13,7 +13,7 @@ from telemetry.analysis.actions import episode_action, finding_action
 from telemetry.analysis.episodes import Thresholds, detect_episodes
 from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.explain import main
-from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_findings
+from telemetry.analysis.explain_report import MAX_FINDING_LINES, format_engine, format_findings
 from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import EVENT_FIRST_TOKEN, Heartbeat, IterationRecord, heartbeat
@@ -826,25 +826,33 @@ def test_a_raised_budget_never_comes_with_fewer_requests_at_once(monkeypatch):
     assert "Set --max-num-seqs" not in action
 
 
-def test_no_problem_found_in_a_recording_that_ends_mid_work_says_so():
+def test_a_recording_that_ends_mid_work_says_so_with_or_without_findings():
     """An engine killed with 4 requests running left a recording explain called "No problem
-    found"; a recording cannot tell that from one stopped mid-load, so it says both."""
+    found"; a recording cannot tell that from one stopped mid-load, so it says both; and an
+    engine killed after findings (a QA run: 6 findings, 2 requests running at the kill) said
+    nothing of its end at all."""
     sim = synthetic.story3_bursty(64)
     cut = build_timelines(sim.messages[: len(sim.messages) // 2])[0]
-    lines = format_findings(cut, [], Thresholds())
-    assert lines[0].startswith("  No problem found: ")
+    lines = format_engine(cut, [], Thresholds())
+    assert lines[2].startswith("  No problem found: ")
     assert re.match(
         r"  It ends mid-work, with \d+ requests running and 0 waiting: the recording stopped ",
-        lines[1],
+        lines[3],
     ), lines
-    assert lines[1].endswith(
+    assert lines[3].endswith(
         "or the engine died there (the sidecar's log says 'Engine down' if it did)."
     )
+    sim = synthetic.story1_kv_cliff()
+    cut = build_timelines(sim.messages[: len(sim.messages) // 2])[0]
+    episodes = detect_episodes(cut, Thresholds())
+    assert build_findings(cut, episodes, Thresholds()), "findings expected"
+    lines = format_engine(cut, episodes, Thresholds())
+    assert any(line.startswith("  It ends mid-work, with ") for line in lines), lines
     idle = build_timelines(synthetic.kv_capacity().messages)[0]
     idle.records[-1].num_running_reqs = idle.records[-1].num_waiting_reqs = 0
     for beat in idle.heartbeats:
         beat.num_running_reqs = beat.num_waiting_reqs = 0
-    assert len(format_findings(idle, [], Thresholds())) == 1  # all done: nothing to add
+    assert not [line for line in format_engine(idle, [], Thresholds()) if "It ends" in line]
 
 
 def test_kv_actions_quote_kv_plan_with_the_dtype_and_length_the_heartbeats_say():

@@ -113,7 +113,6 @@ def format_findings(
         return [
             "  No problem found: no saturation, preemption storm, sustained waiting, "
             "stall, leak, telemetry gap or latency spike.",
-            *_ends_mid_work(tl),
         ]
     num_episodes = sum(f.count for f in findings)
     order = (
@@ -144,7 +143,8 @@ def format_findings(
 def _ends_mid_work(tl: EngineTimeline) -> list[str]:
     """Where the recording's last message has work in flight, that it stops mid-work: a
     recording cannot tell an engine that died from a recording that was stopped (the live
-    sidecar's log can: "Engine down"), and "No problem found" alone read as a healthy run.
+    sidecar's log can: "Engine down"), and the findings alone (or "No problem found") read as
+    the whole story of a run that ended there.
     Where the last message is a closing heartbeat, the engine shut down there: said so."""
     last_record = tl.records[-1] if tl.records else None
     last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
@@ -185,6 +185,7 @@ def format_engine(
             f"{clock_text(tl, tl.last_ns)}"
         )
     lines += format_findings(tl, build_findings(tl, episodes, thresholds), thresholds)
+    lines += _ends_mid_work(tl)
     lines.append("")
     lines += [f"  {line}" for line in format_summary(summarize(tl))]
     if show_all:
