@@ -211,23 +211,21 @@ class Ingest:
         if num_lost is None:
             self.count_rejected("seq_jump")
             return
-        if (
-            now_ns - state.last_message_ns > self._dead_after_ns
-            and state.view.status is not _DEAD
-            and self._engine_was_silent(state, message)
-        ):
-            # silent for longer than dead_after, though no tick came in that time: dead until
-            # now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
-            self._update_status(state, now_ns)
-        if state.view.status is _DEAD or state.view.status is _CLOSED:
-            # Heard again after a silence, which is a finding of its own: the wait for
-            # progress starts here, else the silence would read as a stall too once messages
-            # resume (explain, which finds no stall across a silence, never calls it one).
-            state.stall.restart(now_ns)
+        view = state.view  # applied after the sinks: they see the engine before the message
+        if now_ns - state.last_message_ns > self._dead_after_ns:
+            if view.status is not _DEAD and self._engine_was_silent(state, message):
+                # silent for longer than dead_after, though no tick came in that time: dead
+                # until now, as explain calls any such silence (ticks are TICK_INTERVAL_S apart)
+                self._update_status(state, now_ns)
+            if view.status is _DEAD or view.status is _CLOSED:
+                # Heard again after a silence, which is a finding of its own: the wait for
+                # progress starts here, else the silence would read as a stall too once
+                # messages resume (explain, which finds no stall across a silence, never
+                # calls it one).
+                state.stall.restart(now_ns)
         self.health.num_messages += 1
         state.last_seq = message.msg_seq
         state.last_message_ns = now_ns
-        view = state.view  # applied after the sinks: they see the engine before the message
         view.num_messages += 1
         if num_lost > 0:
             view.num_dropped_total += num_lost
