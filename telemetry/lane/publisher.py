@@ -114,9 +114,19 @@ class ZmqPublisher:
         self._facts = dict(facts or {}, pid=os.getpid())
         self._heartbeat_interval_s = heartbeat_interval_s
         self._send_interval_s = send_interval_s
-        self._socket = _connect(
-            context or zmq.Context.instance(), address, sndhwm, curve_keys_dir, curve_engine_name
-        )
+        # A context of its own unless given one: close() terminates it, which returns once
+        # ZMQ has written what the socket holds (the closing heartbeat), up to CLOSE_LINGER_MS.
+        # vLLM kills its engine core a moment after its stop signal: a heartbeat left in a
+        # shared context's queue was lost with the process (the sidecar then said "dead").
+        self._own_context = zmq.Context() if context is None else None
+        try:
+            self._socket = _connect(
+                context or self._own_context, address, sndhwm, curve_keys_dir, curve_engine_name
+            )
+        except BaseException:
+            if self._own_context is not None:
+                self._own_context.term()
+            raise
         self._closed = threading.Event()
         self._wake = threading.Event()  # flush() and close() cut the sender's sleep short
         self._thread = threading.Thread(target=self._run, name="iterscope-telemetry", daemon=True)
@@ -161,12 +171,15 @@ class ZmqPublisher:
     def close(self) -> None:
         """Send what is queued and a closing heartbeat (the last message: the sidecar and
         explain read the silence after it as a shutdown, not a death), then stop the sender
-        thread and close the socket, giving ZMQ up to CLOSE_LINGER_MS to deliver the frames
-        it still holds."""
+        thread and close the socket, waiting up to CLOSE_LINGER_MS for ZMQ to write the frames
+        it still holds (where the publisher has its own context)."""
         self._closed.set()
         self._wake.set()
         self._thread.join(timeout=5)
         self._socket.close(linger=CLOSE_LINGER_MS)
+        own_context, self._own_context = self._own_context, None
+        if own_context is not None:
+            own_context.term()  # returns once the frames the socket held are written
 
     # Sender thread ------------------------------------------------------------------------
 
