@@ -327,17 +327,16 @@ def _request_length(tl: EngineTimeline) -> RequestLength | None:
     lower bound: the KV tokens each running request held then. None without a block size or
     any KV in use."""
     _, mean_length = kv_max_seqs(tl)
-    history = KV_HISTORY_TEXT
-    finished = f"the mean of those that finished in {history}"
+    finished = f"the mean of those that finished in {KV_HISTORY_TEXT}"
     held = _held_at_peak(tl)
     if mean_length is not None and (held is None or held <= mean_length):
         return RequestLength(mean_length, finished, False)
     if held is None:
         return None
     if mean_length is None:
-        why = f"none finished in {history}"
+        why = f"none finished in {KV_HISTORY_TEXT}"
     else:
-        why = f"those that finished in {history} were shorter, {mean_length:.0f} tokens"
+        why = f"those that finished in {KV_HISTORY_TEXT} were shorter, {mean_length:.0f} tokens"
     what = f"what each running request held at the highest usage, {why}"
     return RequestLength(held, what, True, why)
 
@@ -467,7 +466,7 @@ def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
         return _budget_action(*action_basis(tl, finding.worst), th, lower=kind == "long_prefill")
     if kind == "waiting" and reason == "waiting_seq_limit":
         return _seqs_action(*action_basis(tl, finding.worst), th)
-    if kind in KV_KINDS or (kind == "waiting" and reason == "waiting_kv"):
+    if reads_whole_episode(finding.worst):  # a KV size
         return _kv_action(kv_action_basis(tl, finding.worst), th)
     return finding.worst.setting
 
