@@ -74,7 +74,9 @@ class ServerProcess:
 
     def records(self) -> list[IterationRecord]:
         decoder = msgspec.json.Decoder(Message)
-        lines = self.record_path.read_bytes().splitlines() if self.record_path.exists() else []
+        data = self.record_path.read_bytes() if self.record_path.exists() else b""
+        # whole lines only: the sidecar may be writing the last one as it is read
+        lines = data[: data.rfind(b"\n") + 1].splitlines()
         messages = [decoder.decode(line) for line in lines if line.strip()]
         return [message for message in messages if isinstance(message, IterationRecord)]
 
