@@ -279,6 +279,49 @@ def test_a_sidecar_that_binds_late_gets_the_first_heartbeat(tmp_path):
     assert publisher.num_dropped_total == 0
 
 
+def test_a_restarted_sidecar_gets_a_heartbeat_before_any_record(tmp_path, monkeypatch):
+    """A sidecar meets an engine only by a heartbeat and rejects the records before it: a
+    restarted sidecar used to reject up to a second of records (their requests got no span).
+    After a failed send the first message through is a heartbeat, carrying the gap."""
+    monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
+    address = f"ipc://{tmp_path}/lane.sock"
+    context = zmq.Context.instance()
+    first = context.socket(zmq.PULL)
+    first.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
+    decoder = make_decoder()
+    second = None
+    try:
+        assert publisher.flush()  # the first heartbeat
+        publisher.publish(decode_record())
+        assert publisher.flush()
+        assert first.poll(5000) and first.poll(5000)
+        first.close(linger=0)  # the sidecar is killed
+        time.sleep(0.2)
+        publisher.publish(decode_record())  # dropped: nobody listens
+        assert publisher.flush()
+        second = context.socket(zmq.PULL)
+        second.bind(address)  # the restarted sidecar
+        received = []
+        deadline = time.monotonic() + 5
+        while len(received) < 2 and time.monotonic() < deadline:
+            publisher.publish(decode_record())
+            assert publisher.flush()
+            while second.poll(50):
+                received.append(decoder.decode(second.recv()))
+    finally:
+        publisher.close()
+        for socket in (first, second):
+            if socket is not None:
+                socket.close(linger=0)
+    assert len(received) >= 2, received
+    assert type(received[0]) is Heartbeat
+    assert all(type(message) is IterationRecord for message in received[1:])
+    # the heartbeat carries every record dropped while no sidecar listened
+    assert received[0].num_dropped == received[0].msg_seq - 3 >= 1
+    assert publisher.num_dropped_total == received[0].num_dropped
+
+
 def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatch):
     """The sidecar reads the silence after a closing heartbeat as a shutdown, not a death:
     the last message says so, with the queues of the last record, and no other does."""

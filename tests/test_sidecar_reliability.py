@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from telemetry.lane.record import IterationRecord
+from telemetry.lane.record import Heartbeat, IterationRecord
 from telemetry.sidecar.engine_view import EngineStatus
 from telemetry.sidecar.ingest import Ingest
 from telemetry.sidecar.lane_loop import LaneLoop
@@ -95,6 +95,10 @@ def test_killed_and_restarted_sidecar_reports_the_exact_gap(tmp_path):
     real_gap = max(seqs_second) - last_seq_first - len(set(seqs_second))
     assert real_gap > 0
     assert reported_dropped((tmp_path / "b.log").read_text()) == {0: real_gap}
+    # The engine's first message to the new sidecar was a heartbeat (the publisher sends one
+    # first after failed sends): no record was rejected before the sidecar met the engine.
+    assert isinstance(seen_by_second[0], Heartbeat)
+    assert "unknown_engine" not in (tmp_path / "b.log").read_text()
     # The engine never waited for a sidecar: no pause between iterations, and it carried on
     # through the gap.
     starts = [start_ns for start_ns, _, _ in report["samples"]]

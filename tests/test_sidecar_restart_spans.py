@@ -1,6 +1,8 @@
-"""What a restarted sidecar makes of the records that reach it before an engine's heartbeat
-(docs/tracing.md, "Across a sidecar restart"): rejected, so no spans, and counted as
-rejected frames, as lost messages and as a gap in the recording, never as dropped spans."""
+"""What a restarted sidecar makes of records that reach it before an engine's heartbeat
+(docs/tracing.md, "Across a sidecar restart": our publisher sends a heartbeat first after a
+failed send, so only a race or another publisher gets here): rejected, so no spans, and
+counted as rejected frames, as lost messages and as a gap in the recording, never as dropped
+spans."""
 
 from pathlib import Path
 

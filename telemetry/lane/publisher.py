@@ -23,6 +23,11 @@ Loss is always counted and always visible as a ``msg_seq`` gap:
 - ``zmq.Again`` (sidecar absent, slow or stopped; ``ZMQ_IMMEDIATE`` keeps messages from
   queueing for a sidecar that is not there): the frame is dropped.
 Either way the next message sent carries ``num_dropped`` = the size of the gap before it.
+
+A sidecar meets an engine only by a heartbeat (its facts and clock anchor) and rejects the
+records that come before one. So after a send failed (no sidecar, or a new one restarting),
+the first message that gets through is a heartbeat: a record waits for the socket to take a
+heartbeat first (``_reintroduce``), and a restarted sidecar loses none of what it receives.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ class ZmqPublisher:
         self._next_seq = 1
         self._last_sent_seq = 0
         self._num_queue_full_counted = 0
+        self._peer_unsure = False  # a send failed: a heartbeat must get through first
         self._encoder = make_encoder()
         # Written by the engine thread only.
         self._num_queue_full = 0
@@ -215,10 +221,20 @@ class ZmqPublisher:
                 self._count_queue_full()
                 item.set()
                 continue
+            if self._peer_unsure:
+                self._reintroduce()
             item.msg_seq = self._take_seq()
             item.num_dropped = item.msg_seq - self._last_sent_seq - 1
             self._send(item)
         self._count_queue_full()
+
+    def _reintroduce(self) -> None:
+        """After a failed send, a heartbeat before the next record, as soon as the socket
+        takes one (a sidecar connected): the sidecar meets the engine by it. Until then the
+        record is sent and dropped as before; a connection completing between this check and
+        the record's send lets one record through first, which that sidecar rejects."""
+        if self._socket.poll(0, zmq.POLLOUT):
+            self._send_heartbeat()
 
     def _count_queue_full(self) -> None:
         """Records the engine thread could not queue take seq numbers that are never sent,
@@ -258,9 +274,12 @@ class ZmqPublisher:
             self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             self.num_dropped_total += 1
+            self._peer_unsure = True
         else:
             self._last_sent_seq = message.msg_seq
             self.num_sent_total += 1
+            if type(message) is Heartbeat:
+                self._peer_unsure = False
 
 
 def _connect(
