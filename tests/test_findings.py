@@ -614,7 +614,7 @@ def test_kv_actions_are_sized_by_the_requests_that_fill_the_cache():
     timeline, findings = findings_of(sim)
     (waiting,) = [f for f in findings if f.kind == "waiting"]
     action = finding_action(timeline, waiting, Thresholds())
-    assert "(it holds 1 request of 294 tokens, 19 blocks each, the mean of those " in action
+    assert "(it holds 1 request of 300 tokens, 19 blocks each, the mean of those " in action
     assert action.endswith(", or set --max-num-seqs 1."), action
     opening = episode_action(
         timeline, replace(waiting.worst, end_ns=waiting.worst.start_ns), Thresholds()

@@ -648,7 +648,7 @@ def test_a_kv_finding_s_action_follows_its_episode_and_ends_as_explain_s(tmp_pat
     (episode,) = [e for e in detect_episodes(timeline) if e.kind == "waiting"]
     (live,) = [f for f in replayed(path) if f.kind == "waiting_kv"]
     assert live.action == episode_action(timeline, episode, Thresholds())
-    assert "(it holds 1 request of 294 tokens" in live.action
+    assert "(it holds 1 request of 300 tokens" in live.action
 
 
 def decoding_then_a_long_step(step_s: float) -> list:

@@ -117,6 +117,26 @@ def test_kv_capacity_caps_max_num_seqs():
     assert rec.max_num_seqs == 18 and rec.limited_by == "KV cache capacity"
 
 
+def test_kv_length_weights_each_request_by_how_long_it_held_the_cache():
+    """20 short requests (24 tokens) and 4 long ones (400 tokens): the plain mean, 87 tokens,
+    sized a cache that the long ones fill, as they run far longer; weighted by how long each
+    ran, the length is near the long ones'. Without their times (a source that does not
+    say them): the plain mean."""
+    sim = synthetic.Simulator(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=1024)
+    sim.add_requests([0.5 + 0.1 * i for i in range(20)], num_prompt=16, num_output=8)
+    sim.add_requests([0.5, 0.7, 0.9, 1.1], num_prompt=100, num_output=300)
+    sim.run(30)
+    timeline = build_timelines(sim.messages)[0]
+    kv_seqs, length = kv_max_seqs(timeline)
+    assert 300 < length <= 400, length
+    assert kv_seqs == 400 // int(np.ceil(length / 16))
+    for record in sim.messages:
+        for milestone in getattr(record, "milestones", ()):
+            milestone.first_scheduled_ns = 0
+    _, plain = kv_max_seqs(build_timelines(sim.messages)[0])
+    assert plain == pytest.approx((20 * 24 + 4 * 400) / 24)
+
+
 def test_unreachable_target_is_a_clear_error(bursty_timeline):
     with pytest.raises(ValueError, match="below the fastest iteration"):
         recommend(fit_iteration_time(bursty_timeline), 0.010)

@@ -4,11 +4,12 @@ Values come from the recording itself: the token budget and sequence limit from 
 of iteration time (for a latency target of ``long_prefill_ratio`` times the median decode-only
 iteration, the point where explain calls an iteration stretched), the KV size from how many
 requests wanted in at once against how many of their length the cache holds (what `kv-plan`
-computes from a model): the mean length of the requests that finished, or where none had, what
-each running one held, a lower bound (the action then says "at least"). Where a value cannot be
-derived, the action says which command computes it and why it could not be given here. A tune
-command an action quotes prints the value the action gives: the target is quoted as it is
-parsed back.
+computes from a model): the mean length of the requests that finished, weighted by how long
+each ran (a long request holds its blocks longer, so the cache holds more of them), or where
+none had, what each running one held, a lower bound (the action then says "at least"). Where
+a value cannot be derived, the action says which command computes it and why it could not be
+given here. A tune command an action quotes prints the value the action gives: the target is
+quoted as it is parsed back.
 
 A budget or sequence limit is drawn from the iterations that started within ACTION_HISTORY_S
 before the episode, through its first (action_basis): the records the live sidecar holds when
@@ -322,12 +323,15 @@ class RequestLength:
 
 
 def _request_length(tl: EngineTimeline) -> RequestLength | None:
-    """The mean length of the requests that finished in ``tl``; else, or where the running
+    """The mean length of the requests that finished in ``tl``, weighted by how long each ran
+    (kv_max_seqs); else, or where the running
     requests held more each at the highest usage (those that finished were shorter ones), a
     lower bound: the KV tokens each running request held then. None without a block size or
     any KV in use."""
     _, mean_length = kv_max_seqs(tl)
-    finished = f"the mean of those that finished in {KV_HISTORY_TEXT}"
+    finished = (
+        f"the mean of those that finished in {KV_HISTORY_TEXT}, weighted by how long each ran"
+    )
     held = _held_at_peak(tl)
     if mean_length is not None and (held is None or held <= mean_length):
         return RequestLength(mean_length, finished, False)

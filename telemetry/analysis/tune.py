@@ -388,17 +388,26 @@ def _predict(solution: dict[str, float], x: np.ndarray) -> np.ndarray:
 
 
 def kv_max_seqs(tl: EngineTimeline) -> tuple[int | None, float | None]:
-    """(requests that fit in the KV cache at the mean finished length, that length)."""
-    lengths = [
-        m.num_prompt_tokens + m.num_output_tokens
-        for r in tl.records
-        for m in r.milestones
-        if m.event & EVENT_FINISHED
-    ]
+    """(requests that fit in the KV cache at the length of a running request, that length).
+
+    That length: the mean length (prompt + output tokens) of the requests that finished, each
+    weighted by how long it ran, first scheduled to finish. A request the cache holds at any
+    moment is more often a long one, which holds its blocks longer: many short requests and a
+    few long ones fill the cache with the long ones, which the plain mean understates. The
+    plain mean where a finished request's times are not known."""
+    finished = [m for r in tl.records for m in r.milestones if m.event & EVENT_FINISHED]
     block_size = int(tl.facts.get("block_size", 0))
-    if not lengths or not block_size or not tl.num_kv_blocks_total:
+    if not finished or not block_size or not tl.num_kv_blocks_total:
         return None, None
-    mean_length = float(np.mean(lengths))
+    lengths = np.array([m.num_prompt_tokens + m.num_output_tokens for m in finished], float)
+    ran_ns = np.array(
+        [m.finished_ns - m.first_scheduled_ns if m.first_scheduled_ns else 0 for m in finished],
+        float,
+    )
+    if (ran_ns > 0).all():
+        mean_length = float(np.average(lengths, weights=ran_ns))
+    else:
+        mean_length = float(lengths.mean())
     return requests_held(tl.num_kv_blocks_total, block_size, mean_length), mean_length
 
 
