@@ -237,3 +237,71 @@ def test_an_engine_s_first_step_is_given_the_cap_where_its_size_is_said():
     unsaid = slow_engine([23.7, 0.3, 0.3], tokens=[7000, 20, 20], say_step=False)
     assert EngineStatus.STALLED in live_statuses(unsaid)
     assert len(explained_stalls(unsaid)) == 1
+
+
+def frozen_then_hung(step_tokens: int = 0) -> list:
+    """1 s iterations; the whole process frozen (SIGSTOP) for 8 s inside iteration 4, whose
+    record comes 3 ms after the first heartbeat that follows the freeze; 1 s iterations again;
+    then the engine loop hung for 14 s while its publisher's heartbeats go on."""
+    messages, seq, last_iteration = [], 0, 0
+
+    def beat(time_ns: int) -> None:
+        nonlocal seq
+        seq += 1
+        messages.append(
+            heartbeat(
+                0,
+                seq,
+                time_ns,
+                time_ns,
+                last_iteration=last_iteration,
+                num_running_reqs=2,
+                pid=7,
+                step_tokens=step_tokens,
+            )
+        )
+
+    def step(begin_ns: int, end_ns: int) -> None:
+        nonlocal seq, last_iteration
+        seq += 1
+        last_iteration += 1
+        messages.append(
+            iteration_record(
+                0,
+                seq,
+                last_iteration,
+                start_ns=begin_ns,
+                elapsed_ns=end_ns - begin_ns,
+                num_decode_reqs=2,
+                num_decode_tokens=2,
+                num_running_reqs=2,
+            )
+        )
+
+    beat(SECOND)
+    for n in range(1, 4):  # iterations 1-3, a heartbeat in each
+        beat(n * SECOND + SECOND // 2)
+        step(n * SECOND, (n + 1) * SECOND)
+    thawed_ns = 4 * SECOND + SECOND // 2 + 8 * SECOND  # frozen 4.5 s -> 12.5 s
+    beat(thawed_ns)
+    step(4 * SECOND, thawed_ns + 3_000_000)
+    now_ns = thawed_ns + 3_000_000
+    for _ in range(3):
+        beat(now_ns + SECOND // 2)
+        step(now_ns, now_ns + SECOND)
+        now_ns += SECOND
+    for n in range(1, 15):  # hung: heartbeats, no progress
+        beat(now_ns + n * SECOND)
+    return messages
+
+
+def test_a_frozen_process_teaches_no_threshold_in_either():
+    """After a freeze, a heartbeat came 3 ms before the record of the iteration the freeze
+    stretched: the sidecar restarts its wait at the heartbeat (heard again after a silence),
+    but explain learnt the 8 s from that record and doubled it: a 14 s hang later was a
+    stall live and nothing in explain (QA on vLLM's scheduler source, SIGSTOP)."""
+    for step_tokens in (0, 2):
+        messages = frozen_then_hung(step_tokens)
+        assert EngineStatus.STALLED in live_statuses(messages)
+        (stall,) = explained_stalls(messages)
+        assert stall.numbers["stall_threshold_s"] == STALL_FLOOR_S

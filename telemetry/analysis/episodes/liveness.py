@@ -82,9 +82,10 @@ def stall_thresholds(
 ) -> list[int]:
     """The stall threshold the live sidecar held just before each of ``times_ns``: the
     engine's messages fed in time order (records at their end, heartbeats at ts_ns) to a
-    StallRule as Ingest feeds it (``stall_after_ns``: its fixed threshold, 0 adapts; progress
-    after ``dead_after_ns`` of silence is not learnt from), with record time as the clock, as
-    a replay runs."""
+    StallRule as Ingest feeds it (``stall_after_ns``: its fixed threshold, 0 adapts; a message
+    after ``dead_after_ns`` of silence starts the wait for progress again, so no interval
+    spanning the silence is learnt, even from a record that follows that message), with
+    record time as the clock, as a replay runs."""
     rule = StallRule(stall_after_ns)
     order = sorted(range(len(times_ns)), key=times_ns.__getitem__)
     thresholds = [0] * len(times_ns)
@@ -109,6 +110,8 @@ def stall_thresholds(
             thresholds[order[next_query]] = rule.threshold_ns(times_ns[order[next_query]])
             next_query += 1
         was_silent = last_message_ns is not None and time_ns - last_message_ns > dead_after_ns
+        if was_silent:  # heard again after a silence: the wait starts here, as in Ingest
+            rule.restart(time_ns)
         num_tokens = elapsed_ns = 0
         if is_heartbeat:
             heartbeat = tl.heartbeats[index]
