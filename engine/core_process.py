@@ -79,7 +79,7 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
-    core = None
+    core = loop = None
     try:
         try:
             core, model = build_engine_core(config, load_model, runner_class)
@@ -99,10 +99,11 @@ def run_engine_core(
         )
         outputs.send(encoder.encode(ready))
         counter.num_records = 0
-        _EngineLoop(core, inputs, outputs, counter).run()
+        loop = _EngineLoop(core, inputs, outputs, counter)
+        loop.run()
     finally:
-        if core is not None:
-            core.publisher.close()
+        if core is not None:  # told to stop: a Shutdown ended the loop (not its parent's death)
+            core.publisher.close(stop_requested=loop is not None and not loop.running)
         inputs.close(linger=0)
         outputs.close(linger=1000)
         context.term()

@@ -144,15 +144,19 @@ def test_a_silence_longer_than_dead_after_is_dead_though_no_tick_fell_in_it(
         assert finding.kind == "dead" and finding.duration_s == pytest.approx(silent_s)
 
 
-def closed_then(in_flight: int, restart: bool) -> tuple[RecordingSink, Ingest]:
+def closed_then(
+    in_flight: int, restart: bool, stop_requested: bool = False
+) -> tuple[RecordingSink, Ingest]:
     """An engine that idles, closes its lane (its last heartbeat says so, with ``in_flight``
-    requests running), stays silent for 10 s (ticks every 0.1 s), then, if ``restart``,
-    starts again (its seq from 1, a new pid)."""
+    requests running, and whether it was told to stop), stays silent for 10 s (ticks every
+    0.1 s), then, if ``restart``, starts again (its seq from 1, a new pid)."""
     sink = RecordingSink()
     ingest = Ingest([sink], dead_after_s=2.5)
     engine = ScriptedEngine(ingest)
     engine.message(heartbeat, pid=10)
-    engine.message(heartbeat, pid=10, running=in_flight, closing=True)
+    engine.message(
+        heartbeat, pid=10, running=in_flight, closing=True, stop_requested=stop_requested
+    )
     for _ in range(100):
         engine.now_ns += SECOND // 10
         ingest.tick(engine.now_ns)
@@ -171,12 +175,22 @@ def test_an_engine_that_closes_its_lane_with_nothing_in_flight_is_closed_never_d
     assert sink.of("finding") == [] and list(ingest.engines[0].findings.closed) == []
 
 
-def test_an_engine_that_closes_its_lane_with_requests_in_flight_is_dead():
-    """Requests cut off by a shutdown got no token after it: judged as any silence."""
+def test_an_engine_that_closes_its_lane_with_requests_in_flight_untold_is_dead():
+    """An engine loop that failed closes its lane with requests in flight, not told to stop:
+    they got no token after it, judged as any silence."""
     sink, ingest = closed_then(in_flight=2, restart=False)
     assert [status for status, _ in statuses(sink)] == [IDLE, RUNNING, DEAD]
     (finding,) = ingest.engines[0].findings.open
     assert finding.kind == "dead"
+
+
+def test_an_engine_told_to_stop_with_requests_in_flight_is_closed():
+    """vLLM stopped by SIGTERM under load (its default abort) closes the scheduler source's
+    lane with requests in flight: "Engine down" with a finding and an alert, where its
+    operator stopped it. Told to stop, it is closed, and the log says what was cut off."""
+    sink, ingest = closed_then(in_flight=2, restart=False, stop_requested=True)
+    assert [status for status, _ in statuses(sink)] == [IDLE, CLOSED]
+    assert sink.of("finding") == [] and list(ingest.engines[0].findings.open) == []
 
 
 class StuckRunner(FakeRunner):

@@ -268,6 +268,26 @@ def test_lost_messages_make_a_telemetry_gap():
     assert gaps[1].numbers["num_dropped_by_engine"] == 0
 
 
+def test_a_recording_ending_with_requests_cut_off_says_whether_the_engine_was_told_to_stop(
+    tmp_path, capsys
+):
+    """A closing heartbeat with requests in flight: told to stop (vLLM's SIGTERM), a
+    shutdown cut them off, as the sidecar's "closed" line says; not told (a failed loop), it
+    is no shutdown, and the live sidecar called it dead."""
+    said = {}
+    for told in (True, False):
+        sim = Simulator(cost=synthetic.STORY_COST)
+        sim.add_requests([0.5] * 3, num_prompt=32, num_output=4000)
+        path = sim.run(5).close(stop_requested=told).write(tmp_path / f"{told}.jsonl")
+        assert main([str(path)]) == 0
+        said[told] = capsys.readouterr().out
+    assert (
+        "with 3 requests running and 0 waiting: it was told to stop, and the shutdown cut "
+        in (said[True])
+    )
+    assert "with 3 requests running and 0 waiting, not told to stop: its loop failed" in said[False]
+
+
 def test_restarted_engine_is_a_silence_not_a_loss():
     first = Simulator(cost=synthetic.STORY_COST).run(10)
     second = Simulator(cost=synthetic.STORY_COST, start_s=1015.0)

@@ -431,6 +431,33 @@ def test_a_clean_close_is_an_info_line_and_the_window_is_printed_at_once():
     assert any("Avg generation throughput" in text for text in lines.texts(logging.INFO))
 
 
+def test_a_stop_that_cuts_requests_off_says_so_at_info():
+    """vLLM told to stop under load closes its lane with requests in flight: "closed" at INFO,
+    with what the shutdown cut off, not "dead" at WARNING."""
+    lines = Lines()
+    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
+    ingest.on_message(heartbeat(0, 100, msg_seq=1), now_ns=100 * SECOND)
+    ingest.on_message(record(0, 100.5, msg_seq=2, num_running_reqs=3), now_ns=int(100.5 * SECOND))
+    closing = lane_heartbeat(
+        0,
+        3,
+        101 * SECOND,
+        101 * SECOND,
+        closing=True,
+        stop_requested=True,
+        num_running_reqs=3,
+        num_waiting_reqs=1,
+    )
+    ingest.on_message(closing, now_ns=101 * SECOND)
+    for tenth in range(1, 100):
+        ingest.tick(101 * SECOND + tenth * SECOND // 10)
+    assert lines.texts(logging.WARNING) == []
+    assert [text for text in lines.texts(logging.INFO) if "->" in text] == [
+        "Engine 000: running -> closed (it was told to stop and closed its telemetry lane with 3 "
+        "running and 1 waiting, cut off by the shutdown: not a death; last iteration 1)"
+    ]
+
+
 def test_close_prints_the_open_window_so_every_record_is_in_a_line():
     lines = Lines()
     sink = LogSink(emit=lines)

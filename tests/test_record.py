@@ -339,6 +339,33 @@ def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatc
     assert [type(m) for m in messages] == [Heartbeat, IterationRecord, Heartbeat]
     assert [m.closing for m in messages if type(m) is Heartbeat] == [False, True]
     assert is_clean_close(messages[-1]) and not is_clean_close(messages[0])
+    assert not messages[-1].stop_requested
+
+
+def test_a_publisher_told_to_stop_says_so_in_its_closing_heartbeat(tmp_path):
+    """Closed with requests in flight, the heartbeat is a shutdown's only if it says the
+    engine was told to stop (else a failed loop's, judged as a silence)."""
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
+    try:
+        publisher.publish(decode_record(num_running_reqs=3))
+        assert publisher.flush()
+        publisher.close(stop_requested=True)
+        messages = close_and_receive(publisher, pull)
+    finally:
+        pull.close(linger=0)
+    last = messages[-1]
+    assert (type(last), last.closing, last.stop_requested, last.num_running_reqs) == (
+        Heartbeat,
+        True,
+        True,
+        3,
+    )
+    assert is_clean_close(last)
+    last.stop_requested = False
+    assert not is_clean_close(last)
 
 
 def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):

@@ -194,16 +194,41 @@ def test_the_replayed_sidecar_finds_what_explain_finds(spec_stack, tmp_path):
 
 def test_a_vllm_stopped_by_its_operator_is_closed_not_dead(spec_stack):
     """Last of spec_stack's tests: vLLM stopped as an operator stops it (SIGTERM to its
-    process group) sends its source's closing heartbeat with nothing in flight: the sidecar
-    says "closed" at once, never "dead" (a shutdown was "Engine down", a finding and an
-    alert), and the recording ends with that heartbeat, which explain reads as a shutdown."""
-    stop_server(spec_stack["server"])
+    process group) while requests run sends its source's closing heartbeat, saying it was
+    told to stop: the sidecar says "closed" at once, with the requests the shutdown cut off,
+    never "dead" (a shutdown was "Engine down", a finding and an alert; under load, with the
+    scheduler source, still so until the heartbeat said it was told to stop), and the
+    recording ends with that heartbeat, which explain reads as a shutdown."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{spec_stack['api_port']}/v1", api_key="none", max_retries=0
+    )
+
+    def long_request(_: int):
+        with contextlib.suppress(openai.OpenAIError):  # cut off by the stop
+            client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2000)
+
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    try:
+        for number in range(4):
+            pool.submit(long_request, number)
+        wait_until(
+            lambda: total(scrape(spec_stack["metrics_port"]), "iterscope_requests_running") > 0,
+            60,
+            "requests running",
+            interval_s=POLL_S,
+        )
+        stop_server(spec_stack["server"])
+    finally:
+        pool.shutdown(wait=True)
     log = spec_stack["sidecar_log"]
     wait_until(lambda: "-> closed" in log.read_text(), 15, "the closed line", interval_s=POLL_S)
-    assert "-> dead" not in log.read_text() and "Engine down" not in log.read_text()
+    text = log.read_text()
+    assert "-> dead" not in text and "Engine down" not in text and "stalled" not in text, text
+    assert "cut off by the shutdown" in text, text
 
     def last_message():
         return [m for m in read_recording(spec_stack["recording"]) if not isinstance(m, str)][-1]
 
     # the recording is flushed as the sidecar writes it (at most a second later)
     wait_until(lambda: is_clean_close(last_message()), 5, "the closing heartbeat recorded")
+    assert last_message().stop_requested

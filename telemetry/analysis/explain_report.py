@@ -145,7 +145,8 @@ def _ends_mid_work(tl: EngineTimeline) -> list[str]:
     recording cannot tell an engine that died from a recording that was stopped (the live
     sidecar's log can: "Engine down"), and the findings alone (or "No problem found") read as
     the whole story of a run that ended there.
-    Where the last message is a closing heartbeat, the engine shut down there: said so."""
+    Where the last message is a closing heartbeat, the engine closed its lane there: said so,
+    and whether it was told to stop (a shutdown) or not (a failure)."""
     last_record = tl.records[-1] if tl.records else None
     last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
     if last_record is None and last_heartbeat is None:
@@ -160,10 +161,16 @@ def _ends_mid_work(tl: EngineTimeline) -> list[str]:
         at = clock_text(tl, last.ts_ns)
         if running + waiting == 0:
             return [f"  It ends as the engine closed its telemetry lane at {at}: a shutdown."]
-        return [
+        closed = (
             f"  It ends as the engine closed its telemetry lane at {at} with "
-            f"{plural(running, 'request')} running and {waiting} waiting: a shutdown cut "
-            "them off (no token came for them after)."
+            f"{plural(running, 'request')} running and {waiting} waiting"
+        )
+        if last.stop_requested:
+            return [f"{closed}: it was told to stop, and the shutdown cut them off."]
+        return [
+            f"{closed}, not told to stop: its loop failed or its telemetry stopped (no token "
+            "came for them after; the engine's log says which; the live sidecar called it "
+            "dead)."
         ]
     if running + waiting == 0:
         return []

@@ -76,7 +76,7 @@ class NullPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         return True
 
-    def close(self) -> None:
+    def close(self, stop_requested: bool = False) -> None:
         pass
 
 
@@ -109,6 +109,7 @@ class ZmqPublisher:
         self._last_sent_seq = 0
         self._num_queue_full_counted = 0
         self._peer_unsure = False  # a send failed: a heartbeat must get through first
+        self._stop_requested = False  # close() says it before the sender thread reads it
         self._encoder = make_encoder()
         # Written by the engine thread only.
         self._num_queue_full = 0
@@ -174,11 +175,15 @@ class ZmqPublisher:
         self._wake.set()
         return done.wait(timeout_s)
 
-    def close(self) -> None:
+    def close(self, stop_requested: bool = False) -> None:
         """Send what is queued and a closing heartbeat (the last message: the sidecar and
-        explain read the silence after it as a shutdown, not a death), then stop the sender
+        explain read the silence after it as a shutdown, not a death, where nothing is in
+        flight or ``stop_requested``: the engine was told to stop), then stop the sender
         thread and close the socket, waiting up to CLOSE_LINGER_MS for ZMQ to write the frames
         it still holds (where the publisher has its own context)."""
+        if self._closed.is_set():  # closed already (an exit hook after the stop watch)
+            return
+        self._stop_requested = stop_requested
         self._closed.set()
         self._wake.set()
         self._thread.join(timeout=5)
@@ -199,7 +204,7 @@ class ZmqPublisher:
             closing = self._closed.is_set()
             self._send_queued()
             if closing:  # the last message: the sidecar reads the silence after it as a close
-                self._send_heartbeat(closing=True)
+                self._send_heartbeat(closing=True, stop_requested=self._stop_requested)
                 return
             if time.monotonic() >= next_heartbeat_s:
                 self._send_heartbeat()
@@ -246,7 +251,7 @@ class ZmqPublisher:
             self._next_seq += num_new
             self.num_dropped_total += num_new
 
-    def _send_heartbeat(self, closing: bool = False) -> None:
+    def _send_heartbeat(self, closing: bool = False, stop_requested: bool = False) -> None:
         ts_ns = time.monotonic_ns()
         seq = self._take_seq()
         heartbeat = Heartbeat(
@@ -261,6 +266,7 @@ class ZmqPublisher:
             **self._facts,
             step_tokens=self._step_tokens,
             closing=closing,
+            stop_requested=stop_requested,
         )
         self._send(heartbeat)
 

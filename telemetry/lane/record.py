@@ -252,20 +252,23 @@ class Heartbeat(msgspec.Struct, array_like=True, gc=False, tag=TAG_HEARTBEAT):
     # The publisher's last message: it is closing (the engine shuts down, or its source stops
     # reporting). With nothing in flight the silence after it is a shutdown, not a death.
     closing: bool = False
+    # With ``closing``: the engine was told to stop (its operator's stop signal, its client's
+    # shutdown), so the requests in flight, if any, are cut off by a shutdown, not a death.
+    stop_requested: bool = False
 
 
 Message = IterationRecord | Heartbeat
 
 
 def is_clean_close(message: Message) -> bool:
-    """A closing heartbeat with nothing waiting or running: the engine closed its lane with
-    no request cut off, so the silence after it is no death (the sidecar's "closed" status,
-    and no silence episode in explain). One closing with work in flight is judged as any
-    silence: its requests got no token after it."""
+    """A closing heartbeat of an engine told to stop, or with nothing waiting or running: a
+    shutdown, so the silence after it is no death (the sidecar's "closed" status, and no
+    silence episode in explain). One closing with work in flight, not told to stop (an engine
+    loop that failed), is judged as any silence: its requests got no token after it."""
     return (
         type(message) is Heartbeat
         and message.closing
-        and not (message.num_waiting_reqs or message.num_running_reqs)
+        and (message.stop_requested or not (message.num_waiting_reqs or message.num_running_reqs))
     )
 
 

@@ -76,7 +76,7 @@ class ReportingScheduler:
         if self._iterscope is not None:
             drains = getattr(self.vllm_config, "shutdown_timeout", 0) > 0
             self._iterscope_stop = StopWatch(
-                self.shutdown_reporter, self.get_num_unfinished_requests, drains
+                self._iterscope_stopped, self.get_num_unfinished_requests, drains
             )
 
     def has_requests(self) -> bool:
@@ -172,11 +172,17 @@ class ReportingScheduler:
             logger.error("iterscope: %d errors, the scheduler source stops reporting", MAX_ERRORS)
             self.shutdown_reporter()
 
-    def shutdown_reporter(self) -> None:
-        """Stop reporting: send what is queued and close the lane; vLLM schedules on."""
+    def shutdown_reporter(self, stop_requested: bool = False) -> None:
+        """Stop reporting: send what is queued and close the lane; vLLM schedules on.
+        ``stop_requested``: the engine core was told to stop (its closing heartbeat says so)."""
         reporter, self._iterscope = self._iterscope, None
         if reporter is not None:
-            reporter.publisher.close()
+            reporter.publisher.close(stop_requested)
+
+    def _iterscope_stopped(self) -> None:
+        """The engine core was told to stop (the stop watch): the lane closes, saying so, so
+        the requests an abort cuts off read as a shutdown's, not a death's."""
+        self.shutdown_reporter(stop_requested=True)
 
 
 class IterscopeScheduler(ReportingScheduler, Scheduler):

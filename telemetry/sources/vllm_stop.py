@@ -10,9 +10,11 @@ busy loop starts (before the scheduler is built on 0.32, after it on 0.24-0.31),
 loop asks the scheduler ``has_requests()`` before it waits for work. On that first call (or,
 where no handler is installed yet, one of the next HOOK_TRIES) a StopWatch wraps those
 handlers, so that a stop signal closes the lane (its closing heartbeat:
-record.is_clean_close) before vLLM's handler runs. An abort (vLLM's default) closes it at
-once, the heartbeat saying the requests it cuts off; a drain (``--shutdown-timeout`` above
-0) with requests in flight closes it at the first ``has_requests()`` that says none is left.
+record.is_clean_close: it says the engine was told to stop) before vLLM's handler runs. An
+abort (vLLM's default) closes it at once, the heartbeat saying the requests it cuts off (a
+shutdown's, not a death's: the sidecar calls the engine closed); a drain
+(``--shutdown-timeout`` above 0) with requests in flight closes it at the first
+``has_requests()`` that says none is left.
 
 Only handlers someone installed are wrapped (vLLM's): the default ones (SIG_DFL, Python's
 KeyboardInterrupt for SIGINT) of an engine run in the caller's own process stay as they are.

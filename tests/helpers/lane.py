@@ -89,6 +89,7 @@ def heartbeat(
     num_dropped=0,
     pid=0,
     closing=False,
+    stop_requested=False,
 ):
     return lane_heartbeat(
         engine_index,
@@ -101,6 +102,7 @@ def heartbeat(
         num_dropped=num_dropped,
         pid=pid,
         closing=closing,
+        stop_requested=stop_requested,
     )
 
 

@@ -181,9 +181,10 @@ class Simulator:
         self._heartbeats_until(to_ns)
         self.now_ns = max(self.now_ns, to_ns)
 
-    def close(self) -> Simulator:
-        """The publisher's close: a last heartbeat, now, that says so."""
-        self._heartbeat(self.now_ns, closing=True)
+    def close(self, stop_requested: bool = False) -> Simulator:
+        """The publisher's close: a last heartbeat, now, that says so (and whether the engine
+        was told to stop)."""
+        self._heartbeat(self.now_ns, closing=True, stop_requested=stop_requested)
         return self
 
     def _heartbeats_until(self, to_ns: int) -> None:
@@ -191,7 +192,7 @@ class Simulator:
             self._heartbeat(self.next_heartbeat_ns)
             self.next_heartbeat_ns += NS
 
-    def _heartbeat(self, ts_ns: int, closing: bool = False) -> None:
+    def _heartbeat(self, ts_ns: int, closing: bool = False, stop_requested: bool = False) -> None:
         self._send(
             heartbeat(
                 self.engine_index,
@@ -210,6 +211,7 @@ class Simulator:
                 pid=4242,
                 num_speculative_tokens=self.num_spec_tokens,
                 closing=closing,
+                stop_requested=stop_requested,
             ),
             ts_ns,
         )

@@ -253,11 +253,7 @@ class LogSink(Sink):
         if status in (EngineStatus.STALLED, EngineStatus.DEAD):
             self.emit(logging.WARNING, f"{text} ({queues})")
         elif status is EngineStatus.CLOSED:
-            self.emit(
-                logging.INFO,
-                f"{text} (it closed its telemetry lane with nothing in flight: a shutdown, not "
-                f"a death; last iteration {engine.last_iteration})",
-            )
+            self.emit(logging.INFO, f"{text} ({_closed_text(engine)})")
         elif {previous, status} == {EngineStatus.IDLE, EngineStatus.RUNNING}:
             self.emit(logging.DEBUG, text)  # every request under light load: not news
         else:
@@ -380,3 +376,17 @@ def build(args: argparse.Namespace) -> LogSink | None:
     if args.no_log:
         return None
     return LogSink(interval_s=args.log_interval, log_iterations=args.log_iterations)
+
+
+def _closed_text(engine: EngineView) -> str:
+    """Why a closed engine is no dead one, as its closing heartbeat said (is_clean_close)."""
+    last = f"last iteration {engine.last_iteration}"
+    if not engine.has_work:
+        return (
+            f"it closed its telemetry lane with nothing in flight: a shutdown, not a death; {last}"
+        )
+    return (
+        f"it was told to stop and closed its telemetry lane with {engine.num_running_reqs} "
+        f"running and {engine.num_waiting_reqs} waiting, cut off by the shutdown: not a death; "
+        f"{last}"
+    )
