@@ -84,9 +84,22 @@ def test_an_unnamed_limit_with_kv_unreported_names_both_limits_and_how_to_tell()
 
 
 def test_an_unnamed_limit_with_kv_reported_reads_the_limit_from_its_peak():
+    """No limits among the facts (no heartbeat): the KV peak rules the cache in or out, and
+    a cache half full is not led with (tests/test_waiting_unnamed.py: with the limits)."""
     records = waiting_records(UNKNOWN_WAITING_REASONS, num_waiting_seq_limit_reqs=0)
     waiting = the_episode(records, "waiting")
-    assert waiting.setting.startswith("KV usage peaked at 50.0%: near 100% the cache is the")
+    assert waiting.setting.startswith(
+        "KV usage peaked at 50.0%, short of full, so the cache is likely not the limit: "
+        "--max-num-seqs or --max-num-batched-tokens is"
+    )
+    full = waiting_records(
+        UNKNOWN_WAITING_REASONS, num_waiting_seq_limit_reqs=0, num_kv_blocks_used=19,
+        num_kv_blocks_free=1,
+    )  # fmt: skip
+    assert the_episode(full, "waiting").setting.startswith(
+        "The KV cache, inferred: KV usage peaked at 95.0% (the source does not say why "
+        "requests wait). Raise "
+    )
 
 
 def test_a_preemption_storm_with_kv_unreported_says_so():
