@@ -1,21 +1,25 @@
 """`iterscope tune`: the fit recovers a known cost, and the recommendation keeps the target."""
 
 import json
+import re
 
 import msgspec
 import numpy as np
 import pytest
 from scenarios import synthetic
-from scenarios.synthetic import write_records
+from scenarios.synthetic import Cost, Simulator, arrivals, write_records
 
 from telemetry.analysis.timeline import build_timelines
 from telemetry.analysis.tune import (
     BUDGET_MULTIPLE,
     Fit,
+    PromptStepNotEstablished,
+    PromptStepTooSlow,
     draft_payoff,
     fit_iteration_time,
     kv_max_seqs,
     main,
+    per_token_chunk,
     recommend,
     worst_iteration_time,
 )
@@ -374,6 +378,131 @@ def test_a_budget_below_every_recorded_prompt_chunk_is_said_to_be_extrapolated()
     (note,) = [note for note in rec.notes if "below them" in note]
     assert note.startswith("the recording's iterations with prompts held at least 1900 prompt")
     assert not any("below them" in n for n in recommend(fit, 0.100, 64).notes)  # 2000+: seen
+
+
+# A GPU-like engine: 2 ms per iteration + 20 us per decoding request, and an iteration that
+# carries prompts 15 ms more, whatever its chunk, + 5 us per prompt token.
+PROMPT_STEP_COST = Cost(
+    base_time=0.002, context_token_time=5e-6, generation_token_time=20e-6, prompt_step_time=0.015
+)
+
+
+def prompt_steps_sim(*prompt_tokens: int, long_prompts: bool = False) -> Simulator:
+    """About two prompts a second, of each of ``prompt_tokens`` alike, each in an iteration of
+    its own, but for two sent at once at 2 s and three at 9 s (as on a vLLM recording whose
+    prompts were all 479 tokens: 958 and 1,437 batched); ``long_prompts``: 2,000-token prompts
+    at 5, 12 and 16 s too (long prefills)."""
+    sim = Simulator(
+        num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=PROMPT_STEP_COST
+    )
+    for seed, tokens in enumerate(prompt_tokens):
+        sim.add_requests(arrivals(2 / len(prompt_tokens), 20, seed=seed), tokens, num_output=150)
+    sim.add_requests([2.0, 2.0, 9.0, 9.0, 9.0], prompt_tokens[0], num_output=150)
+    if long_prompts:
+        sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
+    return sim.run(22)
+
+
+def test_a_fixed_cost_of_prompt_steps_of_one_size_is_not_said_to_make_every_budget_miss():
+    """Prompts all of 300 tokens (600 and 900 where sent together): the fit puts 15 ms on
+    carrying prompts at all, but from steps of one size that cost cannot be told from their
+    tokens' (nor measured: no smaller step ran), so tune does not say that no budget meets a
+    10 ms target; it says what was measured and what would settle it. On vLLM's CPU build,
+    whose prompts were all 479 tokens, it had said no budget met 300 ms, where 50-token
+    prompts beside decodes took 156-174 ms on the same server. Where even read as all per
+    token only a chunk under 16 tokens would meet the target, the verdict stands."""
+    fit = fit_iteration_time(build_timelines(prompt_steps_sim(300).messages)[0])
+    assert fit.coefficients["prompt_steps"] == pytest.approx(0.015, rel=0.1)
+    sizes = fit.prompt_step_sizes
+    assert (sizes.lower_quartile, sizes.upper_quartile) == (300, 300)
+    assert sizes.largest_tokens >= 600  # steps of two or three prompts (outliers left out)
+    assert not sizes.separable
+    with pytest.raises(PromptStepNotEstablished) as error:
+        recommend(fit, 0.010, min_chunk_tokens=16)
+    text = str(error.value)
+    assert not isinstance(error.value, PromptStepTooSlow)
+    assert "no token budget" not in text
+    assert text.startswith(
+        "whether any token budget meets an ITL target of 10.0 ms is not established"
+    )
+    assert "fixed cost is extrapolated, as the" in text
+    assert (
+        f"(300 to {sizes.largest_tokens} prompt tokens, at least half of them 300), where the "
+        "cost of carrying prompts at all and their tokens' cannot be told apart" in text
+    )
+    beside = {0: "no decoding request", 1: "1 decoding request"}[sizes.smallest_decode_reqs]
+    assert (
+        f"the smallest prompt step recorded, 300 prompt tokens beside {beside}, took "
+        f"{sizes.smallest_time * 1000:.1f} ms" in text
+    )
+    assert sizes.smallest_time > 0.010  # measured over the target: a 300-token step misses it
+    # read per token (16.5 ms for 300 tokens), 8 ms of room beside a decoding request holds 145
+    chunk = per_token_chunk(fit, 0.010)
+    assert 130 <= chunk <= 160
+    assert f"re-record with prompt steps of {chunk} tokens or fewer" in text
+    # a target that even a per-token reading leaves under 16 tokens for: no budget, either way
+    assert per_token_chunk(fit, 0.0025) < BUDGET_MULTIPLE
+    with pytest.raises(PromptStepTooSlow, match="no token budget or --min-chunk meets it"):
+        recommend(fit, 0.0025, min_chunk_tokens=16)
+
+
+def test_a_fixed_cost_of_prompt_steps_of_varied_sizes_keeps_its_verdict():
+    """Prompts of 100 and 1,000 tokens: the steps' sizes tell the 15 ms of carrying prompts
+    at all from their tokens' cost, so no budget meets a 10 ms target, as tune says."""
+    fit = fit_iteration_time(build_timelines(prompt_steps_sim(100, 1000).messages)[0])
+    sizes = fit.prompt_step_sizes
+    assert sizes.separable and sizes.upper_quartile >= 2 * sizes.lower_quartile
+    with pytest.raises(PromptStepTooSlow, match="no token budget or --min-chunk meets it") as error:
+        recommend(fit, 0.010, min_chunk_tokens=16)
+    taken = re.search(
+        r"\(([\d.]+) ms by the fit before its first prompt token, ([\d.]+) ms", str(error.value)
+    )
+    assert float(taken[2]) == pytest.approx(15.0, rel=0.1)
+
+
+def test_json_gives_an_engine_that_could_not_be_tuned_with_its_error(tmp_path, capsys):
+    """An engine tune cannot tune is in --json's engines with its error, the text stderr says
+    (it printed {"engines": []}), and the exit status is 1 as without --json."""
+    path = prompt_steps_sim(300).write(tmp_path / "one_size.jsonl")
+    assert main([str(path), "--itl-target", "10ms"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    prefix = "iterscope tune: engine 0: "
+    assert captured.err.startswith(prefix + "whether any token budget meets")
+    assert main([str(path), "--itl-target", "10ms", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {
+        "engines": [{"engine_index": 0, "error": captured.err.strip()[len(prefix) :]}]
+    }
+    idle = synthetic.Simulator().run(3).write(tmp_path / "idle.jsonl")  # heartbeats only
+    assert main([str(idle), "--itl-target", "50ms", "--json"]) == 1
+    (engine,) = json.loads(capsys.readouterr().out)["engines"]
+    assert engine["engine_index"] == 0 and "at least 10 are needed" in engine["error"]
+
+
+def test_a_long_prefill_action_keeps_to_tunes_verdict_on_prompt_steps_of_one_size(tmp_path, capsys):
+    """Long prefills beside prompts all of 300 tokens: explain's latency target (3x the
+    decode-only median) is under the 15 ms fitted to carrying prompts at all over the 30 s
+    before the last, but tune does not establish that no budget meets it (a quarter of those
+    steps did not hold twice the tokens of another), so the action does not keep the budget as
+    though none could (it did); it gives no value, saying what tune says, and the command it
+    quotes prints that."""
+    from telemetry.analysis.actions import episode_action
+    from telemetry.analysis.episodes import Thresholds, detect_episodes
+
+    sim = prompt_steps_sim(300, long_prompts=True)
+    timeline = build_timelines(sim.messages)[0]
+    episodes = [e for e in detect_episodes(timeline) if e.kind == "long_prefill"]
+    action = episode_action(timeline, episodes[-1], Thresholds())
+    assert action.startswith(
+        "Lower --max-num-batched-tokens (now 2048); no value could be computed here: by "
+        "`iterscope tune RECORDING --itl-target "
+    ), action
+    assert "is not established" in action and "no token budget" not in action
+    assert "Keep" not in action and "A smaller budget would only" not in action
+    (command,) = re.findall(r"`iterscope tune RECORDING ([^`]*)`", action)
+    assert main([str(sim.write(tmp_path / "rec.jsonl")), *command.split()]) == 1
+    assert action.split(f"{command}`, ")[1].rstrip(".") in capsys.readouterr().err
 
 
 def test_a_base_that_comes_out_below_0_is_held_at_0():

@@ -119,7 +119,10 @@ def action_basis(tl: EngineTimeline, episode: Episode) -> tuple[EngineTimeline, 
 @dataclass
 class Tuned:
     """tune's recommendation for an action, with the tune command that prints it; or none,
-    why not, and whether that is because no token budget meets the target at all."""
+    why not, and whether that is because no token budget meets the target at all: tune's
+    verdict (PromptStepTooSlow), by its one rule for when the recording tells a fixed cost of
+    carrying prompts from their tokens'; where it cannot (PromptStepNotEstablished: prompt
+    steps of about one size), no value, and why not is what tune says then, no impossibility."""
 
     rec: Recommendation | None
     text: str
@@ -131,7 +134,10 @@ def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool =
     that prints it (``option``: the iterations ``tl`` holds, action_basis); or none and why
     not. Where tune's default prefill chunk does not fit beside one decoding request within
     the target, smaller chunks are tried (MIN_CHUNK_TOKENS); where even the smallest does not,
-    no budget meets the target, and why not is what tune says then.
+    why not is what tune says then: that no budget meets the target where a fixed cost of
+    carrying prompts exceeds it and the recording tells that cost apart (PromptStepTooSlow), or
+    that this is not established and what would settle it where it does not
+    (PromptStepNotEstablished, tune's rule: recommend raises one or the other).
     ``sizes_budget``: the token budget is what is asked, which a fit without a cost per
     prefill token only guesses: none then."""
     target = itl_target_text(tl, th)
@@ -182,7 +188,10 @@ def _tuned(tl: EngineTimeline, th: Thresholds, option: str, sizes_budget: bool =
     command = f"`iterscope tune RECORDING --itl-target {target} --min-chunk {min_chunk}{option}`"
     # Only a prompt step's fixed cost makes every budget miss it alike; where a 16-token
     # chunk is too slow, smaller chunks still shorten the pause (keeping 8,192 tokens was
-    # advised where 128 cut the pause from 45 s to 1 s)
+    # advised where 128 cut the pause from 45 s to 1 s). And only where the recording tells
+    # that cost from the prompt tokens' (tune's PromptStepTooSlow): a fixed cost fitted to
+    # prompts all of one size is extrapolated (PromptStepNotEstablished), and keeping the
+    # budget would claim what tune does not (a vLLM whose prompts were all 479 tokens).
     return Tuned(None, f"by {command}, {why_not}", no_budget_meets_target=fixed_cost)
 
 

@@ -26,6 +26,22 @@ choose:
 
 Iterations far slower than the fit (a stall, a hiccup) are left out of the second fit pass.
 
+Where the cost of an iteration that carries any prompt at all, before its first prompt token
+(base + prompt step + prefill request + one decoding request), is already above the target, no
+token budget meets it (PromptStepTooSlow), but only where the recording can tell that fixed
+cost from the prompt tokens' (``PromptStepSizes.separable``, one rule for tune and for the
+actions that call ``recommend``): the fit draws a line through the recorded prompt steps, and
+its value at 0 prompt tokens is measured only as far as the steps' sizes spread. So the verdict
+stands where a quarter of the fitted iterations with prompts held at least twice the prompt
+tokens of another quarter (upper quartile >= SEPARABLE_SPREAD x lower quartile: the line reaches
+0 tokens no farther below the recorded steps than they spread), or where, even with the whole
+cost of carrying a prompt read as per token, only a chunk under BUDGET_MULTIPLE tokens would
+meet the target (no budget helps either way). Elsewhere (prompts all of about one size, as on a
+vLLM recording whose prompts were all 479 tokens, 958 or 1,437 batched: a fixed 1.5 s that a
+50-token prompt step on the same server did not take) the fixed cost is an extrapolation:
+tune says so (PromptStepNotEstablished), with the smallest prompt step recorded and the chunk
+that a per-token reading says would meet the target, to re-record at.
+
 Speculative decoding (records with ``spec_decode``, telemetry/analysis/spec_decode.py): a
 decoding request computes its one token and a draft of up to k tokens, and produces that
 token and the draft's accepted tokens. Then:
@@ -68,6 +84,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -109,12 +126,36 @@ NO_PREFILL_TOKEN_COST = (
     "rest, or their cost came out below 0)"
 )
 BUDGET_MULTIPLE = 16
+# A fitted cost of carrying prompts at all is told apart from their tokens' where the upper
+# quartile of the prompt steps' tokens is at least this multiple of the lower (module doc).
+SEPARABLE_SPREAD = 2
 MAX_SEQS_CAP = 4096
 # Above this mean |error| a fit is rough: tune says so beside its values, and an action
 # (actions.py) gives none from it. Steady recordings fit to 1-15% here; a run whose
 # iterations wait on something the features do not hold (a loaded host, a frozen step
 # left in) fits to 60-90%.
 ROUGH_FIT_ERROR = 0.35
+
+
+@dataclass
+class PromptStepSizes:
+    """The prompt tokens of the fit's iterations that carried prompts: their lower and upper
+    quartile, the fewest and the most, and the smallest step recorded (the fastest of those
+    with the fewest prompt tokens): its decoding requests and time."""
+
+    count: int
+    lower_quartile: int
+    upper_quartile: int
+    smallest_tokens: int
+    largest_tokens: int
+    smallest_decode_reqs: int
+    smallest_time: float
+
+    @property
+    def separable(self) -> bool:
+        """Whether the steps' sizes spread enough to tell a fixed cost of carrying prompts
+        from their tokens' (the module doc): the upper quartile SEPARABLE_SPREAD x the lower."""
+        return self.upper_quartile >= SEPARABLE_SPREAD * self.lower_quartile
 
 
 @dataclass
@@ -131,6 +172,7 @@ class Fit:
     max_tokens_seen: int
     max_decode_reqs_seen: int
     min_prompt_tokens_seen: int = 0  # the fewest prompt tokens a fitted iteration with any had
+    prompt_step_sizes: PromptStepSizes | None = None  # None: no fitted iteration had prompts
     decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
     max_decode_context_seen: float = 0.0  # the largest of one iteration's own mean
     target_decode_context_tokens: int | None = None  # --decode-context, where it is honoured
@@ -215,6 +257,8 @@ class Fit:
         data["coefficients"] = {
             JSON_NAMES.get(name, name): value for name, value in self.coefficients.items()
         }
+        if self.prompt_step_sizes is not None:
+            data["prompt_step_sizes"]["separable"] = self.prompt_step_sizes.separable
         return data
 
 
@@ -318,6 +362,9 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         max_tokens_seen=int(num_tokens[busy].max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
         min_prompt_tokens_seen=_min_prompt_tokens(x[keep]),
+        prompt_step_sizes=_prompt_step_sizes(
+            x[keep], y[keep], tl.col("num_decode_reqs")[busy][keep]
+        ),
         decode_context_tokens=_decode_context(x),
         max_decode_context_seen=_max_decode_context(x),
         drafts=recorded_drafts(tl),
@@ -345,6 +392,30 @@ def _min_prompt_tokens(x: np.ndarray) -> int:
     prompt_tokens = x[:, FEATURE_NAMES.index("prefill_tokens")]
     carried = prompt_tokens[prompt_tokens > 0]
     return int(carried.min()) if carried.size else 0
+
+
+def _prompt_step_sizes(
+    x: np.ndarray, y: np.ndarray, decode_reqs: np.ndarray
+) -> PromptStepSizes | None:
+    """The sizes of the rows that carry prompts (``y`` their seconds, ``decode_reqs`` their
+    decoding requests); None without such a row. The quartiles are recorded sizes (the lower
+    one rounded down, the upper up)."""
+    prompt_tokens = x[:, FEATURE_NAMES.index("prefill_tokens")]
+    carried = prompt_tokens > 0
+    if not carried.any():
+        return None
+    tokens = prompt_tokens[carried]
+    smallest = np.flatnonzero(carried & (prompt_tokens == tokens.min()))
+    fastest = int(smallest[np.argmin(y[smallest])])
+    return PromptStepSizes(
+        count=int(carried.sum()),
+        lower_quartile=int(np.percentile(tokens, 25, method="lower")),
+        upper_quartile=int(np.percentile(tokens, 75, method="higher")),
+        smallest_tokens=int(tokens.min()),
+        largest_tokens=int(tokens.max()),
+        smallest_decode_reqs=int(decode_reqs[fastest]),
+        smallest_time=float(y[fastest]),
+    )
 
 
 def _decode_context(x: np.ndarray) -> float:
@@ -433,7 +504,16 @@ class Recommendation:
 
 class PromptStepTooSlow(ValueError):
     """No budget meets the target: an iteration that carries any prompt at all, before its
-    first prompt token, is slower than the target (a fixed cost: no smaller chunk helps)."""
+    first prompt token, is slower than the target (a fixed cost: no smaller chunk helps), and
+    the recording tells that cost from the prompt tokens' (the module doc)."""
+
+
+class PromptStepNotEstablished(ValueError):
+    """By the fit no budget would meet the target, as for PromptStepTooSlow, but the fixed
+    cost that says so is extrapolated: the recorded prompt steps were of about one size, and
+    read as per token, the cost of carrying them would leave room for a chunk of some
+    BUDGET_MULTIPLE tokens or more (the module doc). Whether a budget meets the target is
+    then not known; re-recording smaller prompt steps settles it."""
 
 
 def recommend(
@@ -448,14 +528,7 @@ def recommend(
     fixed_time = fit.predict(prefill_reqs=1)  # the base, a prompt's and a prompt step's costs
     floor = fixed_time + decode_token_time  # beside one decoding request, before any token
     if floor > iteration_target:
-        carrying = fixed_time - fit.base_time  # a prompt's and a prompt step's costs
-        of_it = f", {carrying * 1000:.1f} ms of it for carrying a prompt at all" if carrying else ""
-        raise PromptStepTooSlow(
-            f"an ITL target of {itl_target * 1000:.1f} ms{_iteration_text(fit, itl_target)} is "
-            f"below the fastest iteration that decodes one request{_draft_text(fit)} beside a "
-            f"prompt ({floor * 1000:.1f} ms by the fit before its first prompt token{of_it}): "
-            "no token budget or --min-chunk meets it; raise the target"
-        )
+        _prompt_step_too_slow(fit, itl_target, floor)
     room_time = iteration_target - fixed_time - prefill_token_time * min_chunk_tokens
     if room_time < decode_token_time:
         fastest = fit.predict(
@@ -492,6 +565,66 @@ def recommend(
         decode_reqs_seen=fit.max_decode_reqs_seen,
         min_prompt_tokens_seen=fit.min_prompt_tokens_seen,
         notes=_extrapolation_notes(fit, max_num_seqs, budget),
+    )
+
+
+def per_token_chunk(fit: Fit, itl_target: float) -> int | None:
+    """The prompt tokens a chunk beside one decoding request (and its full draft) could hold
+    within the target were the whole cost of carrying the smallest recorded prompt step per
+    token, which prompt steps of one size cannot rule out; None without a recorded prompt
+    step. Below 0 where not even a decode-only iteration of one request meets the target."""
+    sizes = fit.prompt_step_sizes
+    if sizes is None:
+        return None
+    smallest = sizes.smallest_tokens
+    carrying = fit.predict(prefill_tokens=smallest, prefill_reqs=1) - fit.base_time
+    room = fit.iteration_target(itl_target) - fit.predict(
+        decode_tokens=1, draft_tokens=fit.draft_slots
+    )
+    return math.floor(room / carrying * smallest) if carrying > 0 else None
+
+
+def _prompt_step_too_slow(fit: Fit, itl_target: float, floor: float) -> NoReturn:
+    """Raise why no budget meets the target: PromptStepTooSlow where the recording tells the
+    fixed cost of carrying prompts from their tokens', or where even read as per token only a
+    chunk under BUDGET_MULTIPLE tokens would meet it; else PromptStepNotEstablished, with what
+    was measured and what would settle it (the module doc)."""
+    ms = 1000
+    carrying = fit.predict(prefill_reqs=1) - fit.base_time  # a prompt's and a prompt step's
+    of_it = f", {carrying * ms:.1f} ms of it for carrying a prompt at all" if carrying else ""
+    target = f"an ITL target of {itl_target * ms:.1f} ms{_iteration_text(fit, itl_target)}"
+    sizes, chunk = fit.prompt_step_sizes, per_token_chunk(fit, itl_target)
+    if sizes is None or sizes.separable or chunk is None or chunk < BUDGET_MULTIPLE:
+        raise PromptStepTooSlow(
+            f"{target} is below the fastest iteration that decodes one request"
+            f"{_draft_text(fit)} beside a prompt ({floor * ms:.1f} ms by the fit before its "
+            f"first prompt token{of_it}): no token budget or --min-chunk meets it; raise the "
+            "target"
+        )
+    low, high = sizes.lower_quartile, sizes.upper_quartile
+    if sizes.smallest_tokens == sizes.largest_tokens:
+        spread = f"all {plural(sizes.smallest_tokens, 'prompt token')}"
+    else:
+        spread = f"{sizes.smallest_tokens} to {sizes.largest_tokens} prompt tokens"
+        if low == high:
+            spread += f", at least half of them {low}"
+        elif high - low < sizes.largest_tokens - sizes.smallest_tokens:
+            spread += f", half of them {low} to {high}"
+    decodes = sizes.smallest_decode_reqs
+    beside = plural(decodes, "decoding request") if decodes else "no decoding request"
+    raise PromptStepNotEstablished(
+        f"whether any token budget meets {target} is not established: the fit puts the fastest "
+        f"iteration that decodes one request{_draft_text(fit)} beside a prompt at "
+        f"{floor * ms:.1f} ms before its first prompt token{of_it}, but that fixed cost is "
+        f"extrapolated, as the {plural(sizes.count, 'fitted iteration')} with prompts were "
+        f"of about one size ({spread}), where the cost of carrying prompts at all and "
+        "their tokens' cannot be told apart; the smallest prompt step recorded, "
+        f"{plural(sizes.smallest_tokens, 'prompt token')} beside {beside}, took "
+        f"{sizes.smallest_time * ms:.1f} ms, and were the cost of carrying it all per token, "
+        f"a {chunk}-token chunk beside one decoding request{_draft_text(fit)} would meet the "
+        "target: re-record "
+        f"with prompt steps of {chunk} tokens or fewer (a lower --max-num-batched-tokens, or "
+        "shorter prompts) and tune that recording to confirm"
     )
 
 
@@ -889,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
             rec = recommend(fit, args.itl_target, args.min_chunk, kv_seqs)
         except ValueError as error:
             print(f"iterscope tune: engine {tl.engine_index}: {error}", file=sys.stderr)
+            results.append({"engine_index": tl.engine_index, "error": str(error)})
             status = 1
             continue
         result = {
