@@ -207,16 +207,16 @@ def test_a_vllm_stopped_by_its_operator_is_closed_not_dead(spec_stack):
         with contextlib.suppress(openai.OpenAIError):  # cut off by the stop
             client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2000)
 
+    def running() -> float:
+        return total(scrape(spec_stack["metrics_port"]), "iterscope_requests_running")
+
+    # the fixture's requests ended (the sidecar may hear of it a step late), then these run
+    wait_until(lambda: running() == 0, 30, "the fixture's requests done", interval_s=POLL_S)
     pool = concurrent.futures.ThreadPoolExecutor(4)
     try:
         for number in range(4):
             pool.submit(long_request, number)
-        wait_until(
-            lambda: total(scrape(spec_stack["metrics_port"]), "iterscope_requests_running") > 0,
-            60,
-            "requests running",
-            interval_s=POLL_S,
-        )
+        wait_until(lambda: running() > 0, 60, "requests running", interval_s=POLL_S)
         stop_server(spec_stack["server"])
     finally:
         pool.shutdown(wait=True)

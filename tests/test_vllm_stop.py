@@ -106,3 +106,34 @@ def test_a_failing_close_still_runs_vllms_handler(handlers):
     stop.on_loop(has_requests=False)
     os.kill(os.getpid(), signal.SIGTERM)
     assert handlers == [f"vllm {signal.SIGTERM}"]
+
+
+def test_the_handlers_of_vllms_event_loop_are_hooked_and_still_run():
+    """vLLM's API server handles SIGTERM on its event loop (loop.add_signal_handler), where
+    the stat-logger plugin's record() runs: the loop's Python-level handler is wrapped, and
+    the loop still runs its own callback after the lane closed."""
+    import asyncio
+
+    events: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: events.append("vllm shutdown"))
+        try:
+            stop = watch(events, in_flight=2)
+            stop.on_loop(has_requests=True)  # the plugin's first record()
+            assert not stop.waiting
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                if "vllm shutdown" in events:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert events == ["closed", "vllm shutdown"]

@@ -47,6 +47,7 @@ from telemetry.sources.vllm_records import (
     num_gpu_blocks,
     num_in_flight,
 )
+from telemetry.sources.vllm_stop import StopWatch
 
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 
@@ -59,6 +60,8 @@ class IterscopeStatLogger(StatLoggerBase):
         self.num_errors = 0
         self._vllm_config = vllm_config
         self._publisher: ZmqPublisher | None = None
+        self._stop: StopWatch | None = None
+        self._num_in_flight = 0  # waiting + running, as the latest scheduler stats said
         observability = getattr(vllm_config, "observability_config", None)
         details_asked = bool(getattr(observability, "enable_logging_iteration_details", False))
         details_lost = details_asked and not stats_carry_iteration_details()
@@ -81,6 +84,9 @@ class IterscopeStatLogger(StatLoggerBase):
                     vllm.__version__,
                 )
         self._publisher = start_publisher(engine_index, self._facts(), "the stat-logger plugin")
+        if self._publisher is not None:
+            drains = getattr(vllm_config, "shutdown_timeout", 0) > 0
+            self._stop = StopWatch(self._stopped, lambda: self._num_in_flight, drains)
         if self._publisher is not None and engine_index == 0:
             _warn_if_untested_version()
             if details_lost:
@@ -118,8 +124,21 @@ class IterscopeStatLogger(StatLoggerBase):
                 publisher.publish(record)
             elif scheduler_stats is not None:
                 publisher.note_queues(*num_in_flight(scheduler_stats))
+            if scheduler_stats is not None:
+                self._num_in_flight = sum(num_in_flight(scheduler_stats))
+            stop = self._stop
+            if stop is not None and stop.waiting:
+                stop.on_loop(self._num_in_flight > 0)
         except Exception:
             self._failed()
+
+    def _stopped(self) -> None:
+        """The API server was told to stop (the stop watch, from vLLM's signal handler): the
+        lane closes saying so, so the requests an abort cuts off read as a shutdown's, not as
+        a stall while the API server waits for its clients (the engine core is gone)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close(stop_requested=True)
 
     def _failed(self) -> None:
         self.num_errors += 1
