@@ -237,8 +237,14 @@ def test_stalled_and_dead_are_logged_once_each_and_a_dead_engine_goes_quiet():
     ("source", "dump"),
     [
         ("iterscope", "`py-spy dump --pid 4242`"),
-        ("vllm-scheduler", "`py-spy dump --pid 4242`"),
-        ("vllm-stat-logger", "`py-spy dump --pid $(pgrep -P 4242 -f EngineCore)`"),
+        (
+            "vllm-scheduler",
+            "`py-spy dump --pid 4242`) and of its workers, its children (`pgrep -P 4242`)",
+        ),
+        (
+            "vllm-stat-logger",
+            "`py-spy dump --pid $(pgrep -P 4242 -f EngineCore)`), and of its workers",
+        ),
     ],
 )
 def test_a_stall_says_which_process_to_dump_live_and_in_explain(source, dump, tmp_path):
@@ -257,6 +263,8 @@ def test_a_stall_says_which_process_to_dump_live_and_in_explain(source, dump, tm
     replay(sim.write(tmp_path / "stalled.jsonl"), [LogSink(emit=lines)])
     (stall,) = [text for text in lines.texts(logging.WARNING) if "Engine stalled since" in text]
     assert dump in stall
+    long_step = "The plugin cannot tell a hang from a long step"
+    assert (long_step in stall) == (source == "vllm-stat-logger")
     (timeline,) = build_timelines(sim.messages).values()
     (episode,) = [e for e in detect_episodes(timeline) if e.kind == "stall"]
     assert dump in episode.setting

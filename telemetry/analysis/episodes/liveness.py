@@ -21,7 +21,12 @@ from telemetry.analysis.episodes.episode import (
 from telemetry.analysis.stall_rule import StallRule
 from telemetry.analysis.timeline import NS_PER_S, WAIT_REASONS, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
-from telemetry.lane.record import SOURCE_VLLM_STAT_LOGGER, Heartbeat, is_clean_close
+from telemetry.lane.record import (
+    SOURCE_VLLM_SCHEDULER,
+    SOURCE_VLLM_STAT_LOGGER,
+    Heartbeat,
+    is_clean_close,
+)
 from telemetry.lane.recording import message_time_ns
 
 SILENCE_SETTING = (
@@ -138,20 +143,34 @@ def stall_thresholds(
 
 def stall_setting(pid: int, source: str = "") -> str:
     """What to do about a stalled engine whose telemetry comes from process ``pid`` (0: not
-    known). vLLM's stat-logger plugin runs in the API server, so its pid is the API server's:
-    the engine core that stalls is its child process, titled EngineCore (EngineCore_DPn)."""
+    known). vLLM's engine core runs the model in worker processes, its children (a hang can be
+    in either: SIGSTOP of a worker stalls it); its stat-logger plugin runs in the API server,
+    so its pid is the API server's, and the engine core that stalls is its child, titled
+    EngineCore (EngineCore_DPn). The plugin cannot say how big the step under way is, so a long
+    prompt's step reads as a stall until it ends: said, with how to tell."""
     pid_text = pid or "PID"
+    caveat = ""
     if source == SOURCE_VLLM_STAT_LOGGER:
         process = (
             f"vLLM's engine core process, a child of the API server (pid {pid_text}) that "
             f"sends this telemetry (e.g. `py-spy dump --pid $(pgrep -P {pid_text} -f "
-            "EngineCore)`)"
+            "EngineCore)`), and of its workers, the engine core's children"
+        )
+        caveat = (
+            " The plugin cannot tell a hang from a long step (a prompt of thousands of tokens "
+            "may take this long): a dump inside the model's forward pass with the step's "
+            "prompt still being computed is no hang; the scheduler source tells them apart."
+        )
+    elif source == SOURCE_VLLM_SCHEDULER:
+        process = (
+            f"vLLM's engine core (e.g. `py-spy dump --pid {pid_text}`) and of its workers, "
+            f"its children (`pgrep -P {pid_text}`), which run the model"
         )
     else:
         process = f"the engine process (e.g. `py-spy dump --pid {pid_text}`)"
     return (
         f"Not a tuning setting: take a stack dump of {process}, check the device, restart "
-        "the engine if it does not recover (alert and runbook: IterscopeEngineStalled)."
+        f"the engine if it does not recover (alert and runbook: IterscopeEngineStalled).{caveat}"
     )
 
 
