@@ -65,7 +65,7 @@ def test_a_kv_cliff_costs_the_time_its_evicted_request_waited_and_recomputed(tmp
     assert main([str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     headlines = [line for line in lines if re.match(r"  \d\. ", line)]
-    assert headlines[0] == "  1. Engine silent: 1 time, 4.01 s in all, 8.0 request-s halted"
+    assert headlines[0] == "  1. Engine down: 1 time, 4.01 s in all, 8.0 request-s halted"
     assert (
         headlines[1].startswith("  2. KV cache cliff")
         and "0.10 request-s delayed" in (headlines[1])

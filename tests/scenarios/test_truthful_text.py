@@ -231,7 +231,7 @@ def test_a_frozen_process_is_not_called_a_restart():
     for seq, message in enumerate(messages, 1):  # nothing lost: the process sent nothing
         message.msg_seq = seq
     (gap,) = of_kind(detect_episodes(timeline_of(messages)), "telemetry_gap")
-    assert not gap.numbers["restarted"] and gap.title == "Engine silent"
+    assert not gap.numbers["restarted"] and gap.title == "Engine down"
     assert "restart" not in gap.explanation and "frozen" in gap.explanation
     assert "lost" not in gap.title
 

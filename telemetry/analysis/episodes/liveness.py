@@ -506,7 +506,7 @@ def _silence_episode(tl: EngineTimeline, before, after, restarted: bool) -> Epis
         engine_index=tl.engine_index,
         start_ns=start_ns,
         end_ns=end_ns,
-        title="Engine silent" + (": restarted" if restarted else ""),
+        title="Engine down" + (": restarted" if restarted else ""),  # the live finding's title
         evidence=(
             f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), {what}; "
             f"{in_flight_text(in_flight)} at the last message before it"

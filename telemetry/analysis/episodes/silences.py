@@ -1,6 +1,6 @@
 """Silences: stretches in which an engine sent no message at all, heartbeats included, for
 longer than ``dead_after`` (the whole process frozen, or gone), as the live sidecar's dead
-status and `explain`'s "Engine silent" find them. What iterations and queues show across one
+status and `explain`'s "Engine down" find them. What iterations and queues show across one
 is the freeze's, not their own: a long prefill or a waiting cost is not charged for it (the
 silence's own cost, its requests in flight x its length, is: findings.py).
 """
