@@ -122,10 +122,11 @@ class IterscopeStatLogger(StatLoggerBase):
             record = self._maker.make(scheduler_stats, iteration_stats)
             if record is not None:
                 publisher.publish(record)
+                self._num_in_flight = record.num_waiting_reqs + record.num_running_reqs
             elif scheduler_stats is not None:
-                publisher.note_queues(*num_in_flight(scheduler_stats))
-            if scheduler_stats is not None:
-                self._num_in_flight = sum(num_in_flight(scheduler_stats))
+                waiting, running = num_in_flight(scheduler_stats)
+                publisher.note_queues(waiting, running)
+                self._num_in_flight = waiting + running
             stop = self._stop
             if stop is not None and stop.waiting:
                 stop.on_loop(self._num_in_flight > 0)
