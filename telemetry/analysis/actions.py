@@ -333,10 +333,9 @@ class RequestLength:
 
 def _request_length(tl: EngineTimeline) -> RequestLength | None:
     """The mean length of the requests that finished in ``tl``, weighted by how long each ran
-    (kv_max_seqs); else, or where the running
-    requests held more each at the highest usage (those that finished were shorter ones), a
-    lower bound: the KV tokens each running request held then. None without a block size or
-    any KV in use."""
+    (kv_max_seqs); else, or where the running requests held more each at the highest usage
+    (those that finished were shorter ones), a lower bound: the KV tokens each running request
+    held then. None without a block size or any KV in use."""
     _, mean_length = kv_max_seqs(tl)
     finished = (
         f"the mean of those that finished in {KV_HISTORY_TEXT}, weighted by how long each ran"
