@@ -419,18 +419,35 @@ def test_status_values_are_the_sink_contract():
     ]
 
 
-def test_a_clean_close_is_an_info_line_and_the_window_is_printed_at_once():
-    """An engine that closed its lane with nothing in flight: "closed" at INFO, not "dead"
-    at WARNING, and its last iterations' line comes now, as a dead engine's does."""
+def closed_engine_lines(running: int = 0, waiting: int = 0, stop_requested: bool = False):
+    """The log of an engine that runs, then closes its lane with ``running`` and ``waiting``
+    requests in flight, then stays silent for 10 s."""
     lines = Lines()
-    sink = LogSink(emit=lines)
-    ingest = Ingest([sink], dead_after_s=2.5)
+    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
     ingest.on_message(heartbeat(0, 100, msg_seq=1), now_ns=100 * SECOND)
-    ingest.on_message(record(0, 100.5, msg_seq=2, num_running_reqs=0), now_ns=int(100.5 * SECOND))
-    closing = lane_heartbeat(0, 3, int(101 * SECOND), int(101 * SECOND), closing=True)
+    ingest.on_message(
+        record(0, 100.5, msg_seq=2, num_running_reqs=running), now_ns=int(100.5 * SECOND)
+    )
+    closing = lane_heartbeat(
+        0,
+        3,
+        101 * SECOND,
+        101 * SECOND,
+        closing=True,
+        stop_requested=stop_requested,
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+    )
     ingest.on_message(closing, now_ns=101 * SECOND)
     for tenth in range(1, 100):
         ingest.tick(101 * SECOND + tenth * SECOND // 10)
+    return lines
+
+
+def test_a_clean_close_is_an_info_line_and_the_window_is_printed_at_once():
+    """An engine that closed its lane with nothing in flight: "closed" at INFO, not "dead"
+    at WARNING, and its last iterations' line comes now, as a dead engine's does."""
+    lines = closed_engine_lines()
     assert lines.texts(logging.WARNING) == []
     assert [text for text in lines.texts(logging.INFO) if "->" in text] == [
         "Engine 000: running -> closed (it closed its telemetry lane with nothing in flight: a "
@@ -442,23 +459,7 @@ def test_a_clean_close_is_an_info_line_and_the_window_is_printed_at_once():
 def test_a_stop_that_cuts_requests_off_says_so_at_info():
     """vLLM told to stop under load closes its lane with requests in flight: "closed" at INFO,
     with what the shutdown cut off, not "dead" at WARNING."""
-    lines = Lines()
-    ingest = Ingest([LogSink(emit=lines)], dead_after_s=2.5)
-    ingest.on_message(heartbeat(0, 100, msg_seq=1), now_ns=100 * SECOND)
-    ingest.on_message(record(0, 100.5, msg_seq=2, num_running_reqs=3), now_ns=int(100.5 * SECOND))
-    closing = lane_heartbeat(
-        0,
-        3,
-        101 * SECOND,
-        101 * SECOND,
-        closing=True,
-        stop_requested=True,
-        num_running_reqs=3,
-        num_waiting_reqs=1,
-    )
-    ingest.on_message(closing, now_ns=101 * SECOND)
-    for tenth in range(1, 100):
-        ingest.tick(101 * SECOND + tenth * SECOND // 10)
+    lines = closed_engine_lines(running=3, waiting=1, stop_requested=True)
     assert lines.texts(logging.WARNING) == []
     assert [text for text in lines.texts(logging.INFO) if "->" in text] == [
         "Engine 000: running -> closed (it was told to stop and closed its telemetry lane with 3 "

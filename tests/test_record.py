@@ -232,9 +232,9 @@ def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkey
     assert sum(m.num_dropped for m in messages) == 6
 
 
-def close_and_receive(publisher: ZmqPublisher, pull: zmq.Socket) -> list:
+def close_and_receive(publisher: ZmqPublisher, pull: zmq.Socket, **close_args) -> list:
     """Close the publisher; every message the PULL socket then has, decoded."""
-    publisher.close()
+    publisher.close(**close_args)
     messages = []
     while pull.poll(500):
         messages.append(make_decoder().decode(pull.recv()))
@@ -352,8 +352,7 @@ def test_a_publisher_told_to_stop_says_so_in_its_closing_heartbeat(tmp_path):
     try:
         publisher.publish(decode_record(num_running_reqs=3))
         assert publisher.flush()
-        publisher.close(stop_requested=True)
-        messages = close_and_receive(publisher, pull)
+        messages = close_and_receive(publisher, pull, stop_requested=True)
     finally:
         pull.close(linger=0)
     last = messages[-1]
