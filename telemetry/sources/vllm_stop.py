@@ -14,8 +14,10 @@ and then waits for its HTTP clients, so the plugin's heartbeats went on saying r
 flight that no step would ever end: "Engine stalled" for as long as the clients held on, with
 a stack dump as the action.
 
-On the source's regular call (``has_requests()``, ``record()``; or, where no handler is
-installed yet, one of the next HOOK_TRIES) a StopWatch wraps those handlers, so that a stop
+On the source's first HOOK_TRIES regular calls (``has_requests()``, ``record()``) a StopWatch
+wraps those handlers, and again any handler installed in the place of one it wrapped (vLLM's
+API server installs one while it starts and its event loop's when it serves: a plugin that
+hooked only the first lost its hook, and a stop was "Engine stalled" again), so that a stop
 signal closes the lane (its closing heartbeat, saying the engine was told to stop:
 record.is_clean_close) before vLLM's handler runs. An abort (vLLM's default) closes it at
 once, the heartbeat saying the requests it cuts off (a shutdown's, not a death's: the sidecar
@@ -37,7 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-HOOK_TRIES = 100  # has_requests() calls that look for vLLM's handlers before giving up
+# The source's regular calls (has_requests(), record()) that hook vLLM's handlers, each time
+# again where one was replaced since: vLLM's API server installs a handler of its own while it
+# starts, and its event loop's in its place when it serves.
+HOOK_TRIES = 100
 logger = logging.getLogger("vllm.iterscope")  # vLLM's handler and format
 
 
@@ -45,14 +50,15 @@ class StopWatch:
     """Closes the lane (``close``) when vLLM is told to stop; ``in_flight`` says how many
     requests are unfinished, ``drains``: whether vLLM finishes them before it stops.
     ``waiting`` is true while the source's regular call (the busy loop's ``has_requests()``,
-    the plugin's ``record()``) has something to do here (hook the handlers, or close once
-    drained): one attribute read a call else."""
+    the plugin's ``record()``) has something to do here (hook the handlers, HOOK_TRIES calls,
+    or close once drained): one attribute read a call else."""
 
     def __init__(self, close: Callable[[], None], in_flight: Callable[[], int], drains: bool):
         self._close = close
         self._in_flight = in_flight
         self._drains = drains
         self._tries_left = HOOK_TRIES
+        self._draining = False
         self.waiting = True
 
     def on_loop(self, has_requests: bool) -> None:
@@ -61,30 +67,45 @@ class StopWatch:
             self._tries_left -= 1
             if threading.current_thread() is not threading.main_thread():
                 self._tries_left = 0  # no handler can be set from here
-            elif hook_stop_signals(self.on_stop_signal):
-                self._tries_left = 0
-            self.waiting = self._tries_left > 0
-        elif not has_requests:  # draining, and drained
-            self.waiting = False
+            else:
+                hook_stop_signals(self.on_stop_signal)
+        if self._draining and not has_requests:  # drained
+            self._draining = False
             self._close()
+        self.waiting = self._tries_left > 0 or self._draining
 
     def on_stop_signal(self) -> None:
         """A stop signal, before vLLM's handler runs (in the main thread)."""
         if self._drains and self._in_flight():
-            self.waiting = True  # closed once the loop says nothing is left
+            self._draining = self.waiting = True  # closed once the loop says nothing is left
         else:
             self._close()
 
 
 def hook_stop_signals(on_stop: Callable[[], None]) -> int:
-    """Have each stop signal's installed handler call ``on_stop`` first; how many there were."""
+    """Have each stop signal's installed handler call ``on_stop`` first, unless it does
+    already (a handler replaced since is hooked again); how many were hooked now."""
     num_hooked = 0
     for signum in STOP_SIGNALS:
         previous = signal.getsignal(signum)
-        if callable(previous) and previous is not signal.default_int_handler:
+        if (
+            callable(previous)
+            and previous is not signal.default_int_handler
+            and not _calls(previous, on_stop)
+        ):
             signal.signal(signum, _calling_first(on_stop, previous))
             num_hooked += 1
     return num_hooked
+
+
+def _calls(handler: Any, on_stop: Callable[[], None]) -> bool:
+    """Whether ``handler`` is a chain of hooks (several engines' sources in one process) one of
+    which calls ``on_stop``."""
+    while hasattr(handler, "iterscope_on_stop"):
+        if handler.iterscope_on_stop == on_stop:
+            return True
+        handler = handler.iterscope_previous
+    return False
 
 
 def _calling_first(on_stop: Callable[[], None], previous: Callable[[int, Any], Any]):
@@ -95,4 +116,6 @@ def _calling_first(on_stop: Callable[[], None], previous: Callable[[int, Any], A
             logger.exception("iterscope: closing the lane at a stop signal failed")
         return previous(signum, frame)
 
+    handler.iterscope_on_stop = on_stop
+    handler.iterscope_previous = previous
     return handler
