@@ -120,9 +120,9 @@ def action_basis(tl: EngineTimeline, episode: Episode) -> tuple[EngineTimeline, 
 class Tuned:
     """tune's recommendation for an action, with the tune command that prints it; or none,
     why not, and whether that is because no token budget meets the target at all: tune's
-    verdict (PromptStepTooSlow), by its one rule for when the recording tells a fixed cost of
-    carrying prompts from their tokens'; where it cannot (PromptStepNotEstablished: prompt
-    steps of about one size), no value, and why not is what tune says then, no impossibility."""
+    verdict (PromptStepTooSlow), by its one rule for when the recording measured a fixed cost
+    of carrying prompts near the chunk it is about; where it did not (PromptStepNotEstablished:
+    prompt steps far bigger), no value, and why not is what tune says then, no impossibility."""
 
     rec: Recommendation | None
     text: str

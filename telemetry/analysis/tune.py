@@ -28,19 +28,19 @@ Iterations far slower than the fit (a stall, a hiccup) are left out of the secon
 
 Where the cost of an iteration that carries any prompt at all, before its first prompt token
 (base + prompt step + prefill request + one decoding request), is already above the target, no
-token budget meets it (PromptStepTooSlow), but only where the recording can tell that fixed
-cost from the prompt tokens' (``PromptStepSizes.separable``, one rule for tune and for the
-actions that call ``recommend``): the fit draws a line through the recorded prompt steps, and
-its value at 0 prompt tokens is measured only as far as the steps' sizes spread. So the verdict
-stands where a quarter of the fitted iterations with prompts held at least twice the prompt
-tokens of another quarter (upper quartile >= SEPARABLE_SPREAD x lower quartile: the line reaches
-0 tokens no farther below the recorded steps than they spread), or where, even with the whole
-cost of carrying a prompt read as per token, only a chunk under BUDGET_MULTIPLE tokens would
-meet the target (no budget helps either way). Elsewhere (prompts all of about one size, as on a
-vLLM recording whose prompts were all 479 tokens, 958 or 1,437 batched: a fixed 1.5 s that a
-50-token prompt step on the same server did not take) the fixed cost is an extrapolation:
-tune says so (PromptStepNotEstablished), with the smallest prompt step recorded and the chunk
-that a per-token reading says would meet the target, to re-record at.
+token budget meets it (PromptStepTooSlow), but only where the recording measured prompt steps
+about as small as the claim is about (one rule for tune and for the actions that call
+``recommend``). The fit draws a line through the recorded prompt steps; its value near 0 prompt
+tokens is the fixed cost, measured only as far down as the steps went: a CPU computes bigger
+steps faster per token, so a line through steps of 291 to 2,037 tokens put 50 ms on carrying
+a prompt at all where 4-token steps took no more than decoding alone. Were the whole cost of
+carrying the smallest recorded step per token, a chunk of C tokens (``per_token_chunk``)
+would meet the target; the verdict stands where the smallest recorded step held at most
+MEASURED_NEAR x C prompt tokens (the line is read at most halfway below what was measured),
+or where C is under BUDGET_MULTIPLE tokens (no budget helps either way). Elsewhere (prompts
+all of 479 tokens, or 291 batched into bigger steps, on vLLM's CPU build) the fixed cost is an
+extrapolation: tune says so (PromptStepNotEstablished), with the smallest prompt step
+recorded and the chunk to re-record at.
 
 Speculative decoding (records with ``spec_decode``, telemetry/analysis/spec_decode.py): a
 decoding request computes its one token and a draft of up to k tokens, and produces that
@@ -126,9 +126,9 @@ NO_PREFILL_TOKEN_COST = (
     "rest, or their cost came out below 0)"
 )
 BUDGET_MULTIPLE = 16
-# A fitted cost of carrying prompts at all is told apart from their tokens' where the upper
-# quartile of the prompt steps' tokens is at least this multiple of the lower (module doc).
-SEPARABLE_SPREAD = 2
+# A fitted cost of carrying prompts at all is measured, not extrapolated, where the smallest
+# recorded prompt step held at most this multiple of the chunk the claim is about (module doc).
+MEASURED_NEAR = 2
 MAX_SEQS_CAP = 4096
 # Above this mean |error| a fit is rough: tune says so beside its values, and an action
 # (actions.py) gives none from it. Steady recordings fit to 1-15% here; a run whose
@@ -150,12 +150,6 @@ class PromptStepSizes:
     largest_tokens: int
     smallest_decode_reqs: int
     smallest_time: float
-
-    @property
-    def separable(self) -> bool:
-        """Whether the steps' sizes spread enough to tell a fixed cost of carrying prompts
-        from their tokens' (the module doc): the upper quartile SEPARABLE_SPREAD x the lower."""
-        return self.upper_quartile >= SEPARABLE_SPREAD * self.lower_quartile
 
 
 @dataclass
@@ -257,8 +251,6 @@ class Fit:
         data["coefficients"] = {
             JSON_NAMES.get(name, name): value for name, value in self.coefficients.items()
         }
-        if self.prompt_step_sizes is not None:
-            data["prompt_step_sizes"]["separable"] = self.prompt_step_sizes.separable
         return data
 
 
@@ -505,15 +497,15 @@ class Recommendation:
 class PromptStepTooSlow(ValueError):
     """No budget meets the target: an iteration that carries any prompt at all, before its
     first prompt token, is slower than the target (a fixed cost: no smaller chunk helps), and
-    the recording tells that cost from the prompt tokens' (the module doc)."""
+    the recording measured prompt steps near the size that claim is about (the module doc)."""
 
 
 class PromptStepNotEstablished(ValueError):
     """By the fit no budget would meet the target, as for PromptStepTooSlow, but the fixed
-    cost that says so is extrapolated: the recorded prompt steps were of about one size, and
-    read as per token, the cost of carrying them would leave room for a chunk of some
-    BUDGET_MULTIPLE tokens or more (the module doc). Whether a budget meets the target is
-    then not known; re-recording smaller prompt steps settles it."""
+    cost that says so is extrapolated: read as per token, the cost of carrying the smallest
+    recorded prompt step would leave room for a chunk of BUDGET_MULTIPLE tokens or more, and
+    that step was over MEASURED_NEAR times the chunk (the module doc). Whether a budget meets
+    the target is then not known; re-recording smaller prompt steps settles it."""
 
 
 def recommend(
@@ -585,16 +577,21 @@ def per_token_chunk(fit: Fit, itl_target: float) -> int | None:
 
 
 def _prompt_step_too_slow(fit: Fit, itl_target: float, floor: float) -> NoReturn:
-    """Raise why no budget meets the target: PromptStepTooSlow where the recording tells the
-    fixed cost of carrying prompts from their tokens', or where even read as per token only a
-    chunk under BUDGET_MULTIPLE tokens would meet it; else PromptStepNotEstablished, with what
-    was measured and what would settle it (the module doc)."""
+    """Raise why no budget meets the target: PromptStepTooSlow where the recording measured
+    prompt steps near the chunk a per-token reading allows, or where even that reading leaves
+    only a chunk under BUDGET_MULTIPLE tokens; else PromptStepNotEstablished, with what was
+    measured and what would settle it (the module doc)."""
     ms = 1000
     carrying = fit.predict(prefill_reqs=1) - fit.base_time  # a prompt's and a prompt step's
     of_it = f", {carrying * ms:.1f} ms of it for carrying a prompt at all" if carrying else ""
     target = f"an ITL target of {itl_target * ms:.1f} ms{_iteration_text(fit, itl_target)}"
     sizes, chunk = fit.prompt_step_sizes, per_token_chunk(fit, itl_target)
-    if sizes is None or sizes.separable or chunk is None or chunk < BUDGET_MULTIPLE:
+    if (
+        sizes is None
+        or chunk is None
+        or chunk < BUDGET_MULTIPLE
+        or sizes.smallest_tokens <= MEASURED_NEAR * chunk
+    ):
         raise PromptStepTooSlow(
             f"{target} is below the fastest iteration that decodes one request"
             f"{_draft_text(fit)} beside a prompt ({floor * ms:.1f} ms by the fit before its "
@@ -616,15 +613,15 @@ def _prompt_step_too_slow(fit: Fit, itl_target: float, floor: float) -> NoReturn
         f"whether any token budget meets {target} is not established: the fit puts the fastest "
         f"iteration that decodes one request{_draft_text(fit)} beside a prompt at "
         f"{floor * ms:.1f} ms before its first prompt token{of_it}, but that fixed cost is "
-        f"extrapolated, as the {plural(sizes.count, 'fitted iteration')} with prompts were "
-        f"of about one size ({spread}), where the cost of carrying prompts at all and "
-        "their tokens' cannot be told apart; the smallest prompt step recorded, "
-        f"{plural(sizes.smallest_tokens, 'prompt token')} beside {beside}, took "
-        f"{sizes.smallest_time * ms:.1f} ms, and were the cost of carrying it all per token, "
-        f"a {chunk}-token chunk beside one decoding request{_draft_text(fit)} would meet the "
-        "target: re-record "
-        f"with prompt steps of {chunk} tokens or fewer (a lower --max-num-batched-tokens, or "
-        "shorter prompts) and tune that recording to confirm"
+        f"extrapolated: the smallest of the {plural(sizes.count, 'fitted iteration')} with "
+        f"prompts ({spread}) held {plural(sizes.smallest_tokens, 'prompt token')} beside "
+        f"{beside} and took {sizes.smallest_time * ms:.1f} ms, more than {MEASURED_NEAR}x "
+        f"the {chunk}-token chunk beside one decoding request{_draft_text(fit)} that would "
+        "meet the target were the cost of carrying it all per token, and below the steps "
+        "measured the cost of carrying prompts at all and their tokens' cannot be told apart "
+        "(a CPU computes bigger steps faster per token): re-record with prompt steps of "
+        f"{chunk} tokens or fewer (a lower --max-num-batched-tokens, or shorter prompts) and "
+        "tune that recording to confirm"
     )
 
 
