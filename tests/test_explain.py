@@ -253,6 +253,25 @@ def test_story3_batched_versus_queued():
     assert "Raise --max-num-seqs (now 4)" in wait.setting
 
 
+def test_the_summary_says_how_many_finished_requests_were_aborted():
+    """4 of 8 clients gave up while queued (vLLM's scheduler source): "8 finished" read as
+    8 served; the summary says 4 of them were aborted."""
+    sim = Simulator(cost=synthetic.STORY_COST)
+    sim.add_requests(arrivals(2, 4), num_prompt=32, num_output=10)
+    sim.run(10)
+    finishes = [
+        m for message in sim.messages for m in getattr(message, "milestones", ()) if m.finished_ns
+    ]
+    for milestone in finishes[:4]:
+        milestone.finish_reason = 2  # abort
+    summary = summarize(build_timelines(sim.messages)[0])
+    assert (summary.num_finished_reqs, summary.num_aborted_reqs) == (len(finishes), 4)
+    assert (
+        f"requests: {len(finishes)} finished (4 of them aborted: their clients gave up, or the "
+        "engine stopped); " in "\n".join(format_summary(summary))
+    )
+
+
 def test_lost_messages_make_a_telemetry_gap():
     sim = Simulator(cost=synthetic.STORY_COST)
     sim.add_requests(arrivals(6, 20), num_prompt=64, num_output=40)

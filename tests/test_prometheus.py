@@ -317,18 +317,30 @@ def test_first_token_and_finish_in_separate_iterations_count_once():
     assert value(samples, "iterscope_prompt_tokens_cached_total", model_name="") == 64
 
 
-def test_request_aborted_while_waiting_has_no_phase_times():
+@pytest.mark.parametrize("first_token", [False, True], ids=["while-waiting", "while-decoding"])
+def test_an_aborted_request_is_counted_by_its_reason_and_in_no_request_histogram(first_token):
+    """A client that gave up (4 did, after 3 s in a queue, on a real vLLM): counted as
+    finished with reason abort, observed in none of the finish's histograms, as vLLM records
+    nothing for it (the e2e count was twice vLLM's); a first token it had is a TTFT still."""
     sink, registry = new_sink()
-    aborted = make_milestone(
-        EVENT_FINISHED, first_scheduled_ns=0, first_token_ns=0, num_output_tokens=0, finish_reason=2
-    )
+    fields = {} if first_token else {"first_scheduled_ns": 0, "first_token_ns": 0}
+    event = EVENT_FINISHED | (EVENT_FIRST_TOKEN if first_token else 0)
+    aborted = make_milestone(event, num_output_tokens=5 * first_token, finish_reason=2, **fields)
     send(sink, make_record(1, milestones=[aborted]))
     samples = scrape(registry)
     labels = {"model_name": ""}
-    assert value(samples, "iterscope_e2e_request_latency_seconds_count", **labels) == 1
-    for name in ("queue_time", "prefill_time", "decode_time"):
-        assert value(samples, f"iterscope_request_{name}_seconds_count", **labels) == 0
-    assert value(samples, "iterscope_time_per_output_token_seconds_count", **labels) == 0
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_preemptions",
+    ):
+        assert value(samples, f"iterscope_{name}_count", **labels) == 0, name
+    assert value(samples, "iterscope_time_to_first_token_seconds_count", **labels) == first_token
     assert value(samples, "iterscope_requests_finished_total", finish_reason="abort", **labels) == 1
 
 

@@ -20,6 +20,7 @@ from telemetry.analysis.words import plural
 from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
+    FINISH_ABORT,
     UNKNOWN_KV_BLOCKS,
     UNKNOWN_PREEMPTIONS,
     UNKNOWN_PREFIX_CACHE,
@@ -71,7 +72,8 @@ class Summary:
     peak_kv_usage: float | None
     num_preemptions: int | None  # None: the source does not report preemptions (FPM)
     prefix_hit_rate: float | None  # None: the source does not report prefix-cache figures
-    num_finished_reqs: int
+    num_finished_reqs: int  # aborted ones included
+    num_aborted_reqs: int  # of those, aborted: a client that gave up, an engine that stopped
     num_timed_reqs: int  # requests whose first token is recorded: the quantiles below are theirs
     queue_time_p50: float
     queue_time_p90: float
@@ -98,17 +100,20 @@ def _quantile(values: list[float] | np.ndarray, q: float) -> float:
     return float(np.quantile(values, q)) if len(values) else 0.0
 
 
-def _request_times(tl: EngineTimeline) -> tuple[list[float], list[float], int]:
-    """Queue times and TTFTs in seconds, and the number of finished requests."""
-    queue_times, ttfts, num_finished = [], [], 0
+def _request_times(tl: EngineTimeline) -> tuple[list[float], list[float], int, int]:
+    """Queue times and TTFTs in seconds, the number of finished requests, and of those the
+    aborted ones (their clients gave up, or the engine stopped them)."""
+    queue_times, ttfts, num_finished, num_aborted = [], [], 0, 0
     for record in tl.records:
         for milestone in record.milestones:
             if milestone.event & EVENT_FIRST_TOKEN:
                 ttfts.append((milestone.first_token_ns - milestone.arrival_ns) / NS_PER_S)
                 queue_time_ns = milestone.first_scheduled_ns - milestone.arrival_ns
                 queue_times.append(queue_time_ns / NS_PER_S)
-            num_finished += bool(milestone.event & EVENT_FINISHED)
-    return queue_times, ttfts, num_finished
+            if milestone.event & EVENT_FINISHED:
+                num_finished += 1
+                num_aborted += milestone.finish_reason == FINISH_ABORT
+    return queue_times, ttfts, num_finished, num_aborted
 
 
 def summarize(tl: EngineTimeline) -> Summary:
@@ -124,7 +129,7 @@ def summarize(tl: EngineTimeline) -> Summary:
         (tl.col("end_ns")[-1] - tl.col("start_ns")[0]) / NS_PER_S if tl.num_iterations else 0.0
     )
     num_waiting_total = max(int(waiting.sum()), 1)
-    queue_times, ttfts, num_finished = _request_times(tl)
+    queue_times, ttfts, num_finished, num_aborted = _request_times(tl)
     prefix_queries = sum(r.num_prefix_query_tokens for r in tl.records)
     prefix_hits = sum(r.num_prefix_hit_tokens for r in tl.records)
     summary = Summary(
@@ -167,6 +172,7 @@ def summarize(tl: EngineTimeline) -> Summary:
             tl, UNKNOWN_PREFIX_CACHE, lambda: prefix_hits / max(prefix_queries, 1)
         ),
         num_finished_reqs=num_finished,
+        num_aborted_reqs=num_aborted,
         num_timed_reqs=len(queue_times),
         queue_time_p50=_quantile(queue_times, 0.5),
         queue_time_p90=_quantile(queue_times, 0.9),
@@ -177,6 +183,13 @@ def summarize(tl: EngineTimeline) -> Summary:
     )
     summary.verdict = batched_or_queued(summary)
     return summary
+
+
+def _aborted_text(s: Summary) -> str:
+    """How many of the finished requests were aborted (their clients gave up): none said."""
+    if not s.num_aborted_reqs:
+        return ""
+    return f" ({s.num_aborted_reqs} of them aborted: their clients gave up, or the engine stopped)"
 
 
 def _request_times_line(s: Summary) -> str:
@@ -258,7 +271,7 @@ def format_summary(s: Summary) -> list[str]:
         f"{'not reported' if s.num_preemptions is None else s.num_preemptions}; "
         "prefix cache hit rate "
         + ("not reported" if s.prefix_hit_rate is None else pct(s.prefix_hit_rate)),
-        f"requests: {s.num_finished_reqs} finished; {_request_times_line(s)}",
+        f"requests: {s.num_finished_reqs} finished{_aborted_text(s)}; {_request_times_line(s)}",
         f"batched or queued? {s.verdict}",
     ]
 

@@ -82,6 +82,7 @@ EVENT_TTFT_SENT = 4
 # RequestMilestone.finish_reason values (engine.request.FinishReason; the same indexes as
 # vLLM's FinishReason, whose error and repetition our engine never sends), -1 = not finished
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+FINISH_ABORT = FINISH_REASONS.index("abort")  # a client that gave up, an engine that stopped
 
 # Heartbeat.source: who fills the messages (our engine, vLLM's engine core through our
 # scheduler subclass, vLLM's API server through our stat-logger plugin, a forward-pass

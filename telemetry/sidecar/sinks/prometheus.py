@@ -49,6 +49,7 @@ from telemetry.lane.record import (
     EVENT_FINISHED,
     EVENT_FIRST_TOKEN,
     EVENT_TTFT_SENT,
+    FINISH_ABORT,
     FINISH_REASONS,
     UNKNOWN_ELAPSED,
     UNKNOWN_KV_BLOCKS,
@@ -461,6 +462,11 @@ class EngineMetrics:
         reason_index = milestone.finish_reason
         if 0 <= reason_index < len(FINISH_REASONS):
             self.num_finished_by_reason[FINISH_REASONS[reason_index]] += 1
+        if reason_index == FINISH_ABORT:
+            # Its client gave up (or the engine stopped it): counted by its finish reason, but
+            # its times and lengths are no request's latency (vLLM records none for it either;
+            # 4 clients that gave up after 3 s in a queue doubled the e2e count, QA).
+            return
         histograms["e2e_request_latency_seconds"].observe(
             (milestone.finished_ns - milestone.arrival_ns) / 1e9
         )
