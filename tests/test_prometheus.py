@@ -905,3 +905,20 @@ def test_spec_decode_exposition_passes_promtool_check_metrics():
     text = generate_latest(registry).decode()
     assert "iterscope_spec_decode_accepted_tokens_by_position_total{" in text
     assert lint_problems(text) == set()
+
+
+def test_a_closed_engine_holds_no_requests_and_no_kv_blocks():
+    """vLLM stopped under load: its closing heartbeat says 5 running, cut off by the
+    shutdown. Closed, nothing runs, waits or holds KV any more (the gauges read 8 running
+    and 11% KV for as long as the series stayed, QA); the state says closed."""
+    sink, registry = new_sink()
+    send(sink, make_heartbeat(), make_record(1))
+    send(sink, make_heartbeat(ts_ns=700 * MS, closing=True, stop_requested=True))
+    set_status(sink, 0, EngineStatus.CLOSED, 700 * MS)
+    samples = scrape(registry)
+    assert value(samples, "iterscope_engine_state", state="closed") == 1
+    for name in ("iterscope_requests_running", "iterscope_requests_waiting"):
+        assert value(samples, name) == 0, name
+    assert value(samples, "iterscope_requests_waiting_by_reason", reason="kv_capacity") == 0
+    assert value(samples, "iterscope_kv_cache_usage_ratio") == 0
+    assert value(samples, "iterscope_kv_blocks_free") == 100

@@ -633,22 +633,28 @@ class MetricsCollector(Collector):
         )
         for metrics, labels in engines:
             engine = metrics.engine
-            running.add_metric(labels, engine.num_running_reqs)
-            waiting.add_metric(labels, engine.num_waiting_reqs)
+            # A closed engine was stopped: nothing runs, waits or holds KV blocks any more
+            # (its last message's figures read as 8 requests running for as long as its
+            # series stayed, QA); a dead one keeps its last known, as no one knows.
+            closed = engine.status is EngineStatus.CLOSED
+            running.add_metric(labels, 0 if closed else engine.num_running_reqs)
+            waiting.add_metric(labels, 0 if closed else engine.num_waiting_reqs)
             record = engine.last_record
+            held = None if closed else record  # the figures a closed engine no longer holds
             if record is not None and not is_known(record, UNKNOWN_WAITING_REASONS):
-                by_reason.add_metric([*labels, "unknown"], record.num_waiting_reqs)
+                by_reason.add_metric([*labels, "unknown"], held.num_waiting_reqs if held else 0)
             else:
                 for reason, field in WAITING_REASONS:
-                    by_reason.add_metric([*labels, reason], getattr(record, field) if record else 0)
+                    by_reason.add_metric([*labels, reason], getattr(held, field) if held else 0)
             if engine.reports(UNKNOWN_KV_BLOCKS):  # absent where the source does not say
                 blocks_used, blocks_total = engine.kv_blocks()
+                blocks_used = 0 if closed else blocks_used
                 usage.add_metric(labels, kv_usage_ratio(blocks_used, blocks_total))
                 used.add_metric(labels, blocks_used)
                 free.add_metric(labels, blocks_total - blocks_used)
                 total.add_metric(labels, blocks_total)
             if record is None or is_known(record, UNKNOWN_KV_TOKENS):
-                kv_tokens.add_metric(labels, record.num_kv_tokens if record else 0)
+                kv_tokens.add_metric(labels, held.num_kv_tokens if held else 0)
             if engine.pid:
                 facts = [engine.source, engine.device_name, str(engine.pid), engine.engine_version]
                 info.add_metric([*labels, *facts], 1)
