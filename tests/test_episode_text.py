@@ -22,9 +22,12 @@ NUM_ITERATIONS = 30
 STEP_NS = NS_PER_S // 10  # 30 iterations 0.1 s apart: 3 s of waiting
 
 
-def waiting_records(unknown: int, **fields: int) -> list[IterationRecord]:
-    """Four requests decoding and three waiting for --max-num-seqs in every iteration, the
-    cache half full (10 of 20 blocks) where the source reports it."""
+def waiting_records(
+    unknown: int, num: int = NUM_ITERATIONS, first: int = 1, **fields: int
+) -> list[IterationRecord]:
+    """``num`` iterations from iteration ``first``: four requests decoding and three waiting
+    for --max-num-seqs in each, the cache half full (10 of 20 blocks) where the source reports
+    it, unless ``fields`` say otherwise."""
     counts = {
         "num_decode_reqs": 4,
         "num_decode_tokens": 4,
@@ -39,7 +42,7 @@ def waiting_records(unknown: int, **fields: int) -> list[IterationRecord]:
         iteration_record(
             0, n, n, start_ns=n * STEP_NS, elapsed_ns=STEP_NS // 2, unknown=unknown, **counts
         )
-        for n in range(1, NUM_ITERATIONS + 1)
+        for n in range(first, first + num)
     ]
 
 

@@ -16,8 +16,8 @@ from telemetry.lane.record import (
     UNKNOWN_WAITING_REASONS,
     IterationRecord,
     heartbeat,
-    iteration_record,
 )
+from tests.test_episode_text import waiting_records
 
 STEP_NS = NS_PER_S // 10  # iterations 0.1 s apart: 30 of them are 3 s of waiting
 PLUGIN = UNKNOWN_WAITING_REASONS | UNKNOWN_KV_TOKENS  # the plugin with iteration details
@@ -27,23 +27,12 @@ WHY = "(vLLM's stat-logger plugin cannot say why requests wait)"
 def plugin_records(
     num: int, first: int = 1, unknown: int = PLUGIN, **fields: int
 ) -> list[IterationRecord]:
-    """``num`` iterations from iteration ``first``: 4 decoding and 3 waiting, 2 of 100 KV
-    blocks in use, unless ``fields`` say otherwise."""
-    counts = {
-        "num_decode_reqs": 4,
-        "num_decode_tokens": 4,
-        "num_running_reqs": 4,
-        "num_waiting_reqs": 3,
-        "num_kv_blocks_used": 0 if unknown & UNKNOWN_KV_BLOCKS else 2,
-        "num_kv_blocks_free": 0 if unknown & UNKNOWN_KV_BLOCKS else 98,
-        **fields,
-    }
-    return [
-        iteration_record(
-            0, n, n, start_ns=n * STEP_NS, elapsed_ns=STEP_NS // 2, unknown=unknown, **counts
-        )
-        for n in range(first, first + num)
-    ]
+    """``num`` iterations from iteration ``first``: 4 decoding and 3 waiting, why not said, 2
+    of 100 KV blocks in use, unless ``fields`` say otherwise."""
+    kv = {"num_kv_blocks_used": 2, "num_kv_blocks_free": 98}
+    if unknown & UNKNOWN_KV_BLOCKS:
+        kv = {"num_kv_blocks_used": 0, "num_kv_blocks_free": 0}
+    return waiting_records(unknown, num, first, **{"num_waiting_seq_limit_reqs": 0, **kv, **fields})
 
 
 def waiting_actions(records: list[IterationRecord], **facts) -> list[str]:
