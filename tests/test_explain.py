@@ -543,7 +543,7 @@ def test_follow_says_what_the_sidecar_said_live(tmp_path):
     printed = [line.partition(" ") for line in text.splitlines()]
     printed = [(levels[level], line) for level, _, line in printed if level in levels]
     assert printed == [(level, line) for level, line in said if level >= logging.INFO]
-    assert text.count("WARNING Engine 000: Long prefill chunks stretch decode latency since") == 1
+    assert text.count(" Engine 000: Long prefill chunks stretch decode latency since") == 1
     assert "Long prefill chunks stretch decode latency again: 2 more times" in text, text
     assert "Long prefill chunks stretch decode latency: 3 times" in text  # the summary
 

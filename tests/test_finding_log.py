@@ -3,6 +3,8 @@
 import logging
 import re
 
+import pytest
+
 from telemetry.analysis.live_findings import FindingEvent, LiveFinding
 from telemetry.sidecar.sinks.finding_log import PROMOTE_AFTER_S, REPEAT_WINDOW_S, FindingLog
 from telemetry.sidecar.sinks.log import LogSink
@@ -212,3 +214,33 @@ def test_a_repeat_that_changes_to_a_kind_with_no_recent_finding_is_said_then():
     assert log.on_finding(FindingEvent("changed", second, back)) == []  # said 0 s ago
     ((_, closing),) = log.on_finding(FindingEvent("closed", second))
     assert closing.startswith("Engine 000: waiting_seq_limit title: ended after")
+
+
+def test_a_cheap_long_prefill_is_said_at_info_and_a_costly_one_warns():
+    """A 100-token prompt beside one decoding request on a CPU stretches its token by 0.1 s:
+    a WARNING every 30 s of healthy load (QA, vLLM 0.32). Under 1 request-s it is INFO, the
+    repeats' line too while they cost under that in all; a costly one still warns."""
+    log = FindingLog()
+    cheap = finding("long_prefill", cost=0.12)
+    ((level, _),) = log.on_finding(FindingEvent("opened", cheap))
+    assert level == logging.INFO
+    log.on_finding(FindingEvent("closed", cheap))
+    costly = finding("long_prefill", start_s=200.0, end_s=201.0, cost=8.0)
+    ((level, _),) = log.on_finding(FindingEvent("opened", costly))
+    assert level == logging.WARNING
+    ((level, _),) = log.on_finding(FindingEvent("opened", finding("kv_saturation", cost=0.1)))
+    assert level == logging.WARNING  # only the quiet kinds
+
+
+@pytest.mark.parametrize(("every_s", "level"), [(25.0, logging.INFO), (2.0, logging.WARNING)])
+def test_long_prefill_repeats_are_summed_at_info_while_cheap(every_s, level):
+    """Repeats of 0.5 request-s each: a summary of one costs under 1 request-s in all (INFO),
+    one of several does not (WARNING)."""
+    log = FindingLog()
+    lines = come_and_go(log, [], kind="long_prefill", every_s=every_s, times=12)
+    lines += log.flush()
+    summaries = [line for line in lines if " again: " in line[1]]
+    for said, text in summaries:
+        cost = float(re.search(r"cost ([\d.]+) request-s", text)[1])
+        assert said == (logging.INFO if cost < 1.0 else logging.WARNING), text
+    assert level in {said for said, _ in summaries}, summaries

@@ -7,7 +7,9 @@ every one of them would drown the log (83 lines in 40 s of a vLLM run with a sma
 So, per engine and kind:
 
 - a finding prints as it happens: a WARNING when it opens (what, since when, the evidence,
-  the action), an INFO when it closes (how long, what it cost); a waiting finding whose main
+  the action; INFO for a long prefill that cost under PROMOTE_COST request-seconds: on a CPU
+  each 100-token prompt beside a decoding request is one), an INFO when it closes (how long,
+  what it cost); a waiting finding whose main
   reason changes prints a WARNING with its new title and action, at most once in
   REPEAT_WINDOW_S;
 - unless it opens while one of its kind is open, or within REPEAT_WINDOW_S of the end of
@@ -63,8 +65,16 @@ def _with_word(cost: str) -> str:
     return cost if cost.startswith("cost ") else f"cost {cost}"
 
 
+# Kinds said at INFO, not WARNING, while they cost under PROMOTE_COST request-seconds (a
+# finding, or a repeats' line in all): on a CPU a 100-token prompt beside one decoding request
+# stretches its token by 0.1 s, and the long-prefill WARNINGs came every 30 s of healthy load
+# (QA, vLLM 0.32). /findings, /metrics and explain list them as before.
+QUIET_KINDS = frozenset(("long_prefill",))
+
+
 def finding_line(event: FindingEvent) -> Line:
-    """A live finding's opening or change (WARNING) or closing (INFO) line."""
+    """A live finding's opening or change (WARNING; INFO for a kind of QUIET_KINDS that cost
+    under PROMOTE_COST) or closing (INFO) line."""
     finding = event.finding
     head = f"Engine {finding.engine_index:03d}: {finding.title}"
     since = clock_text(finding.start_wall_ns)
@@ -72,7 +82,8 @@ def finding_line(event: FindingEvent) -> Line:
     cost = cost_phrase(finding.cost, finding.cost_label)
     if event.what != "closed":
         was = f'until now "{event.previous[1]}"; ' if event.what == "changed" else ""
-        return logging.WARNING, (
+        quiet = finding.kind in QUIET_KINDS and finding.cost < PROMOTE_COST
+        return logging.INFO if quiet else logging.WARNING, (
             f"{head} since {since} ({was}{where}{finding.duration_s:.1f} s so far, {cost}): "
             f"{finding.evidence}. Action: {finding.action}"
         )
@@ -131,7 +142,8 @@ class Repeats:
         return [finding_line(FindingEvent("opened", finding)) for finding in lasting]
 
     def summary(self) -> Line:
-        """The repeats closed since the kind's last line, in one WARNING."""
+        """The repeats closed since the kind's last line, in one WARNING (INFO for a kind of
+        QUIET_KINDS whose repeats cost under PROMOTE_COST in all)."""
         last = self.last_closed
         assert last is not None
         times = "1 more time" if self.num_closed == 1 else f"{self.num_closed} more times"
@@ -142,8 +154,9 @@ class Repeats:
             f"{clock_text(end_wall_ns(last))}{now}), {self.duration_s:.1f} s in all, "
             f"{_with_word(cost_phrase(self.cost, last.cost_label))}. Action: {last.action}"
         )
+        quiet = last.kind in QUIET_KINDS and self.cost < PROMOTE_COST
         self.num_closed, self.duration_s, self.cost = 0, 0.0, 0.0
-        return logging.WARNING, text
+        return logging.INFO if quiet else logging.WARNING, text
 
 
 class FindingLog:
