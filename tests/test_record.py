@@ -128,6 +128,14 @@ def test_a_frame_cut_short_is_rejected_not_filled_with_zeros(message):
         make_decoder().decode(frame)
 
 
+def bound_pull(tmp_path) -> tuple[str, zmq.Socket]:
+    """A lane address under ``tmp_path`` and a PULL socket bound to it: the sidecar's end."""
+    address = f"ipc://{tmp_path}/lane.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
+    return address, pull
+
+
 def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
     address = f"ipc://{tmp_path}/lane.sock"
     publisher = ZmqPublisher(address, engine_index=3, heartbeat_interval_s=3600)
@@ -157,9 +165,7 @@ def test_publisher_counts_drops_and_reports_them_in_next_sent_record(tmp_path):
 
 
 def test_heartbeat_carries_clock_anchor(tmp_path):
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 1, facts={"model_name": "m"}, heartbeat_interval_s=0.05)
     try:
         assert pull.poll(5000)
@@ -184,9 +190,7 @@ def heartbeat_where(pull: zmq.Socket, wanted, timeout_s: float = 5.0) -> Heartbe
 
 
 def test_heartbeats_say_the_size_of_the_step_under_way_until_its_record(tmp_path):
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
     try:
         publisher.note_queues(0, 2, step_tokens=8000)
@@ -201,9 +205,7 @@ def test_heartbeats_say_the_size_of_the_step_under_way_until_its_record(tmp_path
 
 def test_records_dropped_on_a_full_queue_leave_an_exact_seq_gap(tmp_path, monkeypatch):
     monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush() wakes it
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600, queue_capacity=4)
     decoder = make_decoder()
     try:
@@ -244,9 +246,7 @@ def close_and_receive(publisher: ZmqPublisher, pull: zmq.Socket, **close_args) -
 def test_drops_just_before_close_reach_the_sidecar_in_a_last_heartbeat(tmp_path, monkeypatch):
     """No later message would carry the gap of records dropped right before shutdown."""
     monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600, queue_capacity=4)
     try:
         assert publisher.flush()  # the first heartbeat
@@ -326,9 +326,7 @@ def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatc
     """The sidecar reads the silence after a closing heartbeat as a shutdown, not a death:
     the last message says so, with the queues of the last record, and no other does."""
     monkeypatch.setattr(publisher_module, "SEND_INTERVAL_S", 3600)  # only flush/close wake it
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
     try:
         assert publisher.flush()  # the first heartbeat
@@ -345,9 +343,7 @@ def test_close_sends_a_closing_heartbeat_last_and_only_then(tmp_path, monkeypatc
 def test_a_publisher_told_to_stop_says_so_in_its_closing_heartbeat(tmp_path):
     """Closed with requests in flight, the heartbeat is a shutdown's only if it says the
     engine was told to stop (else a failed loop's, judged as a silence)."""
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=3600)
     try:
         publisher.publish(decode_record(num_running_reqs=3))
@@ -369,9 +365,7 @@ def test_a_publisher_told_to_stop_says_so_in_its_closing_heartbeat(tmp_path):
 
 def test_heartbeat_reports_the_last_iteration_that_scheduled_work(tmp_path):
     """A loop spinning on empty iterations must not look like progress to the sidecar."""
-    address = f"ipc://{tmp_path}/lane.sock"
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(address)
+    address, pull = bound_pull(tmp_path)
     publisher = ZmqPublisher(address, 0, heartbeat_interval_s=0.05)
     try:
         publisher.publish(decode_record(iteration=5))
