@@ -82,10 +82,9 @@ class StopWatch:
             self._close()
 
 
-def hook_stop_signals(on_stop: Callable[[], None]) -> int:
+def hook_stop_signals(on_stop: Callable[[], None]) -> None:
     """Have each stop signal's installed handler call ``on_stop`` first, unless it does
-    already (a handler replaced since is hooked again); how many were hooked now."""
-    num_hooked = 0
+    already (a handler replaced since is hooked again)."""
     for signum in STOP_SIGNALS:
         previous = signal.getsignal(signum)
         if (
@@ -94,8 +93,6 @@ def hook_stop_signals(on_stop: Callable[[], None]) -> int:
             and not _calls(previous, on_stop)
         ):
             signal.signal(signum, _calling_first(on_stop, previous))
-            num_hooked += 1
-    return num_hooked
 
 
 def _calls(handler: Any, on_stop: Callable[[], None]) -> bool:
