@@ -10,7 +10,7 @@ from itertools import pairwise
 import msgspec
 import pytest
 from scenarios import synthetic
-from scenarios.synthetic import Cost, Simulator, arrivals
+from scenarios.synthetic import Simulator, arrivals, long_prompt_bursts, long_prompts
 
 from telemetry.analysis.episodes import (
     INFO,
@@ -397,11 +397,7 @@ def test_dead_after_sets_how_long_a_silence_is_as_the_sidecars_flag_does(tmp_pat
 
 
 def test_long_prefill_chunks_stretch_decode():
-    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
-    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
-    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
-    sim.add_requests([5.0, 12.0], num_prompt=2000, num_output=10)
-    sim.run(22)
+    sim = long_prompts(long_prompt_bursts((5.0, 12.0)))
     _, episodes = episodes_of(sim)
     long_prefills = only(episodes, "long_prefill")
     assert len(long_prefills) == 2
@@ -528,11 +524,7 @@ def test_follow_says_what_the_sidecar_said_live(tmp_path):
     """Three long prefills 4-7 s apart: the sidecar's log says the first as it opens and
     closes, the repeats in one line (finding_log.py); follow prints exactly the lines a
     replay through the sidecar prints, then explain's summary with all three."""
-    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
-    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
-    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
-    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    sim.run(22)
+    sim = long_prompts(long_prompt_bursts())
     path = sim.write(tmp_path / "rec.jsonl")
     out = io.StringIO()
     follow([path], Thresholds(), 0.05, max_time_s=0.3, out=out)

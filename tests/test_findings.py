@@ -18,10 +18,17 @@ from telemetry.analysis.findings import build_findings, cost_text, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.lane.record import EVENT_FIRST_TOKEN, Heartbeat, IterationRecord, heartbeat
 
+# A long prompt now and then beside ~75 decoding steps a second (long_prefill_sim) stretches
+# under 1% of them: no finding by default. The tests of what a long prefill's action, cost and
+# merging say judge every stretched iteration, as if the prompts came often enough to count.
+EVERY_STRETCH = Thresholds(long_prefill_min_share=0.0)
 
-def findings_of(sim: Simulator):
+
+def findings_of(sim: Simulator, thresholds: Thresholds | None = None):
+    thresholds = thresholds or Thresholds()
     timeline = build_timelines(sim.messages)[0]
-    return timeline, build_findings(timeline, detect_episodes(timeline), Thresholds())
+    episodes = detect_episodes(timeline, thresholds)
+    return timeline, build_findings(timeline, episodes, thresholds)
 
 
 @pytest.mark.parametrize(
@@ -179,13 +186,9 @@ def test_waiting_cost_matches_the_requests_queue_time():
 
 
 def test_same_kind_episodes_merge_into_one_finding():
-    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
-    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
-    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
-    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    sim.run(22)
-    timeline, (finding,) = findings_of(sim)
-    episodes = detect_episodes(timeline)
+    sim = long_prefill_sim()
+    timeline, (finding,) = findings_of(sim, EVERY_STRETCH)
+    episodes = detect_episodes(timeline, EVERY_STRETCH)
     assert finding.kind == "long_prefill" and finding.count == len(episodes) == 3
     assert finding.total_time == pytest.approx(sum(e.duration_time for e in episodes))
     costs = [episode_cost(timeline, e, Thresholds()) for e in episodes]
@@ -234,11 +237,7 @@ def test_json_findings(tmp_path, capsys):
 
 
 def long_prefill_sim() -> Simulator:
-    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
-    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
-    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
-    sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    return sim.run(22)
+    return synthetic.long_prompts([5.0, 12.0, 16.0])
 
 
 def test_a_sequence_limit_above_the_requests_seen_is_said_to_be_extrapolated():
@@ -249,7 +248,7 @@ def test_a_sequence_limit_above_the_requests_seen_is_said_to_be_extrapolated():
     sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
     sim.add_requests([0.1], num_prompt=32, num_output=3000)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    timeline, (finding,) = findings_of(sim.run(22))
+    timeline, (finding,) = findings_of(sim.run(22), EVERY_STRETCH)
     action = finding_action(timeline, finding, Thresholds())
     assert "and --max-num-seqs 16 (now 64) together" in action, action
     assert action.endswith(
@@ -265,7 +264,7 @@ def test_long_prefill_action_gives_what_the_tune_command_it_quotes_prints(tmp_pa
     from telemetry.analysis.tune import main as tune
 
     sim = long_prefill_sim()
-    timeline, (finding,) = findings_of(sim)
+    timeline, (finding,) = findings_of(sim, EVERY_STRETCH)
     action = finding_action(timeline, finding, Thresholds())
     first = int(timeline.col("start_ns").searchsorted(finding.worst.start_ns))
     (baseline_ns,) = decode_baselines(timeline, np.array([first]), Thresholds())
@@ -297,7 +296,7 @@ def test_a_budget_below_every_prompt_chunk_it_was_drawn_from_is_said_to_be_extra
     from telemetry.analysis import actions
     from telemetry.analysis.tune import Recommendation
 
-    timeline, (finding,) = findings_of(long_prefill_sim())
+    timeline, (finding,) = findings_of(long_prefill_sim(), EVERY_STRETCH)
     rec = Recommendation(0.03, 64, 320, 0.01, 0.029, 554.0, 9000.0, "latency target", 16, 1900)
     monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(rec, "`tune ...`"))
     action = finding_action(timeline, finding, Thresholds())
@@ -329,7 +328,7 @@ def test_where_carrying_prompts_at_all_exceeds_the_target_the_action_keeps_the_b
     sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
     sim.add_requests(arrivals(1, 20, seed=1), num_prompt=300, num_output=150)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    timeline, findings = findings_of(sim.run(22))
+    timeline, findings = findings_of(sim.run(22), EVERY_STRETCH)
     (finding,) = [f for f in findings if f.kind == "long_prefill"]
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith("Keep --max-num-batched-tokens at 2048: by `iterscope tune")
@@ -368,7 +367,7 @@ def test_with_speculative_decoding_the_budget_holds_each_decoding_request_and_it
     )
     sim.add_requests(arrivals(1, 20), num_prompt=32, num_output=150)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    timeline, (finding,) = findings_of(sim.run(22))
+    timeline, (finding,) = findings_of(sim.run(22), EVERY_STRETCH)
     action = finding_action(timeline, finding, Thresholds())
     assert "(now 64) together, from `iterscope tune" in action
     assert action.endswith(
@@ -408,7 +407,7 @@ def test_a_budget_below_the_sequence_limit_comes_with_the_limit_and_its_ttft_cos
     from telemetry.analysis.tune import Recommendation
 
     sim = long_prefill_sim()  # --max-num-seqs 64, --max-num-batched-tokens 2048
-    timeline, (finding,) = findings_of(sim)
+    timeline, (finding,) = findings_of(sim, EVERY_STRETCH)
     tight = Recommendation(0.0677, 10, 16, 0.018, 0.064, 554.0, 272.0, "latency target", 10)
     tuned = actions.Tuned(tight, "`iterscope tune ...`")
     monkeypatch.setattr(actions, "_tuned", lambda *_, **__: tuned)
@@ -427,7 +426,7 @@ def test_a_budget_that_needs_fewer_requests_than_decoded_gives_no_value(monkeypa
     from telemetry.analysis.tune import Recommendation
 
     sim = long_prefill_sim()
-    timeline, (finding,) = findings_of(sim)
+    timeline, (finding,) = findings_of(sim, EVERY_STRETCH)
     tight = Recommendation(0.0677, 2, 18, 0.018, 0.064, 554.0, 167.0, "latency target", 3)
     monkeypatch.setattr(actions, "_tuned", lambda *_, **__: actions.Tuned(tight, "`tune ...`"))
     action = finding_action(timeline, finding, Thresholds())
@@ -449,7 +448,7 @@ def test_a_budget_a_fit_can_only_guess_is_not_given_as_a_value(monkeypatch):
     from telemetry.analysis import actions
     from telemetry.analysis.tune import NO_PREFILL_TOKEN_COST
 
-    timeline, (finding,) = findings_of(long_prefill_sim())
+    timeline, (finding,) = findings_of(long_prefill_sim(), EVERY_STRETCH)
     fitted = actions.fit_iteration_time(timeline)
     assert "prefill_tokens" in fitted.coefficients  # the simulated prompts cost per token
     tokenless = {k: v for k, v in fitted.coefficients.items() if k != "prefill_tokens"}
@@ -507,8 +506,8 @@ def test_change_and_action_lines_name_real_flags_and_runnable_commands():
         synthetic.story3_bursty(4),
         long_prefill_sim(),
     ):
-        timeline, findings = findings_of(sim)
-        lines += [e.setting for e in detect_episodes(timeline)]
+        timeline, findings = findings_of(sim, EVERY_STRETCH)
+        lines += [e.setting for e in detect_episodes(timeline, EVERY_STRETCH)]
         lines += [finding_action(timeline, f, Thresholds()) for f in findings]
     kinds_with_commands = 0
     for line in lines:
@@ -526,7 +525,7 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
     from telemetry.analysis.explain_report import engine_header
     from telemetry.analysis.summary import format_summary, summarize
 
-    timeline, (finding,) = findings_of(synthetic.story3_bursty(4))
+    timeline, (finding,) = findings_of(synthetic.story3_bursty(4), EVERY_STRETCH)
     assert finding.title == "Requests waiting: --max-num-seqs"
     summary = summarize(timeline)
     assert "mostly for --max-num-seqs" in summary.verdict
@@ -543,8 +542,10 @@ def test_titles_header_and_summary_name_limits_by_their_flags():
         synthetic.stalled(),
         long_prefill_sim(),
     ):
-        timeline, findings = findings_of(sim)
-        texts += [f.title for f in findings] + [e.evidence for e in detect_episodes(timeline)]
+        timeline, findings = findings_of(sim, EVERY_STRETCH)
+        texts += [f.title for f in findings] + [
+            e.evidence for e in detect_episodes(timeline, EVERY_STRETCH)
+        ]
         texts += [engine_header(timeline), *format_summary(summarize(timeline))]
     for text in texts:
         assert not CONFIG_NAMES.search(text), text
@@ -945,7 +946,7 @@ def test_where_even_a_16_token_chunk_misses_the_target_the_budget_is_still_lower
     sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
     sim.add_requests(arrivals(1, 20), num_prompt=16, num_output=150)
     sim.add_requests([5.0, 12.0, 16.0], num_prompt=2000, num_output=10)
-    timeline, findings = findings_of(sim.run(22))
+    timeline, findings = findings_of(sim.run(22), EVERY_STRETCH)
     (finding,) = [f for f in findings if f.kind == "long_prefill"]
     action = finding_action(timeline, finding, Thresholds())
     assert action.startswith(

@@ -503,7 +503,8 @@ def test_a_long_prefill_action_keeps_to_tunes_verdict_on_prompt_steps_of_one_siz
 
     sim = prompt_steps_sim(300, long_prompts=True)
     timeline = build_timelines(sim.messages)[0]
-    episodes = [e for e in detect_episodes(timeline) if e.kind == "long_prefill"]
+    every_stretch = Thresholds(long_prefill_min_share=0.0)  # 3 long prompts: under 1%
+    episodes = [e for e in detect_episodes(timeline, every_stretch) if e.kind == "long_prefill"]
     action = episode_action(timeline, episodes[-1], Thresholds())
     assert action.startswith(
         "Lower --max-num-batched-tokens (now 2048); no value could be computed here: by "

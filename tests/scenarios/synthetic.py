@@ -423,6 +423,16 @@ def arrivals(rate_per_s: float, duration_s: float, start_s: float = 0.5, seed: i
         times.append(t)
 
 
+def long_prompt_bursts(
+    starts_s: tuple[float, ...] = (5.0, 12.0, 16.0), count: int = 8, every_s: float = 0.25
+) -> list[float]:
+    """Arrival times of long prompts in bursts: ``count`` prompts ``every_s`` apart from each
+    of ``starts_s``. Beside decoding requests their chunks stretch over 1% of the decoding
+    steps (a long prefill finding; one such prompt every few seconds is none), and bursts
+    further apart than gap_merge_time are episodes of their own."""
+    return [start + number * every_s for start in starts_s for number in range(count)]
+
+
 # --------------------------------------------------------------------------------------------
 # The stories, at small scale. Each returns a finished Simulator; .write(path) records it.
 
@@ -572,6 +582,17 @@ def healthy_but_slow() -> Simulator:
 # Each scenario with its true top cause (bench/findings_accuracy.py, tests/test_live_findings.py):
 # scenario -> (make, true top cause): a finding kind as the live sidecar names it
 # (live_findings.finding_kind: waiting with its reason, e.g. "waiting_kv"), or None (no problem)
+def long_prompts(arrival_times: list[float]) -> Simulator:
+    """Short requests decoding (2 a second, 150 tokens each) beside 2,000-token prompts that
+    arrive at ``arrival_times``, each a chunk of its own at a budget of 2,048: iterations of
+    ~110 ms against ~12 ms decode-only ones."""
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_requests(arrival_times, num_prompt=2000, num_output=10)
+    return sim.run(22)
+
+
 SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "healthy": (healthy, None),
     "story1 KV cliff": (story1_kv_cliff, "kv_cliff"),
@@ -587,6 +608,10 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "drafts that pay": (lambda: drafting(0.1e-3, accept_one_in=1).run(33), None),
     "drafts that stop paying": (lambda: drafts_that_change(1, 8), "costly_drafts"),
     "speculation that gains nothing": (futile_speculation, "futile_speculation"),
+    "long prompts in bursts": (lambda: long_prompts(long_prompt_bursts()), "long_prefill"),
+    # under 1% of the decoding steps stretched: no finding (the p99 inter-token latency is not
+    # theirs), where each had opened one, and with one a minute an alert
+    "a long prompt now and then": (lambda: long_prompts([5.0, 12.0, 16.0]), None),
 }
 # --------------------------------------------------------------------------------------------
 # Scripted recordings: every iteration given by hand, for costs that can be worked out on paper.

@@ -271,11 +271,48 @@ def test_a_slow_iteration_its_chunk_does_not_explain_is_no_long_prefill():
     assert detect_long_prefill(timeline, Thresholds()) == []
 
 
+def test_a_long_prompt_now_and_then_is_no_finding_and_frequent_ones_are():
+    """Three 2,000-token prompts in 22 s beside ~75 decoding steps a second: each stretches
+    an iteration 9x, but they are under 1% of the decoding steps (the p99 inter-token latency
+    is not theirs), so nothing is said (on vLLM's CPU build such a prompt every 30 s of healthy
+    load had opened a finding each time). The same prompts in bursts are over 1%: a finding,
+    whose evidence says the share."""
+    rare = timeline_of(synthetic.long_prompts([5.0, 12.0, 16.0]).messages)
+    assert detect_long_prefill(rare, Thresholds()) == []
+    judged_alone = detect_long_prefill(rare, Thresholds(long_prefill_min_share=0.0))
+    assert len(judged_alone) == 3
+    assert all(0 < e.numbers["max_stretched_share"] < 0.01 for e in judged_alone)
+    frequent = timeline_of(synthetic.long_prompts(synthetic.long_prompt_bursts()).messages)
+    episodes = detect_long_prefill(frequent, Thresholds())
+    assert len(episodes) == 3
+    for episode in episodes:
+        share = episode.numbers["max_stretched_share"]
+        assert share >= 0.01
+        assert f"stretched iterations held up to {100 * share:.1f}% of the decoding" in (
+            episode.evidence
+        )
+
+
+def test_a_pause_of_a_second_is_a_finding_however_rare():
+    """One 25,000-token prompt in a single chunk beside decoding requests: a 1.26 s pause in
+    every stream, one iteration among thousands, is a finding by its length alone."""
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=4000, max_num_seqs=64, max_num_batched_tokens=32768, cost=cost)
+    sim.add_requests(arrivals(2, 40), num_prompt=32, num_output=150)
+    sim.add_requests([30.0], num_prompt=25_000, num_output=10)
+    (episode,) = detect_long_prefill(timeline_of(sim.run(42).messages), Thresholds())
+    assert episode.numbers["max_elapsed_s"] - episode.numbers["baseline_s"] >= 1.0
+    assert episode.numbers["max_stretched_share"] is None
+    assert episode.evidence.endswith("; a pause of 1 s or more in every decoding stream")
+    shorter = Thresholds(long_prefill_min_pause=2.0)  # under 1% of the steps: no finding
+    assert detect_long_prefill(timeline_of(sim.messages), shorter) == []
+
+
 def test_long_prefill_setting_quotes_no_made_up_latency_target():
     cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
     sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
     sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
-    sim.add_requests([5.0], num_prompt=2000, num_output=10)
+    sim.add_requests(synthetic.long_prompt_bursts((5.0,)), num_prompt=2000, num_output=10)
     (episode,) = detect_long_prefill(timeline_of(sim.run(12).messages), Thresholds())
     assert "--itl-target" in episode.setting
     assert not re.search(r"--itl-target \d", episode.setting), episode.setting

@@ -26,7 +26,9 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
     long_prefill      iterations whose prefill chunk makes them 3x slower than the median
                       decode-only iteration of the 30 s before each, while requests are decoding
                       (the chunk's size times the median cost of a context token over the same
-                      30 s must account for the slowdown)
+                      30 s must account for the slowdown), often enough to set the p99
+                      inter-token latency (1%+ of the decoding steps of those 30 s) or by a
+                      pause of 1 s+
     costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
                       output token, by the fit of iteration time (tune's payoff) over the 30 s
                       before each 10 s step (30+ drafting iterations), at two standard errors

@@ -42,6 +42,12 @@ class Thresholds:
     long_prefill_min_extra_time: float = 0.005
     long_prefill_min_baseline_iterations: int = 10
     long_prefill_baseline_time: float = 30.0  # an iteration's baseline: this long before it
+    # A stretched iteration is a finding where decoding requests notice it: its pause beyond
+    # the baseline is this long, or iterations stretched as much are this share of the
+    # decoding requests' steps in the baseline time before it (1%: they set the p99
+    # inter-token latency there).
+    long_prefill_min_pause: float = 1.0
+    long_prefill_min_share: float = 0.01
     # Costly drafts: each step of this many seconds (aligned to record time) is judged on the
     # fit over the window before it, with at least this many drafting iterations, where drafts
     # add this share of the time per output token at 2 errors.

@@ -6,6 +6,14 @@ median decode-only iteration of the ``long_prefill_baseline_time`` before it sta
 come, and the live sidecar, which keeps that much history before every iteration it judges
 (telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
 
+A stretched iteration is a finding only where the decoding requests notice it
+(``_noticed``): it paused them for ``long_prefill_min_pause`` or longer beyond the baseline, or
+iterations stretched as much hold at least ``long_prefill_min_share`` of the decoding requests'
+steps in the baseline time before it (1 in 100 of them sets the p99 inter-token latency). A
+prompt now and then beside a request or two on a CPU (a 150 ms iteration against 40 ms, every
+30 s) is neither, and said nothing of (it opened a finding, and with a prompt a minute, an
+alert, on healthy load).
+
 An iteration during which the engine went silent (no message, heartbeats included, for
 longer than ``dead_after``: the whole process frozen) is not judged: its time is the
 freeze's, which the silence is (a SIGSTOP inside a 128-token chunk made it an 11.5 s "long
@@ -13,6 +21,8 @@ prefill", ranked above the silence and charged the same request-seconds twice).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -23,6 +33,7 @@ from telemetry.analysis.episodes.episode import (
     flag_text,
     group_by_time,
     past_bounds,
+    pct,
     secs,
     span_episode,
 )
@@ -73,6 +84,58 @@ def _prefill_token_costs(
     return costs
 
 
+def _stretched_shares(
+    tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
+) -> np.ndarray:
+    """For each of ``rows``, the share of the decoding requests' steps (decoding requests
+    summed over timed iterations) within ``long_prefill_baseline_time`` before it, itself
+    included, that were in an iteration with a prefill chunk stretched as much: at least
+    ``long_prefill_ratio`` x the row's baseline, and ``long_prefill_min_extra_time`` over it."""
+    decode_reqs = tl.col("num_decode_reqs")
+    decoding = (decode_reqs > 0) & tl.timed
+    steps, elapsed = decode_reqs[decoding], tl.col("elapsed_ns")[decoding]
+    with_prefill = tl.col("num_prefill_tokens")[decoding] > 0
+    firsts, lasts = past_bounds(tl, decoding, rows, th.long_prefill_baseline_time, itself=True)
+    shares = np.zeros(len(rows))
+    for number, (first, last, baseline) in enumerate(zip(firsts, lasts, baselines, strict=True)):
+        span = slice(first, last)
+        stretched = (
+            with_prefill[span]
+            & (elapsed[span] >= th.long_prefill_ratio * baseline)
+            & (elapsed[span] - baseline >= th.long_prefill_min_extra_time * NS_PER_S)
+        )
+        shares[number] = steps[span][stretched].sum() / steps[span].sum()
+    return shares
+
+
+def _noticed(
+    tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which of ``rows`` (stretched iterations) the decoding requests notice (the module's
+    docstring), and each one's share of stretched steps (NaN where its pause alone decides)."""
+    pause = tl.col("elapsed_ns")[rows] - baselines >= th.long_prefill_min_pause * NS_PER_S
+    shares = np.full(len(rows), np.nan)
+    shares[~pause] = _stretched_shares(tl, rows[~pause], baselines[~pause], th)
+    return pause | (shares >= th.long_prefill_min_share), shares
+
+
+def _max_share(shares: list[float]) -> float | None:
+    """The largest share of stretched steps among an episode's iterations (None: each was a
+    pause of ``long_prefill_min_pause`` or more, judged without one)."""
+    return max((share for share in shares if not math.isnan(share)), default=None)
+
+
+def _noticed_text(shares: list[float], th: Thresholds) -> str:
+    """What made the episode's iterations noticed, for its evidence (_noticed)."""
+    share = _max_share(shares)
+    if share is None:
+        return f"; a pause of {th.long_prefill_min_pause:g} s or more in every decoding stream"
+    return (
+        f"; stretched iterations held up to {pct(share)} of the decoding requests' steps in "
+        f"{th.long_prefill_baseline_time:g} s (1% or more sets their p99 inter-token latency)"
+    )
+
+
 def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
     elapsed = tl.col("elapsed_ns")
@@ -104,8 +167,11 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     candidates, baselines = candidates[slower], baselines[slower]
     token_costs = _prefill_token_costs(tl, candidates, baselines, th)
     stretched = prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines
-    index = candidates[stretched]
+    candidates, baselines = candidates[stretched], baselines[stretched]
+    noticed, shares = _noticed(tl, candidates, baselines, th)
+    index = candidates[noticed]
     baseline_of = dict(zip(candidates.tolist(), baselines.tolist(), strict=True))
+    share_of = dict(zip(candidates.tolist(), shares.tolist(), strict=True))
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
     episodes = []
     for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends):
@@ -126,6 +192,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
                     f"against a median decode-only iteration of {secs(baseline_ns)} in the "
                     f"{th.long_prefill_baseline_time:g} s before it"
+                    f"{_noticed_text([share_of[row] for row in rows.tolist()], th)}"
                 ),
                 explanation=(
                     "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
@@ -140,6 +207,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     "num_iterations": len(rows),
                     "max_elapsed_s": elapsed[worst] / NS_PER_S,
                     "baseline_s": baseline_ns / NS_PER_S,
+                    "max_stretched_share": _max_share([share_of[row] for row in rows.tolist()]),
                 },
             )
         )
