@@ -716,3 +716,117 @@ def test_without_drafts_tune_says_nothing_of_them(bursty, tmp_path, capsys):
     assert "draft" not in text and "output token" not in text
     assert main([str(path), "--itl-target", "50ms", "--json"]) == 0
     assert "spec_decode" not in capsys.readouterr().out
+
+
+def decode_only_records(
+    decodes_of, seed: int = 0, noise_s: float = 0.0, prompt_every: int = 10
+) -> list:
+    """300 records of a CPU-like engine: 30 ms an iteration + 0.6 ms per decoding request +
+    1 ms per prompt token, ``decodes_of(number)`` decoding requests each iteration, and every
+    ``prompt_every`` iterations a prompt of 16 to 64 tokens beside them; ``noise_s``: that
+    much Gaussian noise."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for number in range(1, 301):
+        decodes = decodes_of(number)
+        tokens = 16 + (number * 7) % 49 if number % prompt_every == 0 else 0
+        elapsed_s = 0.030 + 0.6e-3 * decodes + 1e-3 * tokens + noise_s * rng.standard_normal()
+        records.append(busy_record(number, elapsed_s, int(tokens > 0), tokens, decodes))
+    return records
+
+
+def test_a_recording_whose_batch_never_varied_is_refused(tmp_path, capsys):
+    """4 requests decoding in every iteration and no prompt (QA's dec.jsonl): iteration time
+    cannot vary with a batch that never did, so no cost per token is fitted; tune had said
+    --max-num-seqs 4096 "limited by latency target" (its cap) and exit 0."""
+    records = [busy_record(n, 0.031 + 1e-4 * (n % 3), 0, 0, 4) for n in range(1, 42)]
+    path = write_records(records, tmp_path / "dec.jsonl")
+    assert main([str(path), "--itl-target", "100ms"]) == 1
+    err = capsys.readouterr().err
+    assert "no limit can be set from this recording: the fit has no cost per decode token" in err
+    assert "all decoded 4 requests at once" in err
+    assert "no fitted iteration computed prompt tokens" in err
+
+
+def test_a_sequence_limit_at_tunes_cap_is_said_to_be_the_cap():
+    """A cost per decode token so small that the target allows more than MAX_SEQS_CAP: the
+    limit is the cap, not the latency target."""
+    fit = Fit(
+        base_time=0.010,
+        coefficients={"decode_tokens": 1e-9},
+        rmse_time=0.001,
+        mean_abs_error_ratio=0.01,
+        r_squared=0.99,
+        num_iterations=100,
+        num_outliers=0,
+        max_tokens_seen=64,
+        max_decode_reqs_seen=64,
+        decode_only_reqs=(8, 64),
+    )
+    rec = recommend(fit, 0.050, min_chunk_tokens=16)
+    assert rec.max_num_seqs == 4096 and rec.limited_by == "tune's cap, 4096"
+
+
+@pytest.mark.parametrize(
+    ("decodes_of", "noise_s", "why"),
+    [
+        (lambda n: 2 + n % 2, 0.0, "decoded 2 to 3 requests at once, less than 2-fold apart"),
+        (lambda n: 4, 0.0, "all decoded 4 requests at once: from one count"),
+        # 4 ms of noise: 1 or 2 decoding measure 157 us per decode token, where 600 is true
+        (lambda n: 1 + n % 2, 0.004, "it came out 157 us, within 2 standard errors (± 908 us)"),
+    ],
+)
+def test_a_decode_cost_the_recording_cannot_tell_from_the_fixed_cost_is_said_not_measured(
+    tmp_path, capsys, decodes_of, noise_s, why
+):
+    """Fits of one model and machine gave 43 us to 15 ms per decode token where too few
+    requests decoded, or too alike, to tell the decodes' cost from the fixed cost (QA: "291
+    requests" from iterations of at most 2). Tune says the cost is not measured, and why,
+    beside the limit that rests on it and the extrapolation; decodes varying 2-fold (4 to 12)
+    measure it, said as before."""
+    records = decode_only_records(decodes_of, seed=1, noise_s=noise_s)
+    fit = fit_iteration_time(build_timelines(records)[0])
+    rec = recommend(fit, 1.0, min_chunk_tokens=16)
+    assert why in rec.decode_cost_unidentified
+    path = write_records(records, tmp_path / "narrow.jsonl")
+    assert main([str(path), "--itl-target", "1s", "--min-chunk", "16"]) == 0
+    text = capsys.readouterr().out
+    assert f"the cost per decode token is not measured: {rec.decode_cost_unidentified}" in text
+    assert f"--max-num-seqs {rec.max_num_seqs} is extrapolated (at most " in text
+
+    wide = fit_iteration_time(build_timelines(decode_only_records(lambda n: 4 + n % 9))[0])
+    assert wide.coefficients["decode_tokens"] == pytest.approx(0.6e-3, rel=0.01)
+    assert recommend(wide, 1.0, min_chunk_tokens=16).decode_cost_unidentified is None
+
+
+def long_prompt_records(quadratic_s: float) -> list:
+    """decode_only_records with 4 to 12 requests decoding, 0.5 ms of noise and 3 short
+    prompts, and one iteration of a 7,000-token
+    prompt beside 4 decoding requests, costing its tokens and ``quadratic_s`` per token
+    squared more (attention over a long chunk on a CPU)."""
+    records = decode_only_records(lambda n: 4 + n % 9, noise_s=0.0005, prompt_every=100)
+    tokens = 7000
+    elapsed_s = 0.030 + 0.6e-3 * 4 + 1e-3 * tokens + quadratic_s * tokens**2
+    return [*records, busy_record(len(records) + 1, elapsed_s, 1, tokens, 4)]
+
+
+def test_one_long_prompt_beyond_the_linear_range_is_left_out_of_the_fit(tmp_path, capsys):
+    """One 7,000-token prompt whose attention made it 3.7 ms a token where short ones cost
+    1 ms: the linear fit passed through it (R^2 1.000) and put 15 ms on a decode token where
+    the rest measured 0.6. It alone holds the variance, and the rest misses it: left out,
+    and said; where it costs what the rest predict (linear), it stays and measures the
+    same costs."""
+    timeline = build_timelines(long_prompt_records(quadratic_s=4e-7))[0]
+    fit = fit_iteration_time(timeline)
+    assert fit.num_beyond_linear == 1 and fit.num_outliers == 0
+    assert fit.coefficients["decode_tokens"] == pytest.approx(0.6e-3, rel=0.01)
+    assert fit.coefficients["prefill_tokens"] == pytest.approx(1e-3, rel=0.01)
+    path = write_records(timeline.records, tmp_path / "long.jsonl")
+    assert main([str(path), "--itl-target", "1s", "--min-chunk", "16"]) == 0
+    assert "(0 outliers left out; 1 iteration beyond where iteration time is linear in the " in (
+        capsys.readouterr().out
+    )
+
+    linear = fit_iteration_time(build_timelines(long_prompt_records(quadratic_s=0))[0])
+    assert linear.num_beyond_linear == 0
+    assert linear.coefficients["prefill_tokens"] == pytest.approx(1e-3, rel=0.01)

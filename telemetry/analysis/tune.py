@@ -25,6 +25,17 @@ choose:
   mixed iteration within the target, rounded down to a multiple of 16.
 
 Iterations far slower than the fit (a stall, a hiccup) are left out of the second fit pass.
+Then a few iterations that alone hold most of the variance (no more than the fit has values,
+which it can always pass through) are checked by the rest: where the fit of the rest misses
+them, they are beyond where iteration time is linear in the batch (a 7,000-token prompt's
+attention on a CPU) and left out too, and said (_beyond_linear_range).
+
+Where nothing varied (no cost per decode token nor per prefill token), no limit is set: tune
+refuses. Where the cost per decode token is not measured (decode_cost_unidentified: the
+iterations without prompts decoded too few distinct, or too alike, numbers of requests to
+tell it from the fixed cost, or it is not above 0 by ERROR_SIGMAS standard errors), tune says
+so beside the --max-num-seqs that rests on it; one above the most requests decoded at once
+is said to be extrapolated, as the actions say it.
 
 Where the cost of an iteration that carries any prompt at all, before its first prompt token
 (base + prompt step + prefill request + one decoding request), is already above the target, no
@@ -135,6 +146,13 @@ MAX_SEQS_CAP = 4096
 # iterations wait on something the features do not hold (a loaded host, a frozen step
 # left in) fits to 60-90%.
 ROUGH_FIT_ERROR = 0.35
+# A fit of p values passes through p iterations whatever the rest say: where p or fewer hold
+# this share of the variance of iteration time, R^2 is theirs (_beyond_linear_range).
+DOMINANT_SHARE = 0.9
+# The cost per decode token is told from an iteration's fixed cost only where the fitted
+# iterations without prompts decoded this many times as many requests at most as at fewest
+# (decode_cost_unidentified).
+DECODE_SPREAD = 2
 
 
 @dataclass
@@ -165,6 +183,10 @@ class Fit:
     num_outliers: int
     max_tokens_seen: int
     max_decode_reqs_seen: int
+    num_beyond_linear: int = 0  # left out: they set the fit alone, the rest disagree
+    # The fewest and the most decoding requests of the fitted iterations without prompts;
+    # None: no fitted iteration decoded without prompts.
+    decode_only_reqs: tuple[int, int] | None = None
     min_prompt_tokens_seen: int = 0  # the fewest prompt tokens a fitted iteration with any had
     prompt_step_sizes: PromptStepSizes | None = None  # None: no fitted iteration had prompts
     decode_context_tokens: float = 0.0  # mean decode KV tokens per decoding request (FPM)
@@ -237,6 +259,13 @@ class Fit:
             "prompt_steps": float(prefill_tokens > 0 or prefill_reqs > 0),
         }
         return np.array([1.0, *(values[name] for name in self.coefficients)])
+
+    def standard_error(self, name: str) -> float | None:
+        """One standard error of the coefficient ``name``; None without a covariance."""
+        if self.covariance is None:
+            return None
+        index = 1 + list(self.coefficients).index(name)
+        return float(np.sqrt(max(self.covariance[index, index], 0.0)))
 
     def decode_request_time(self, draft_tokens: float | None = None) -> float:
         """What one more decoding request costs an iteration (its token, its context and its
@@ -340,6 +369,10 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
     sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
     keep = residuals <= OUTLIER_SIGMAS * max(sigma, 1e-6)
     solution = _least_squares(x[keep], y[keep], FEATURE_NAMES)
+    beyond = _beyond_linear_range(x, y, keep, len(solution))
+    if beyond.any():
+        keep &= ~beyond
+        solution = _least_squares(x[keep], y[keep], FEATURE_NAMES)
     residuals = y[keep] - _predict(solution, x[keep])
     total_variance = float(((y[keep] - y[keep].mean()) ** 2).sum())
     covariance = _covariance(solution, x[keep], residuals)
@@ -350,7 +383,9 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         mean_abs_error_ratio=float(np.mean(np.abs(residuals) / y[keep])),
         r_squared=1 - float((residuals**2).sum()) / total_variance if total_variance else 1.0,
         num_iterations=int(keep.sum()),
-        num_outliers=int((~keep).sum()),
+        num_outliers=int((~keep).sum()) - int(beyond.sum()),
+        num_beyond_linear=int(beyond.sum()),
+        decode_only_reqs=_decode_only_reqs(x[keep]),
         max_tokens_seen=int(num_tokens[busy].max()),
         max_decode_reqs_seen=int(tl.col("num_decode_reqs").max()),
         min_prompt_tokens_seen=_min_prompt_tokens(x[keep]),
@@ -362,6 +397,92 @@ def fit_iteration_time(tl: EngineTimeline) -> Fit:
         drafts=recorded_drafts(tl),
         covariance=covariance,
     )
+
+
+def _beyond_linear_range(
+    x: np.ndarray, y: np.ndarray, keep: np.ndarray, num_values: int
+) -> np.ndarray:
+    """The kept rows to leave out as beyond the range where iteration time is linear in the
+    batch (a mask over all rows; none as a rule). A fit of ``num_values`` values can pass
+    through that many iterations whatever the rest say: where that many or fewer of the kept
+    rows, the farthest from the mean time, hold DOMINANT_SHARE of its variance, R^2 is theirs
+    and the costs they set are set by them alone (one 7,000-token prompt on a CPU gave 3.7 ms
+    per prefill token and R^2 1.000 where 40-token steps cost under 1 ms a token). The rest,
+    fitted without them, then check them: where it misses one by more than ROUGH_FIT_ERROR of
+    its time (attention over a long chunk grows faster than its tokens), they are left out;
+    where it predicts them, or cannot price what they hold (no other row carried prompts),
+    they stay."""
+    none = np.zeros(len(y), dtype=bool)
+    rows = np.flatnonzero(keep)
+    deviations = (y[rows] - y[rows].mean()) ** 2
+    if not deviations.sum():
+        return none
+    order = np.argsort(deviations)[::-1]
+    share = np.cumsum(deviations[order]) / deviations.sum()
+    count = int(np.searchsorted(share, DOMINANT_SHARE)) + 1
+    dominant = none.copy()
+    dominant[rows[order[:count]]] = True
+    rest = keep & ~dominant
+    if count > num_values or rest.sum() <= num_values:
+        return none
+    full = set(_least_squares(x[keep], y[keep], FEATURE_NAMES))
+    solution = _least_squares(x[rest], y[rest], FEATURE_NAMES)
+    if not full <= set(solution):
+        return none
+    miss = np.abs(_predict(solution, x[dominant]) - y[dominant]) / y[dominant]
+    return dominant if (miss > ROUGH_FIT_ERROR).any() else none
+
+
+def _decode_only_reqs(x: np.ndarray) -> tuple[int, int] | None:
+    """The fewest and the most decoding requests of the rows without prompt tokens that
+    decoded any; None without such a row."""
+    decodes = x[:, FEATURE_NAMES.index("decode_tokens")]
+    decode_only = decodes[(x[:, FEATURE_NAMES.index("prefill_tokens")] == 0) & (decodes > 0)]
+    if not decode_only.size:
+        return None
+    return int(decode_only.min()), int(decode_only.max())
+
+
+def decode_cost_unidentified(fit: Fit) -> str | None:
+    """Why the fit's cost per decode token is not measured; None where it is. It is the slope
+    of iteration time in the decoding requests, told from the fixed cost (the base) only by
+    how the requests varied among iterations that carry no prompt (beside a prompt, whose own
+    cost is far larger and less linear, one decode more is lost in it: two recordings whose
+    decodes varied only beside prompts gave 3.6 ms per decode token where 2 to 16 decoding
+    alone gave 0.6). So it is measured only where:
+
+    - the fitted iterations without prompts decoded at most DECODE_SPREAD times as many
+      requests as at fewest, or more: short of that, the decodes' share of an iteration at
+      the fewest is more than the range ever changed it by, and its split from the base is a
+      guess (fits over 2 to 3 decoding requests gave 43 us to 15 ms per decode token where
+      2 to 16 gave 0.6 ms);
+    - the cost was fitted (not dropped as below 0), and is above 0 by ERROR_SIGMAS standard
+      errors, where the fit has a covariance."""
+    if fit.decode_only_reqs is None:
+        return "no fitted iteration decoded without prompts"
+    fewest, most = fit.decode_only_reqs
+    if fewest == most:
+        return (
+            f"the fitted iterations without prompts all decoded {plural(fewest, 'request')} "
+            "at once: from one count a decode token's cost cannot be told from an iteration's "
+            "fixed cost"
+        )
+    if most < DECODE_SPREAD * fewest:
+        return (
+            f"the fitted iterations without prompts decoded {fewest} to {most} requests at "
+            f"once, less than {DECODE_SPREAD}-fold apart: too narrow a range to tell a decode "
+            "token's cost from an iteration's fixed cost"
+        )
+    cost = fit.coefficients.get("decode_tokens")
+    if cost is None:
+        return "its cost came out below 0 (noise) and was left out"
+    error = fit.standard_error("decode_tokens")
+    if error is not None and cost <= ERROR_SIGMAS * error:
+        return (
+            f"it came out {cost * 1e6:.0f} us, within {ERROR_SIGMAS} standard errors "
+            f"(± {ERROR_SIGMAS * error * 1e6:.0f} us) of 0"
+        )
+    return None
 
 
 def _covariance(
@@ -492,6 +613,8 @@ class Recommendation:
     decode_reqs_seen: int = 0  # the most decoding requests in one recorded iteration
     min_prompt_tokens_seen: int = 0  # the fewest prompt tokens of a fitted iteration with any
     notes: list[str] = field(default_factory=list)
+    # Why the cost per decode token that max_num_seqs rests on is not measured; None: it is.
+    decode_cost_unidentified: str | None = None
 
 
 class PromptStepTooSlow(ValueError):
@@ -513,6 +636,7 @@ def recommend(
 ) -> Recommendation:
     """Largest max_num_seqs and budget whose iterations keep within itl_target (seconds) per
     output token: within fit.iteration_target(itl_target) each (the module doc)."""
+    _check_costs_fitted(fit)
     iteration_target = fit.iteration_target(itl_target)
     slots = 1 + fit.draft_slots  # budget tokens per decoding request
     decode_token_time = fit.decode_request_time(fit.draft_slots)
@@ -537,7 +661,7 @@ def recommend(
         )
     latency_seqs = int(room_time // decode_token_time) if decode_token_time > 0 else MAX_SEQS_CAP
     max_num_seqs = min(latency_seqs, MAX_SEQS_CAP)
-    limited_by = "latency target"
+    limited_by = "latency target" if latency_seqs < MAX_SEQS_CAP else f"tune's cap, {MAX_SEQS_CAP}"
     if kv_seqs is not None and kv_seqs < max_num_seqs:
         max_num_seqs, limited_by = kv_seqs, "KV cache capacity"
     budget = _budget(fit, iteration_target, max_num_seqs, min_chunk_tokens)
@@ -557,6 +681,26 @@ def recommend(
         decode_reqs_seen=fit.max_decode_reqs_seen,
         min_prompt_tokens_seen=fit.min_prompt_tokens_seen,
         notes=_extrapolation_notes(fit, max_num_seqs, budget),
+        decode_cost_unidentified=decode_cost_unidentified(fit),
+    )
+
+
+def _check_costs_fitted(fit: Fit) -> None:
+    """Raise where the fit has neither a cost per decode token nor one per prefill token:
+    every iteration then costs the same whatever its batch, and nothing sets a limit (a
+    recording of 4 requests decoding and no prompt gave --max-num-seqs 4096, tune's cap)."""
+    if {"decode_tokens", "prefill_tokens"} & set(fit.coefficients):
+        return
+    prefill_why = (
+        "no fitted iteration computed prompt tokens"
+        if fit.prompt_step_sizes is None
+        else "prompt tokens did not vary apart from the rest, or their cost came out below 0"
+    )
+    raise ValueError(
+        "no limit can be set from this recording: the fit has no cost per decode token "
+        f"({decode_cost_unidentified(fit)}) and none per prefill token ({prefill_why}): "
+        "iteration time did not vary with the batch; tune a recording whose requests "
+        "decoding at once varied (several concurrencies) and that computed prompts"
     )
 
 
@@ -685,11 +829,11 @@ def _extrapolation_notes(fit: Fit, max_num_seqs: int, budget: int) -> list[str]:
             "below them, where the cost of carrying prompts at all and their tokens' cannot be "
             "told apart; lower the budget in steps and re-record to confirm"
         )
-    if max_num_seqs > fit.max_decode_reqs_seen:
+    if max_num_seqs > fit.max_decode_reqs_seen:  # as the actions say it (actions.py)
         notes.append(
-            f"the recording has at most "
-            f"{plural(fit.max_decode_reqs_seen, 'decoding request')} per "
-            f"iteration: {max_num_seqs} is extrapolated"
+            f"--max-num-seqs {max_num_seqs} is extrapolated (at most "
+            f"{plural(fit.max_decode_reqs_seen, 'request')} decoded at once in the recording): "
+            "re-record at the new settings to confirm"
         )
     target = fit.target_decode_context_tokens
     if target is not None and target > fit.max_decode_context_seen:
@@ -853,10 +997,11 @@ def format_report(
         coefficient_text += (
             f", {ms * fit.coefficients['prompt_steps']:.3f} ms per iteration carrying prompts"
         )
+    formula = " + ".join([f"{fit.base_time * ms:.3f} ms", *filter(None, [coefficient_text])])
     lines = [
         f"Engine {tl.engine_index}: fit over {plural(fit.num_iterations, 'iteration')} "
-        f"({plural(fit.num_outliers, 'outlier')} left out)",
-        f"  iteration time = {fit.base_time * ms:.3f} ms + {coefficient_text}",
+        f"({plural(fit.num_outliers, 'outlier')} left out{_beyond_linear_text(fit)})",
+        f"  iteration time = {formula}",
         f"  fit error: RMSE {fit.rmse_time * ms:.3f} ms, {fit_error_text(fit)}",
         *_rough_fit_lines(fit),
         *_draft_lines(fit, draft_payoff(tl, fit)),
@@ -894,6 +1039,13 @@ def format_report(
             f"{plural(kv_seqs, 'request')} of the mean recorded length "
             f"({kv_length:.0f} tokens) at once"
         )
+    if rec.decode_cost_unidentified is not None:
+        lines.append(
+            f"  the cost per decode token is not measured: {rec.decode_cost_unidentified}; "
+            "--max-num-seqs and the decode figures below rest on it, a guess: tune a "
+            f"recording whose requests decoding at once varied {DECODE_SPREAD}-fold or more "
+            "(several concurrencies)"
+        )
     lines += [
         f"Recommended for ITL <= {rec.itl_target * ms:.1f} ms"
         f"{_iteration_text(fit, rec.itl_target)}: --max-num-seqs {rec.max_num_seqs} "
@@ -908,6 +1060,20 @@ def format_report(
     ]
     lines += [f"  note: {note}" for note in [*rec.notes, *tune_lines(tl)]]
     return lines
+
+
+def _beyond_linear_text(fit: Fit) -> str:
+    """What the fit line says of the iterations left out as beyond the linear range."""
+    count = fit.num_beyond_linear
+    if not count:
+        return ""
+    they = "it" if count == 1 else "they"
+    return (
+        f"; {plural(count, 'iteration')} beyond where iteration time is linear in the batch: "
+        f"alone {they} held {DOMINANT_SHARE:.0%}+ of its variance, and the rest of the fit "
+        f"misses {'it' if count == 1 else 'them'} by over {ROUGH_FIT_ERROR:.0%} (a long "
+        "prompt's attention grows faster than its tokens)"
+    )
 
 
 def context_tokens(text: str) -> int:
