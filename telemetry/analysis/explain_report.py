@@ -111,8 +111,9 @@ def format_findings(
     as far as it goes."""
     if not findings:
         return [
-            "  No problem found: no saturation, preemption storm, sustained waiting, "
-            "stall, leak, telemetry gap or latency spike.",
+            "  No problem found: no KV saturation or cliff, preemption storm, sustained "
+            "waiting, stall, leak, telemetry gap, long prefill chunk, slowed decode or costly "
+            "speculation.",
         ]
     num_episodes = sum(f.count for f in findings)
     order = (

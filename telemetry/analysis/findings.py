@@ -51,6 +51,7 @@ import numpy as np
 from telemetry.analysis.episodes import INFO, Episode, Thresholds
 from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.episodes.silences import Silences
+from telemetry.analysis.episodes.slow_decode import decode_only_rows, peer_baselines
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
@@ -58,6 +59,7 @@ FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report
 # How each kind's cost is named in the text ("... request-s waiting").
 COST_LABELS = {
     "long_prefill": "slowed",
+    "slow_decode": "slowed",
     "costly_drafts": "slowed",
     "stall": "stalled",
     "silence": "halted",  # a telemetry_gap episode with silent_time_s (is_silence)
@@ -185,13 +187,21 @@ def _evicted_request_seconds(
     return waited + recompute_ns / NS_PER_S
 
 
-def _slowed_request_seconds(tl: EngineTimeline, rows: slice, th: Thresholds) -> float:
+def _slowed_request_seconds(
+    tl: EngineTimeline, rows: slice, th: Thresholds, slow_decode: bool = False
+) -> float:
     """Each mixed iteration's decoding requests x its time beyond its own baseline (the
-    median decode-only iteration before it, as the detector judged it; none: nothing)."""
+    median decode-only iteration before it, as the detector judged it; none: nothing); for a
+    slowed decode (``slow_decode``), each decode-only iteration's, beyond the median of those
+    that computed as many tokens or more before it."""
     num_decode_reqs = tl.col("num_decode_reqs")
-    mixed = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
-    index = np.arange(rows.start, rows.stop)[mixed[rows]]
-    extra_ns = tl.col("elapsed_ns")[index] - decode_baselines(tl, index, th)
+    if slow_decode:
+        judged, baselines_of = decode_only_rows(tl), peer_baselines
+    else:
+        judged = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
+        baselines_of = decode_baselines
+    index = np.arange(rows.start, rows.stop)[judged[rows]]
+    extra_ns = tl.col("elapsed_ns")[index] - baselines_of(tl, index, th)
     extra_ns = np.where(np.isnan(extra_ns), 0.0, np.maximum(extra_ns, 0.0))
     return float((num_decode_reqs[index] * extra_ns).sum()) / NS_PER_S
 
@@ -235,8 +245,8 @@ def episode_cost(tl: EngineTimeline, episode: Episode, thresholds: Thresholds) -
     rows = _span_rows(tl, episode)
     if episode.kind == "costly_drafts":
         return _drafts_request_seconds(tl, rows, episode)
-    if episode.kind == "long_prefill":
-        return _slowed_request_seconds(tl, rows, thresholds)
+    if episode.kind in ("long_prefill", "slow_decode"):
+        return _slowed_request_seconds(tl, rows, thresholds, episode.kind == "slow_decode")
     return _waiting_request_seconds(tl, rows, thresholds)
 
 

@@ -59,6 +59,7 @@ from telemetry.analysis.episodes import (
     detect_kv_saturation,
     detect_long_prefill,
     detect_preemption_storms,
+    detect_slow_decode,
     detect_telemetry_gaps,
     detect_waiting,
     secs,
@@ -108,6 +109,7 @@ WINDOW_DETECTORS = (
     detect_kv_leaks,
     detect_telemetry_gaps,
     detect_long_prefill,
+    detect_slow_decode,
     detect_costly_drafts,
     detect_futile_speculation,
 )
@@ -127,6 +129,7 @@ FINDING_KINDS = (
     "waiting_other",
     "waiting",
     "long_prefill",
+    "slow_decode",
     "costly_drafts",
     "futile_speculation",
     "kv_leak",
@@ -141,10 +144,14 @@ STATUS_KINDS = {"stalled": STALL, "dead": DEAD}  # the sidecar's engine status -
 # one judged again once the window has dropped part of its past is judged on less than explain
 # judges it on, and opens no finding of its own (_judged_in_full). Every other kind is judged on
 # its own stretch of records.
-HISTORY_JUDGED_KINDS = frozenset(("long_prefill", "futile_speculation", "costly_drafts"))
+HISTORY_JUDGED_KINDS = frozenset(
+    ("long_prefill", "slow_decode", "futile_speculation", "costly_drafts")
+)
 # Kinds whose episodes explain merges with an iteration that starts within close_after's
 # seconds of their end (episodes.group_by_time over iteration spans).
-SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculation"))
+SPAN_MERGED_KINDS = frozenset(
+    ("long_prefill", "slow_decode", "costly_drafts", "futile_speculation")
+)
 
 # A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
 # one finding or episode each time; where they are printed as they come (the sidecar's log,
@@ -179,7 +186,7 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
         return 3, 0.0, False
     if kind == "kv_leak":  # a leak's excess dips while requests run: a minute without growth
         return LEAK_MAX_GAP + 1, LOOKBACK_S, False
-    if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
+    if kind in ("preemption_storm", "long_prefill", "slow_decode", "telemetry_gap"):
         return 1, max(th.storm_window_time, th.gap_merge_time), True
     if kind in ("costly_drafts", "futile_speculation"):  # up to idle_min_time apart: one
         return 1, th.idle_min_time, True

@@ -46,6 +46,7 @@ EPISODE_STYLES = {
     "idle": ("lightgrey", "Idle"),
     "telemetry_gap": ("slategrey", "Telemetry gap / engine silent"),
     "long_prefill": ("tab:cyan", "Long prefill chunks"),
+    "slow_decode": ("tab:gray", "Decode slowed from outside"),
     "costly_drafts": ("tab:pink", "Drafts cost more than they save"),
     "futile_speculation": ("tab:olive", "Speculative decoding gains nothing"),
 }

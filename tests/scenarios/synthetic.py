@@ -107,6 +107,7 @@ class Simulator:
         self.leak_blocks_per_finish = 0
         self.lose_windows: list[tuple[int, int, bool]] = []
         self.stalls: list[tuple[int, int]] = []
+        self.slowdowns: list[tuple[int, int, float, int]] = []
         self.cliffs: list[tuple[int, float]] = []
         self.closed_loop: list[tuple[int, int]] = []  # (prompt, output) still to send
         self.num_spec_tokens = num_spec_tokens
@@ -126,6 +127,11 @@ class Simulator:
 
     def add_stall(self, at_s: float, duration_s: float) -> None:
         self.stalls.append((self.at(at_s), int(duration_s * NS)))
+
+    def add_slowdown(self, from_s: float, to_s: float, factor: float, every: int = 1) -> None:
+        """Every ``every``-th iteration that starts between the two times takes ``factor``
+        times as long: another job on the engine's cores."""
+        self.slowdowns.append((self.at(from_s), self.at(to_s), factor, every))
 
     def add_closed_loop(
         self,
@@ -314,6 +320,7 @@ class Simulator:
         drafts = self._drafts(num_gen_tokens)
         if drafts is not None:
             elapsed += drafts.num_draft_tokens * self.cost.draft_token_time
+        elapsed *= self._slowdown_factor()
         elapsed_ns = int(elapsed * (1 + self.cost.noise * self.rng.gauss(0, 1)) * NS)
         start_ns = self.now_ns
         self.now_ns += max(elapsed_ns, 1000)
@@ -344,6 +351,12 @@ class Simulator:
         )
         self._heartbeats_until(start_ns + (self.now_ns - start_ns) // 2)
         self._send(record, self.now_ns)
+
+    def _slowdown_factor(self) -> float:
+        for from_ns, to_ns, factor, every in self.slowdowns:
+            if from_ns <= self.now_ns < to_ns and self.iteration % every == 0:
+                return factor
+        return 1.0
 
     def _drafts(self, num_decodes: int) -> SpecDecodeCounts | None:
         """The drafts of an iteration's ``num_decodes`` decoding requests: every third drafts
@@ -582,6 +595,15 @@ def healthy_but_slow() -> Simulator:
 # Each scenario with its true top cause (bench/findings_accuracy.py, tests/test_live_findings.py):
 # scenario -> (make, true top cause): a finding kind as the live sidecar names it
 # (live_findings.finding_kind: waiting with its reason, e.g. "waiting_kv"), or None (no problem)
+def another_job(every: int = 3, factor: float = 6.0) -> Simulator:
+    """Healthy load, then for 10 s another job takes the engine's cores: every ``every``-th
+    iteration takes ``factor`` times as long, whatever it computes."""
+    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST)
+    sim.add_requests(arrivals(6, 30), num_prompt=96, num_output=60)
+    sim.add_slowdown(from_s=12.0, to_s=22.0, factor=factor, every=every)
+    return sim.run(33)
+
+
 def long_prompts(arrival_times: list[float]) -> Simulator:
     """Short requests decoding (2 a second, 150 tokens each) beside 2,000-token prompts that
     arrive at ``arrival_times``, each a chunk of its own at a budget of 2,048: iterations of
@@ -609,6 +631,7 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     "drafts that stop paying": (lambda: drafts_that_change(1, 8), "costly_drafts"),
     "speculation that gains nothing": (futile_speculation, "futile_speculation"),
     "long prompts in bursts": (lambda: long_prompts(long_prompt_bursts()), "long_prefill"),
+    "another job on the cores": (another_job, "slow_decode"),
     # under 1% of the decoding steps stretched: no finding (the p99 inter-token latency is not
     # theirs), where each had opened one, and with one a minute an alert
     "a long prompt now and then": (lambda: long_prompts([5.0, 12.0, 16.0]), None),

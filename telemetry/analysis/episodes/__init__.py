@@ -29,6 +29,11 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
                       30 s must account for the slowdown), often enough to set the p99
                       inter-token latency (1%+ of the decoding steps of those 30 s) or by a
                       pause of 1 s+
+    slow_decode       decode-only iterations 3x slower than the median of those that computed
+                      as many tokens or more in the 30 s before each: slowed from outside the
+                      batch (other jobs on the host, a throttled device), noticed as a long
+                      prefill is (1%+ of the decoding steps, or a pause of 1 s+); shorter than
+                      the stall rule's floor (longer: a stall)
     costly_drafts     speculative decoding's drafts add 10%+ to a decoding request's time per
                       output token, by the fit of iteration time (tune's payoff) over the 30 s
                       before each 10 s step (30+ drafting iterations), at two standard errors
@@ -65,6 +70,7 @@ from telemetry.analysis.episodes.kv import detect_kv_cliff, detect_kv_leaks, det
 from telemetry.analysis.episodes.latency import detect_long_prefill
 from telemetry.analysis.episodes.liveness import detect_idle, detect_stalls, detect_telemetry_gaps
 from telemetry.analysis.episodes.queues import detect_preemption_storms, detect_waiting
+from telemetry.analysis.episodes.slow_decode import detect_slow_decode
 from telemetry.analysis.timeline import (
     FACT_FIELDS,
     NS_PER_S,
@@ -97,6 +103,7 @@ __all__ = [
     "detect_kv_saturation",
     "detect_long_prefill",
     "detect_preemption_storms",
+    "detect_slow_decode",
     "detect_stalls",
     "detect_telemetry_gaps",
     "detect_waiting",
@@ -118,6 +125,7 @@ DETECTORS = (
     detect_idle,
     detect_telemetry_gaps,
     detect_long_prefill,
+    detect_slow_decode,
     detect_costly_drafts,
     detect_futile_speculation,
 )

@@ -48,6 +48,14 @@ class Thresholds:
     # inter-token latency there).
     long_prefill_min_pause: float = 1.0
     long_prefill_min_share: float = 0.01
+    # Decode-only iterations slowed by nothing in their batch: this many times the median of
+    # the decode-only iterations of as many tokens or more in the baseline time before it
+    # (long_prefill_baseline_time; at least long_prefill_min_baseline_iterations of them, else
+    # that many of the most tokens scaled up to its own), and noticed as a long prefill is.
+    slow_decode_ratio: float = 3.0
+    slow_decode_min_extra_time: float = 0.005
+    slow_decode_min_pause: float = 1.0
+    slow_decode_min_share: float = 0.01
     # Costly drafts: each step of this many seconds (aligned to record time) is judged on the
     # fit over the window before it, with at least this many drafting iterations, where drafts
     # add this share of the time per output token at 2 errors.

@@ -7,7 +7,7 @@ come, and the live sidecar, which keeps that much history before every iteration
 (telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
 
 A stretched iteration is a finding only where the decoding requests notice it
-(``_noticed``): it paused them for ``long_prefill_min_pause`` or longer beyond the baseline, or
+(``noticed``): it paused them for ``long_prefill_min_pause`` or longer beyond the baseline, or
 iterations stretched as much hold at least ``long_prefill_min_share`` of the decoding requests'
 steps in the baseline time before it (1 in 100 of them sets the p99 inter-token latency). A
 prompt now and then beside a request or two on a CPU (a 150 ms iteration against 40 ms, every
@@ -23,6 +23,7 @@ prefill", ranked above the silence and charged the same request-seconds twice).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -84,52 +85,86 @@ def _prefill_token_costs(
     return costs
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """When an iteration is stretched beyond its baseline, and when decoding requests notice
+    it (a long prefill's, a slowed decode's thresholds)."""
+
+    ratio: float  # at least this many times the baseline
+    min_extra_ns: float  # and this much over it
+    min_pause_ns: float  # noticed: a pause this long beyond the baseline
+    min_share: float  # or such iterations this share of the decoding steps before it
+
+    def is_stretched(self, elapsed: np.ndarray, baseline: float | np.ndarray) -> np.ndarray:
+        return (elapsed >= self.ratio * baseline) & (elapsed - baseline >= self.min_extra_ns)
+
+
+def long_prefill_stretch(th: Thresholds) -> Stretch:
+    return Stretch(
+        th.long_prefill_ratio,
+        th.long_prefill_min_extra_time * NS_PER_S,
+        th.long_prefill_min_pause * NS_PER_S,
+        th.long_prefill_min_share,
+    )
+
+
 def _stretched_shares(
-    tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
+    tl: EngineTimeline,
+    rows: np.ndarray,
+    baselines: np.ndarray,
+    stretchable: np.ndarray,
+    stretch: Stretch,
+    th: Thresholds,
 ) -> np.ndarray:
     """For each of ``rows``, the share of the decoding requests' steps (decoding requests
     summed over timed iterations) within ``long_prefill_baseline_time`` before it, itself
-    included, that were in an iteration with a prefill chunk stretched as much: at least
-    ``long_prefill_ratio`` x the row's baseline, and ``long_prefill_min_extra_time`` over it."""
+    included, that were in an iteration of ``stretchable`` (a mask of tl's rows) stretched as
+    much against the row's baseline."""
     decode_reqs = tl.col("num_decode_reqs")
     decoding = (decode_reqs > 0) & tl.timed
     steps, elapsed = decode_reqs[decoding], tl.col("elapsed_ns")[decoding]
-    with_prefill = tl.col("num_prefill_tokens")[decoding] > 0
+    can_stretch = stretchable[decoding]
     firsts, lasts = past_bounds(tl, decoding, rows, th.long_prefill_baseline_time, itself=True)
     shares = np.zeros(len(rows))
     for number, (first, last, baseline) in enumerate(zip(firsts, lasts, baselines, strict=True)):
         span = slice(first, last)
-        stretched = (
-            with_prefill[span]
-            & (elapsed[span] >= th.long_prefill_ratio * baseline)
-            & (elapsed[span] - baseline >= th.long_prefill_min_extra_time * NS_PER_S)
-        )
+        stretched = can_stretch[span] & stretch.is_stretched(elapsed[span], baseline)
         shares[number] = steps[span][stretched].sum() / steps[span].sum()
     return shares
 
 
-def _noticed(
-    tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
+def noticed(
+    tl: EngineTimeline,
+    rows: np.ndarray,
+    baselines: np.ndarray,
+    stretchable: np.ndarray,
+    stretch: Stretch,
+    th: Thresholds,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Which of ``rows`` (stretched iterations) the decoding requests notice (the module's
-    docstring), and each one's share of stretched steps (NaN where its pause alone decides)."""
-    pause = tl.col("elapsed_ns")[rows] - baselines >= th.long_prefill_min_pause * NS_PER_S
+    """Which of ``rows`` (stretched iterations of ``stretchable``) the decoding requests notice
+    (the module's docstring), and each one's share of stretched steps (NaN where its pause
+    alone decides)."""
+    pause = tl.col("elapsed_ns")[rows] - baselines >= stretch.min_pause_ns
     shares = np.full(len(rows), np.nan)
-    shares[~pause] = _stretched_shares(tl, rows[~pause], baselines[~pause], th)
-    return pause | (shares >= th.long_prefill_min_share), shares
+    shares[~pause] = _stretched_shares(
+        tl, rows[~pause], baselines[~pause], stretchable, stretch, th
+    )
+    return pause | (shares >= stretch.min_share), shares
 
 
-def _max_share(shares: list[float]) -> float | None:
+def max_share(shares: list[float]) -> float | None:
     """The largest share of stretched steps among an episode's iterations (None: each was a
-    pause of ``long_prefill_min_pause`` or more, judged without one)."""
+    pause long enough to be noticed, judged without one)."""
     return max((share for share in shares if not math.isnan(share)), default=None)
 
 
-def _noticed_text(shares: list[float], th: Thresholds) -> str:
-    """What made the episode's iterations noticed, for its evidence (_noticed)."""
-    share = _max_share(shares)
+def noticed_text(shares: list[float], stretch: Stretch, th: Thresholds) -> str:
+    """What made the episode's iterations noticed, for its evidence (noticed)."""
+    share = max_share(shares)
     if share is None:
-        return f"; a pause of {th.long_prefill_min_pause:g} s or more in every decoding stream"
+        return (
+            f"; a pause of {stretch.min_pause_ns / NS_PER_S:g} s or more in every decoding stream"
+        )
     return (
         f"; stretched iterations held up to {pct(share)} of the decoding requests' steps in "
         f"{th.long_prefill_baseline_time:g} s (1% or more sets their p99 inter-token latency)"
@@ -168,8 +203,9 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     token_costs = _prefill_token_costs(tl, candidates, baselines, th)
     stretched = prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines
     candidates, baselines = candidates[stretched], baselines[stretched]
-    noticed, shares = _noticed(tl, candidates, baselines, th)
-    index = candidates[noticed]
+    stretch = long_prefill_stretch(th)
+    is_noticed, shares = noticed(tl, candidates, baselines, prefill_tokens > 0, stretch, th)
+    index = candidates[is_noticed]
     baseline_of = dict(zip(candidates.tolist(), baselines.tolist(), strict=True))
     share_of = dict(zip(candidates.tolist(), shares.tolist(), strict=True))
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
@@ -192,7 +228,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
                     f"against a median decode-only iteration of {secs(baseline_ns)} in the "
                     f"{th.long_prefill_baseline_time:g} s before it"
-                    f"{_noticed_text([share_of[row] for row in rows.tolist()], th)}"
+                    f"{noticed_text([share_of[row] for row in rows.tolist()], stretch, th)}"
                 ),
                 explanation=(
                     "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
@@ -207,7 +243,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     "num_iterations": len(rows),
                     "max_elapsed_s": elapsed[worst] / NS_PER_S,
                     "baseline_s": baseline_ns / NS_PER_S,
-                    "max_stretched_share": _max_share([share_of[row] for row in rows.tolist()]),
+                    "max_stretched_share": max_share([share_of[row] for row in rows.tolist()]),
                 },
             )
         )

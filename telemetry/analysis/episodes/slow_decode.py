@@ -1,0 +1,167 @@
+"""Decode iterations slowed by nothing in their batch: the host or device was busy elsewhere.
+
+A decode-only iteration (no prompt chunk) is judged against the decode-only iterations of
+the ``long_prefill_baseline_time`` before it that computed as many tokens or more (or, where
+fewer than ``long_prefill_min_baseline_iterations`` did, that many that computed the most,
+scaled up to its tokens: ``peer_baselines``): where it took ``slow_decode_ratio`` times their
+median or more, the same work ran that much faster just before, so neither its batch nor a
+prompt explains the time; other processes on the engine's cores, memory pressure, a
+throttled or shared device do. Like a long prefill (latency.py), it is a finding only where
+the decoding requests notice it: a pause of ``slow_decode_min_pause`` beyond the baseline, or
+such iterations at least ``slow_decode_min_share`` of the decoding steps in the baseline time
+before it (they set the p99 inter-token latency). Judged on the past only, as the live
+sidecar judges it.
+
+Not judged: an iteration as long as the stall threshold's floor (``STALL_FLOOR_S``, or a fixed
+``stall_after``) or longer, which is the stall rule's (liveness.py: a stall live and in explain
+where the threshold of that moment was under it), and one the engine went silent in (frozen
+whole: the silence's).
+
+Where explain only had the long-prefill detector, a CPU engine whose decode-only iterations
+went from 20 ms to 0.6-1.2 s while another job ran got "Long prefill chunks" (2.2 request-s)
+and an action to lower the token budget, which cannot shorten an iteration with no prompt.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telemetry.analysis.episodes.episode import (
+    Episode,
+    Thresholds,
+    group_by_time,
+    past_bounds,
+    secs,
+    span_episode,
+)
+from telemetry.analysis.episodes.latency import Stretch, max_share, noticed, noticed_text
+from telemetry.analysis.episodes.silences import Silences
+from telemetry.analysis.stall_rule import STALL_FLOOR_S
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
+from telemetry.analysis.words import plural
+
+SLOW_DECODE_SETTING = (
+    "Not a tuning setting: the same work ran faster just before, so something outside the "
+    "engine's batch took its time: check what else runs on its host (other processes on its "
+    "CPU cores, memory pressure and swapping, CPU frequency) or shares its device, and keep "
+    "the engine's cores and device to itself."
+)
+
+
+def slow_decode_stretch(th: Thresholds) -> Stretch:
+    return Stretch(
+        th.slow_decode_ratio,
+        th.slow_decode_min_extra_time * NS_PER_S,
+        th.slow_decode_min_pause * NS_PER_S,
+        th.slow_decode_min_share,
+    )
+
+
+def decode_only_rows(tl: EngineTimeline) -> np.ndarray:
+    """A mask of tl's timed iterations that decoded and carried no prompt chunk."""
+    return (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
+
+
+def peer_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.ndarray:
+    """For each of ``rows``, what the decode-only iterations that started within
+    ``long_prefill_baseline_time`` before it say its work should take (ns): the median time
+    of its peers, those that computed as many decode tokens or more, while there are
+    ``long_prefill_min_baseline_iterations`` of them; else of that many that computed the
+    most, each scaled up to the row's tokens (as if time grew in proportion to tokens, which
+    overstates it: part of an iteration's time is fixed; so a batch that grew while the engine
+    slowed is judged, never blamed for the growth). NaN with fewer iterations than that."""
+    decode_only = decode_only_rows(tl)
+    elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
+    tokens = np.maximum(tl.col("num_decode_tokens")[decode_only], 1).astype(float)
+    firsts, lasts = past_bounds(tl, decode_only, rows, th.long_prefill_baseline_time, False)
+    own_tokens = tl.col("num_decode_tokens")[rows].astype(float)
+    least = th.long_prefill_min_baseline_iterations
+    baselines = np.full(len(rows), np.nan)
+    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+        if last - first < least:
+            continue
+        span_tokens, own = tokens[first:last], own_tokens[number]
+        num_peers = max(least, int((span_tokens >= own).sum()))
+        most = np.argsort(-span_tokens, kind="stable")[:num_peers]
+        scale = np.maximum(1.0, own / span_tokens[most])
+        baselines[number] = float(np.median(elapsed[first:last][most] * scale))
+    return baselines
+
+
+def _candidates(tl: EngineTimeline, th: Thresholds, stretch: Stretch) -> np.ndarray:
+    """Decode-only iterations that may be slowed: stretched against the fastest decode-only
+    one, shorter than the stall rule's floor, and not holding a silence."""
+    elapsed, decode_only = tl.col("elapsed_ns"), decode_only_rows(tl)
+    fastest_ns = float(elapsed[decode_only].min())
+    floor_ns = (th.stall_after or STALL_FLOOR_S) * NS_PER_S
+    rows = np.flatnonzero(
+        decode_only & stretch.is_stretched(elapsed, fastest_ns) & (elapsed < floor_ns)
+    )
+    if rows.size and (elapsed[rows] > th.dead_after * NS_PER_S).any():
+        silent = Silences(tl, th.dead_after).overlap_ns(
+            tl.col("start_ns")[rows], tl.col("end_ns")[rows]
+        )
+        rows = rows[silent == 0]
+    return rows
+
+
+def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """Decode-only iterations far slower than the same work just before them."""
+    decode_only = decode_only_rows(tl)
+    if decode_only.sum() < th.long_prefill_min_baseline_iterations:
+        return []
+    stretch = slow_decode_stretch(th)
+    rows = _candidates(tl, th, stretch)
+    baselines = peer_baselines(tl, rows, th)
+    slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
+    rows, baselines = rows[slowed], baselines[slowed]
+    is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
+    baseline_of = dict(zip(rows.tolist(), baselines.tolist(), strict=True))
+    share_of = dict(zip(rows.tolist(), shares.tolist(), strict=True))
+    index = rows[is_noticed]
+    times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
+    return [
+        _episode(tl, index[first : last + 1], baseline_of, share_of, stretch, th)
+        for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends)
+    ]
+
+
+def _episode(
+    tl: EngineTimeline,
+    rows: np.ndarray,
+    baseline_of: dict[int, float],
+    share_of: dict[int, float],
+    stretch: Stretch,
+    th: Thresholds,
+) -> Episode:
+    elapsed = tl.col("elapsed_ns")
+    worst = int(rows[np.argmax(elapsed[rows])])
+    shares = [share_of[row] for row in rows.tolist()]
+    return span_episode(
+        tl,
+        rows[0],
+        rows[-1],
+        kind="slow_decode",
+        title="Decode iterations slowed from outside the batch",
+        evidence=(
+            f"{plural(len(rows), 'decode-only iteration')} took up to {secs(elapsed[worst])} "
+            f"(iteration {int(tl.col('iteration')[worst])}, "
+            f"{int(tl.col('num_decode_reqs')[worst])} decoding, no prompt) where decode-only "
+            f"iterations of as many tokens took {secs(baseline_of[worst])} in the "
+            f"{th.long_prefill_baseline_time:g} s before it (median; those of fewer tokens "
+            "scaled up to its own, where too few computed as many)"
+            f"{noticed_text(shares, stretch, th)}"
+        ),
+        explanation=(
+            "Neither a prompt chunk nor a bigger batch explains these iterations: the same "
+            "work ran several times faster just before, so the engine was slowed from "
+            "outside, and every decoding request's tokens came that much later."
+        ),
+        setting=SLOW_DECODE_SETTING,
+        numbers={
+            "num_iterations": len(rows),
+            "max_elapsed_s": elapsed[worst] / NS_PER_S,
+            "baseline_s": baseline_of[worst] / NS_PER_S,
+            "max_stretched_share": max_share(shares),
+        },
+    )

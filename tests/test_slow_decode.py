@@ -1,0 +1,118 @@
+"""Decode iterations slowed from outside the batch (telemetry/analysis/episodes/slow_decode.py)."""
+
+import numpy as np
+import pytest
+from scenarios import synthetic
+from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
+
+from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode
+from telemetry.analysis.findings import build_findings, episode_cost
+from telemetry.analysis.timeline import NS_PER_S, build_timelines
+
+
+def timeline_of(messages):
+    return build_timelines(messages)[0]
+
+
+def decoding(num: int, elapsed_s: float = 0.010, gen_reqs: int = 4) -> list[Row]:
+    return [Row(elapsed_s, running=gen_reqs, waiting=0, blocks_used=10, gen_reqs=gen_reqs)] * num
+
+
+def test_another_job_on_the_cores_is_said_and_ranked_first():
+    """Every third iteration 6x slower for 10 s, prompts or not: the finding, first, costed as
+    the decoding requests' time beyond the baseline; no long prefill is blamed for it."""
+    timeline = timeline_of(synthetic.another_job().messages)
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
+    assert [f.kind for f in findings] == ["slow_decode"]
+    (episode,) = findings[0].episodes
+    assert 11.5 * NS_PER_S < episode.start_ns - timeline.col("start_ns")[0] < 13 * NS_PER_S
+    assert episode.numbers["max_elapsed_s"] >= 3 * episode.numbers["baseline_s"]
+    assert episode.numbers["max_stretched_share"] >= 0.01
+    assert "no prompt" in episode.evidence and "Not a tuning setting" in episode.setting
+    assert findings[0].cost == pytest.approx(episode_cost(timeline, episode, Thresholds()))
+    assert findings[0].cost > 10
+
+
+def test_a_batch_that_grows_is_not_a_slowed_decode():
+    """Decode time grows with the batch (1 ms a token over a 2 ms base: 1 request takes 3 ms,
+    32 take 34 ms): iterations of more tokens than any before are judged against those of the
+    most tokens scaled up to theirs, never against the small batches' median."""
+    cost = Cost(base_time=0.002, context_token_time=1e-6, generation_token_time=1e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests([0.1 + 0.1 * i for i in range(32)], num_prompt=16, num_output=400)
+    timeline = timeline_of(sim.run(25).messages)
+    assert timeline.col("num_decode_reqs").max() == 32
+    assert detect_slow_decode(timeline, Thresholds()) == []
+
+
+def test_a_hiccup_now_and_then_is_nothing_and_a_second_long_pause_is_a_finding():
+    """One decode-only iteration of 60 ms among 3,000 of 10 ms: under 1% of the decoding
+    steps, a pause of 50 ms: nothing. One of 1.2 s: a pause anyone streaming sees."""
+    hiccup = decoding(1500) + decoding(1, 0.060) + decoding(1500)
+    assert detect_slow_decode(timeline_of(scripted(hiccup)), Thresholds()) == []
+    pause = decoding(1500) + decoding(1, 1.2) + decoding(1500)
+    (episode,) = detect_slow_decode(timeline_of(scripted(pause)), Thresholds())
+    assert episode.numbers["max_stretched_share"] is None
+    assert episode.evidence.endswith("; a pause of 1 s or more in every decoding stream")
+    cost = episode_cost(timeline_of(scripted(pause)), episode, Thresholds())
+    assert cost == pytest.approx(4 * (1.2 - 0.010), rel=0.01)  # 4 decoding requests
+
+
+def test_an_iteration_as_long_as_the_stall_threshold_s_floor_is_the_stall_s():
+    """A decode-only iteration of 2 s: a slowed decode under the stall rule's 5 s floor; with
+    a fixed threshold of 1.5 s (explain --stall-after) it is the stall's, never both."""
+    rows = decoding(1500) + decoding(1, 2.0) + decoding(1500)
+    assert len(detect_slow_decode(timeline_of(scripted(rows)), Thresholds())) == 1
+    assert detect_slow_decode(timeline_of(scripted(rows)), Thresholds(stall_after=1.5)) == []
+
+
+def test_an_iteration_with_a_prompt_chunk_is_left_to_the_long_prefill_detector():
+    """A slow mixed iteration is judged by its chunk (latency.py), never as a slowed decode."""
+    slow_mixed = [Row(1.5, running=4, waiting=0, blocks_used=10, gen_reqs=4, ctx_tokens=64)]
+    rows = decoding(1500) + slow_mixed + decoding(1500)
+    assert detect_slow_decode(timeline_of(scripted(rows)), Thresholds()) == []
+
+
+def test_frequent_slowed_iterations_are_judged_on_the_past_only():
+    """Every 20th iteration 5x slower from iteration 1,000 on (5% of the steps): found from
+    the first ones whose 30 s before hold 1% of them, and a judgment never changes with the
+    records after it (the live sidecar judges the same way)."""
+    rows = decoding(1000)
+    for number in range(2000):
+        rows += decoding(1, 0.050 if number % 20 == 0 else 0.010)
+    whole = detect_slow_decode(timeline_of(scripted(rows)), Thresholds())
+    assert whole and whole[0].numbers["max_stretched_share"] >= 0.01
+    cut = detect_slow_decode(timeline_of(scripted(rows[:1600])), Thresholds())
+    first_whole = [e for e in whole if e.start_ns <= cut[-1].end_ns]
+    assert [e.start_ns for e in cut] == [e.start_ns for e in first_whole[: len(cut)]]
+    assert np.isclose(cut[0].numbers["baseline_s"], whole[0].numbers["baseline_s"])
+
+
+def test_a_steady_slow_engine_is_not_slowed():
+    """A CPU engine whose every decode takes 0.5 s: slow, not slowed (healthy_but_slow)."""
+    timeline = timeline_of(synthetic.healthy_but_slow().messages)
+    assert detect_slow_decode(timeline, Thresholds()) == []
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_slowed_iterations_are_found_whether_all_or_few_are_slowed(every):
+    """All iterations 6x slower for 10 s (requests pile up: the batch grows past anything
+    seen before) or one in ten 4x: a slowed decode either way."""
+    timeline = timeline_of(synthetic.another_job(every, 6.0 if every == 1 else 4.0).messages)
+    assert detect_slow_decode(timeline, Thresholds())
+
+
+def test_arrivals_alone_make_no_slowed_decode():
+    """Healthy Poisson load of every scenario speed: nothing."""
+    for make in (synthetic.healthy, synthetic.stalled, synthetic.story2_leak):
+        assert detect_slow_decode(timeline_of(make().messages), Thresholds()) == [], make
+
+
+def test_the_decoding_requests_time_is_the_cost():
+    cost = Cost(base_time=0.010, context_token_time=50e-6, generation_token_time=0.5e-3)
+    sim = Simulator(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=2048, cost=cost)
+    sim.add_requests(arrivals(2, 20), num_prompt=32, num_output=150)
+    sim.add_slowdown(from_s=8.0, to_s=12.0, factor=5.0, every=4)
+    timeline = timeline_of(sim.run(22).messages)
+    (finding,) = build_findings(timeline, detect_episodes(timeline), Thresholds())
+    assert finding.kind == "slow_decode" and finding.cost_label == "slowed"
