@@ -469,6 +469,22 @@ def test_an_iteration_judged_again_on_part_of_its_past_opens_no_finding():
     assert all(f.opened_ns - f.start_ns < 10 * NS_PER_S for f in live)
 
 
+def test_a_spinning_engine_is_one_finding_live_as_in_explain(tmp_path):
+    """Leaked blocks leave requests waiting while nothing runs; the engine iterates on,
+    scheduling nothing, and its heartbeats' last_iteration stays at the last that scheduled
+    work (record.py). The sidecar's status is stalled (no progress), but the loop runs: live
+    and explain say "Engine spinning" once; live had opened "Engine stalled" beside it, whose
+    action (a stack dump of a frozen loop) does not fit a loop that runs."""
+    from tests.scenarios.synthetic import STORY_COST
+
+    sim = Simulator(num_blocks=60, max_num_seqs=8, max_num_batched_tokens=512, cost=STORY_COST)
+    sim.leak_blocks_per_finish = 12
+    sim.add_requests(arrivals(2, 10), num_prompt=64, num_output=20)
+    path = sim.run(30).write(tmp_path / "spinning.jsonl")
+    live = assert_replay_agrees_with_explain(path)
+    assert "spinning" in [f.kind for f in live] and "stall" not in [f.kind for f in live]
+
+
 def test_a_stall_just_over_its_threshold_is_stalled_live_though_no_tick_fell_in_it():
     """tests/data/vllm_0.32_plugin_stall_at_threshold.jsonl: vLLM 0.32 through the stat-logger
     plugin, its engine core stopped until the live sidecar said stalled (tests/test_vllm_live.py

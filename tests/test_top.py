@@ -265,6 +265,21 @@ def test_a_dead_engines_gauges_say_they_are_what_it_last_reported():
     assert "  waiting     3 (seq_limit 3)" in top.frame("u", *two_scrapes(), None).splitlines()
 
 
+def test_a_stalled_engine_whose_iterations_go_on_is_said_to_spin():
+    """Stalled (no progress) while iterations go on scheduling nothing: "spinning", never
+    "stalled" beside an iteration rate (QA: "stalled" next to "iterations 95.4/s")."""
+    lines = top.frame("u", *two_scrapes(EngineStatus.STALLED), width=None).splitlines()
+    assert "engine 000  tiny  stalled: spinning, its iterations schedule nothing" in lines
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    send(sink, heartbeat(0, 0, 500 * MS, 1_700_000_000 * 10**9, model_name="tiny", pid=42))
+    send(sink, decode_record(1, 1_000))
+    set_status(sink, 0, EngineStatus.STALLED, 0)
+    frozen = scrape_of(sink, registry, 10.0, FINDINGS)
+    lines = top.frame("u", frozen, scrape_of(sink, registry, 12.0, FINDINGS), None).splitlines()
+    assert "engine 000  tiny  stalled" in lines  # no iteration between the scrapes: frozen
+
+
 def test_the_first_frame_says_n_a_and_a_quiet_window_says_dash():
     before, after = two_scrapes()
     first = top.frame("u", None, after, width=None).splitlines()

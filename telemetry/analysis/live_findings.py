@@ -574,6 +574,10 @@ class EngineFindings:
         when a new process of the engine was last seen (0: never), on the sidecar's clock."""
         opened_ns, now_ns, since_ns = now_ns, now_ns - skew_ns, since_ns - skew_ns
         kind = STATUS_KINDS.get(status)
+        # Stalled, yet iterations go on scheduling nothing: the loop spins, a finding of the
+        # window's (detect_spinning), as explain calls it; a stall finding beside it would say
+        # the loop is frozen and name one condition twice.
+        spinning = kind == STALL and self._spun_since(since_ns)
         events = [
             FindingEvent("closed", finding)
             for finding in list(self.open)
@@ -584,7 +588,7 @@ class EngineFindings:
             event.finding.restarted = restarted_ns >= event.finding.opened_ns
             self._update_busy_cost(event.finding)
             self._close(event.finding)
-        if kind and not any(finding.kind == kind for finding in self.open):
+        if kind and not spinning and not any(finding.kind == kind for finding in self.open):
             self._busy_max = busy
             finding = self._open_status(kind, now_ns, since_ns, last_iteration, pid, source)
             finding.opened_ns = opened_ns
@@ -593,6 +597,20 @@ class EngineFindings:
         if events:
             self._publish()
         return events
+
+    def _spun_since(self, since_ns: int) -> bool:
+        """Whether the window holds an iteration that began after ``since_ns`` (engine time)
+        and scheduled nothing (one that did ends the stall: its record may be what said it)."""
+        for message in reversed(self.messages):
+            if message_time_ns(message) <= since_ns:
+                return False
+            if (
+                type(message) is IterationRecord
+                and message.start_ns > since_ns
+                and not message.num_prefill_tokens + message.num_decode_tokens
+            ):
+                return True
+        return False
 
     def note_busy(self, waiting: int, running: int) -> None:
         """Requests in flight while stalled (a stall's cost: the most of each at once)."""

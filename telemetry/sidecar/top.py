@@ -77,6 +77,15 @@ def _status(after: Samples) -> str:
     return states[0] if states else "unknown"
 
 
+def _status_text(status: str, before: Samples | None, after: Samples) -> str:
+    """The status, and for a stalled engine whose iterations go on (they schedule nothing:
+    the loop spins, explain's "Engine spinning") that it spins, not "stalled" beside a rate."""
+    if status != "stalled" or before is None:
+        return status
+    grown = increase(value(before, "iterations_total"), value(after, "iterations_total"))
+    return "stalled: spinning, its iterations schedule nothing" if grown else status
+
+
 def _source(after: Samples) -> str | None:
     """The engine_info labels of who reports and which engine it is ("vllm-stat-logger,
     vllm 0.34.0"); None before a heartbeat named them."""
@@ -230,7 +239,8 @@ def engine_lines(index: int, before: Scrape | None, after: Scrape, width: int | 
     status = _status(samples)
     # A dead or closed engine's gauges hold what it last reported, not what it holds now.
     stale = "  (last reported, before it went silent)" if status in ("dead", "closed") else ""
-    lines = [f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status}"]
+    status_text = _status_text(status, previous, samples)
+    lines = [f"engine {index:03d}  {after.model_names.get(index) or '?'}  {status_text}"]
     source = _source(samples)
     if source is not None:
         lines.append(f"  source      {source}")

@@ -108,6 +108,7 @@ class Simulator:
         self.lose_windows: list[tuple[int, int, bool]] = []
         self.stalls: list[tuple[int, int]] = []
         self.slowdowns: list[tuple[int, int, float, int]] = []
+        self.last_working_iteration = 0  # the last iteration that scheduled work
         self.cliffs: list[tuple[int, float]] = []
         self.closed_loop: list[tuple[int, int]] = []  # (prompt, output) still to send
         self.num_spec_tokens = num_spec_tokens
@@ -205,7 +206,7 @@ class Simulator:
                 0,
                 ts_ns,
                 ts_ns + self.wall_offset_ns,
-                last_iteration=self.iteration,
+                last_iteration=self.last_working_iteration,
                 num_waiting_reqs=len(self.waiting),
                 num_running_reqs=len(self.running),
                 model_name="sim",
@@ -325,6 +326,8 @@ class Simulator:
         start_ns = self.now_ns
         self.now_ns += max(elapsed_ns, 1000)
         self.iteration += 1
+        if scheduled:  # what a heartbeat's last_iteration says (record.py)
+            self.last_working_iteration = self.iteration
         milestones = [m for r, n in scheduled if (m := self._update(r, n, start_ns)) is not None]
         num_waiting = len(self.waiting)
         record = iteration_record(
