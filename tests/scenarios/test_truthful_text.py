@@ -251,6 +251,11 @@ def test_a_leak_that_stopped_growing_is_not_said_to_climb():
     (leak,) = of_kind(detect_episodes(timeline_of(sim.run(20).messages)), "kv_leak")
     assert leak.numbers["excess_blocks_last"] <= leak.numbers["excess_blocks_first"]
     assert " grew " not in leak.evidence and "climbs" not in leak.explanation
+    # the excess is a lower bound that dips while requests run: never "fell" under "leaking"
+    # (QA: the opening WARNING said "fell 8 -> 6", later "grew 8 -> 82")
+    assert " fell " not in leak.evidence and "(a lower bound, lower while requests run)" in (
+        leak.evidence
+    )
     (growing,) = of_kind(detect_episodes(timeline_of(synthetic.story2_leak().messages)), "kv_leak")
     assert " grew " in growing.evidence and "climbs" in growing.explanation
 

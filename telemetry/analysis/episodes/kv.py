@@ -316,13 +316,14 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
             f"{were(int(used[row]))} in use"
         )
     excess_first, excess_last = int(excess[first]), int(excess[last])
-    trend = (
-        "grew"
-        if excess_last > excess_first
-        else "fell"
-        if excess_last < excess_first
-        else "stayed at"
-    )
+    if excess_last > excess_first:
+        trend = f"grew {excess_first} -> {excess_last}"
+    else:  # a lower bound that dips while requests run: a fall is no fall of the leak
+        peak = int(excess[first : last + 1].max())
+        trend = (
+            f"were {excess_first} -> {excess_last}, up to {peak} (a lower bound, lower while "
+            "requests run)"
+        )
     return span_episode(
         tl,
         first,
@@ -330,7 +331,7 @@ def _leak_episode(tl, first, last, excess, nothing_running) -> Episode:
         kind="kv_leak",
         title="KV blocks leaking",
         evidence=(
-            f"blocks held by no running request {trend} {excess_first} -> {excess_last} "
+            f"blocks held by no running request {trend} "
             f"over {plural(last - first + 1, 'iteration')}; KV usage {pct(usage[first])} -> "
             f"{pct(usage[last])} while running was {int(running[first])} -> "
             f"{int(running[last])} (mean {running[first : last + 1].mean():.1f})" + idle_note
