@@ -150,6 +150,38 @@ def test_idle_engine_is_silent_and_a_waiting_one_is_not():
     )
 
 
+def test_a_window_that_only_a_long_step_ran_in_says_the_step_under_way():
+    """One 25 s step of 7,000 prompt tokens: a window inside it ends no iteration, so its
+    line reads 0 tokens/s with requests running; the heartbeats say the step's size, and the
+    line says it is under way and for how long (QA: such lines read "0.0 tokens/s, Running: 3
+    reqs" twice, as though nothing ran). A source that does not say the size adds nothing."""
+    lines = Lines()
+    sink = LogSink(emit=lines)
+    send(sink, heartbeat(0, 99.0, running=3), record(0, 101.0, iteration=1))
+    for second in range(102, 127):  # the step: 101 s to 126 s, its record at its end
+        beat = heartbeat(0, second, running=3)
+        beat.step_tokens = 7000
+        send(sink, beat)
+    step = record(0, 126.0, iteration=2, num_prefill_tokens=7000, elapsed_ns=25 * SECOND)
+    step.start_ns = 101 * SECOND - CLOCK_OFFSET_NS
+    send(sink, step, heartbeat(0, 131.0, running=3))
+    texts = lines.texts()
+    under_way = [t for t in texts if "Iteration under way" in t]
+    # windows of wall time 100-110 (the first record in it), 110-120 and 120-130 (the step's
+    # record in it): one line inside the step, its heartbeats the view's until then
+    assert [t.split("Iteration under way: ")[1] for t in under_way] == [
+        "7000 tokens scheduled, 18.0 s so far"  # the heartbeat of 119 s, 18 s after 101 s
+    ]
+    assert all("Avg prompt throughput: 0.0 tokens/s" in t for t in under_way)
+    assert "Iteration under way" not in texts[-1]  # the window the step ended in
+    unsaid = Lines()
+    sink = LogSink(emit=unsaid)
+    send(sink, heartbeat(0, 99.0, running=3), record(0, 101.0, iteration=1))
+    for second in range(102, 127):
+        send(sink, heartbeat(0, second, running=3))  # step_tokens 0: not said
+    assert unsaid.texts() and not any("under way" in t for t in unsaid.texts())
+
+
 def test_several_engines_get_an_aggregated_line():
     lines = Lines()
     sink = LogSink(emit=lines)

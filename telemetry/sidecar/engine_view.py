@@ -183,6 +183,7 @@ class EngineView:
         self.num_waiting_reqs = 0
         self.num_running_reqs = 0
         self.last_record: IterationRecord | None = None  # of this process
+        self.last_heartbeat: Heartbeat | None = None
         self.heartbeat_kv_blocks_total = 0
         self.status: EngineStatus | None = None  # None: not judged yet
         self.closed = False  # its latest message closed the lane cleanly (is_clean_close)
@@ -231,6 +232,18 @@ class EngineView:
             return True
         return False
 
+    def step_under_way(self) -> tuple[int, float] | None:
+        """(tokens it scheduled, seconds so far) of the iteration under way, where the latest
+        heartbeat says its size (``step_tokens``; 0: the source does not say) and came after
+        the last record's iteration ended; None else (or before a record of this process)."""
+        beat, record = self.last_heartbeat, self.last_record
+        if beat is None or record is None or not beat.step_tokens:
+            return None
+        ended_ns = record.start_ns + record.elapsed_ns
+        if beat.ts_ns <= ended_ns:
+            return None
+        return beat.step_tokens, (beat.ts_ns - ended_ns) / 1e9
+
     def take_anchor(self, heartbeat: Heartbeat) -> None:
         """The heartbeat's clock anchor (before the sinks see it: see the module docstring)."""
         self.clock_offset_ns = heartbeat.wall_ns - heartbeat.ts_ns
@@ -241,6 +254,7 @@ class EngineView:
             self.pid = heartbeat.pid
             self.last_record = None
         self.take_anchor(heartbeat)
+        self.last_heartbeat = heartbeat
         if heartbeat.model_name:
             self.model_name = heartbeat.model_name
         self.device_name = heartbeat.device_name

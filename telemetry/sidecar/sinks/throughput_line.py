@@ -59,6 +59,10 @@ class LineFigures:
     device_name: str
     kv_reported: bool = True  # False: the source does not report KV blocks (FPM)
     prefix_reported: bool = True  # False: nor prefix-cache queries and hits (FPM)
+    # A window with no iteration ended: the one under way, where the heartbeats say its size
+    # (EngineView.step_under_way): its tokens and how long it has run. 0: none said.
+    step_tokens: int = 0
+    step_s: float = 0.0
 
 
 def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float) -> LineFigures:
@@ -66,6 +70,8 @@ def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float)
     (``counts``: the engine's record totals over the window), the rest from its view as it
     is now."""
     num_kv_blocks_used, num_kv_blocks_total = engine.kv_blocks()
+    under_way = engine.step_under_way() if not counts.num_iterations else None
+    step_tokens, step_s = under_way or (0, 0.0)
     return LineFigures(
         label=f"Engine {engine.engine_index:03d}",
         prompt_throughput=counts.num_prefill_tokens / window_time,
@@ -80,6 +86,8 @@ def engine_figures(engine: EngineView, counts: RecordTotals, window_time: float)
         device_name=engine.device_name,
         kv_reported=engine.reports(UNKNOWN_KV_BLOCKS),
         prefix_reported=engine.reports(UNKNOWN_PREFIX_CACHE),
+        step_tokens=step_tokens,
+        step_s=step_s,
     )
 
 
@@ -143,4 +151,9 @@ def format_engine_line(figures: LineFigures) -> str:
     )
     if figures.num_preemptions:
         line += f", Preemptions: {figures.num_preemptions}"
+    if figures.step_tokens:
+        line += (
+            f", Iteration under way: {figures.step_tokens} tokens scheduled, "
+            f"{figures.step_s:.1f} s so far"
+        )
     return line
