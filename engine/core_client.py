@@ -51,7 +51,7 @@ from engine.scheduler import RequestRejectedError, check_request_fits
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100  # how often the client's reader checks that the engine is alive
-DEFAULT_STALL_AFTER_S = 30.0  # requests in flight and no message for this long: stalled
+DEFAULT_STALL_AFTER_S = 30.0  # requests in flight and no message, or no token, this long: stalled
 
 
 class EngineDeadError(RuntimeError):
@@ -86,7 +86,13 @@ class EngineCoreClient:
         self._output.bind(output_address)
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self.last_message_s = time.monotonic()  # when the engine was last heard from
+        # When a request in flight last got a token, or the in-flight set last became
+        # non-empty if later: a spinning engine (work waits, nothing is ever scheduled) still
+        # sends its progress beats, so only this clock tells it from a working one.
+        self.last_output_s = self.last_message_s
         self.big_step_s = 0.0  # what its last message said a big iteration it began may take
+        self._longest_gap_s = 0.0  # the longest wait between its messages since last_output_s
+        self._num_tokens: dict[str, int] = {}  # per request in flight: prompt + output tokens
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._probe_replies: queue.Queue[ProbeReply] = queue.Queue()
@@ -167,14 +173,17 @@ class EngineCoreClient:
             self._raise_if_dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            if not self._streams:  # an idle engine owes no message: the stall clock starts now
-                self.last_message_s = time.monotonic()
+            if not self._streams:  # an idle engine owes nothing: the stall clocks start now
+                self.last_message_s = self.last_output_s = time.monotonic()
+                self._longest_gap_s = 0.0
             self._streams[request_id] = stream
+            self._num_tokens[request_id] = len(prompt_token_ids)
         try:
             self._send_frame(frame)
         except BaseException:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
+                self._num_tokens.pop(request_id, None)
             raise
         return stream
 
@@ -198,18 +207,56 @@ class EngineCoreClient:
         return self._dead_error is None and self.process.is_alive()
 
     def engine_status(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> str:
-        """ "dead" (the process is gone), "stalled" (requests in flight and no message from
-        the engine for ``stall_after_s``, or for the time an iteration bigger than any before
-        may take, where its last message said one was starting; it beats every
-        PROGRESS_BEAT_S between iterations while it works), "running" (requests in flight) or
-        "idle". Cheap: no message to the engine."""
+        """ "dead", "stalled", "running" (requests in flight) or "idle": engine_health's state."""
+        return self.engine_health(stall_after_s)[0]
+
+    def engine_health(self, stall_after_s: float = DEFAULT_STALL_AFTER_S) -> tuple[str, str]:
+        """The engine's state and, where it is dead or stalled, what is wrong, in words.
+
+        "dead": the process is gone. "stalled", with requests in flight, either way:
+        - no message from the engine for ``stall_after_s``, or for the time an iteration
+          bigger than any before may take, where its last message said one was starting (it
+          beats every PROGRESS_BEAT_S between iterations while it works);
+        - messages come, but no request in flight has got a token for ``stall_after_s``
+          (counted from when the in-flight set became non-empty, if later): an engine that
+          iterates without scheduling anything, as when leaked KV blocks leave requests
+          waiting forever. Finishes and errors without a token (aborts, rejections) do not
+          count, as a spinning engine still answers them. Prefilling (or recomputing) every
+          token in flight, at most the KV cache's, in iterations of --max-num-batched-tokens
+          may give no token for longer: it gets twice the longest wait between messages since
+          the last token for each such iteration, and a big iteration under way its time.
+        "running": requests in flight, else "idle". Cheap: no message to the engine."""
         if not self.is_alive:
-            return "dead"
+            return "dead", "the engine is not running"
         if not self._streams:
-            return "idle"
-        if time.monotonic() - self.last_message_s > max(stall_after_s, self.big_step_s):
-            return "stalled"
-        return "running"
+            return "idle", ""
+        now = time.monotonic()
+        big_step_s = self.big_step_s
+        silent_s = now - self.last_message_s
+        num_in_flight = len(self._streams)
+        if silent_s > max(stall_after_s, big_step_s):
+            return "stalled", (
+                f"the engine has sent nothing, so produced nothing, for {silent_s:.0f} s with "
+                f"{num_in_flight} requests in flight"
+            )
+        no_output_s = now - self.last_output_s
+        if no_output_s > max(stall_after_s, self._prefill_allowance_s()) + big_step_s:
+            return "stalled", (
+                f"the engine has produced no output for {no_output_s:.0f} s with "
+                f"{num_in_flight} requests in flight, though it still iterates (last message "
+                f"{silent_s:.0f} s ago)"
+            )
+        return "running", ""
+
+    def _prefill_allowance_s(self) -> float:
+        """How long prefilling the tokens in flight may take with no token for any request:
+        twice the longest wait between messages since the last token, for each iteration of
+        --max-num-batched-tokens those tokens need (at most the KV cache's tokens)."""
+        with self._streams_lock:
+            num_tokens = sum(self._num_tokens.values())
+        num_tokens = min(num_tokens, self.ready.num_kv_blocks * self.ready.block_size)
+        budget = max(1, self.config.max_num_batched_tokens or 1)
+        return 2 * self._longest_gap_s * -(-num_tokens // budget)
 
     @property
     def num_in_flight(self) -> int:
@@ -244,7 +291,10 @@ class EngineCoreClient:
         while not self._closing.is_set():
             self._input_channel.flush_pending()  # the control messages a full channel held back
             if self._output.poll(POLL_INTERVAL_MS):
-                self.last_message_s = time.monotonic()
+                now = time.monotonic()
+                if self._streams:  # (add_request restarts the clock when they appear)
+                    self._longest_gap_s = max(self._longest_gap_s, now - self.last_message_s)
+                self.last_message_s = now
                 self._dispatch(self._decoder.decode(self._output.recv()))
             elif not self.process.is_alive():
                 self._drain_outputs()
@@ -270,15 +320,24 @@ class EngineCoreClient:
             return
         self.big_step_s = message.big_step_s  # until the next message
         deliveries = []
+        got_tokens = False
         with self._streams_lock:
             for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
+                if output.new_token_ids:
+                    got_tokens = True
+                    num_tokens = self._num_tokens.get(output.request_id, 0)
+                    self._num_tokens[output.request_id] = num_tokens + len(output.new_token_ids)
                 if output.finished:
                     del self._streams[output.request_id]
+                    self._num_tokens.pop(output.request_id, None)
                 error = RequestRejectedError(output.error) if output.error else None
                 deliveries.append((stream, error or output))
+            if got_tokens:
+                self.last_output_s = time.monotonic()
+                self._longest_gap_s = 0.0
         deliver(deliveries)
 
     def _mark_dead(self, text: str) -> None:
@@ -287,6 +346,7 @@ class EngineCoreClient:
         with self._streams_lock:
             self._dead_error = EngineDeadError(text)
             streams, self._streams = list(self._streams.values()), {}
+            self._num_tokens = {}
         if not self._shutting_down:
             logger.error(
                 "%s; %d requests in flight end with an error, new ones are refused (503) and "

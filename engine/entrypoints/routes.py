@@ -203,21 +203,16 @@ def models_body(frontend: Frontend) -> dict[str, Any]:
 
 def health_response(frontend: Frontend) -> JSONResponse:
     """200 while the engine works or idles; 503 once it is dead, or stalled: requests in
-    flight and nothing heard from it for --engine-stall-timeout."""
+    flight and, for --engine-stall-timeout, nothing heard from it, or no token for any of
+    them while it still iterates (EngineCoreClient.engine_health)."""
     client = frontend.client
-    state = client.engine_status(frontend.stall_after_s)
+    state, error_text = client.engine_health(frontend.stall_after_s)
     body = {
         "status": "ok" if state in ("idle", "running") else state,
         "engine": state,
         "engine_pid": client.ready.pid,
         "num_requests_in_flight": client.num_in_flight,
     }
-    if state == "dead":
-        body["error"] = "the engine is not running"
-    elif state == "stalled":
-        body["error"] = (
-            f"the engine has produced nothing for "
-            f"{time.monotonic() - client.last_message_s:.0f} s with "
-            f"{client.num_in_flight} requests in flight"
-        )
+    if error_text:
+        body["error"] = error_text
     return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

@@ -153,7 +153,9 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_STALL_AFTER_S,
         metavar="SECONDS",
         help="/health says stalled (503) when requests are in flight and the "
-        "engine has sent nothing for this long (default %(default)s)",
+        "engine has sent nothing for this long, or, while it still iterates, has given "
+        "none of them a token for this long (longer while it may be prefilling the "
+        "tokens in flight) (default %(default)s)",
     )
     parser.add_argument(
         "--api-key",
