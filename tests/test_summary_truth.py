@@ -225,3 +225,21 @@ def test_iterations_without_a_measured_time_give_no_time():
     assert summary.num_timed_iterations == 0
     assert "iteration time not reported by the source" in text
     assert "0.00 ms" not in text
+
+
+def test_prefill_tokens_and_prefix_hits_say_what_preemptions_add_to_them():
+    """After preemptions the prefill tokens include prompts computed again, and a preempted
+    request admitted again finds its own blocks as prefix hits (QA: 7,731 prefill tokens where
+    clients sent 1,920, and a 31.8% hit rate on unique prompts): the lines say so; a run
+    without preemptions says neither."""
+    stormy = summarize(build_timelines(synthetic.preemption_storm().messages)[0])
+    assert stormy.num_preemptions
+    stormy.prefix_hit_rate = 0.318
+    text = "\n".join(format_summary(stormy))
+    assert "prefill (" in text and "(prompts computed again after preemptions included)" in text
+    assert "31.8% (a preempted request admitted again finds its own blocks: hits too)" in text
+    calm = summarize(build_timelines(synthetic.healthy().messages)[0])
+    assert calm.num_preemptions == 0
+    calm.prefix_hit_rate = 0.318
+    text = "\n".join(format_summary(calm))
+    assert "computed again" not in text and "its own blocks" not in text

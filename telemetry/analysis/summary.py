@@ -401,19 +401,26 @@ def format_summary(s: Summary) -> list[str]:
         or "reasons not reported by the source"
     )
     at_least = _at_least(s)
+    preempted = bool(s.num_preemptions)
+    recomputed = " (prompts computed again after preemptions included)" if preempted else ""
     return [
         _iterations_line(s),
         _batch_line(s),
-        f"tokens: {at_least}{s.num_prefill_tokens} prefill ({s.prompt_throughput:.1f} tokens/s), "
-        f"{at_least}{s.num_decode_tokens} decode ({s.generation_throughput:.1f} tokens/s)"
-        f"{_rates_span(s)}",
+        f"tokens: {at_least}{s.num_prefill_tokens} prefill ({s.prompt_throughput:.1f} tokens/s)"
+        f"{recomputed}, {at_least}{s.num_decode_tokens} decode "
+        f"({s.generation_throughput:.1f} tokens/s){_rates_span(s)}",
         *([summary_line(s.spec_decode)] if s.spec_decode else []),
         f"queues: running mean {s.mean_running_reqs:.1f} (max {s.max_running_reqs}); waiting in "
         f"{pct(s.waiting_share)} of iterations (max {s.max_waiting_reqs}; {reasons})",
         f"{_kv_text(s)}; preemptions "
         f"{'not reported' if s.num_preemptions is None else s.num_preemptions}; "
         "prefix cache hit rate "
-        + ("not reported" if s.prefix_hit_rate is None else pct(s.prefix_hit_rate)),
+        + ("not reported" if s.prefix_hit_rate is None else pct(s.prefix_hit_rate))
+        + (
+            " (a preempted request admitted again finds its own blocks: hits too)"
+            if preempted and s.prefix_hit_rate
+            else ""
+        ),
         requests,
         verdict,
     ]
