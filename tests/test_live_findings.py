@@ -485,6 +485,57 @@ def test_a_spinning_engine_is_one_finding_live_as_in_explain(tmp_path):
     assert "spinning" in [f.kind for f in live] and "stall" not in [f.kind for f in live]
 
 
+def bursts_slowed_with_idle_between() -> list:
+    """Bursts of 0.6 s of one request decoding in 10 ms iterations, every fifth 200 ms, with
+    0.5 s between bursts in which a heartbeat says nothing waits or runs; before them 40 s
+    of steady decoding (the baseline)."""
+    messages, seq, iteration, now_ns = [], 0, 0, 100 * NS_PER_S
+
+    def beat(waiting_running: tuple[int, int]) -> None:
+        nonlocal seq
+        seq += 1
+        waiting, running = waiting_running
+        messages.append(
+            heartbeat(0, seq, now_ns, now_ns, last_iteration=iteration, pid=5,
+                      num_waiting_reqs=waiting, num_running_reqs=running)
+        )  # fmt: skip
+
+    def step(elapsed_ns: int) -> None:
+        nonlocal seq, iteration, now_ns
+        seq, iteration = seq + 1, iteration + 1
+        messages.append(
+            iteration_record(0, seq, iteration, start_ns=now_ns, elapsed_ns=elapsed_ns,
+                             num_decode_reqs=1, num_decode_tokens=1, num_running_reqs=1,
+                             num_kv_blocks_used=1, num_kv_blocks_free=99)
+        )  # fmt: skip
+        now_ns += elapsed_ns
+
+    beat((0, 1))
+    for number in range(4000):
+        step(10_000_000)
+        if number % 100 == 0:
+            beat((0, 1))
+    for _ in range(10):
+        for number in range(20):
+            step(200_000_000 if number % 5 == 0 else 10_000_000)
+        now_ns += 250_000_000
+        beat((0, 0))  # idle, for a moment
+        now_ns += 250_000_000
+    return messages
+
+
+def test_a_slowed_decode_over_moments_of_idle_is_one_finding_live_as_in_explain(tmp_path):
+    """explain merges the slowed iterations of bursts 0.5 s apart into one episode; the live
+    finding closed at the first idle heartbeat between them and was not opened again, costed
+    at a tenth of explain's (a real engine's leak story under CPU load)."""
+    path = tmp_path / "bursts.jsonl"
+    path.write_bytes(
+        b"".join(msgspec.json.encode(m) + b"\n" for m in bursts_slowed_with_idle_between())
+    )
+    live = assert_replay_agrees_with_explain(path)
+    assert [f.kind for f in live] == ["slow_decode"]
+
+
 def test_a_stall_just_over_its_threshold_is_stalled_live_though_no_tick_fell_in_it():
     """tests/data/vllm_0.32_plugin_stall_at_threshold.jsonl: vLLM 0.32 through the stat-logger
     plugin, its engine core stopped until the live sidecar said stalled (tests/test_vllm_live.py

@@ -29,6 +29,9 @@ What an episode costs requests (request-seconds), from the records inside its ti
     long_prefill         decoding requests x the time their iteration took beyond the median
                          decode-only iteration before it (its baseline: episodes/latency.py;
                          request-seconds slowed)
+    slow_decode          decoding requests x the time their slowed iteration took beyond what
+                         as much work took in the 30 s before (episodes/slow_decode.py), over
+                         its slowed iterations (request-seconds slowed)
     costly_drafts        the decode tokens its iterations produced x the time each came later
                          than without drafts, by the fit that judged its step (the mean over
                          its steps: telemetry/analysis/episodes/drafts.py)
@@ -51,7 +54,6 @@ import numpy as np
 from telemetry.analysis.episodes import INFO, Episode, Thresholds
 from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.episodes.silences import Silences
-from telemetry.analysis.episodes.slow_decode import decode_only_rows, peer_baselines
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 
 FAULT_KINDS = ("kv_leak", "stall")  # bugs: the action is a restart and a report, not a flag
@@ -187,21 +189,13 @@ def _evicted_request_seconds(
     return waited + recompute_ns / NS_PER_S
 
 
-def _slowed_request_seconds(
-    tl: EngineTimeline, rows: slice, th: Thresholds, slow_decode: bool = False
-) -> float:
+def _slowed_request_seconds(tl: EngineTimeline, rows: slice, th: Thresholds) -> float:
     """Each mixed iteration's decoding requests x its time beyond its own baseline (the
-    median decode-only iteration before it, as the detector judged it; none: nothing); for a
-    slowed decode (``slow_decode``), each decode-only iteration's, beyond the median of those
-    that computed as many tokens or more before it."""
+    median decode-only iteration before it, as the detector judged it; none: nothing)."""
     num_decode_reqs = tl.col("num_decode_reqs")
-    if slow_decode:
-        judged, baselines_of = decode_only_rows(tl), peer_baselines
-    else:
-        judged = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
-        baselines_of = decode_baselines
-    index = np.arange(rows.start, rows.stop)[judged[rows]]
-    extra_ns = tl.col("elapsed_ns")[index] - baselines_of(tl, index, th)
+    mixed = (tl.col("num_prefill_tokens") > 0) & (num_decode_reqs > 0) & tl.timed
+    index = np.arange(rows.start, rows.stop)[mixed[rows]]
+    extra_ns = tl.col("elapsed_ns")[index] - decode_baselines(tl, index, th)
     extra_ns = np.where(np.isnan(extra_ns), 0.0, np.maximum(extra_ns, 0.0))
     return float((num_decode_reqs[index] * extra_ns).sum()) / NS_PER_S
 
@@ -233,6 +227,8 @@ def episode_cost(tl: EngineTimeline, episode: Episode, thresholds: Thresholds) -
     episodes were detected with (silences: ``dead_after``; long prefill: the baselines)."""
     if is_silence(episode):
         return episode.numbers.get("in_flight_reqs", 0) * episode.duration_time
+    if episode.kind == "slow_decode":  # its slowed iterations, as its detector judged them
+        return episode.numbers["slowed_request_s"]
     if COST_LABELS.get(episode.kind) == "unknown":
         return 0.0
     if episode.kind in EVICTING_KINDS:
@@ -245,8 +241,8 @@ def episode_cost(tl: EngineTimeline, episode: Episode, thresholds: Thresholds) -
     rows = _span_rows(tl, episode)
     if episode.kind == "costly_drafts":
         return _drafts_request_seconds(tl, rows, episode)
-    if episode.kind in ("long_prefill", "slow_decode"):
-        return _slowed_request_seconds(tl, rows, thresholds, episode.kind == "slow_decode")
+    if episode.kind == "long_prefill":
+        return _slowed_request_seconds(tl, rows, thresholds)
     return _waiting_request_seconds(tl, rows, thresholds)
 
 

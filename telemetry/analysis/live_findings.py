@@ -528,10 +528,14 @@ class EngineFindings:
         kind = episode.kind if episode else finding.kind
         rows, seconds, idle_ends = close_after(kind, self.thresholds)
         last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
+        # A span-merged kind's idle ends it only past the time explain still merges in: an
+        # iteration after the idle starts later still (idle for a moment between two bursts,
+        # a slowed decode had closed live and gone on in explain)
+        merge_ns = int(seconds * NS_PER_S) if kind in SPAN_MERGED_KINDS else 0
         if (
             idle_ends
             and last_heartbeat is not None
-            and last_heartbeat.ts_ns > finding.end_ns
+            and last_heartbeat.ts_ns > finding.end_ns + merge_ns
             and last_heartbeat.num_waiting_reqs + last_heartbeat.num_running_reqs == 0
         ):
             return True

@@ -53,7 +53,9 @@ class Thresholds:
     # (long_prefill_baseline_time; at least long_prefill_min_baseline_iterations of them, else
     # that many of the most tokens scaled up to its own), and noticed as a long prefill is.
     slow_decode_ratio: float = 3.0
-    slow_decode_min_extra_time: float = 0.005
+    # less is no stutter a reader of the stream sees, and a loaded host's scheduling hiccups
+    # beside sub-millisecond iterations (a tiny model) are about that size
+    slow_decode_min_extra_time: float = 0.050
     slow_decode_min_pause: float = 1.0
     slow_decode_min_share: float = 0.01
     # Costly drafts: each step of this many seconds (aligned to record time) is judged on the

@@ -80,11 +80,14 @@ def peer_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.n
     for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
         if last - first < least:
             continue
-        span_tokens, own = tokens[first:last], own_tokens[number]
-        num_peers = max(least, int((span_tokens >= own).sum()))
-        most = np.argsort(-span_tokens, kind="stable")[:num_peers]
-        scale = np.maximum(1.0, own / span_tokens[most])
-        baselines[number] = float(np.median(elapsed[first:last][most] * scale))
+        span_tokens, span_elapsed, own = tokens[first:last], elapsed[first:last], own_tokens[number]
+        peers = span_tokens >= own
+        if peers.sum() >= least:
+            baselines[number] = float(np.median(span_elapsed[peers]))
+        else:  # the `least` of the most tokens, scaled up to its own
+            most = np.argpartition(-span_tokens, least - 1)[:least]
+            scaled = span_elapsed[most] * (own / span_tokens[most]).clip(min=1.0)
+            baselines[number] = float(np.median(scaled))
     return baselines
 
 
@@ -137,6 +140,8 @@ def _episode(
     elapsed = tl.col("elapsed_ns")
     worst = int(rows[np.argmax(elapsed[rows])])
     shares = [share_of[row] for row in rows.tolist()]
+    extra_ns = elapsed[rows] - np.array([baseline_of[row] for row in rows.tolist()])
+    slowed_s = float((tl.col("num_decode_reqs")[rows] * extra_ns).sum()) / NS_PER_S
     return span_episode(
         tl,
         rows[0],
@@ -163,5 +168,8 @@ def _episode(
             "max_elapsed_s": elapsed[worst] / NS_PER_S,
             "baseline_s": baseline_of[worst] / NS_PER_S,
             "max_stretched_share": max_share(shares),
+            # its cost (findings.py): each decoding request x its iteration's time beyond
+            # the baseline, over the slowed iterations
+            "slowed_request_s": slowed_s,
         },
     )
