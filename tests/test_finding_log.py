@@ -216,16 +216,18 @@ def test_a_repeat_that_changes_to_a_kind_with_no_recent_finding_is_said_then():
     assert closing.startswith("Engine 000: waiting_seq_limit title: ended after")
 
 
-def test_a_cheap_long_prefill_is_said_at_info_and_a_costly_one_warns():
+@pytest.mark.parametrize("kind", ["long_prefill", "slow_decode"])
+def test_a_cheap_latency_finding_is_said_at_info_and_a_costly_one_warns(kind):
     """A 100-token prompt beside one decoding request on a CPU stretches its token by 0.1 s:
-    a WARNING every 30 s of healthy load (QA, vLLM 0.32). Under 1 request-s it is INFO, the
-    repeats' line too while they cost under that in all; a costly one still warns."""
+    a WARNING every 30 s of healthy load (QA, vLLM 0.32); a slowed decode's blips on a loaded
+    host came as WARNINGs of 0.3 request-s. Under 1 request-s it is INFO, the repeats' line
+    too while they cost under that in all; a costly one still warns."""
     log = FindingLog()
-    cheap = finding("long_prefill", cost=0.12)
+    cheap = finding(kind, cost=0.12)
     ((level, _),) = log.on_finding(FindingEvent("opened", cheap))
     assert level == logging.INFO
     log.on_finding(FindingEvent("closed", cheap))
-    costly = finding("long_prefill", start_s=200.0, end_s=201.0, cost=8.0)
+    costly = finding(kind, start_s=200.0, end_s=201.0, cost=8.0)
     ((level, _),) = log.on_finding(FindingEvent("opened", costly))
     assert level == logging.WARNING
     ((level, _),) = log.on_finding(FindingEvent("opened", finding("kv_saturation", cost=0.1)))

@@ -45,6 +45,7 @@ from telemetry.analysis.episodes.episode import (
     pct,
 )
 from telemetry.analysis.episodes.kv import leak_min_blocks, leaked_blocks
+from telemetry.analysis.episodes.latency import decode_baselines, decode_only_rows
 from telemetry.analysis.findings import Finding
 from telemetry.analysis.spec_decode import draft_slots, output_tokens_per_decode, recorded_drafts
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -69,18 +70,25 @@ ACTION_HISTORY_S = 30.0  # the past a budget or sequence limit is drawn from (ac
 KV_HISTORY_TEXT = f"the {ACTION_HISTORY_S:g} s before it or during it"  # kv_action_basis
 
 
-def _decode_baseline_s(tl: EngineTimeline) -> float | None:
-    decode_only = (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
+def _decode_baseline_s(tl: EngineTimeline, th: Thresholds) -> float | None:
+    """What the detectors judged the last iteration of ``tl`` (an action basis: the episode's
+    first) against, latency.decode_baselines: the median decode-only iteration of as many
+    decode tokens before it; with too few of those, the median decode-only iteration."""
+    decode_only = decode_only_rows(tl)
     if not decode_only.any():
         return None
-    return float(np.median(tl.col("elapsed_ns")[decode_only])) / NS_PER_S
+    (baseline_ns,) = decode_baselines(tl, np.array([tl.num_iterations - 1]), th)
+    if np.isnan(baseline_ns):
+        baseline_ns = float(np.median(tl.col("elapsed_ns")[decode_only]))
+    return baseline_ns / NS_PER_S
 
 
 def itl_target_text(tl: EngineTimeline, th: Thresholds) -> str | None:
     """The latency explain holds iterations to (long_prefill_ratio x the median decode-only
-    iteration) per output token (the iteration's, over the tokens a decoding request gets in
-    one) as a --itl-target value, to 0.1 ms; None without a decode-only iteration."""
-    baseline_s = _decode_baseline_s(tl)
+    iteration of as many decoding requests: _decode_baseline_s) per output token (the
+    iteration's, over the tokens a decoding request gets in one) as a --itl-target value,
+    to 0.1 ms; None without a decode-only iteration."""
+    baseline_s = _decode_baseline_s(tl, th)
     if baseline_s is None:
         return None
     target_ms = (

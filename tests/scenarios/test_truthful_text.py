@@ -14,7 +14,9 @@ from telemetry.analysis.episodes import (
     detect_long_prefill,
     detect_preemption_storms,
 )
+from telemetry.analysis.episodes.latency import decode_baselines
 from telemetry.analysis.explain import main
+from telemetry.analysis.findings import build_findings
 from telemetry.analysis.timeline import NS_PER_S, build_timelines
 from telemetry.analysis.tune import main as tune_main
 from telemetry.analysis.words import plural
@@ -311,6 +313,44 @@ def test_a_pause_of_a_second_is_a_finding_however_rare():
     assert episode.evidence.endswith("; a pause of 1 s or more in every decoding stream")
     shorter = Thresholds(long_prefill_min_pause=2.0)  # under 1% of the steps: no finding
     assert detect_long_prefill(timeline_of(sim.messages), shorter) == []
+
+
+def decode_rows(num: int, elapsed_s: float, requests: int) -> list:
+    return [synthetic.Row(elapsed_s, running=requests, waiting=0, blocks_used=40,
+                          gen_reqs=requests)] * num  # fmt: skip
+
+
+def mixed_row(elapsed_s: float, requests: int, tokens: int = 64):
+    return synthetic.Row(elapsed_s, running=requests + 1, waiting=0, blocks_used=40,
+                         gen_reqs=requests, ctx_tokens=tokens)  # fmt: skip
+
+
+def test_a_chunk_beside_a_batch_bigger_than_before_is_judged_against_as_many_requests():
+    """4 requests decoding in 10 ms for 30 s, then 32 in 80 ms: a 100 ms iteration that
+    carries a 64-token chunk beside the 32 is 1.25x what 32 took, not 10x the 4's median (a
+    real vLLM batch of 34 was "14x its baseline" of 16-27 requests, its cost tripled)."""
+    rows = decode_rows(3000, 0.010, 4) + decode_rows(20, 0.080, 32) + [mixed_row(0.100, 32)]
+    timeline = timeline_of(synthetic.scripted(rows, num_blocks=4000))
+    assert detect_long_prefill(timeline, Thresholds(long_prefill_min_share=0.0)) == []
+    (baseline_ns,) = decode_baselines(timeline, np.array([len(rows) - 1]), Thresholds())
+    assert baseline_ns == pytest.approx(0.080 * NS_PER_S)
+
+
+def test_a_chunk_slowed_from_outside_costs_only_what_the_chunk_accounts_for():
+    """Every 20th iteration carries a 64-token chunk that adds 30 ms beside 4 decoding
+    requests (10 ms alone); one of them took 800 ms while the host was busy: the long
+    prefill's cost counts 30 ms of it, what such a chunk took, not 790 ms (on a loaded host a
+    211-token chunk took 815 ms where such chunks took 200-230 ms, all charged to the chunk)."""
+    rows = []
+    for number in range(3000):
+        rows += [mixed_row(0.040, 4)] if number % 20 == 10 else decode_rows(1, 0.010, 4)
+    rows += decode_rows(10, 0.010, 4) + [mixed_row(0.800, 4)] + decode_rows(50, 0.010, 4)
+    timeline = timeline_of(synthetic.scripted(rows, num_blocks=4000))
+    (finding,) = build_findings(timeline, detect_episodes(timeline), Thresholds())
+    assert finding.kind == "long_prefill"
+    num_mixed = int((timeline.col("num_prefill_tokens") > 0).sum())
+    assert finding.cost == pytest.approx(num_mixed * 4 * 0.030, rel=0.05)
+    assert "took up to 800.0 ms" in finding.worst.evidence  # what it took, said as it was
 
 
 def test_long_prefill_setting_quotes_no_made_up_latency_target():

@@ -30,7 +30,7 @@ What each detector looks at (all thresholds are in ``Thresholds``, episode.py):
                       inter-token latency (1%+ of the decoding steps of those 30 s) or by a
                       pause of 1 s+
     slow_decode       decode-only iterations 3x slower than the median of those that computed
-                      as many tokens or more in the 30 s before each: slowed from outside the
+                      as many requests or more in the 30 s before each: slowed from outside the
                       batch (other jobs on the host, a throttled device), noticed as a long
                       prefill is (1%+ of the decoding steps, or a pause of 1 s+); shorter than
                       the stall rule's floor (longer: a stall)

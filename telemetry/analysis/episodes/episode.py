@@ -49,9 +49,9 @@ class Thresholds:
     long_prefill_min_pause: float = 1.0
     long_prefill_min_share: float = 0.01
     # Decode-only iterations slowed by nothing in their batch: this many times the median of
-    # the decode-only iterations of as many tokens or more in the baseline time before it
+    # the decode-only iterations of as many decoding requests or more in the baseline time
     # (long_prefill_baseline_time; at least long_prefill_min_baseline_iterations of them, else
-    # that many of the most tokens scaled up to its own), and noticed as a long prefill is.
+    # that many of the most scaled up to its own), and noticed as a long prefill is.
     slow_decode_ratio: float = 3.0
     # less is no stutter a reader of the stream sees, and a loaded host's scheduling hiccups
     # beside sub-millisecond iterations (a tiny model) are about that size

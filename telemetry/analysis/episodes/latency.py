@@ -1,9 +1,12 @@
 """Latency episodes: long prefill chunks that stretch the decoding requests' iterations.
 
-An iteration is judged against the iterations before it only (``decode_baselines``): the
-median decode-only iteration of the ``long_prefill_baseline_time`` before it starts, at least
-``long_prefill_min_baseline_iterations`` of them. So a judgment never changes as later records
-come, and the live sidecar, which keeps that much history before every iteration it judges
+An iteration is judged against the iterations before it only (``decode_baselines``): the median
+of the decode-only iterations of the ``long_prefill_baseline_time`` before it that computed as
+many decoding requests as it did or more, at least ``long_prefill_min_baseline_iterations`` of them
+(where fewer did, that many of the most, scaled up to its own: a batch bigger than any
+before is never judged against smaller ones, which had made a 34-request iteration 14x "its
+baseline" of 16 to 27 requests). So a judgment never changes as later records come, and the
+live sidecar, which keeps that much history before every iteration it judges
 (telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
 
 A stretched iteration is a finding only where the decoding requests notice it
@@ -52,24 +55,43 @@ def _history(
     return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
+def decode_only_rows(tl: EngineTimeline) -> np.ndarray:
+    """A mask of tl's timed iterations that decoded and carried no prompt chunk."""
+    return (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
+
+
 def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.ndarray:
-    """For each of ``rows``, the median time (ns) of the timed decode-only iterations that
-    started within ``long_prefill_baseline_time`` before it; NaN with fewer than
-    ``long_prefill_min_baseline_iterations`` of them."""
-    decode_only = (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
-    elapsed = tl.col("elapsed_ns")[decode_only]
+    """For each of ``rows``, what the decode-only iterations that started within
+    ``long_prefill_baseline_time`` before it say its decoding should take (ns): the median
+    time of its peers, those that decoded as many requests or more (the work of a decode:
+    each request's token, and the draft tokens it scores), while there are
+    ``long_prefill_min_baseline_iterations`` of them; else of that many that decoded the
+    most, each scaled up to the row's requests (as if time grew in proportion, which
+    overstates it: part of an iteration's time is fixed; so a batch that grew while the engine
+    slowed is judged, never blamed for the growth). NaN with fewer iterations than that."""
+    decode_only = decode_only_rows(tl)
+    elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
+    requests = tl.col("num_decode_reqs")[decode_only].astype(float)  # > 0: decode-only
+    firsts, lasts = past_bounds(tl, decode_only, rows, th.long_prefill_baseline_time, False)
+    own_requests = np.maximum(tl.col("num_decode_reqs")[rows], 1).astype(float)
+    least = th.long_prefill_min_baseline_iterations
     baselines = np.full(len(rows), np.nan)
-    medians: dict[tuple[int, int], float] = {}  # rows with no decode-only one between share it
-    for number, span in enumerate(_history(tl, decode_only, rows, th, itself=False)):
-        first, last = span
-        if last - first >= th.long_prefill_min_baseline_iterations:
-            if span not in medians:
-                medians[span] = float(np.median(elapsed[first:last]))
-            baselines[number] = medians[span]
+    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
+        if last - first < least:
+            continue
+        span_requests, span_elapsed = requests[first:last], elapsed[first:last]
+        own = own_requests[number]
+        peers = span_requests >= own
+        if peers.sum() >= least:
+            baselines[number] = float(np.median(span_elapsed[peers]))
+        else:  # the `least` that decoded the most, scaled up to its own
+            most = np.argpartition(-span_requests, least - 1)[:least]
+            scaled = span_elapsed[most] * (own / span_requests[most]).clip(min=1.0)
+            baselines[number] = float(np.median(scaled))
     return baselines
 
 
-def _prefill_token_costs(
+def prefill_token_costs(
     tl: EngineTimeline, rows: np.ndarray, baselines: np.ndarray, th: Thresholds
 ) -> np.ndarray:
     """For each of ``rows``, what a prefill token adds to an iteration, robustly: the median,
@@ -200,7 +222,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         slow - baselines >= th.long_prefill_min_extra_time * NS_PER_S
     )
     candidates, baselines = candidates[slower], baselines[slower]
-    token_costs = _prefill_token_costs(tl, candidates, baselines, th)
+    token_costs = prefill_token_costs(tl, candidates, baselines, th)
     stretched = prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines
     candidates, baselines = candidates[stretched], baselines[stretched]
     stretch = long_prefill_stretch(th)

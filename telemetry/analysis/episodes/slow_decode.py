@@ -1,16 +1,16 @@
 """Decode iterations slowed by nothing in their batch: the host or device was busy elsewhere.
 
-A decode-only iteration (no prompt chunk) is judged against the decode-only iterations of
-the ``long_prefill_baseline_time`` before it that computed as many tokens or more (or, where
-fewer than ``long_prefill_min_baseline_iterations`` did, that many that computed the most,
-scaled up to its tokens: ``peer_baselines``): where it took ``slow_decode_ratio`` times their
-median or more, the same work ran that much faster just before, so neither its batch nor a
-prompt explains the time; other processes on the engine's cores, memory pressure, a
-throttled or shared device do. Like a long prefill (latency.py), it is a finding only where
-the decoding requests notice it: a pause of ``slow_decode_min_pause`` beyond the baseline, or
-such iterations at least ``slow_decode_min_share`` of the decoding steps in the baseline time
-before it (they set the p99 inter-token latency). Judged on the past only, as the live
-sidecar judges it.
+A decode-only iteration (no prompt chunk) is judged against the decode-only iterations of the
+``long_prefill_baseline_time`` before it that decoded as many requests or more (or, where fewer
+than ``long_prefill_min_baseline_iterations`` did, that many that decoded the most, scaled up
+to its tokens: latency.decode_baselines, a long prefill's too): where it took
+``slow_decode_ratio`` times their median or more, the same work ran that much faster just
+before, so neither its batch nor a prompt explains the time; other processes on the engine's
+cores, memory pressure, a throttled or shared device do. Like a long prefill (latency.py), it
+is a finding only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
+beyond the baseline, or such iterations at least ``slow_decode_min_share`` of the decoding
+steps in the baseline time before it (they set the p99 inter-token latency). Judged on the past
+only, as the live sidecar judges it.
 
 Not judged: an iteration as long as the stall threshold's floor (``STALL_FLOOR_S``, or a fixed
 ``stall_after``) or longer, which is the stall rule's (liveness.py: a stall live and in explain
@@ -30,11 +30,17 @@ from telemetry.analysis.episodes.episode import (
     Episode,
     Thresholds,
     group_by_time,
-    past_bounds,
     secs,
     span_episode,
 )
-from telemetry.analysis.episodes.latency import Stretch, max_share, noticed, noticed_text
+from telemetry.analysis.episodes.latency import (
+    Stretch,
+    decode_baselines,
+    decode_only_rows,
+    max_share,
+    noticed,
+    noticed_text,
+)
 from telemetry.analysis.episodes.silences import Silences
 from telemetry.analysis.stall_rule import STALL_FLOOR_S
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
@@ -55,40 +61,6 @@ def slow_decode_stretch(th: Thresholds) -> Stretch:
         th.slow_decode_min_pause * NS_PER_S,
         th.slow_decode_min_share,
     )
-
-
-def decode_only_rows(tl: EngineTimeline) -> np.ndarray:
-    """A mask of tl's timed iterations that decoded and carried no prompt chunk."""
-    return (tl.col("num_prefill_tokens") == 0) & (tl.col("num_decode_reqs") > 0) & tl.timed
-
-
-def peer_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np.ndarray:
-    """For each of ``rows``, what the decode-only iterations that started within
-    ``long_prefill_baseline_time`` before it say its work should take (ns): the median time
-    of its peers, those that computed as many decode tokens or more, while there are
-    ``long_prefill_min_baseline_iterations`` of them; else of that many that computed the
-    most, each scaled up to the row's tokens (as if time grew in proportion to tokens, which
-    overstates it: part of an iteration's time is fixed; so a batch that grew while the engine
-    slowed is judged, never blamed for the growth). NaN with fewer iterations than that."""
-    decode_only = decode_only_rows(tl)
-    elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
-    tokens = np.maximum(tl.col("num_decode_tokens")[decode_only], 1).astype(float)
-    firsts, lasts = past_bounds(tl, decode_only, rows, th.long_prefill_baseline_time, False)
-    own_tokens = tl.col("num_decode_tokens")[rows].astype(float)
-    least = th.long_prefill_min_baseline_iterations
-    baselines = np.full(len(rows), np.nan)
-    for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
-        if last - first < least:
-            continue
-        span_tokens, span_elapsed, own = tokens[first:last], elapsed[first:last], own_tokens[number]
-        peers = span_tokens >= own
-        if peers.sum() >= least:
-            baselines[number] = float(np.median(span_elapsed[peers]))
-        else:  # the `least` of the most tokens, scaled up to its own
-            most = np.argpartition(-span_tokens, least - 1)[:least]
-            scaled = span_elapsed[most] * (own / span_tokens[most]).clip(min=1.0)
-            baselines[number] = float(np.median(scaled))
-    return baselines
 
 
 def _candidates(tl: EngineTimeline, th: Thresholds, stretch: Stretch) -> np.ndarray:
@@ -115,7 +87,7 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         return []
     stretch = slow_decode_stretch(th)
     rows = _candidates(tl, th, stretch)
-    baselines = peer_baselines(tl, rows, th)
+    baselines = decode_baselines(tl, rows, th)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
     is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
@@ -152,9 +124,9 @@ def _episode(
             f"{plural(len(rows), 'decode-only iteration')} took up to {secs(elapsed[worst])} "
             f"(iteration {int(tl.col('iteration')[worst])}, "
             f"{int(tl.col('num_decode_reqs')[worst])} decoding, no prompt) where decode-only "
-            f"iterations of as many tokens took {secs(baseline_of[worst])} in the "
-            f"{th.long_prefill_baseline_time:g} s before it (median; those of fewer tokens "
-            "scaled up to its own, where too few computed as many)"
+            f"iterations of as many decoding requests took {secs(baseline_of[worst])} in the "
+            f"{th.long_prefill_baseline_time:g} s before it (median; those of fewer scaled up "
+            "to its own, where too few decoded as many)"
             f"{noticed_text(shares, stretch, th)}"
         ),
         explanation=(

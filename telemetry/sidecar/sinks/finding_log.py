@@ -68,8 +68,9 @@ def _with_word(cost: str) -> str:
 # Kinds said at INFO, not WARNING, while they cost under PROMOTE_COST request-seconds (a
 # finding, or a repeats' line in all): on a CPU a 100-token prompt beside one decoding request
 # stretches its token by 0.1 s, and the long-prefill WARNINGs came every 30 s of healthy load
-# (QA, vLLM 0.32). /findings, /metrics and explain list them as before.
-QUIET_KINDS = frozenset(("long_prefill",))
+# (QA, vLLM 0.32); a slowed decode's blips on a loaded CPU host came as WARNINGs of 0.3
+# request-s. /findings, /metrics and explain list them as before.
+QUIET_KINDS = frozenset(("long_prefill", "slow_decode"))
 
 
 def finding_line(event: FindingEvent) -> Line:
