@@ -77,13 +77,21 @@ def _status(after: Samples) -> str:
     return states[0] if states else "unknown"
 
 
+def _iterations_grown(before: Samples, after: Samples) -> float | None:
+    """Iterations between two scrapes (None: no increase to read)."""
+    return increase(value(before, "iterations_total"), value(after, "iterations_total"))
+
+
 def _status_text(status: str, before: Samples | None, after: Samples) -> str:
     """The status, and for a stalled engine whose iterations go on (they schedule nothing:
     the loop spins, explain's "Engine spinning") that it spins, not "stalled" beside a rate."""
     if status != "stalled" or before is None:
         return status
-    grown = increase(value(before, "iterations_total"), value(after, "iterations_total"))
-    return "stalled: spinning, its iterations schedule nothing" if grown else status
+    return (
+        "stalled: spinning, its iterations schedule nothing"
+        if _iterations_grown(before, after)
+        else status
+    )
 
 
 def _source(after: Samples) -> str | None:
@@ -98,7 +106,7 @@ def _source(after: Samples) -> str | None:
 def _rate(before: Samples | None, after: Samples, window_s: float) -> str:
     if before is None:
         return NO_READ
-    grown = increase(value(before, "iterations_total"), value(after, "iterations_total"))
+    grown = _iterations_grown(before, after)
     return NO_DATA if grown is None else f"{grown / window_s:.1f}/s"
 
 

@@ -197,7 +197,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
     elapsed = tl.col("elapsed_ns")
     prefill_tokens, decode_reqs = tl.col("num_prefill_tokens"), tl.col("num_decode_reqs")
-    decode_only = (prefill_tokens == 0) & (decode_reqs > 0) & tl.timed
+    decode_only = decode_only_rows(tl)
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     # Only iterations slower than the ratio times the fastest decode-only one can be stretched
@@ -236,6 +236,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         rows = index[first : last + 1]
         worst = int(rows[np.argmax(elapsed[rows])])
         baseline_ns = baseline_of[worst]
+        shares = [share_of[row] for row in rows.tolist()]
         episodes.append(
             span_episode(
                 tl,
@@ -250,7 +251,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
                     f"against a median decode-only iteration of {secs(baseline_ns)} in the "
                     f"{th.long_prefill_baseline_time:g} s before it"
-                    f"{noticed_text([share_of[row] for row in rows.tolist()], stretch, th)}"
+                    f"{noticed_text(shares, stretch, th)}"
                 ),
                 explanation=(
                     "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
@@ -265,7 +266,7 @@ def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
                     "num_iterations": len(rows),
                     "max_elapsed_s": elapsed[worst] / NS_PER_S,
                     "baseline_s": baseline_ns / NS_PER_S,
-                    "max_stretched_share": max_share([share_of[row] for row in rows.tolist()]),
+                    "max_stretched_share": max_share(shares),
                 },
             )
         )

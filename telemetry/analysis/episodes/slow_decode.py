@@ -63,10 +63,12 @@ def slow_decode_stretch(th: Thresholds) -> Stretch:
     )
 
 
-def _candidates(tl: EngineTimeline, th: Thresholds, stretch: Stretch) -> np.ndarray:
+def _candidates(
+    tl: EngineTimeline, decode_only: np.ndarray, th: Thresholds, stretch: Stretch
+) -> np.ndarray:
     """Decode-only iterations that may be slowed: stretched against the fastest decode-only
     one, shorter than the stall rule's floor, and not holding a silence."""
-    elapsed, decode_only = tl.col("elapsed_ns"), decode_only_rows(tl)
+    elapsed = tl.col("elapsed_ns")
     fastest_ns = float(elapsed[decode_only].min())
     floor_ns = (th.stall_after or STALL_FLOOR_S) * NS_PER_S
     rows = np.flatnonzero(
@@ -86,7 +88,7 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     stretch = slow_decode_stretch(th)
-    rows = _candidates(tl, th, stretch)
+    rows = _candidates(tl, decode_only, th, stretch)
     baselines = decode_baselines(tl, rows, th)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
