@@ -117,17 +117,17 @@ def test_submit_and_stream_from_asyncio(client):
         assert tokens == reference_output(prompt, 8, MAX_MODEL_LEN, ignore_eos=True)
 
 
-def test_abort_ends_the_stream():
-    """A paced runner (5 ms a step), so the abort lands while the request runs: the fake
-    model alone made 200 tokens before the abort arrived on a fast machine."""
+@pytest.fixture(scope="module")
+def paced_client():
+    """A paced runner (5 ms a step), so an abort lands while the request runs: the fake
+    model alone made 200 tokens before the abort arrived on a fast machine (and 250 in CI)."""
     client = start_client(runner_class=PacedRunner)
-    try:
-        abort_a_running_request(client)
-    finally:
-        client.shutdown()
+    yield client
+    client.shutdown()
 
 
-def abort_a_running_request(client) -> None:
+def test_abort_ends_the_stream(paced_client):
+    client = paced_client
     stream = client.add_request([1, 2, 3], greedy(200), request_id="to-abort")
     first = stream.get(timeout=10)
     assert not first.finished
@@ -161,9 +161,10 @@ def test_a_value_of_a_wrong_type_is_rejected_at_submission(client):
     assert collect(client.add_request([1, 2, 3], greedy(3)))[1] == "length"
 
 
-def test_frames_the_engine_cannot_read_never_end_it(client):
+def test_frames_the_engine_cannot_read_never_end_it(paced_client):
     """A foreign sender's bad frames: a request the engine can name is rejected, the rest is
     dropped, an unknown abort reason is a plain abort; requests in flight carry on."""
+    client = paced_client
     running = client.add_request([1, 2, 3], greedy(250))
     assert not running.get(timeout=10).finished
     bad_request = core_messages.AddRequest("bad-seed", [1, 2, 3], SamplingParams(seed="7"))
@@ -192,7 +193,7 @@ def test_engine_process_imports_no_exporters_and_logs_nothing_per_iteration(clie
 
 
 def test_graceful_shutdown_aborts_what_is_left():
-    client = start_client()
+    client = start_client(runner_class=PacedRunner)
     stream = client.add_request([1, 2, 3], greedy(240))
     stream.get(timeout=10)
     client.shutdown()
@@ -222,7 +223,7 @@ def test_ctrl_c_to_the_process_group_leaves_shutdown_to_the_client():
 
 def test_engine_death_wakes_every_waiter_and_is_logged(caplog):
     """The server lives on answering 503: its log says the engine died, how, and what to do."""
-    client = start_client()
+    client = start_client(runner_class=PacedRunner)
     try:
         streams = [client.add_request([1, 2, index], greedy(240)) for index in range(3)]
         streams[0].get(timeout=10)
