@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from scenarios import synthetic
-from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
+from scenarios.synthetic import STORY_COST, Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode
 from telemetry.analysis.findings import build_findings, episode_cost
@@ -121,3 +121,44 @@ def test_the_decoding_requests_time_is_the_cost():
     timeline = timeline_of(sim.run(22).messages)
     (finding,) = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert finding.kind == "slow_decode" and finding.cost_label == "slowed"
+
+
+def test_a_slowdown_that_lasts_is_found_until_it_ends():
+    """Every decode 7x slower for 2 minutes: found whole, judged against the iterations before it
+    began (the slowed ones left out of the baseline: they had made up most of the 30 s before
+    after 21 s, and the rest of the slowdown read as the engine's normal), and over once the
+    engine runs as fast again."""
+    rows = decoding(3000) + decoding(1800, 0.070) + decoding(3000)
+    timeline = timeline_of(scripted(rows))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    slowed = episode.numbers["num_iterations"]
+    assert 1800 - 30 <= slowed <= 1800  # noticed once they are 1% of the 3,000 steps before
+    assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
+    assert episode.numbers["baseline_s"] == pytest.approx(0.010)
+    assert "in the 30 s before the slowdown began at iteration 3001 (median" in episode.evidence
+    assert episode_cost(timeline, episode, Thresholds()) == pytest.approx(4 * 0.060 * slowed)
+
+
+def test_a_lasting_slowdown_is_judged_on_as_much_kv_as_before_it():
+    """Decodes 7x slower while the KV blocks in use grew 10-fold (longer contexts to read):
+    past the baseline time, the pace before it no longer says what this work should take."""
+    longer = [Row(0.070, running=4, waiting=0, blocks_used=100, gen_reqs=4)] * 1800
+    timeline = timeline_of(scripted(decoding(3000) + longer + decoding(3000)))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.end_ns - episode.start_ns < 30 * NS_PER_S
+
+
+def test_a_lasting_slowdown_that_grows_the_batch_is_found_until_it_ends():
+    """Every decode 4x slower for 90 s, so requests pile up (decoding 1-5 at a time before,
+    up to 29 during): judged against the pace before it, the fixed part of an iteration's time
+    (20 ms here) not scaled up with the batch (it had made the baseline 3-fold too high: the
+    slowdown's first 3 s found, then nothing)."""
+    sim = Simulator(num_blocks=800, max_num_seqs=32, max_num_batched_tokens=1024, cost=STORY_COST)
+    sim.add_requests(arrivals(2, 110), num_prompt=96, num_output=60)
+    sim.add_slowdown(from_s=12.0, to_s=102.0, factor=4.0)
+    timeline = timeline_of(sim.run(113).messages)
+    assert timeline.col("num_decode_reqs").max() > 25
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    start_s = (episode.start_ns - timeline.col("start_ns")[0]) / NS_PER_S
+    end_s = (episode.end_ns - timeline.col("start_ns")[0]) / NS_PER_S
+    assert start_s < 12.5 and end_s > 100

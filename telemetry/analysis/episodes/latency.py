@@ -66,9 +66,11 @@ def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np
     time of its peers, those that decoded as many requests or more (the work of a decode:
     each request's token, and the draft tokens it scores), while there are
     ``long_prefill_min_baseline_iterations`` of them; else of that many that decoded the
-    most, each scaled up to the row's requests (as if time grew in proportion, which
-    overstates it: part of an iteration's time is fixed; so a batch that grew while the engine
-    slowed is judged, never blamed for the growth). NaN with fewer iterations than that."""
+    most, each scaled up to the row's requests: by the time a request adds, where the
+    iterations before say it (_time_per_request), else as if all of its time grew in
+    proportion, which overstates it (part of an iteration's time is fixed; so a batch that
+    grew while the engine slowed is judged, never blamed for the growth). NaN with fewer
+    iterations than that."""
     decode_only = decode_only_rows(tl)
     elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
     requests = tl.col("num_decode_reqs")[decode_only].astype(float)  # > 0: decode-only
@@ -77,18 +79,44 @@ def decode_baselines(tl: EngineTimeline, rows: np.ndarray, th: Thresholds) -> np
     least = th.long_prefill_min_baseline_iterations
     baselines = np.full(len(rows), np.nan)
     for number, (first, last) in enumerate(zip(firsts.tolist(), lasts.tolist(), strict=True)):
-        if last - first < least:
-            continue
-        span_requests, span_elapsed = requests[first:last], elapsed[first:last]
-        own = own_requests[number]
-        peers = span_requests >= own
-        if peers.sum() >= least:
-            baselines[number] = float(np.median(span_elapsed[peers]))
-        else:  # the `least` that decoded the most, scaled up to its own
-            most = np.argpartition(-span_requests, least - 1)[:least]
-            scaled = span_elapsed[most] * (own / span_requests[most]).clip(min=1.0)
-            baselines[number] = float(np.median(scaled))
+        baselines[number] = peer_median(
+            requests[first:last], elapsed[first:last], own_requests[number], least
+        )
     return baselines
+
+
+def peer_median(requests: np.ndarray, elapsed: np.ndarray, own: float, least: int) -> float:
+    """The baseline of an iteration that decoded ``own`` requests, from the decode-only
+    iterations of its past (their decoding requests and times): decode_baselines' rule."""
+    if len(requests) < least:
+        return math.nan
+    peers = requests >= own
+    if peers.sum() >= least:
+        return float(np.median(elapsed[peers]))
+    most = np.argpartition(-requests, least - 1)[:least]  # scaled up to its own
+    scaled = elapsed[most] * (own / requests[most]).clip(min=1.0)
+    per_request = _time_per_request(requests, elapsed)
+    if per_request is not None:  # the fixed part of their time does not grow
+        scaled = np.minimum(scaled, elapsed[most] + per_request * (own - requests[most]))
+    return float(np.median(scaled))
+
+
+def _time_per_request(requests: np.ndarray, elapsed: np.ndarray) -> float | None:
+    """What one more decoding request adds to a decode-only iteration, fitted (least squares)
+    over those given, where they say it: their requests at least 2-fold apart and the slope
+    above 0 by 2 standard errors (tune's rule for a cost it can measure). None otherwise:
+    then time is taken to grow in proportion (all of it per request), which overstates it.
+    A batch that grew while the engine slowed had its baseline overstated that way, 3-fold
+    where a fixed 20 ms of each iteration did not grow: a CPU hog that slowed every decode
+    4x for 90 s, the batch growing from 8 to 29, was a slowed decode for its first 3 s."""
+    if len(requests) < 3 or requests.min() * 2 > requests.max():
+        return None
+    centered = requests - requests.mean()
+    spread = float(centered @ centered)
+    slope = float(centered @ elapsed) / spread
+    residuals = elapsed - elapsed.mean() - slope * centered
+    error = math.sqrt(float(residuals @ residuals) / (len(requests) - 2) / spread)
+    return slope if slope > 2 * error else None
 
 
 def prefill_token_costs(

@@ -3,10 +3,11 @@
 A decode-only iteration (no prompt chunk) is judged against the decode-only iterations of the
 ``long_prefill_baseline_time`` before it that decoded as many requests or more (or, where fewer
 than ``long_prefill_min_baseline_iterations`` did, that many that decoded the most, scaled up
-to its tokens: latency.decode_baselines, a long prefill's too): where it took
-``slow_decode_ratio`` times their median or more, the same work ran that much faster just
-before, so neither its batch nor a prompt explains the time; other processes on the engine's
-cores, memory pressure, a throttled or shared device do. Like a long prefill (latency.py), it
+to its tokens: latency.decode_baselines, a long prefill's too), less those found slowed, and
+while a slowdown lasts, against those before it began (_PaceBefore): where it took
+``slow_decode_ratio`` times their median or more, the same work ran that much faster before,
+so neither its batch nor a prompt explains the time; other processes on the engine's cores,
+memory pressure, a throttled or shared device do. Like a long prefill (latency.py), it
 is a finding only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
 beyond the baseline, or such iterations at least ``slow_decode_min_share`` of the decoding
 steps in the baseline time before it (they set the p99 inter-token latency). Judged on the past
@@ -35,11 +36,11 @@ from telemetry.analysis.episodes.episode import (
 )
 from telemetry.analysis.episodes.latency import (
     Stretch,
-    decode_baselines,
     decode_only_rows,
     max_share,
     noticed,
     noticed_text,
+    peer_median,
 )
 from telemetry.analysis.episodes.silences import Silences
 from telemetry.analysis.stall_rule import STALL_FLOOR_S
@@ -82,14 +83,71 @@ def _candidates(
     return rows
 
 
+class _PaceBefore:
+    """The decode-only iterations' past as the slowed-decode rule reads it: those found slowed
+    are left out of every later baseline, and an iteration right after slowed ones is judged
+    on the baseline time before the latest one not slowed: the pace before the slowdown
+    began (a slowdown that lasts had filled the 30 s before with slowed iterations: after
+    21 s of every decode 7x slower they were most of it, and the rest of a 2-minute slowdown
+    read as the engine's pace). That baseline grows with the KV blocks in use per decoding
+    request where they grew since (a decode reads them all: longer contexts are more work,
+    not a slowdown; more requests are the baseline rule's already). Where nothing just before
+    was slowed, the baseline is decode_baselines' (the slowed ones left out). Iterations are
+    judged in order, each on the judgments before it, so a judgment never changes as later
+    records come."""
+
+    def __init__(self, tl: EngineTimeline, decode_only: np.ndarray, th: Thresholds) -> None:
+        self.positions = np.flatnonzero(decode_only)  # tl's rows of the decode-only iterations
+        self.starts = tl.col("start_ns")[decode_only]
+        self.elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
+        self.requests = tl.col("num_decode_reqs")[decode_only].astype(float)
+        blocks = tl.col("num_kv_blocks_used")[decode_only].astype(float)
+        self.context = np.maximum(blocks, 1.0) / self.requests  # KV blocks a decoding request
+        self.window_ns = int(th.long_prefill_baseline_time * NS_PER_S)
+        self.least = th.long_prefill_min_baseline_iterations
+        self.slowed = np.zeros(len(self.positions), dtype=bool)
+        self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # a slowed run's first
+        self.began: dict[int, int] = {}  # row -> tl's row where the slowdown before it began
+
+    def judge(self, row: int, stretch: Stretch) -> float:
+        """The baseline of ``row`` (a decode-only iteration later than any judged before it),
+        NaN where too few iterations say one; marks it slowed where stretched against it."""
+        at = int(self.positions.searchsorted(row))
+        if not (at and self.slowed[at - 1]):
+            baseline = self._baseline(self._past(self.starts[at], at), at)
+        else:  # the pace before the slowed iterations just before it began
+            latest = int(self.run_first[at - 1]) - 1  # >= 0: the first ones are not judged
+            self.began[row] = int(self.positions[latest + 1])
+            past = self._past(self.starts[latest], latest + 1)
+            baseline = self._baseline(past, at)
+            if len(past):
+                grown = self.context[at] / float(np.median(self.context[past]))
+                baseline *= max(grown, 1.0)
+        if stretch.is_stretched(self.elapsed[at], baseline):
+            self.slowed[at] = True
+            self.run_first[at] = self.run_first[at - 1] if at and self.slowed[at - 1] else at
+        return baseline
+
+    def _past(self, until_ns: int, last: int) -> np.ndarray:
+        """The positions not found slowed, before ``last``, that started within the baseline
+        time before ``until_ns``."""
+        first = int(self.starts.searchsorted(until_ns - self.window_ns))
+        return first + np.flatnonzero(~self.slowed[first:last])
+
+    def _baseline(self, past: np.ndarray, at: int) -> float:
+        own = max(self.requests[at], 1.0)
+        return peer_median(self.requests[past], self.elapsed[past], own, self.least)
+
+
 def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    """Decode-only iterations far slower than the same work just before them."""
+    """Decode-only iterations far slower than the same work before them."""
     decode_only = decode_only_rows(tl)
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
     stretch = slow_decode_stretch(th)
     rows = _candidates(tl, decode_only, th, stretch)
-    baselines = decode_baselines(tl, rows, th)
+    pace = _PaceBefore(tl, decode_only, th)
+    baselines = np.array([pace.judge(row, stretch) for row in rows.tolist()], dtype=float)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
     is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
@@ -98,7 +156,7 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     index = rows[is_noticed]
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
     return [
-        _episode(tl, index[first : last + 1], baseline_of, share_of, stretch, th)
+        _episode(tl, index[first : last + 1], baseline_of, share_of, pace.began, stretch, th)
         for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends)
     ]
 
@@ -108,11 +166,17 @@ def _episode(
     rows: np.ndarray,
     baseline_of: dict[int, float],
     share_of: dict[int, float],
+    began: dict[int, int],
     stretch: Stretch,
     th: Thresholds,
 ) -> Episode:
     elapsed = tl.col("elapsed_ns")
     worst = int(rows[np.argmax(elapsed[rows])])
+    before = (
+        f"before the slowdown began at iteration {int(tl.col('iteration')[began[worst]])}"
+        if worst in began
+        else "before it"
+    )
     shares = [share_of[row] for row in rows.tolist()]
     extra_ns = elapsed[rows] - np.array([baseline_of[row] for row in rows.tolist()])
     slowed_s = float((tl.col("num_decode_reqs")[rows] * extra_ns).sum()) / NS_PER_S
@@ -127,13 +191,13 @@ def _episode(
             f"(iteration {int(tl.col('iteration')[worst])}, "
             f"{int(tl.col('num_decode_reqs')[worst])} decoding, no prompt) where decode-only "
             f"iterations of as many decoding requests took {secs(baseline_of[worst])} in the "
-            f"{th.long_prefill_baseline_time:g} s before it (median; those of fewer scaled up "
+            f"{th.long_prefill_baseline_time:g} s {before} (median; those of fewer scaled up "
             "to its own, where too few decoded as many)"
             f"{noticed_text(shares, stretch, th)}"
         ),
         explanation=(
             "Neither a prompt chunk nor a bigger batch explains these iterations: the same "
-            "work ran several times faster just before, so the engine was slowed from "
+            "work ran several times faster before, so the engine was slowed from "
             "outside, and every decoding request's tokens came that much later."
         ),
         setting=SLOW_DECODE_SETTING,
