@@ -479,8 +479,24 @@ def _kv_peak_action(tl: EngineTimeline, length: RequestLength) -> str:
     )
 
 
+SLOWED_FIRST_TEXT = (
+    "First find what else ran on the engine's host or device and keep it off its cores: the "
+    "queue formed while decode iterations were slowed from outside the batch (the "
+    "slowed-decode finding). If it forms again without that: "
+)
+
+
 def finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
-    """The one thing to change for this finding, naming the flag and, where known, the value."""
+    """The one thing to change for this finding, naming the flag and, where known, the value;
+    for a queue that formed while the engine was slowed from outside (related.py), freeing
+    the engine first."""
+    action = _finding_action(tl, finding, th)
+    if not finding.worst.numbers.get("began_slowed"):
+        return action
+    return SLOWED_FIRST_TEXT + (action[0].lower() + action[1:] if action[1:2].islower() else action)
+
+
+def _finding_action(tl: EngineTimeline, finding: Finding, th: Thresholds) -> str:
     kind, reason = finding.kind, finding.worst.numbers.get("reason")
     if kind == "long_prefill" or (kind == "waiting" and reason == "waiting_budget"):
         return _budget_action(*action_basis(tl, finding.worst), th, lower=kind == "long_prefill")

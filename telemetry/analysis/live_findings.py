@@ -46,7 +46,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from telemetry.analysis.actions import ACTION_HISTORY_S, episode_action, reads_whole_episode
+from telemetry.analysis.actions import (
+    ACTION_HISTORY_S,
+    SLOWED_FIRST_TEXT,
+    episode_action,
+    reads_whole_episode,
+)
 from telemetry.analysis.episodes import (
     INFO,
     Episode,
@@ -62,6 +67,7 @@ from telemetry.analysis.episodes import (
     detect_slow_decode,
     detect_telemetry_gaps,
     detect_waiting,
+    note_slowed_queues,
     secs,
 )
 from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
@@ -425,6 +431,7 @@ class EngineFindings:
             ),
             key=lambda e: (e.start_ns, e.kind),
         )
+        note_slowed_queues(episodes)
         opened, seen = [], set()
         for episode in episodes:
             kind = finding_kind(episode)
@@ -511,7 +518,9 @@ class EngineFindings:
         finding.end_ns = max(finding.end_ns, episode.end_ns)
         finding.title, finding.evidence = episode.title, episode.evidence
         finding.source_episode = episode
-        if reads_whole_episode(episode):  # a KV size: drawn from the episode so far
+        if reads_whole_episode(episode) or (  # a KV size: drawn from the episode so far
+            episode.numbers.get("began_slowed") and not finding.action.startswith(SLOWED_FIRST_TEXT)
+        ):  # or a queue found to have formed in a slowdown that was noticed after it began
             finding.action = episode_action(tl, episode, self.thresholds)
         cost = episode_cost(tl, episode, self.thresholds)
         if episode.start_ns > finding.start_ns:  # the window no longer holds its start

@@ -70,6 +70,7 @@ from telemetry.analysis.episodes.kv import detect_kv_cliff, detect_kv_leaks, det
 from telemetry.analysis.episodes.latency import detect_long_prefill
 from telemetry.analysis.episodes.liveness import detect_idle, detect_stalls, detect_telemetry_gaps
 from telemetry.analysis.episodes.queues import detect_preemption_storms, detect_waiting
+from telemetry.analysis.episodes.related import note_slowed_queues
 from telemetry.analysis.episodes.slow_decode import detect_slow_decode
 from telemetry.analysis.timeline import (
     FACT_FIELDS,
@@ -109,6 +110,7 @@ __all__ = [
     "detect_waiting",
     "flag_text",
     "group_by_time",
+    "note_slowed_queues",
     "pct",
     "secs",
     "true_runs",
@@ -137,4 +139,5 @@ def detect_episodes(
     """Every episode of one engine, ordered by start time."""
     thresholds = thresholds or Thresholds()
     episodes = [e for detector in DETECTORS for e in detector(timeline, thresholds)]
+    note_slowed_queues(episodes)
     return sorted(episodes, key=lambda e: (e.start_ns, e.kind))
