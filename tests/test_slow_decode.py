@@ -162,3 +162,14 @@ def test_a_lasting_slowdown_that_grows_the_batch_is_found_until_it_ends():
     start_s = (episode.start_ns - timeline.col("start_ns")[0]) / NS_PER_S
     end_s = (episode.end_ns - timeline.col("start_ns")[0]) / NS_PER_S
     assert start_s < 12.5 and end_s > 100
+
+
+def test_a_lasting_slowdown_where_the_source_reports_no_kv_is_found_until_it_ends():
+    """No KV blocks reported (an FPM producer may not say them): the baseline is not grown by
+    a KV figure the source never gave (the blocks per request read 1/requests, so a smaller
+    batch had looked like longer contexts)."""
+    before = [Row(0.010, running=8, waiting=0, blocks_used=0, gen_reqs=8)] * 3000
+    during = [Row(0.070, running=2, waiting=0, blocks_used=0, gen_reqs=2)] * 1800
+    timeline = timeline_of(scripted(before + during + before))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]

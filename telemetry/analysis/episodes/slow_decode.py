@@ -105,7 +105,8 @@ class _PaceBefore:
         self.elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
         self.requests = tl.col("num_decode_reqs")[decode_only].astype(float)
         blocks = tl.col("num_kv_blocks_used")[decode_only].astype(float)
-        self.context = np.maximum(blocks, 1.0) / self.requests  # KV blocks a decoding request
+        # KV blocks a decoding request holds; NaN where the source says none
+        self.context = np.where(blocks > 0, blocks, np.nan) / self.requests
         self.window_ns = int(th.long_prefill_baseline_time * NS_PER_S)
         self.least = th.long_prefill_min_baseline_iterations
         self.slowed = np.zeros(len(self.positions), dtype=bool)
@@ -122,7 +123,8 @@ class _PaceBefore:
             latest = int(self.run_first[at - 1]) - 1  # >= 0: the first ones are not judged
             self.began[row] = int(self.positions[latest + 1])
             baseline, context = self._pace_before(latest, max(self.requests[at], 1.0))
-            baseline *= max(self.context[at] / context, 1.0)
+            grown = self.context[at] / context  # NaN where either is unknown: not grown
+            baseline *= grown if grown > 1.0 else 1.0
         if stretch.is_stretched(self.elapsed[at], baseline):
             self.slowed[at] = True
             self.run_first[at] = self.run_first[at - 1] if at and self.slowed[at - 1] else at
@@ -141,11 +143,13 @@ class _PaceBefore:
     @functools.lru_cache(maxsize=64)  # noqa: B019 (an object lives for one detection)
     def _pace_before(self, latest: int, own: float) -> tuple[float, float]:
         """The baseline of ``own`` decoding requests as of ``latest`` (not slowed, judged
-        before any later one), and the median KV blocks a decoding request held then: the
-        same for every iteration of a slowdown (a run of 20,000 had taken 74 us each)."""
+        before any later one), and the median KV blocks a decoding request held then (NaN:
+        none said): the same for every iteration of a slowdown (a run of 20,000 had taken
+        74 us each)."""
         past = self._past(self.starts[latest], latest + 1)
         baseline = peer_median(self.requests[past], self.elapsed[past], own, self.least)
-        return baseline, float(np.median(self.context[past])) if len(past) else math.inf
+        known = self.context[past][~np.isnan(self.context[past])]
+        return baseline, float(np.median(known)) if len(known) else math.nan
 
 
 def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
