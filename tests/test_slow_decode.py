@@ -173,3 +173,15 @@ def test_a_lasting_slowdown_where_the_source_reports_no_kv_is_found_until_it_end
     timeline = timeline_of(scripted(before + during + before))
     (episode,) = detect_slow_decode(timeline, Thresholds())
     assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
+
+
+def test_a_lasting_slowdown_is_judged_on_as_many_kv_tokens_as_before_it():
+    """The same where the source says KV tokens and no blocks (an FPM producer): 10-fold the
+    KV tokens a decoding request holds is more work, not a slowdown."""
+    before = [Row(0.010, running=4, waiting=0, blocks_used=0, gen_reqs=4)] * 3000
+    during = [Row(0.070, running=4, waiting=0, blocks_used=0, gen_reqs=4)] * 1800
+    records = scripted(before + during + before)
+    for number, record in enumerate(records):
+        record.num_kv_tokens = 4 * (5000 if 3000 <= number < 4800 else 500)
+    (episode,) = detect_slow_decode(timeline_of(records), Thresholds())
+    assert episode.end_ns - episode.start_ns < 30 * NS_PER_S

@@ -92,21 +92,24 @@ class _PaceBefore:
     on the baseline time before the latest one not slowed: the pace before the slowdown
     began (a slowdown that lasts had filled the 30 s before with slowed iterations: after
     21 s of every decode 7x slower they were most of it, and the rest of a 2-minute slowdown
-    read as the engine's pace). That baseline grows with the KV blocks in use per decoding
-    request where they grew since (a decode reads them all: longer contexts are more work,
-    not a slowdown; more requests are the baseline rule's already). Where nothing just before
-    was slowed, the baseline is decode_baselines' (the slowed ones left out). Iterations are
-    judged in order, each on the judgments before it, so a judgment never changes as later
-    records come."""
+    read as the engine's pace). That baseline grows with the KV a decoding request holds
+    (tokens, else blocks) where it grew since (a decode reads it all: longer contexts are
+    more work, not a slowdown; more requests are the baseline rule's already). Where nothing
+    just before was slowed, the baseline is decode_baselines' (the slowed ones left out).
+    Iterations are judged in order, each on the judgments before it, so a judgment never
+    changes as later records come."""
 
     def __init__(self, tl: EngineTimeline, decode_only: np.ndarray, th: Thresholds) -> None:
         self.positions = np.flatnonzero(decode_only)  # tl's rows of the decode-only iterations
         self.starts = tl.col("start_ns")[decode_only]
         self.elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
         self.requests = tl.col("num_decode_reqs")[decode_only].astype(float)
-        blocks = tl.col("num_kv_blocks_used")[decode_only].astype(float)
-        # KV blocks a decoding request holds; NaN where the source says none
-        self.context = np.where(blocks > 0, blocks, np.nan) / self.requests
+        # the KV a decoding request holds: in tokens where the source says them (not the
+        # stat-logger plugin), else in blocks (not FPM producers); NaN where it says neither
+        held = tl.col("num_kv_tokens")[decode_only].astype(float)
+        if not (held > 0).any():
+            held = tl.col("num_kv_blocks_used")[decode_only].astype(float)
+        self.context = np.where(held > 0, held, np.nan) / self.requests
         self.window_ns = int(th.long_prefill_baseline_time * NS_PER_S)
         self.least = th.long_prefill_min_baseline_iterations
         self.slowed = np.zeros(len(self.positions), dtype=bool)
@@ -143,8 +146,8 @@ class _PaceBefore:
     @functools.lru_cache(maxsize=64)  # noqa: B019 (an object lives for one detection)
     def _pace_before(self, latest: int, own: float) -> tuple[float, float]:
         """The baseline of ``own`` decoding requests as of ``latest`` (not slowed, judged
-        before any later one), and the median KV blocks a decoding request held then (NaN:
-        none said): the same for every iteration of a slowdown (a run of 20,000 had taken
+        before any later one), and the median KV a decoding request held then (NaN: none
+        said): the same for every iteration of a slowdown (a run of 20,000 had taken
         74 us each)."""
         past = self._past(self.starts[latest], latest + 1)
         baseline = peer_median(self.requests[past], self.elapsed[past], own, self.least)
