@@ -18,8 +18,8 @@ def findings_of(name, tmp_path):
 
 
 def test_a_queue_that_formed_in_a_slowdown_frees_the_engine_first(tmp_path):
-    """Every decode 4x slower for 90 s near the sequence limit: the queue costs most; its
-    evidence and action say the slowdown came first, explain and live alike."""
+    """Every other iteration 5x slower for 90 s: the queue at the sequence limit costs most;
+    its evidence and action say the slowdown came first, explain and live alike."""
     path, timeline, findings = findings_of("another job, the queue grows", tmp_path)
     assert [f.kind for f in findings] == ["waiting", "slow_decode"]
     waiting = findings[0]

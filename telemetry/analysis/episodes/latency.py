@@ -95,7 +95,8 @@ def peer_median(requests: np.ndarray, elapsed: np.ndarray, own: float, least: in
         return float(np.median(elapsed[peers]))
     most = np.argpartition(-requests, least - 1)[:least]  # scaled up to its own
     scaled = elapsed[most] * (own / requests[most]).clip(min=1.0)
-    per_request = _time_per_request(requests, elapsed)
+    near = own <= 2 * requests[most].min()  # twice the requests of the ones scaled, at most
+    per_request = _time_per_request(requests, elapsed) if near else None
     if per_request is not None:  # the fixed part of their time does not grow
         scaled = np.minimum(scaled, elapsed[most] + per_request * (own - requests[most]))
     return float(np.median(scaled))
@@ -105,10 +106,14 @@ def _time_per_request(requests: np.ndarray, elapsed: np.ndarray) -> float | None
     """What one more decoding request adds to a decode-only iteration, fitted (least squares)
     over those given, where they say it: their requests at least 2-fold apart and the slope
     above 0 by 2 standard errors (tune's rule for a cost it can measure). None otherwise:
-    then time is taken to grow in proportion (all of it per request), which overstates it.
-    A batch that grew while the engine slowed had its baseline overstated that way, 3-fold
-    where a fixed 20 ms of each iteration did not grow: a CPU hog that slowed every decode
-    4x for 90 s, the batch growing from 8 to 29, was a slowed decode for its first 3 s."""
+    then time is taken to grow in proportion (all of it per request), which overstates it:
+    decodes of 4-8 requests taking 20 ms + 1 ms a request made the baseline of 14 requests
+    49 ms where 34 is right, so a slowdown of 4x read as 2.8x. peer_median uses it only up
+    to twice the fewest requests of the iterations it scales up: a CPU's decode turns from
+    reading weights to computing as its batch grows, so a slope fitted on 1-2 requests
+    understates what 64 add, and a burst after a quiet spell would be called slowed; beyond
+    that, proportion it is (twice the most seen was not enough: one iteration of a new size,
+    slowed but not found so, let a 17-request batch be judged on a fit over 4 to 8)."""
     if len(requests) < 3 or requests.min() * 2 > requests.max():
         return None
     centered = requests - requests.mean()

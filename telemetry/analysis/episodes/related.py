@@ -6,8 +6,8 @@ limit; where it began while decode iterations were slowed from outside the batch
 slow_decode episode), the engine had kept up with the same arrivals just before, and the
 queue formed because another job took its time: the waiting episode's evidence says so
 (``numbers["began_slowed"]``), and its action to free the engine's cores or device first
-(actions.finding_action). (A CPU hog that slowed every decode 4x for 90 s
-made 15,700 request-s of waiting, "Requests waiting: --max-num-seqs" first, and an action to
+(actions.finding_action). (Another job that made every other iteration 5x slower for 90 s
+made 11,500 request-s of waiting, "Requests waiting: --max-num-seqs" first, and an action to
 raise it, with nothing that tied the queue to the slowdown.)
 
 One rule for explain (episodes.detect_episodes) and the live sidecar (live_findings), over
