@@ -190,3 +190,17 @@ def test_a_lasting_slowdown_is_judged_on_as_many_kv_tokens_as_before_it():
         record.num_kv_tokens = 4 * (5000 if 3000 <= number < 4800 else 500)
     (episode,) = detect_slow_decode(timeline_of(records), Thresholds())
     assert episode.end_ns - episode.start_ns < 30 * NS_PER_S
+
+
+def test_a_burst_after_a_quiet_spell_is_not_a_slowed_decode():
+    """1-2 requests decoding for 30 s (10 ms + 0.1 ms a request: reading the weights), then a
+    burst of 64 (80 ms: computing now). The slope of the quiet spell would put 64 requests
+    at 16 ms, so 80 ms would read 5x slowed; past twice the requests seen, time in proportion
+    (320 ms) is all that is said."""
+    quiet = [
+        Row(0.010 + 0.0001 * n, running=n, waiting=0, blocks_used=10, gen_reqs=n)
+        for _ in range(1500)
+        for n in (1, 2)
+    ]
+    burst = [Row(0.080, running=64, waiting=0, blocks_used=10, gen_reqs=64)] * 500
+    assert detect_slow_decode(timeline_of(scripted(quiet + burst)), Thresholds()) == []
