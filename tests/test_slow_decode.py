@@ -204,3 +204,17 @@ def test_a_burst_after_a_quiet_spell_is_not_a_slowed_decode():
     ]
     burst = [Row(0.080, running=64, waiting=0, blocks_used=10, gen_reqs=64)] * 500
     assert detect_slow_decode(timeline_of(scripted(quiet + burst)), Thresholds()) == []
+
+
+def test_a_lasting_slowdown_with_somewhat_longer_contexts_says_the_growth():
+    """7x slower while each request holds 1.5x the KV blocks: still slowed, judged against
+    1.5x the time before, and the evidence says so."""
+    longer = [Row(0.070, running=4, waiting=0, blocks_used=15, gen_reqs=4)] * 1800
+    timeline = timeline_of(scripted(decoding(3000) + longer + decoding(3000)))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
+    assert episode.numbers["baseline_s"] == pytest.approx(0.015)
+    assert "took 10.0 ms in the 30 s before the slowdown began at iteration 3001" in (
+        episode.evidence
+    )
+    assert ", 1.5x that with the KV each decoding request holds now;" in episode.evidence

@@ -115,6 +115,7 @@ class _PaceBefore:
         self.slowed = np.zeros(len(self.positions), dtype=bool)
         self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # a slowed run's first
         self.began: dict[int, int] = {}  # row -> tl's row where the slowdown before it began
+        self.grown: dict[int, float] = {}  # row -> its baseline's growth with the KV it holds
 
     def judge(self, row: int, stretch: Stretch) -> float:
         """The baseline of ``row`` (a decode-only iteration later than any judged before it),
@@ -127,7 +128,9 @@ class _PaceBefore:
             self.began[row] = int(self.positions[latest + 1])
             baseline, context = self._pace_before(latest, max(self.requests[at], 1.0))
             grown = self.context[at] / context  # NaN where either is unknown: not grown
-            baseline *= grown if grown > 1.0 else 1.0
+            if grown > 1.0:
+                baseline *= grown
+                self.grown[row] = grown
         if stretch.is_stretched(self.elapsed[at], baseline):
             self.slowed[at] = True
             self.run_first[at] = self.run_first[at - 1] if at and self.slowed[at - 1] else at
@@ -172,7 +175,7 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     index = rows[is_noticed]
     times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
     return [
-        _episode(tl, index[first : last + 1], baseline_of, share_of, pace.began, stretch, th)
+        _episode(tl, index[first : last + 1], baseline_of, share_of, pace, stretch, th)
         for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends)
     ]
 
@@ -182,17 +185,15 @@ def _episode(
     rows: np.ndarray,
     baseline_of: dict[int, float],
     share_of: dict[int, float],
-    began: dict[int, int],
+    pace: _PaceBefore,
     stretch: Stretch,
     th: Thresholds,
 ) -> Episode:
     elapsed = tl.col("elapsed_ns")
     worst = int(rows[np.argmax(elapsed[rows])])
-    before = (
-        f"before the slowdown began at iteration {int(tl.col('iteration')[began[worst]])}"
-        if worst in began
-        else "before it"
-    )
+    before, grown = "before it", pace.grown.get(worst, 1.0)
+    if worst in pace.began:
+        before = f"before the slowdown began at iteration {tl.col('iteration')[pace.began[worst]]}"
     shares = [share_of[row] for row in rows.tolist()]
     extra_ns = elapsed[rows] - np.array([baseline_of[row] for row in rows.tolist()])
     slowed_s = float((tl.col("num_decode_reqs")[rows] * extra_ns).sum()) / NS_PER_S
@@ -206,10 +207,15 @@ def _episode(
             f"{plural(len(rows), 'decode-only iteration')} took up to {secs(elapsed[worst])} "
             f"(iteration {int(tl.col('iteration')[worst])}, "
             f"{int(tl.col('num_decode_reqs')[worst])} decoding, no prompt) where decode-only "
-            f"iterations of as many decoding requests took {secs(baseline_of[worst])} in the "
-            f"{th.long_prefill_baseline_time:g} s {before} (median; those of fewer scaled up "
-            "to its own, where too few decoded as many)"
-            f"{noticed_text(shares, stretch, th)}"
+            f"iterations of as many decoding requests took {secs(baseline_of[worst] / grown)} "
+            f"in the {th.long_prefill_baseline_time:g} s {before} (median; those of fewer "
+            "scaled up to its own, where too few decoded as many)"
+            + (
+                f", {grown:.1f}x that with the KV each decoding request holds now"
+                if grown > 1.0
+                else ""
+            )
+            + noticed_text(shares, stretch, th)
         ),
         explanation=(
             "Neither a prompt chunk nor a bigger batch explains these iterations: the same "
