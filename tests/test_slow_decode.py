@@ -1,13 +1,17 @@
 """Decode iterations slowed from outside the batch (telemetry/analysis/episodes/slow_decode.py)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from scenarios import synthetic
 from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
+from telemetry.analysis.clock import wall_seconds
 from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode
 from telemetry.analysis.findings import build_findings, episode_cost
-from telemetry.analysis.timeline import NS_PER_S, build_timelines
+from telemetry.analysis.timeline import NS_PER_S, build_timelines, read_timelines
+from tests.helpers.findings import assert_replay_agrees_with_explain, replayed
 
 
 def timeline_of(messages):
@@ -139,13 +143,13 @@ def test_a_slowdown_that_lasts_is_found_until_it_ends():
     assert episode_cost(timeline, episode, Thresholds()) == pytest.approx(4 * 0.060 * slowed)
 
 
-def test_a_lasting_slowdown_is_judged_on_as_much_kv_as_before_it():
-    """Decodes 7x slower while the KV blocks in use grew 10-fold (longer contexts to read):
-    past the baseline time, the pace before it no longer says what this work should take."""
+def test_decodes_of_longer_contexts_are_not_slowed():
+    """Decodes 7x slower while each request holds 10-fold the KV blocks (longer contexts to
+    read): more work, not a slowdown (8 requests of 7,500-token contexts after short ones
+    were "slowed from outside" for 22 s on a quiet machine)."""
     longer = [Row(0.070, running=4, waiting=0, blocks_used=100, gen_reqs=4)] * 1800
     timeline = timeline_of(scripted(decoding(3000) + longer + decoding(3000)))
-    (episode,) = detect_slow_decode(timeline, Thresholds())
-    assert episode.end_ns - episode.start_ns < 30 * NS_PER_S
+    assert detect_slow_decode(timeline, Thresholds()) == []
 
 
 def test_a_slowdown_that_grows_the_batch_is_judged_by_what_a_request_adds():
@@ -180,16 +184,14 @@ def test_a_lasting_slowdown_where_the_source_reports_no_kv_is_found_until_it_end
     assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
 
 
-def test_a_lasting_slowdown_is_judged_on_as_many_kv_tokens_as_before_it():
-    """The same where the source says KV tokens and no blocks (an FPM producer): 10-fold the
-    KV tokens a decoding request holds is more work, not a slowdown."""
+def test_decodes_of_longer_contexts_are_not_slowed_in_kv_tokens_either():
+    """The same where the source says KV tokens and no blocks (an FPM producer)."""
     before = [Row(0.010, running=4, waiting=0, blocks_used=0, gen_reqs=4)] * 3000
     during = [Row(0.070, running=4, waiting=0, blocks_used=0, gen_reqs=4)] * 1800
     records = scripted(before + during + before)
     for number, record in enumerate(records):
         record.num_kv_tokens = 4 * (5000 if 3000 <= number < 4800 else 500)
-    (episode,) = detect_slow_decode(timeline_of(records), Thresholds())
-    assert episode.end_ns - episode.start_ns < 30 * NS_PER_S
+    assert detect_slow_decode(timeline_of(records), Thresholds()) == []
 
 
 def test_a_burst_after_a_quiet_spell_is_not_a_slowed_decode():
@@ -218,3 +220,54 @@ def test_a_lasting_slowdown_with_somewhat_longer_contexts_says_the_growth():
         episode.evidence
     )
     assert ", 1.5x that with the KV each decoding request holds now;" in episode.evidence
+
+
+def test_one_iteration_of_a_slowdown_under_3x_does_not_end_it():
+    """Every decode 7x slower for 170 s, one of them only 2.9x: the slowdown goes on, judged
+    against the pace before it (in a real CPU hog, the iterations after a 2.93x one were
+    judged on the slowed ones: 62 to 170 ms against 20, and 23 s of it went unfound)."""
+    slowed = decoding(300, 0.280)
+    rows = decoding(750, 0.040) + slowed + decoding(1, 0.116) + slowed + decoding(750, 0.040)
+    timeline = timeline_of(scripted(rows))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    slowed_found = episode.numbers["num_iterations"]
+    assert 600 - 10 <= slowed_found <= 600  # noticed once 1% of the steps before
+    assert episode.end_ns == timeline.col("end_ns")[750 + 601 - 1]
+    cost = episode_cost(timeline, episode, Thresholds())
+    assert cost == pytest.approx(4 * 0.240 * slowed_found)
+
+
+# Real recordings of `iterscope serve smollm2` on a 2-core CPU (EPYC-AVX512-BF16), 4 requests
+# of 64-token prompts decoding 128 tokens at a time, written by its sidecar's --record.
+DATA = Path(__file__).parent / "data"
+# Two `python3 -c 'while True: pass'` beside the engine from 40 s into the load for 90 s:
+# decode-only iterations of ~21 ms took 60 ms to 2.6 s meanwhile.
+CPU_HOG = DATA / "iterscope_cpu_hog.jsonl.gz"
+CPU_HOG_WALL_S = (1795954694.616, 1795954784.841)
+# No other load: short prompts for 45 s, then 8 requests of the same 7,500-token prompt
+# (prefix-cached), whose decode-only iterations took 74-101 ms against 22 ms before.
+LONG_CONTEXTS = DATA / "iterscope_long_contexts.jsonl.gz"
+
+
+def test_a_real_cpu_hog_is_found_for_as_long_as_it_ran_live_and_in_explain():
+    """Found over 85 of its 90 s (an iteration of it under 3x had ended the pace before it:
+    23 s of it then went unfound, judged on the slowed pace), ranked first, each judged
+    against the ~21 ms before it, and the live sidecar's replay finds the same."""
+    (timeline,) = read_timelines([CPU_HOG])[0].values()
+    findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
+    assert findings[0].kind == "slow_decode"
+    hog_from_s, hog_to_s = CPU_HOG_WALL_S
+    covered_s = 0.0
+    for episode in findings[0].episodes:
+        start_s, end_s = (wall_seconds(timeline, ns) for ns in (episode.start_ns, episode.end_ns))
+        covered_s += max(0.0, min(end_s, hog_to_s) - max(start_s, hog_from_s))
+        if start_s >= hog_from_s:
+            assert episode.numbers["baseline_s"] < 0.035, episode.evidence
+    assert covered_s > 0.85 * (hog_to_s - hog_from_s)
+    assert_replay_agrees_with_explain(CPU_HOG)
+
+
+def test_real_decodes_of_long_contexts_are_not_slowed_live_or_in_explain():
+    (timeline,) = read_timelines([LONG_CONTEXTS])[0].values()
+    assert detect_slow_decode(timeline, Thresholds()) == []
+    assert [f for f in replayed(LONG_CONTEXTS) if f.kind == "slow_decode"] == []

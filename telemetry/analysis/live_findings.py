@@ -333,6 +333,9 @@ class EngineFindings:
         self._history_ns = int(history_s * NS_PER_S)
         assert history_s + JUDGE_WITHIN_S <= LOOKBACK_S
         self._dropped = False  # whether the window has dropped any message yet
+        # Where the past of a slowdown still going on (or of an open slowed-decode finding)
+        # begins: its iterations are judged on the pace before it began (slow_decode.py)
+        self._pace_since_ns: int | None = None
         self._window_timeline = WindowTimeline(engine_index)
 
     # ---------------------------------------------------------------------------------------
@@ -383,6 +386,8 @@ class EngineFindings:
         keep_from = since_ns - int(LOOKBACK_S * NS_PER_S)  # the history, JUDGE_WITHIN_S to spare
         for finding in self.open:  # with the history its first iteration was judged on
             keep_from = min(keep_from, finding.start_ns - self._history_ns)
+        if self._pace_since_ns is not None:  # and the judgments of that pace's iterations
+            keep_from = min(keep_from, self._pace_since_ns - self._history_ns)
         while messages and message_time_ns(messages[0]) < keep_from:
             messages.popleft()
             self._dropped = True
@@ -432,6 +437,7 @@ class EngineFindings:
             key=lambda e: (e.start_ns, e.kind),
         )
         note_slowed_queues(episodes)
+        self._keep_pace(tl, episodes)
         opened, seen = [], set()
         for episode in episodes:
             kind = finding_kind(episode)
@@ -457,6 +463,22 @@ class EngineFindings:
             self._close(event.finding)
         return opened + closed
 
+    def _keep_pace(self, tl: EngineTimeline, episodes: list[Episode]) -> None:
+        """Where the past of the slowed-decode episodes begins that still go on or ended
+        within the baseline time before the newest record (their iterations, left out of
+        later baselines, are part of the past being judged on): the window keeps it (_trim),
+        so a slowdown's later iterations, and those just after it, are judged on the pace
+        before it began, as explain judges them (the window had dropped it after a minute: a
+        CPU hog's later iterations were judged live on the slowed pace, 248-321 ms against
+        21)."""
+        recent_ns = tl.last_ns - int(self.thresholds.long_prefill_baseline_time * NS_PER_S)
+        since = [
+            episode.numbers["pace_since_ns"]
+            for episode in episodes
+            if episode.kind == "slow_decode" and (episode.ongoing or episode.end_ns >= recent_ns)
+        ]
+        self._pace_since_ns = min(since, default=None)
+
     def _judged_in_full(self, episode: Episode) -> bool:
         """Whether the window holds all the past the episode's first iteration was judged on
         (HISTORY_JUDGED_KINDS): it does while it has dropped nothing (from the engine's first
@@ -464,7 +486,8 @@ class EngineFindings:
         last LOOKBACK_S less that history, which is when each iteration is judged first."""
         if episode.kind not in HISTORY_JUDGED_KINDS or not self._dropped:
             return True
-        return episode.start_ns - self._history_ns >= message_time_ns(self.messages[0])
+        since_ns = episode.numbers.get("pace_since_ns", episode.start_ns - self._history_ns)
+        return since_ns >= message_time_ns(self.messages[0])
 
     @staticmethod
     def _match(findings, kind: str, episode: Episode) -> LiveFinding | None:

@@ -58,6 +58,10 @@ class Thresholds:
     slow_decode_min_extra_time: float = 0.050
     slow_decode_min_pause: float = 1.0
     slow_decode_min_share: float = 0.01
+    # Off pace: this many times the baseline or more and this much over it: left out of later
+    # baselines, and what follows is judged on the pace before it (slow_decode.py).
+    slow_decode_pace_ratio: float = 2.0
+    slow_decode_pace_min_extra_time: float = 0.020
     # Costly drafts: each step of this many seconds (aligned to record time) is judged on the
     # fit over the window before it, with at least this many drafting iterations, where drafts
     # add this share of the time per output token at 2 errors.

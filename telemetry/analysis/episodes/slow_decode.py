@@ -87,17 +87,27 @@ def _candidates(
 
 
 class _PaceBefore:
-    """The decode-only iterations' past as the slowed-decode rule reads it: those found slowed
-    are left out of every later baseline, and an iteration right after slowed ones is judged
-    on the baseline time before the latest one not slowed: the pace before the slowdown
-    began (a slowdown that lasts had filled the 30 s before with slowed iterations: after
-    21 s of every decode 7x slower they were most of it, and the rest of a 2-minute slowdown
-    read as the engine's pace). That baseline grows with the KV a decoding request holds
-    (tokens, else blocks) where it grew since (a decode reads it all: longer contexts are
-    more work, not a slowdown; more requests are the baseline rule's already). Where nothing
-    just before was slowed, the baseline is decode_baselines' (the slowed ones left out).
+    """The decode-only iterations' past as the slowed-decode rule reads it.
+
+    Off pace: an iteration ``slow_decode_pace_ratio`` times its baseline or more (and the
+    minimum extra time): it is left out of every later baseline, and an iteration right after
+    one off pace is judged on the baseline time before the latest one on pace, the pace before
+    the slowdown began. A slowdown that lasts had filled the 30 s before with slowed iterations
+    (after 21 s of every decode 7x slower they were most of it, and the rest of a 2-minute
+    slowdown read as the engine's pace); and off pace is a lower bar than slowed, so one
+    iteration of a slowdown under 3x (2.93x in a real CPU hog) does not end it (it did: the
+    iterations after it were then judged on the slowed pace, 62 to 170 ms against 20).
+
+    Every baseline grows with the KV a decoding request holds (tokens, else blocks) where it
+    holds more than the median of the past it is drawn from: a decode reads it all, so longer
+    contexts are more work, not a slowdown (8 requests of 7,500-token contexts took 74-101 ms
+    against 22 ms for 8 short ones just before: "slowed from outside"); more requests are the
+    baseline rule's already. Where nothing is off pace and no context grew, the baseline is
+    decode_baselines'.
+
     Iterations are judged in order, each on the judgments before it, so a judgment never
-    changes as later records come."""
+    changes as later records come; ``since_ns`` holds where each one's past begins (the live
+    sidecar keeps that much, live_findings)."""
 
     def __init__(self, tl: EngineTimeline, decode_only: np.ndarray, th: Thresholds) -> None:
         self.positions = np.flatnonzero(decode_only)  # tl's rows of the decode-only iterations
@@ -112,50 +122,55 @@ class _PaceBefore:
         self.context = np.where(held > 0, held, np.nan) / self.requests
         self.window_ns = int(th.long_prefill_baseline_time * NS_PER_S)
         self.least = th.long_prefill_min_baseline_iterations
-        self.slowed = np.zeros(len(self.positions), dtype=bool)
-        self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # a slowed run's first
+        self.off_pace_stretch = Stretch(
+            th.slow_decode_pace_ratio, th.slow_decode_pace_min_extra_time * NS_PER_S, 0.0, 0.0
+        )
+        self.off_pace = np.zeros(len(self.positions), dtype=bool)
+        self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # an off-pace run's first
         self.began: dict[int, int] = {}  # row -> tl's row where the slowdown before it began
         self.grown: dict[int, float] = {}  # row -> its baseline's growth with the KV it holds
+        self.since_ns: dict[int, int] = {}  # row -> where the past it was judged on begins
 
-    def judge(self, row: int, stretch: Stretch) -> float:
+    def judge(self, row: int) -> float:
         """The baseline of ``row`` (a decode-only iteration later than any judged before it),
-        NaN where too few iterations say one; marks it slowed where stretched against it."""
+        NaN where too few iterations say one; marks it off pace where stretched against it."""
         at = int(self.positions.searchsorted(row))
-        if not (at and self.slowed[at - 1]):
-            baseline = self._baseline(self._past(self.starts[at], at), at)
-        else:  # the pace before the slowed iterations just before it began
+        latest = at  # the past ends before it; after off-pace ones, at the latest on pace
+        if at and self.off_pace[at - 1]:
             latest = int(self.run_first[at - 1]) - 1  # >= 0: the first ones are not judged
             self.began[row] = int(self.positions[latest + 1])
-            baseline, context = self._pace_before(latest, max(self.requests[at], 1.0))
-            grown = self.context[at] / context  # NaN where either is unknown: not grown
-            if grown > 1.0:
-                baseline *= grown
-                self.grown[row] = grown
-        if stretch.is_stretched(self.elapsed[at], baseline):
-            self.slowed[at] = True
-            self.run_first[at] = self.run_first[at - 1] if at and self.slowed[at - 1] else at
+        until = latest + 1 if latest < at else at
+        baseline, context = self._pace(latest, until, max(self.requests[at], 1.0))
+        grown = self.context[at] / context  # NaN where either is unknown: not grown
+        if grown > 1.0:
+            baseline *= grown
+            self.grown[row] = grown
+        self.since_ns[row] = int(self.starts[latest]) - self.window_ns
+        if self.off_pace_stretch.is_stretched(self.elapsed[at], baseline):
+            self.off_pace[at] = True
+            self.run_first[at] = self.run_first[at - 1] if at and self.off_pace[at - 1] else at
         return baseline
 
-    def _past(self, until_ns: int, last: int) -> np.ndarray:
-        """The positions not found slowed, before ``last``, that started within the baseline
-        time before ``until_ns``."""
-        first = int(self.starts.searchsorted(until_ns - self.window_ns))
-        return first + np.flatnonzero(~self.slowed[first:last])
-
-    def _baseline(self, past: np.ndarray, at: int) -> float:
-        own = max(self.requests[at], 1.0)
-        return peer_median(self.requests[past], self.elapsed[past], own, self.least)
-
     @functools.lru_cache(maxsize=64)  # noqa: B019 (an object lives for one detection)
-    def _pace_before(self, latest: int, own: float) -> tuple[float, float]:
-        """The baseline of ``own`` decoding requests as of ``latest`` (not slowed, judged
-        before any later one), and the median KV a decoding request held then (NaN: none
-        said): the same for every iteration of a slowdown (a run of 20,000 had taken
-        74 us each)."""
-        past = self._past(self.starts[latest], latest + 1)
+    def _pace(self, latest: int, until: int, own: float) -> tuple[float, float]:
+        """The baseline of ``own`` decoding requests from the iterations on pace before
+        ``until`` that started within the baseline time before ``latest``'s start, and the
+        median KV a decoding request held in them (NaN: none said). Drawn once for every
+        iteration of a slowdown (a run of 20,000 had taken 74 us each)."""
+        first = int(self.starts.searchsorted(self.starts[latest] - self.window_ns))
+        past = first + np.flatnonzero(~self.off_pace[first:until])
         baseline = peer_median(self.requests[past], self.elapsed[past], own, self.least)
         known = self.context[past][~np.isnan(self.context[past])]
         return baseline, float(np.median(known)) if len(known) else math.nan
+
+    def ongoing(self, row: int) -> bool:
+        """Whether the run of off-pace iterations ``row`` is in goes on to the last
+        decode-only iteration (the slowdown is not over as far as the records say)."""
+        at = int(self.positions.searchsorted(row))
+        last = len(self.positions) - 1
+        return bool(
+            self.off_pace[at] and self.off_pace[last] and self.run_first[last] == self.run_first[at]
+        )
 
 
 def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -163,10 +178,10 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     decode_only = decode_only_rows(tl)
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
         return []
-    stretch = slow_decode_stretch(th)
-    rows = _candidates(tl, decode_only, th, stretch)
     pace = _PaceBefore(tl, decode_only, th)
-    baselines = np.array([pace.judge(row, stretch) for row in rows.tolist()], dtype=float)
+    rows = _candidates(tl, decode_only, th, pace.off_pace_stretch)
+    baselines = np.array([pace.judge(row) for row in rows.tolist()], dtype=float)
+    stretch = slow_decode_stretch(th)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
     is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
@@ -223,6 +238,7 @@ def _episode(
             "outside, and every decoding request's tokens came that much later."
         ),
         setting=SLOW_DECODE_SETTING,
+        ongoing=pace.ongoing(int(rows[-1])),
         numbers={
             "num_iterations": len(rows),
             "max_elapsed_s": elapsed[worst] / NS_PER_S,
@@ -231,5 +247,7 @@ def _episode(
             # its cost (findings.py): each decoding request x its iteration's time beyond
             # the baseline, over the slowed iterations
             "slowed_request_s": slowed_s,
+            # where the past its iterations were judged on begins (live_findings keeps it)
+            "pace_since_ns": min(pace.since_ns[row] for row in rows.tolist()),
         },
     )
