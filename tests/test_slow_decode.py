@@ -8,7 +8,7 @@ from scenarios import synthetic
 from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 
 from telemetry.analysis.clock import wall_seconds
-from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode
+from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode, slow_decode
 from telemetry.analysis.findings import build_findings, episode_cost
 from telemetry.analysis.timeline import NS_PER_S, build_timelines, read_timelines
 from tests.helpers.findings import assert_replay_agrees_with_explain, replayed
@@ -271,3 +271,25 @@ def test_real_decodes_of_long_contexts_are_not_slowed_live_or_in_explain():
     (timeline,) = read_timelines([LONG_CONTEXTS])[0].values()
     assert detect_slow_decode(timeline, Thresholds()) == []
     assert [f for f in replayed(LONG_CONTEXTS) if f.kind == "slow_decode"] == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_iterations_skipped_as_surely_on_pace_change_no_judgment(seed, monkeypatch):
+    """_PaceBefore skips drawing a baseline where none could put the iteration off pace: the
+    episodes are those of drawing every one (random batches, contexts and slowdowns, one of
+    them 6x for 3 stretches, so each stream has some)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for stretch in range(40):  # stretches of 100 iterations, some slowed 2-8x
+        slowdown = rng.choice([1.0, 1.0, 1.0, rng.uniform(2.0, 8.0)])
+        slowdown = 6.0 if 20 <= stretch < 23 else slowdown
+        for _ in range(100):
+            requests = int(rng.choice([1, 2, 4, 8, 16]))
+            elapsed = (0.020 + 0.002 * requests) * rng.uniform(0.9, 1.3) * slowdown
+            blocks = requests * int(rng.choice([2, 4, 8]))
+            rows.append(Row(elapsed, requests, 0, blocks, gen_reqs=requests))
+    timeline = timeline_of(scripted(rows, num_blocks=200))
+    skipping = detect_slow_decode(timeline, Thresholds())
+    assert skipping
+    monkeypatch.setattr(slow_decode._PaceBefore, "_surely_on_pace", lambda self, at: False)
+    assert detect_slow_decode(timeline, Thresholds()) == skipping
