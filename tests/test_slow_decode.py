@@ -208,18 +208,25 @@ def test_a_burst_after_a_quiet_spell_is_not_a_slowed_decode():
     assert detect_slow_decode(timeline_of(scripted(quiet + burst)), Thresholds()) == []
 
 
-def test_a_lasting_slowdown_with_somewhat_longer_contexts_says_the_growth():
-    """7x slower while each request holds 1.5x the KV blocks: still slowed, judged against
-    1.5x the time before, and the evidence says so."""
-    longer = [Row(0.070, running=4, waiting=0, blocks_used=15, gen_reqs=4)] * 1800
+def test_a_lasting_slowdown_with_longer_contexts_says_the_growth():
+    """7x slower while each request holds 4x the KV blocks: time grows at most 4x with it, of
+    which the off-pace bar allows 2x, so the baseline is 2x the time before: still slowed
+    (3.5x), and the evidence says so. 1.5x the KV grows nothing (a real vLLM's decode moved 5%
+    for that, and 1.5x baselines had broken a slowdown 9 times in 30 s)."""
+    longer = [Row(0.070, running=4, waiting=0, blocks_used=40, gen_reqs=4)] * 1800
     timeline = timeline_of(scripted(decoding(3000) + longer + decoding(3000)))
     (episode,) = detect_slow_decode(timeline, Thresholds())
     assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
-    assert episode.numbers["baseline_s"] == pytest.approx(0.015)
+    assert episode.numbers["baseline_s"] == pytest.approx(0.020)
     assert "took 10.0 ms in the 30 s before the slowdown began at iteration 3001" in (
         episode.evidence
     )
-    assert ", 1.5x that with the KV each decoding request holds now;" in episode.evidence
+    assert ", 2.0x that for the 4.0x KV each decoding request holds now;" in episode.evidence
+    somewhat = [Row(0.070, running=4, waiting=0, blocks_used=15, gen_reqs=4)] * 1800
+    timeline = timeline_of(scripted(decoding(3000) + somewhat + decoding(3000)))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.numbers["baseline_s"] == pytest.approx(0.010)
+    assert "KV each" not in episode.evidence
 
 
 def test_one_iteration_of_a_slowdown_under_3x_does_not_end_it():
@@ -244,27 +251,41 @@ DATA = Path(__file__).parent / "data"
 # decode-only iterations of ~21 ms took 60 ms to 2.6 s meanwhile.
 CPU_HOG = DATA / "iterscope_cpu_hog.jsonl.gz"
 CPU_HOG_WALL_S = (1795954694.616, 1795954784.841)
+# vLLM 0.32 (CPU build, bf16, the scheduler source) under the same load, four busy loops on
+# its worker's core (`setsid taskset -c 0`) for 90 s: decode-only iterations of 28.6 ms took
+# 91-108 ms (median of each 10 s), some of them under twice the pace before.
+VLLM_CPU_HOG = DATA / "vllm_cpu_hog.jsonl.gz"
+VLLM_CPU_HOG_WALL_S = (1795958259.650, 1795958349.654)
 # No other load: short prompts for 45 s, then 8 requests of the same 7,500-token prompt
 # (prefix-cached), whose decode-only iterations took 74-101 ms against 22 ms before.
 LONG_CONTEXTS = DATA / "iterscope_long_contexts.jsonl.gz"
 
 
-def test_a_real_cpu_hog_is_found_for_as_long_as_it_ran_live_and_in_explain():
-    """Found over 85 of its 90 s (an iteration of it under 3x had ended the pace before it:
-    23 s of it then went unfound, judged on the slowed pace), ranked first, each judged
-    against the ~21 ms before it, and the live sidecar's replay finds the same."""
-    (timeline,) = read_timelines([CPU_HOG])[0].values()
+@pytest.mark.parametrize(
+    ("recording", "hog_wall_s", "pace_s"),
+    [(CPU_HOG, CPU_HOG_WALL_S, 0.021), (VLLM_CPU_HOG, VLLM_CPU_HOG_WALL_S, 0.0286)],
+    ids=["iterscope", "vllm"],
+)
+def test_a_real_cpu_hog_is_found_for_as_long_as_it_ran_live_and_in_explain(
+    recording, hog_wall_s, pace_s
+):
+    """Found over 85% of its 90 s, ranked first, each episode in it judged against the pace
+    before it (its KV growth aside), and the live sidecar's replay finds the same. Before:
+    an iteration of the hog under 3x (ours) or one under 2x 30 s in (vLLM's) ended the
+    slowdown, and the rest was judged on the slowed pace: 23 s of ours, 60 s of vLLM's, went
+    unfound."""
+    (timeline,) = read_timelines([recording])[0].values()
     findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert findings[0].kind == "slow_decode"
-    hog_from_s, hog_to_s = CPU_HOG_WALL_S
+    hog_from_s, hog_to_s = hog_wall_s
     covered_s = 0.0
     for episode in findings[0].episodes:
         start_s, end_s = (wall_seconds(timeline, ns) for ns in (episode.start_ns, episode.end_ns))
         covered_s += max(0.0, min(end_s, hog_to_s) - max(start_s, hog_from_s))
         if start_s >= hog_from_s:
-            assert episode.numbers["baseline_s"] < 0.035, episode.evidence
+            assert episode.numbers["baseline_s"] < 1.6 * pace_s, episode.evidence
     assert covered_s > 0.85 * (hog_to_s - hog_from_s)
-    assert_replay_agrees_with_explain(CPU_HOG)
+    assert_replay_agrees_with_explain(recording)
 
 
 def test_real_decodes_of_long_contexts_are_not_slowed_live_or_in_explain():
@@ -293,3 +314,20 @@ def test_iterations_skipped_as_surely_on_pace_change_no_judgment(seed, monkeypat
     assert skipping
     monkeypatch.setattr(slow_decode._PaceBefore, "_surely_on_pace", lambda self, at: False)
     assert detect_slow_decode(timeline, Thresholds()) == skipping
+
+
+def test_one_iteration_on_pace_does_not_end_a_slowdown():
+    """Every decode 3.5x slower for 2 minutes, every 30th of them only 1.5x (the busy loops
+    yielding): one slowdown, judged on the pace before it throughout; it ends once the
+    decode-only iterations are on pace for a second."""
+    slowdown = []
+    for number in range(750):
+        slowdown += decoding(1, 0.060 if number % 30 == 29 else 0.140)
+    rows = decoding(750, 0.040) + slowdown + decoding(750, 0.040)
+    timeline = timeline_of(scripted(rows))
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.numbers["num_iterations"] > 725 - 10
+    assert episode.numbers["baseline_s"] == pytest.approx(0.040)
+    assert not episode.ongoing
+    (at_the_end,) = detect_slow_decode(timeline_of(scripted(rows[:-750])), Thresholds())
+    assert at_the_end.ongoing  # explain says "(ongoing)"; live keeps its pace in the window

@@ -90,21 +90,26 @@ def _candidates(
 class _PaceBefore:
     """The decode-only iterations' past as the slowed-decode rule reads it.
 
-    Off pace: an iteration ``slow_decode_pace_ratio`` times its baseline or more (and the
-    minimum extra time): it is left out of every later baseline, and an iteration right after
-    one off pace is judged on the baseline time before the latest one on pace, the pace before
-    the slowdown began. A slowdown that lasts had filled the 30 s before with slowed iterations
-    (after 21 s of every decode 7x slower they were most of it, and the rest of a 2-minute
-    slowdown read as the engine's pace); and off pace is a lower bar than slowed, so one
-    iteration of a slowdown under 3x (2.93x in a real CPU hog) does not end it (it did: the
-    iterations after it were then judged on the slowed pace, 62 to 170 ms against 20).
+    Off pace: an iteration ``slow_decode_pace_ratio`` times its baseline or more (and
+    ``slow_decode_pace_min_extra_time`` over it). It is left out of every later baseline, and
+    it and the off-pace iterations after it make a slowdown, which ends once the decode-only
+    iterations stay on pace for ``gap_merge_time``: an iteration in a slowdown is judged on
+    the baseline time before the latest one on pace before it began. A slowdown that lasts had
+    filled the 30 s before with slowed iterations (after 21 s of every decode 7x slower they
+    were most of it, and the rest of a 2-minute slowdown read as the engine's pace); off pace
+    is a lower bar than slowed (one iteration of a real CPU hog at 2.93x had ended it); and
+    one iteration on pace does not end it (a hog that yielded for one 1.96x iteration, 30 s
+    in, had left the hog's last 60 s judged on its own pace, 100 ms against 29).
 
     Every baseline grows with the KV a decoding request holds (tokens, else blocks) where it
-    holds more than the median of the past it is drawn from: a decode reads it all, so longer
-    contexts are more work, not a slowdown (8 requests of 7,500-token contexts took 74-101 ms
-    against 22 ms for 8 short ones just before: "slowed from outside"); more requests are the
-    baseline rule's already. Where nothing is off pace and no context grew, the baseline is
-    decode_baselines'.
+    holds more than twice (the off-pace ratio) the median of the past it is drawn from, by the
+    share beyond that: time grows at most in proportion to the KV read, and the off-pace bar
+    already allows twice the time. So longer contexts are more work, not a slowdown (8
+    requests of 7,500-token contexts took 74-101 ms against 22 ms for 8 short ones: "slowed
+    from outside" for 22 s), while contexts 1.3-1.5x longer, which moved a real vLLM's decode
+    by 5%, no longer grow it 1.3-1.5x (that had ended a slowdown 9 times in 30 s). More
+    requests are the baseline rule's already. With nothing off pace and no context grown, the
+    baseline is decode_baselines'.
 
     Iterations are judged in order, each on the judgments before it, so a judgment never
     changes as later records come; ``since_ns`` holds where each one's past begins (the live
@@ -126,9 +131,12 @@ class _PaceBefore:
         self.off_pace_stretch = Stretch(
             th.slow_decode_pace_ratio, th.slow_decode_pace_min_extra_time * NS_PER_S, 0.0, 0.0
         )
+        self.pace_ratio = th.slow_decode_pace_ratio
+        self.gap_ns = int(th.gap_merge_time * NS_PER_S)  # on pace this long ends a slowdown
+        self.elapsed_before = np.concatenate(([0.0], np.cumsum(self.elapsed)))
         self.off_pace = np.zeros(len(self.positions), dtype=bool)
         self.marked: list[int] = []  # the positions off pace, in order
-        self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # an off-pace run's first
+        self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # its slowdown's first
         # the fastest decode-only iteration of as many decoding requests or more, anywhere: a
         # lower bound of any baseline drawn from such peers (_surely_on_pace)
         self.levels, level_of = np.unique(self.requests, return_inverse=True)
@@ -143,15 +151,15 @@ class _PaceBefore:
         """The baseline of ``row`` (a decode-only iteration later than any judged before it),
         NaN where too few iterations say one; marks it off pace where stretched against it."""
         at = int(self.positions.searchsorted(row))
-        if self._surely_on_pace(at):
+        first = self._slowdown_first(at)
+        if first is None and self._surely_on_pace(at):
             return math.nan
-        latest = at  # the past ends before it; after off-pace ones, at the latest on pace
-        if at and self.off_pace[at - 1]:
-            latest = int(self.run_first[at - 1]) - 1  # >= 0: the first ones are not judged
-            self.began[row] = int(self.positions[latest + 1])
-        until = latest + 1 if latest < at else at
+        # the past ends before it; in a slowdown, at the latest on pace before it began
+        latest, until = (at, at) if first is None else (first - 1, first)  # first >= 1
+        if first is not None:
+            self.began[row] = int(self.positions[first])
         baseline, context = self._pace(latest, until, max(self.requests[at], 1.0))
-        grown = self.context[at] / context  # NaN where either is unknown: not grown
+        grown = self.context[at] / context / self.pace_ratio  # NaN where unknown: not grown
         if grown > 1.0:
             baseline *= grown
             self.grown[row] = grown
@@ -159,18 +167,30 @@ class _PaceBefore:
         if self.off_pace_stretch.is_stretched(self.elapsed[at], baseline):
             self.off_pace[at] = True
             self.marked.append(at)
-            self.run_first[at] = self.run_first[at - 1] if at and self.off_pace[at - 1] else at
+            self.run_first[at] = at if first is None else first
         return baseline
+
+    def _slowdown_first(self, at: int) -> int | None:
+        """The first position of the slowdown the iteration at ``at`` is in: that of the
+        latest one off pace before it, unless the decode-only iterations between them (on
+        pace) took gap_ns or more (not the time between: a slowed prompt chunk or an idle
+        spell is no pace); None: in no slowdown (judged in order: all marked are before it)."""
+        if not self.marked or self._on_pace_ns(self.marked[-1], at) >= self.gap_ns:
+            return None
+        return int(self.run_first[self.marked[-1]])
+
+    def _on_pace_ns(self, marked: int, at: int) -> float:
+        """How long the decode-only iterations after position ``marked`` and before ``at``
+        took."""
+        return float(self.elapsed_before[at] - self.elapsed_before[marked + 1])
 
     def _surely_on_pace(self, at: int) -> bool:
         """Whether the iteration at ``at`` is on pace whatever its baseline comes to, so it
         needs none (a CPU engine's every decode of 16 requests is twice its fastest one, and
-        drawing each one's baseline took 2.4 s over 100,000 iterations): not right after one
-        off pace, with at least as many peers on pace in its past as a baseline needs (so
+        drawing each one's baseline took 2.4 s over 100,000 iterations): for one in no
+        slowdown, with at least as many peers on pace in its past as a baseline needs (so
         its baseline is their median, or more with its KV), and not stretched against the
         fastest iteration of as many requests or more anywhere (no such median is less)."""
-        if at and self.off_pace[at - 1]:
-            return False
         own = self.requests[at]
         first = int(self.starts.searchsorted(self.starts[at] - self.window_ns))
         peers = int(np.count_nonzero(self.requests[first:at] >= own))
@@ -193,13 +213,11 @@ class _PaceBefore:
         return baseline, float(np.median(known)) if len(known) else math.nan
 
     def ongoing(self, row: int) -> bool:
-        """Whether the run of off-pace iterations ``row`` is in goes on to the last
-        decode-only iteration (the slowdown is not over as far as the records say)."""
-        at = int(self.positions.searchsorted(row))
-        last = len(self.positions) - 1
-        return bool(
-            self.off_pace[at] and self.off_pace[last] and self.run_first[last] == self.run_first[at]
-        )
+        """Whether the slowdown ``row`` (off pace) is in goes on at the last decode-only
+        iteration (not over as far as the records say)."""
+        at, latest = int(self.positions.searchsorted(row)), self.marked[-1]
+        on_pace_ns = self._on_pace_ns(latest, len(self.positions))
+        return bool(self.run_first[latest] == self.run_first[at] and on_pace_ns < self.gap_ns)
 
 
 def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
@@ -255,7 +273,8 @@ def _episode(
             f"in the {th.long_prefill_baseline_time:g} s {before} (median; those of fewer "
             "scaled up to its own, where too few decoded as many)"
             + (
-                f", {grown:.1f}x that with the KV each decoding request holds now"
+                f", {grown:.1f}x that for the {grown * pace.pace_ratio:.1f}x KV each decoding "
+                "request holds now"
                 if grown > 1.0
                 else ""
             )
