@@ -3,12 +3,13 @@
 A decode-only iteration (no prompt chunk) is judged against the decode-only iterations of the
 ``long_prefill_baseline_time`` before it that decoded as many requests or more (or, where fewer
 than ``long_prefill_min_baseline_iterations`` did, that many that decoded the most, scaled up
-to its tokens: latency.decode_baselines, a long prefill's too), less those found slowed, and
-while a slowdown lasts, against those before it began (_PaceBefore): where it took
-``slow_decode_ratio`` times their median or more, the same work ran that much faster before,
-so neither its batch nor a prompt explains the time; other processes on the engine's cores,
-memory pressure, a throttled or shared device do. Like a long prefill (latency.py), it
-is a finding only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
+to its tokens: latency.decode_baselines, a long prefill's too), less those off pace, and
+while a slowdown lasts, against those before it began, grown with the KV each decoding
+request holds where it grew beyond twice (_PaceBefore): where it took ``slow_decode_ratio``
+times their median or more, the same work ran that much faster before, so neither its batch,
+a prompt nor its contexts explain the time; other processes on the engine's cores, memory
+pressure, a throttled or shared device do. Like a long prefill (latency.py), it is a finding
+only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
 beyond the baseline, or such iterations at least ``slow_decode_min_share`` of the decoding
 steps in the baseline time before it (they set the p99 inter-token latency). Judged on the past
 only, as the live sidecar judges it.
@@ -281,9 +282,9 @@ def _episode(
             + noticed_text(shares, stretch, th)
         ),
         explanation=(
-            "Neither a prompt chunk nor a bigger batch explains these iterations: the same "
-            "work ran several times faster before, so the engine was slowed from "
-            "outside, and every decoding request's tokens came that much later."
+            "Neither a prompt chunk, a bigger batch nor longer contexts explain these "
+            "iterations: the same work ran several times faster before, so the engine was "
+            "slowed from outside, and every decoding request's tokens came that much later."
         ),
         setting=SLOW_DECODE_SETTING,
         ongoing=pace.ongoing(int(rows[-1])),
