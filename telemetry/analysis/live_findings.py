@@ -20,7 +20,8 @@ A closed finding that its episode later extends is not opened again: its cost is
 
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
 messages at most (the sidecar's --findings-window); it keeps LOOKBACK_S of history, and more
-while a finding is open (back to its start), so a finding is costed as `explain` costs it
+while a finding is open (back to its start) or a slowed decode goes on (back to the pace before
+it: _keep_pace), so a finding is costed as `explain` costs it
 unless it outlasts the window (then its cost is that of its newest part, a lower bound:
 ``truncated``). An engine whose messages come faster than the window holds LOOKBACK_S of them
 is said once (``short_window_notice``): what is judged on the past may then not open live, and
@@ -333,8 +334,8 @@ class EngineFindings:
         self._history_ns = int(history_s * NS_PER_S)
         assert history_s + JUDGE_WITHIN_S <= LOOKBACK_S
         self._dropped = False  # whether the window has dropped any message yet
-        # Where the past of a slowdown still going on (or of an open slowed-decode finding)
-        # begins: its iterations are judged on the pace before it began (slow_decode.py)
+        # Where the past of a slowdown still going on, or ended within the baseline time,
+        # begins: its iterations are judged on the pace before it began (_keep_pace)
         self._pace_since_ns: int | None = None
         self._window_timeline = WindowTimeline(engine_index)
 
