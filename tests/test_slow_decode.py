@@ -157,9 +157,9 @@ def test_a_slowdown_that_grows_the_batch_is_judged_by_what_a_request_adds():
     requests (more than any before) 4x slower: judged against the past's time plus what a
     request added there (1 ms: fitted, identifiable), not 8 requests' time scaled in
     proportion to 14 (as if all 28 ms grew with the batch: 49 ms, so 136 ms was 2.8x, no
-    finding). Beyond twice the most requests seen, proportion it is: a CPU's decode turns
-    from reading weights to computing as the batch grows, so a fit on few requests
-    understates what many add."""
+    finding). Beyond twice the requests of the iterations scaled up (8 here), proportion it
+    is: a CPU's decode turns from reading weights to computing as the batch grows, so a fit
+    on few requests understates what many add."""
 
     def decodes(num, requests, slowdown=1.0):
         return [Row(slowdown * (0.020 + 0.001 * requests), 8, 0, 10, gen_reqs=requests)] * num
@@ -244,8 +244,8 @@ def test_one_iteration_of_a_slowdown_under_3x_does_not_end_it():
     assert cost == pytest.approx(4 * 0.240 * slowed_found)
 
 
-# Real recordings of `iterscope serve smollm2` on a 2-core CPU (EPYC-AVX512-BF16), 4 requests
-# of 64-token prompts decoding 128 tokens at a time, written by its sidecar's --record.
+# Real recordings on a 2-core CPU (EPYC-AVX512-BF16), SmolLM2, 4 requests of 64-token prompts
+# decoding 128 tokens at a time (a closed loop), written by the sidecar's --record.
 DATA = Path(__file__).parent / "data"
 # Two `python3 -c 'while True: pass'` beside the engine from 40 s into the load for 90 s:
 # decode-only iterations of ~21 ms took 60 ms to 2.6 s meanwhile.
