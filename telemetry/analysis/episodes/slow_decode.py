@@ -132,7 +132,6 @@ class _PaceBefore:
         self.off_pace_stretch = Stretch(
             th.slow_decode_pace_ratio, th.slow_decode_pace_min_extra_time * NS_PER_S, 0.0, 0.0
         )
-        self.pace_ratio = th.slow_decode_pace_ratio
         self.gap_ns = int(th.gap_merge_time * NS_PER_S)  # on pace this long ends a slowdown
         self.elapsed_before = np.concatenate(([0.0], np.cumsum(self.elapsed)))
         self.off_pace = np.zeros(len(self.positions), dtype=bool)
@@ -160,7 +159,8 @@ class _PaceBefore:
         if first is not None:
             self.began[row] = int(self.positions[first])
         baseline, context = self._pace(latest, until, max(self.requests[at], 1.0))
-        grown = self.context[at] / context / self.pace_ratio  # NaN where unknown: not grown
+        # beyond what the off-pace bar allows; NaN where either is unknown: not grown
+        grown = self.context[at] / context / self.off_pace_stretch.ratio
         if grown > 1.0:
             baseline *= grown
             self.grown[row] = grown
@@ -274,8 +274,8 @@ def _episode(
             f"in the {th.long_prefill_baseline_time:g} s {before} (median; those of fewer "
             "scaled up to its own, where too few decoded as many)"
             + (
-                f", {grown:.1f}x that for the {grown * pace.pace_ratio:.1f}x KV each decoding "
-                "request holds now"
+                f", {grown:.1f}x that for the {grown * pace.off_pace_stretch.ratio:.1f}x KV each "
+                "decoding request holds now"
                 if grown > 1.0
                 else ""
             )
