@@ -30,6 +30,31 @@ def test_a_queue_that_formed_in_a_slowdown_frees_the_engine_first(tmp_path):
     assert live.evidence.endswith(SLOWED_QUEUE_TEXT) and live.action == action
 
 
+def test_a_slowdown_that_grows_the_batch_is_found_whole_and_frees_the_engine_first(tmp_path):
+    """Every iteration 4x slower for 90 s (from 12 s): requests pile up to the sequence limit
+    (13 decoding before, 32 during), so most of the slowdown can be judged only against the
+    pace before scaled in proportion to its requests, an upper bound it exceeds 2.4x. The
+    iterations that show the slowdown at the batch it began with make it one, and the rest
+    of it (off pace: 2x and more) is its too: one episode of the 90 s (it had been found for
+    0.84 s, and the queue read as the sequence limit's alone), the queue's action frees the
+    engine first, and live says the same."""
+    path, timeline, findings = findings_of("another job slows every iteration", tmp_path)
+    assert [f.kind for f in findings] == ["waiting", "slow_decode"]
+    (slowdown,) = findings[1].episodes
+    start_ns = timeline.col("start_ns")[0]
+    assert 11 < (slowdown.start_ns - start_ns) / 1e9 < 12 < 99 < (slowdown.end_ns - start_ns) / 1e9
+    assert "the other" in slowdown.evidence and "2x or more in the same slowdown" in (
+        slowdown.evidence
+    )
+    waiting = findings[0]
+    assert waiting.worst.evidence.endswith(SLOWED_QUEUE_TEXT)
+    assert finding_action(timeline, waiting, Thresholds()).startswith(SLOWED_FIRST_TEXT)
+    live = replayed(path)
+    assert sorted(f.kind for f in live) == ["slow_decode", "waiting_seq_limit"]
+    (live_slowdown,) = [f for f in live if f.kind == "slow_decode"]
+    assert live_slowdown.cost == findings[1].cost
+
+
 def test_a_queue_with_no_slowdown_is_its_limit_s(tmp_path):
     _, timeline, findings = findings_of("story3 sequence limit", tmp_path)
     (waiting,) = [f for f in findings if f.kind == "waiting"]

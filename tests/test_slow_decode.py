@@ -10,7 +10,7 @@ from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 from telemetry.analysis.clock import wall_seconds
 from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode, slow_decode
 from telemetry.analysis.findings import build_findings, episode_cost
-from telemetry.analysis.timeline import NS_PER_S, build_timelines, read_timelines
+from telemetry.analysis.timeline import build_timelines, read_timelines
 from tests.helpers.findings import assert_replay_agrees_with_explain, replayed
 
 
@@ -25,11 +25,12 @@ def decoding(num: int, elapsed_s: float = 0.010, gen_reqs: int = 4) -> list[Row]
 def test_another_job_on_the_cores_is_said_and_ranked_first():
     """Every third iteration 6x slower for 10 s, prompts or not: the finding, first, costed as
     the decoding requests' time beyond the baseline; no long prefill is blamed for it."""
-    timeline = timeline_of(synthetic.another_job().messages)
+    sim = synthetic.another_job()  # from 12 s to 22 s
+    timeline = timeline_of(sim.messages)
     findings = build_findings(timeline, detect_episodes(timeline), Thresholds())
     assert [f.kind for f in findings] == ["slow_decode"]
     (episode,) = findings[0].episodes
-    assert 11.5 * NS_PER_S < episode.start_ns - timeline.col("start_ns")[0] < 13 * NS_PER_S
+    assert sim.at(12) <= episode.start_ns < sim.at(13) and sim.at(21) < episode.end_ns <= sim.at(23)
     assert episode.numbers["max_elapsed_s"] >= 3 * episode.numbers["baseline_s"]
     assert episode.numbers["max_stretched_share"] >= 0.01
     assert "no prompt" in episode.evidence and "Not a tuning setting" in episode.setting
@@ -135,12 +136,13 @@ def test_a_slowdown_that_lasts_is_found_until_it_ends():
     rows = decoding(3000) + decoding(1800, 0.070) + decoding(3000)
     timeline = timeline_of(scripted(rows))
     (episode,) = detect_slow_decode(timeline, Thresholds())
-    slowed = episode.numbers["num_iterations"]
-    assert 1800 - 30 <= slowed <= 1800  # noticed once they are 1% of the 3,000 steps before
+    # whole: noticed once they are 1% of the 3,000 steps before, then from its start on
+    assert episode.numbers["num_iterations"] == 1800
+    assert episode.start_ns == timeline.col("start_ns")[3000]
     assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
     assert episode.numbers["baseline_s"] == pytest.approx(0.010)
-    assert "in the 30 s before the slowdown began at iteration 3001 (median" in episode.evidence
-    assert episode_cost(timeline, episode, Thresholds()) == pytest.approx(4 * 0.060 * slowed)
+    assert "in the 30 s before it (median" in episode.evidence  # the worst: its first
+    assert episode_cost(timeline, episode, Thresholds()) == pytest.approx(4 * 0.060 * 1800)
 
 
 def test_decodes_of_longer_contexts_are_not_slowed():
@@ -214,10 +216,12 @@ def test_a_lasting_slowdown_with_longer_contexts_says_the_growth():
     (3.5x), and the evidence says so. 1.5x the KV grows nothing (a real vLLM's decode moved 5%
     for that, and 1.5x baselines had broken a slowdown 9 times in 30 s)."""
     longer = [Row(0.070, running=4, waiting=0, blocks_used=40, gen_reqs=4)] * 1800
+    longer[1000] = Row(0.075, running=4, waiting=0, blocks_used=40, gen_reqs=4)  # the worst
     timeline = timeline_of(scripted(decoding(3000) + longer + decoding(3000)))
     (episode,) = detect_slow_decode(timeline, Thresholds())
     assert episode.end_ns == timeline.col("end_ns")[3000 + 1800 - 1]
     assert episode.numbers["baseline_s"] == pytest.approx(0.020)
+    assert "(iteration 4001, 4 decoding, no prompt)" in episode.evidence
     assert "took 10.0 ms in the 30 s before the slowdown began at iteration 3001" in (
         episode.evidence
     )
@@ -237,11 +241,14 @@ def test_one_iteration_of_a_slowdown_under_3x_does_not_end_it():
     rows = decoding(750, 0.040) + slowed + decoding(1, 0.116) + slowed + decoding(750, 0.040)
     timeline = timeline_of(scripted(rows))
     (episode,) = detect_slow_decode(timeline, Thresholds())
-    slowed_found = episode.numbers["num_iterations"]
-    assert 600 - 10 <= slowed_found <= 600  # noticed once 1% of the steps before
+    assert episode.numbers["num_iterations"] == 601  # the 2.9x one too: off pace (2x)
+    assert episode.start_ns == timeline.col("start_ns")[750]
     assert episode.end_ns == timeline.col("end_ns")[750 + 601 - 1]
+    assert "600 of them took 3x their baseline or more, the other 1 2x or more" in (
+        episode.evidence
+    )
     cost = episode_cost(timeline, episode, Thresholds())
-    assert cost == pytest.approx(4 * 0.240 * slowed_found)
+    assert cost == pytest.approx(4 * (0.240 * 600 + 0.076))
 
 
 # Real recordings on a 2-core CPU (EPYC-AVX512-BF16), SmolLM2, 4 requests of 64-token prompts

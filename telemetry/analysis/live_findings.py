@@ -11,11 +11,11 @@ engine status instead, itself decided by the rule `explain` replays (stall_rule.
 A finding opens when its episode first appears in the window (each detector's minimum time or
 count is its minimum: 10 iterations of KV >= 95%, waiting for 1 s and 10 iterations, ...) and
 closes when the episode stopped growing for as long as `explain` would still merge a new
-stretch into it (close_after: records and seconds per kind), so one condition opens one
-finding. Requests waiting are one condition whatever holds them: explain names its waiting
-episode by the main reason so far, so where that changes, the open finding changes kind with
-it (a "changed" event, its action drawn anew), rather than a second finding over the same
-waiting.
+stretch into it (close_after: records and seconds per kind; a slowed decode's when its
+slowdown is over), so one condition opens one finding. Requests waiting are one condition
+whatever holds them: explain names its waiting episode by the main reason so far, so where
+that changes, the open finding changes kind with it (a "changed" event, its action drawn
+anew), rather than a second finding over the same waiting.
 A closed finding that its episode later extends is not opened again: its cost is final.
 
 Bounded memory, whatever the run's length: the window holds the newest WINDOW_MESSAGES
@@ -155,10 +155,9 @@ HISTORY_JUDGED_KINDS = frozenset(
     ("long_prefill", "slow_decode", "futile_speculation", "costly_drafts")
 )
 # Kinds whose episodes explain merges with an iteration that starts within close_after's
-# seconds of their end (episodes.group_by_time over iteration spans).
-SPAN_MERGED_KINDS = frozenset(
-    ("long_prefill", "slow_decode", "costly_drafts", "futile_speculation")
-)
+# seconds of their end (episodes.group_by_time over iteration spans). A slowed decode's is
+# one slowdown instead (_has_ended).
+SPAN_MERGED_KINDS = frozenset(("long_prefill", "costly_drafts", "futile_speculation"))
 
 # A condition that comes and goes (KV usage around 95%, a long prefill every few seconds) is
 # one finding or episode each time; where they are printed as they come (the sidecar's log,
@@ -193,7 +192,7 @@ def close_after(kind: str, th: Thresholds) -> tuple[int, float, bool]:
         return 3, 0.0, False
     if kind == "kv_leak":  # a leak's excess dips while requests run: a minute without growth
         return LEAK_MAX_GAP + 1, LOOKBACK_S, False
-    if kind in ("preemption_storm", "long_prefill", "slow_decode", "telemetry_gap"):
+    if kind in ("preemption_storm", "long_prefill", "telemetry_gap"):
         return 1, max(th.storm_window_time, th.gap_merge_time), True
     if kind in ("costly_drafts", "futile_speculation"):  # up to idle_min_time apart: one
         return 1, th.idle_min_time, True
@@ -559,6 +558,11 @@ class EngineFindings:
         evicted are back (findings.py): it ends then, or when the engine is idle."""
         episode = finding.source_episode
         kind = episode.kind if episode else finding.kind
+        if kind == "slow_decode" and episode is not None:
+            # one slowdown, as explain's episode is (slow_decode.py): over once the engine's
+            # decode-only iterations ran on pace for gap_merge_time, whatever came between
+            # (prompt chunks, an idle spell); or after LOOKBACK_S without one off pace
+            return not episode.ongoing or tl.last_ns - finding.end_ns > LOOKBACK_S * NS_PER_S
         rows, seconds, idle_ends = close_after(kind, self.thresholds)
         last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
         # A span-merged kind's idle ends it only past the time explain still merges in: an

@@ -642,6 +642,9 @@ SCENARIOS: dict[str, tuple[Callable[[], Simulator], str | None]] = {
     # every other iteration 5x slower for 90 s: requests queue at the sequence limit, the
     # queue costs most, and its action says to free the engine first (episodes/related.py)
     "another job, the queue grows": (lambda: another_job(2, 5.0, 90.0), "waiting_seq_limit"),
+    # every iteration 4x slower for 90 s: the batch grows from ~13 requests to the limit of
+    # 32, past what the pace before can be scaled to but in proportion (an upper bound)
+    "another job slows every iteration": (lambda: another_job(1, 4.0, 90.0), "waiting_seq_limit"),
     # under 1% of the decoding steps stretched: no finding (the p99 inter-token latency is not
     # theirs), where each had opened one, and with one a minute an alert
     "a long prompt now and then": (lambda: long_prompts([5.0, 12.0, 16.0]), None),

@@ -12,7 +12,8 @@ pressure, a throttled or shared device do. Like a long prefill (latency.py), it 
 only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
 beyond the baseline, or such iterations at least ``slow_decode_min_share`` of the decoding
 steps in the baseline time before it (they set the p99 inter-token latency). Judged on the past
-only, as the live sidecar judges it.
+only, as the live sidecar judges it. An episode is one slowdown: its slowed iterations and
+every other one off pace in it (_PaceBefore.slowdowns_of).
 
 Not judged: an iteration as long as the stall threshold's floor (``STALL_FLOOR_S``, or a fixed
 ``stall_after``) or longer, which is the stall rule's (liveness.py: a stall live and in explain
@@ -35,7 +36,6 @@ import numpy as np
 from telemetry.analysis.episodes.episode import (
     Episode,
     Thresholds,
-    group_by_time,
     secs,
     span_episode,
 )
@@ -213,6 +213,24 @@ class _PaceBefore:
         known = self.context[past][~np.isnan(self.context[past])]
         return baseline, float(np.median(known)) if len(known) else math.nan
 
+    def slowdowns_of(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The slowdowns ``rows`` (slowed iterations, judged) are in, each as its rows: they
+        and every iteration off pace in it, in order. The slowed ones show that the engine
+        slowed, and the rest of the slowdown is the same work at least
+        ``slow_decode_pace_ratio`` times slower than before it. Where a slowdown grows the
+        batch past twice what ran before it (requests pile up), the baseline can only grow in
+        proportion to the requests, an upper bound (peer_median): another job that made every
+        iteration 4x slower for 90 s was found for its first 0.8 s only, while the batch grew
+        from 13 to 32 requests at 2.4x that bound, and the queue it caused read as a
+        --max-num-seqs limit. One slowdown is one episode, whatever the prompt chunks between
+        its iterations (they had cut that one into 8)."""
+        if not len(rows):
+            return []
+        marked = np.array(self.marked, dtype=np.int64)
+        run_of = self.run_first[marked]
+        runs = np.unique(self.run_first[self.positions.searchsorted(rows)])
+        return [self.positions[marked[run_of == run]] for run in runs.tolist()]
+
     def ongoing(self, row: int) -> bool:
         """Whether the slowdown ``row`` (off pace) is in goes on at the last decode-only
         iteration (not over as far as the records say)."""
@@ -229,17 +247,16 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     pace = _PaceBefore(tl, decode_only, th)
     rows = _candidates(tl, decode_only, th, pace.off_pace_stretch)
     baselines = np.array([pace.judge(row) for row in rows.tolist()], dtype=float)
+    baseline_of = dict(zip(rows.tolist(), baselines.tolist(), strict=True))
     stretch = slow_decode_stretch(th)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
     is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
-    baseline_of = dict(zip(rows.tolist(), baselines.tolist(), strict=True))
     share_of = dict(zip(rows.tolist(), shares.tolist(), strict=True))
-    index = rows[is_noticed]
-    times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
+    slowed_rows = set(rows.tolist())  # noticed or not: said apart from those only off pace
     return [
-        _episode(tl, index[first : last + 1], baseline_of, share_of, pace, stretch, th)
-        for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends)
+        _episode(tl, slowdown, baseline_of, share_of, slowed_rows, pace, th)
+        for slowdown in pace.slowdowns_of(rows[is_noticed])
     ]
 
 
@@ -248,16 +265,18 @@ def _episode(
     rows: np.ndarray,
     baseline_of: dict[int, float],
     share_of: dict[int, float],
+    slowed_rows: set[int],
     pace: _PaceBefore,
-    stretch: Stretch,
     th: Thresholds,
 ) -> Episode:
-    elapsed = tl.col("elapsed_ns")
+    """``rows``: slowed iterations (``slowed_rows``) and others off pace in their slowdowns."""
+    elapsed, stretch = tl.col("elapsed_ns"), slow_decode_stretch(th)
     worst = int(rows[np.argmax(elapsed[rows])])
     before, grown = "before it", pace.grown.get(worst, 1.0)
     if worst in pace.began:
         before = f"before the slowdown began at iteration {tl.col('iteration')[pace.began[worst]]}"
-    shares = [share_of[row] for row in rows.tolist()]
+    shares = [share_of.get(row, math.nan) for row in rows.tolist()]  # NaN: off pace only
+    num_slowed = sum(row in slowed_rows for row in rows.tolist())
     extra_ns = elapsed[rows] - np.array([baseline_of[row] for row in rows.tolist()])
     slowed_s = float((tl.col("num_decode_reqs")[rows] * extra_ns).sum()) / NS_PER_S
     return span_episode(
@@ -279,11 +298,12 @@ def _episode(
                 if grown > 1.0
                 else ""
             )
+            + _off_pace_text(len(rows) - num_slowed, num_slowed, stretch, pace)
             + noticed_text(shares, stretch, th)
         ),
         explanation=(
             "Neither a prompt chunk, a bigger batch nor longer contexts explain these "
-            "iterations: the same work ran several times faster before, so the engine was "
+            "iterations: the same work ran twice as fast or faster before, so the engine was "
             "slowed from outside, and every decoding request's tokens came that much later."
         ),
         setting=SLOW_DECODE_SETTING,
@@ -299,4 +319,15 @@ def _episode(
             # where the past its iterations were judged on begins (live_findings keeps it)
             "pace_since_ns": min(pace.since_ns[row] for row in rows.tolist()),
         },
+    )
+
+
+def _off_pace_text(num_off_pace: int, num_slowed: int, stretch: Stretch, pace: _PaceBefore) -> str:
+    """What the episode's iterations took against their baselines, where some were off pace
+    only (with_their_slowdowns)."""
+    if not num_off_pace:
+        return ""
+    return (
+        f"; {num_slowed} of them took {stretch.ratio:g}x their baseline or more, the other "
+        f"{num_off_pace} {pace.off_pace_stretch.ratio:g}x or more in the same slowdown"
     )
