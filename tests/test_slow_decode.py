@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from scenarios import synthetic
@@ -10,7 +11,8 @@ from scenarios.synthetic import Cost, Row, Simulator, arrivals, scripted
 from telemetry.analysis.clock import wall_seconds
 from telemetry.analysis.episodes import Thresholds, detect_episodes, detect_slow_decode, slow_decode
 from telemetry.analysis.findings import build_findings, episode_cost
-from telemetry.analysis.timeline import build_timelines, read_timelines
+from telemetry.analysis.timeline import NS_PER_S, build_timelines, read_timelines
+from telemetry.lane.record import heartbeat
 from tests.helpers.findings import assert_replay_agrees_with_explain, replayed
 
 
@@ -249,6 +251,39 @@ def test_one_iteration_of_a_slowdown_under_3x_does_not_end_it():
     )
     cost = episode_cost(timeline, episode, Thresholds())
     assert cost == pytest.approx(4 * (0.240 * 600 + 0.076))
+
+
+def with_heartbeats(records: list, path: Path) -> Path:
+    """``records`` written as a recording, a heartbeat before them and every second (live
+    admits an engine at its first heartbeat)."""
+    messages, seq, next_beat_ns = [], 0, records[0].start_ns
+    for record in records:
+        while next_beat_ns <= record.start_ns + record.elapsed_ns:
+            seq += 1
+            last = record.iteration - 1
+            messages.append(heartbeat(0, seq, next_beat_ns, next_beat_ns, last_iteration=last))
+            next_beat_ns += NS_PER_S
+        seq += 1
+        messages.append(msgspec.structs.replace(record, msg_seq=seq))
+    path.write_bytes(b"".join(msgspec.json.encode(m) + b"\n" for m in messages))
+    return path
+
+
+def test_a_slowdown_noticed_after_it_outlasted_the_window_s_lookback_is_found_live(tmp_path):
+    """Decodes of 20 ms, then 50 ms (2.5x: off pace, not slowed) for 40 s, then 80 ms (4x)
+    for 48 s: one slowdown, judged on the pace before it began, 40 s before its first
+    noticed iteration. The live window had dropped that pace (nothing was noticed to keep it
+    for) and found nothing; explain found 240 request-s."""
+    rows = decoding(1500, 0.020) + decoding(800, 0.050) + decoding(600, 0.080)
+    path = with_heartbeats(scripted(rows + decoding(1500, 0.020)), tmp_path / "rec.jsonl")
+    (timeline,) = read_timelines([path])[0].values()
+    (episode,) = detect_slow_decode(timeline, Thresholds())
+    assert episode.numbers["num_iterations"] == 1400
+    assert episode_cost(timeline, episode, Thresholds()) == pytest.approx(
+        4 * (800 * 0.03 + 600 * 0.06)
+    )
+    (live,) = assert_replay_agrees_with_explain(path)
+    assert live.kind == "slow_decode"
 
 
 # Real recordings on a 2-core CPU (EPYC-AVX512-BF16), SmolLM2, 4 requests of 64-token prompts

@@ -69,6 +69,7 @@ from telemetry.analysis.episodes import (
     detect_telemetry_gaps,
     detect_waiting,
     note_slowed_queues,
+    search_slow_decode,
     secs,
 )
 from telemetry.analysis.episodes.kv import LEAK_MAX_GAP
@@ -107,6 +108,7 @@ MAX_EVALUATE_SHARE = 0.1
 RECENT_CLOSED = 32  # closed findings kept per engine, for /findings
 
 # explain's detectors over the window; stalls from heartbeats and silences are the status's.
+# Slowed decode's is run as search_slow_decode, which also says the pace it keeps (_keep_pace).
 WINDOW_DETECTORS = (
     detect_kv_saturation,
     detect_kv_cliff,
@@ -116,11 +118,11 @@ WINDOW_DETECTORS = (
     detect_kv_leaks,
     detect_telemetry_gaps,
     detect_long_prefill,
-    detect_slow_decode,
     detect_costly_drafts,
     detect_futile_speculation,
 )
 assert detect_idle not in WINDOW_DETECTORS  # information, never a finding
+assert detect_slow_decode not in WINDOW_DETECTORS
 
 STALL = "stall"
 SPINNING = "spinning"
@@ -427,17 +429,18 @@ class EngineFindings:
         self._trim()
         tl = self._timeline()
         th = self.thresholds
+        slowdowns = search_slow_decode(tl, th)
+        found = [episode for detector in WINDOW_DETECTORS for episode in detector(tl, th)]
         episodes = sorted(
             (
                 episode
-                for detector in WINDOW_DETECTORS
-                for episode in detector(tl, th)
+                for episode in found + slowdowns.episodes
                 if episode.severity != INFO and not is_silence(episode)
             ),
             key=lambda e: (e.start_ns, e.kind),
         )
         note_slowed_queues(episodes)
-        self._keep_pace(tl, episodes)
+        self._keep_pace(tl, episodes, slowdowns.ongoing_since_ns)
         opened, seen = [], set()
         for episode in episodes:
             kind = finding_kind(episode)
@@ -463,20 +466,24 @@ class EngineFindings:
             self._close(event.finding)
         return opened + closed
 
-    def _keep_pace(self, tl: EngineTimeline, episodes: list[Episode]) -> None:
+    def _keep_pace(
+        self, tl: EngineTimeline, episodes: list[Episode], ongoing_since_ns: int | None
+    ) -> None:
         """Where the past of the slowed-decode episodes begins that still go on or ended
         within the baseline time before the newest record (their iterations, left out of
-        later baselines, are part of the past being judged on): the window keeps it (_trim),
-        so a slowdown's later iterations, and those just after it, are judged on the pace
-        before it began, as explain judges them (the window had dropped it after a minute: a
-        CPU hog's later iterations were judged live on the slowed pace, 248-321 ms against
-        21)."""
+        later baselines, are part of the past being judged on), and that of a slowdown going
+        on but not noticed yet (``ongoing_since_ns``): the window keeps it (_trim), so a
+        slowdown's later iterations, and those just after it, are judged on the pace before
+        it began, as explain judges them (the window had dropped it after a minute: a CPU
+        hog's later iterations were judged live on the slowed pace, 248-321 ms against 21)."""
         recent_ns = tl.last_ns - int(self.thresholds.long_prefill_baseline_time * NS_PER_S)
         since = [
             episode.numbers["pace_since_ns"]
             for episode in episodes
             if episode.kind == "slow_decode" and (episode.ongoing or episode.end_ns >= recent_ns)
         ]
+        if ongoing_since_ns is not None:
+            since.append(ongoing_since_ns)
         self._pace_since_ns = min(since, default=None)
 
     def _judged_in_full(self, episode: Episode) -> bool:

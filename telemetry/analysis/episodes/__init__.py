@@ -71,7 +71,7 @@ from telemetry.analysis.episodes.latency import detect_long_prefill
 from telemetry.analysis.episodes.liveness import detect_idle, detect_stalls, detect_telemetry_gaps
 from telemetry.analysis.episodes.queues import detect_preemption_storms, detect_waiting
 from telemetry.analysis.episodes.related import note_slowed_queues
-from telemetry.analysis.episodes.slow_decode import detect_slow_decode
+from telemetry.analysis.episodes.slow_decode import detect_slow_decode, search_slow_decode
 from telemetry.analysis.timeline import (
     FACT_FIELDS,
     NS_PER_S,
@@ -108,6 +108,7 @@ __all__ = [
     "detect_stalls",
     "detect_telemetry_gaps",
     "detect_waiting",
+    "search_slow_decode",
     "flag_text",
     "group_by_time",
     "note_slowed_queues",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -231,6 +232,14 @@ class _PaceBefore:
         runs = np.unique(self.run_first[self.positions.searchsorted(rows)])
         return [self.positions[marked[run_of == run]] for run in runs.tolist()]
 
+    def ongoing_since_ns(self) -> int | None:
+        """Where the past begins of the slowdown that goes on at the last decode-only
+        iteration, noticed or not (None: none goes on): its iterations are judged on it."""
+        if not self.marked or self._on_pace_ns(self.marked[-1], len(self.positions)) >= self.gap_ns:
+            return None
+        first = int(self.run_first[self.marked[-1]])
+        return int(self.starts[max(first - 1, 0)]) - self.window_ns
+
     def ongoing(self, row: int) -> bool:
         """Whether the slowdown ``row`` (off pace) is in goes on at the last decode-only
         iteration (not over as far as the records say)."""
@@ -239,11 +248,28 @@ class _PaceBefore:
         return bool(self.run_first[latest] == self.run_first[at] and on_pace_ns < self.gap_ns)
 
 
+@dataclass(frozen=True)
+class SlowDecodeSearch:
+    """The slowed-decode episodes of a timeline, and where the past begins of a slowdown that
+    goes on at its end, noticed or not (None: none goes on). The live sidecar keeps that past
+    in its window (live_findings): a slowdown off pace for 40 s before its first noticed
+    iteration had been judged live on a window that dropped the pace before it, and found in
+    explain only."""
+
+    episodes: list[Episode]
+    ongoing_since_ns: int | None
+
+
 def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Decode-only iterations far slower than the same work before them."""
+    return search_slow_decode(tl, th).episodes
+
+
+def search_slow_decode(tl: EngineTimeline, th: Thresholds) -> SlowDecodeSearch:
+    """detect_slow_decode's episodes, and the pace of a slowdown going on at the end."""
     decode_only = decode_only_rows(tl)
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
-        return []
+        return SlowDecodeSearch([], None)
     pace = _PaceBefore(tl, decode_only, th)
     rows = _candidates(tl, decode_only, th, pace.off_pace_stretch)
     baselines = np.array([pace.judge(row) for row in rows.tolist()], dtype=float)
@@ -254,10 +280,11 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
     share_of = dict(zip(rows.tolist(), shares.tolist(), strict=True))
     slowed_rows = set(rows.tolist())  # noticed or not: said apart from those only off pace
-    return [
+    episodes = [
         _episode(tl, slowdown, baseline_of, share_of, slowed_rows, pace, th)
         for slowdown in pace.slowdowns_of(rows[is_noticed])
     ]
+    return SlowDecodeSearch(episodes, pace.ongoing_since_ns())
 
 
 def _episode(
