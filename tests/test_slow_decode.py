@@ -74,7 +74,7 @@ def test_an_iteration_as_long_as_the_stall_threshold_s_floor_is_the_stall_s():
 
 
 def test_an_iteration_with_a_prompt_chunk_is_left_to_the_long_prefill_detector():
-    """A slow mixed iteration is judged by its chunk (latency.py), never as a slowed decode."""
+    """A slow mixed iteration is judged by its chunk (long_prefill.py), never as a slowed decode."""
     slow_mixed = [Row(1.5, running=4, waiting=0, blocks_used=10, gen_reqs=4, ctx_tokens=64)]
     rows = decoding(1500) + slow_mixed + decoding(1500)
     assert detect_slow_decode(timeline_of(scripted(rows)), Thresholds()) == []

@@ -57,6 +57,8 @@ class EngineTimeline:
         self.columns = columns or record_columns(self.records)
         self.facts = _latest_facts(self.heartbeats)
         self.capture: TapCapture | None = None  # a Dynamo FPM recording's; None: iterscope's
+        # what two detectors read of these records, computed once (slow_decode.judged_pace)
+        self.memo: dict = {}
 
     @property
     def num_iterations(self) -> int:

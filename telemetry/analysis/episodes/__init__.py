@@ -67,8 +67,8 @@ from telemetry.analysis.episodes.episode import (
     true_runs,
 )
 from telemetry.analysis.episodes.kv import detect_kv_cliff, detect_kv_leaks, detect_kv_saturation
-from telemetry.analysis.episodes.latency import detect_long_prefill
 from telemetry.analysis.episodes.liveness import detect_idle, detect_stalls, detect_telemetry_gaps
+from telemetry.analysis.episodes.long_prefill import detect_long_prefill
 from telemetry.analysis.episodes.queues import detect_preemption_storms, detect_waiting
 from telemetry.analysis.episodes.related import note_slowed_queues
 from telemetry.analysis.episodes.slow_decode import detect_slow_decode, search_slow_decode

@@ -1,4 +1,5 @@
-"""Latency episodes: long prefill chunks that stretch the decoding requests' iterations.
+"""Decode latency's baselines and stretches, shared by the long-prefill (long_prefill.py) and
+slowed-decode (slow_decode.py) detectors.
 
 An iteration is judged against the iterations before it only (``decode_baselines``): the median
 of the decode-only iterations of the ``long_prefill_baseline_time`` before it that computed as
@@ -10,17 +11,12 @@ live sidecar, which keeps that much history before every iteration it judges
 (telemetry/analysis/live_findings.py), judges each iteration as `explain` does.
 
 A stretched iteration is a finding only where the decoding requests notice it
-(``noticed``): it paused them for ``long_prefill_min_pause`` or longer beyond the baseline, or
-iterations stretched as much hold at least ``long_prefill_min_share`` of the decoding requests'
+(``noticed``): it paused them for the detector's minimum pause or longer beyond the baseline,
+or iterations stretched as much hold at least its minimum share of the decoding requests'
 steps in the baseline time before it (1 in 100 of them sets the p99 inter-token latency). A
 prompt now and then beside a request or two on a CPU (a 150 ms iteration against 40 ms, every
 30 s) is neither, and said nothing of (it opened a finding, and with a prompt a minute, an
 alert, on healthy load).
-
-An iteration during which the engine went silent (no message, heartbeats included, for
-longer than ``dead_after``: the whole process frozen) is not judged: its time is the
-freeze's, which the silence is (a SIGSTOP inside a 128-token chunk made it an 11.5 s "long
-prefill", ranked above the silence and charged the same request-seconds twice).
 """
 
 from __future__ import annotations
@@ -31,19 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from telemetry.analysis.episodes.episode import (
-    TUNE_TEXT,
-    Episode,
     Thresholds,
-    flag_text,
-    group_by_time,
     past_bounds,
     pct,
-    secs,
-    span_episode,
 )
-from telemetry.analysis.episodes.silences import Silences
 from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
-from telemetry.analysis.words import plural
 
 
 def _history(
@@ -154,15 +142,6 @@ class Stretch:
         return (elapsed >= self.ratio * baseline) & (elapsed - baseline >= self.min_extra_ns)
 
 
-def long_prefill_stretch(th: Thresholds) -> Stretch:
-    return Stretch(
-        th.long_prefill_ratio,
-        th.long_prefill_min_extra_time * NS_PER_S,
-        th.long_prefill_min_pause * NS_PER_S,
-        th.long_prefill_min_share,
-    )
-
-
 def _stretched_shares(
     tl: EngineTimeline,
     rows: np.ndarray,
@@ -224,83 +203,3 @@ def noticed_text(shares: list[float], stretch: Stretch, th: Thresholds) -> str:
         f"; stretched iterations held up to {pct(share)} of the decoding requests' steps in "
         f"{th.long_prefill_baseline_time:g} s (1% or more sets their p99 inter-token latency)"
     )
-
-
-def detect_long_prefill(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
-    """Decoding requests wait for a prefill chunk: their inter-token latency jumps."""
-    elapsed = tl.col("elapsed_ns")
-    prefill_tokens, decode_reqs = tl.col("num_prefill_tokens"), tl.col("num_decode_reqs")
-    decode_only = decode_only_rows(tl)
-    if decode_only.sum() < th.long_prefill_min_baseline_iterations:
-        return []
-    # Only iterations slower than the ratio times the fastest decode-only one can be stretched
-    # (a baseline is a median of those): the rest need no baseline of their own.
-    fastest_ns = float(elapsed[decode_only].min())
-    candidates = np.flatnonzero(
-        (prefill_tokens > 0)
-        & (decode_reqs > 0)
-        & tl.timed
-        & (elapsed >= th.long_prefill_ratio * fastest_ns)
-        & (elapsed - fastest_ns >= th.long_prefill_min_extra_time * NS_PER_S)
-    )
-    if (elapsed[candidates] > th.dead_after * NS_PER_S).any():  # else none holds a silence
-        silent = Silences(tl, th.dead_after).overlap_ns(
-            tl.col("start_ns")[candidates], tl.col("end_ns")[candidates]
-        )
-        candidates = candidates[silent == 0]  # a frozen process's time is the silence's
-    baselines = decode_baselines(tl, candidates, th)
-    slow = elapsed[candidates]
-    # NaN (no baseline) compares False: not judged
-    slower = (slow >= th.long_prefill_ratio * baselines) & (
-        slow - baselines >= th.long_prefill_min_extra_time * NS_PER_S
-    )
-    candidates, baselines = candidates[slower], baselines[slower]
-    token_costs = prefill_token_costs(tl, candidates, baselines, th)
-    stretched = prefill_tokens[candidates] * token_costs >= (th.long_prefill_ratio - 1) * baselines
-    candidates, baselines = candidates[stretched], baselines[stretched]
-    stretch = long_prefill_stretch(th)
-    is_noticed, shares = noticed(tl, candidates, baselines, prefill_tokens > 0, stretch, th)
-    index = candidates[is_noticed]
-    baseline_of = dict(zip(candidates.tolist(), baselines.tolist(), strict=True))
-    share_of = dict(zip(candidates.tolist(), shares.tolist(), strict=True))
-    times, ends = tl.col("start_ns")[index].tolist(), tl.col("end_ns")[index].tolist()
-    episodes = []
-    for first, last in group_by_time(times, int(th.gap_merge_time * NS_PER_S), ends):
-        rows = index[first : last + 1]
-        worst = int(rows[np.argmax(elapsed[rows])])
-        baseline_ns = baseline_of[worst]
-        shares = [share_of[row] for row in rows.tolist()]
-        episodes.append(
-            span_episode(
-                tl,
-                rows[0],
-                rows[-1],
-                kind="long_prefill",
-                title="Long prefill chunks stretch decode latency",
-                evidence=(
-                    f"{plural(len(rows), 'iteration')} mixing up to "
-                    f"{plural(int(prefill_tokens[rows].max()), 'prefill token')} with decoding "
-                    f"requests took up to {secs(elapsed[worst])} (iteration "
-                    f"{int(tl.col('iteration')[worst])}, {int(decode_reqs[worst])} decoding) "
-                    f"against a median decode-only iteration of {secs(baseline_ns)} in the "
-                    f"{th.long_prefill_baseline_time:g} s before it"
-                    f"{noticed_text(shares, stretch, th)}"
-                ),
-                explanation=(
-                    "Chunked prefill puts a prompt chunk in the same iteration as the decoding "
-                    "requests; each of them waits for the whole chunk, so their inter-token "
-                    "latency spikes to the iteration time."
-                ),
-                setting=(
-                    f"Lower {flag_text(tl, 'max_num_batched_tokens')} so chunks are smaller; "
-                    f"{TUNE_TEXT} computes the largest budget that keeps it."
-                ),
-                numbers={
-                    "num_iterations": len(rows),
-                    "max_elapsed_s": elapsed[worst] / NS_PER_S,
-                    "baseline_s": baseline_ns / NS_PER_S,
-                    "max_stretched_share": max_share(shares),
-                },
-            )
-        )
-    return episodes

@@ -8,7 +8,7 @@ while a slowdown lasts, against those before it began, grown with the KV each de
 request holds where it grew beyond twice (_PaceBefore): where it took ``slow_decode_ratio``
 times their median or more, the same work ran that much faster before, so neither its batch,
 a prompt nor its contexts explain the time; other processes on the engine's cores, memory
-pressure, a throttled or shared device do. Like a long prefill (latency.py), it is a finding
+pressure, a throttled or shared device do. Like a long prefill (long_prefill.py), it is a finding
 only where the decoding requests notice it: a pause of ``slow_decode_min_pause``
 beyond the baseline, or such iterations at least ``slow_decode_min_share`` of the decoding
 steps in the baseline time before it (they set the p99 inter-token latency). Judged on the past
@@ -118,6 +118,7 @@ class _PaceBefore:
     sidecar keeps that much, live_findings)."""
 
     def __init__(self, tl: EngineTimeline, decode_only: np.ndarray, th: Thresholds) -> None:
+        self.decode_only = decode_only  # a mask of tl's rows
         self.positions = np.flatnonzero(decode_only)  # tl's rows of the decode-only iterations
         self.starts = tl.col("start_ns")[decode_only]
         self.elapsed = tl.col("elapsed_ns")[decode_only].astype(float)
@@ -133,11 +134,13 @@ class _PaceBefore:
         self.off_pace_stretch = Stretch(
             th.slow_decode_pace_ratio, th.slow_decode_pace_min_extra_time * NS_PER_S, 0.0, 0.0
         )
+        self.slowed_stretch = slow_decode_stretch(th)
         self.gap_ns = int(th.gap_merge_time * NS_PER_S)  # on pace this long ends a slowdown
         self.elapsed_before = np.concatenate(([0.0], np.cumsum(self.elapsed)))
         self.off_pace = np.zeros(len(self.positions), dtype=bool)
         self.marked: list[int] = []  # the positions off pace, in order
         self.run_first = np.zeros(len(self.positions), dtype=np.int64)  # its slowdown's first
+        self.first_slowed: dict[int, int] = {}  # a slowdown's first -> its first slowed
         # the fastest decode-only iteration of as many decoding requests or more, anywhere: a
         # lower bound of any baseline drawn from such peers (_surely_on_pace)
         self.levels, level_of = np.unique(self.requests, return_inverse=True)
@@ -147,6 +150,9 @@ class _PaceBefore:
         self.began: dict[int, int] = {}  # row -> tl's row where the slowdown before it began
         self.grown: dict[int, float] = {}  # row -> its baseline's growth with the KV it holds
         self.since_ns: dict[int, int] = {}  # row -> where the past it was judged on begins
+        # the rows judged (the candidates: judged_pace) and their baselines, NaN: not judged
+        self.rows = np.zeros(0, dtype=np.int64)
+        self.baselines = np.zeros(0)
 
     def judge(self, row: int) -> float:
         """The baseline of ``row`` (a decode-only iteration later than any judged before it),
@@ -170,6 +176,8 @@ class _PaceBefore:
             self.off_pace[at] = True
             self.marked.append(at)
             self.run_first[at] = at if first is None else first
+            if self.slowed_stretch.is_stretched(self.elapsed[at], baseline):
+                self.first_slowed.setdefault(int(self.run_first[at]), at)
         return baseline
 
     def _slowdown_first(self, at: int) -> int | None:
@@ -232,6 +240,25 @@ class _PaceBefore:
         runs = np.unique(self.run_first[self.positions.searchsorted(rows)])
         return [self.positions[marked[run_of == run]] for run in runs.tolist()]
 
+    def in_slowdown(self, rows: np.ndarray) -> np.ndarray:
+        """A mask of ``rows`` (tl's rows) that came in a slowdown (the latest decode-only
+        iteration before each off pace, or in a slowdown not over yet) with a slowed
+        iteration before it: an off-pace blip alone (a real vLLM's 2.2x at start-up) says
+        less than that another job takes the engine's time."""
+        marked = np.array(self.marked, dtype=np.int64)
+        before = self.positions.searchsorted(rows)  # decode-only iterations before each
+        latest = marked.searchsorted(before) - 1  # the latest off pace before it, if any
+        mask = np.zeros(len(rows), dtype=bool)
+        for number in np.flatnonzero(latest >= 0).tolist():
+            last_off = int(marked[latest[number]])
+            first_slowed = self.first_slowed.get(int(self.run_first[last_off]))
+            mask[number] = (
+                first_slowed is not None
+                and first_slowed < before[number]
+                and self._on_pace_ns(last_off, int(before[number])) < self.gap_ns
+            )
+        return mask
+
     def ongoing_since_ns(self) -> int | None:
         """Where the past begins of the slowdown that goes on at the last decode-only
         iteration, noticed or not (None: none goes on): its iterations are judged on it."""
@@ -265,19 +292,37 @@ def detect_slow_decode(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     return search_slow_decode(tl, th).episodes
 
 
-def search_slow_decode(tl: EngineTimeline, th: Thresholds) -> SlowDecodeSearch:
-    """detect_slow_decode's episodes, and the pace of a slowdown going on at the end."""
+def judged_pace(tl: EngineTimeline, th: Thresholds) -> _PaceBefore | None:
+    """The decode-only iterations of ``tl`` judged in order (``rows``, the candidates, and
+    their ``baselines``; None: too few to judge), once per timeline and thresholds: the
+    long-prefill detector reads its slowdowns too (long_prefill.py)."""
+    key = ("slow_decode", th)
+    if key not in tl.memo:
+        tl.memo[key] = _judge(tl, th)
+    return tl.memo[key]
+
+
+def _judge(tl: EngineTimeline, th: Thresholds) -> _PaceBefore | None:
     decode_only = decode_only_rows(tl)
     if decode_only.sum() < th.long_prefill_min_baseline_iterations:
-        return SlowDecodeSearch([], None)
+        return None
     pace = _PaceBefore(tl, decode_only, th)
-    rows = _candidates(tl, decode_only, th, pace.off_pace_stretch)
-    baselines = np.array([pace.judge(row) for row in rows.tolist()], dtype=float)
+    pace.rows = _candidates(tl, decode_only, th, pace.off_pace_stretch)
+    pace.baselines = np.array([pace.judge(row) for row in pace.rows.tolist()], dtype=float)
+    return pace
+
+
+def search_slow_decode(tl: EngineTimeline, th: Thresholds) -> SlowDecodeSearch:
+    """detect_slow_decode's episodes, and the pace of a slowdown going on at the end."""
+    pace = judged_pace(tl, th)
+    if pace is None:
+        return SlowDecodeSearch([], None)
+    rows, baselines = pace.rows, pace.baselines
     baseline_of = dict(zip(rows.tolist(), baselines.tolist(), strict=True))
     stretch = slow_decode_stretch(th)
     slowed = stretch.is_stretched(tl.col("elapsed_ns")[rows], baselines)  # NaN: not judged
     rows, baselines = rows[slowed], baselines[slowed]
-    is_noticed, shares = noticed(tl, rows, baselines, decode_only, stretch, th)
+    is_noticed, shares = noticed(tl, rows, baselines, pace.decode_only, stretch, th)
     share_of = dict(zip(rows.tolist(), shares.tolist(), strict=True))
     slowed_rows = set(rows.tolist())  # noticed or not: said apart from those only off pace
     episodes = [
