@@ -13,8 +13,8 @@ Not judged:
   silence is (a SIGSTOP inside a 128-token chunk made it an 11.5 s "long prefill", ranked
   above the silence and charged the same request-seconds twice);
 - an iteration that came while the decode-only iterations were slowed from outside the batch
-  (a slowdown, slow_decode.py: the latest before it off pace, or in a slowdown not over):
-  its time is the slowdown's. Another job on a 2-core CPU made a 192-token chunk take 2.28 s,
+  (a slowdown that had shown a slowed iteration and was not over: slow_decode.py,
+  _PaceBefore.in_slowdown): its time is the slowdown's. Another job on a 2-core CPU made a 192-token chunk take 2.28 s,
   of which the chunk ~130 ms: "Long prefill chunks" with a pause of 1 s, and an action to
   lower the token budget, which could not have shortened it.
 """
