@@ -14,9 +14,9 @@ Not judged:
   above the silence and charged the same request-seconds twice);
 - an iteration that came while the decode-only iterations were slowed from outside the batch
   (a slowdown that had shown a slowed iteration and was not over: slow_decode.py,
-  _PaceBefore.in_slowdown): its time is the slowdown's. Another job on a 2-core CPU made a 192-token chunk take 2.28 s,
-  of which the chunk ~130 ms: "Long prefill chunks" with a pause of 1 s, and an action to
-  lower the token budget, which could not have shortened it.
+  _PaceBefore.in_slowdown): its time is the slowdown's. Another job on a 2-core CPU made a
+  192-token chunk take 2.28 s, of which the chunk ~130 ms: "Long prefill chunks" with a
+  pause of 1 s, and an action to lower the token budget, which could not have shortened it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ and an action to lower the token budget, which cannot shorten an iteration with 
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 from dataclasses import dataclass
 
@@ -150,6 +149,7 @@ class _PaceBefore:
         self.began: dict[int, int] = {}  # row -> tl's row where the slowdown before it began
         self.grown: dict[int, float] = {}  # row -> its baseline's growth with the KV it holds
         self.since_ns: dict[int, int] = {}  # row -> where the past it was judged on begins
+        self._paces: dict[tuple[int, int, float], tuple[float, float]] = {}  # _pace's
         # the rows judged (the candidates: judged_pace) and their baselines, NaN: not judged
         self.rows = np.zeros(0, dtype=np.int64)
         self.baselines = np.zeros(0)
@@ -210,12 +210,19 @@ class _PaceBefore:
         fastest = self.fastest_from_level[self.levels.searchsorted(own)]
         return not self.off_pace_stretch.is_stretched(self.elapsed[at], fastest)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 (an object lives for one detection)
     def _pace(self, latest: int, until: int, own: float) -> tuple[float, float]:
         """The baseline of ``own`` decoding requests from the iterations on pace before
         ``until`` that started within the baseline time before ``latest``'s start, and the
         median KV a decoding request held in them (NaN: none said). Drawn once for every
-        iteration of a slowdown (a run of 20,000 had taken 74 us each)."""
+        iteration of a slowdown (a run of 20,000 had taken 74 us each), and kept with this
+        object (a class-wide cache had kept up to 64 of them, each with its timeline's
+        columns, alive in a live sidecar after their searches)."""
+        key = (latest, until, own)
+        if key not in self._paces:
+            self._paces[key] = self._draw_pace(latest, until, own)
+        return self._paces[key]
+
+    def _draw_pace(self, latest: int, until: int, own: float) -> tuple[float, float]:
         first = int(self.starts.searchsorted(self.starts[latest] - self.window_ns))
         past = first + np.flatnonzero(~self.off_pace[first:until])
         baseline = peer_median(self.requests[past], self.elapsed[past], own, self.least)
@@ -396,7 +403,7 @@ def _episode(
 
 def _off_pace_text(num_off_pace: int, num_slowed: int, stretch: Stretch, pace: _PaceBefore) -> str:
     """What the episode's iterations took against their baselines, where some were off pace
-    only (with_their_slowdowns)."""
+    only (_PaceBefore.slowdowns_of)."""
     if not num_off_pace:
         return ""
     return (
