@@ -14,7 +14,8 @@ import httpx
 import msgspec
 import pytest
 
-from telemetry.lane.record import IterationRecord, Message
+from telemetry.lane.record import IterationRecord
+from telemetry.lane.recording import Line
 from tests.helpers import REPO
 from tests.helpers.perfetto_reader import read_trace
 
@@ -87,7 +88,7 @@ def test_short_demo(tmp_path):
     first = re.search(r"^  1\. (.+?): \d+ times?, ", output, re.MULTILINE)
     assert first, output
     assert f"Engine 000: {first.group(1)} since " in output, output
-    decoder = msgspec.json.Decoder(Message)
+    decoder = msgspec.json.Decoder(Line)  # notes too: records kept
     records = [
         m
         for m in map(decoder.decode, record_path.read_bytes().splitlines())

@@ -82,9 +82,12 @@ class Lines(list):
 
 
 def live(messages, path, **jsonl_kwargs):
-    """What a live sidecar does with these messages: log lines, a recording, its Ingest."""
+    """What a live sidecar does with these messages: log lines, a recording, its Ingest. Its
+    clock is record time, so its recording holds no notes: they carry the sidecar's wall time
+    (tests/test_recording_notes.py)."""
     lines = Lines()
-    ingest = Ingest([LogSink(interval_s=5, emit=lines), JsonlSink(path, **jsonl_kwargs)])
+    jsonl = JsonlSink(path, notes=False, **jsonl_kwargs)
+    ingest = Ingest([LogSink(interval_s=5, emit=lines), jsonl])
     for message in messages:
         now_ns = message.ts_ns if isinstance(message, Heartbeat) else message.start_ns
         ingest.on_message(message, now_ns)
@@ -417,6 +420,6 @@ def test_a_disk_full_at_close_says_how_many_lines_were_lost(tmp_path, monkeypatc
     )
     assert errors[-1].getMessage() == (
         f"closing the jsonl sink failed: [Errno 28] the recording {path} could not be written "
-        "at close (No space left on device): 12 buffered lines lost"
+        "at close (No space left on device): 13 buffered lines lost"
     )
-    assert ingest.sinks[0].num_lines_lost == 12
+    assert ingest.sinks[0].num_lines_lost == 13  # 12 messages, the sidecar's closing note

@@ -1,13 +1,14 @@
 """`iterscope explain RECORDING.jsonl [MORE.jsonl ...]`: episodes and a summary from a recording.
 
 A recording is what the sidecar's JSONL sink writes: one message per line, the msgspec JSON of
-an IterationRecord or Heartbeat (tagged arrays). It may span rotated files (``rec.jsonl.1``,
-... are read along with ``rec.jsonl``) and several engines; messages are grouped by engine and
-ordered by record time, so files can be given in any order, and a message read twice counts
-once. Lines that do not decode (a line cut by a crash, another schema version) are
-counted and skipped. Dynamo's FPM recordings are read too (telemetry/sources/fpm_taps.py),
-with lines saying how they were captured and what their iteration times are
-(telemetry/analysis/fpm_recording.py).
+an IterationRecord or Heartbeat (tagged arrays), and the sidecar's notes (SidecarNote: an
+engine it found dead, its status as the recording closed). It may span rotated files
+(``rec.jsonl.1``, ... are read along with ``rec.jsonl``) and several engines; messages are
+grouped by engine and ordered by record time, so files can be given in any order, and a
+message read twice counts once. Lines that do not decode (a line cut by a crash, another
+schema version) are counted and skipped. Dynamo's FPM recordings are read too
+(telemetry/sources/fpm_taps.py), with lines saying how they were captured and what their
+iteration times are (telemetry/analysis/fpm_recording.py).
 
 ``iterscope explain --follow`` reads the files as the sidecar writes them and prints what the
 live sidecar printed, through its own ingest, live findings and log: the command

@@ -11,13 +11,15 @@ import textwrap
 from dataclasses import asdict
 
 from telemetry.analysis.actions import episode_action, finding_action
-from telemetry.analysis.clock import clock_text
+from telemetry.analysis.clock import clock_text, wall_clock_text
 from telemetry.analysis.episodes import Episode, Thresholds, detect_episodes
 from telemetry.analysis.findings import Finding, build_findings, cost_phrase
 from telemetry.analysis.live_findings import finding_kind
 from telemetry.analysis.summary import format_summary, summarize
-from telemetry.analysis.timeline import EngineTimeline
+from telemetry.analysis.timeline import NS_PER_S, EngineTimeline
 from telemetry.analysis.words import not_reported, plural
+from telemetry.lane.record import Heartbeat
+from telemetry.lane.recording import SidecarNote, message_time_ns
 
 WRAP_COLUMNS = 100
 
@@ -142,44 +144,67 @@ def format_findings(
 
 
 def _ends_mid_work(tl: EngineTimeline) -> list[str]:
-    """Where the recording's last message has work in flight, that it stops mid-work: a
-    recording cannot tell an engine that died from a recording that was stopped (the live
-    sidecar's log can: "Engine down"), and the findings alone (or "No problem found") read as
-    the whole story of a run that ended there.
+    """Where the recording's last message has work in flight, that it stops mid-work (the
+    findings alone, or "No problem found", read as the whole story of a run that ended
+    there), and why, where the sidecar's notes after that message say it: the live sidecar
+    found the engine dead (nothing came after, not even a heartbeat: EngineTimeline.
+    death_at_end, its "Engine down" finding too), or it closed the recording while the engine
+    still worked (the recording stopped); a death is said even of an idle engine. Without
+    notes (a recording from before them) it cannot tell the two.
     Where the last message is a closing heartbeat, the engine closed its lane there: said so,
     and whether it was told to stop (a shutdown) or not (a failure)."""
-    last_record = tl.records[-1] if tl.records else None
-    last_heartbeat = tl.heartbeats[-1] if tl.heartbeats else None
-    if last_record is None and last_heartbeat is None:
+    last = tl.last_message()
+    if last is None:
         return []
-    record_end_ns = tl.col("end_ns")[-1] if last_record is not None else -1
-    if last_heartbeat is not None and last_heartbeat.ts_ns >= record_end_ns:
-        last = last_heartbeat
-    else:
-        last = last_record
     running, waiting = last.num_running_reqs, last.num_waiting_reqs
-    if last is last_heartbeat and last.closing:  # the engine said it closed its lane
-        at = clock_text(tl, last.ts_ns)
-        if running + waiting == 0:
-            return [f"  It ends as the engine closed its telemetry lane at {at}: a shutdown."]
-        closed = (
-            f"  It ends as the engine closed its telemetry lane at {at} with "
-            f"{plural(running, 'request')} running and {waiting} waiting"
-        )
-        if last.stop_requested:
-            return [f"{closed}: it was told to stop, and the shutdown cut them off."]
+    if type(last) is Heartbeat and last.closing:  # the engine said it closed its lane
+        return [_closed_lane_text(tl, last, running, waiting)]
+    in_flight = f"{plural(running, 'request')} running and {waiting} waiting"
+    death = tl.death_at_end()
+    if death is not None:
+        dead, closed = death
+        silent_s = (dead.wall_ns - tl.to_wall_ns(message_time_ns(last))) / NS_PER_S
+        until = f" before it closed the recording at {_wall_text(closed)}" if closed else ""
         return [
-            f"{closed}, not told to stop: its loop failed or its telemetry stopped (no token "
-            "came for them after; the engine's log says which; the live sidecar called it "
-            "dead)."
+            f"  It ends with the engine's death: the live sidecar called it dead at "
+            f"{_wall_text(dead)}, {silent_s:.1f} s after its last message (with {in_flight}), "
+            f"and heard nothing more of it{until}: the process died or its lane broke (its "
+            "log says which; the kernel's log, for the OOM killer)."
         ]
     if running + waiting == 0:
         return []
+    closed = next((n for n in tl.notes_after(message_time_ns(last)) if n.closing), None)
+    if closed is not None:
+        return [
+            f"  It ends mid-work, with {in_flight}: the sidecar stopped recording at "
+            f"{_wall_text(closed)} while the engine was {closed.status} (not dead)."
+        ]
     return [
-        f"  It ends mid-work, with {plural(running, 'request')} running and {waiting} "
-        "waiting: the recording stopped (or is still being written) while the engine worked, "
-        "or the engine died there (the sidecar's log says 'Engine down' if it did)."
+        f"  It ends mid-work, with {in_flight}: the recording stopped (or is still being "
+        "written) while the engine worked, or the engine died there (the sidecar's log says "
+        "'Engine down' if it did)."
     ]
+
+
+def _closed_lane_text(tl: EngineTimeline, last: Heartbeat, running: int, waiting: int) -> str:
+    at = clock_text(tl, last.ts_ns)
+    if running + waiting == 0:
+        return f"  It ends as the engine closed its telemetry lane at {at}: a shutdown."
+    closed = (
+        f"  It ends as the engine closed its telemetry lane at {at} with "
+        f"{plural(running, 'request')} running and {waiting} waiting"
+    )
+    if last.stop_requested:
+        return f"{closed}: it was told to stop, and the shutdown cut them off."
+    return (
+        f"{closed}, not told to stop: its loop failed or its telemetry stopped (no token "
+        "came for them after; the engine's log says which; the live sidecar called it "
+        "dead)."
+    )
+
+
+def _wall_text(note: SidecarNote) -> str:
+    return wall_clock_text(note.wall_ns / NS_PER_S)
 
 
 def format_engine(

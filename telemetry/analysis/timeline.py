@@ -26,7 +26,14 @@ from telemetry.lane.record import (
     Heartbeat,
     IterationRecord,
 )
-from telemetry.lane.recording import read_file, recording_groups
+from telemetry.lane.recording import (
+    DEAD,
+    Line,
+    SidecarNote,
+    message_time_ns,
+    read_file,
+    recording_groups,
+)
 from telemetry.sources.fpm_taps import TapCapture, is_tap, read_tap
 
 NS_PER_S = 1_000_000_000
@@ -57,6 +64,9 @@ class EngineTimeline:
         self.columns = columns or record_columns(self.records)
         self.facts = _latest_facts(self.heartbeats)
         self.capture: TapCapture | None = None  # a Dynamo FPM recording's; None: iterscope's
+        # the sidecar's notes of this engine in its recording (its death, the recording's
+        # close), by wall time; none for a live window or a recording made before them
+        self.notes: list[SidecarNote] = []
         # what two detectors read of these records, computed once (slow_decode.judged_pace)
         self.memo: dict = {}
 
@@ -145,6 +155,45 @@ class EngineTimeline:
 
     def has_clock_anchor(self) -> bool:
         return bool(self.heartbeats)
+
+    def notes_after(self, ts_ns: int) -> list[SidecarNote]:
+        """The sidecar's notes of this engine written after its record time ``ts_ns``, by
+        wall time (the notes carry the sidecar's); none without a clock anchor."""
+        if not self.notes or not self.heartbeats:
+            return []
+        wall_ns = self.to_wall_ns(ts_ns)
+        return [note for note in self.notes if note.wall_ns > wall_ns]
+
+    def death_at_end(self) -> tuple[SidecarNote, SidecarNote | None] | None:
+        """How the recording ends where the live sidecar found the engine dead after its last
+        message (and heard nothing after): that note, and the one of the recording's close
+        (None: it did not close it); None where it did not, or the engine had closed its
+        lane (a shutdown: telemetry/lane/record.py is_clean_close)."""
+        last = self.last_message()
+        if last is None or (type(last) is Heartbeat and last.closing):
+            return None
+        notes = self.notes_after(message_time_ns(last))
+        dead = next((note for note in notes if note.status == DEAD), None)
+        if dead is None:
+            return None
+        return dead, next((note for note in notes if note.closing), None)
+
+    def last_message(self) -> IterationRecord | Heartbeat | None:
+        """The engine's last message in record time (an iteration at its end; a heartbeat
+        at the same time after it)."""
+        last_record = self.records[-1] if self.records else None
+        last_heartbeat = self.heartbeats[-1] if self.heartbeats else None
+        if last_record is None:
+            return last_heartbeat
+        if last_heartbeat is not None and last_heartbeat.ts_ns >= self.col("end_ns")[-1]:
+            return last_heartbeat
+        return last_record
+
+    def from_wall_ns(self, wall_ns: int) -> int:
+        """The record time of a wall time, by the newest heartbeat's clock anchor."""
+        if not self.heartbeats:
+            raise ValueError(f"engine {self.engine_index}: no heartbeat, so no clock anchor")
+        return wall_ns - self._anchor_offset_ns[-1]
 
     def to_wall_ns(self, ts_ns: int) -> int:
         """Wall time of a record time, from the nearest heartbeat's (ts_ns, wall_ns) anchor."""
@@ -248,26 +297,30 @@ def _latest_facts(heartbeats: list[Heartbeat]) -> dict:
     return facts
 
 
-def build_timelines(
-    messages: Iterable[IterationRecord | Heartbeat],
-) -> dict[int, EngineTimeline]:
-    """Split messages by engine; duplicates (the same file read twice) are dropped."""
+def build_timelines(messages: Iterable[Line]) -> dict[int, EngineTimeline]:
+    """Split messages by engine; duplicates (the same file read twice) are dropped. The
+    sidecar's notes go with their engine's messages (an engine with notes only has none)."""
     records: dict[int, dict[tuple, IterationRecord]] = {}
     heartbeats: dict[int, dict[tuple, Heartbeat]] = {}
+    notes: dict[int, dict[tuple, SidecarNote]] = {}
     for message in messages:
         if isinstance(message, IterationRecord):
             key = (message.msg_seq, message.start_ns)
             records.setdefault(message.engine_index, {})[key] = message
-        else:
+        elif isinstance(message, Heartbeat):
             key = (message.msg_seq, message.ts_ns)
             heartbeats.setdefault(message.engine_index, {})[key] = message
-    engines = sorted(set(records) | set(heartbeats))
-    return {
-        e: EngineTimeline(
+        else:
+            key = (message.wall_ns, message.status, message.closing)
+            notes.setdefault(message.engine_index, {})[key] = message
+    timelines = {}
+    for e in sorted(set(records) | set(heartbeats)):
+        tl = EngineTimeline(
             e, list(records.get(e, {}).values()), list(heartbeats.get(e, {}).values())
         )
-        for e in engines
-    }
+        tl.notes = sorted(notes.get(e, {}).values(), key=lambda note: note.wall_ns)
+        timelines[e] = tl
+    return timelines
 
 
 class WaitReason(NamedTuple):
@@ -306,7 +359,8 @@ WAIT_REASONS = {
 def read_timelines(
     paths: list[str | Path], fpm_producer: str = "unknown"
 ) -> tuple[dict[int, EngineTimeline], int, int]:
-    """(timelines by engine index, number of messages, number of unreadable lines).
+    """(timelines by engine index, number of messages (the sidecar's notes not counted),
+    number of unreadable lines).
 
     A file's rotated predecessors (``rec.jsonl.1``, ...) are read too. Dynamo's FPM
     recordings are read alone (ValueError beside iterscope's), ``fpm_producer`` saying what
@@ -320,20 +374,21 @@ def read_timelines(
         if not all(taps):
             raise ValueError("Dynamo's FPM recordings are read alone, not with iterscope's")
         return _read_tap_timelines(paths, fpm_producer)
-    messages, num_bad_lines = [], 0
+    messages, num_bad_lines, num_notes = [], 0, 0
     pids: dict[int, dict[str, set[int]]] = {}  # engine index -> path given -> its pids
     for given, files in recording_groups(paths):
         for file in files:
-            for item in read_file(file):
+            for item in read_file(file, notes=True):
                 if isinstance(item, str):
                     num_bad_lines += 1
                     continue
                 messages.append(item)
+                num_notes += type(item) is SidecarNote
                 if type(item) is Heartbeat and item.pid:
                     engine_pids = pids.setdefault(item.engine_index, {})
                     engine_pids.setdefault(given, set()).add(item.pid)
     _refuse_two_engines_as_one(pids)
-    return build_timelines(messages), len(messages), num_bad_lines
+    return build_timelines(messages), len(messages) - num_notes, num_bad_lines
 
 
 # What recording files are named (iterscope's; Dynamo's FPM trace segments), for a folder given

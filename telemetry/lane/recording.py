@@ -1,8 +1,9 @@
 """The JSONL recording format (what ``telemetry.sidecar.sinks.jsonl`` writes): file names, and
 reading it back for replay, explain and tune.
 
-A recording is one message per line, the msgspec JSON of an IterationRecord or Heartbeat. It
-may span rotated files, oldest last in number:
+A recording is one message per line, the msgspec JSON of an IterationRecord or Heartbeat, and
+the sidecar's own notes (SidecarNote: what it saw of an engine that no message of the engine's
+says, such as its death). It may span rotated files, oldest last in number:
 
     rec.jsonl.N-1 ... rec.jsonl.1 rec.jsonl      (read in this order)
 
@@ -23,9 +24,29 @@ from typing import BinaryIO
 import msgspec
 
 from telemetry.lane.frame_checks import classify_undecodable, is_plausible
-from telemetry.lane.record import IterationRecord, Message
+from telemetry.lane.record import MAX_ENGINE_INDEX, TAG_HEARTBEAT, IterationRecord, Message
 
 StrPath = str | os.PathLike
+TAG_SIDECAR_NOTE = TAG_HEARTBEAT + 1  # the next kind of the lane's tags, never on the lane
+
+
+class SidecarNote(msgspec.Struct, array_like=True, gc=False, tag=TAG_SIDECAR_NOTE):
+    """A line of the sidecar's, never sent on the lane: the status the live sidecar judged an
+    engine to be in, where the engine's own messages cannot say it. Written when it found an
+    engine dead (no message, not even a heartbeat, for --dead-after: a process killed, say,
+    sends nothing more), and for every engine as it closed the recording (``closing``), so a
+    recording that ends mid-work says whether the engine died or the recording stopped."""
+
+    engine_index: int
+    # the sidecar's time.time_ns() when it judged so; readers place it among the engine's
+    # messages by their clock anchors, so it takes the two hosts' clocks to agree (NTP)
+    wall_ns: int
+    status: str  # the engine's status then (EngineStatus's value: "dead", "running", ...)
+    closing: bool = False  # written as the sidecar closed the recording
+
+
+Line = Message | SidecarNote  # what a recording's line decodes to
+DEAD = "dead"  # a note's status for a dead engine: EngineStatus.DEAD's value (the sidecar's)
 
 
 def rotated_path(path: Path, generation: int) -> Path:
@@ -61,23 +82,25 @@ def recording_groups(paths: Iterable[StrPath]) -> list[tuple[str, list[Path]]]:
     return groups
 
 
-def decode_line(decoder: msgspec.json.Decoder, line: bytes) -> Message | str:
-    """A message, or why the line is not one ('malformed', 'truncated', 'version')."""
+def decode_line(decoder: msgspec.json.Decoder, line: bytes) -> Line | str:
+    """A message or note, or why the line is neither ('malformed', 'truncated', 'version')."""
     try:
         message = decoder.decode(line)
     except (msgspec.DecodeError, ValueError) as error:
         return classify_undecodable(line, error, loads=msgspec.json.decode)
+    if type(message) is SidecarNote:
+        return message if 0 <= message.engine_index <= MAX_ENGINE_INDEX else "malformed"
     return message if is_plausible(message) else "malformed"
 
 
-def read_recording(paths: StrPath | Iterable[StrPath]) -> Iterator[Message | str]:
+def read_recording(paths: StrPath | Iterable[StrPath], notes: bool = False) -> Iterator[Line | str]:
     """Every line of a recording: one path or several, each read with its rotated older files
     (oldest first, a file given twice read once); a message per line, or the reason the line
-    could not be decoded."""
+    could not be decoded; the sidecar's notes where ``notes`` asks for them."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     for file_path in with_rotated_files(paths):
-        yield from read_file(file_path)
+        yield from read_file(file_path, notes)
 
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -101,13 +124,15 @@ def is_gzipped_recording(file_path: StrPath) -> bool:
         return False
 
 
-def read_file(file_path: Path) -> Iterator[Message | str]:
+def read_file(file_path: Path, notes: bool = False) -> Iterator[Line | str]:
     """Every line of one file (no rotated files; gzip or not): a message, or why the line is
-    not one."""
-    decoder = msgspec.json.Decoder(Message)
+    not one; the sidecar's notes where ``notes`` asks for them (else passed over)."""
+    decoder = msgspec.json.Decoder(Line)
     with open_recording(file_path) as file:
         for line in file:
-            yield decode_line(decoder, line)
+            item = decode_line(decoder, line)
+            if notes or type(item) is not SidecarNote:
+                yield item
 
 
 def message_time_ns(message: Message) -> int:
@@ -132,18 +157,20 @@ class RecordingReader:
     as when a rotation lands between listing the files and opening them, keeps its place.
     """
 
-    def __init__(self, paths: Iterable[StrPath]) -> None:
+    def __init__(self, paths: Iterable[StrPath], notes: bool = False) -> None:
+        """``notes``: the sidecar's notes read too (else passed over)."""
         self.paths = [Path(p) for p in paths]
-        self.decoder = msgspec.json.Decoder(Message)
+        self.notes = notes
+        self.decoder = msgspec.json.Decoder(Line)
         self.num_bad_lines = 0
         self._offsets: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> bytes read
         self._last_seen: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> call number
         self._num_calls = 0
 
-    def read_new(self) -> list[Message]:
+    def read_new(self) -> list[Line]:
         """Complete lines added since the last call: an unterminated last line is left for the
         next call (its writer may still be completing it)."""
-        messages: list[Message] = []
+        messages: list[Line] = []
         seen: set[tuple[int, int]] = set()
         for path in with_rotated_files(self.paths):
             messages += self._read_path(path, seen)
@@ -156,7 +183,7 @@ class RecordingReader:
                 self._offsets.pop(key, None)
         return messages
 
-    def _read_path(self, path: Path, seen: set[tuple[int, int]]) -> list[Message]:
+    def _read_path(self, path: Path, seen: set[tuple[int, int]]) -> list[Line]:
         try:
             with open(path, "rb") as file:
                 stat = os.fstat(file.fileno())
@@ -175,12 +202,12 @@ class RecordingReader:
         self._offsets[key] = offset + end
         return self._decode_lines(data[:end])
 
-    def _decode_lines(self, data: bytes) -> list[Message]:
+    def _decode_lines(self, data: bytes) -> list[Line]:
         messages = []
         for line in io.BytesIO(data):  # split as reading the file line by line would
             item = decode_line(self.decoder, line)
             if isinstance(item, str):
                 self.num_bad_lines += 1
-            else:
+            elif self.notes or type(item) is not SidecarNote:
                 messages.append(item)
         return messages

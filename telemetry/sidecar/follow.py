@@ -47,7 +47,7 @@ def follow(
     then explain's summary of the newest ``window_messages`` messages."""
     if window_messages < 1:
         raise ValueError(f"window_messages must be >= 1, got {window_messages}")
-    reader = RecordingReader(paths)
+    reader = RecordingReader(paths, notes=True)  # how it ends, in the summary
     ingest = Ingest(
         [LogSink(emit=printer(out))],
         dead_after_s=thresholds.dead_after,

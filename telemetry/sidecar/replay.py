@@ -18,8 +18,13 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from telemetry.analysis.live_findings import WINDOW_MESSAGES
-from telemetry.lane.record import Heartbeat, Message
-from telemetry.lane.recording import message_time_ns, read_recording  # also imported from here
+from telemetry.lane.record import Heartbeat
+from telemetry.lane.recording import (  # also imported from here
+    Line,
+    SidecarNote,
+    message_time_ns,
+    read_recording,
+)
 from telemetry.sidecar.engine_roster import DEFAULT_MAX_ENGINES
 from telemetry.sidecar.ingest import DEAD_AFTER_S, TICK_INTERVAL_S, Ingest
 from telemetry.sidecar.sink import Sink
@@ -50,28 +55,40 @@ class RecordClock:
             return None
         return self._driven_ns + self._wall_offset_ns
 
-    def feed(self, items: Iterable[Message | str]) -> None:
-        """Messages, and the reasons of lines that did not decode (counted as undecodable)."""
+    def feed(self, items: Iterable[Line | str]) -> None:
+        """Messages, and the reasons of lines that did not decode (counted as undecodable).
+        The sidecar's notes are no message (this Ingest judges the engines' status anew), but
+        their time, on the engines' clock, is record time the recording spans: a death after
+        the last message is found at its time, as the sidecar that wrote it found it."""
         ingest = self.ingest
         for item in items:
             if isinstance(item, str):
                 ingest.count_undecodable(item)
                 continue
+            if type(item) is SidecarNote:
+                if self._wall_offset_ns is not None and self.now_ns is not None:
+                    self._tick_until(max(self.now_ns, item.wall_ns - self._wall_offset_ns))
+                continue
             if type(item) is Heartbeat:
                 self._wall_offset_ns = item.wall_ns - item.ts_ns
             if self.now_ns is None:
                 self._next_tick_ns = message_time_ns(item)
-            now_ns = self.now_ns = max(self.now_ns or 0, message_time_ns(item))
-            num_ticks = 0
-            while self._next_tick_ns <= now_ns:
-                if num_ticks == MAX_TICKS_PER_GAP:  # the rest of a long gap in one step
-                    self._next_tick_ns = now_ns
-                self._driven_ns = self._next_tick_ns
-                ingest.tick(self._next_tick_ns)
-                self._next_tick_ns += self._tick_ns
-                num_ticks += 1
-            self._driven_ns = now_ns
+            now_ns = self._tick_until(max(self.now_ns or 0, message_time_ns(item)))
             ingest.on_message(item, now_ns)
+
+    def _tick_until(self, now_ns: int) -> int:
+        """Ticks up to ``now_ns`` (record time), the clock then at it."""
+        self.now_ns = now_ns
+        num_ticks = 0
+        while self._next_tick_ns <= now_ns:
+            if num_ticks == MAX_TICKS_PER_GAP:  # the rest of a long gap in one step
+                self._next_tick_ns = now_ns
+            self._driven_ns = self._next_tick_ns
+            self.ingest.tick(self._next_tick_ns)
+            self._next_tick_ns += self._tick_ns
+            num_ticks += 1
+        self._driven_ns = now_ns
+        return now_ns
 
     def finish(self) -> None:
         """The end of the recording: a last tick, and every engine's window searched."""
@@ -137,7 +154,7 @@ def replay(
     )
     clock = RecordClock(ingest, tick_interval_s)
     with record_time_stamps(clock):
-        clock.feed(read_recording(path))
+        clock.feed(read_recording(path, notes=True))
         clock.finish()
         if close_sinks:
             ingest.close()

@@ -28,7 +28,8 @@ from engine.model.tokenizer import ByteTokenizer
 from engine.request import FinishReason
 from engine.request_stream import RequestStream
 from engine.startup import build_engine_core
-from telemetry.lane.record import EVENT_FINISHED, IterationRecord, Message
+from telemetry.lane.record import EVENT_FINISHED, IterationRecord
+from telemetry.lane.recording import Line
 from tests.helpers import REPO
 from tests.helpers.processes import wait_for_log
 from tests.helpers.wait import wait_until
@@ -73,7 +74,7 @@ class ServerProcess:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
 
     def records(self) -> list[IterationRecord]:
-        decoder = msgspec.json.Decoder(Message)
+        decoder = msgspec.json.Decoder(Line)  # notes too: records kept
         data = self.record_path.read_bytes() if self.record_path.exists() else b""
         # whole lines only: the sidecar may be writing the last one as it is read
         lines = data[: data.rfind(b"\n") + 1].splitlines()

@@ -379,7 +379,51 @@ def detect_telemetry_gaps(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
         if (is_start[i + 1] or seqs[i + 1] <= seqs[i] + 1)  # else messages were lost: a hole
         and not is_clean_close(messages[order[i]])
     ]
-    return _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
+    episodes = _hole_episodes(tl, holes, th) + [_silence_episode(tl, *s) for s in silences]
+    return episodes + _death_at_end(tl, th)
+
+
+def _death_at_end(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
+    """The silence after the last message where the live sidecar found the engine dead and
+    heard nothing more of it (its notes: EngineTimeline.death_at_end), until it closed the
+    recording (or, not closed, until it found it dead), where longer than ``dead_after`` as
+    any silence: the "Engine down" it said live, which a recording alone had read as the
+    run's end ("No problem found" for a killed engine)."""
+    death = tl.death_at_end()
+    if death is None:
+        return []
+    dead, closed = death
+    before = tl.last_message()
+    start_ns = message_time_ns(before)
+    end_ns = tl.from_wall_ns((closed or dead).wall_ns)
+    if end_ns - start_ns <= int(th.dead_after * NS_PER_S):
+        return []
+    in_flight = before.num_waiting_reqs + before.num_running_reqs
+    until = "it closed the recording" if closed else "the recording's end"
+    return [
+        Episode(
+            kind="telemetry_gap",
+            engine_index=tl.engine_index,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            title="Engine down",  # the live finding's title
+            evidence=(
+                f"no message for {secs(end_ns - start_ns)} (heartbeats are ~1 s apart), until "
+                f"{until}: the live sidecar found it dead and heard nothing more of it; "
+                f"{in_flight_text(in_flight)} at its last message"
+            ),
+            explanation=(
+                "The engine process died (killed, crashed) or its telemetry lane broke: no "
+                "heartbeat came after, while the sidecar recording it ran on."
+            ),
+            setting=SILENCE_SETTING,
+            numbers={
+                "silent_time_s": (end_ns - start_ns) / NS_PER_S,
+                "restarted": False,
+                "in_flight_reqs": in_flight,
+            },
+        )
+    ]
 
 
 def _seq_restarts(seqs: np.ndarray) -> list[int]:

@@ -382,8 +382,10 @@ def _episode(
         ),
         explanation=(
             "Neither a prompt chunk, a bigger batch nor longer contexts explain these "
-            "iterations: the same work ran twice as fast or faster before, so the engine was "
-            "slowed from outside, and every decoding request's tokens came that much later."
+            "iterations: at the pace before, the same work took half the time or less (a "
+            "batch bigger than any before counted at the most it could take then), so the "
+            "engine was slowed from outside, and every decoding request's tokens came that "
+            "much later."
         ),
         setting=SLOW_DECODE_SETTING,
         ongoing=pace.ongoing(int(rows[-1])),

@@ -3,8 +3,12 @@
 This module writes it; ``telemetry.lane.recording`` reads it.
 
 One message per line, the ``msgspec.json`` encoding of the decoded message: IterationRecord
-and Heartbeat as tagged JSON arrays holding exactly the wire fields, so
-``msgspec.json.Decoder(telemetry.lane.record.Message)`` reads every line back.
+and Heartbeat as tagged JSON arrays holding exactly the wire fields, and the sidecar's own
+notes (telemetry.lane.recording.SidecarNote): a line when it finds an engine dead, and one per
+engine as it closes the recording, with the engine's status then (a replay's sidecar writes
+none: they would be its own judgments, at its own time), so `explain` can say whether a
+recording that ends mid-work ends with the engine's death or with the recording stopped.
+``msgspec.json.Decoder(telemetry.lane.recording.Line)`` reads every line back.
 
 Files rotate by size with a bounded count:
 
@@ -39,9 +43,9 @@ from pathlib import Path
 import msgspec
 
 from telemetry.lane.record import Heartbeat, IterationRecord
-from telemetry.lane.recording import recording_files, rotated_path
+from telemetry.lane.recording import TAG_SIDECAR_NOTE, SidecarNote, recording_files, rotated_path
 from telemetry.sidecar.arg_types import positive_int
-from telemetry.sidecar.engine_view import EngineView
+from telemetry.sidecar.engine_view import EngineStatus, EngineView
 from telemetry.sidecar.sink import Sink
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -90,7 +94,8 @@ def read_last_seqs(path: Path) -> dict[int, int]:
                 head = decoder.decode(line)
             except msgspec.DecodeError:
                 continue
-            last_seqs[head.engine_index] = head.msg_seq
+            if head.tag != TAG_SIDECAR_NOTE:  # a note's third element is no seq
+                last_seqs[head.engine_index] = head.msg_seq
     return last_seqs
 
 
@@ -105,7 +110,9 @@ class JsonlSink(Sink):
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_files: int = DEFAULT_MAX_FILES,
         flush_bytes: int = DEFAULT_FLUSH_BYTES,
+        notes: bool = True,
     ) -> None:
+        """``notes``: write the sidecar's notes (a live sidecar's; not a replay's)."""
         if max_bytes <= 0 or max_files < 1:
             raise ValueError(
                 f"need max_bytes > 0 and max_files >= 1, got {max_bytes} and {max_files}"
@@ -119,6 +126,8 @@ class JsonlSink(Sink):
         self._midline = False  # a partial write ended inside a line
         self._encoder = msgspec.json.Encoder()
         self._buffer = bytearray()
+        # each engine's latest status (None: notes not written)
+        self._statuses: dict[int, EngineStatus] | None = {} if notes else None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             cut_partial_last_line(self.path)
@@ -145,6 +154,22 @@ class JsonlSink(Sink):
 
     on_iteration = _append
     on_heartbeat = _append
+
+    def on_status(self, engine_index: int, status: EngineStatus, now_ns: int) -> None:
+        if self._statuses is None:
+            return
+        self._statuses[engine_index] = status
+        if status is EngineStatus.DEAD:
+            self._note(engine_index, status, closing=False)
+
+    def on_engine_removed(self, engine_index: int, silent_ns: int) -> None:
+        if self._statuses is not None:
+            self._statuses.pop(engine_index, None)
+
+    def _note(self, engine_index: int, status: EngineStatus, closing: bool) -> None:
+        note = SidecarNote(engine_index, time.time_ns(), status.value, closing)
+        self._encoder.encode_into(note, self._buffer, -1)
+        self._buffer += b"\n"
 
     def flush(self) -> None:
         """Write the buffered lines (whole lines only), rotating first if the file is full.
@@ -224,6 +249,8 @@ class JsonlSink(Sink):
         errors nothing else would say it)."""
         if self._fd < 0:
             return
+        for engine_index, status in (self._statuses or {}).items():
+            self._note(engine_index, status, closing=True)
         try:
             self.flush()
         except OSError as error:
@@ -261,4 +288,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> JsonlSink | None:
     if not args.record:
         return None
-    return JsonlSink(args.record, args.record_max_bytes, args.record_max_files)
+    replaying = bool(getattr(args, "replay", None))
+    return JsonlSink(args.record, args.record_max_bytes, args.record_max_files, notes=not replaying)
