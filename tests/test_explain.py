@@ -132,6 +132,74 @@ def test_stall_from_frozen_heartbeats(stalled):
     assert not [e for e in episodes if e.kind in ("idle", "kv_leak", "telemetry_gap")]
 
 
+def test_work_after_an_idle_spell_is_waited_for_from_its_coming_as_live(tmp_path):
+    """A real vLLM's recording (through the scheduler source): iteration 403 ends, 3 s idle
+    (heartbeats say nothing waits or runs), then 2 requests and a 2.7 s step with the process
+    frozen 2.6 s inside it. Explain had called 5.8 s from 403's end a stall; the live sidecar
+    starts waiting for progress when the work comes (it had none before), so it saw only the
+    silence ("Engine down"), as explain now does."""
+    messages, seq, now_ns = [], 0, 100 * NS_PER_S
+
+    def beat(ts_ns: int, running: int, iteration: int) -> None:
+        nonlocal seq
+        seq += 1
+        messages.append(
+            heartbeat(
+                0,
+                seq,
+                ts_ns,
+                ts_ns,
+                last_iteration=iteration,
+                pid=3,
+                num_running_reqs=running,
+                num_kv_blocks_total=100,
+            )
+        )
+
+    def record(iteration: int, start_ns: int, elapsed_ns: int, running: int) -> None:
+        nonlocal seq
+        seq += 1
+        messages.append(
+            iteration_record(
+                0,
+                seq,
+                iteration,
+                start_ns=start_ns,
+                elapsed_ns=elapsed_ns,
+                num_decode_reqs=running,
+                num_decode_tokens=running,
+                num_running_reqs=running,
+                num_kv_blocks_used=4,
+                num_kv_blocks_free=96,
+            )
+        )
+
+    beat(now_ns, 1, 0)
+    for iteration in range(1, 404):  # decoding, 40 ms a step
+        record(iteration, now_ns, 40_000_000, 1 if iteration < 403 else 0)
+        now_ns += 40_000_000
+        if iteration % 25 == 0:
+            beat(now_ns, 1 if iteration < 403 else 0, iteration)
+    for second in range(1, 4):  # idle
+        beat(now_ns + second * NS_PER_S - NS_PER_S // 10, 0, 403)
+    work_ns = now_ns + 3 * NS_PER_S
+    beat(work_ns + 20_000_000, 2, 403)  # the work came, then the process froze 2.6 s
+    beat(work_ns + 2_670_000_000, 2, 403)
+    record(404, work_ns, 2_680_000_000, 2)
+    now_ns = work_ns + 2_680_000_000
+    for iteration in range(405, 450):
+        record(iteration, now_ns, 40_000_000, 2)
+        now_ns += 40_000_000
+    beat(now_ns, 2, 449)
+    path = tmp_path / "rec.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(m) + b"\n" for m in messages))
+    (timeline,) = read_timelines([path])[0].values()
+    kinds = [e.title for e in detect_episodes(timeline) if e.kind in ("stall", "telemetry_gap")]
+    assert kinds == ["Engine down"]
+    live = [f.kind for f in replayed(path) if f.kind in ("stall", "dead")]
+    assert live == ["dead"]
+
+
 def test_stall_threshold_is_a_setting(stalled):
     timeline = build_timelines(stalled.messages)[0]
     assert not only(detect_episodes(timeline), "stall")[0].ongoing

@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgspec
 import zmq
 
-from telemetry.lane.record import Heartbeat, IterationRecord, Message
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.lane.recording import Line  # the sidecar's notes too
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers.fpm import busy_frames, idle_frames
 from tests.helpers.processes import explain_engines
@@ -75,9 +76,7 @@ def test_an_fpm_producer_becomes_an_engine_in_metrics_and_the_recording(tmp_path
         publisher.close(linger=0)
         context.term()
         assert sidecar.stop() == 0
-    messages = [
-        msgspec.json.decode(line, type=Message) for line in recording.read_text().splitlines()
-    ]
+    messages = [msgspec.json.decode(line, type=Line) for line in recording.read_text().splitlines()]
     records = [m for m in messages if type(m) is IterationRecord]
     heartbeats = [m for m in messages if type(m) is Heartbeat]
     assert len(records) == 30

@@ -26,7 +26,8 @@ import pytest
 import zmq
 
 from bench.vllm_server import BEST_CPU_FLAGS, engine_core_pid, start_vllm, stop_server
-from telemetry.lane.record import Heartbeat, IterationRecord, Message
+from telemetry.lane.record import Heartbeat, IterationRecord
+from telemetry.lane.recording import Line  # the sidecar's notes too
 from telemetry.sidecar.process import start_sidecar
 from tests.helpers import REPO
 from tests.helpers.ahead import ahead, take
@@ -183,7 +184,7 @@ def test_sglangs_own_publisher_feeds_the_sidecar_through_idle_busy_killed_and_re
 def check_recording(recording: Path) -> None:
     """The recording holds the 45 iterations and `iterscope explain` reads it as SGLang's."""
     lines = recording.read_bytes().splitlines()  # a fact may hold a space
-    messages = [msgspec.json.decode(line, type=Message) for line in lines]
+    messages = [msgspec.json.decode(line, type=Line) for line in lines]
     records = [m for m in messages if type(m) is IterationRecord]
     assert len(records) == 45
     assert {h.source for h in messages if type(h) is Heartbeat} == {"fpm-sglang"}

@@ -14,7 +14,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from telemetry.lane.record import IterationRecord, Message
+from telemetry.lane.record import IterationRecord
+from telemetry.lane.recording import Line
 from telemetry.sources.fpm import (
     ForwardPassMetrics,
     ScheduledRequests,
@@ -128,7 +129,7 @@ class FpmStream:
 
 def recorded_iterations(recording: Path) -> list[IterationRecord]:
     lines = recording.read_bytes().splitlines()  # a fact may hold a space
-    messages = [msgspec.json.decode(line, type=Message) for line in lines]
+    messages = [msgspec.json.decode(line, type=Line) for line in lines]  # notes too
     return [m for m in messages if type(m) is IterationRecord]
 
 
