@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -94,6 +95,21 @@ def test_the_death_the_sidecar_saw_is_an_engine_down_finding_live_and_in_explain
     short = build_timelines([*messages, *quick])[0]
     assert not [e for e in detect_episodes(short) if e.title == "Engine down"]
     assert ending(short)[0].startswith("  It ends with the engine's death: ")
+
+
+def test_a_death_noted_before_late_records_leaves_the_replay_s_clock_to_the_messages():
+    """tests/data/vllm_0.33_scheduler_stopped_late_records.jsonl.gz: vLLM 0.33 through the
+    scheduler source (the suite's KV stack), its engine core stopped with two records queued
+    in its publisher: the sidecar noted it dead, then the two records came, with times before
+    the note's, then a heartbeat. A replay that moved its clock to the note judged those
+    records late and found no silence, where explain (and the live sidecar) found one; only
+    the notes after the last message move it, at the end."""
+    path = Path(__file__).parent / "data" / "vllm_0.33_scheduler_stopped_late_records.jsonl.gz"
+    (timeline,) = read_timelines([path])[0].values()
+    assert [note.status for note in timeline.notes] == ["dead"]
+    assert timeline.death_at_end() is None  # heard again after it
+    live = assert_replay_agrees_with_explain(path)
+    assert "dead" in [finding.kind for finding in live]
 
 
 def test_a_recording_the_sidecar_stopped_says_the_engine_was_working():

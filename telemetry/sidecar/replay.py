@@ -47,6 +47,8 @@ class RecordClock:
         self._next_tick_ns = 0
         self._wall_offset_ns: int | None = None  # wall minus engine time, newest heartbeat's
         self._driven_ns = 0  # the record time of the tick or message being fed
+        # the record time of the sidecar's latest note after the latest message, if any
+        self._note_ns: int | None = None
 
     def wall_ns(self) -> int | None:
         """The record time of the tick or message being fed, as wall time; None before a
@@ -58,17 +60,22 @@ class RecordClock:
     def feed(self, items: Iterable[Line | str]) -> None:
         """Messages, and the reasons of lines that did not decode (counted as undecodable).
         The sidecar's notes are no message (this Ingest judges the engines' status anew), but
-        their time, on the engines' clock, is record time the recording spans: a death after
-        the last message is found at its time, as the sidecar that wrote it found it."""
+        those after the last message say how long the recording went on after it, on the
+        engines' clock: ``finish`` ticks until then, so a death after the last message is
+        found, as the sidecar that wrote them found it. One before a later message says
+        nothing a message does not: records an engine sent late (a process stopped with
+        records queued) have earlier times than the note, so a clock moved to it would judge
+        them late."""
         ingest = self.ingest
         for item in items:
             if isinstance(item, str):
                 ingest.count_undecodable(item)
                 continue
             if type(item) is SidecarNote:
-                if self._wall_offset_ns is not None and self.now_ns is not None:
-                    self._tick_until(max(self.now_ns, item.wall_ns - self._wall_offset_ns))
+                if self._wall_offset_ns is not None:
+                    self._note_ns = item.wall_ns - self._wall_offset_ns
                 continue
+            self._note_ns = None
             if type(item) is Heartbeat:
                 self._wall_offset_ns = item.wall_ns - item.ts_ns
             if self.now_ns is None:
@@ -91,8 +98,11 @@ class RecordClock:
         return now_ns
 
     def finish(self) -> None:
-        """The end of the recording: a last tick, and every engine's window searched."""
+        """The end of the recording (as far as the sidecar's notes after the last message
+        say it went on): a last tick, and every engine's window searched."""
         if self.now_ns is not None:
+            if self._note_ns is not None and self._note_ns > self.now_ns:
+                self._tick_until(self._note_ns)
             self.ingest.tick(self.now_ns)
             self.ingest.finish_findings(self.now_ns)
 
