@@ -3,7 +3,6 @@ silences (lost messages, a frozen or restarted process)."""
 
 from __future__ import annotations
 
-import bisect
 from itertools import pairwise
 
 import numpy as np
@@ -51,12 +50,14 @@ def detect_frozen_stalls(tl: EngineTimeline, th: Thresholds) -> list[Episode]:
     """Busy heartbeats whose last_iteration stayed frozen for longer than the stall threshold
     the live sidecar held at that moment (StallRule, fed the recording in time order)."""
     candidates = []
+    idle_before = None  # sorted on first use: most recordings have no frozen heartbeats
     for group in _heartbeat_groups(tl, busy=True):
         if len(group) < 2:
             continue
         last_iteration = group[0].last_iteration
         since_ns = _iteration_end_ns(tl, last_iteration, before_ns=group[0].ts_ns)
-        if since_ns is None or _idle_before(tl, group[0].ts_ns):
+        idle_before = idle_before or _IdleBefore(tl)
+        if since_ns is None or idle_before(group[0].ts_ns):
             since_ns = group[0].ts_ns  # work came after an idle spell: the wait starts here
         # Progress: the first later iteration to end after it, whether in flight then (begun
         # before the first busy heartbeat, as an engine schedules before its next heartbeat
@@ -266,23 +267,31 @@ def _heartbeat_groups(tl: EngineTimeline, busy: bool) -> list[list[Heartbeat]]:
     return [g for g in groups if g]
 
 
-def _idle_before(tl: EngineTimeline, ts_ns: int) -> bool:
-    """Whether the engine's latest message before ``ts_ns`` (a record at its end, or a
+class _IdleBefore:
+    """Whether the engine's latest message before a time (a record at its end, or a
     heartbeat) said nothing waited or ran: the live sidecar starts waiting for progress again
     at the next message (Ingest: no work before it), so an idle spell is no stall (a real
     vLLM idle for 3 s after iteration 403, then 2 requests and a 2.7 s step: explain had
-    called 5.8 s from 403's end a stall, the live sidecar rightly none)."""
-    ends = tl.col("end_ns")
-    rows = np.flatnonzero(ends < ts_ns)
-    beat = bisect.bisect_left([h.ts_ns for h in tl.heartbeats], ts_ns) - 1
-    record_ns = int(ends[rows].max()) if rows.size else -1
-    if beat >= 0 and tl.heartbeats[beat].ts_ns >= record_ns:
-        latest = tl.heartbeats[beat]
-    elif rows.size:
-        latest = tl.records[int(rows[np.argmax(ends[rows])])]
-    else:
-        return False
-    return latest.num_waiting_reqs + latest.num_running_reqs == 0
+    called 5.8 s from 403's end a stall, the live sidecar rightly none). Sorted once, then a
+    binary search per question."""
+
+    def __init__(self, tl: EngineTimeline) -> None:
+        self.tl = tl
+        ends = tl.col("end_ns")
+        self.by_end = np.argsort(ends, kind="stable")
+        self.ends = ends[self.by_end]
+        self.beats = np.fromiter((h.ts_ns for h in tl.heartbeats), np.int64, len(tl.heartbeats))
+
+    def __call__(self, ts_ns: int) -> bool:
+        record = int(np.searchsorted(self.ends, ts_ns)) - 1  # the latest to end before it
+        beat = int(np.searchsorted(self.beats, ts_ns)) - 1
+        if beat >= 0 and (record < 0 or self.beats[beat] >= self.ends[record]):
+            latest = self.tl.heartbeats[beat]
+        elif record >= 0:
+            latest = self.tl.records[int(self.by_end[record])]
+        else:
+            return False
+        return latest.num_waiting_reqs + latest.num_running_reqs == 0
 
 
 def _iteration_end_ns(tl: EngineTimeline, iteration: int, before_ns: int) -> int | None:
