@@ -269,17 +269,16 @@ class _PaceBefore:
     def ongoing_since_ns(self) -> int | None:
         """Where the past begins of the slowdown that goes on at the last decode-only
         iteration, noticed or not (None: none goes on): its iterations are judged on it."""
-        if not self.marked or self._on_pace_ns(self.marked[-1], len(self.positions)) >= self.gap_ns:
+        first = self._slowdown_first(len(self.positions))
+        if first is None:
             return None
-        first = int(self.run_first[self.marked[-1]])
         return int(self.starts[max(first - 1, 0)]) - self.window_ns
 
     def ongoing(self, row: int) -> bool:
         """Whether the slowdown ``row`` (off pace) is in goes on at the last decode-only
         iteration (not over as far as the records say)."""
-        at, latest = int(self.positions.searchsorted(row)), self.marked[-1]
-        on_pace_ns = self._on_pace_ns(latest, len(self.positions))
-        return bool(self.run_first[latest] == self.run_first[at] and on_pace_ns < self.gap_ns)
+        at = int(self.positions.searchsorted(row))
+        return bool(self._slowdown_first(len(self.positions)) == self.run_first[at])
 
 
 @dataclass(frozen=True)

@@ -288,5 +288,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> JsonlSink | None:
     if not args.record:
         return None
-    replaying = bool(getattr(args, "replay", None))
-    return JsonlSink(args.record, args.record_max_bytes, args.record_max_files, notes=not replaying)
+    return JsonlSink(
+        args.record, args.record_max_bytes, args.record_max_files, notes=not args.replay
+    )
