@@ -32,6 +32,7 @@ from telemetry.sidecar.follow import follow
 from telemetry.sidecar.replay import replay
 from telemetry.sidecar.sinks.log import LogSink
 from tests.helpers.findings import explained, replayed
+from tests.helpers.lane import synthetic_record
 from tests.helpers.wait import wait_until
 
 
@@ -152,27 +153,15 @@ def test_work_after_an_idle_spell_is_waited_for_from_its_coming_as_live(tmp_path
                 last_iteration=iteration,
                 pid=3,
                 num_running_reqs=running,
-                num_kv_blocks_total=100,
+                num_kv_blocks_total=1000,
             )
         )
 
     def record(iteration: int, start_ns: int, elapsed_ns: int, running: int) -> None:
         nonlocal seq
         seq += 1
-        messages.append(
-            iteration_record(
-                0,
-                seq,
-                iteration,
-                start_ns=start_ns,
-                elapsed_ns=elapsed_ns,
-                num_decode_reqs=running,
-                num_decode_tokens=running,
-                num_running_reqs=running,
-                num_kv_blocks_used=4,
-                num_kv_blocks_free=96,
-            )
-        )
+        decoding = synthetic_record(0, iteration, start_ns, elapsed_ns, running, 0)
+        messages.append(msgspec.structs.replace(decoding, msg_seq=seq))
 
     beat(now_ns, 1, 0)
     for iteration in range(1, 404):  # decoding, 40 ms a step
